@@ -1,0 +1,28 @@
+"""cann_attn: Huawei Ascend CANN fused-attention operators, exactly as documented, off the NPU.
+
+Public API: DESIGN.md. Semantics: SEMANTICS.md (section numbers are cited in docstrings).
+"""
+
+from .errors import AclnnError, ParamInvalidError, ParamNullptrError
+from .ops.flash_attention_score import (
+    FlashAttentionScoreResult,
+    flash_attention_score,
+    flash_attention_var_len_score,
+)
+from .problem.dropout import drop_mask_numel, gen_drop_mask
+from .problem.mask import compressed_mask
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "AclnnError",
+    "FlashAttentionScoreResult",
+    "ParamInvalidError",
+    "ParamNullptrError",
+    "__version__",
+    "compressed_mask",
+    "drop_mask_numel",
+    "flash_attention_score",
+    "flash_attention_var_len_score",
+    "gen_drop_mask",
+]

@@ -1,0 +1,48 @@
+"""Errors carrying Ascend aclnn status codes (SEMANTICS.md section 10).
+
+Every validation failure names the parameter (as spelled in the Python API), what was expected and what
+was given, so a user can fix the call without reading the operator documentation.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+__all__ = ["AclnnError", "ParamInvalidError", "ParamNullptrError", "describe", "require"]
+
+
+class AclnnError(ValueError):
+    """Base class of every documented operator error; `status_code` is the aclnn status."""
+
+    status_code: int = 0
+
+    def __init__(self, message: str) -> None:
+        super().__init__(f"[{self.status_code}] {message}")
+        self.message = message
+
+
+class ParamNullptrError(AclnnError):
+    """ACLNN_ERR_PARAM_NULLPTR: a required input is missing."""
+
+    status_code = 161001
+
+
+class ParamInvalidError(AclnnError):
+    """ACLNN_ERR_PARAM_INVALID: dtype, shape, layout, mode, range or combination not supported."""
+
+    status_code = 161002
+
+
+def describe(value: Any) -> str:
+    """Short human description of a given value for error messages (tensors by dtype and shape)."""
+    shape = getattr(value, "shape", None)
+    dtype = getattr(value, "dtype", None)
+    if shape is not None and dtype is not None:
+        return f"tensor(dtype={dtype}, shape={list(shape)})"
+    return repr(value)
+
+
+def require(condition: bool, param: str, expected: str, given: Any) -> None:
+    """Raise ParamInvalidError naming `param` unless `condition` holds."""
+    if not condition:
+        raise ParamInvalidError(f"{param}: expected {expected}, got {describe(given)}")

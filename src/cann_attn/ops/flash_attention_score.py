@@ -1,0 +1,126 @@
+"""FlashAttentionScore and FlashAttentionVarLenScore (training forward; seed FlashAttentionVarLenScore.md)."""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+from ..backends import select_backend
+from ..backends.reference import flash_forward
+from ..errors import ParamInvalidError
+from ..problem import layout as layouts
+from ..problem import stats
+from .fa_problem import build_problem
+
+INT_MAX = 2147483647
+FORWARD_MODES = (0, 1, 2, 3, 4, 5, 6, 7, 8)
+VARLEN_MODES = (0, 1, 2, 3, 4, 6, 7, 8)
+
+
+class FlashAttentionScoreResult(NamedTuple):
+    attention_out: torch.Tensor
+    softmax_max: torch.Tensor
+    softmax_sum: torch.Tensor
+    softmax_out: torch.Tensor
+
+
+def flash_attention_score(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    head_num: int,
+    input_layout: str,
+    *,
+    pse: torch.Tensor | None = None,
+    drop_mask: torch.Tensor | None = None,
+    padding_mask: torch.Tensor | None = None,
+    atten_mask: torch.Tensor | None = None,
+    prefix=None,
+    actual_seq_qlen=None,
+    actual_seq_kvlen=None,
+    q_start_idx=None,
+    kv_start_idx=None,
+    scale_value: float = 1.0,
+    keep_prob: float = 1.0,
+    pre_tokens: int = INT_MAX,
+    next_tokens: int = INT_MAX,
+    inner_precise: int = 0,
+    sparse_mode: int = 0,
+    pse_type: int = 1,
+    softmax_layout: str = "",
+    backend: str = "auto",
+) -> FlashAttentionScoreResult:
+    """Training forward of FlashAttentionScore: softmax(mask(S)) with dropout, times value.
+
+    Layouts BSH, SBH, BSND, BNSD, TND (SEMANTICS.md 1); masks via sparse_mode 0..8, pre/next_tokens, prefix and
+    atten_mask (2); fully masked rows give 0 with softmax_max = -FLT_MAX, softmax_sum = FLT_MAX (3); pse types
+    0..3 with q/kv start indices (4); dropout from the bit-packed `drop_mask` with `keep_prob` (5). Returns
+    attention_out (query layout, value's D), softmax_max / softmax_sum ([B,N1,Sq,8]; TND [T,N1,8] laid out as
+    `softmax_layout` says, 6) and an empty softmax_out. `padding_mask` is reserved and ignored.
+    """
+    return _run(locals(), FORWARD_MODES)
+
+
+def flash_attention_var_len_score(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    head_num: int,
+    input_layout: str = "TND",
+    *,
+    pse: torch.Tensor | None = None,
+    drop_mask: torch.Tensor | None = None,
+    padding_mask: torch.Tensor | None = None,
+    atten_mask: torch.Tensor | None = None,
+    prefix=None,
+    actual_seq_qlen=None,
+    actual_seq_kvlen=None,
+    q_start_idx=None,
+    kv_start_idx=None,
+    scale_value: float = 1.0,
+    keep_prob: float = 1.0,
+    pre_tokens: int = INT_MAX,
+    next_tokens: int = INT_MAX,
+    inner_precise: int = 0,
+    sparse_mode: int = 0,
+    pse_type: int = 1,
+    softmax_layout: str = "",
+    backend: str = "auto",
+) -> FlashAttentionScoreResult:
+    """FlashAttentionVarLenScore: `flash_attention_score` for packed TND sequences only.
+
+    actual_seq_qlen / actual_seq_kvlen are required cumulative ends without a leading 0 (SEMANTICS.md 1);
+    sparse_mode 5 is not supported (2).
+    """
+    if input_layout != "TND":
+        raise ParamInvalidError(f"input_layout: flash_attention_var_len_score expects 'TND', got {input_layout!r}")
+    return _run(locals(), VARLEN_MODES)
+
+
+def _run(args: dict, allowed_modes: tuple[int, ...]) -> FlashAttentionScoreResult:
+    query, key, value = args["query"], args["key"], args["value"]
+    problem, shapes = build_problem(
+        query, key, value, args["head_num"], args["input_layout"],
+        pse=args["pse"], drop_mask=args["drop_mask"], atten_mask=args["atten_mask"], prefix=args["prefix"],
+        actual_seq_qlen=args["actual_seq_qlen"], actual_seq_kvlen=args["actual_seq_kvlen"],
+        q_start_idx=args["q_start_idx"], kv_start_idx=args["kv_start_idx"], scale_value=args["scale_value"],
+        keep_prob=args["keep_prob"], pre_tokens=args["pre_tokens"], next_tokens=args["next_tokens"],
+        inner_precise=args["inner_precise"], sparse_mode=args["sparse_mode"], pse_type=args["pse_type"],
+        softmax_layout=args["softmax_layout"], allowed_modes=allowed_modes,
+    )
+    select_backend(args["backend"], query.device)
+    tnd = problem.tnd
+    out_shape = layouts.output_shape(
+        problem.layout, shapes.batch, shapes.total_q, shapes.heads_q, shapes.dim_v
+    )
+    out = torch.zeros(out_shape, dtype=query.dtype, device=query.device)
+    stat_shape = stats.stats_shape(tnd, shapes.batch, shapes.heads_q, shapes.seq_q[0] if shapes.seq_q else 0,
+                                   shapes.total_q)
+    stat_dtype = torch.float64 if query.dtype == torch.float64 else torch.float32
+    softmax_max = torch.empty(stat_shape, dtype=stat_dtype, device=query.device)
+    softmax_sum = torch.empty(stat_shape, dtype=stat_dtype, device=query.device)
+    if out.numel() > 0:
+        flash_forward.forward(problem, query, key, value, out, softmax_max, softmax_sum)
+    softmax_out = torch.empty(0, dtype=query.dtype, device=query.device)
+    return FlashAttentionScoreResult(out, softmax_max, softmax_sum, softmax_out)

@@ -1,0 +1,5 @@
+"""The documented operator parameters turned into one canonical description (DESIGN.md, "Layers").
+
+Each semantic rule lives in exactly one module here: layouts, actual lengths, masks, pse, dropout and
+softmax statistics. Backends consume the canonical form and never look at the raw arguments.
+"""

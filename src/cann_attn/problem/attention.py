@@ -1,0 +1,86 @@
+"""The canonical dense-attention problem every FA-family backend computes (DESIGN.md, "Layers").
+
+A problem is a list of `Run`s: maximal groups of consecutive sequences that share Sq, Skv and mask structure.
+A backend computes one run as a batch ([count, N, S, D] views), so equal-length batches take one batched path
+and varlen (TND) batches group whatever sequences they can. Views are taken from the caller's tensors without
+copies, whatever their layout.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from . import layout as layouts
+from . import stats
+from .dropout import SequenceDropout
+from .mask import SequenceMask
+from .pse import SequencePse
+
+
+@dataclass(frozen=True)
+class Run:
+    """`count` consecutive sequences starting at batch index b0 (token offsets q_token0 / kv_token0 in TND)."""
+
+    b0: int
+    count: int
+    seq_q: int
+    seq_kv: int
+    q_token0: int
+    kv_token0: int
+    mask: SequenceMask
+    pse: SequencePse | None = None
+    dropout: SequenceDropout | None = None
+
+
+@dataclass(frozen=True)
+class AttentionProblem:
+    layout: str
+    batch: int
+    heads_q: int
+    heads_kv: int
+    dim_qk: int
+    dim_v: int
+    scale: float
+    keep_prob: float
+    softmax_layout: str
+    runs: tuple[Run, ...] = field(default_factory=tuple)
+
+    @property
+    def tnd(self) -> bool:
+        return self.layout == "TND"
+
+    @property
+    def group(self) -> int:
+        return self.heads_q // self.heads_kv
+
+    def q_view(self, tensor: torch.Tensor, run: Run, heads: int | None = None) -> torch.Tensor:
+        """[count, N, Sq, D] view of a tensor laid out like the query (query, attention_out, dy, dq)."""
+        if self.tnd:
+            return layouts.tnd_run(tensor, run.q_token0, run.count, run.seq_q)
+        return layouts.as_bnsd(tensor, self.layout, heads or self.heads_q)[run.b0 : run.b0 + run.count]
+
+    def kv_view(self, tensor: torch.Tensor, run: Run) -> torch.Tensor:
+        """[count, N2, Skv, D] view of a tensor laid out like the key (key, value, dk, dv)."""
+        if self.tnd:
+            return layouts.tnd_run(tensor, run.kv_token0, run.count, run.seq_kv)
+        return layouts.as_bnsd(tensor, self.layout, self.heads_kv)[run.b0 : run.b0 + run.count]
+
+    def stat_view(self, tensor: torch.Tensor, run: Run) -> torch.Tensor:
+        """[count, N1, Sq, 8] view of softmax_max / softmax_sum."""
+        return stats.run_view(
+            tensor, tnd=self.tnd, softmax_layout=self.softmax_layout, b0=run.b0, count=run.count,
+            token_start=run.q_token0, seq_q=run.seq_q,
+        )
+
+
+def partition_runs(keys: list[tuple]) -> list[tuple[int, int]]:
+    """(b0, count) of the maximal runs of consecutive sequences with equal keys (lengths + mask structure)."""
+    runs: list[tuple[int, int]] = []
+    for b, key in enumerate(keys):
+        if runs and keys[runs[-1][0]] == key:
+            runs[-1] = (runs[-1][0], runs[-1][1] + 1)
+        else:
+            runs.append((b, 1))
+    return runs

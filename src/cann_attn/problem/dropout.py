@@ -1,0 +1,115 @@
+"""Dropout masks: LSB-first bit packing, element order, TND blocks, generation (SEMANTICS.md section 5).
+
+Element e of the logical keep mask is bit (e & 7) of byte (e >> 3); bit 1 = keep. Elements are numbered
+row-major over [B, N1, Sq, Skv]; in TND, sequence b is a contiguous [N1, Sq_b, Skv_b] block and the blocks
+follow one another without padding.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from ..errors import ParamInvalidError, describe
+
+
+def pack_bits(keep: torch.Tensor) -> torch.Tensor:
+    """Pack a boolean keep tensor (any shape, row-major) into LSB-first uint8 bytes."""
+    flat = keep.reshape(-1).to(torch.uint8)
+    pad = (-flat.numel()) % 8
+    if pad:
+        flat = torch.cat([flat, flat.new_zeros(pad)])
+    weights = (1 << torch.arange(8, dtype=torch.int32, device=flat.device)).to(torch.uint8)
+    return (flat.view(-1, 8) * weights).sum(1, dtype=torch.int32).to(torch.uint8)
+
+
+def unpack_bits(mask: torch.Tensor, numel: int) -> torch.Tensor:
+    """Inverse of `pack_bits`: the first `numel` keep bits as a bool tensor."""
+    shifts = torch.arange(8, dtype=torch.uint8, device=mask.device)
+    bits = (mask.reshape(-1, 1) >> shifts) & 1
+    return bits.reshape(-1)[:numel].bool()
+
+
+def drop_mask_numel(
+    head_num: int,
+    *,
+    batch: int | None = None,
+    seq_q: int | None = None,
+    seq_kv: int | None = None,
+    actual_seq_qlen: Sequence[int] | torch.Tensor | None = None,
+    actual_seq_kvlen: Sequence[int] | torch.Tensor | None = None,
+) -> int:
+    """Number of mask elements: B*N1*Sq*Skv, or N1 * sum(Sq_b * Skv_b) for TND cumulative lengths."""
+    from .lengths import to_int_list
+
+    if actual_seq_qlen is not None or actual_seq_kvlen is not None:
+        q_ends = to_int_list(actual_seq_qlen, "actual_seq_qlen") or []
+        kv_ends = to_int_list(actual_seq_kvlen, "actual_seq_kvlen") or []
+        if len(q_ends) != len(kv_ends):
+            raise ParamInvalidError("actual_seq_kvlen: expected as many entries as actual_seq_qlen")
+        total, pq, pk = 0, 0, 0
+        for eq, ek in zip(q_ends, kv_ends, strict=True):
+            total += (eq - pq) * (ek - pk)
+            pq, pk = eq, ek
+        return head_num * total
+    if batch is None or seq_q is None or seq_kv is None:
+        raise ParamInvalidError("drop_mask_numel: give batch, seq_q and seq_kv, or the TND cumulative lengths")
+    return batch * head_num * seq_q * seq_kv
+
+
+def gen_drop_mask(
+    numel: int,
+    keep_prob: float,
+    *,
+    generator: torch.Generator | None = None,
+    device: torch.device | str | None = None,
+) -> torch.Tensor:
+    """A bit-packed keep mask of ceil(numel/8) bytes where each bit is 1 with probability keep_prob."""
+    if not 0.0 < keep_prob <= 1.0:
+        raise ParamInvalidError(f"keep_prob: expected a value in (0, 1], got {keep_prob!r}")
+    gen_device = generator.device if generator is not None else torch.device(device or "cpu")
+    chunks = []
+    chunk = 1 << 24  # a multiple of 8 that bounds temporary memory for very large masks
+    for start in range(0, numel, chunk):
+        count = min(chunk, numel - start)
+        chunks.append(pack_bits(torch.rand(count, generator=generator, device=gen_device) < keep_prob))
+    packed = torch.cat(chunks) if chunks else torch.zeros(0, dtype=torch.uint8, device=gen_device)
+    return packed.to(device) if device is not None else packed
+
+
+def validate_drop_mask(drop_mask: torch.Tensor, numel: int) -> None:
+    needed = math.ceil(numel / 8)
+    if drop_mask.dtype != torch.uint8 or drop_mask.numel() < needed:
+        raise ParamInvalidError(
+            f"drop_mask: expected a uint8 bit-packed tensor of at least ceil({numel}/8)={needed} bytes, "
+            f"got {describe(drop_mask)}"
+        )
+
+
+@dataclass(frozen=True)
+class SequenceDropout:
+    """Keep bits of a run of `count` sequences of Sq x Skv whose first element index is `base`; the sequences
+    follow one another with a stride of N1 * Sq * Skv elements."""
+
+    mask: torch.Tensor  # flat uint8
+    keep_prob: float
+    base: int
+    count: int
+    heads: int
+    seq_q: int
+    seq_kv: int
+
+    def keep_tile(self, i0: int, i1: int, j0: int, j1: int, device: torch.device) -> torch.Tensor:
+        """Boolean keep tile [count, N1, i1 - i0, j1 - j0]."""
+        plane = self.seq_q * self.seq_kv
+        idx_dev = self.mask.device
+        seq = torch.arange(self.count, device=idx_dev, dtype=torch.int64).view(-1, 1, 1, 1) * (self.heads * plane)
+        head = torch.arange(self.heads, device=idx_dev, dtype=torch.int64).view(1, -1, 1, 1) * plane
+        rows = torch.arange(i0, i1, device=idx_dev, dtype=torch.int64).view(1, 1, -1, 1) * self.seq_kv
+        cols = torch.arange(j0, j1, device=idx_dev, dtype=torch.int64).view(1, 1, 1, -1)
+        element = self.base + seq + head + rows + cols
+        byte = self.mask[element >> 3]
+        return ((byte >> (element & 7).to(torch.uint8)) & 1).bool().to(device)

@@ -1,0 +1,75 @@
+"""Actual sequence lengths (SEMANTICS.md section 1).
+
+TND lengths are cumulative ends without a leading 0 ([2, 4, 6] for three sequences of 2); BSND/BNSD
+per-batch lengths (PFA, DSA) are plain lengths. Both Python int sequences and integer tensors are accepted.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from ..errors import ParamInvalidError, ParamNullptrError, describe
+
+IntList = Sequence[int] | torch.Tensor
+
+
+def to_int_list(value: IntList | int | None, param: str) -> list[int] | None:
+    """Normalise an int, int sequence or integer tensor to a list of Python ints (None stays None)."""
+    if value is None:
+        return None
+    if isinstance(value, torch.Tensor):
+        if value.is_floating_point() or value.is_complex() or value.dtype == torch.bool:
+            raise ParamInvalidError(f"{param}: expected an integer list or integer tensor, got {describe(value)}")
+        return [int(x) for x in value.reshape(-1).tolist()]
+    if isinstance(value, int) and not isinstance(value, bool):
+        return [value]
+    try:
+        items = list(value)
+    except TypeError:
+        raise ParamInvalidError(f"{param}: expected a list of ints, got {value!r}") from None
+    out = []
+    for item in items:
+        if isinstance(item, bool) or not isinstance(item, int):
+            try:
+                as_int = int(item)
+            except (TypeError, ValueError):
+                raise ParamInvalidError(f"{param}: expected a list of ints, got {value!r}") from None
+            if as_int != item:
+                raise ParamInvalidError(f"{param}: expected a list of ints, got {value!r}")
+            item = as_int
+        out.append(item)
+    return out
+
+
+def cumulative_lengths(value: IntList | None, total: int, param: str) -> list[int]:
+    """Per-sequence lengths from TND cumulative ends; the last end must be the token count `total`."""
+    ends = to_int_list(value, param)
+    if ends is None:
+        raise ParamNullptrError(f"{param}: required for the TND layout (cumulative sequence ends), got None")
+    if len(ends) == 0:
+        raise ParamInvalidError(f"{param}: expected at least one cumulative length, got []")
+    previous = 0
+    lengths = []
+    for end in ends:
+        if end < previous:
+            raise ParamInvalidError(
+                f"{param}: cumulative lengths (no leading 0) must be non-decreasing and >= 0, got {ends}"
+            )
+        lengths.append(end - previous)
+        previous = end
+    if previous != total:
+        raise ParamInvalidError(
+            f"{param}: the last cumulative length must equal the tensor's T={total}, got {ends}"
+        )
+    return lengths
+
+
+def starts_of(lengths: Sequence[int]) -> list[int]:
+    """Token offset of each sequence in a packed (TND) tensor."""
+    starts, acc = [], 0
+    for length in lengths:
+        starts.append(acc)
+        acc += length
+    return starts

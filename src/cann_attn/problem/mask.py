@@ -1,0 +1,224 @@
+"""Attention masks: sparse_mode 0..8, pre/next tokens, prefix, explicit and compressed masks (SEMANTICS.md 2).
+
+Every mode reduces to one `SequenceMask` per sequence: a diagonal band `lower <= j - i <= upper` (None = no
+bound), optionally widened by a prefix (`j < prefix` is also visible), optionally intersected with an explicit
+boolean mask (True = masked). Kernels consume the band as integers to skip tiles; the explicit mask is read per
+tile. The mode table lives in `sequence_mask` and nowhere else.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import Enum
+
+import torch
+
+from ..errors import ParamInvalidError, describe
+
+INT_MAX = 2147483647
+COMPRESSED_SIZE = 2048
+PREFIX_COMPRESSED_ROWS = 3072
+# Modes whose mask tensor is the 2048x2048 compressed triangle rather than a full mask.
+COMPRESSED_MODES = (2, 3, 4, 7, 8)
+
+
+class TileState(Enum):
+    EMPTY = 0  # nothing visible: skip the tile
+    FULL = 1  # everything visible: no mask needed
+    PARTIAL = 2  # apply `SequenceMask.masked_tile`
+
+
+@dataclass(frozen=True)
+class SequenceMask:
+    """Visibility of (i, j) inside one sequence of Sq x Skv.
+
+    visible(i, j) = [lower <= j - i] and ([j - i <= upper] or [j < prefix]) and not explicit[i, j]
+    `explicit` is a boolean-like view broadcastable to [batch, heads, Sq, Skv] (True / 1 = masked).
+    """
+
+    seq_q: int
+    seq_kv: int
+    lower: int | None = None
+    upper: int | None = None
+    prefix: int | None = None
+    explicit: torch.Tensor | None = None
+
+    @property
+    def structure(self) -> tuple:
+        """What decides tile skipping; sequences with equal structure can be batched together."""
+        return (self.seq_q, self.seq_kv, self.lower, self.upper, self.prefix)
+
+    def key_range(self, i0: int, i1: int) -> tuple[int, int]:
+        """Half-open range of key columns that rows [i0, i1) may see (a superset)."""
+        lo = 0 if self.lower is None or self.prefix is not None else max(0, i0 + self.lower)
+        hi = self.seq_kv if self.upper is None else min(self.seq_kv, i1 - 1 + self.upper + 1)
+        if self.prefix is not None:
+            hi = max(hi, min(self.seq_kv, self.prefix))
+        return lo, max(lo, hi)
+
+    def _band_state(self, i0: int, i1: int, j0: int, j1: int) -> TileState:
+        d_min, d_max = j0 - (i1 - 1), (j1 - 1) - i0
+        lower = -(1 << 62) if self.lower is None else self.lower
+        upper = 1 << 62 if self.upper is None else self.upper
+        if d_max < lower or d_min > upper:
+            return TileState.EMPTY
+        if d_min >= lower and d_max <= upper:
+            return TileState.FULL
+        return TileState.PARTIAL
+
+    def tile_state(self, i0: int, i1: int, j0: int, j1: int) -> TileState:
+        """Structural state of the tile rows [i0, i1) x cols [j0, j1), before the explicit mask."""
+        state = self._band_state(i0, i1, j0, j1)
+        if self.prefix is not None and j0 < self.prefix:
+            if j1 <= self.prefix and self.lower is None:
+                state = TileState.FULL
+            if state is TileState.EMPTY:
+                state = TileState.PARTIAL
+        if self.explicit is not None and state is TileState.FULL:
+            return TileState.PARTIAL
+        return state
+
+    def masked_tile(self, i0: int, i1: int, j0: int, j1: int, device: torch.device) -> torch.Tensor:
+        """Boolean tile (True = masked), broadcastable to [batch, heads, i1 - i0, j1 - j0]."""
+        rows = torch.arange(i0, i1, device=device).view(-1, 1)
+        cols = torch.arange(j0, j1, device=device).view(1, -1)
+        diff = cols - rows
+        masked = torch.zeros((i1 - i0, j1 - j0), dtype=torch.bool, device=device)
+        if self.upper is not None:
+            above = diff > self.upper
+            if self.prefix is not None:
+                above &= cols >= self.prefix
+            masked |= above
+        if self.lower is not None:
+            masked |= diff < self.lower
+        if self.explicit is not None:
+            masked = masked | (self.explicit[..., i0:i1, j0:j1] != 0)
+        return masked
+
+    def explicit_tile_all_masked(self, i0: int, i1: int, j0: int, j1: int) -> bool:
+        """True when the explicit mask hides the whole tile (lets kernels skip it)."""
+        if self.explicit is None:
+            return False
+        return bool((self.explicit[..., i0:i1, j0:j1] != 0).all())
+
+    def visible_dense(self, device: torch.device) -> torch.Tensor:
+        """Materialised visibility [.., Sq, Skv]; only for small problems, tests and debugging."""
+        return ~self.masked_tile(0, self.seq_q, 0, self.seq_kv, device)
+
+
+def compressed_mask(sparse_mode: int, device: torch.device | str = "cpu") -> torch.Tensor:
+    """The mask tensor Ascend expects for a compressed mode: 2048x2048 strict upper triangle, or [3072, 2048]
+    for mode 6 (triangle over a [1024, 2048] block whose left half is 0 and right half 1)."""
+    tri = torch.ones(COMPRESSED_SIZE, COMPRESSED_SIZE, dtype=torch.bool, device=device).triu(1)
+    if sparse_mode != 6:
+        return tri
+    tail = torch.zeros(PREFIX_COMPRESSED_ROWS - COMPRESSED_SIZE, COMPRESSED_SIZE, dtype=torch.bool, device=device)
+    tail[:, COMPRESSED_SIZE // 2 :] = True
+    return torch.cat([tri, tail])
+
+
+def validate_compressed_mask(atten_mask: torch.Tensor, sparse_mode: int) -> None:
+    """The given mask must be exactly the compressed mask of `sparse_mode` (shape, and content sampled)."""
+    rows = PREFIX_COMPRESSED_ROWS if sparse_mode == 6 else COMPRESSED_SIZE
+    if tuple(atten_mask.shape) != (rows, COMPRESSED_SIZE):
+        raise ParamInvalidError(
+            f"atten_mask: sparse_mode {sparse_mode} expects the compressed mask of shape [{rows}, 2048] "
+            f"(see cann_attn.compressed_mask({sparse_mode})), got {describe(atten_mask)}"
+        )
+    # Checking a strided sample keeps validation cheap while catching inverted or dense masks.
+    step = 61
+    sample = atten_mask[::step, ::step] != 0
+    expected = compressed_mask(sparse_mode, atten_mask.device)[::step, ::step]
+    if not torch.equal(sample, expected):
+        raise ParamInvalidError(
+            f"atten_mask: sparse_mode {sparse_mode} expects the compressed mask (True where col > row"
+            + ("; rows 2048.. = [0]*1024 + [1]*1024" if sparse_mode == 6 else "")
+            + "), but the given tensor's content differs"
+        )
+
+
+def check_mask_dtype(atten_mask: torch.Tensor, allowed: tuple[torch.dtype, ...]) -> None:
+    if atten_mask.dtype not in allowed:
+        names = ", ".join(str(d).replace("torch.", "") for d in allowed)
+        raise ParamInvalidError(f"atten_mask: expected dtype in ({names}), got {describe(atten_mask)}")
+
+
+def explicit_mask_views(
+    atten_mask: torch.Tensor, batch: int, heads: int, seq_q: int, seq_kv: int
+) -> list[torch.Tensor]:
+    """Per-batch [heads or 1, Sq, Skv] views of a full mask in any documented broadcast shape."""
+    shape = tuple(atten_mask.shape)
+    allowed = {
+        (seq_q, seq_kv),
+        (1, seq_q, seq_kv),
+        (1, 1, seq_q, seq_kv),
+        (batch, 1, seq_q, seq_kv),
+        (batch, heads, seq_q, seq_kv),
+    }
+    if shape not in allowed:
+        raise ParamInvalidError(
+            f"atten_mask: expected one of [Sq,Skv], [1,Sq,Skv], [1,1,Sq,Skv], [B,1,Sq,Skv], [B,N,Sq,Skv] "
+            f"with B={batch}, N={heads}, Sq={seq_q}, Skv={seq_kv}, got {describe(atten_mask)}"
+        )
+    if atten_mask.dim() == 2:
+        return [atten_mask.unsqueeze(0)] * batch
+    if atten_mask.dim() == 3:
+        return [atten_mask] * batch
+    if shape[0] == 1:
+        return [atten_mask[0]] * batch
+    return [atten_mask[b] for b in range(batch)]
+
+
+def band_batch_index(sparse_mode: int, seq_q: list[int]) -> int | None:
+    """Mode 7: the last sequence with Sq_b > 0; mode 8: the first one."""
+    candidates = [b for b, s in enumerate(seq_q) if s > 0]
+    if not candidates:
+        return None
+    return candidates[-1] if sparse_mode == 7 else candidates[0]
+
+
+def sequence_mask(
+    sparse_mode: int,
+    seq_q: int,
+    seq_kv: int,
+    *,
+    pre_tokens: int,
+    next_tokens: int,
+    explicit: torch.Tensor | None,
+    prefix: int | None = None,
+    is_band_batch: bool = False,
+) -> SequenceMask:
+    """The mode table of SEMANTICS.md section 2 for one sequence. `explicit` is the user's full mask (modes
+    0, 1, 5) for this sequence, or None. The caller has already dropped everything when no mask was given."""
+    delta = seq_kv - seq_q
+    pre = None if pre_tokens >= INT_MAX else pre_tokens
+    nxt = None if next_tokens >= INT_MAX else next_tokens
+    common = {"seq_q": seq_q, "seq_kv": seq_kv}
+    if sparse_mode == 0:
+        return SequenceMask(
+            **common, lower=None if pre is None else -pre, upper=nxt, explicit=explicit
+        )
+    if sparse_mode in (1, 5):
+        return SequenceMask(**common, explicit=explicit)
+    if sparse_mode == 2:
+        return SequenceMask(**common, upper=0)
+    if sparse_mode == 3:
+        return SequenceMask(**common, upper=delta)
+    if sparse_mode == 4:
+        return SequenceMask(
+            **common,
+            lower=None if pre is None else delta - pre,
+            upper=None if nxt is None else delta + nxt,
+        )
+    if sparse_mode == 6:
+        return SequenceMask(**common, upper=delta, prefix=prefix)
+    if sparse_mode in (7, 8):
+        if is_band_batch:
+            return SequenceMask(**common, upper=None if nxt is None else delta + nxt)
+        return SequenceMask(**common, upper=delta if sparse_mode == 7 else 0)
+    raise ParamInvalidError(f"sparse_mode: expected 0..8, got {sparse_mode}")
+
+
+def full_attention(seq_q: int, seq_kv: int) -> SequenceMask:
+    """atten_mask None in the FA family: every mode and pre/next are ignored (SEMANTICS.md section 2)."""
+    return SequenceMask(seq_q=seq_q, seq_kv=seq_kv)

@@ -1,0 +1,133 @@
+"""Position encodings, pse_type 0..3 (SEMANTICS.md section 4).
+
+The logits entering the softmax are `S = scale * x + bias` with x = Q K^T; `SequencePse.tile` gives the bias
+of one tile in fp32 already multiplied as the type requires (type 1 adds pse inside the scale, so its bias is
+scale * pse). `SequencePse.accumulate_grad` is the exact transpose of `tile` and gives dpse in the pse
+tensor's own shape (broadcast dimensions reduced, compressed elements accumulated where they were read).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..errors import ParamInvalidError, describe
+
+COMPRESSED_PSE_ROWS = 1024
+ALIBI_TYPES = (2, 3)
+
+
+@dataclass(frozen=True)
+class SequencePse:
+    """The pse of a run of sequences sharing Sq x Skv.
+
+    Tensor pse (types 0/1): `source` is a view [nb or 1, N1, R, C] of the caller's pse; logical (i, j) reads
+    source[..., row0 + i, col0 + j] (R == 1: row broadcast) or, when `compressed`, the Toeplitz formula.
+    ALiBi (types 2/3): `slopes` is [nb or 1, N1] fp32 and the bias is generated.
+    """
+
+    pse_type: int
+    scale: float
+    seq_q: int
+    seq_kv: int
+    source: torch.Tensor | None = None
+    row0: int = 0
+    col0: int = 0
+    compressed: bool = False
+    slopes: torch.Tensor | None = None
+    q_start: int = 0
+    kv_start: int = 0
+
+    @property
+    def multiplier(self) -> float:
+        return self.scale if self.pse_type == 1 else 1.0
+
+    def _compressed_index(self, i0: int, i1: int, j0: int, j1: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+        first_tail_row = self.seq_q - COMPRESSED_PSE_ROWS
+        rows = torch.arange(i0, i1, device=device)
+        r = torch.where(rows >= first_tail_row, rows - first_tail_row, rows % COMPRESSED_PSE_ROWS)
+        cols = torch.arange(j0, j1, device=device).view(1, -1) + (first_tail_row + r - rows).view(-1, 1)
+        # Columns outside [0, Skv) only occur where the mask hides the element (j > i); clamp them.
+        return r.view(-1, 1), cols.clamp_(0, self.seq_kv - 1) + self.col0
+
+    def tile(self, i0: int, i1: int, j0: int, j1: int, device: torch.device) -> torch.Tensor:
+        """fp32 bias [nb or 1, N1, i1 - i0, j1 - j0] (possibly broadcast in dims of size 1)."""
+        if self.pse_type in ALIBI_TYPES:
+            rows = torch.arange(i0, i1, device=device, dtype=torch.float32).view(-1, 1) + self.q_start
+            cols = torch.arange(j0, j1, device=device, dtype=torch.float32).view(1, -1) + self.kv_start
+            dist = (cols - rows).abs_()
+            if self.pse_type == 3:
+                dist.sqrt_()
+            return dist * (-self.slopes.to(device=device, dtype=torch.float32))[:, :, None, None]
+        src = self.source
+        if self.compressed:
+            r, c = self._compressed_index(i0, i1, j0, j1, src.device)
+            values = src[:, :, r, c]
+        elif src.shape[2] == 1:
+            values = src[:, :, :, self.col0 + j0 : self.col0 + j1]
+        else:
+            values = src[:, :, self.row0 + i0 : self.row0 + i1, self.col0 + j0 : self.col0 + j1]
+        values = values.to(device=device, dtype=torch.float32)
+        return values * self.scale if self.pse_type == 1 else values
+
+    def accumulate_grad(self, grad_source: torch.Tensor, i0: int, i1: int, j0: int, j1: int, ds: torch.Tensor) -> None:
+        """Add d(loss)/d(pse) of this tile into `grad_source` (fp32, same shape as `source`); ds is dL/dS
+        [nb, N1, ti, tj]. Type 1: dpse = scale * dS; type 0: dpse = dS."""
+        g = ds * self.scale if self.pse_type == 1 else ds
+        if grad_source.shape[0] == 1 and g.shape[0] != 1:
+            g = g.sum(0, keepdim=True)
+        if self.compressed:
+            r, c = self._compressed_index(i0, i1, j0, j1, g.device)
+            r = r.expand_as(c)
+            target = grad_source
+            for n in range(g.shape[1]):
+                for b in range(g.shape[0]):
+                    target[b, n].index_put_((r, c), g[b, n], accumulate=True)
+        elif grad_source.shape[2] == 1:
+            grad_source[:, :, :, self.col0 + j0 : self.col0 + j1] += g.sum(2, keepdim=True)
+        else:
+            grad_source[:, :, self.row0 + i0 : self.row0 + i1, self.col0 + j0 : self.col0 + j1] += g
+
+
+def check_pse_type(pse_type: int) -> None:
+    if pse_type not in (0, 1, 2, 3):
+        raise ParamInvalidError(f"pse_type: expected 0, 1, 2 or 3, got {pse_type!r}")
+
+
+def validate_slopes(pse: torch.Tensor, batch: int, heads: int) -> None:
+    """ALiBi slopes (types 2/3): fp32 [B, N1] or [N1]."""
+    if pse.dtype != torch.float32 or tuple(pse.shape) not in ((batch, heads), (heads,)):
+        raise ParamInvalidError(
+            f"pse: pse_type 2/3 expects ALiBi slopes of dtype float32 and shape [B, N1]=[{batch}, {heads}] "
+            f"or [N1]=[{heads}], got {describe(pse)}"
+        )
+
+
+def slopes_for(pse: torch.Tensor, b0: int, count: int) -> torch.Tensor:
+    """[count or 1, N1] slopes for sequences b0 .. b0 + count - 1."""
+    return pse.view(1, -1) if pse.dim() == 1 else pse[b0 : b0 + count]
+
+
+def compressed_pse_allowed(
+    sparse_mode: int, next_tokens: int, has_mask: bool, seq_q: int, seq_kv: int
+) -> bool:
+    """The 1024-row pse only describes lower-triangular attention with Sq == Skv > 1024."""
+    lower_triangular = has_mask and (sparse_mode in (2, 3) or (sparse_mode == 0 and next_tokens <= 0))
+    return lower_triangular and seq_q == seq_kv and seq_q > COMPRESSED_PSE_ROWS
+
+
+def classify_dense_pse(pse: torch.Tensor, batch: int, heads: int, seq_q: int, seq_kv: int) -> str:
+    """'full', 'row_broadcast' or 'compressed' for a non-TND type 0/1 pse; raises on any other shape."""
+    shape = tuple(pse.shape)
+    if pse.dim() == 4 and shape[0] in (1, batch) and shape[1] == heads and shape[3] == seq_kv:
+        if shape[2] == seq_q:
+            return "full"
+        if shape[2] == 1:
+            return "row_broadcast"
+        if shape[2] == COMPRESSED_PSE_ROWS and seq_q > COMPRESSED_PSE_ROWS:
+            return "compressed"
+    raise ParamInvalidError(
+        f"pse: expected [B or 1, N1, Sq, Skv], [B or 1, N1, 1, Skv] or the compressed [B or 1, N1, 1024, Skv] "
+        f"with B={batch}, N1={heads}, Sq={seq_q}, Skv={seq_kv}, got {describe(pse)}"
+    )

@@ -1,0 +1,49 @@
+"""softmax_max / softmax_sum layouts of the FA family (SEMANTICS.md section 6).
+
+Non-TND: [B, N1, Sq, 8], the value repeated 8 times. TND: a [T, N1, 8] tensor whose memory holds per-sequence
+[N1, Sq_b, 8] blocks one after another (softmax_layout "", what Ascend writes) or a true [T, N1, 8]
+(softmax_layout "TND"). Invalid rows carry max = -FLT_MAX and sum = +FLT_MAX (section 3).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..errors import ParamInvalidError, describe
+
+STAT_WIDTH = 8
+FLT_MAX = 3.4028234663852886e38
+SOFTMAX_LAYOUTS = ("", "TND")
+
+
+def check_softmax_layout(softmax_layout: str) -> str:
+    if softmax_layout not in SOFTMAX_LAYOUTS:
+        raise ParamInvalidError(f"softmax_layout: expected '' or 'TND', got {softmax_layout!r}")
+    return softmax_layout
+
+
+def stats_shape(tnd: bool, batch: int, heads: int, seq_q: int, total_q: int) -> tuple[int, ...]:
+    return (total_q, heads, STAT_WIDTH) if tnd else (batch, heads, seq_q, STAT_WIDTH)
+
+
+def run_view(stats: torch.Tensor, *, tnd: bool, softmax_layout: str, b0: int, count: int, token_start: int,
+             seq_q: int) -> torch.Tensor:
+    """[count, N1, Sq, 8] view of the statistics of `count` consecutive sequences of length Sq (no copy)."""
+    if not tnd:
+        return stats[b0 : b0 + count]
+    heads = stats.shape[1]
+    if softmax_layout == "TND":
+        block = stats[token_start : token_start + count * seq_q]
+        return block.view(count, seq_q, heads, STAT_WIDTH).permute(0, 2, 1, 3)
+    flat = stats.view(-1)
+    start = token_start * heads * STAT_WIDTH
+    return flat[start : start + count * heads * seq_q * STAT_WIDTH].view(count, heads, seq_q, STAT_WIDTH)
+
+
+def check_stats_tensor(stats: torch.Tensor, expected_shape: tuple[int, ...], param: str) -> None:
+    if stats.dtype != torch.float32 or tuple(stats.shape) != expected_shape:
+        raise ParamInvalidError(
+            f"{param}: expected float32 of shape {list(expected_shape)}, got {describe(stats)}"
+        )
+    if not stats.is_contiguous():
+        raise ParamInvalidError(f"{param}: expected a contiguous tensor (its memory layout carries meaning)")

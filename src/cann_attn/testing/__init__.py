@@ -1,0 +1,1 @@
+"""Test helpers: an independent float64 oracle and the precision rules of SEMANTICS.md section 11."""
