@@ -51,15 +51,18 @@ class SequencePse:
         # Columns outside [0, Skv) only occur where the mask hides the element (j > i); clamp them.
         return r.view(-1, 1), cols.clamp_(0, self.seq_kv - 1) + self.col0
 
-    def tile(self, i0: int, i1: int, j0: int, j1: int, device: torch.device) -> torch.Tensor:
-        """fp32 bias [nb or 1, N1, i1 - i0, j1 - j0] (possibly broadcast in dims of size 1)."""
+    def tile(
+        self, i0: int, i1: int, j0: int, j1: int, device: torch.device, dtype: torch.dtype = torch.float32
+    ) -> torch.Tensor:
+        """Bias [nb or 1, N1, i1 - i0, j1 - j0] in `dtype` (fp32, or fp64 for float64 problems), possibly
+        broadcast in dims of size 1."""
         if self.pse_type in ALIBI_TYPES:
-            rows = torch.arange(i0, i1, device=device, dtype=torch.float32).view(-1, 1) + self.q_start
-            cols = torch.arange(j0, j1, device=device, dtype=torch.float32).view(1, -1) + self.kv_start
+            rows = torch.arange(i0, i1, device=device, dtype=dtype).view(-1, 1) + self.q_start
+            cols = torch.arange(j0, j1, device=device, dtype=dtype).view(1, -1) + self.kv_start
             dist = (cols - rows).abs_()
             if self.pse_type == 3:
                 dist.sqrt_()
-            return dist * (-self.slopes.to(device=device, dtype=torch.float32))[:, :, None, None]
+            return dist * (-self.slopes.to(device=device, dtype=dtype))[:, :, None, None]
         src = self.source
         if self.compressed:
             r, c = self._compressed_index(i0, i1, j0, j1, src.device)
@@ -68,8 +71,38 @@ class SequencePse:
             values = src[:, :, :, self.col0 + j0 : self.col0 + j1]
         else:
             values = src[:, :, self.row0 + i0 : self.row0 + i1, self.col0 + j0 : self.col0 + j1]
-        values = values.to(device=device, dtype=torch.float32)
+        values = values.to(device=device, dtype=dtype)
         return values * self.scale if self.pse_type == 1 else values
+
+    def linear_key_features(self, device: torch.device, dtype: torch.dtype = torch.float32) -> torch.Tensor | None:
+        """[Skv, 2] key features f_k(j) = (j + kv_start, 1) of the rank-2 form of ALiBi type 2 (else None).
+
+        Where the signed distance d = (j + kv_start) - (i + q_start) has one sign over a whole tile, the bias
+        -slope * |d| equals f_q(i) . f_k(j) with f_q from `linear_query_features`; kernels fold it into the
+        Q K^T product by appending these two columns to K, so such tiles cost no elementwise pass."""
+        if self.pse_type != 2:
+            return None
+        cols = torch.arange(self.seq_kv, device=device, dtype=dtype) + self.kv_start
+        return torch.stack([cols, torch.ones_like(cols)], dim=1)
+
+    def linear_query_features(
+        self, i0: int, i1: int, j0: int, j1: int, device: torch.device, dtype: torch.dtype = torch.float32
+    ) -> torch.Tensor | None:
+        """[nb or 1, N1, i1 - i0, 2] query features of the tile, or None where the tile straddles d = 0."""
+        if self.pse_type != 2:
+            return None
+        d_min = (j0 + self.kv_start) - (i1 - 1 + self.q_start)
+        d_max = (j1 - 1 + self.kv_start) - (i0 + self.q_start)
+        if d_min >= 0:
+            sign = 1.0
+        elif d_max <= 0:
+            sign = -1.0
+        else:
+            return None
+        slopes = self.slopes.to(device=device, dtype=dtype)[:, :, None]
+        rows = (torch.arange(i0, i1, device=device, dtype=dtype) + self.q_start)[None, None, :]
+        # -slope*sign*((j + kv_start) - (i + q_start)) = (-sign*slope)*(j + kv_start) + (sign*slope*(i + q_start))*1
+        return torch.stack([(-sign * slopes).expand(-1, -1, rows.shape[-1]), sign * slopes * rows], dim=-1)
 
     def accumulate_grad(self, grad_source: torch.Tensor, i0: int, i1: int, j0: int, j1: int, ds: torch.Tensor) -> None:
         """Add d(loss)/d(pse) of this tile into `grad_source` (fp32, same shape as `source`); ds is dL/dS

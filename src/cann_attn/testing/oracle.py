@@ -1,15 +1,18 @@
 """Independent float64 oracle for FlashAttentionScore / FlashAttentionVarLenScore (forward).
 
-Written from ``SEMANTICS.md`` (sections 1-6) and nothing else: it imports nothing from ``cann_attn`` (pure
-PyTorch), materialises the full score matrix of every sequence, and states each rule as literally as possible so
-that it can serve as the independent truth in tests. It validates almost nothing: feed it valid inputs.
+Written from ``SEMANTICS.md`` (sections 1-6) and nothing else: it imports nothing from ``cann_attn``
+(pure PyTorch), materialises the full score matrix of every sequence, and states each rule as literally as
+possible so that it can serve as the independent truth in tests. It validates almost nothing: feed it valid
+inputs.
 
-It is differentiable w.r.t. query, key, value and a pse tensor through ``torch.autograd`` (only differentiable torch
-ops are used; masked logits are replaced by a finite very negative number *before* the exponential and the
-probabilities of masked entries are zeroed explicitly, so fully masked rows give zero gradients, never NaN).
+It is differentiable w.r.t. query, key, value and a pse tensor through ``torch.autograd`` (only
+differentiable torch ops are used; masked logits are replaced by a finite very negative number *before* the
+exponential and the probabilities of masked entries are zeroed explicitly, so fully masked rows give zero
+gradients, never NaN).
 
-Conventions (SEMANTICS.md): B batch, N1 query heads, N2 kv heads, G = N1 // N2 (query head n uses kv head n // G),
-i query row and j key column (0-based inside the sequence), delta = Skv - Sq, "masked" = excluded from softmax.
+Conventions (SEMANTICS.md): B batch, N1 query heads, N2 kv heads, G = N1 // N2 (query head n uses kv head
+n // G), i query row and j key column (0-based inside the sequence), delta = Skv - Sq, "masked" = excluded
+from the softmax.
 """
 
 from __future__ import annotations
@@ -35,9 +38,9 @@ INT_MAX = 2147483647
 LAYOUTS = ("BSH", "SBH", "BSND", "BNSD", "TND")
 
 
-# ----------------------------------------------------------------------------------------------------------------
+# ----------------------------------------------------------------------------------------------------
 # Small helpers written independently of the library: compressed masks and drop-mask bit packing.
-# ----------------------------------------------------------------------------------------------------------------
+# ----------------------------------------------------------------------------------------------------
 def make_compressed_mask(mode: int = 2) -> torch.Tensor:
     """The compressed atten_mask Ascend expects for sparse modes 2, 3, 4, 7, 8 (and 6).
 
@@ -55,7 +58,7 @@ def make_compressed_mask(mode: int = 2) -> torch.Tensor:
 
 
 def pack_drop_mask(keep: torch.Tensor) -> torch.Tensor:
-    """Pack a boolean keep tensor (flattened row-major) into uint8 bytes, LSB first: element e -> bit e%8 of byte e//8."""
+    """Pack bool keep flags (flattened row-major) into uint8, LSB first: element e -> bit e%8 of byte e//8."""
     flat = keep.reshape(-1).to(torch.bool).to("cpu")
     numel = flat.numel()
     nbytes = (numel + 7) // 8
@@ -71,7 +74,7 @@ def pack_drop_mask(keep: torch.Tensor) -> torch.Tensor:
 
 
 def unpack_drop_mask(drop_mask: torch.Tensor, numel: int) -> torch.Tensor:
-    """Bool keep flags of the first ``numel`` elements: element e is bit (e & 7) of byte (e >> 3); 1 = keep."""
+    """Keep flags of the first ``numel`` elements: element e is bit (e & 7) of byte (e >> 3); 1 = keep."""
     e = torch.arange(numel)
     byte = drop_mask.reshape(-1).to("cpu").to(torch.int64)[e >> 3]
     return ((byte >> (e & 7)) & 1).to(torch.bool)
@@ -93,9 +96,9 @@ def cum_to_lengths(cumulative: Sequence[int] | torch.Tensor) -> list[int]:
     return [end - start for start, end in zip([0, *ends[:-1]], ends, strict=True)]
 
 
-# ----------------------------------------------------------------------------------------------------------------
+# ----------------------------------------------------------------------------------------------------
 # Layouts: any layout -> list of per-sequence [N, S_b, D] tensors (and back)
-# ----------------------------------------------------------------------------------------------------------------
+# ----------------------------------------------------------------------------------------------------
 def _bnsd(t: torch.Tensor, layout: str, n: int) -> torch.Tensor:
     """Non-TND tensor -> [B, N, S, D] view."""
     if layout == "BSH":
@@ -132,9 +135,9 @@ def _kv_heads(layout: str, query: torch.Tensor, key: torch.Tensor, head_num: int
     return key.shape[-2]  # BSND [B,S,N,D] and TND [T,N,D]
 
 
-# ----------------------------------------------------------------------------------------------------------------
+# ----------------------------------------------------------------------------------------------------
 # Masks (SEMANTICS.md section 2): the set of masked (i, j) of one sequence, as a bool [1 or N1, Sq, Skv]
-# ----------------------------------------------------------------------------------------------------------------
+# ----------------------------------------------------------------------------------------------------
 def _user_mask(atten_mask: torch.Tensor, b: int, sq: int, skv: int) -> torch.Tensor:
     """The given mask for sequence b (True/nonzero = masked); TND uses the top-left [Sq_b, Skv_b] block."""
     m = atten_mask.to("cpu") != 0
@@ -181,18 +184,18 @@ def _masked(
         masked = (j > i + delta + nxt) if b == band_batch else (j > i)
     else:
         raise ValueError(f"oracle: sparse_mode {sparse_mode} not in 0..8")
-    return masked.reshape(-1, sq, skv)
+    return masked if masked.dim() == 3 else masked.unsqueeze(0)
 
 
-# ----------------------------------------------------------------------------------------------------------------
+# ----------------------------------------------------------------------------------------------------
 # pse (SEMANTICS.md section 4): the bias of one sequence, [N1 or 1, Sq, Skv]
-# ----------------------------------------------------------------------------------------------------------------
+# ----------------------------------------------------------------------------------------------------
 def _compressed_pse(p: torch.Tensor, sq: int, skv: int) -> torch.Tensor:
     """p: [N1, 1024, Skv] = last 1024 rows of a Toeplitz pse.
 
     value(i, j) = C[r, j + (Sq - 1024) + r - i], r = i - (Sq - 1024) if i >= Sq - 1024 else i mod 1024.
-    Column indices only leave [0, Skv) for j > i, entries that the allowed modes always mask; they are clamped so
-    the gather stays in bounds, and those entries never reach the softmax.
+    Column indices only leave [0, Skv) for j > i, entries that the allowed modes always mask; they are clamped
+    so the gather stays in bounds, and those entries never reach the softmax.
     """
     i = torch.arange(sq, device=p.device).unsqueeze(1)
     j = torch.arange(skv, device=p.device).unsqueeze(0)
@@ -236,9 +239,9 @@ def _pse_bias(
     raise ValueError(f"oracle: unsupported pse shape {tuple(pse.shape)} for Sq={sq}, Skv={skv}")
 
 
-# ----------------------------------------------------------------------------------------------------------------
+# ----------------------------------------------------------------------------------------------------
 # One sequence: full score matrix, softmax with stats, dropout, P V
-# ----------------------------------------------------------------------------------------------------------------
+# ----------------------------------------------------------------------------------------------------
 def _attend(q, k, v, masked, bias, pse_type, scale, keep, keep_prob, stats_dtype):
     """q [N1,Sq,D], k [N2,Skv,D], v [N2,Skv,Dv], masked bool [1|N1,Sq,Skv], bias None or [1|N1,Sq,Skv].
 
@@ -343,7 +346,7 @@ def _forward(
     q_start = _ints(q_start_idx)[0] if _ints(q_start_idx) else 0
     kv_start = _ints(kv_start_idx)[0] if _ints(kv_start_idx) else 0
 
-    # dropout: one flat LSB-first bit stream over [B, N1, Sq, Skv] (TND: per-sequence [N1, Sq_b, Skv_b] blocks)
+    # dropout: one flat LSB-first bit stream over [B, N1, Sq, Skv] (TND: per-sequence [N1, Sq_b, Skv_b])
     sizes = [n1 * sq_list[b] * skv_list[b] for b in range(nseq)]
     use_dropout = keep_prob < 1.0
     if use_dropout:
@@ -364,7 +367,9 @@ def _forward(
         keep = None
         if use_dropout:
             keep = keep_all[offsets[b] : offsets[b] + sizes[b]].reshape(n1, sq, skv)
-        out, m, l = _attend(qs[b], ks[b], vs[b], masked, bias, pse_type, scale_value, keep, keep_prob, stats_dtype)
+        out, m, l = _attend(
+            qs[b], ks[b], vs[b], masked, bias, pse_type, scale_value, keep, keep_prob, stats_dtype
+        )
         outs.append(out)
         maxes.append(m)
         sums.append(l)
@@ -386,12 +391,20 @@ def _forward(
             softmax_sum = softmax_sum.reshape(total, n1, 8)
         return attention_out, softmax_max.contiguous(), softmax_sum.contiguous()
 
-    sq = sq_list[0] if nseq else (query.shape[0] if layout == "SBH" else query.shape[2 if layout == "BNSD" else 1])
+    sq = (
+        sq_list[0]
+        if nseq
+        else (query.shape[0] if layout == "SBH" else query.shape[2 if layout == "BNSD" else 1])
+    )
     if nseq == 0:
         out4 = q_all.new_zeros(0, n1, sq, dv)
         stat4 = torch.zeros(0, n1, sq, dtype=stats_dtype, device=query.device)
         attention_out = _from_bnsd(out4, layout)
-        return attention_out, stat4.unsqueeze(-1).expand(-1, -1, -1, 8), stat4.unsqueeze(-1).expand(-1, -1, -1, 8)
+        return (
+            attention_out,
+            stat4.unsqueeze(-1).expand(-1, -1, -1, 8),
+            stat4.unsqueeze(-1).expand(-1, -1, -1, 8),
+        )
     out4 = torch.stack(outs)  # [B, N1, Sq, Dv]
     attention_out = _from_bnsd(out4, layout).contiguous()
     softmax_max = torch.stack(maxes).unsqueeze(-1).expand(-1, -1, -1, 8).contiguous()
@@ -424,8 +437,9 @@ def fa_forward_oracle(
 ):
     """Float64 forward of FlashAttentionScore / FlashAttentionVarLenScore.
 
-    Returns ``(attention_out, softmax_max, softmax_sum)``, all float64: attention_out in ``input_layout`` with the
-    value head dim, softmax_max/softmax_sum [B, N1, Sq, 8] (TND: [T, N1, 8], laid out per ``softmax_layout``).
+    Returns ``(attention_out, softmax_max, softmax_sum)``, all float64: attention_out in ``input_layout`` with
+    the value head dim, softmax_max/softmax_sum [B, N1, Sq, 8] (TND: [T, N1, 8], laid out per
+    ``softmax_layout``).
     Fully masked rows give output 0, softmax_max = -FLT_MAX and softmax_sum = +FLT_MAX.
     """
     return _forward(
@@ -477,9 +491,11 @@ def naive_same_dtype_forward(
     pse_type: int = 1,
     softmax_layout: str = "",
 ):
-    """The oracle's code path run in the query dtype (plain PyTorch, no upcast): the "naive same-dtype" reference
-    of the flash-attn precision rule (SEMANTICS.md section 11). attention_out has the query dtype; the stats are
-    computed in the query dtype and returned as float32."""
+    """The oracle's code path run in the query dtype (plain PyTorch, no upcast).
+
+    This is the "naive same-dtype" reference of the flash-attn precision rule (SEMANTICS.md section 11).
+    attention_out has the query dtype; the stats are computed in the query dtype and returned as float32.
+    """
     return _forward(
         query,
         key,

@@ -1,12 +1,13 @@
 """Precision rules of SEMANTICS.md section 11, for tests (independent of the library's own ``compare``).
 
-- Ascend rule (primary gate, torch_npu ``assertRtolEqual`` "double thousandth"): threshold t = 1e-3 (fp16),
-  4e-3 (bf16), 1e-4 (fp32 and float64); rel = |a - g| / (max(|a|, |g|) + eps) with eps = ``EPS`` = 1e-12 (a tiny
-  positive number that only guards 0/0: two exact zeros give rel 0). A tensor passes unless BOTH more than t*numel
-  elements have rel > t AND more than t*numel elements have |a - g| > t.
+- Ascend rule (primary gate, torch_npu ``assertRtolEqual`` "double thousandth"): threshold t = 1e-3
+  (fp16), 4e-3 (bf16), 1e-4 (fp32 and float64); rel = |a - g| / (max(|a|, |g|) + eps) with eps = ``EPS`` =
+  1e-12 (a tiny positive number that only guards 0/0: two exact zeros give rel 0). A tensor passes unless BOTH
+  more than t*numel elements have rel > t AND more than t*numel elements have |a - g| > t.
 - flash-attn rule (secondary): max|ours - ref| <= 2 * max|naive_same_dtype - ref| + 1e-5.
-- MERE / MARE (reported): rel = |a - g| / (|g| + 1e-7) over the elements with |g| >= 2^-11 (fp16) / 2^-8 (bf16) /
-  2^-14 (fp32, float64); MERE = mean rel < T, MARE = max rel < 10 T; T = 2^-10 fp16, 2^-7 bf16, 2^-13 fp32/fp64.
+- MERE / MARE (reported): rel = |a - g| / (|g| + 1e-7) over the elements with |g| >= 2^-11 (fp16) /
+  2^-8 (bf16) / 2^-14 (fp32, float64); MERE = mean rel < T, MARE = max rel < 10 T; T = 2^-10 fp16,
+  2^-7 bf16, 2^-13 fp32/fp64.
 
 Every comparison first casts the golden to the actual (output) dtype, then both to float64. Non-finite values
 count as errors unless both tensors hold the same value there (same infinity, or both NaN).
@@ -32,7 +33,12 @@ ASCEND_THRESHOLDS = {
     torch.float32: 1e-4,
     torch.float64: 1e-4,
 }
-_MERE_SMALL = {torch.float16: 2.0**-11, torch.bfloat16: 2.0**-8, torch.float32: 2.0**-14, torch.float64: 2.0**-14}
+_MERE_SMALL = {
+    torch.float16: 2.0**-11,
+    torch.bfloat16: 2.0**-8,
+    torch.float32: 2.0**-14,
+    torch.float64: 2.0**-14,
+}
 _MERE_T = {torch.float16: 2.0**-10, torch.bfloat16: 2.0**-7, torch.float32: 2.0**-13, torch.float64: 2.0**-13}
 
 
@@ -88,7 +94,7 @@ def ascend_rule(actual: torch.Tensor, golden: torch.Tensor, dtype: torch.dtype |
 
 
 def flash_attn_rule(actual: torch.Tensor, naive: torch.Tensor, golden: torch.Tensor):
-    """flash-attn rule: max|actual - golden| <= 2 * max|naive - golden| + 1e-5 (golden cast to the actual dtype).
+    """flash-attn rule: max|actual - golden| <= 2 * max|naive - golden| + 1e-5 (golden cast to actual dtype).
 
     Returns ``(passed, details)``.
     """
@@ -135,8 +141,8 @@ def assert_close_to_oracle(
 ) -> None:
     """Pass if the Ascend rule passes, or (when ``naive`` is given) the flash-attn rule passes.
 
-    ``dtype`` picks the Ascend threshold (default: the actual dtype). Raises AssertionError with max abs/rel errors
-    and failing counts otherwise.
+    ``dtype`` picks the Ascend threshold (default: the actual dtype). Raises AssertionError with max abs/rel
+    errors and failing counts otherwise.
     """
     if tuple(actual.shape) != tuple(golden.shape):
         raise AssertionError(f"{name}: shape {tuple(actual.shape)} != expected {tuple(golden.shape)}")

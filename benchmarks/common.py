@@ -1,0 +1,249 @@
+"""Shared helpers of the benchmark scripts: timing, peak memory in a fresh process, FLOPs, JSON, plots, machine.
+
+- `time_fn(fn, warmup, repeats, device)`: median (and all) wall times of `fn()` after warm-up calls.
+- `peak_rss(script, func, kwargs)`: run ``func(**kwargs)`` from `script` in a fresh interpreter and return its
+  peak resident set (VmHWM of /proc/self/status, falling back to getrusage ru_maxrss), together with the peak
+  before the measured call (imports + inputs) so the call's own overhead is visible. On CUDA the child reports
+  torch.cuda.max_memory_allocated as well.
+- `attention_flops(...)`: the FLOP convention of ANCHORS.md: 2 * B * N * visible_pairs * (Dqk + Dv) (dense:
+  4 * B * N * Sq * Skv * D); `visible_pairs` counts the (i, j) a window lets through.
+- `write_json`, `bar_plot` (matplotlib, Agg backend), `machine_info`.
+
+Run as ``python common.py --child SCRIPT FUNC JSON_KWARGS`` it is the child side of `peak_rss`.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import platform
+import resource
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+HERE = Path(__file__).resolve().parent
+RESULTS = HERE / "results"
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Timing
+# ---------------------------------------------------------------------------------------------------------------
+def sync(device: str | torch.device = "cpu") -> None:
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize()
+
+
+def time_fn(fn: Callable[[], Any], warmup: int = 1, repeats: int = 5, device: str = "cpu") -> dict[str, Any]:
+    """Call `fn` `warmup` times, then time `repeats` calls; returns median_s, min_s and times_s."""
+    for _ in range(warmup):
+        fn()
+    sync(device)
+    times = []
+    for _ in range(max(1, repeats)):
+        start = time.perf_counter()
+        fn()
+        sync(device)
+        times.append(time.perf_counter() - start)
+    return {"median_s": statistics.median(times), "min_s": min(times), "times_s": times}
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Memory: peak RSS of one call in a fresh interpreter
+# ---------------------------------------------------------------------------------------------------------------
+def _status_kb(field: str) -> int | None:
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith(field + ":"):
+                    return int(line.split()[1])
+    except OSError:
+        pass
+    return None
+
+
+def current_peak_kb() -> int:
+    """Peak resident set of this process so far, in KiB (VmHWM; else ru_maxrss, KiB on Linux)."""
+    hwm = _status_kb("VmHWM")
+    if hwm is not None:
+        return hwm
+    maxrss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return maxrss // 1024 if sys.platform == "darwin" else maxrss
+
+
+def load_module(path: str | Path, name: str | None = None):
+    """Import a Python file by path (benchmark scripts are not a package)."""
+    path = Path(path).resolve()
+    spec = importlib.util.spec_from_file_location(name or f"_bench_{path.stem}", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def peak_rss(script: str | Path, func: str, kwargs: dict[str, Any], timeout: float = 1800) -> dict[str, Any]:
+    """Run ``script.func(**kwargs)`` in a fresh interpreter and measure its peak memory.
+
+    ``func`` must return a callable (the measured call, with its inputs already built) or a (callable, info)
+    pair. Returns peak_mb, before_mb (peak after imports and input building), delta_mb, seconds (of the call),
+    children_maxrss_mb (getrusage(RUSAGE_CHILDREN) of this process after the child ended, a cross-check that
+    is a maximum over every child so far) and, on CUDA, cuda_peak_mb.
+    """
+    cmd = [sys.executable, str(Path(__file__).resolve()), "--child", str(Path(script).resolve()), func,
+           json.dumps(kwargs)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+    if proc.returncode != 0:
+        raise RuntimeError(f"peak_rss child failed ({proc.returncode}): {proc.stderr.strip()[-2000:]}")
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    result["children_maxrss_mb"] = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024
+    return result
+
+
+def _child(script: str, func: str, kwargs_json: str) -> None:
+    module = load_module(script)
+    made = getattr(module, func)(**json.loads(kwargs_json))
+    call, info = made if isinstance(made, tuple) else (made, {})
+    cuda = torch.cuda.is_available() and info.get("device", "cpu") == "cuda"
+    if cuda:
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+    before = current_peak_kb()
+    start = time.perf_counter()
+    call()
+    if cuda:
+        torch.cuda.synchronize()
+    seconds = time.perf_counter() - start
+    peak = current_peak_kb()
+    out = {"peak_mb": peak / 1024, "before_mb": before / 1024, "delta_mb": (peak - before) / 1024,
+           "seconds": seconds, **info}
+    if cuda:
+        out["cuda_peak_mb"] = torch.cuda.max_memory_allocated() / 2**20
+    print(json.dumps(out))
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# FLOPs (ANCHORS.md)
+# ---------------------------------------------------------------------------------------------------------------
+def visible_pairs(seq_q: int, seq_kv: int, pre: int | None = None, nxt: int | None = None, delta: int = 0) -> int:
+    """Number of (i, j) with i - pre + delta <= j <= i + nxt + delta (None = unbounded), 0 <= j < seq_kv."""
+    i = torch.arange(seq_q, dtype=torch.int64)
+    hi = torch.full_like(i, seq_kv - 1) if nxt is None else (i + delta + nxt).clamp(max=seq_kv - 1)
+    lo = torch.zeros_like(i) if pre is None else (i + delta - pre).clamp(min=0)
+    return int((hi - lo + 1).clamp(min=0).sum())
+
+
+def attention_flops(batch: int, heads: int, pairs: int, d_qk: int, d_v: int | None = None) -> float:
+    """Forward FLOPs: 2 * B * N * visible_pairs * (Dqk + Dv) (= 4 B N Sq Skv D when dense and Dv = Dqk)."""
+    return 2.0 * batch * heads * pairs * (d_qk + (d_qk if d_v is None else d_v))
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Machine, JSON, plots
+# ---------------------------------------------------------------------------------------------------------------
+def cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def machine_info(device: str = "cpu") -> dict[str, Any]:
+    info = {
+        "cpu": cpu_model(),
+        "logical_cpus": os.cpu_count(),
+        "torch": torch.__version__,
+        "torch_threads": torch.get_num_threads(),
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+        "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+    }
+    try:
+        import cann_attn
+
+        info["cann_attn"] = cann_attn.__version__
+    except ImportError:
+        pass
+    if torch.device(device).type == "cuda" and torch.cuda.is_available():
+        info["gpu"] = torch.cuda.get_device_name()
+        info["cuda"] = torch.version.cuda
+    return info
+
+
+def write_json(path: str | Path, payload: dict[str, Any]) -> Path:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(payload, indent=2, default=str) + "\n")
+    return path
+
+
+def bar_plot(
+    path: str | Path,
+    labels: Sequence[str],
+    series: dict[str, Sequence[float | None]],
+    *,
+    title: str,
+    ylabel: str,
+    ratios: Sequence[float | None] | None = None,
+    targets: Sequence[float | None] | None = None,
+) -> Path | None:
+    """Grouped bars (one group per label, one bar per series); with `ratios`, a second panel of ratio bars
+    and their target marks. Returns the path, or None when matplotlib is missing."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib is not installed: no plot written", file=sys.stderr)
+        return None
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    panels = 2 if ratios is not None else 1
+    fig, axes = plt.subplots(panels, 1, figsize=(max(8.0, 0.9 * len(labels) + 3), 4.5 * panels), squeeze=False)
+    ax = axes[0][0]
+    x = list(range(len(labels)))
+    width = 0.8 / max(1, len(series))
+    for k, (name, values) in enumerate(series.items()):
+        xs = [xi + (k - (len(series) - 1) / 2) * width for xi in x]
+        ax.bar(xs, [0.0 if v is None else v for v in values], width, label=name)
+    ax.set_xticks(x, labels, rotation=30, ha="right", fontsize=8)
+    ax.set_ylabel(ylabel)
+    ax.set_title(title)
+    ax.legend()
+    ax.grid(axis="y", alpha=0.3)
+    if ratios is not None:
+        ax2 = axes[1][0]
+        values = [0.0 if r is None else r for r in ratios]
+        colors = [
+            "tab:gray" if r is None or t is None else ("tab:green" if r >= t else "tab:red")
+            for r, t in zip(ratios, targets or [None] * len(ratios), strict=True)
+        ]
+        ax2.bar(x, values, 0.6, color=colors)
+        for xi, t in zip(x, targets or [], strict=False):
+            if t is not None:
+                ax2.hlines(t, xi - 0.4, xi + 0.4, colors="black", linestyles="dashed")
+        ax2.set_xticks(x, labels, rotation=30, ha="right", fontsize=8)
+        ax2.set_ylabel("speed-up vs PyTorch (dashed: target)")
+        ax2.grid(axis="y", alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+if __name__ == "__main__":
+    if len(sys.argv) == 5 and sys.argv[1] == "--child":
+        _child(sys.argv[2], sys.argv[3], sys.argv[4])
+    else:
+        print("usage: common.py --child SCRIPT FUNC JSON_KWARGS", file=sys.stderr)
+        sys.exit(2)

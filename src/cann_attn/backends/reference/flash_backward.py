@@ -1,0 +1,86 @@
+"""Tiled FlashAttention backward (FlashAttentionScoreGradV2; SEMANTICS.md sections 4-6).
+
+Per query tile and visible key tile, P is recomputed from the given softmax statistics (no renormalisation):
+P = exp(S - max) / sum, P_drop = P * keep / keep_prob, dV += P_drop^T dY, dP = dY V^T,
+dS = P * (dP * keep / keep_prob - rowsum(dY * O)), dQ += scale dS K, dK += scale dS^T Q, dpse from dS.
+dK/dV accumulate in fp32 buffers of the key's size; no [Sq, Skv] matrix is ever formed.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ...problem.attention import AttentionProblem, Run
+from .flash_forward import BLOCK_K, BLOCK_Q, RunKernel, group_rows, key_tiles
+
+
+def backward(
+    problem: AttentionProblem, query, key, value, dy, attention_in, softmax_max, softmax_sum,
+    dq, dk, dv, dpse_source: torch.Tensor | None,
+) -> None:
+    """Fill dq / dk / dv (caller layouts) and accumulate dpse (fp32, the pse's own shape) for every run."""
+    for run in problem.runs:
+        if run.seq_kv == 0:
+            continue
+        kernel = RunKernel(problem, run, query, key, value)
+        dk_view, dv_view = problem.kv_view(dk, run), problem.kv_view(dv, run)
+        if run.seq_q == 0:
+            dk_view.zero_()
+            dv_view.zero_()
+            continue
+        _backward_run(kernel, problem, run, dy, attention_in, softmax_max, softmax_sum, dq, dk_view, dv_view,
+                      dpse_source)
+
+
+def _pse_grad_target(run: Run, dpse_source: torch.Tensor | None) -> torch.Tensor | None:
+    """The slice of the fp32 dpse buffer that this run's pse view reads from."""
+    if dpse_source is None or run.pse is None or run.pse.source is None:
+        return None
+    return dpse_source if dpse_source.shape[0] == 1 else dpse_source[run.b0 : run.b0 + run.count]
+
+
+def _backward_run(kernel: RunKernel, problem: AttentionProblem, run: Run, dy, attention_in, softmax_max,
+                  softmax_sum, dq, dk_view, dv_view, dpse_source) -> None:
+    c, n1, n2 = run.count, problem.heads_q, problem.heads_kv
+    dtype, device = kernel.dtype, kernel.device
+    d_qk = problem.dim_qk
+    dy_all, o_all = problem.q_view(dy, run), problem.q_view(attention_in, run)
+    max_all = problem.stat_view(softmax_max, run)[..., 0]
+    sum_all = problem.stat_view(softmax_sum, run)[..., 0]
+    dq_view = problem.q_view(dq, run)
+    dk_acc = torch.zeros((c * n2, run.seq_kv, d_qk), dtype=dtype, device=device)
+    dv_acc = torch.zeros((c * n2, run.seq_kv, kernel.v.shape[-1]), dtype=dtype, device=device)
+    pse_grad = _pse_grad_target(run, dpse_source)
+    inv_keep = 1.0 / problem.keep_prob
+    for i0 in range(0, run.seq_q, BLOCK_Q):
+        i1 = min(i0 + BLOCK_Q, run.seq_q)
+        rows = i1 - i0
+        q_tile = kernel.query_tile(i0, i1)
+        dy_t = dy_all[:, :, i0:i1].to(dtype)
+        # rowsum(dY * O) with O the forward output (after dropout), per SEMANTICS.md section 5.
+        d_sum = (dy_t * o_all[:, :, i0:i1].to(dtype)).sum(-1)
+        dy_g = group_rows(dy_t, n2)
+        row_max = max_all[:, :, i0:i1].to(dtype).unsqueeze(-1)
+        inv_sum = 1.0 / sum_all[:, :, i0:i1].to(dtype).unsqueeze(-1)
+        dq_acc = torch.zeros((c * n2, q_tile.shape[1], d_qk), dtype=dtype, device=device)
+        for j0, j1, state in key_tiles(run, i0, i1, BLOCK_K):
+            cols = j1 - j0
+            p = kernel.scores(q_tile, i0, i1, j0, j1, state)
+            p.sub_(row_max).exp_().mul_(inv_sum)
+            p_g = p.view(c * n2, -1, cols)
+            dp = torch.bmm(dy_g, kernel.v[:, j0:j1].transpose(1, 2)).view(c, n1, rows, cols)
+            if run.dropout is not None:
+                keep = run.dropout.keep_tile(i0, i1, j0, j1, device).to(dtype) * inv_keep
+                dv_acc[:, j0:j1].baddbmm_((p * keep).view(c * n2, -1, cols).transpose(1, 2), dy_g)
+                dp.mul_(keep)
+            else:
+                dv_acc[:, j0:j1].baddbmm_(p_g.transpose(1, 2), dy_g)
+            ds = dp.sub_(d_sum.unsqueeze(-1)).mul_(p)
+            ds_g = ds.view(c * n2, -1, cols)
+            dq_acc.baddbmm_(ds_g, kernel.k[:, j0:j1, :d_qk])
+            dk_acc[:, j0:j1].baddbmm_(ds_g.transpose(1, 2), q_tile[:, :, :d_qk])
+            if pse_grad is not None:
+                run.pse.accumulate_grad(pse_grad, i0, i1, j0, j1, ds)
+        dq_view[:, :, i0:i1].copy_(dq_acc.view(c, n1, rows, d_qk).mul_(problem.scale))
+    dk_view.copy_(dk_acc.view(c, n2, run.seq_kv, d_qk))
+    dv_view.copy_(dv_acc.view(c, n2, run.seq_kv, -1))

@@ -1,0 +1,63 @@
+"""``cann-attn bench``: run the benchmark scripts of the repository's ``benchmarks/`` folder.
+
+Each suite NAME is the script ``benchmarks/bench_NAME.py``; it is run in a subprocess with the same Python, with
+``--device`` and ``--quick`` passed on (results land in ``benchmarks/results/``, or ``--out DIR``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from . import UsageError
+
+
+def benchmarks_dir() -> Path | None:
+    """``$CANN_ATTN_BENCHMARKS``, else ``benchmarks/`` of the source checkout, else of the working directory."""
+    candidates = []
+    if os.environ.get("CANN_ATTN_BENCHMARKS"):
+        candidates.append(Path(os.environ["CANN_ATTN_BENCHMARKS"]))
+    candidates += [Path(__file__).resolve().parents[3] / "benchmarks", Path.cwd() / "benchmarks"]
+    return next((c for c in candidates if c.is_dir() and any(c.glob("bench_*.py"))), None)
+
+
+def suites(directory: Path) -> dict[str, Path]:
+    return {p.stem.removeprefix("bench_"): p for p in sorted(directory.glob("bench_*.py"))}
+
+
+def add_parser(subparsers) -> None:
+    p = subparsers.add_parser(
+        "bench", help="run the benchmarks (ratios against PyTorch, JSON + PNG results)",
+        description=__doc__.splitlines()[0],
+    )
+    p.add_argument("--suite", default="all", help="suite name (e.g. fa_forward) or 'all' (default)")
+    p.add_argument("--device", default="cpu", choices=("cpu", "cuda"), help="device to benchmark on")
+    p.add_argument("--quick", action="store_true", help="fewer repeats")
+    p.add_argument("--out", metavar="DIR", help="results folder (default: benchmarks/results)")
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    directory = benchmarks_dir()
+    if directory is None:
+        raise UsageError("benchmarks/ folder not found (run from the repository root or set CANN_ATTN_BENCHMARKS)")
+    available = suites(directory)
+    if args.suite != "all" and args.suite not in available:
+        raise UsageError(f"--suite: unknown suite {args.suite!r} (known: {', '.join(available)}, all)")
+    chosen = available if args.suite == "all" else {args.suite: available[args.suite]}
+    status = 0
+    for name, script in chosen.items():
+        cmd = [sys.executable, str(script), "--device", args.device]
+        if args.quick:
+            cmd.append("--quick")
+        if args.out:
+            cmd += ["--out", args.out]
+        print(f"== {name}: {' '.join(cmd)}", flush=True)
+        rc = subprocess.call(cmd)
+        if rc != 0:
+            print(f"== {name}: exit status {rc}", file=sys.stderr, flush=True)
+            status = 1
+    return status

@@ -1,0 +1,414 @@
+"""Built-in verification cases for ``cann-attn verify``: every operator against its float64 oracle.
+
+A case is a small `Case` record:
+
+- ``op``: the operator's public name in ``cann_attn`` (``verify --op`` filters on it; cases whose operator is not
+  importable from ``cann_attn`` yet are skipped, so cases may be registered before the operator lands);
+- ``name``: unique within the operator; ``dtype`` and ``shape``: what the results table shows;
+- ``build(generator) -> Call``: the inputs, built on the CPU from the given seeded ``torch.Generator`` only
+  (``verify`` moves the tensors to ``--device`` for the operator and keeps the CPU copy for the oracle);
+- ``run(call) -> {output name: tensor}``: the operator call (timed by ``verify``);
+- ``oracle(call) -> {output name: tensor}``: the golden outputs (float64); every output the oracle returns is
+  compared with the operator's output of the same name by the Ascend rule of SEMANTICS.md section 11, with the
+  threshold of the operator output's dtype;
+- ``quick``: whether ``verify --quick`` runs it (keep quick cases small: the oracles materialise S x S).
+
+Adding cases for a new operator (grad, PFA, DSA) takes one function and one ``register`` call::
+
+    def _grad_case(name, cfg, **kwargs) -> Case:
+        def build(gen):
+            fwd = fa_inputs(gen, cfg, kwargs)              # reuse the FA input builders below
+            dy = randn(gen, fwd.args[0].shape, cfg.dtype)
+            return Call((*fwd.args[:3], dy, *fwd.args[3:]), fwd.kwargs)
+
+        return Case(
+            op="flash_attention_score_grad", name=name, dtype=cfg.dtype, shape=cfg.summary(),
+            build=build,
+            run=outputs_of("flash_attention_score_grad", ("dq", "dk", "dv")),
+            oracle=lambda call: my_grad_oracle(*call.args, **call.kwargs),   # -> {"dq": ..., "dk": ..., "dv": ...}
+        )
+
+    register(_grad_case("bsh_gqa", FAConfig("BSH", torch.float16, batch=2, heads_q=8, heads_kv=2)))
+
+``outputs_of(op_name, names)`` calls ``cann_attn.<op_name>(*call.args, **call.kwargs)`` and names the elements
+of its (NamedTuple or tuple or single tensor) result; ``Call`` holds positional and keyword arguments.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+import cann_attn
+
+__all__ = [
+    "CASES",
+    "Call",
+    "Case",
+    "FAConfig",
+    "cases_for",
+    "fa_case",
+    "fa_inputs",
+    "outputs_of",
+    "randn",
+    "register",
+]
+
+Outputs = Mapping[str, torch.Tensor]
+
+
+@dataclass(frozen=True)
+class Call:
+    """Positional and keyword arguments of one operator (and oracle) call."""
+
+    args: tuple = ()
+    kwargs: dict[str, Any] = field(default_factory=dict)
+
+    def map_tensors(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> Call:
+        """A copy with `fn` applied to every tensor (also inside lists and tuples)."""
+        return Call(tuple(_map(a, fn) for a in self.args), {k: _map(v, fn) for k, v in self.kwargs.items()})
+
+
+def _map(value: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
+    if isinstance(value, torch.Tensor):
+        return fn(value)
+    if isinstance(value, (list, tuple)):
+        return type(value)(_map(v, fn) for v in value)
+    return value
+
+
+@dataclass(frozen=True)
+class Case:
+    """One verification case: see the module docstring."""
+
+    op: str
+    name: str
+    dtype: torch.dtype
+    shape: str
+    build: Callable[[torch.Generator], Call]
+    run: Callable[[Call], Outputs]
+    oracle: Callable[[Call], Outputs]
+    quick: bool = True
+
+
+CASES: list[Case] = []
+
+
+def register(*cases: Case) -> None:
+    """Add cases to the registry (names must be unique per operator)."""
+    for case in cases:
+        if any(c.op == case.op and c.name == case.name for c in CASES):
+            raise ValueError(f"duplicate verify case {case.op}/{case.name}")
+        CASES.append(case)
+
+
+def cases_for(op: str | None = None, quick: bool = False) -> list[Case]:
+    """Registered cases of operator `op` (all operators if None) whose operator exists in ``cann_attn``."""
+    return [
+        c
+        for c in CASES
+        if (op is None or c.op == op) and (c.quick or not quick) and hasattr(cann_attn, c.op)
+    ]
+
+
+def outputs_of(op_name: str, names: Sequence[str]) -> Callable[[Call], Outputs]:
+    """A ``run`` function: call ``cann_attn.<op_name>`` and name the first ``len(names)`` results."""
+
+    def run(call: Call) -> Outputs:
+        result = getattr(cann_attn, op_name)(*call.args, **call.kwargs)
+        if isinstance(result, torch.Tensor):
+            result = (result,)
+        return dict(zip(names, result, strict=False))
+
+    return run
+
+
+def randn(gen: torch.Generator, shape: Sequence[int], dtype: torch.dtype, std: float = 1.0) -> torch.Tensor:
+    """Seeded normal values, drawn in fp32 and cast (the same numbers for every dtype)."""
+    return (torch.randn(tuple(shape), generator=gen, dtype=torch.float32) * std).to(dtype)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# FlashAttentionScore / FlashAttentionVarLenScore (forward)
+# ---------------------------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class FAConfig:
+    """Shapes of one FA-family case. TND: `q_lens` / `kv_lens` are per-sequence lengths (not cumulative)."""
+
+    layout: str
+    dtype: torch.dtype
+    batch: int = 1
+    heads_q: int = 2
+    heads_kv: int | None = None
+    seq_q: int = 128
+    seq_kv: int | None = None
+    dim: int = 64
+    dim_v: int | None = None
+    q_lens: tuple[int, ...] | None = None
+    kv_lens: tuple[int, ...] | None = None
+
+    @property
+    def n2(self) -> int:
+        return self.heads_q if self.heads_kv is None else self.heads_kv
+
+    @property
+    def skv(self) -> int:
+        return self.seq_q if self.seq_kv is None else self.seq_kv
+
+    @property
+    def dv(self) -> int:
+        return self.dim if self.dim_v is None else self.dim_v
+
+    @property
+    def qlens(self) -> tuple[int, ...]:
+        return self.q_lens if self.q_lens is not None else (self.seq_q,) * self.batch
+
+    @property
+    def kvlens(self) -> tuple[int, ...]:
+        if self.kv_lens is not None:
+            return self.kv_lens
+        return self.q_lens if self.q_lens is not None else (self.skv,) * self.batch
+
+    def summary(self) -> str:
+        heads = f"N{self.heads_q}" if self.n2 == self.heads_q else f"N{self.heads_q}/{self.n2}"
+        dims = f"D{self.dim}" if self.dv == self.dim else f"D{self.dim}/{self.dv}"
+        if self.layout == "TND":
+            lens = ",".join(f"{q}x{k}" if q != k else str(q) for q, k in zip(self.qlens, self.kvlens, strict=True))
+            return f"TND T{sum(self.qlens)} {heads} {dims} [{lens}]"
+        seq = f"S{self.seq_q}" if self.skv == self.seq_q else f"S{self.seq_q}x{self.skv}"
+        return f"{self.layout} B{self.batch} {heads} {seq} {dims}"
+
+
+def _cumulative(lens: Sequence[int]) -> list[int]:
+    ends, total = [], 0
+    for n in lens:
+        total += n
+        ends.append(total)
+    return ends
+
+
+def _layout_shape(layout: str, batch: int, seq: int, heads: int, dim: int, total: int) -> tuple[int, ...]:
+    return {
+        "BSH": (batch, seq, heads * dim),
+        "SBH": (seq, batch, heads * dim),
+        "BSND": (batch, seq, heads, dim),
+        "BNSD": (batch, heads, seq, dim),
+        "TND": (total, heads, dim),
+    }[layout]
+
+
+Extras = Callable[[torch.Generator, FAConfig], dict[str, Any]]
+
+
+def fa_inputs(gen: torch.Generator, cfg: FAConfig, kwargs: Mapping[str, Any], extras: Extras | None = None) -> Call:
+    """query, key, value in `cfg.layout` (+ TND cumulative lengths, + tensors from `extras`) as a `Call`."""
+    tq, tkv = sum(cfg.qlens), sum(cfg.kvlens)
+    q = randn(gen, _layout_shape(cfg.layout, cfg.batch, cfg.seq_q, cfg.heads_q, cfg.dim, tq), cfg.dtype)
+    k = randn(gen, _layout_shape(cfg.layout, cfg.batch, cfg.skv, cfg.n2, cfg.dim, tkv), cfg.dtype)
+    v = randn(gen, _layout_shape(cfg.layout, cfg.batch, cfg.skv, cfg.n2, cfg.dv, tkv), cfg.dtype)
+    kw = dict(kwargs)
+    if cfg.layout == "TND":
+        kw["actual_seq_qlen"] = _cumulative(cfg.qlens)
+        kw["actual_seq_kvlen"] = _cumulative(cfg.kvlens)
+    if extras is not None:
+        kw.update(extras(gen, cfg))
+    return Call((q, k, v, cfg.heads_q, cfg.layout), kw)
+
+
+def _fa_oracle(call: Call) -> Outputs:
+    from ..testing.oracle import fa_forward_oracle
+
+    out, smax, ssum = fa_forward_oracle(*call.args, **call.kwargs)
+    return {"attention_out": out, "softmax_max": smax, "softmax_sum": ssum}
+
+
+def fa_case(
+    name: str,
+    cfg: FAConfig,
+    *,
+    op: str = "flash_attention_score",
+    extras: Extras | None = None,
+    quick: bool = True,
+    **kwargs: Any,
+) -> Case:
+    """A forward case of `op` (flash_attention_score or flash_attention_var_len_score); `kwargs` are the op's
+    scalar keyword arguments, `extras(gen, cfg)` adds tensor keyword arguments (masks, pse, drop_mask)."""
+    kwargs.setdefault("scale_value", cfg.dim**-0.5)
+    return Case(
+        op=op,
+        name=name,
+        dtype=cfg.dtype,
+        shape=cfg.summary(),
+        build=functools.partial(fa_inputs, cfg=cfg, kwargs=kwargs, extras=extras),
+        run=outputs_of(op, ("attention_out", "softmax_max", "softmax_sum")),
+        oracle=_fa_oracle,
+        quick=quick,
+    )
+
+
+# Input builders for the tensor keyword arguments ------------------------------------------------------------
+def compressed(mode: int) -> Extras:
+    """atten_mask = the compressed mask of `mode` (2048x2048, or [3072, 2048] for mode 6)."""
+    return lambda gen, cfg: {"atten_mask": cann_attn.compressed_mask(mode)}
+
+
+def random_mask(shape: str = "B1SS", p: float = 0.2, dtype: torch.dtype = torch.bool, dead_rows: int = 0) -> Extras:
+    """A random full atten_mask (True = masked) of shape SS, 1SS, B1SS, 11SS or BNSS; the first `dead_rows`
+    query rows are fully masked (invalid rows: output 0)."""
+
+    def build(gen: torch.Generator, cfg: FAConfig) -> dict[str, Any]:
+        sq, skv = max(cfg.qlens), max(cfg.kvlens)
+        lead = {"SS": (), "1SS": (1,), "B1SS": (cfg.batch, 1), "11SS": (1, 1), "BNSS": (cfg.batch, cfg.heads_q)}
+        m = torch.rand((*lead[shape], sq, skv), generator=gen) < p
+        m[..., :dead_rows, :] = True
+        return {"atten_mask": m.to(dtype)}
+
+    return build
+
+
+def prefix_mask(prefix: Sequence[int]) -> Extras:
+    """Mode 5: the full [B, 1, Sq, Skv] mask Ascend expects, (j > i + delta) AND (j >= prefix[b])."""
+
+    def build(gen: torch.Generator, cfg: FAConfig) -> dict[str, Any]:
+        i = torch.arange(cfg.seq_q).view(-1, 1)
+        j = torch.arange(cfg.skv).view(1, -1)
+        delta = cfg.skv - cfg.seq_q
+        masks = [(j > i + delta) & (j >= p) for p in prefix]
+        return {"atten_mask": torch.stack(masks).unsqueeze(1), "prefix": list(prefix)}
+
+    return build
+
+
+def pse_tensor(rows: str = "S", batch_broadcast: bool = False) -> Extras:
+    """pse of the query dtype: [B, N1, Sq, Skv] (rows "S"), [B, N1, 1, Skv] (rows "1") or the compressed
+    [B, N1, 1024, Skv] (rows "1024"); leading 1 instead of B when `batch_broadcast`."""
+
+    def build(gen: torch.Generator, cfg: FAConfig) -> dict[str, Any]:
+        r = {"S": max(cfg.qlens), "1": 1, "1024": 1024}[rows]
+        b = 1 if batch_broadcast else cfg.batch
+        return {"pse": randn(gen, (b, cfg.heads_q, r, max(cfg.kvlens)), cfg.dtype)}
+
+    return build
+
+
+def alibi(per_batch: bool = False, q_start: int = 0, kv_start: int = 0) -> Extras:
+    """ALiBi slopes (fp32, [N1] or [B, N1]) for pse_type 2/3, with q/kv start indices."""
+
+    def build(gen: torch.Generator, cfg: FAConfig) -> dict[str, Any]:
+        n = cfg.heads_q
+        slopes = torch.tensor([2.0 ** (-8.0 * (h + 1) / n) for h in range(n)], dtype=torch.float32)
+        if per_batch:
+            slopes = slopes * (1.0 + torch.rand(cfg.batch, 1, generator=gen))
+        return {"pse": slopes, "q_start_idx": [q_start], "kv_start_idx": [kv_start]}
+
+    return build
+
+
+def dropout(keep_prob: float) -> Extras:
+    """drop_mask from gen_drop_mask (seeded) covering the case's [B, N1, Sq, Skv] (TND: per-sequence blocks)."""
+
+    def build(gen: torch.Generator, cfg: FAConfig) -> dict[str, Any]:
+        if cfg.layout == "TND":
+            numel = cann_attn.drop_mask_numel(
+                cfg.heads_q, actual_seq_qlen=_cumulative(cfg.qlens), actual_seq_kvlen=_cumulative(cfg.kvlens)
+            )
+        else:
+            numel = cann_attn.drop_mask_numel(cfg.heads_q, batch=cfg.batch, seq_q=cfg.seq_q, seq_kv=cfg.skv)
+        drop_mask = cann_attn.gen_drop_mask(numel, keep_prob, generator=gen)
+        return {"drop_mask": drop_mask, "keep_prob": keep_prob}
+
+    return build
+
+
+def both(*builders: Extras) -> Extras:
+    """Several extras builders, applied in order."""
+
+    def build(gen: torch.Generator, cfg: FAConfig) -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        for b in builders:
+            out.update(b(gen, cfg))
+        return out
+
+    return build
+
+
+F16, BF16, F32 = torch.float16, torch.bfloat16, torch.float32
+_DOC_EXAMPLE = FAConfig("TND", F16, heads_q=1, dim=128, q_lens=(256,), kv_lens=(256,))
+_DOC_KW = {"scale_value": 0.088388, "pre_tokens": 65536, "next_tokens": 65536, "sparse_mode": 0}
+
+
+def _doc_zero_mask(gen: torch.Generator, cfg: FAConfig) -> dict[str, Any]:
+    return {"atten_mask": torch.zeros(256, 256, dtype=torch.uint8)}
+
+
+register(
+    # The documented aclnnFlashAttentionVarLenScore example (TND, T=256, N=1, D=128, fp16), random data.
+    fa_case("doc_example", _DOC_EXAMPLE, **_DOC_KW),
+    fa_case("doc_example", _DOC_EXAMPLE, op="flash_attention_var_len_score", **_DOC_KW),
+    fa_case(
+        "doc_example_zero_mask", _DOC_EXAMPLE, op="flash_attention_var_len_score", extras=_doc_zero_mask, **_DOC_KW
+    ),
+    # Layouts, GQA / MQA, cross attention, Dv < Dqk.
+    fa_case("bsh_gqa", FAConfig("BSH", F16, batch=2, heads_q=8, heads_kv=2, seq_q=128)),
+    fa_case("sbh_gqa", FAConfig("SBH", BF16, batch=2, heads_q=4, heads_kv=2, seq_q=97)),
+    fa_case("bsnd_gqa_cross", FAConfig("BSND", F32, batch=2, heads_q=6, heads_kv=3, seq_q=100, seq_kv=160)),
+    fa_case("bnsd_mqa", FAConfig("BNSD", F16, heads_q=4, heads_kv=1, seq_q=200, dim=128)),
+    fa_case("bnsd_dv_lt_dqk", FAConfig("BNSD", BF16, batch=2, heads_q=2, seq_q=96, dim=128, dim_v=64)),
+    fa_case("tnd_gqa_softmax_tnd", FAConfig("TND", F32, heads_q=4, heads_kv=2, q_lens=(33, 64, 7)),
+            softmax_layout="TND"),
+    # Masks.
+    fa_case("mode0_mask_band", FAConfig("BSND", F32, batch=2, heads_q=2, seq_q=96, seq_kv=128),
+            extras=random_mask("B1SS", p=0.1), pre_tokens=40, next_tokens=8),
+    fa_case("mode1_dead_rows", FAConfig("BSH", F16, heads_q=2, seq_q=64, seq_kv=80),
+            extras=random_mask("SS", p=0.3, dtype=torch.uint8, dead_rows=3), sparse_mode=1),
+    fa_case("causal_mode2", FAConfig("BNSD", F16, batch=2, heads_q=4, heads_kv=2, seq_q=192, seq_kv=256),
+            extras=compressed(2), sparse_mode=2),
+    fa_case("causal_mode3", FAConfig("BSND", BF16, batch=2, heads_q=4, heads_kv=2, seq_q=192, seq_kv=256),
+            extras=compressed(3), sparse_mode=3),
+    fa_case("band_mode4", FAConfig("BSH", F16, heads_q=4, seq_q=256), extras=compressed(4),
+            sparse_mode=4, pre_tokens=64, next_tokens=16),
+    fa_case("band_mode4_cross", FAConfig("BNSD", F32, heads_q=2, seq_q=100, seq_kv=180), extras=compressed(4),
+            sparse_mode=4, pre_tokens=30, next_tokens=-5),
+    fa_case("prefix_mode5", FAConfig("BNSD", F16, batch=2, heads_q=2, seq_q=128), extras=prefix_mask((40, 100)),
+            sparse_mode=5),
+    fa_case("prefix_mode6", FAConfig("BNSD", F16, batch=2, heads_q=2, seq_q=128),
+            extras=both(compressed(6), lambda gen, cfg: {"prefix": [40, 100]}), sparse_mode=6),
+    fa_case("tnd_mode7_zero_len", FAConfig("TND", F16, heads_q=2, q_lens=(64, 0, 100, 30, 0),
+            kv_lens=(80, 0, 100, 50, 0)), extras=compressed(7), sparse_mode=7, next_tokens=8),
+    fa_case("tnd_mode8_zero_len", FAConfig("TND", BF16, heads_q=2, heads_kv=1, q_lens=(0, 50, 70, 40),
+            kv_lens=(0, 90, 70, 40)), extras=compressed(8), sparse_mode=8, next_tokens=4),
+    fa_case("tnd_mode7_zero_len", FAConfig("TND", F16, heads_q=2, q_lens=(64, 0, 100, 30),
+            kv_lens=(80, 0, 100, 50)), op="flash_attention_var_len_score", extras=compressed(7),
+            sparse_mode=7, next_tokens=8),
+    fa_case("tnd_mode3_short_kv", FAConfig("TND", F32, heads_q=2, q_lens=(40, 24), kv_lens=(30, 64)),
+            extras=compressed(3), sparse_mode=3),
+    # pse.
+    fa_case("pse1_full", FAConfig("BNSD", F16, batch=2, heads_q=2, seq_q=96, seq_kv=128),
+            extras=pse_tensor("S"), pse_type=1),
+    fa_case("pse0_row_broadcast", FAConfig("BSH", F32, batch=2, heads_q=2, seq_q=80, seq_kv=96),
+            extras=pse_tensor("1", batch_broadcast=True), pse_type=0),
+    fa_case("pse2_alibi", FAConfig("BSND", F16, batch=2, heads_q=4, heads_kv=2, seq_q=128),
+            extras=alibi(q_start=3), pse_type=2),
+    fa_case("pse2_alibi_causal", FAConfig("BNSD", BF16, heads_q=8, seq_q=128), extras=both(alibi(), compressed(2)),
+            pse_type=2, sparse_mode=2),
+    fa_case("pse3_sqrt_alibi", FAConfig("BSH", F32, batch=2, heads_q=2, seq_q=64, seq_kv=96),
+            extras=alibi(per_batch=True, kv_start=5), pse_type=3),
+    fa_case("tnd_pse1", FAConfig("TND", F16, heads_q=2, q_lens=(30, 64), kv_lens=(50, 64)),
+            extras=pse_tensor("S"), pse_type=1),
+    # Dropout.
+    fa_case("dropout_bsnd", FAConfig("BSND", F16, batch=2, heads_q=4, seq_q=128), extras=dropout(0.9)),
+    fa_case("dropout_tnd_causal", FAConfig("TND", BF16, heads_q=2, q_lens=(50, 0, 70), kv_lens=(60, 0, 70)),
+            extras=both(dropout(0.8), compressed(3)), sparse_mode=3),
+    # Larger cases (skipped by --quick).
+    fa_case("large_bnsd_fp16", FAConfig("BNSD", F16, heads_q=2, seq_q=2048, dim=128), quick=False),
+    fa_case("large_causal_bf16", FAConfig("BSND", BF16, heads_q=4, heads_kv=1, seq_q=1024, dim=128),
+            extras=compressed(3), sparse_mode=3, quick=False),
+    fa_case("large_compressed_pse", FAConfig("BNSD", F32, heads_q=2, seq_q=1152, dim=64),
+            extras=both(pse_tensor("1024"), compressed(2)), sparse_mode=2, pse_type=1, quick=False),
+    fa_case("large_tnd_band_dropout", FAConfig("TND", F16, heads_q=2, q_lens=(1024, 300, 700)),
+            extras=both(dropout(0.9), compressed(4)), sparse_mode=4, pre_tokens=128, next_tokens=0, quick=False),
+)

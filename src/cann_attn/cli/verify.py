@@ -1,0 +1,200 @@
+"""``cann-attn verify``: run every implemented operator on the built-in cases and judge it against the oracle.
+
+For each case (``cases.py``) and each output tensor the table shows the max absolute error, the max relative
+error (Ascend's rel = |a - g| / max(|a|, |g|)), the Ascend "double thousandth" verdict of SEMANTICS.md section 11
+and the operator's wall time. Exit status 1 if any output fails or any case raises.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+import traceback
+import zlib
+from dataclasses import dataclass
+
+import torch
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+from . import UsageError
+from . import cases as registry
+
+_DTYPE_NAMES = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32", torch.float64: "fp64"}
+
+
+@dataclass
+class Row:
+    op: str
+    case: str
+    dtype: str
+    shape: str
+    output: str
+    max_abs: float | None
+    max_rel: float | None
+    passed: bool
+    time_ms: float | None
+    note: str = ""
+    traceback: str = ""
+
+
+def add_parser(subparsers) -> None:
+    p = subparsers.add_parser(
+        "verify",
+        help="check every implemented operator against its float64 oracle (Ascend precision rule)",
+        description=__doc__.splitlines()[0],
+    )
+    p.add_argument("--op", help="only this operator (default: every operator with cases)")
+    p.add_argument("--quick", action="store_true", help="skip the larger cases (finishes in well under a minute)")
+    p.add_argument("--device", default="cpu", help="device of the operator's inputs, e.g. cpu, cuda, cuda:1")
+    p.add_argument("--seed", type=int, default=0, help="base seed of the input generators (default 0)")
+    p.add_argument("--case", metavar="SUBSTR", help="only cases whose name contains SUBSTR")
+    p.add_argument("--list", action="store_true", help="list the selected cases and exit")
+    p.add_argument("--traceback", action="store_true", help="print the traceback of cases that raised")
+    p.set_defaults(func=run)
+
+
+def _device(name: str) -> torch.device:
+    try:
+        device = torch.device(name)
+    except RuntimeError as exc:
+        raise UsageError(f"--device: not a device name: {name!r}") from exc
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise UsageError(f"--device {name}: CUDA is not available in this PyTorch build / machine")
+    if device.type not in ("cpu", "cuda"):
+        raise UsageError(f"--device: expected cpu or cuda[:N], got {name!r}")
+    return device
+
+
+def _select(args: argparse.Namespace) -> list[registry.Case]:
+    known = sorted({c.op for c in registry.cases_for()})
+    if args.op is not None and args.op not in known:
+        raise UsageError(f"--op: unknown or unimplemented operator {args.op!r} (known: {', '.join(known)})")
+    selected = registry.cases_for(args.op, quick=args.quick)
+    if args.case:
+        selected = [c for c in selected if args.case in c.name]
+    if not selected:
+        raise UsageError("no case matches the given filters")
+    return selected
+
+
+def case_generator(case: registry.Case, seed: int) -> torch.Generator:
+    """The case's own CPU generator: the same inputs whatever other cases run (seed + crc32 of op/name)."""
+    return torch.Generator().manual_seed(seed + zlib.crc32(f"{case.op}/{case.name}".encode()))
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def run_case(case: registry.Case, device: torch.device, seed: int) -> list[Row]:
+    """Build, run (timed), compute the oracle and judge every output of one case."""
+    from ..testing.precision import ascend_rule
+
+    dtype = _DTYPE_NAMES.get(case.dtype, str(case.dtype))
+    base = {"op": case.op, "case": case.name, "dtype": dtype, "shape": case.shape}
+    try:
+        call = case.build(case_generator(case, seed))
+        dev_call = call.map_tensors(lambda t: t.to(device))
+        _sync(device)
+        start = time.perf_counter()
+        outputs = case.run(dev_call)
+        _sync(device)
+        elapsed_ms = (time.perf_counter() - start) * 1e3
+        golden = case.oracle(call)
+    except Exception as exc:
+        note = f"{type(exc).__name__}: {exc}".splitlines()[0][:200]
+        return [Row(**base, output="-", max_abs=None, max_rel=None, passed=False, time_ms=None, note=note,
+                    traceback=traceback.format_exc())]
+    rows = []
+    for name, expected in golden.items():
+        actual = outputs.get(name)
+        if actual is None:
+            rows.append(Row(**base, output=name, max_abs=None, max_rel=None, passed=False, time_ms=elapsed_ms,
+                            note="missing output"))
+            continue
+        try:
+            passed, details = ascend_rule(actual, expected)
+        except AssertionError as exc:  # shape mismatch
+            rows.append(Row(**base, output=name, max_abs=None, max_rel=None, passed=False, time_ms=elapsed_ms,
+                            note=str(exc)))
+            continue
+        note = "" if passed else f"{details['n_rel_fail']} rel / {details['n_abs_fail']} abs > t"
+        rows.append(Row(**base, output=name, max_abs=details["max_abs_err"], max_rel=details["max_rel_err"],
+                        passed=passed, time_ms=elapsed_ms, note=note))
+    return rows
+
+
+def _fmt(x: float | None) -> str:
+    return "-" if x is None else f"{x:.2e}"
+
+
+def render(rows: list[Row], console: Console, title: str) -> None:
+    table = Table(title=title, show_lines=False, header_style="bold")
+    for col, justify in (("op", "left"), ("case", "left"), ("dtype", "left"), ("shape", "left"),
+                         ("output", "left"), ("max abs", "right"), ("max rel", "right"), ("ascend", "center"),
+                         ("time ms", "right")):
+        table.add_column(col, justify=justify, no_wrap=col in ("case", "output"))
+    previous = None
+    for r in rows:
+        first = (r.op, r.case) != previous
+        previous = (r.op, r.case)
+        verdict = "[green]pass[/]" if r.passed else "[bold red]FAIL[/]"
+        if r.note and not r.passed:
+            verdict += f" [red]({r.note})[/]"
+        table.add_row(
+            r.op if first else "",
+            r.case if first else "",
+            r.dtype if first else "",
+            r.shape if first else "",
+            r.output,
+            _fmt(r.max_abs),
+            _fmt(r.max_rel),
+            verdict,
+            "-" if r.time_ms is None else (f"{r.time_ms:.1f}" if first else ""),
+        )
+    console.print(table)
+
+
+def run(args: argparse.Namespace) -> int:
+    device = _device(args.device)
+    selected = _select(args)
+    console = Console()
+    if not console.is_terminal:
+        console = Console(width=max(console.width, 160))
+    if args.list:
+        for c in selected:
+            console.print(f"{c.op}  {c.name}  {_DTYPE_NAMES.get(c.dtype, c.dtype)}  {c.shape}"
+                          + ("" if c.quick else "  (not in --quick)"), markup=False, highlight=False)
+        return 0
+    rows: list[Row] = []
+    start = time.perf_counter()
+    progress = Progress(
+        TextColumn("[bold]verify"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+        TextColumn("{task.description}"), console=Console(stderr=True), transient=True,
+    )
+    with progress:
+        task = progress.add_task("", total=len(selected))
+        for case in selected:
+            progress.update(task, description=f"{case.op}/{case.name}")
+            rows.extend(run_case(case, device, args.seed))
+            progress.advance(task)
+    failed_cases = sorted({(r.op, r.case) for r in rows if not r.passed})
+    title = f"cann-attn verify ({device}, seed {args.seed}{', quick' if args.quick else ''})"
+    render(rows, console, title)
+    elapsed = time.perf_counter() - start
+    summary = (f"{len(selected)} cases, {len(rows)} outputs, {len(failed_cases)} failing case(s), "
+               f"{elapsed:.1f} s")
+    if failed_cases:
+        console.print(f"[bold red]FAILED[/]: {summary}")
+        tracebacks = [r for r in rows if r.traceback]
+        if tracebacks and not args.traceback:
+            console.print("[dim]--traceback shows where the failing cases raised[/]")
+        for r in tracebacks if args.traceback else ():
+            console.print(f"[bold]{r.op}/{r.case}[/]")
+            console.print(r.traceback, markup=False, highlight=False)
+        return 1
+    console.print(f"[bold green]OK[/]: {summary}")
+    return 0
