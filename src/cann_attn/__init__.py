@@ -11,8 +11,10 @@ from .ops.flash_attention_score import (
     flash_attention_var_len_score,
 )
 from .ops.flash_attention_score_grad import FlashAttentionScoreGradResult, flash_attention_score_grad
+from .ops.prompt_flash_attention import prompt_flash_attention
 from .problem.dropout import drop_mask_numel, gen_drop_mask
 from .problem.mask import compressed_mask
+from .problem.quant import trans_quant_param
 
 __version__ = "0.1.0"
 
@@ -30,4 +32,6 @@ __all__ = [
     "flash_attention_score_grad",
     "flash_attention_var_len_score",
     "gen_drop_mask",
+    "prompt_flash_attention",
+    "trans_quant_param",
 ]

@@ -1,7 +1,7 @@
 """``cann-attn bench``: run the benchmark scripts of the repository's ``benchmarks/`` folder.
 
-Each suite NAME is the script ``benchmarks/bench_NAME.py``; it is run in a subprocess with the same Python, with
-``--device`` and ``--quick`` passed on (results land in ``benchmarks/results/``, or ``--out DIR``).
+Each suite NAME is the script ``benchmarks/bench_NAME.py``; it runs in a subprocess with the same Python,
+with ``--device`` and ``--quick`` passed on (results land in ``benchmarks/results/``, or ``--out DIR``).
 """
 
 from __future__ import annotations
@@ -16,7 +16,8 @@ from . import UsageError
 
 
 def benchmarks_dir() -> Path | None:
-    """``$CANN_ATTN_BENCHMARKS``, else ``benchmarks/`` of the source checkout, else of the working directory."""
+    """``$CANN_ATTN_BENCHMARKS``, else ``benchmarks/`` of the source checkout, else of the working
+    directory (None if none has ``bench_*.py`` scripts)."""
     candidates = []
     if os.environ.get("CANN_ATTN_BENCHMARKS"):
         candidates.append(Path(os.environ["CANN_ATTN_BENCHMARKS"]))
@@ -30,7 +31,8 @@ def suites(directory: Path) -> dict[str, Path]:
 
 def add_parser(subparsers) -> None:
     p = subparsers.add_parser(
-        "bench", help="run the benchmarks (ratios against PyTorch, JSON + PNG results)",
+        "bench",
+        help="run the benchmarks (ratios against PyTorch, JSON + PNG results)",
         description=__doc__.splitlines()[0],
     )
     p.add_argument("--suite", default="all", help="suite name (e.g. fa_forward) or 'all' (default)")
@@ -43,7 +45,9 @@ def add_parser(subparsers) -> None:
 def run(args: argparse.Namespace) -> int:
     directory = benchmarks_dir()
     if directory is None:
-        raise UsageError("benchmarks/ folder not found (run from the repository root or set CANN_ATTN_BENCHMARKS)")
+        raise UsageError(
+            "benchmarks/ folder not found (run from the repository root or set CANN_ATTN_BENCHMARKS)"
+        )
     available = suites(directory)
     if args.suite != "all" and args.suite not in available:
         raise UsageError(f"--suite: unknown suite {args.suite!r} (known: {', '.join(available)}, all)")

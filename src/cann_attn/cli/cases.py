@@ -2,8 +2,8 @@
 
 A case is a small `Case` record:
 
-- ``op``: the operator's public name in ``cann_attn`` (``verify --op`` filters on it; cases whose operator is not
-  importable from ``cann_attn`` yet are skipped, so cases may be registered before the operator lands);
+- ``op``: the operator's public name in ``cann_attn`` (``verify --op`` filters on it; cases whose operator
+  is not importable from ``cann_attn`` yet are skipped, so cases may be registered before the operator lands);
 - ``name``: unique within the operator; ``dtype`` and ``shape``: what the results table shows;
 - ``build(generator) -> Call``: the inputs, built on the CPU from the given seeded ``torch.Generator`` only
   (``verify`` moves the tensors to ``--device`` for the operator and keeps the CPU copy for the oracle);
@@ -25,7 +25,7 @@ Adding cases for a new operator (grad, PFA, DSA) takes one function and one ``re
             op="flash_attention_score_grad", name=name, dtype=cfg.dtype, shape=cfg.summary(),
             build=build,
             run=outputs_of("flash_attention_score_grad", ("dq", "dk", "dv")),
-            oracle=lambda call: my_grad_oracle(*call.args, **call.kwargs),   # -> {"dq": ..., "dk": ..., "dv": ...}
+            oracle=lambda call: my_grad_oracle(*call.args, **call.kwargs),  # {"dq": .., "dk": .., "dv": ..}
         )
 
     register(_grad_case("bsh_gqa", FAConfig("BSH", torch.float16, batch=2, heads_q=8, heads_kv=2)))
@@ -109,9 +109,7 @@ def register(*cases: Case) -> None:
 def cases_for(op: str | None = None, quick: bool = False) -> list[Case]:
     """Registered cases of operator `op` (all operators if None) whose operator exists in ``cann_attn``."""
     return [
-        c
-        for c in CASES
-        if (op is None or c.op == op) and (c.quick or not quick) and hasattr(cann_attn, c.op)
+        c for c in CASES if (op is None or c.op == op) and (c.quick or not quick) and hasattr(cann_attn, c.op)
     ]
 
 
@@ -132,9 +130,9 @@ def randn(gen: torch.Generator, shape: Sequence[int], dtype: torch.dtype, std: f
     return (torch.randn(tuple(shape), generator=gen, dtype=torch.float32) * std).to(dtype)
 
 
-# ---------------------------------------------------------------------------------------------------------------
+# ----------------------------------------------------------------------------------------------------------
 # FlashAttentionScore / FlashAttentionVarLenScore (forward)
-# ---------------------------------------------------------------------------------------------------------------
+# ----------------------------------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class FAConfig:
     """Shapes of one FA-family case. TND: `q_lens` / `kv_lens` are per-sequence lengths (not cumulative)."""
@@ -177,7 +175,9 @@ class FAConfig:
         heads = f"N{self.heads_q}" if self.n2 == self.heads_q else f"N{self.heads_q}/{self.n2}"
         dims = f"D{self.dim}" if self.dv == self.dim else f"D{self.dim}/{self.dv}"
         if self.layout == "TND":
-            lens = ",".join(f"{q}x{k}" if q != k else str(q) for q, k in zip(self.qlens, self.kvlens, strict=True))
+            lens = ",".join(
+                f"{q}x{k}" if q != k else str(q) for q, k in zip(self.qlens, self.kvlens, strict=True)
+            )
             return f"TND T{sum(self.qlens)} {heads} {dims} [{lens}]"
         seq = f"S{self.seq_q}" if self.skv == self.seq_q else f"S{self.seq_q}x{self.skv}"
         return f"{self.layout} B{self.batch} {heads} {seq} {dims}"
@@ -204,7 +204,9 @@ def _layout_shape(layout: str, batch: int, seq: int, heads: int, dim: int, total
 Extras = Callable[[torch.Generator, FAConfig], dict[str, Any]]
 
 
-def fa_inputs(gen: torch.Generator, cfg: FAConfig, kwargs: Mapping[str, Any], extras: Extras | None = None) -> Call:
+def fa_inputs(
+    gen: torch.Generator, cfg: FAConfig, kwargs: Mapping[str, Any], extras: Extras | None = None
+) -> Call:
     """query, key, value in `cfg.layout` (+ TND cumulative lengths, + tensors from `extras`) as a `Call`."""
     tq, tkv = sum(cfg.qlens), sum(cfg.kvlens)
     q = randn(gen, _layout_shape(cfg.layout, cfg.batch, cfg.seq_q, cfg.heads_q, cfg.dim, tq), cfg.dtype)
@@ -256,13 +258,21 @@ def compressed(mode: int) -> Extras:
     return lambda gen, cfg: {"atten_mask": cann_attn.compressed_mask(mode)}
 
 
-def random_mask(shape: str = "B1SS", p: float = 0.2, dtype: torch.dtype = torch.bool, dead_rows: int = 0) -> Extras:
+def random_mask(
+    shape: str = "B1SS", p: float = 0.2, dtype: torch.dtype = torch.bool, dead_rows: int = 0
+) -> Extras:
     """A random full atten_mask (True = masked) of shape SS, 1SS, B1SS, 11SS or BNSS; the first `dead_rows`
     query rows are fully masked (invalid rows: output 0)."""
 
     def build(gen: torch.Generator, cfg: FAConfig) -> dict[str, Any]:
         sq, skv = max(cfg.qlens), max(cfg.kvlens)
-        lead = {"SS": (), "1SS": (1,), "B1SS": (cfg.batch, 1), "11SS": (1, 1), "BNSS": (cfg.batch, cfg.heads_q)}
+        lead = {
+            "SS": (),
+            "1SS": (1,),
+            "B1SS": (cfg.batch, 1),
+            "11SS": (1, 1),
+            "BNSS": (cfg.batch, cfg.heads_q),
+        }
         m = torch.rand((*lead[shape], sq, skv), generator=gen) < p
         m[..., :dead_rows, :] = True
         return {"atten_mask": m.to(dtype)}
@@ -309,7 +319,7 @@ def alibi(per_batch: bool = False, q_start: int = 0, kv_start: int = 0) -> Extra
 
 
 def dropout(keep_prob: float) -> Extras:
-    """drop_mask from gen_drop_mask (seeded) covering the case's [B, N1, Sq, Skv] (TND: per-sequence blocks)."""
+    """drop_mask from gen_drop_mask (seeded) over the case's [B, N1, Sq, Skv] (TND: per-sequence blocks)."""
 
     def build(gen: torch.Generator, cfg: FAConfig) -> dict[str, Any]:
         if cfg.layout == "TND":
@@ -350,7 +360,11 @@ register(
     fa_case("doc_example", _DOC_EXAMPLE, **_DOC_KW),
     fa_case("doc_example", _DOC_EXAMPLE, op="flash_attention_var_len_score", **_DOC_KW),
     fa_case(
-        "doc_example_zero_mask", _DOC_EXAMPLE, op="flash_attention_var_len_score", extras=_doc_zero_mask, **_DOC_KW
+        "doc_example_zero_mask",
+        _DOC_EXAMPLE,
+        op="flash_attention_var_len_score",
+        extras=_doc_zero_mask,
+        **_DOC_KW,
     ),
     # Layouts, GQA / MQA, cross attention, Dv < Dqk.
     fa_case("bsh_gqa", FAConfig("BSH", F16, batch=2, heads_q=8, heads_kv=2, seq_q=128)),
@@ -358,57 +372,163 @@ register(
     fa_case("bsnd_gqa_cross", FAConfig("BSND", F32, batch=2, heads_q=6, heads_kv=3, seq_q=100, seq_kv=160)),
     fa_case("bnsd_mqa", FAConfig("BNSD", F16, heads_q=4, heads_kv=1, seq_q=200, dim=128)),
     fa_case("bnsd_dv_lt_dqk", FAConfig("BNSD", BF16, batch=2, heads_q=2, seq_q=96, dim=128, dim_v=64)),
-    fa_case("tnd_gqa_softmax_tnd", FAConfig("TND", F32, heads_q=4, heads_kv=2, q_lens=(33, 64, 7)),
-            softmax_layout="TND"),
+    fa_case(
+        "tnd_gqa_softmax_tnd",
+        FAConfig("TND", F32, heads_q=4, heads_kv=2, q_lens=(33, 64, 7)),
+        softmax_layout="TND",
+    ),
     # Masks.
-    fa_case("mode0_mask_band", FAConfig("BSND", F32, batch=2, heads_q=2, seq_q=96, seq_kv=128),
-            extras=random_mask("B1SS", p=0.1), pre_tokens=40, next_tokens=8),
-    fa_case("mode1_dead_rows", FAConfig("BSH", F16, heads_q=2, seq_q=64, seq_kv=80),
-            extras=random_mask("SS", p=0.3, dtype=torch.uint8, dead_rows=3), sparse_mode=1),
-    fa_case("causal_mode2", FAConfig("BNSD", F16, batch=2, heads_q=4, heads_kv=2, seq_q=192, seq_kv=256),
-            extras=compressed(2), sparse_mode=2),
-    fa_case("causal_mode3", FAConfig("BSND", BF16, batch=2, heads_q=4, heads_kv=2, seq_q=192, seq_kv=256),
-            extras=compressed(3), sparse_mode=3),
-    fa_case("band_mode4", FAConfig("BSH", F16, heads_q=4, seq_q=256), extras=compressed(4),
-            sparse_mode=4, pre_tokens=64, next_tokens=16),
-    fa_case("band_mode4_cross", FAConfig("BNSD", F32, heads_q=2, seq_q=100, seq_kv=180), extras=compressed(4),
-            sparse_mode=4, pre_tokens=30, next_tokens=-5),
-    fa_case("prefix_mode5", FAConfig("BNSD", F16, batch=2, heads_q=2, seq_q=128), extras=prefix_mask((40, 100)),
-            sparse_mode=5),
-    fa_case("prefix_mode6", FAConfig("BNSD", F16, batch=2, heads_q=2, seq_q=128),
-            extras=both(compressed(6), lambda gen, cfg: {"prefix": [40, 100]}), sparse_mode=6),
-    fa_case("tnd_mode7_zero_len", FAConfig("TND", F16, heads_q=2, q_lens=(64, 0, 100, 30, 0),
-            kv_lens=(80, 0, 100, 50, 0)), extras=compressed(7), sparse_mode=7, next_tokens=8),
-    fa_case("tnd_mode8_zero_len", FAConfig("TND", BF16, heads_q=2, heads_kv=1, q_lens=(0, 50, 70, 40),
-            kv_lens=(0, 90, 70, 40)), extras=compressed(8), sparse_mode=8, next_tokens=4),
-    fa_case("tnd_mode7_zero_len", FAConfig("TND", F16, heads_q=2, q_lens=(64, 0, 100, 30),
-            kv_lens=(80, 0, 100, 50)), op="flash_attention_var_len_score", extras=compressed(7),
-            sparse_mode=7, next_tokens=8),
-    fa_case("tnd_mode3_short_kv", FAConfig("TND", F32, heads_q=2, q_lens=(40, 24), kv_lens=(30, 64)),
-            extras=compressed(3), sparse_mode=3),
+    fa_case(
+        "mode0_mask_band",
+        FAConfig("BSND", F32, batch=2, heads_q=2, seq_q=96, seq_kv=128),
+        extras=random_mask("B1SS", p=0.1),
+        pre_tokens=40,
+        next_tokens=8,
+    ),
+    fa_case(
+        "mode1_dead_rows",
+        FAConfig("BSH", F16, heads_q=2, seq_q=64, seq_kv=80),
+        extras=random_mask("SS", p=0.3, dtype=torch.uint8, dead_rows=3),
+        sparse_mode=1,
+    ),
+    fa_case(
+        "causal_mode2",
+        FAConfig("BNSD", F16, batch=2, heads_q=4, heads_kv=2, seq_q=192, seq_kv=256),
+        extras=compressed(2),
+        sparse_mode=2,
+    ),
+    fa_case(
+        "causal_mode3",
+        FAConfig("BSND", BF16, batch=2, heads_q=4, heads_kv=2, seq_q=192, seq_kv=256),
+        extras=compressed(3),
+        sparse_mode=3,
+    ),
+    fa_case(
+        "band_mode4",
+        FAConfig("BSH", F16, heads_q=4, seq_q=256),
+        extras=compressed(4),
+        sparse_mode=4,
+        pre_tokens=64,
+        next_tokens=16,
+    ),
+    fa_case(
+        "band_mode4_cross",
+        FAConfig("BNSD", F32, heads_q=2, seq_q=100, seq_kv=180),
+        extras=compressed(4),
+        sparse_mode=4,
+        pre_tokens=30,
+        next_tokens=-5,
+    ),
+    fa_case(
+        "prefix_mode5",
+        FAConfig("BNSD", F16, batch=2, heads_q=2, seq_q=128),
+        extras=prefix_mask((40, 100)),
+        sparse_mode=5,
+    ),
+    fa_case(
+        "prefix_mode6",
+        FAConfig("BNSD", F16, batch=2, heads_q=2, seq_q=128),
+        extras=both(compressed(6), lambda gen, cfg: {"prefix": [40, 100]}),
+        sparse_mode=6,
+    ),
+    fa_case(
+        "tnd_mode7_zero_len",
+        FAConfig("TND", F16, heads_q=2, q_lens=(64, 0, 100, 30, 0), kv_lens=(80, 0, 100, 50, 0)),
+        extras=compressed(7),
+        sparse_mode=7,
+        next_tokens=8,
+    ),
+    fa_case(
+        "tnd_mode8_zero_len",
+        FAConfig("TND", BF16, heads_q=2, heads_kv=1, q_lens=(0, 50, 70, 40), kv_lens=(0, 90, 70, 40)),
+        extras=compressed(8),
+        sparse_mode=8,
+        next_tokens=4,
+    ),
+    fa_case(
+        "tnd_mode7_zero_len",
+        FAConfig("TND", F16, heads_q=2, q_lens=(64, 0, 100, 30), kv_lens=(80, 0, 100, 50)),
+        op="flash_attention_var_len_score",
+        extras=compressed(7),
+        sparse_mode=7,
+        next_tokens=8,
+    ),
+    fa_case(
+        "tnd_mode3_short_kv",
+        FAConfig("TND", F32, heads_q=2, q_lens=(40, 24), kv_lens=(30, 64)),
+        extras=compressed(3),
+        sparse_mode=3,
+    ),
     # pse.
-    fa_case("pse1_full", FAConfig("BNSD", F16, batch=2, heads_q=2, seq_q=96, seq_kv=128),
-            extras=pse_tensor("S"), pse_type=1),
-    fa_case("pse0_row_broadcast", FAConfig("BSH", F32, batch=2, heads_q=2, seq_q=80, seq_kv=96),
-            extras=pse_tensor("1", batch_broadcast=True), pse_type=0),
-    fa_case("pse2_alibi", FAConfig("BSND", F16, batch=2, heads_q=4, heads_kv=2, seq_q=128),
-            extras=alibi(q_start=3), pse_type=2),
-    fa_case("pse2_alibi_causal", FAConfig("BNSD", BF16, heads_q=8, seq_q=128), extras=both(alibi(), compressed(2)),
-            pse_type=2, sparse_mode=2),
-    fa_case("pse3_sqrt_alibi", FAConfig("BSH", F32, batch=2, heads_q=2, seq_q=64, seq_kv=96),
-            extras=alibi(per_batch=True, kv_start=5), pse_type=3),
-    fa_case("tnd_pse1", FAConfig("TND", F16, heads_q=2, q_lens=(30, 64), kv_lens=(50, 64)),
-            extras=pse_tensor("S"), pse_type=1),
+    fa_case(
+        "pse1_full",
+        FAConfig("BNSD", F16, batch=2, heads_q=2, seq_q=96, seq_kv=128),
+        extras=pse_tensor("S"),
+        pse_type=1,
+    ),
+    fa_case(
+        "pse0_row_broadcast",
+        FAConfig("BSH", F32, batch=2, heads_q=2, seq_q=80, seq_kv=96),
+        extras=pse_tensor("1", batch_broadcast=True),
+        pse_type=0,
+    ),
+    fa_case(
+        "pse2_alibi",
+        FAConfig("BSND", F16, batch=2, heads_q=4, heads_kv=2, seq_q=128),
+        extras=alibi(q_start=3),
+        pse_type=2,
+    ),
+    fa_case(
+        "pse2_alibi_causal",
+        FAConfig("BNSD", BF16, heads_q=8, seq_q=128),
+        extras=both(alibi(), compressed(2)),
+        pse_type=2,
+        sparse_mode=2,
+    ),
+    fa_case(
+        "pse3_sqrt_alibi",
+        FAConfig("BSH", F32, batch=2, heads_q=2, seq_q=64, seq_kv=96),
+        extras=alibi(per_batch=True, kv_start=5),
+        pse_type=3,
+    ),
+    fa_case(
+        "tnd_pse1",
+        FAConfig("TND", F16, heads_q=2, q_lens=(30, 64), kv_lens=(50, 64)),
+        extras=pse_tensor("S"),
+        pse_type=1,
+    ),
     # Dropout.
     fa_case("dropout_bsnd", FAConfig("BSND", F16, batch=2, heads_q=4, seq_q=128), extras=dropout(0.9)),
-    fa_case("dropout_tnd_causal", FAConfig("TND", BF16, heads_q=2, q_lens=(50, 0, 70), kv_lens=(60, 0, 70)),
-            extras=both(dropout(0.8), compressed(3)), sparse_mode=3),
+    fa_case(
+        "dropout_tnd_causal",
+        FAConfig("TND", BF16, heads_q=2, q_lens=(50, 0, 70), kv_lens=(60, 0, 70)),
+        extras=both(dropout(0.8), compressed(3)),
+        sparse_mode=3,
+    ),
     # Larger cases (skipped by --quick).
     fa_case("large_bnsd_fp16", FAConfig("BNSD", F16, heads_q=2, seq_q=2048, dim=128), quick=False),
-    fa_case("large_causal_bf16", FAConfig("BSND", BF16, heads_q=4, heads_kv=1, seq_q=1024, dim=128),
-            extras=compressed(3), sparse_mode=3, quick=False),
-    fa_case("large_compressed_pse", FAConfig("BNSD", F32, heads_q=2, seq_q=1152, dim=64),
-            extras=both(pse_tensor("1024"), compressed(2)), sparse_mode=2, pse_type=1, quick=False),
-    fa_case("large_tnd_band_dropout", FAConfig("TND", F16, heads_q=2, q_lens=(1024, 300, 700)),
-            extras=both(dropout(0.9), compressed(4)), sparse_mode=4, pre_tokens=128, next_tokens=0, quick=False),
+    fa_case(
+        "large_causal_bf16",
+        FAConfig("BSND", BF16, heads_q=4, heads_kv=1, seq_q=1024, dim=128),
+        extras=compressed(3),
+        sparse_mode=3,
+        quick=False,
+    ),
+    fa_case(
+        "large_compressed_pse",
+        FAConfig("BNSD", F32, heads_q=2, seq_q=1152, dim=64),
+        extras=both(pse_tensor("1024"), compressed(2)),
+        sparse_mode=2,
+        pse_type=1,
+        quick=False,
+    ),
+    fa_case(
+        "large_tnd_band_dropout",
+        FAConfig("TND", F16, heads_q=2, q_lens=(1024, 300, 700)),
+        extras=both(dropout(0.9), compressed(4)),
+        sparse_mode=4,
+        pre_tokens=128,
+        next_tokens=0,
+        quick=False,
+    ),
 )

@@ -1,8 +1,8 @@
 """``cann-attn verify``: run every implemented operator on the built-in cases and judge it against the oracle.
 
 For each case (``cases.py``) and each output tensor the table shows the max absolute error, the max relative
-error (Ascend's rel = |a - g| / max(|a|, |g|)), the Ascend "double thousandth" verdict of SEMANTICS.md section 11
-and the operator's wall time. Exit status 1 if any output fails or any case raises.
+error (Ascend's rel = |a - g| / max(|a|, |g|)), the Ascend "double thousandth" verdict of SEMANTICS.md
+section 11 and the operator's wall time. Exit status 1 if any output fails or any case raises.
 """
 
 from __future__ import annotations
@@ -46,7 +46,9 @@ def add_parser(subparsers) -> None:
         description=__doc__.splitlines()[0],
     )
     p.add_argument("--op", help="only this operator (default: every operator with cases)")
-    p.add_argument("--quick", action="store_true", help="skip the larger cases (finishes in well under a minute)")
+    p.add_argument(
+        "--quick", action="store_true", help="skip the larger cases (finishes in well under a minute)"
+    )
     p.add_argument("--device", default="cpu", help="device of the operator's inputs, e.g. cpu, cuda, cuda:1")
     p.add_argument("--seed", type=int, default=0, help="base seed of the input generators (default 0)")
     p.add_argument("--case", metavar="SUBSTR", help="only cases whose name contains SUBSTR")
@@ -106,24 +108,61 @@ def run_case(case: registry.Case, device: torch.device, seed: int) -> list[Row]:
         golden = case.oracle(call)
     except Exception as exc:
         note = f"{type(exc).__name__}: {exc}".splitlines()[0][:200]
-        return [Row(**base, output="-", max_abs=None, max_rel=None, passed=False, time_ms=None, note=note,
-                    traceback=traceback.format_exc())]
+        return [
+            Row(
+                **base,
+                output="-",
+                max_abs=None,
+                max_rel=None,
+                passed=False,
+                time_ms=None,
+                note=note,
+                traceback=traceback.format_exc(),
+            )
+        ]
     rows = []
     for name, expected in golden.items():
         actual = outputs.get(name)
         if actual is None:
-            rows.append(Row(**base, output=name, max_abs=None, max_rel=None, passed=False, time_ms=elapsed_ms,
-                            note="missing output"))
+            rows.append(
+                Row(
+                    **base,
+                    output=name,
+                    max_abs=None,
+                    max_rel=None,
+                    passed=False,
+                    time_ms=elapsed_ms,
+                    note="missing output",
+                )
+            )
             continue
         try:
             passed, details = ascend_rule(actual, expected)
         except AssertionError as exc:  # shape mismatch
-            rows.append(Row(**base, output=name, max_abs=None, max_rel=None, passed=False, time_ms=elapsed_ms,
-                            note=str(exc)))
+            rows.append(
+                Row(
+                    **base,
+                    output=name,
+                    max_abs=None,
+                    max_rel=None,
+                    passed=False,
+                    time_ms=elapsed_ms,
+                    note=str(exc),
+                )
+            )
             continue
         note = "" if passed else f"{details['n_rel_fail']} rel / {details['n_abs_fail']} abs > t"
-        rows.append(Row(**base, output=name, max_abs=details["max_abs_err"], max_rel=details["max_rel_err"],
-                        passed=passed, time_ms=elapsed_ms, note=note))
+        rows.append(
+            Row(
+                **base,
+                output=name,
+                max_abs=details["max_abs_err"],
+                max_rel=details["max_rel_err"],
+                passed=passed,
+                time_ms=elapsed_ms,
+                note=note,
+            )
+        )
     return rows
 
 
@@ -133,9 +172,17 @@ def _fmt(x: float | None) -> str:
 
 def render(rows: list[Row], console: Console, title: str) -> None:
     table = Table(title=title, show_lines=False, header_style="bold")
-    for col, justify in (("op", "left"), ("case", "left"), ("dtype", "left"), ("shape", "left"),
-                         ("output", "left"), ("max abs", "right"), ("max rel", "right"), ("ascend", "center"),
-                         ("time ms", "right")):
+    for col, justify in (
+        ("op", "left"),
+        ("case", "left"),
+        ("dtype", "left"),
+        ("shape", "left"),
+        ("output", "left"),
+        ("max abs", "right"),
+        ("max rel", "right"),
+        ("ascend", "center"),
+        ("time ms", "right"),
+    ):
         table.add_column(col, justify=justify, no_wrap=col in ("case", "output"))
     previous = None
     for r in rows:
@@ -166,14 +213,23 @@ def run(args: argparse.Namespace) -> int:
         console = Console(width=max(console.width, 160))
     if args.list:
         for c in selected:
-            console.print(f"{c.op}  {c.name}  {_DTYPE_NAMES.get(c.dtype, c.dtype)}  {c.shape}"
-                          + ("" if c.quick else "  (not in --quick)"), markup=False, highlight=False)
+            console.print(
+                f"{c.op}  {c.name}  {_DTYPE_NAMES.get(c.dtype, c.dtype)}  {c.shape}"
+                + ("" if c.quick else "  (not in --quick)"),
+                markup=False,
+                highlight=False,
+            )
         return 0
     rows: list[Row] = []
     start = time.perf_counter()
     progress = Progress(
-        TextColumn("[bold]verify"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-        TextColumn("{task.description}"), console=Console(stderr=True), transient=True,
+        TextColumn("[bold]verify"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+        TextColumn("{task.description}"),
+        console=Console(stderr=True),
+        transient=True,
     )
     with progress:
         task = progress.add_task("", total=len(selected))
@@ -185,8 +241,9 @@ def run(args: argparse.Namespace) -> int:
     title = f"cann-attn verify ({device}, seed {args.seed}{', quick' if args.quick else ''})"
     render(rows, console, title)
     elapsed = time.perf_counter() - start
-    summary = (f"{len(selected)} cases, {len(rows)} outputs, {len(failed_cases)} failing case(s), "
-               f"{elapsed:.1f} s")
+    summary = (
+        f"{len(selected)} cases, {len(rows)} outputs, {len(failed_cases)} failing case(s), {elapsed:.1f} s"
+    )
     if failed_cases:
         console.print(f"[bold red]FAILED[/]: {summary}")
         tracebacks = [r for r in rows if r.traceback]

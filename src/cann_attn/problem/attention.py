@@ -56,23 +56,27 @@ class AttentionProblem:
         return self.heads_q // self.heads_kv
 
     def q_view(self, tensor: torch.Tensor, run: Run, heads: int | None = None) -> torch.Tensor:
-        """[count, N, Sq, D] view of a tensor laid out like the query (query, attention_out, dy, dq)."""
+        """[count, N, Sq, D] view of a tensor laid out like the query (query, attention_out, dy, dq); with
+        per-batch actual lengths (PFA) only the first Sq rows of each batch."""
         if self.tnd:
             return layouts.tnd_run(tensor, run.q_token0, run.count, run.seq_q)
-        return layouts.as_bnsd(tensor, self.layout, heads or self.heads_q)[run.b0 : run.b0 + run.count]
+        bnsd = layouts.as_bnsd(tensor, self.layout, heads or self.heads_q)
+        return bnsd[run.b0 : run.b0 + run.count, :, : run.seq_q]
 
     def kv_view(self, tensor: torch.Tensor, run: Run) -> torch.Tensor:
         """[count, N2, Skv, D] view of a tensor laid out like the key (key, value, dk, dv)."""
         if self.tnd:
             return layouts.tnd_run(tensor, run.kv_token0, run.count, run.seq_kv)
-        return layouts.as_bnsd(tensor, self.layout, self.heads_kv)[run.b0 : run.b0 + run.count]
+        bnsd = layouts.as_bnsd(tensor, self.layout, self.heads_kv)
+        return bnsd[run.b0 : run.b0 + run.count, :, : run.seq_kv]
 
     def stat_view(self, tensor: torch.Tensor, run: Run) -> torch.Tensor:
         """[count, N1, Sq, 8] view of softmax_max / softmax_sum."""
-        return stats.run_view(
+        view = stats.run_view(
             tensor, tnd=self.tnd, softmax_layout=self.softmax_layout, b0=run.b0, count=run.count,
             token_start=run.q_token0, seq_q=run.seq_q,
         )
+        return view if self.tnd else view[:, :, : run.seq_q]
 
 
 def partition_runs(keys: list[tuple]) -> list[tuple[int, int]]:

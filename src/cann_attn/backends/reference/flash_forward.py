@@ -24,13 +24,14 @@ def compute_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
-def forward(problem: AttentionProblem, query, key, value, out, softmax_max, softmax_sum) -> None:
-    """Fill `out` (query layout, Dv), `softmax_max` and `softmax_sum` for every run of `problem`."""
+def forward(problem: AttentionProblem, query, key, value, out, softmax_max=None, softmax_sum=None) -> None:
+    """Fill `out` (query layout, Dv) and, when given, `softmax_max` / `softmax_sum` for every run of `problem`.
+    Runs without keys are left alone: the caller's zero-initialised output is their result."""
     for run in problem.runs:
-        if run.seq_q > 0:
-            RunKernel(problem, run, query, key, value).forward(
-                problem.q_view(out, run), problem.stat_view(softmax_max, run), problem.stat_view(softmax_sum, run)
-            )
+        if run.seq_q > 0 and run.seq_kv > 0:
+            max_view = None if softmax_max is None else problem.stat_view(softmax_max, run)
+            sum_view = None if softmax_sum is None else problem.stat_view(softmax_sum, run)
+            RunKernel(problem, run, query, key, value).forward(problem.q_view(out, run), max_view, sum_view)
 
 
 def group_rows(t: torch.Tensor, heads_kv: int) -> torch.Tensor:
@@ -135,5 +136,11 @@ class RunKernel:
             result = (acc / denom).view(c, problem.heads_q, rows, dv)
             result.masked_fill_(~valid.unsqueeze(-1), 0.0)
             out_view[:, :, i0:i1].copy_(result)
-            max_view[:, :, i0:i1].copy_(torch.where(valid, row_max, -FLT_MAX).unsqueeze(-1).expand(-1, -1, -1, 8))
-            sum_view[:, :, i0:i1].copy_(torch.where(valid, row_sum, FLT_MAX).unsqueeze(-1).expand(-1, -1, -1, 8))
+            if max_view is not None:
+                write_stat(max_view[:, :, i0:i1], torch.where(valid, row_max, -FLT_MAX))
+                write_stat(sum_view[:, :, i0:i1], torch.where(valid, row_sum, FLT_MAX))
+
+
+def write_stat(view: torch.Tensor, values: torch.Tensor) -> None:
+    """Store a per-row statistic repeated over the 8-wide last dim (SEMANTICS.md section 6)."""
+    view.copy_(values.unsqueeze(-1).expand_as(view))
