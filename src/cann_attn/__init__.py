@@ -12,6 +12,12 @@ from .ops.flash_attention_score import (
 )
 from .ops.flash_attention_score_grad import FlashAttentionScoreGradResult, flash_attention_score_grad
 from .ops.prompt_flash_attention import prompt_flash_attention
+from .ops.sparse_flash_attention import (
+    SparseFlashAttentionGradResult,
+    SparseFlashAttentionResult,
+    sparse_flash_attention,
+    sparse_flash_attention_grad,
+)
 from .problem.dropout import drop_mask_numel, gen_drop_mask
 from .problem.mask import compressed_mask
 from .problem.quant import trans_quant_param
@@ -24,6 +30,8 @@ __all__ = [
     "FlashAttentionScoreResult",
     "ParamInvalidError",
     "ParamNullptrError",
+    "SparseFlashAttentionGradResult",
+    "SparseFlashAttentionResult",
     "__version__",
     "compressed_mask",
     "drop_mask_numel",
@@ -33,5 +41,7 @@ __all__ = [
     "flash_attention_var_len_score",
     "gen_drop_mask",
     "prompt_flash_attention",
+    "sparse_flash_attention",
+    "sparse_flash_attention_grad",
     "trans_quant_param",
 ]

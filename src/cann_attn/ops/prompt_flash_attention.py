@@ -11,7 +11,7 @@ from ..problem import layout as layouts
 from ..problem import mask as masks
 from ..problem import quant
 from ..problem.attention import AttentionProblem, Run, partition_runs
-from ..problem.lengths import to_int_list
+from ..problem.lengths import per_batch_lengths
 from ..problem.pse import SequencePse
 
 INT_MAX = 2147483647
@@ -98,8 +98,8 @@ def prompt_flash_attention(
         raise ParamInvalidError(f"sparse_mode: PromptFlashAttentionV2 supports 0..4, got {sparse_mode}")
 
     batch, seq_q, seq_kv = q.batch, q.seq, k.seq
-    act_q = _actual_lengths(actual_seq_lengths, "actual_seq_lengths", batch, seq_q)
-    act_kv = _actual_lengths(actual_seq_lengths_kv, "actual_seq_lengths_kv", batch, seq_kv)
+    act_q = per_batch_lengths(actual_seq_lengths, "actual_seq_lengths", batch, seq_q)
+    act_kv = per_batch_lengths(actual_seq_lengths_kv, "actual_seq_lengths_kv", batch, seq_kv)
     explicit_views = _validate_mask(atten_mask, sparse_mode, batch, num_heads, seq_q, seq_kv, pre_tokens,
                                     next_tokens)
     _validate_pse_shift(pse_shift, query, batch, num_heads, seq_q, seq_kv)
@@ -134,23 +134,6 @@ def prompt_flash_attention(
     else:
         flash_forward.forward(problem, q_bnsd, k_bnsd, v_bnsd, out_bnsd)
     return out
-
-
-def _actual_lengths(value, param: str, batch: int, seq: int) -> list[int]:
-    """PFA list rules (SEMANTICS.md 1): None -> S; one value -> every batch; >= B values -> the first B."""
-    lengths = to_int_list(value, param)
-    if lengths is None:
-        return [seq] * batch
-    if len(lengths) == 1:
-        lengths = lengths * batch
-    elif len(lengths) >= batch:
-        lengths = lengths[:batch]
-    else:
-        raise ParamInvalidError(f"{param}: expected None, one value or at least B={batch} values, got {lengths}")
-    for b, length in enumerate(lengths):
-        if not 0 <= length <= seq:
-            raise ParamInvalidError(f"{param}: batch {b} length must be in [0, {seq}] (the tensor's S), got {length}")
-    return lengths
 
 
 def _validate_mask(atten_mask, sparse_mode, batch, heads, seq_q, seq_kv, pre_tokens, next_tokens):

@@ -73,3 +73,21 @@ def starts_of(lengths: Sequence[int]) -> list[int]:
         starts.append(acc)
         acc += length
     return starts
+
+
+def per_batch_lengths(value: IntList | int | None, param: str, batch: int, seq: int) -> list[int]:
+    """Per-batch actual lengths of a BSND/BNSD tensor (PFA and DSA ops): None -> S for every batch; one value ->
+    used for every batch; >= B values -> the first B; anything else is an error. Each must be in [0, S]."""
+    lengths = to_int_list(value, param)
+    if lengths is None:
+        return [seq] * batch
+    if len(lengths) == 1:
+        lengths = lengths * batch
+    elif len(lengths) >= batch:
+        lengths = lengths[:batch]
+    else:
+        raise ParamInvalidError(f"{param}: expected None, one value or at least B={batch} values, got {lengths}")
+    for b, length in enumerate(lengths):
+        if not 0 <= length <= seq:
+            raise ParamInvalidError(f"{param}: batch {b} length must be in [0, {seq}] (the tensor's S), got {length}")
+    return lengths

@@ -1,0 +1,302 @@
+"""SparseFlashAttention forward and SparseFlashAttentionGrad (DSA; seed aclnnSparseFlashAttentionGrad.md)."""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import torch
+
+from ..backends import select_backend
+from ..backends.reference import sparse_attention as kernel
+from ..errors import ParamInvalidError, ParamNullptrError, require
+from ..problem.lengths import cumulative_lengths, per_batch_lengths, starts_of
+from ..problem.sparse import SPARSE_BLOCK_SIZES
+
+INT64_MAX = 2**63 - 1
+SFA_MODES = (0, 3)
+FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+MAX_HEADS = 128
+
+
+class SparseFlashAttentionResult(NamedTuple):
+    attention_out: torch.Tensor
+    softmax_max: torch.Tensor
+    softmax_sum: torch.Tensor
+
+
+class SparseFlashAttentionGradResult(NamedTuple):
+    d_query: torch.Tensor
+    d_key: torch.Tensor
+    d_value: torch.Tensor
+    d_query_rope: torch.Tensor | None
+    d_key_rope: torch.Tensor | None
+
+
+@dataclass(frozen=True)
+class SparseProblem:
+    """Validated DSA inputs: per-sequence (start, length) of queries and keys in their tensors."""
+
+    layout: str
+    heads: int
+    q_spans: list[tuple[int, int, int]]  # (batch or -1, token start, length)
+    kv_spans: list[tuple[int, int, int]]
+    seq_q: list[int]  # the sequences' query lengths (BSND: the tensor's S1)
+    seq_kv: list[int]
+    q_lengths: list[int]  # actual query rows computed per sequence
+    kv_lengths: list[int]
+
+    def rows(self, t: torch.Tensor, b: int) -> torch.Tensor:
+        """[S_b, ...] view of sequence b of a query-side tensor (all its rows, actual or not)."""
+        if self.layout == "TND":
+            _, start, length = self.q_spans[b]
+            return t[start : start + length]
+        return t[b]
+
+    def keys(self, t: torch.Tensor, b: int) -> torch.Tensor:
+        if self.layout == "TND":
+            _, start, length = self.kv_spans[b]
+            return t[start : start + length]
+        return t[b]
+
+
+def _check_tensor(t, name: str, dtype: torch.dtype | None = None) -> torch.Tensor:
+    if t is None:
+        raise ParamNullptrError(f"{name}: a required input, got None")
+    require(isinstance(t, torch.Tensor), name, "a torch.Tensor", t)
+    if dtype is not None:
+        require(t.dtype == dtype, name, f"the query's dtype {dtype}", t)
+    return t
+
+
+def validate_sparse(query, key, value, sparse_indices, scale_value, *, query_rope, key_rope, actual_seq_lengths_query,
+                    actual_seq_lengths_kv, sparse_block_size, layout, sparse_mode) -> SparseProblem:
+    """Documented constraints of the SFA family (SEMANTICS.md 1, 8, 10)."""
+    _check_tensor(query, "query")
+    require(query.dtype in FLOAT_DTYPES, "query", "dtype float16 or bfloat16", query)
+    for name, t in (("key", key), ("value", value)):
+        _check_tensor(t, name, query.dtype)
+    _check_tensor(sparse_indices, "sparse_indices")
+    require(sparse_indices.dtype in (torch.int32, torch.int64), "sparse_indices", "dtype int32 or int64",
+            sparse_indices)
+    if layout not in ("BSND", "TND"):
+        raise ParamInvalidError(f"layout: expected 'BSND' or 'TND', got {layout!r}")
+    if isinstance(sparse_mode, bool) or sparse_mode not in SFA_MODES:
+        raise ParamInvalidError(f"sparse_mode: expected 0 or 3, got {sparse_mode!r}")
+    if sparse_block_size not in SPARSE_BLOCK_SIZES or isinstance(sparse_block_size, bool):
+        raise ParamInvalidError(
+            f"sparse_block_size: expected one of {list(SPARSE_BLOCK_SIZES)}, got {sparse_block_size!r}"
+        )
+    if not isinstance(scale_value, (int, float)) or isinstance(scale_value, bool):
+        raise ParamInvalidError(f"scale_value: expected a float, got {scale_value!r}")
+    rank = 4 if layout == "BSND" else 3
+    for name, t in (("query", query), ("key", key), ("value", value), ("sparse_indices", sparse_indices)):
+        require(t.dim() == rank, name, f"a {rank}-D tensor for layout {layout}", t)
+    if (query_rope is None) != (key_rope is None):
+        raise ParamInvalidError("query_rope/key_rope: give both rope tensors or neither")
+    if query_rope is not None:
+        _check_tensor(query_rope, "query_rope", query.dtype)
+        _check_tensor(key_rope, "key_rope", query.dtype)
+        require(query_rope.shape[:-1] == query.shape[:-1], "query_rope",
+                f"query's leading dims {list(query.shape[:-1])}", query_rope)
+        require(key_rope.shape[:-1] == key.shape[:-1], "key_rope", f"key's leading dims {list(key.shape[:-1])}",
+                key_rope)
+        require(key_rope.shape[-1] == query_rope.shape[-1], "key_rope", f"rope dim {query_rope.shape[-1]}", key_rope)
+    heads, heads_kv = query.shape[-2], key.shape[-2]
+    require(heads_kv == 1, "key", "N2 = 1 (MLA-absorbed MQA)", key)
+    require(value.shape[-2] == 1, "value", "N2 = 1", value)
+    require(1 <= heads <= MAX_HEADS, "query", f"N1 in 1..{MAX_HEADS}", query)
+    require(key.shape[-1] == query.shape[-1], "key", f"head dim {query.shape[-1]} like the query", key)
+    require(value.shape[:-1] == key.shape[:-1], "value", f"key's leading dims {list(key.shape[:-1])}", value)
+    require(sparse_indices.shape[:-2] == query.shape[:-2] and sparse_indices.shape[-2] == 1, "sparse_indices",
+            f"shape {[*query.shape[:-2], 1, 'K']}", sparse_indices)
+    require(sparse_indices.shape[-1] >= 1, "sparse_indices", "K >= 1 entries per row", sparse_indices)
+    if sparse_indices.numel() and int(sparse_indices.min()) < -1:
+        raise ParamInvalidError(f"sparse_indices: entries must be >= 0 or the padding value -1, got "
+                                f"min {int(sparse_indices.min())}")
+    if layout == "BSND":
+        batch = query.shape[0]
+        require(key.shape[0] == batch, "key", f"batch B={batch} like the query", key)
+        s1, s2 = query.shape[1], key.shape[1]
+        q_len = per_batch_lengths(actual_seq_lengths_query, "actual_seq_lengths_query", batch, s1)
+        kv_len = per_batch_lengths(actual_seq_lengths_kv, "actual_seq_lengths_kv", batch, s2)
+        q_spans = [(b, 0, s1) for b in range(batch)]
+        kv_spans = [(b, 0, s2) for b in range(batch)]
+        return SparseProblem(layout, heads, q_spans, kv_spans, [s1] * batch, [s2] * batch, q_len, kv_len)
+    q_len = cumulative_lengths(actual_seq_lengths_query, query.shape[0], "actual_seq_lengths_query")
+    kv_len = cumulative_lengths(actual_seq_lengths_kv, key.shape[0], "actual_seq_lengths_kv")
+    if len(q_len) != len(kv_len):
+        raise ParamInvalidError(
+            f"actual_seq_lengths_kv: expected {len(q_len)} sequences like actual_seq_lengths_query, got {len(kv_len)}"
+        )
+    q_spans = [(-1, s, n) for s, n in zip(starts_of(q_len), q_len, strict=True)]
+    kv_spans = [(-1, s, n) for s, n in zip(starts_of(kv_len), kv_len, strict=True)]
+    return SparseProblem(layout, heads, q_spans, kv_spans, q_len, kv_len, q_len, kv_len)
+
+
+def _sequences(problem: SparseProblem, query, key, value, sparse_indices, query_rope, key_rope):
+    """(b, SparseSequence) for each sequence with rows to compute; Q and K carry the rope dims appended."""
+    for b in range(len(problem.q_spans)):
+        lq, lk = problem.q_lengths[b], problem.kv_lengths[b]
+        if lq == 0:
+            continue
+        q = problem.rows(query, b)[:lq]
+        k = problem.keys(key, b)[:lk, 0]
+        if query_rope is not None:
+            q = torch.cat([q, problem.rows(query_rope, b)[:lq]], dim=-1)
+            k = torch.cat([k, problem.keys(key_rope, b)[:lk, 0]], dim=-1)
+        yield b, kernel.SparseSequence(
+            q=q, k=k, v=problem.keys(value, b)[:lk, 0], indices=problem.rows(sparse_indices, b)[:lq, 0],
+            seq_q=lq, seq_kv=lk,
+        )
+
+
+def _stat_rows(problem: SparseProblem, stat: torch.Tensor, b: int) -> torch.Tensor:
+    """[S_b, N1] view of softmax_max/sum ([B, 1, S1, N1] or [1, T1, N1])."""
+    if problem.layout == "TND":
+        _, start, length = problem.q_spans[b]
+        return stat[0, start : start + length]
+    return stat[b, 0]
+
+
+def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def _stats_shape(problem: SparseProblem, query: torch.Tensor) -> tuple[int, ...]:
+    if problem.layout == "TND":
+        return (1, query.shape[0], problem.heads)
+    return (query.shape[0], 1, query.shape[1], problem.heads)
+
+
+def sparse_flash_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    sparse_indices: torch.Tensor,
+    scale_value: float,
+    *,
+    query_rope: torch.Tensor | None = None,
+    key_rope: torch.Tensor | None = None,
+    actual_seq_lengths_query=None,
+    actual_seq_lengths_kv=None,
+    sparse_block_size: int = 1,
+    layout: str = "BSND",
+    sparse_mode: int = 3,
+    pre_tokens: int = INT64_MAX,
+    next_tokens: int = INT64_MAX,
+    backend: str = "auto",
+) -> SparseFlashAttentionResult:
+    """DSA sparse attention forward: each query row attends to the keys its `sparse_indices` select.
+
+    MLA-absorbed MQA (N2 = 1): Q = [query ; query_rope], K = [key ; key_rope], V = value; z = scale * Q.K over the
+    selected blocks of `sparse_block_size` tokens, P = softmax(z), out = P V (SEMANTICS.md 8). Layouts BSND (optional
+    per-batch actual lengths) and TND (cumulative ends). sparse_mode 3 (causal, bottom-right) or 0. Returns
+    attention_out (query's shape with value's D), softmax_max / softmax_sum ([B, 1, S1, N1] or [1, T1, N1]); rows
+    with nothing selected give 0 with max = -2e38, sum = 0. pre_tokens/next_tokens are accepted and unused.
+    """
+    problem = validate_sparse(query, key, value, sparse_indices, scale_value, query_rope=query_rope,
+                              key_rope=key_rope, actual_seq_lengths_query=actual_seq_lengths_query,
+                              actual_seq_lengths_kv=actual_seq_lengths_kv, sparse_block_size=sparse_block_size,
+                              layout=layout, sparse_mode=sparse_mode)
+    select_backend(backend, query.device)
+    out = torch.zeros((*query.shape[:-1], value.shape[-1]), dtype=query.dtype, device=query.device)
+    dtype = _compute_dtype(query.dtype)
+    softmax_max = torch.full(_stats_shape(problem, query), kernel.INVALID_MAX, dtype=dtype, device=query.device)
+    softmax_sum = torch.zeros(_stats_shape(problem, query), dtype=dtype, device=query.device)
+    for b, seq in _sequences(problem, query, key, value, sparse_indices, query_rope, key_rope):
+        seq_out = torch.empty((seq.seq_q, problem.heads, value.shape[-1]), dtype=dtype, device=query.device)
+        kernel.forward_sequence(seq, float(scale_value), sparse_mode, sparse_block_size, dtype, seq_out,
+                                _stat_rows(problem, softmax_max, b)[: seq.seq_q],
+                                _stat_rows(problem, softmax_sum, b)[: seq.seq_q])
+        problem.rows(out, b)[: seq.seq_q] = seq_out
+    return SparseFlashAttentionResult(out, softmax_max, softmax_sum)
+
+
+def sparse_flash_attention_grad(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    sparse_indices: torch.Tensor,
+    d_out: torch.Tensor,
+    out: torch.Tensor,
+    softmax_max: torch.Tensor,
+    softmax_sum: torch.Tensor,
+    scale_value: float,
+    *,
+    sparse_block_size: int = 1,
+    query_rope: torch.Tensor | None = None,
+    key_rope: torch.Tensor | None = None,
+    actual_seq_lengths_query=None,
+    actual_seq_lengths_kv=None,
+    layout: str = "BSND",
+    sparse_mode: int = 3,
+    pre_tokens: int = INT64_MAX,
+    next_tokens: int = INT64_MAX,
+    deterministic: bool = False,
+    backend: str = "auto",
+) -> SparseFlashAttentionGradResult:
+    """Gradients of `sparse_flash_attention` (SparseFlashAttentionGrad, SEMANTICS.md 8).
+
+    P = exp(z - softmax_max) / softmax_sum from the given statistics; dQ = scale dS K (split into d_query and
+    d_query_rope), dK = scale dS^T Q and dV = P^T dO scattered (added) into the selected keys, fp32 accumulation.
+    Rows with nothing selected and rows beyond the actual query length get zero gradients. The CPU reference is
+    deterministic in any case; `deterministic=True` also forces deterministic scatter-adds on GPUs.
+    """
+    problem = validate_sparse(query, key, value, sparse_indices, scale_value, query_rope=query_rope,
+                              key_rope=key_rope, actual_seq_lengths_query=actual_seq_lengths_query,
+                              actual_seq_lengths_kv=actual_seq_lengths_kv, sparse_block_size=sparse_block_size,
+                              layout=layout, sparse_mode=sparse_mode)
+    select_backend(backend, query.device)
+    out_shape = (*query.shape[:-1], value.shape[-1])
+    for name, t in (("d_out", d_out), ("out", out)):
+        _check_tensor(t, name, query.dtype)
+        require(tuple(t.shape) == out_shape, name, f"the attention output's shape {list(out_shape)}", t)
+    stat_shape = _stats_shape(problem, query)
+    for name, t in (("softmax_max", softmax_max), ("softmax_sum", softmax_sum)):
+        _check_tensor(t, name)
+        require(t.dtype in (torch.float32, torch.float64) and tuple(t.shape) == stat_shape, name,
+                f"float32 of shape {list(stat_shape)}", t)
+    dtype = _compute_dtype(query.dtype)
+    d_qk = query.shape[-1]
+    dq = torch.zeros_like(query)
+    dk = torch.zeros_like(key)
+    dv = torch.zeros_like(value)
+    dq_rope = torch.zeros_like(query_rope) if query_rope is not None else None
+    dk_rope = torch.zeros_like(key_rope) if key_rope is not None else None
+    guard = _deterministic_guard(deterministic and query.device.type != "cpu")
+    with guard:
+        for b, seq in _sequences(problem, query, key, value, sparse_indices, query_rope, key_rope):
+            dq_seq = torch.empty((seq.seq_q, problem.heads, seq.q.shape[-1]), dtype=dtype, device=query.device)
+            dk_seq = torch.zeros((seq.seq_kv, seq.k.shape[-1]), dtype=dtype, device=query.device)
+            dv_seq = torch.zeros((seq.seq_kv, seq.v.shape[-1]), dtype=dtype, device=query.device)
+            kernel.backward_sequence(
+                seq, problem.rows(d_out, b)[: seq.seq_q], problem.rows(out, b)[: seq.seq_q],
+                _stat_rows(problem, softmax_max, b)[: seq.seq_q], _stat_rows(problem, softmax_sum, b)[: seq.seq_q],
+                float(scale_value), sparse_mode, sparse_block_size, dtype, dq_seq, dk_seq, dv_seq,
+            )
+            problem.rows(dq, b)[: seq.seq_q] = dq_seq[..., :d_qk]
+            problem.keys(dk, b)[: seq.seq_kv, 0] = dk_seq[:, :d_qk]
+            problem.keys(dv, b)[: seq.seq_kv, 0] = dv_seq
+            if query_rope is not None:
+                problem.rows(dq_rope, b)[: seq.seq_q] = dq_seq[..., d_qk:]
+                problem.keys(dk_rope, b)[: seq.seq_kv, 0] = dk_seq[:, d_qk:]
+    return SparseFlashAttentionGradResult(dq, dk, dv, dq_rope, dk_rope)
+
+
+def _deterministic_guard(enabled: bool):
+    """GPU scatter-adds use atomics unless deterministic algorithms are forced for the call."""
+    if not enabled:
+        return contextlib.nullcontext()
+    return _DeterministicAlgorithms()
+
+
+class _DeterministicAlgorithms:
+    def __enter__(self):
+        self._previous = torch.are_deterministic_algorithms_enabled()
+        torch.use_deterministic_algorithms(True)
+
+    def __exit__(self, *exc):
+        torch.use_deterministic_algorithms(self._previous)
+        return False

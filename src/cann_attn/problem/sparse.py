@@ -1,0 +1,61 @@
+"""Which keys a DSA query row attends to (SEMANTICS.md section 8).
+
+Entry e of row t's `sparse_indices` selects the block [idx*bs, idx*bs + bs) of its sequence's own keys. With
+thr(t) = Skv - Sq + t + 1 (sparse_mode 3) or Skv (mode 0), only the first n = min(K, ceil(thr / bs)) entries
+are examined; scanning stops at the first -1; an entry whose block starts at >= thr is skipped; a block that
+straddles thr is clipped to [idx*bs, thr). Duplicated entries count twice. This module is the one place that
+rule lives; forward, backward and the indexer loss all call `row_selection`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+SPARSE_BLOCK_SIZES = (1, 8, 16, 32, 64, 128)
+
+
+def causal_threshold(sparse_mode: int, seq_q: int, seq_kv: int, rows: torch.Tensor) -> torch.Tensor:
+    """thr(t): keys [0, thr) are visible to row t (int64 tensor like `rows`)."""
+    if sparse_mode == 3:
+        return rows + (seq_kv - seq_q + 1)
+    return torch.full_like(rows, seq_kv)
+
+
+@dataclass(frozen=True)
+class RowSelection:
+    """Selected keys of a tile of rows: `blocks` [rows, E] block ids (clamped to a valid block where unused),
+    `tokens` [rows, E * bs] key positions (clamped to 0 where invalid), `valid` [rows, E * bs] bool."""
+
+    blocks: torch.Tensor
+    entry_valid: torch.Tensor
+    tokens: torch.Tensor
+    valid: torch.Tensor
+    block_size: int
+
+    @property
+    def row_has_keys(self) -> torch.Tensor:
+        return self.valid.any(-1)
+
+
+def row_selection(
+    indices: torch.Tensor, rows: torch.Tensor, *, sparse_mode: int, seq_q: int, seq_kv: int, block_size: int
+) -> RowSelection:
+    """Apply the selection rule to `indices` [rows, K] (int32/int64) of the query rows `rows` (int64 [rows])."""
+    idx = indices.to(torch.int64)
+    k = idx.shape[-1]
+    thr = causal_threshold(sparse_mode, seq_q, seq_kv, rows).clamp(max=seq_kv)
+    examined = torch.clamp((thr + block_size - 1) // block_size, min=0, max=k)  # n = min(K, ceil(thr / bs))
+    # Only entries up to the largest n of the tile can be valid: keep the tile narrow.
+    width = max(1, int(examined.max().item())) if examined.numel() else 1
+    idx = idx[:, :width]
+    position = torch.arange(width, device=idx.device).view(1, -1)
+    before_stop = torch.cumsum((idx == -1).to(torch.int32), dim=-1) == 0
+    block_start = idx * block_size
+    entry_valid = (position < examined.view(-1, 1)) & before_stop & (idx >= 0) & (block_start < thr.view(-1, 1))
+    offsets = torch.arange(block_size, device=idx.device).view(1, 1, -1)
+    tokens = (block_start.unsqueeze(-1) + offsets).reshape(idx.shape[0], -1)
+    valid = entry_valid.repeat_interleave(block_size, dim=-1) & (tokens < thr.view(-1, 1))
+    blocks = torch.where(entry_valid, idx, 0)
+    return RowSelection(blocks, entry_valid, torch.where(valid, tokens, 0), valid, block_size)
