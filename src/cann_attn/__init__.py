@@ -3,7 +3,7 @@
 Public API: DESIGN.md. Semantics: SEMANTICS.md (section numbers are cited in docstrings).
 """
 
-from .autograd import flash_attention
+from .autograd import flash_attention, indexer_kl_loss, sparse_attention
 from .errors import AclnnError, ParamInvalidError, ParamNullptrError
 from .ops.flash_attention_score import (
     FlashAttentionScoreResult,
@@ -11,6 +11,12 @@ from .ops.flash_attention_score import (
     flash_attention_var_len_score,
 )
 from .ops.flash_attention_score_grad import FlashAttentionScoreGradResult, flash_attention_score_grad
+from .ops.lightning_indexer import (
+    LightningIndexerResult,
+    SparseLightningIndexerGradKLLossResult,
+    lightning_indexer,
+    sparse_lightning_indexer_grad_kl_loss,
+)
 from .ops.prompt_flash_attention import prompt_flash_attention
 from .ops.sparse_flash_attention import (
     SparseFlashAttentionGradResult,
@@ -28,10 +34,12 @@ __all__ = [
     "AclnnError",
     "FlashAttentionScoreGradResult",
     "FlashAttentionScoreResult",
+    "LightningIndexerResult",
     "ParamInvalidError",
     "ParamNullptrError",
     "SparseFlashAttentionGradResult",
     "SparseFlashAttentionResult",
+    "SparseLightningIndexerGradKLLossResult",
     "__version__",
     "compressed_mask",
     "drop_mask_numel",
@@ -40,8 +48,12 @@ __all__ = [
     "flash_attention_score_grad",
     "flash_attention_var_len_score",
     "gen_drop_mask",
+    "indexer_kl_loss",
+    "lightning_indexer",
     "prompt_flash_attention",
+    "sparse_attention",
     "sparse_flash_attention",
     "sparse_flash_attention_grad",
+    "sparse_lightning_indexer_grad_kl_loss",
     "trans_quant_param",
 ]

@@ -4,8 +4,11 @@ from __future__ import annotations
 
 import torch
 
+from .errors import ParamInvalidError
 from .ops.flash_attention_score import INT_MAX, flash_attention_score
 from .ops.flash_attention_score_grad import flash_attention_score_grad
+from .ops.lightning_indexer import count_tokens_with_keys, sparse_lightning_indexer_grad_kl_loss
+from .ops.sparse_flash_attention import sparse_flash_attention, sparse_flash_attention_grad
 from .problem.dropout import drop_mask_numel, gen_drop_mask
 from .problem.lengths import to_int_list
 
@@ -90,3 +93,117 @@ def flash_attention(
 def _dense_sizes(query: torch.Tensor, key: torch.Tensor, layout: str) -> dict:
     b_axis, s_axis = {"BSH": (0, 1), "SBH": (1, 0), "BSND": (0, 1), "BNSD": (0, 2)}.get(layout, (0, 1))
     return {"batch": query.shape[b_axis], "seq_q": query.shape[s_axis], "seq_kv": key.shape[s_axis]}
+
+
+class _SparseAttentionFunction(torch.autograd.Function):
+    """Pairs SparseFlashAttention with SparseFlashAttentionGrad; saves inputs, output and softmax statistics."""
+
+    @staticmethod
+    def forward(ctx, query, key, value, query_rope, key_rope, sparse_indices, scale_value, options: dict):
+        forward_options = {k: v for k, v in options.items() if k != "deterministic"}
+        result = sparse_flash_attention(query, key, value, sparse_indices, scale_value, query_rope=query_rope,
+                                        key_rope=key_rope, **forward_options)
+        ctx.save_for_backward(query, key, value, query_rope, key_rope, sparse_indices, result.attention_out,
+                              result.softmax_max, result.softmax_sum)
+        ctx.scale_value, ctx.options = scale_value, options
+        return result.attention_out
+
+    @staticmethod
+    def backward(ctx, d_out):
+        query, key, value, query_rope, key_rope, sparse_indices, out, softmax_max, softmax_sum = ctx.saved_tensors
+        grads = sparse_flash_attention_grad(
+            query, key, value, sparse_indices, d_out.contiguous(), out, softmax_max, softmax_sum, ctx.scale_value,
+            query_rope=query_rope, key_rope=key_rope, **ctx.options,
+        )
+        return grads.d_query, grads.d_key, grads.d_value, grads.d_query_rope, grads.d_key_rope, None, None, None
+
+
+def sparse_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    sparse_indices: torch.Tensor,
+    scale_value: float,
+    *,
+    query_rope: torch.Tensor | None = None,
+    key_rope: torch.Tensor | None = None,
+    actual_seq_lengths_query=None,
+    actual_seq_lengths_kv=None,
+    sparse_block_size: int = 1,
+    layout: str = "BSND",
+    sparse_mode: int = 3,
+    pre_tokens: int = 2**63 - 1,
+    next_tokens: int = 2**63 - 1,
+    deterministic: bool = False,
+    backend: str = "auto",
+) -> torch.Tensor:
+    """Differentiable DSA sparse attention (SEMANTICS.md 8): returns attention_out; gradients flow to query, key,
+    value, query_rope and key_rope through SparseFlashAttentionGrad. DSA passes the same latent as key and value;
+    autograd then adds both gradients. `deterministic` is forwarded to the grad op."""
+    options = dict(
+        actual_seq_lengths_query=actual_seq_lengths_query, actual_seq_lengths_kv=actual_seq_lengths_kv,
+        sparse_block_size=sparse_block_size, layout=layout, sparse_mode=sparse_mode, pre_tokens=pre_tokens,
+        next_tokens=next_tokens, backend=backend,
+    )
+    options["deterministic"] = deterministic
+    return _SparseAttentionFunction.apply(query, key, value, query_rope, key_rope, sparse_indices, scale_value,
+                                          options)
+
+
+class _IndexerKLLossFunction(torch.autograd.Function):
+    """Forward and gradients come from one SparseLightningIndexerGradKLLoss call; backward scales them."""
+
+    @staticmethod
+    def forward(ctx, query_index, key_index, weights, query, key, sparse_indices, softmax_max, softmax_sum,
+                scale_value, options: dict, divisor: float):
+        result = sparse_lightning_indexer_grad_kl_loss(query, key, query_index, key_index, weights, sparse_indices,
+                                                       softmax_max, softmax_sum, scale_value, **options)
+        ctx.save_for_backward(result.d_query_index, result.d_key_index, result.d_weights)
+        ctx.divisor = divisor
+        return result.loss.reshape(()) / divisor
+
+    @staticmethod
+    def backward(ctx, grad_loss):
+        d_qi, d_ki, d_w = ctx.saved_tensors
+        factor = grad_loss / ctx.divisor
+        return (d_qi * factor).to(d_qi.dtype), (d_ki * factor).to(d_ki.dtype), (d_w * factor).to(d_w.dtype), \
+            None, None, None, None, None, None, None, None
+
+
+def indexer_kl_loss(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    query_index: torch.Tensor,
+    key_index: torch.Tensor,
+    weights: torch.Tensor,
+    sparse_indices: torch.Tensor,
+    softmax_max: torch.Tensor,
+    softmax_sum: torch.Tensor,
+    scale_value: float,
+    *,
+    query_rope: torch.Tensor | None = None,
+    key_rope: torch.Tensor | None = None,
+    actual_seq_lengths_query=None,
+    actual_seq_lengths_key=None,
+    layout: str = "BSND",
+    sparse_mode: int = 3,
+    pre_tokens: int = 2**63 - 1,
+    next_tokens: int = 2**63 - 1,
+    deterministic: bool = False,
+    reduction: str = "sum",
+    backend: str = "auto",
+) -> torch.Tensor:
+    """Differentiable indexer KL loss (SEMANTICS.md 9): a scalar; gradients flow to query_index, key_index and
+    weights (the op's documented gradients: dI = q - p). `reduction="mean"` divides the summed loss by the number
+    of query tokens with at least one valid selected key. query/key/rope and the statistics get no gradient."""
+    if reduction not in ("sum", "mean"):
+        raise ParamInvalidError(f"reduction: expected 'sum' or 'mean', got {reduction!r}")
+    options = dict(query_rope=query_rope, key_rope=key_rope, actual_seq_lengths_query=actual_seq_lengths_query,
+                   actual_seq_lengths_key=actual_seq_lengths_key, layout=layout, sparse_mode=sparse_mode,
+                   pre_tokens=pre_tokens, next_tokens=next_tokens, deterministic=deterministic, backend=backend)
+    divisor = 1.0
+    if reduction == "mean":
+        divisor = float(max(1, count_tokens_with_keys(query_index, key_index, sparse_indices, layout, sparse_mode,
+                                                      actual_seq_lengths_query, actual_seq_lengths_key)))
+    return _IndexerKLLossFunction.apply(query_index, key_index, weights, query.detach(), key.detach(),
+                                        sparse_indices, softmax_max, softmax_sum, scale_value, options, divisor)

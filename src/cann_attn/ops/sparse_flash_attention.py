@@ -115,20 +115,27 @@ def validate_sparse(query, key, value, sparse_indices, scale_value, *, query_rop
     if sparse_indices.numel() and int(sparse_indices.min()) < -1:
         raise ParamInvalidError(f"sparse_indices: entries must be >= 0 or the padding value -1, got "
                                 f"min {int(sparse_indices.min())}")
+    return sequence_spans(layout, query, key, actual_seq_lengths_query, actual_seq_lengths_kv, "actual_seq_lengths_kv")
+
+
+def sequence_spans(layout: str, query: torch.Tensor, key: torch.Tensor, actual_q, actual_kv,
+                   kv_param: str) -> SparseProblem:
+    """Per-sequence spans of a BSND (plain per-batch actual lengths) or TND (cumulative ends) DSA problem."""
+    heads = query.shape[-2]
     if layout == "BSND":
         batch = query.shape[0]
         require(key.shape[0] == batch, "key", f"batch B={batch} like the query", key)
         s1, s2 = query.shape[1], key.shape[1]
-        q_len = per_batch_lengths(actual_seq_lengths_query, "actual_seq_lengths_query", batch, s1)
-        kv_len = per_batch_lengths(actual_seq_lengths_kv, "actual_seq_lengths_kv", batch, s2)
+        q_len = per_batch_lengths(actual_q, "actual_seq_lengths_query", batch, s1)
+        kv_len = per_batch_lengths(actual_kv, kv_param, batch, s2)
         q_spans = [(b, 0, s1) for b in range(batch)]
         kv_spans = [(b, 0, s2) for b in range(batch)]
         return SparseProblem(layout, heads, q_spans, kv_spans, [s1] * batch, [s2] * batch, q_len, kv_len)
-    q_len = cumulative_lengths(actual_seq_lengths_query, query.shape[0], "actual_seq_lengths_query")
-    kv_len = cumulative_lengths(actual_seq_lengths_kv, key.shape[0], "actual_seq_lengths_kv")
+    q_len = cumulative_lengths(actual_q, query.shape[0], "actual_seq_lengths_query")
+    kv_len = cumulative_lengths(actual_kv, key.shape[0], kv_param)
     if len(q_len) != len(kv_len):
         raise ParamInvalidError(
-            f"actual_seq_lengths_kv: expected {len(q_len)} sequences like actual_seq_lengths_query, got {len(kv_len)}"
+            f"{kv_param}: expected {len(q_len)} sequences like actual_seq_lengths_query, got {len(kv_len)}"
         )
     q_spans = [(-1, s, n) for s, n in zip(starts_of(q_len), q_len, strict=True)]
     kv_spans = [(-1, s, n) for s, n in zip(starts_of(kv_len), kv_len, strict=True)]

@@ -59,3 +59,24 @@ def row_selection(
     valid = entry_valid.repeat_interleave(block_size, dim=-1) & (tokens < thr.view(-1, 1))
     blocks = torch.where(entry_valid, idx, 0)
     return RowSelection(blocks, entry_valid, torch.where(valid, tokens, 0), valid, block_size)
+
+
+def indexer_selection(
+    indices: torch.Tensor, rows: torch.Tensor, *, sparse_mode: int, seq_q: int, seq_kv: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """SparseLightningIndexerGradKLLoss rule (SEMANTICS.md 9): of the first k_t = min(K, thr(t)) entries of row t,
+    those equal to -1 or outside [0, thr) are skipped (no early stop). Returns (tokens [rows, W] clamped to 0
+    where invalid, valid [rows, W])."""
+    idx = indices.to(torch.int64)
+    thr = causal_threshold(sparse_mode, seq_q, seq_kv, rows).clamp(min=0, max=seq_kv)
+    examined = thr.clamp(max=idx.shape[-1])
+    width = max(1, int(examined.max().item())) if examined.numel() else 1
+    idx = idx[:, :width]
+    position = torch.arange(width, device=idx.device).view(1, -1)
+    valid = (position < examined.view(-1, 1)) & (idx >= 0) & (idx < thr.view(-1, 1))
+    return torch.where(valid, idx, 0), valid
+
+
+def allowed_keys(sparse_mode: int, seq_q: int, seq_kv: int, rows: torch.Tensor) -> torch.Tensor:
+    """Number of keys row t may select in the lightning indexer: [0, thr(t)) clipped to [0, Skv]."""
+    return causal_threshold(sparse_mode, seq_q, seq_kv, rows).clamp(min=0, max=seq_kv)

@@ -222,12 +222,16 @@ def pfa_oracle(
     num_key_value_heads: int = 0,
     sparse_mode: int = 0,
     return_prequant: bool = False,
+    naive_dtype: torch.dtype | None = None,
 ) -> Any:
     """Golden output of prompt_flash_attention for a VALID configuration (no validation here).
 
     Returns the output in the output layout: float64 for float outputs (cast it to the output dtype to compare),
     int8 for int8 outputs. With `return_prequant`, returns (output, prequant) where prequant is the float64 value
-    just before the final int8 rounding (None for float outputs; 0 on zeroed rows)."""
+    just before the final int8 rounding (None for float outputs; 0 on zeroed rows).
+
+    `naive_dtype` (float inputs only): compute the float path in that dtype instead of float64 (the "naive same
+    dtype" run of the flash-attn precision rule); the result is still returned as float64."""
     query, key, value = (t.detach().to("cpu") for t in (query, key, value))
     heads = num_heads
     heads_kv = num_key_value_heads or num_heads
@@ -268,7 +272,7 @@ def pfa_oracle(
         if int8_in:
             o, valid = _int8_rows(qb, kb, vb, vis, pse, scale_value, deq_scale1, quant_scale1, deq_scale2)
         else:
-            o, valid = _float_rows(qb, kb, vb, vis, pse, scale_value)
+            o, valid = _float_rows(qb, kb, vb, vis, pse, scale_value, naive_dtype or torch.float64)
         if int8_out:
             y = o * scale2 + offset2  # fp32 for int8 inputs, float64 otherwise
             y = torch.where(valid.unsqueeze(-1), y, torch.zeros_like(y))
@@ -288,12 +292,12 @@ def _finish(out, pre_out, out_layout, int8_out, return_prequant):
     return result, (_from_bnsd(pre_out, out_layout) if int8_out else None)
 
 
-def _float_rows(qb, kb, vb, vis, pse, scale_value):
-    """float64: softmax(scale * q k^T + pse, masked) v; returns ([N, sq, D], valid [N, sq])."""
-    x = qb.to(torch.float64) @ kb.to(torch.float64).transpose(-1, -2)
+def _float_rows(qb, kb, vb, vis, pse, scale_value, dtype):
+    """softmax(scale * q k^T + pse, masked) v in `dtype`; returns ([N, sq, D] float64, valid [N, sq])."""
+    x = qb.to(dtype) @ kb.to(dtype).transpose(-1, -2)
     s = scale_value * x
     if pse is not None:
-        s = s + pse.to(torch.float64)
+        s = s + pse.to(dtype)
     s = s.masked_fill(~vis, -math.inf)
     valid = vis.any(-1)
     m = s.amax(-1, keepdim=True)
@@ -301,7 +305,7 @@ def _float_rows(qb, kb, vb, vis, pse, scale_value):
     e = torch.exp(s - m)
     l = e.sum(-1, keepdim=True)
     p = e / torch.where(l > 0, l, torch.ones_like(l))
-    return p @ vb.to(torch.float64), valid
+    return (p @ vb.to(dtype)).to(torch.float64), valid
 
 
 def _int8_rows(qb, kb, vb, vis, pse, scale_value, deq_scale1, quant_scale1, deq_scale2):

@@ -1,0 +1,93 @@
+"""Lightning indexer scores / top-k and the indexer KL loss with its gradients (SEMANTICS.md section 9).
+
+Index score: I[t, s] = sum_h w[t, h] * ReLU(q_idx[t, h] . k_idx[s]) in fp32. Rows are processed in tiles; the
+indexer forward forms a [rows, Skv] score tile (never S1 x S2), the KL op gathers only the selected keys.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ...problem.sparse import allowed_keys, indexer_selection
+
+ROW_TILE = 64
+KL_CLAMP = 1e-8
+
+
+def _sortable(scores: torch.Tensor) -> torch.Tensor:
+    """int64 keys ordering like the fp32 scores, ties broken toward the smaller column (exact top-k order)."""
+    bits = (scores + 0.0).contiguous().view(torch.int32).to(torch.int64)  # + 0.0 folds -0 into +0
+    ordered = torch.where(bits >= 0, bits, bits ^ 0x7FFFFFFF)
+    cols = torch.arange(scores.shape[-1], device=scores.device, dtype=torch.int64)
+    return (ordered << 32) | (0xFFFFFFFF - cols)
+
+
+def index_scores(q_idx: torch.Tensor, k_idx: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """[rows, Skv] scores of query rows q_idx [rows, H, D] against keys k_idx [Skv, D], weights [rows, H]."""
+    rows, heads, dim = q_idx.shape
+    relu = torch.relu(q_idx.reshape(rows * heads, dim) @ k_idx.transpose(0, 1)).view(rows, heads, -1)
+    return torch.bmm(weights.unsqueeze(1), relu).squeeze(1)
+
+
+def top_k_sequence(q_idx, k_idx, weights, *, sparse_mode: int, seq_q: int, seq_kv: int, k: int,
+                   indices_out: torch.Tensor, values_out: torch.Tensor | None) -> None:
+    """Fill indices_out [Sq, K] (int32, -1 padded) and values_out [Sq, K] for one sequence."""
+    dtype = torch.float64 if q_idx.dtype == torch.float64 else torch.float32
+    k_all = k_idx.to(dtype)
+    for t0 in range(0, seq_q, ROW_TILE):
+        t1 = min(t0 + ROW_TILE, seq_q)
+        rows = torch.arange(t0, t1, device=q_idx.device)
+        scores = index_scores(q_idx[t0:t1].to(dtype), k_all, weights[t0:t1].to(dtype))
+        allowed = allowed_keys(sparse_mode, seq_q, seq_kv, rows)
+        cols = torch.arange(seq_kv, device=q_idx.device).view(1, -1)
+        disallowed = cols >= allowed.view(-1, 1)
+        width = min(k, seq_kv)
+        if width > 0:
+            if dtype == torch.float64:
+                masked = scores.masked_fill(disallowed, float("-inf"))
+                order = torch.sort(masked, dim=-1, descending=True, stable=True).indices[:, :width]
+            else:
+                keys = _sortable(scores).masked_fill(disallowed, torch.iinfo(torch.int64).min)
+                order = torch.topk(keys, width, dim=-1, sorted=True).indices
+            taken = torch.arange(width, device=q_idx.device).view(1, -1) < allowed.view(-1, 1)
+            indices_out[t0:t1, :width] = torch.where(taken, order, -1).to(torch.int32)
+            if values_out is not None:
+                picked = torch.gather(scores, 1, order)
+                values_out[t0:t1, :width] = torch.where(taken, picked, float("-inf")).to(values_out.dtype)
+
+
+def kl_loss_sequence(seq_q: int, seq_kv: int, *, q_main, k_main, q_idx, k_idx, weights, indices, row_max, row_sum,
+                     scale: float, sparse_mode: int, dq_idx, dk_idx, dw) -> torch.Tensor:
+    """Loss (summed over the sequence's rows) and gradients of one sequence.
+
+    q_main [Sq, N1, Dq] and k_main [Skv, Dq] carry the rope dims; row_max/row_sum [Sq, N1] are the SFA stats.
+    dq_idx [Sq, H, D] and dw [Sq, H] are written, dk_idx [Skv, D] accumulated (fp32, fixed order)."""
+    dtype = dq_idx.dtype
+    loss = torch.zeros((), dtype=torch.float64, device=q_idx.device)
+    k_idx_all = k_idx.to(dtype)
+    k_main_all = k_main.to(dtype)
+    for t0 in range(0, seq_q, ROW_TILE):
+        t1 = min(t0 + ROW_TILE, seq_q)
+        rows = torch.arange(t0, t1, device=q_idx.device)
+        tokens, valid = indexer_selection(indices[t0:t1], rows, sparse_mode=sparse_mode, seq_q=seq_q, seq_kv=seq_kv)
+        # Target: main-attention probabilities of the selected keys, averaged over the N1 heads.
+        z = torch.bmm(q_main[t0:t1].to(dtype), k_main_all[tokens].transpose(1, 2)) * scale
+        m = row_max[t0:t1].to(dtype).unsqueeze(-1)
+        inv_l = 1.0 / row_sum[t0:t1].to(dtype).unsqueeze(-1)
+        p = (torch.exp(z - m) * inv_l).mean(1).masked_fill(~valid, 0.0)
+        # Indexer distribution over the same entries.
+        k_sel = k_idx_all[tokens]
+        q_t = q_idx[t0:t1].to(dtype)
+        w_t = weights[t0:t1].to(dtype)
+        relu = torch.relu(torch.bmm(q_t, k_sel.transpose(1, 2)))  # [rows, H, W]
+        scores = torch.bmm(w_t.unsqueeze(1), relu).squeeze(1).masked_fill(~valid, float("-inf"))
+        has_keys = valid.any(-1, keepdim=True)
+        q_dist = torch.softmax(torch.where(has_keys, scores, 0.0), dim=-1).masked_fill(~valid, 0.0)
+        p_c, q_c = p.clamp_min(KL_CLAMP), q_dist.clamp_min(KL_CLAMP)
+        loss += (p_c * (p_c.log() - q_c.log())).masked_fill(~valid, 0.0).sum().to(torch.float64)
+        d_scores = (q_dist - p).masked_fill(~valid, 0.0)  # dI_j = q_j - p_j
+        dw[t0:t1] = torch.bmm(relu, d_scores.unsqueeze(-1)).squeeze(-1)
+        ds = d_scores.unsqueeze(1) * w_t.unsqueeze(-1) * (relu > 0)
+        dq_idx[t0:t1] = torch.bmm(ds, k_sel)
+        dk_idx.index_add_(0, tokens.reshape(-1), torch.bmm(ds.transpose(1, 2), q_t).flatten(0, 1))
+    return loss

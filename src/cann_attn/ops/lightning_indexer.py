@@ -1,0 +1,208 @@
+"""LightningIndexer forward and SparseLightningIndexerGradKLLoss (DSA indexer; seed
+aclnnSparseLightningIndexerGradKLLoss.md, SEMANTICS.md section 9)."""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+from ..backends import select_backend
+from ..backends.reference import indexer as kernel
+from ..errors import ParamInvalidError, require
+from ..problem.sparse import indexer_selection
+from .sparse_flash_attention import FLOAT_DTYPES, INT64_MAX, _check_tensor, _deterministic_guard, sequence_spans
+
+
+class LightningIndexerResult(NamedTuple):
+    sparse_indices: torch.Tensor
+    sparse_values: torch.Tensor | None
+
+
+class SparseLightningIndexerGradKLLossResult(NamedTuple):
+    d_query_index: torch.Tensor
+    d_key_index: torch.Tensor
+    d_weights: torch.Tensor
+    loss: torch.Tensor
+
+
+def _check_common(query_index, key_index, weights, layout, sparse_mode, allowed_modes):
+    _check_tensor(query_index, "query_index")
+    require(query_index.dtype in FLOAT_DTYPES, "query_index", "dtype float16 or bfloat16", query_index)
+    _check_tensor(key_index, "key_index", query_index.dtype)
+    _check_tensor(weights, "weights")
+    require(weights.dtype in FLOAT_DTYPES, "weights", "dtype float16, bfloat16 or float32", weights)
+    if layout not in ("BSND", "TND"):
+        raise ParamInvalidError(f"layout: expected 'BSND' or 'TND', got {layout!r}")
+    if isinstance(sparse_mode, bool) or sparse_mode not in allowed_modes:
+        raise ParamInvalidError(f"sparse_mode: expected one of {list(allowed_modes)}, got {sparse_mode!r}")
+    rank = 4 if layout == "BSND" else 3
+    require(query_index.dim() == rank, "query_index", f"a {rank}-D tensor for layout {layout}", query_index)
+    require(key_index.dim() == rank, "key_index", f"a {rank}-D tensor for layout {layout}", key_index)
+    require(key_index.shape[-2] == 1, "key_index", "Nidx2 = 1", key_index)
+    require(key_index.shape[-1] == query_index.shape[-1], "key_index", f"head dim {query_index.shape[-1]}", key_index)
+    require(tuple(weights.shape) == tuple(query_index.shape[:-1]), "weights",
+            f"query_index's leading dims {list(query_index.shape[:-1])}", weights)
+
+
+def lightning_indexer(
+    query_index: torch.Tensor,
+    key_index: torch.Tensor,
+    weights: torch.Tensor,
+    *,
+    actual_seq_lengths_query=None,
+    actual_seq_lengths_key=None,
+    layout: str = "BSND",
+    sparse_count: int = 2048,
+    sparse_mode: int = 3,
+    return_value: bool = False,
+    backend: str = "auto",
+) -> LightningIndexerResult:
+    """Top-`sparse_count` keys per query row by index score I[t,s] = sum_h w[t,h] ReLU(q_idx[t,h] . k_idx[s]).
+
+    Mode 3 allows key s for row t iff s <= Skv - Sq + t (mode 0: every key). Ties go to the smaller index; row t
+    holds min(K, #allowed) indices in descending score order, then -1 (SEMANTICS.md 9). Output int32
+    [B, S1, 1, K] or [T1, 1, K]; with `return_value` also the scores at those positions in the query's dtype
+    (-inf in -1 slots). BSND rows beyond the actual query length are all -1.
+    """
+    _check_common(query_index, key_index, weights, layout, sparse_mode, (0, 3))
+    if isinstance(sparse_count, bool) or not isinstance(sparse_count, int) or sparse_count < 1:
+        raise ParamInvalidError(f"sparse_count: expected a positive int, got {sparse_count!r}")
+    problem = sequence_spans(layout, query_index, key_index, actual_seq_lengths_query, actual_seq_lengths_key,
+                             "actual_seq_lengths_key")
+    select_backend(backend, query_index.device)
+    lead = query_index.shape[:-2]
+    indices = torch.full((*lead, 1, sparse_count), -1, dtype=torch.int32, device=query_index.device)
+    values = None
+    if return_value:
+        values = torch.full((*lead, 1, sparse_count), float("-inf"), dtype=query_index.dtype,
+                            device=query_index.device)
+    for b in range(len(problem.q_spans)):
+        lq, lk = problem.q_lengths[b], problem.kv_lengths[b]
+        if lq == 0 or lk == 0:
+            continue
+        kernel.top_k_sequence(
+            problem.rows(query_index, b)[:lq], problem.keys(key_index, b)[:lk, 0], problem.rows(weights, b)[:lq],
+            sparse_mode=sparse_mode, seq_q=lq, seq_kv=lk, k=sparse_count,
+            indices_out=problem.rows(indices, b)[:lq, 0],
+            values_out=None if values is None else problem.rows(values, b)[:lq, 0],
+        )
+    return LightningIndexerResult(indices, values)
+
+
+def sparse_lightning_indexer_grad_kl_loss(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    query_index: torch.Tensor,
+    key_index: torch.Tensor,
+    weights: torch.Tensor,
+    sparse_indices: torch.Tensor,
+    softmax_max: torch.Tensor,
+    softmax_sum: torch.Tensor,
+    scale_value: float,
+    *,
+    query_rope: torch.Tensor | None = None,
+    key_rope: torch.Tensor | None = None,
+    actual_seq_lengths_query=None,
+    actual_seq_lengths_key=None,
+    layout: str = "BSND",
+    sparse_mode: int = 3,
+    pre_tokens: int = INT64_MAX,
+    next_tokens: int = INT64_MAX,
+    deterministic: bool = False,
+    backend: str = "auto",
+) -> SparseLightningIndexerGradKLLossResult:
+    """KL loss between the main attention's head-averaged distribution and the indexer's, with its gradients.
+
+    Target p_j = mean_h exp(scale * (q_h.k_j + qr_h.kr_j) - softmax_max[h]) / softmax_sum[h] over the selected keys
+    (SFA statistics), indexer distribution q = softmax(I[t, idx]); loss = sum over all tokens of
+    sum_j p'_j (log p'_j - log q'_j) with p', q' clamped at 1e-8 (fp32, shape [1]). Gradients: dI = q - p,
+    dW, d_query_index, and d_key_index scatter-added (SEMANTICS.md 9). No gradient flows to query/key/rope.
+    """
+    _check_common(query_index, key_index, weights, layout, sparse_mode, (3,))
+    for name, t in (("query", query), ("key", key)):
+        _check_tensor(t, name, query_index.dtype)
+    _check_tensor(sparse_indices, "sparse_indices")
+    require(sparse_indices.dtype in (torch.int32, torch.int64), "sparse_indices", "dtype int32 or int64",
+            sparse_indices)
+    if (query_rope is None) != (key_rope is None):
+        raise ParamInvalidError("query_rope/key_rope: give both rope tensors or neither")
+    require(key.shape[-2] == 1, "key", "N2 = 1", key)
+    require(key.shape[-1] == query.shape[-1], "key", f"head dim {query.shape[-1]} like the query", key)
+    require(query.shape[:-2] == query_index.shape[:-2], "query", f"query_index's tokens {list(query_index.shape[:-2])}",
+            query)
+    require(key.shape[:-2] == key_index.shape[:-2], "key", f"key_index's tokens {list(key_index.shape[:-2])}", key)
+    if query_rope is not None:
+        _check_tensor(query_rope, "query_rope", query.dtype)
+        _check_tensor(key_rope, "key_rope", query.dtype)
+        require(query_rope.shape[:-1] == query.shape[:-1], "query_rope", f"leading dims {list(query.shape[:-1])}",
+                query_rope)
+        require(key_rope.shape[:-1] == key.shape[:-1], "key_rope", f"leading dims {list(key.shape[:-1])}", key_rope)
+    require(sparse_indices.shape[:-2] == query_index.shape[:-2] and sparse_indices.shape[-2] == 1, "sparse_indices",
+            f"shape {[*query_index.shape[:-2], 1, 'K']}", sparse_indices)
+    heads = query.shape[-2]
+    stat_shape = (1, query.shape[0], heads) if layout == "TND" else (query.shape[0], 1, query.shape[1], heads)
+    for name, t in (("softmax_max", softmax_max), ("softmax_sum", softmax_sum)):
+        _check_tensor(t, name)
+        require(t.dtype in (torch.float32, torch.float64) and tuple(t.shape) == stat_shape, name,
+                f"float32 of shape {list(stat_shape)}", t)
+    if not isinstance(scale_value, (int, float)) or isinstance(scale_value, bool):
+        raise ParamInvalidError(f"scale_value: expected a float, got {scale_value!r}")
+    problem = sequence_spans(layout, query_index, key_index, actual_seq_lengths_query, actual_seq_lengths_key,
+                             "actual_seq_lengths_key")
+    select_backend(backend, query.device)
+    dtype = torch.float64 if query_index.dtype == torch.float64 else torch.float32
+    d_query_index = torch.zeros_like(query_index)
+    d_key_index = torch.zeros_like(key_index)
+    d_weights = torch.zeros_like(weights)
+    loss = torch.zeros((), dtype=torch.float64, device=query.device)
+    with _deterministic_guard(deterministic and query.device.type != "cpu"):
+        for b in range(len(problem.q_spans)):
+            lq, lk = problem.q_lengths[b], problem.kv_lengths[b]
+            if lq == 0 or lk == 0:
+                continue
+            q_main = problem.rows(query, b)[:lq]
+            k_main = problem.keys(key, b)[:lk, 0]
+            if query_rope is not None:
+                q_main = torch.cat([q_main, problem.rows(query_rope, b)[:lq]], dim=-1)
+                k_main = torch.cat([k_main, problem.keys(key_rope, b)[:lk, 0]], dim=-1)
+            dq = torch.zeros((lq, *query_index.shape[-2:]), dtype=dtype, device=query.device)
+            dk = torch.zeros((lk, key_index.shape[-1]), dtype=dtype, device=query.device)
+            dw = torch.zeros((lq, weights.shape[-1]), dtype=dtype, device=query.device)
+            loss += kernel.kl_loss_sequence(
+                lq, lk, q_main=q_main, k_main=k_main, q_idx=problem.rows(query_index, b)[:lq],
+                k_idx=problem.keys(key_index, b)[:lk, 0], weights=problem.rows(weights, b)[:lq],
+                indices=problem.rows(sparse_indices, b)[:lq, 0], row_max=_stat_rows(problem, softmax_max, b, lq),
+                row_sum=_stat_rows(problem, softmax_sum, b, lq), scale=float(scale_value), sparse_mode=sparse_mode,
+                dq_idx=dq, dk_idx=dk, dw=dw,
+            )
+            problem.rows(d_query_index, b)[:lq] = dq
+            problem.keys(d_key_index, b)[:lk, 0] = dk
+            problem.rows(d_weights, b)[:lq] = dw
+    loss_dtype = torch.float64 if dtype == torch.float64 else torch.float32
+    return SparseLightningIndexerGradKLLossResult(d_query_index, d_key_index, d_weights, loss.to(loss_dtype).view(1))
+
+
+def _stat_rows(problem, stat: torch.Tensor, b: int, rows: int) -> torch.Tensor:
+    """[rows, N1] of the SFA statistics ([B, 1, S1, N1] or [1, T1, N1]) for sequence b."""
+    if problem.layout == "TND":
+        start = problem.q_spans[b][1]
+        return stat[0, start : start + rows]
+    return stat[b, 0, :rows]
+
+
+def count_tokens_with_keys(query_index, key_index, sparse_indices, layout: str, sparse_mode: int,
+                           actual_seq_lengths_query=None, actual_seq_lengths_key=None) -> int:
+    """Query tokens with at least one valid selected key under the KL rule (the divisor of reduction="mean")."""
+    problem = sequence_spans(layout, query_index, key_index, actual_seq_lengths_query, actual_seq_lengths_key,
+                             "actual_seq_lengths_key")
+    total = 0
+    for b in range(len(problem.q_spans)):
+        lq, lk = problem.q_lengths[b], problem.kv_lengths[b]
+        if lq == 0 or lk == 0:
+            continue
+        rows = torch.arange(lq, device=sparse_indices.device)
+        _, valid = indexer_selection(problem.rows(sparse_indices, b)[:lq, 0], rows, sparse_mode=sparse_mode,
+                                     seq_q=lq, seq_kv=lk)
+        total += int(valid.any(-1).sum())
+    return total
