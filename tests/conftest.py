@@ -24,11 +24,13 @@ settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
 
 @pytest.fixture
-def rng() -> torch.Generator:
-    """A CPU torch.Generator seeded from the test's node id (stable run to run, different per test)."""
+def rng(request) -> torch.Generator:
+    """A CPU torch.Generator seeded from the test's node id (stable run to run, different per test).
+
+    Also seeds torch's global RNG with the same value.
+    """
     seed = 0
-    node = os.environ.get("PYTEST_CURRENT_TEST", "")
-    for ch in node.split(" ")[0]:
+    for ch in request.node.nodeid:
         seed = (seed * 131 + ord(ch)) % (2**31 - 1)
     torch.manual_seed(seed)
     return torch.Generator().manual_seed(seed)

@@ -170,6 +170,15 @@ def test_causal_modes_low_precision(rng, layout, dtype, mode):
     case.run(sparse_mode=mode, **_mode_kwargs(case, mode, rng))
 
 
+@pytest.mark.parametrize("mode", [2, 4, 6, 8])
+def test_compressed_mask_as_uint8(rng, mode):
+    layout = "TND" if mode == 8 else "BSH"
+    case = Case(layout, rng, sq=20, skv=26, q_lens=[20, 7], kv_lens=[26, 9])
+    kw = _mode_kwargs(case, mode, rng)
+    kw["atten_mask"] = kw["atten_mask"].to(torch.uint8)
+    case.run(sparse_mode=mode, **kw)
+
+
 @pytest.mark.parametrize("mode", [1, 2, 3, 4, 6])
 @pytest.mark.parametrize("layout", ["BSND", "TND"])
 def test_no_atten_mask_means_full_attention(rng, layout, mode):
@@ -370,6 +379,13 @@ def test_pse_tnd_1024_rows(rng):
     """TND compressed form: Hp = max(1024, maxSq) rows; each sequence uses its bottom-right block."""
     case = Case("TND", rng, n1=2, q_lens=[10, 17, 5], kv_lens=[10, 17, 5])
     pse = torch.randn(1, 2, 1024, case.max_skv, generator=rng)
+    case.run(pse=pse, pse_type=1, sparse_mode=3, atten_mask=make_compressed_mask(3))
+
+
+def test_pse_tnd_1024_rows_long_sequence(rng):
+    """TND with Sq_b == Skv_b > 1024 and a 1024-row pse: that sequence uses the compressed rule."""
+    case = Case("TND", rng, n1=1, q_lens=[1030, 20], kv_lens=[1030, 20], d=16)
+    pse = torch.randn(2, 1, 1024, case.max_skv, generator=rng)
     case.run(pse=pse, pse_type=1, sparse_mode=3, atten_mask=make_compressed_mask(3))
 
 
@@ -582,3 +598,56 @@ def test_everything_at_once(rng, layout):
         sparse_mode=3,
         atten_mask=make_compressed_mask(3),
     )
+
+
+# ----------------------------------------------------------------------------------------- argument forms
+def test_lengths_prefix_and_starts_as_tensors(rng):
+    """Lengths, prefix and start indices may be integer tensors as well as Python lists."""
+    case = Case("TND", rng, n1=2, q_lens=[6, 9, 4], kv_lens=[10, 9, 7])
+    as_list, _ = case.run(sparse_mode=6, atten_mask=make_compressed_mask(6), prefix=[6, 3, 5])
+    case.kw["actual_seq_qlen"] = torch.tensor(case.kw["actual_seq_qlen"])
+    case.kw["actual_seq_kvlen"] = torch.tensor(case.kw["actual_seq_kvlen"], dtype=torch.int32)
+    as_tensor, _ = case.run(sparse_mode=6, atten_mask=make_compressed_mask(6), prefix=torch.tensor([6, 3, 5]))
+    torch.testing.assert_close(as_list.attention_out, as_tensor.attention_out, rtol=0, atol=0)
+    slopes = torch.tensor([0.3, 0.1])
+    case.run(pse=slopes, pse_type=3, q_start_idx=torch.tensor([4]), kv_start_idx=torch.tensor([1]))
+
+
+@pytest.mark.parametrize("layout", ["BSND", "BSH", "TND"])
+def test_non_contiguous_inputs(rng, layout):
+    """Views (e.g. a BSND tensor obtained by transposing BNSD storage) are read correctly."""
+    case = Case(layout, rng, n1=2, sq=11, skv=14, d=16, q_lens=[11, 5], kv_lens=[14, 6])
+    if layout == "BSND":
+        case.q = case.q.transpose(1, 2).contiguous().transpose(1, 2)
+        case.k = case.k.transpose(1, 2).contiguous().transpose(1, 2)
+        case.v = case.v.transpose(1, 2).contiguous().transpose(1, 2)
+        assert not case.q.is_contiguous()
+    elif layout == "BSH":
+        wide = torch.randn(2, 11, 64, generator=rng)
+        case.q = wide[:, :, ::2]  # strided last dim
+        assert not case.q.is_contiguous()
+    else:
+        case.k = torch.randn(case.k.shape[1], case.k.shape[0], case.k.shape[2], generator=rng).transpose(0, 1)
+        assert not case.k.is_contiguous()
+    case.run(sparse_mode=3, atten_mask=make_compressed_mask(3))
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32], ids=DT_IDS.get)
+def test_large_logits_are_stable(rng, dtype):
+    """Logits of magnitude ~100s (softmax nearly one-hot): the running max must keep everything finite."""
+    case = Case("BNSD", rng, n1=2, sq=33, skv=65, d=32, dtype=dtype)
+    case.q = (case.q.float() * 6).to(dtype)
+    pse = (torch.randn(2, 2, 33, 65, generator=rng) * 30).to(dtype)
+    (out, smax, ssum, _), _ = case.run(scale_value=1.0, pse=pse, pse_type=0)
+    assert torch.isfinite(out).all() and torch.isfinite(smax).all() and torch.isfinite(ssum).all()
+    assert float(smax.abs().max()) > 50
+
+
+@pytest.mark.parametrize("inner_precise", [0, 1, 2])
+def test_inner_precise_accepted(rng, inner_precise):
+    case = Case("BSND", rng, sq=9, skv=9)
+    kw = {**case.kw, "sparse_mode": 3, "atten_mask": make_compressed_mask(3)}
+    result = cann_attn.flash_attention_score(
+        case.q, case.k, case.v, 2, "BSND", inner_precise=inner_precise, **kw
+    )
+    check_fa_result(result, case.q, case.k, case.v, 2, "BSND", **kw)

@@ -115,8 +115,7 @@ def _run(args: dict, allowed_modes: tuple[int, ...]) -> FlashAttentionScoreResul
         problem.layout, shapes.batch, shapes.total_q, shapes.heads_q, shapes.dim_v
     )
     out = torch.zeros(out_shape, dtype=query.dtype, device=query.device)
-    stat_shape = stats.stats_shape(tnd, shapes.batch, shapes.heads_q, shapes.seq_q[0] if shapes.seq_q else 0,
-                                   shapes.total_q)
+    stat_shape = stats.stats_shape(tnd, shapes.batch, shapes.heads_q, shapes.total_q)
     stat_dtype = torch.float64 if query.dtype == torch.float64 else torch.float32
     softmax_max = torch.empty(stat_shape, dtype=stat_dtype, device=query.device)
     softmax_sum = torch.empty(stat_shape, dtype=stat_dtype, device=query.device)

@@ -78,8 +78,7 @@ def flash_attention_score_grad(
     select_backend(backend, query.device)
     out_shape = layouts.output_shape(input_layout, shapes.batch, shapes.total_q, shapes.heads_q, shapes.dim_v)
     _check_like(dy, "dy", out_shape, query.dtype)
-    stat_shape = stats.stats_shape(problem.tnd, shapes.batch, shapes.heads_q,
-                                   shapes.seq_q[0] if shapes.seq_q else 0, shapes.total_q)
+    stat_shape = stats.stats_shape(problem.tnd, shapes.batch, shapes.heads_q, shapes.total_q)
     if (softmax_max is None) != (softmax_sum is None):
         raise ParamInvalidError("softmax_max/softmax_sum: give both forward statistics or neither")
     stat_dtype = torch.float64 if query.dtype == torch.float64 else torch.float32

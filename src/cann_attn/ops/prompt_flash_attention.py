@@ -68,10 +68,10 @@ def prompt_flash_attention(
     if isinstance(num_key_value_heads, bool) or not isinstance(num_key_value_heads, int) or num_key_value_heads < 0:
         raise ParamInvalidError(f"num_key_value_heads: expected an int >= 0, got {num_key_value_heads!r}")
     heads_kv = num_key_value_heads or num_heads
-    q = layouts.read_dims(query, input_layout, num_heads, "query")
+    q = layouts.read_dims(query, input_layout, num_heads, "query", "num_heads")
     kv_layout = "BNSD" if input_layout == "BNSD_BSND" else input_layout
-    k = layouts.read_dims(key, kv_layout, heads_kv, "key")
-    v = layouts.read_dims(value, kv_layout, heads_kv, "value")
+    k = layouts.read_dims(key, kv_layout, heads_kv, "key", "num_key_value_heads")
+    v = layouts.read_dims(value, kv_layout, heads_kv, "value", "num_key_value_heads")
     if q.heads != num_heads:
         raise ParamInvalidError(f"num_heads: expected the query's head count N={q.heads}, got {num_heads}")
     if input_layout != "BSH" and k.heads != heads_kv:

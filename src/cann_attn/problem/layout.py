@@ -31,8 +31,11 @@ def check_layout(input_layout: str, allowed: tuple[str, ...], param: str = "inpu
     return input_layout
 
 
-def read_dims(tensor: torch.Tensor, layout: str, heads: int | None, param: str) -> LayoutDims:
-    """Read B, S, N, D of `tensor` in `layout`; 3-D layouts with H need `heads` to split H = N * D."""
+def read_dims(
+    tensor: torch.Tensor, layout: str, heads: int | None, param: str, heads_param: str = "head_num"
+) -> LayoutDims:
+    """Read B, S, N, D of `tensor` in `layout`; 3-D layouts with H need `heads` (the argument `heads_param`) to
+    split H = N * D."""
     expected_rank = {"BSH": 3, "SBH": 3, "BSND": 4, "BNSD": 4, "TND": 3, "BNSD_BSND": 4}[layout]
     if tensor.dim() != expected_rank:
         raise ParamInvalidError(
@@ -43,7 +46,8 @@ def read_dims(tensor: torch.Tensor, layout: str, heads: int | None, param: str) 
         b, s, h = shape if layout == "BSH" else (shape[1], shape[0], shape[2])
         if heads is None or heads <= 0 or h % heads != 0:
             raise ParamInvalidError(
-                f"{param}: hidden size H={h} of layout {layout} must be divisible by the head count {heads}"
+                f"{param}: hidden size H={h} of layout {layout} must be divisible by the head count "
+                f"({heads_param}={heads})"
             )
         return LayoutDims(b, s, heads, h // heads)
     if layout == "BSND":

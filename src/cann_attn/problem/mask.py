@@ -125,16 +125,33 @@ def validate_compressed_mask(atten_mask: torch.Tensor, sparse_mode: int) -> None
             f"atten_mask: sparse_mode {sparse_mode} expects the compressed mask of shape [{rows}, 2048] "
             f"(see cann_attn.compressed_mask({sparse_mode})), got {describe(atten_mask)}"
         )
-    # Checking a strided sample keeps validation cheap while catching inverted or dense masks.
+    # A strided sample plus the diagonals next to the triangle's edge keeps validation O(2048) while catching
+    # inverted, dense and off-by-one masks.
+    expected = _cached_compressed_mask(sparse_mode, atten_mask.device)
+    given = atten_mask != 0
     step = 61
-    sample = atten_mask[::step, ::step] != 0
-    expected = compressed_mask(sparse_mode, atten_mask.device)[::step, ::step]
-    if not torch.equal(sample, expected):
+    ok = torch.equal(given[::step, ::step], expected[::step, ::step])
+    for offset in (-1, 0, 1, 2):
+        ok = ok and torch.equal(given[:COMPRESSED_SIZE].diagonal(offset), expected[:COMPRESSED_SIZE].diagonal(offset))
+    if sparse_mode == 6:
+        ok = ok and torch.equal(given[COMPRESSED_SIZE:, ::7], expected[COMPRESSED_SIZE:, ::7])
+        ok = ok and torch.equal(given[COMPRESSED_SIZE:, 1020:1028], expected[COMPRESSED_SIZE:, 1020:1028])
+    if not ok:
         raise ParamInvalidError(
             f"atten_mask: sparse_mode {sparse_mode} expects the compressed mask (True where col > row"
             + ("; rows 2048.. = [0]*1024 + [1]*1024" if sparse_mode == 6 else "")
             + "), but the given tensor's content differs"
         )
+
+
+_MASK_CACHE: dict[tuple[int, str], torch.Tensor] = {}
+
+
+def _cached_compressed_mask(sparse_mode: int, device: torch.device) -> torch.Tensor:
+    key = (6 if sparse_mode == 6 else 2, str(device))
+    if key not in _MASK_CACHE:
+        _MASK_CACHE[key] = compressed_mask(sparse_mode, device)
+    return _MASK_CACHE[key]
 
 
 def check_mask_dtype(atten_mask: torch.Tensor, allowed: tuple[torch.dtype, ...]) -> None:

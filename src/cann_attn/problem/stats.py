@@ -22,8 +22,9 @@ def check_softmax_layout(softmax_layout: str) -> str:
     return softmax_layout
 
 
-def stats_shape(tnd: bool, batch: int, heads: int, seq_q: int, total_q: int) -> tuple[int, ...]:
-    return (total_q, heads, STAT_WIDTH) if tnd else (batch, heads, seq_q, STAT_WIDTH)
+def stats_shape(tnd: bool, batch: int, heads: int, seq: int) -> tuple[int, ...]:
+    """[B, N1, Sq, 8], or [T, N1, 8] for TND (`seq` is the query tensor's S or T)."""
+    return (seq, heads, STAT_WIDTH) if tnd else (batch, heads, seq, STAT_WIDTH)
 
 
 def run_view(stats: torch.Tensor, *, tnd: bool, softmax_layout: str, b0: int, count: int, token_start: int,

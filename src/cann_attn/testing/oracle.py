@@ -227,7 +227,7 @@ def _pse_bias(
     p = pse[b if pse.shape[0] > 1 else 0].to(dtype)  # [N1, Hp, Wp]
     hp, wp = p.shape[1], p.shape[2]
     if tnd:  # bottom-right [Sq_b, Skv_b] block of the sequence's slice
-        if hp < sq:  # 1024-row compressed pse, Sq_b == Skv_b > 1024: compressed rule on the last Skv_b columns
+        if hp < sq:  # 1024-row compressed pse, Sq_b == Skv_b > 1024: compressed rule on the last Skv_b cols
             return _compressed_pse(p[:, :, wp - skv :], sq, skv)
         return p[:, hp - sq :, wp - skv :]
     if wp != skv:
