@@ -13,11 +13,13 @@ from ..problem import quant
 from ..problem.attention import AttentionProblem, Run, partition_runs
 from ..problem.lengths import per_batch_lengths
 from ..problem.pse import SequencePse
+from ..problem.stats import FLT_MAX
 
 INT_MAX = 2147483647
 PFA_LAYOUTS = ("BSH", "BSND", "BNSD", "BNSD_BSND")
 PFA_MODES = (0, 1, 2, 3, 4)
 MAX_BATCH, MAX_HEADS, MAX_HEAD_DIM, MAX_GROUP = 65536, 256, 512, 64
+MAX_BATCH_UNALIGNED, MAX_HIDDEN = 128, 65535
 MASK_DTYPES = (torch.bool, torch.int8, torch.uint8)
 
 
@@ -90,6 +92,13 @@ def prompt_flash_attention(
     require(k.batch == q.batch, "key", f"batch B={q.batch} like the query", key)
     require(1 <= q.head_dim <= MAX_HEAD_DIM, "query", f"head dim D in 1..{MAX_HEAD_DIM}", query)
     require(num_heads <= MAX_HEADS, "num_heads", f"at most {MAX_HEADS}", num_heads)
+    alignment = 32 if query.dtype == torch.int8 else 16
+    if q.head_dim % alignment != 0:
+        require(q.batch <= MAX_BATCH_UNALIGNED, "query",
+                f"batch B <= {MAX_BATCH_UNALIGNED} when D={q.head_dim} is not a multiple of {alignment}", query)
+    if input_layout in ("BSH", "BSND"):
+        require(num_heads * q.head_dim < MAX_HIDDEN, "query", f"N * D < {MAX_HIDDEN} for layout {input_layout}",
+                query)
     require(q.batch <= MAX_BATCH, "query", f"batch B <= {MAX_BATCH}", query)
     for name, value_ in (("sparse_mode", sparse_mode), ("pre_tokens", pre_tokens), ("next_tokens", next_tokens)):
         if isinstance(value_, bool) or not isinstance(value_, int):
@@ -129,8 +138,10 @@ def prompt_flash_attention(
         quant_attention.forward(problem, q_bnsd, k_bnsd, v_bnsd, out_bnsd, plan)
     elif plan.output_dtype == torch.int8:
         dense = torch.zeros(out_bnsd.shape, dtype=torch.float32, device=query.device)
-        flash_forward.forward(problem, q_bnsd, k_bnsd, v_bnsd, dense)
-        quant_attention.quantize_output(problem, dense, out_bnsd, plan)
+        row_max = torch.full((*out_bnsd.shape[:-1], 8), -FLT_MAX, dtype=torch.float32, device=query.device)
+        row_sum = torch.empty_like(row_max)
+        flash_forward.forward(problem, q_bnsd, k_bnsd, v_bnsd, dense, row_max, row_sum)
+        quant_attention.quantize_output(problem, dense, row_max[..., 0] > -FLT_MAX, out_bnsd, plan)
     else:
         flash_forward.forward(problem, q_bnsd, k_bnsd, v_bnsd, out_bnsd)
     return out
@@ -156,10 +167,22 @@ def _validate_mask(atten_mask, sparse_mode, batch, heads, seq_q, seq_kv, pre_tok
                 f"next_tokens={next_tokens}"
             )
         return None
+    if sparse_mode == 0 and pre_tokens < INT_MAX and next_tokens < INT_MAX and pre_tokens + next_tokens < 0:
+        raise ParamInvalidError(
+            f"pre_tokens/next_tokens: the band [i - pre_tokens, i + next_tokens] must be non-empty, got "
+            f"pre_tokens={pre_tokens}, next_tokens={next_tokens}"
+        )
+    # The mask may be padded beyond (Q_S, KV_S) (the seed recommends padding KV_S to 32 with ones): only its
+    # top-left block is read.
+    rows, cols = atten_mask.shape[-2:] if atten_mask.dim() >= 2 else (0, 0)
+    if rows < seq_q or cols < seq_kv or atten_mask.dim() > 4:
+        raise ParamInvalidError(
+            f"atten_mask: the last two dims must cover [Q_S, KV_S]=[{seq_q}, {seq_kv}], got {describe(atten_mask)}"
+        )
     shape = tuple(atten_mask.shape)
-    if len(shape) == 3 and shape == (batch, seq_q, seq_kv) and batch != 1:
+    if len(shape) == 3 and shape[0] == batch and batch != 1:
         return [atten_mask[b].unsqueeze(0) for b in range(batch)]
-    return masks.explicit_mask_views(atten_mask, batch, heads, seq_q, seq_kv)
+    return masks.explicit_mask_views(atten_mask, batch, heads, rows, cols)
 
 
 def _validate_pse_shift(pse_shift, query, batch, heads, seq_q, seq_kv) -> None:

@@ -15,7 +15,7 @@ import torch
 
 from ...problem.attention import AttentionProblem, Run
 from ...problem.mask import TileState
-from ...problem.quant import round_to_int8
+from ...problem.quant import round_to_fp16, round_to_int8
 from .flash_forward import BLOCK_Q, group_rows, key_tiles
 
 # 127 * 128 * 512 < 2^24 for the QK^T product (D <= 512); 128 * 128 * BLOCK_KV < 2^24 for P_q V.
@@ -29,12 +29,15 @@ def forward(problem: AttentionProblem, query, key, value, out, plan) -> None:
             _run(problem, run, query, key, value, problem.q_view(out, run), plan)
 
 
-def quantize_output(problem: AttentionProblem, dense: torch.Tensor, out: torch.Tensor, plan) -> None:
-    """fp16/bf16 inputs with int8 output: quantize the fp32 attention output of the valid rows only."""
+def quantize_output(problem: AttentionProblem, dense: torch.Tensor, row_valid: torch.Tensor, out: torch.Tensor,
+                    plan) -> None:
+    """fp16/bf16 inputs with int8 output: quantize the fp32 attention output; rows with no visible key (and rows
+    beyond the actual query length) stay 0 rather than quant(0) + offset. `row_valid` is [B, N, S]."""
     for run in problem.runs:
         if run.seq_q > 0:
             rows = problem.q_view(dense, run)
-            problem.q_view(out, run).copy_(_quantize(rows, plan, run, problem))
+            valid = row_valid[run.b0 : run.b0 + run.count, :, : run.seq_q].unsqueeze(-1)
+            problem.q_view(out, run).copy_(_quantize(rows, plan, run, problem).masked_fill_(~valid, 0))
 
 
 def _quantize(o: torch.Tensor, plan, run: Run, problem: AttentionProblem) -> torch.Tensor:
@@ -49,7 +52,7 @@ def _scores(problem, run: Run, q_tile, k_all, plan, i0, i1, j0, j1, state: TileS
     c, rows, cols = run.count, i1 - i0, j1 - j0
     s32 = torch.bmm(q_tile, k_all[:, j0:j1].transpose(1, 2))
     # The single fp16 rounding of the dequantized product; s32 * deq1 is exact in float64.
-    s = (s32.double() * plan.deq1).to(torch.float16).to(torch.float32)
+    s = round_to_fp16(s32.double() * plan.deq1).to(torch.float32)
     s = s.view(c, problem.heads_q, rows, cols) * problem.scale
     if run.pse is not None:
         s = s + run.pse.tile(i0, i1, j0, j1, s.device, torch.float32)

@@ -1,0 +1,117 @@
+"""trans_quant_param: bit-level checks against the independent oracle (SEMANTICS.md 7; TransQuantParamV2 doc).
+
+word = (fp32 bits of scale & 0xFFFFE000) | (1 << 46); with offset o = clamp(round(offset), -256, 255) stored as
+(o & 0x1FF) << 37. Offsets here avoid exact .5 ties: the documents do not say which way those round.
+"""
+
+from __future__ import annotations
+
+import struct
+
+import pytest
+import torch
+
+import cann_attn
+from cann_attn.testing.pfa_oracle import decode_deq_scale, trans_quant_param_oracle
+
+
+def fp32_bits(x: float) -> int:
+    return struct.unpack("<I", struct.pack("<f", x))[0]
+
+
+SCALES = [1.0, 0.1, -0.1, 3.0e-5, 1.0e-38, 65504.0, 0.0, -0.0, 123.456, 2.0**-20 * 1.999, 1 / 3]
+
+
+def test_oracle_against_hand_computed_words():
+    """The oracle itself, on hand-computed words."""
+    # 1.0 = 0x3F800000 (no low bits); 0.1 = 0x3DCCCCCD -> 0x3DCCC000
+    assert int(trans_quant_param_oracle(torch.tensor([1.0]))[0]) == 0x3F800000 | (1 << 46)
+    assert int(trans_quant_param_oracle(torch.tensor([0.1]))[0]) == 0x3DCCC000 | (1 << 46)
+    # offset 3 -> 0b000000011 at bits 37..45; offset -1 -> 0x1FF
+    assert int(trans_quant_param_oracle(torch.tensor([1.0]), torch.tensor([3.2]))[0]) == (
+        0x3F800000 | (1 << 46) | (3 << 37)
+    )
+    assert int(trans_quant_param_oracle(torch.tensor([1.0]), torch.tensor([-1.0]))[0]) == (
+        0x3F800000 | (1 << 46) | (0x1FF << 37)
+    )
+
+
+def test_no_offset_bit_exact():
+    scale = torch.tensor(SCALES, dtype=torch.float32)
+    out = cann_attn.trans_quant_param(scale)
+    expected = trans_quant_param_oracle(scale)
+    assert out.dtype == torch.int64
+    assert tuple(out.shape) == tuple(scale.shape)
+    assert out.tolist() == expected.tolist()
+    for word, s in zip(out.tolist(), scale.tolist(), strict=True):
+        assert word == (fp32_bits(s) & 0xFFFFE000) | (1 << 46)
+        assert word >> 47 == 0, "nothing above bit 46"
+        assert (word >> 32) & 0x7FFF == 1 << 14, "bits 32..45 clear, bit 46 set"
+
+
+def test_random_scales_bit_exact(rng):
+    scale = (torch.randn(257, generator=rng) * torch.exp(torch.randn(257, generator=rng) * 8)).to(torch.float32)
+    assert cann_attn.trans_quant_param(scale).tolist() == trans_quant_param_oracle(scale).tolist()
+
+
+@pytest.mark.parametrize(
+    "offsets",
+    [
+        [0.0, 1.0, -1.0, 3.2, -3.7, 100.4, -100.6, 255.0, -256.0],
+        [300.0, -300.0, 1.0e6, -1.0e6, 255.4, -256.4, 254.7],  # clamped
+        [0.49, -0.49, 0.51, -0.51, 17.25, -17.75],
+    ],
+    ids=["in_range", "clamped", "near_half"],
+)
+def test_with_offset_bit_exact(offsets):
+    scale = torch.linspace(0.01, 3.0, len(offsets), dtype=torch.float32)
+    offset = torch.tensor(offsets, dtype=torch.float32)
+    out = cann_attn.trans_quant_param(scale, offset)
+    assert out.tolist() == trans_quant_param_oracle(scale, offset).tolist()
+    for word, s, o in zip(out.tolist(), scale.tolist(), offsets, strict=True):
+        field = (word >> 37) & 0x1FF
+        signed = field - 512 if field >= 256 else field
+        assert signed == max(-256, min(255, round(o)))
+        assert word & 0xFFFFFFFF == fp32_bits(s) & 0xFFFFE000
+        assert (word >> 46) & 1 == 1
+
+
+def test_two_dim_scale_keeps_shape(rng):
+    """scale [1, n] and offset [1, n] -> output [1, n]."""
+    scale = torch.rand(1, 16, generator=rng, dtype=torch.float32) + 0.01
+    offset = (torch.rand(1, 16, generator=rng, dtype=torch.float32) - 0.5) * 100
+    out = cann_attn.trans_quant_param(scale, offset)
+    assert tuple(out.shape) == (1, 16)
+    assert out.tolist() == trans_quant_param_oracle(scale, offset).tolist()
+
+
+def test_per_tensor_offset_broadcasts(rng):
+    scale = torch.rand(8, generator=rng, dtype=torch.float32)
+    offset = torch.tensor([-12.3])
+    out = cann_attn.trans_quant_param(scale, offset)
+    assert out.tolist() == trans_quant_param_oracle(scale, offset).tolist()
+
+
+def test_per_tensor_scale_with_per_channel_offset_gives_per_channel_words(rng):
+    """torch_npu npu_trans_quant_param: a 1-D scale and offset give the longer of the two shapes (t = 1 or n)."""
+    scale = torch.tensor([0.37], dtype=torch.float32)
+    offset = (torch.rand(8, generator=rng, dtype=torch.float32) - 0.5) * 50
+    out = cann_attn.trans_quant_param(scale, offset)
+    assert tuple(out.shape) == (8,)
+    assert out.tolist() == trans_quant_param_oracle(scale, offset).tolist()
+
+
+def test_decode_round_trip_is_truncation(rng):
+    """The low 32 bits of a word read as fp32 are the scale with its 13 low mantissa bits cleared."""
+    scale = torch.rand(64, generator=rng, dtype=torch.float32) * 10
+    words = cann_attn.trans_quant_param(scale)
+    for w, s in zip(words, scale.tolist(), strict=True):
+        decoded = decode_deq_scale(w.reshape(1))
+        assert fp32_bits(decoded) == fp32_bits(s) & 0xFFFFE000
+        assert abs(decoded - s) <= abs(s) * 2.0**-10
+
+
+def test_rejects_non_float32_scale():
+    with pytest.raises(cann_attn.AclnnError) as info:
+        cann_attn.trans_quant_param(torch.tensor([1.0], dtype=torch.float16))
+    assert info.value.status_code == 161002 and "scale" in str(info.value)
