@@ -3,6 +3,7 @@
 Public API: DESIGN.md. Semantics: SEMANTICS.md (section numbers are cited in docstrings).
 """
 
+from . import library  # noqa: F401  (registers the cann_attn::* custom ops)
 from .autograd import flash_attention, indexer_kl_loss, sparse_attention
 from .errors import AclnnError, ParamInvalidError, ParamNullptrError
 from .ops.flash_attention_score import (

@@ -1,0 +1,648 @@
+"""Every cann_attn operator as a ``torch.library`` custom op, so ``torch.compile(fullgraph=True)`` traces models
+that call them without graph breaks (DESIGN.md; the style of flash-attention's ``flash_attn_interface.py``).
+
+Layering, once per operator:
+
+* ``torch.ops.cann_attn.<name>``: a ``torch.library.custom_op`` (``mutates_args=()``) that runs the eager operator
+  of ``cann_attn.ops``; schema types are ``Tensor`` / ``Tensor?``, ``int[]?`` for length lists, ``float`` for
+  scales, ``int`` for modes and token counts, ``str`` for layouts.
+* A ``register_fake`` twin that computes output shapes and dtypes only (no data): used by FakeTensor tracing,
+  ``torch.compile`` and ``torch.export``. TND outputs keep the query's token count; the PromptFlashAttention output
+  dtype is int8 with ``quant_scale2``, else float16 for int8 inputs, else the query dtype (SEMANTICS.md 7).
+* ``register_autograd`` for the forward ops: ``flash_attention_score`` / ``flash_attention_var_len_score``
+  backpropagate through the ``flash_attention_score_grad`` custom op (gradients to query, key, value and a type
+  0/1 ``pse`` tensor; the drop mask the forward used is saved and reused), ``sparse_flash_attention`` through
+  ``sparse_flash_attention_grad`` (gradients to query, key, value, query_rope, key_rope). The softmax statistics
+  outputs are not differentiable.
+* A Python wrapper below (same name, same signature as the eager operator in ``cann_attn``) that converts length
+  tensors to int lists before calling the op (do this yourself, or pass Python lists, inside compiled code: a
+  ``.tolist()`` on a tensor is a graph break) and maps the placeholder outputs back to ``None``.
+
+Custom ops cannot return ``None``: an absent optional output is an empty tensor of shape ``(0,)`` (``dpse`` without
+a type 0/1 pse tensor, ``d_query_rope`` / ``d_key_rope`` without rope inputs, ``sparse_values`` without
+``return_value``); the wrappers turn them into ``None``.
+
+Dropout under compilation: ``cann_attn::dropout_mask(Tensor rng_state, SymInt numel, float keep_prob, Device?
+device) -> Tensor`` draws the bit-packed keep mask (``cann_attn.gen_drop_mask``) from a ``torch.Generator`` seeded
+from ``rng_state = [seed, offset]`` (an int64 tensor) with :func:`mix_seed`, so a forward and a later grad call
+regenerate the same mask from the same (seed, offset) pair; ``cann_attn.torch_npu`` uses it to mimic torch_npu's
+(seed, offset, numels) protocol.
+"""
+
+import torch
+from torch import Tensor
+
+from .errors import ParamInvalidError
+from .ops.flash_attention_score import (
+    INT_MAX,
+    FlashAttentionScoreResult,
+)
+from .ops.flash_attention_score import (
+    flash_attention_score as _eager_flash_attention_score,
+)
+from .ops.flash_attention_score import (
+    flash_attention_var_len_score as _eager_flash_attention_var_len_score,
+)
+from .ops.flash_attention_score_grad import FlashAttentionScoreGradResult
+from .ops.flash_attention_score_grad import flash_attention_score_grad as _eager_flash_attention_score_grad
+from .ops.lightning_indexer import LightningIndexerResult, SparseLightningIndexerGradKLLossResult
+from .ops.lightning_indexer import lightning_indexer as _eager_lightning_indexer
+from .ops.lightning_indexer import (
+    sparse_lightning_indexer_grad_kl_loss as _eager_sparse_lightning_indexer_grad_kl_loss,
+)
+from .ops.prompt_flash_attention import prompt_flash_attention as _eager_prompt_flash_attention
+from .ops.sparse_flash_attention import SparseFlashAttentionGradResult, SparseFlashAttentionResult
+from .ops.sparse_flash_attention import sparse_flash_attention as _eager_sparse_flash_attention
+from .ops.sparse_flash_attention import sparse_flash_attention_grad as _eager_sparse_flash_attention_grad
+from .problem.dropout import gen_drop_mask
+from .problem.lengths import to_int_list
+from .problem.quant import trans_quant_param as _eager_trans_quant_param
+
+__all__ = [
+    "dropout_mask",
+    "flash_attention_score",
+    "flash_attention_score_grad",
+    "flash_attention_var_len_score",
+    "lightning_indexer",
+    "mix_seed",
+    "prompt_flash_attention",
+    "sparse_flash_attention",
+    "sparse_flash_attention_grad",
+    "sparse_lightning_indexer_grad_kl_loss",
+    "trans_quant_param",
+]
+
+INT64_MAX = 2**63 - 1
+_MASK64 = (1 << 64) - 1
+
+
+def _empty_like_none(like: Tensor, dtype: torch.dtype | None = None) -> Tensor:
+    """The ``(0,)`` placeholder for an absent optional output."""
+    return like.new_empty((0,), dtype=dtype or like.dtype)
+
+
+def _none_if_placeholder(t: Tensor, present: bool) -> Tensor | None:
+    return t if present else None
+
+
+def _stat_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def _ints(value, name: str) -> list[int] | None:
+    """Length lists and start indices as Python int lists (tensors converted; one int becomes a list)."""
+    return to_int_list(value, name)
+
+
+# ================================================================================================ dropout masks
+def mix_seed(seed: int, offset: int) -> int:
+    """The 64-bit ``torch.Generator`` seed of the keep mask drawn at (seed, offset).
+
+    ``z = (seed * 0x9E3779B97F4A7C15 + offset) mod 2**64`` followed by the splitmix64 finaliser
+    ``z ^= z >> 30; z *= 0xBF58476D1CE4E5B9; z ^= z >> 27; z *= 0x94D049BB133111EB; z ^= z >> 31`` (all mod 2**64).
+    Distinct (seed, offset) pairs give unrelated streams; the same pair always gives the same mask on a given
+    device type (CPU and CUDA generators differ).
+    """
+    z = (int(seed) * 0x9E3779B97F4A7C15 + int(offset)) & _MASK64
+    z ^= z >> 30
+    z = (z * 0xBF58476D1CE4E5B9) & _MASK64
+    z ^= z >> 27
+    z = (z * 0x94D049BB133111EB) & _MASK64
+    z ^= z >> 31
+    return z
+
+
+def _mask_bytes(numel) -> int:
+    return (numel + 7) // 8
+
+
+@torch.library.custom_op("cann_attn::dropout_mask", mutates_args=())
+def _dropout_mask_op(rng_state: Tensor, numel: int, keep_prob: float, device: torch.device | None = None) -> Tensor:
+    """ceil(numel/8) bytes of LSB-first keep bits (SEMANTICS.md 5) drawn at (rng_state[0], rng_state[1])."""
+    if rng_state.numel() != 2 or rng_state.dtype not in (torch.int64, torch.int32):
+        raise ParamInvalidError(f"rng_state: expected an int64 tensor [seed, offset], got {rng_state!r}")
+    seed, offset = (int(v) for v in rng_state.reshape(-1).tolist())
+    target = torch.device(device) if device is not None else rng_state.device
+    generator = torch.Generator(device=target)
+    generator.manual_seed(mix_seed(seed, offset))
+    return gen_drop_mask(int(numel), float(keep_prob), generator=generator, device=target)
+
+
+@_dropout_mask_op.register_fake
+def _(rng_state, numel, keep_prob, device=None):
+    target = torch.device(device) if device is not None else rng_state.device
+    return torch.empty((_mask_bytes(numel),), dtype=torch.uint8, device=target)
+
+
+def dropout_mask(seed, offset, numel: int, keep_prob: float, device: torch.device | str | None = None) -> Tensor:
+    """The keep mask of ``numel`` elements drawn at (seed, offset) (ints or 0-d tensors) through the
+    ``cann_attn::dropout_mask`` op; the same arguments always give the same mask."""
+    if isinstance(seed, Tensor) or isinstance(offset, Tensor):
+        state = torch.stack([torch.as_tensor(seed).reshape(()), torch.as_tensor(offset).reshape(())])
+        state = state.to(device="cpu", dtype=torch.int64)
+    else:
+        state = torch.tensor([int(seed), int(offset)], dtype=torch.int64)
+    return torch.ops.cann_attn.dropout_mask(state, numel, float(keep_prob),
+                                            torch.device(device) if device is not None else None)
+
+
+# ================================================================================ FlashAttentionScore (+ VarLen)
+_FA_NAMES = (
+    "query", "key", "value", "head_num", "input_layout", "pse", "drop_mask", "padding_mask", "atten_mask", "prefix",
+    "actual_seq_qlen", "actual_seq_kvlen", "q_start_idx", "kv_start_idx", "scale_value", "keep_prob", "pre_tokens",
+    "next_tokens", "inner_precise", "sparse_mode", "pse_type", "softmax_layout", "backend",
+)
+# Forward arguments the grad op takes unchanged, in its keyword names.
+_FA_SHARED = (
+    "head_num", "input_layout", "prefix", "actual_seq_qlen", "actual_seq_kvlen", "q_start_idx", "kv_start_idx",
+    "scale_value", "keep_prob", "pre_tokens", "next_tokens", "inner_precise", "sparse_mode", "pse_type",
+    "softmax_layout", "backend",
+)
+
+
+def _fa_call(eager, query, key, value, head_num, input_layout, pse, drop_mask, padding_mask, atten_mask, prefix,
+             actual_seq_qlen, actual_seq_kvlen, q_start_idx, kv_start_idx, scale_value, keep_prob, pre_tokens,
+             next_tokens, inner_precise, sparse_mode, pse_type, softmax_layout, backend):
+    result = eager(
+        query, key, value, head_num, input_layout, pse=pse, drop_mask=drop_mask, padding_mask=padding_mask,
+        atten_mask=atten_mask, prefix=prefix, actual_seq_qlen=actual_seq_qlen, actual_seq_kvlen=actual_seq_kvlen,
+        q_start_idx=q_start_idx, kv_start_idx=kv_start_idx, scale_value=scale_value, keep_prob=keep_prob,
+        pre_tokens=pre_tokens, next_tokens=next_tokens, inner_precise=inner_precise, sparse_mode=sparse_mode,
+        pse_type=pse_type, softmax_layout=softmax_layout, backend=backend,
+    )
+    return tuple(result)
+
+
+@torch.library.custom_op("cann_attn::flash_attention_score", mutates_args=())
+def _fa_op(
+    query: Tensor, key: Tensor, value: Tensor, head_num: int, input_layout: str, pse: Tensor | None = None,
+    drop_mask: Tensor | None = None, padding_mask: Tensor | None = None, atten_mask: Tensor | None = None,
+    prefix: list[int] | None = None, actual_seq_qlen: list[int] | None = None,
+    actual_seq_kvlen: list[int] | None = None, q_start_idx: list[int] | None = None,
+    kv_start_idx: list[int] | None = None, scale_value: float = 1.0, keep_prob: float = 1.0,
+    pre_tokens: int = INT_MAX, next_tokens: int = INT_MAX, inner_precise: int = 0, sparse_mode: int = 0,
+    pse_type: int = 1, softmax_layout: str = "", backend: str = "auto",
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """FlashAttentionScore -> (attention_out, softmax_max, softmax_sum, softmax_out)."""
+    return _fa_call(_eager_flash_attention_score, query, key, value, head_num, input_layout, pse, drop_mask,
+                    padding_mask, atten_mask, prefix, actual_seq_qlen, actual_seq_kvlen, q_start_idx, kv_start_idx,
+                    scale_value, keep_prob, pre_tokens, next_tokens, inner_precise, sparse_mode, pse_type,
+                    softmax_layout, backend)
+
+
+@torch.library.custom_op("cann_attn::flash_attention_var_len_score", mutates_args=())
+def _fa_varlen_op(
+    query: Tensor, key: Tensor, value: Tensor, head_num: int, input_layout: str = "TND", pse: Tensor | None = None,
+    drop_mask: Tensor | None = None, padding_mask: Tensor | None = None, atten_mask: Tensor | None = None,
+    prefix: list[int] | None = None, actual_seq_qlen: list[int] | None = None,
+    actual_seq_kvlen: list[int] | None = None, q_start_idx: list[int] | None = None,
+    kv_start_idx: list[int] | None = None, scale_value: float = 1.0, keep_prob: float = 1.0,
+    pre_tokens: int = INT_MAX, next_tokens: int = INT_MAX, inner_precise: int = 0, sparse_mode: int = 0,
+    pse_type: int = 1, softmax_layout: str = "", backend: str = "auto",
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """FlashAttentionVarLenScore (TND) -> (attention_out, softmax_max, softmax_sum, softmax_out)."""
+    return _fa_call(_eager_flash_attention_var_len_score, query, key, value, head_num, input_layout, pse, drop_mask,
+                    padding_mask, atten_mask, prefix, actual_seq_qlen, actual_seq_kvlen, q_start_idx, kv_start_idx,
+                    scale_value, keep_prob, pre_tokens, next_tokens, inner_precise, sparse_mode, pse_type,
+                    softmax_layout, backend)
+
+
+def _fa_out_shape(query: Tensor, key: Tensor, value: Tensor, head_num: int, layout: str) -> tuple:
+    """attention_out: the query's layout with value's head dim (SEMANTICS.md 1)."""
+    if layout in ("BSH", "SBH"):
+        head_dim = query.shape[2] // head_num
+        heads_kv = key.shape[2] // head_dim
+        return (query.shape[0], query.shape[1], head_num * (value.shape[2] // heads_kv))
+    if layout in ("BSND", "BNSD"):
+        return (*query.shape[:3], value.shape[3])
+    return (query.shape[0], query.shape[1], value.shape[2])  # TND keeps the token count
+
+
+def _fa_stat_shape(query: Tensor, head_num: int, layout: str) -> tuple:
+    """softmax_max / softmax_sum: [B, N1, Sq, 8], TND [T, N1, 8] (SEMANTICS.md 6)."""
+    if layout == "TND":
+        return (query.shape[0], head_num, 8)
+    batch, seq = {"BSH": (0, 1), "SBH": (1, 0), "BSND": (0, 1), "BNSD": (0, 2)}[layout]
+    return (query.shape[batch], head_num, query.shape[seq], 8)
+
+
+def _fa_fake(query, key, value, head_num, input_layout, *args, **kwargs):
+    stat_dtype = _stat_dtype(query.dtype)
+    stat_shape = _fa_stat_shape(query, head_num, input_layout)
+    return (
+        query.new_empty(_fa_out_shape(query, key, value, head_num, input_layout)),
+        query.new_empty(stat_shape, dtype=stat_dtype),
+        query.new_empty(stat_shape, dtype=stat_dtype),
+        query.new_empty((0,)),
+    )
+
+
+_fa_op.register_fake(_fa_fake)
+_fa_varlen_op.register_fake(_fa_fake)
+
+
+def _fa_setup_context(ctx, inputs, output):
+    args = dict(zip(_FA_NAMES, inputs, strict=False))
+    attention_out, softmax_max, softmax_sum, softmax_out = output
+    ctx.save_for_backward(args["query"], args["key"], args["value"], args["pse"], args["drop_mask"],
+                          args["atten_mask"], attention_out, softmax_max, softmax_sum)
+    ctx.options = {name: args[name] for name in _FA_SHARED if name in args}
+    ctx.mark_non_differentiable(softmax_max, softmax_sum, softmax_out)
+
+
+def _fa_backward(ctx, d_out, d_max, d_sum, d_softmax_out):
+    query, key, value, pse, drop_mask, atten_mask, attention_out, softmax_max, softmax_sum = ctx.saved_tensors
+    options = ctx.options
+    dq, dk, dv, dpse = torch.ops.cann_attn.flash_attention_score_grad(
+        query, key, value, d_out.contiguous(), options["head_num"], options["input_layout"], pse=pse,
+        drop_mask=drop_mask, atten_mask=atten_mask, softmax_max=softmax_max, softmax_sum=softmax_sum,
+        attention_in=attention_out, **{k: v for k, v in options.items() if k not in ("head_num", "input_layout")},
+    )
+    pse_grad = None
+    if pse is not None and options["pse_type"] in (0, 1) and ctx.needs_input_grad[_FA_NAMES.index("pse")]:
+        pse_grad = dpse
+    grads = {"query": dq, "key": dk, "value": dv, "pse": pse_grad}
+    return tuple(grads.get(name) for name in _FA_NAMES)
+
+
+_fa_op.register_autograd(_fa_backward, setup_context=_fa_setup_context)
+_fa_varlen_op.register_autograd(_fa_backward, setup_context=_fa_setup_context)
+
+
+@torch.library.custom_op("cann_attn::flash_attention_score_grad", mutates_args=())
+def _fa_grad_op(
+    query: Tensor, key: Tensor, value: Tensor, dy: Tensor, head_num: int, input_layout: str,
+    pse: Tensor | None = None, drop_mask: Tensor | None = None, padding_mask: Tensor | None = None,
+    atten_mask: Tensor | None = None, softmax_max: Tensor | None = None, softmax_sum: Tensor | None = None,
+    softmax_in: Tensor | None = None, attention_in: Tensor | None = None, prefix: list[int] | None = None,
+    actual_seq_qlen: list[int] | None = None, actual_seq_kvlen: list[int] | None = None,
+    q_start_idx: list[int] | None = None, kv_start_idx: list[int] | None = None, scale_value: float = 1.0,
+    keep_prob: float = 1.0, pre_tokens: int = INT_MAX, next_tokens: int = INT_MAX, inner_precise: int = 0,
+    sparse_mode: int = 0, pse_type: int = 1, softmax_layout: str = "", backend: str = "auto",
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """FlashAttentionScoreGradV2 -> (dq, dk, dv, dpse); dpse is an empty (0,) tensor without a type 0/1 pse."""
+    result = _eager_flash_attention_score_grad(
+        query, key, value, dy, head_num, input_layout, pse=pse, drop_mask=drop_mask, padding_mask=padding_mask,
+        atten_mask=atten_mask, softmax_max=softmax_max, softmax_sum=softmax_sum, softmax_in=softmax_in,
+        attention_in=attention_in, prefix=prefix, actual_seq_qlen=actual_seq_qlen,
+        actual_seq_kvlen=actual_seq_kvlen, q_start_idx=q_start_idx, kv_start_idx=kv_start_idx,
+        scale_value=scale_value, keep_prob=keep_prob, pre_tokens=pre_tokens, next_tokens=next_tokens,
+        inner_precise=inner_precise, sparse_mode=sparse_mode, pse_type=pse_type, softmax_layout=softmax_layout,
+        backend=backend,
+    )
+    dpse = result.dpse if result.dpse is not None else _empty_like_none(query)
+    return result.dq, result.dk, result.dv, dpse
+
+
+@_fa_grad_op.register_fake
+def _(query, key, value, dy, head_num, input_layout, pse=None, drop_mask=None, padding_mask=None, atten_mask=None,
+      softmax_max=None, softmax_sum=None, softmax_in=None, attention_in=None, prefix=None, actual_seq_qlen=None,
+      actual_seq_kvlen=None, q_start_idx=None, kv_start_idx=None, scale_value=1.0, keep_prob=1.0, pre_tokens=INT_MAX,
+      next_tokens=INT_MAX, inner_precise=0, sparse_mode=0, pse_type=1, softmax_layout="", backend="auto"):
+    dpse = pse.new_empty(pse.shape) if pse is not None and pse_type in (0, 1) else _empty_like_none(query)
+    return torch.empty_like(query), torch.empty_like(key), torch.empty_like(value), dpse
+
+
+def flash_attention_score(
+    query: Tensor, key: Tensor, value: Tensor, head_num: int, input_layout: str, *, pse: Tensor | None = None,
+    drop_mask: Tensor | None = None, padding_mask: Tensor | None = None, atten_mask: Tensor | None = None,
+    prefix=None, actual_seq_qlen=None, actual_seq_kvlen=None, q_start_idx=None, kv_start_idx=None,
+    scale_value: float = 1.0, keep_prob: float = 1.0, pre_tokens: int = INT_MAX, next_tokens: int = INT_MAX,
+    inner_precise: int = 0, sparse_mode: int = 0, pse_type: int = 1, softmax_layout: str = "",
+    backend: str = "auto",
+) -> FlashAttentionScoreResult:
+    """``cann_attn.flash_attention_score`` through the ``cann_attn::flash_attention_score`` custom op:
+    traceable by torch.compile and differentiable (gradients to query, key, value and a type 0/1 pse)."""
+    return FlashAttentionScoreResult(*torch.ops.cann_attn.flash_attention_score(
+        query, key, value, head_num, input_layout, pse, drop_mask, padding_mask, atten_mask, _ints(prefix, "prefix"),
+        _ints(actual_seq_qlen, "actual_seq_qlen"), _ints(actual_seq_kvlen, "actual_seq_kvlen"),
+        _ints(q_start_idx, "q_start_idx"), _ints(kv_start_idx, "kv_start_idx"), float(scale_value),
+        float(keep_prob), pre_tokens, next_tokens, inner_precise, sparse_mode, pse_type, softmax_layout, backend,
+    ))
+
+
+def flash_attention_var_len_score(
+    query: Tensor, key: Tensor, value: Tensor, head_num: int, input_layout: str = "TND", *,
+    pse: Tensor | None = None, drop_mask: Tensor | None = None, padding_mask: Tensor | None = None,
+    atten_mask: Tensor | None = None, prefix=None, actual_seq_qlen=None, actual_seq_kvlen=None, q_start_idx=None,
+    kv_start_idx=None, scale_value: float = 1.0, keep_prob: float = 1.0, pre_tokens: int = INT_MAX,
+    next_tokens: int = INT_MAX, inner_precise: int = 0, sparse_mode: int = 0, pse_type: int = 1,
+    softmax_layout: str = "", backend: str = "auto",
+) -> FlashAttentionScoreResult:
+    """``cann_attn.flash_attention_var_len_score`` through the ``cann_attn::flash_attention_var_len_score`` op."""
+    return FlashAttentionScoreResult(*torch.ops.cann_attn.flash_attention_var_len_score(
+        query, key, value, head_num, input_layout, pse, drop_mask, padding_mask, atten_mask, _ints(prefix, "prefix"),
+        _ints(actual_seq_qlen, "actual_seq_qlen"), _ints(actual_seq_kvlen, "actual_seq_kvlen"),
+        _ints(q_start_idx, "q_start_idx"), _ints(kv_start_idx, "kv_start_idx"), float(scale_value),
+        float(keep_prob), pre_tokens, next_tokens, inner_precise, sparse_mode, pse_type, softmax_layout, backend,
+    ))
+
+
+def flash_attention_score_grad(
+    query: Tensor, key: Tensor, value: Tensor, dy: Tensor, head_num: int, input_layout: str, *,
+    pse: Tensor | None = None, drop_mask: Tensor | None = None, padding_mask: Tensor | None = None,
+    atten_mask: Tensor | None = None, softmax_max: Tensor | None = None, softmax_sum: Tensor | None = None,
+    softmax_in: Tensor | None = None, attention_in: Tensor | None = None, prefix=None, actual_seq_qlen=None,
+    actual_seq_kvlen=None, q_start_idx=None, kv_start_idx=None, scale_value: float = 1.0, keep_prob: float = 1.0,
+    pre_tokens: int = INT_MAX, next_tokens: int = INT_MAX, inner_precise: int = 0, sparse_mode: int = 0,
+    pse_type: int = 1, softmax_layout: str = "", backend: str = "auto",
+) -> FlashAttentionScoreGradResult:
+    """``cann_attn.flash_attention_score_grad`` through the ``cann_attn::flash_attention_score_grad`` op; dpse is
+    None without a type 0/1 pse tensor."""
+    dq, dk, dv, dpse = torch.ops.cann_attn.flash_attention_score_grad(
+        query, key, value, dy, head_num, input_layout, pse, drop_mask, padding_mask, atten_mask, softmax_max,
+        softmax_sum, softmax_in, attention_in, _ints(prefix, "prefix"), _ints(actual_seq_qlen, "actual_seq_qlen"),
+        _ints(actual_seq_kvlen, "actual_seq_kvlen"), _ints(q_start_idx, "q_start_idx"),
+        _ints(kv_start_idx, "kv_start_idx"), float(scale_value), float(keep_prob), pre_tokens, next_tokens,
+        inner_precise, sparse_mode, pse_type, softmax_layout, backend,
+    )
+    return FlashAttentionScoreGradResult(dq, dk, dv, _none_if_placeholder(dpse, pse is not None and pse_type in (0, 1)))
+
+
+# ================================================================================ PromptFlashAttentionV2 + quant
+@torch.library.custom_op("cann_attn::prompt_flash_attention", mutates_args=())
+def _pfa_op(
+    query: Tensor, key: Tensor, value: Tensor, pse_shift: Tensor | None = None, atten_mask: Tensor | None = None,
+    actual_seq_lengths: list[int] | None = None, actual_seq_lengths_kv: list[int] | None = None,
+    deq_scale1: Tensor | None = None, quant_scale1: Tensor | None = None, deq_scale2: Tensor | None = None,
+    quant_scale2: Tensor | None = None, quant_offset2: Tensor | None = None, num_heads: int = 1,
+    scale_value: float = 1.0, pre_tokens: int = INT_MAX, next_tokens: int = 0, input_layout: str = "BSH",
+    num_key_value_heads: int = 0, sparse_mode: int = 0, backend: str = "auto",
+) -> Tensor:
+    """PromptFlashAttentionV2 -> attention_out."""
+    return _eager_prompt_flash_attention(
+        query, key, value, pse_shift=pse_shift, atten_mask=atten_mask, actual_seq_lengths=actual_seq_lengths,
+        actual_seq_lengths_kv=actual_seq_lengths_kv, deq_scale1=deq_scale1, quant_scale1=quant_scale1,
+        deq_scale2=deq_scale2, quant_scale2=quant_scale2, quant_offset2=quant_offset2, num_heads=num_heads,
+        scale_value=scale_value, pre_tokens=pre_tokens, next_tokens=next_tokens, input_layout=input_layout,
+        num_key_value_heads=num_key_value_heads, sparse_mode=sparse_mode, backend=backend,
+    )
+
+
+def _pfa_output_dtype(query_dtype: torch.dtype, quant_scale2) -> torch.dtype:
+    """int8 with quant_scale2, else float16 for int8 inputs, else the query dtype (SEMANTICS.md 7)."""
+    if quant_scale2 is not None:
+        return torch.int8
+    return torch.float16 if query_dtype == torch.int8 else query_dtype
+
+
+@_pfa_op.register_fake
+def _(query, key, value, pse_shift=None, atten_mask=None, actual_seq_lengths=None, actual_seq_lengths_kv=None,
+      deq_scale1=None, quant_scale1=None, deq_scale2=None, quant_scale2=None, quant_offset2=None, num_heads=1,
+      scale_value=1.0, pre_tokens=INT_MAX, next_tokens=0, input_layout="BSH", num_key_value_heads=0, sparse_mode=0,
+      backend="auto"):
+    shape = tuple(query.shape)
+    if input_layout == "BNSD_BSND":  # input BNSD, output BSND
+        shape = (query.shape[0], query.shape[2], query.shape[1], query.shape[3])
+    return query.new_empty(shape, dtype=_pfa_output_dtype(query.dtype, quant_scale2))
+
+
+def prompt_flash_attention(
+    query: Tensor, key: Tensor, value: Tensor, *, pse_shift: Tensor | None = None, atten_mask: Tensor | None = None,
+    actual_seq_lengths=None, actual_seq_lengths_kv=None, deq_scale1: Tensor | None = None,
+    quant_scale1: Tensor | None = None, deq_scale2: Tensor | None = None, quant_scale2: Tensor | None = None,
+    quant_offset2: Tensor | None = None, num_heads: int = 1, scale_value: float = 1.0, pre_tokens: int = INT_MAX,
+    next_tokens: int = 0, input_layout: str = "BSH", num_key_value_heads: int = 0, sparse_mode: int = 0,
+    backend: str = "auto",
+) -> Tensor:
+    """``cann_attn.prompt_flash_attention`` through the ``cann_attn::prompt_flash_attention`` custom op."""
+    return torch.ops.cann_attn.prompt_flash_attention(
+        query, key, value, pse_shift, atten_mask, _ints(actual_seq_lengths, "actual_seq_lengths"),
+        _ints(actual_seq_lengths_kv, "actual_seq_lengths_kv"), deq_scale1, quant_scale1, deq_scale2, quant_scale2,
+        quant_offset2, num_heads, float(scale_value), pre_tokens, next_tokens, input_layout, num_key_value_heads,
+        sparse_mode, backend,
+    )
+
+
+@torch.library.custom_op("cann_attn::trans_quant_param", mutates_args=())
+def _tqp_op(scale: Tensor, offset: Tensor | None = None) -> Tensor:
+    """UINT64 deq-scale words of float32 `scale` (and `offset`) as an int64 tensor of scale's shape."""
+    return _eager_trans_quant_param(scale, offset)
+
+
+@_tqp_op.register_fake
+def _(scale, offset=None):
+    return scale.new_empty(scale.shape, dtype=torch.int64)
+
+
+def trans_quant_param(scale, offset=None) -> Tensor:
+    """``cann_attn.trans_quant_param`` through the ``cann_attn::trans_quant_param`` custom op (Python numbers are
+    turned into float32 tensors first)."""
+    if not isinstance(scale, Tensor):
+        scale = torch.tensor(scale, dtype=torch.float32)
+    if offset is not None and not isinstance(offset, Tensor):
+        offset = torch.tensor(offset, dtype=torch.float32)
+    return torch.ops.cann_attn.trans_quant_param(scale, offset)
+
+
+# ================================================================================ SparseFlashAttention (+ Grad)
+_SFA_NAMES = (
+    "query", "key", "value", "sparse_indices", "scale_value", "query_rope", "key_rope", "actual_seq_lengths_query",
+    "actual_seq_lengths_kv", "sparse_block_size", "layout", "sparse_mode", "pre_tokens", "next_tokens", "backend",
+)
+_SFA_SHARED = ("actual_seq_lengths_query", "actual_seq_lengths_kv", "layout", "sparse_mode", "pre_tokens",
+               "next_tokens", "backend")
+
+
+@torch.library.custom_op("cann_attn::sparse_flash_attention", mutates_args=())
+def _sfa_op(
+    query: Tensor, key: Tensor, value: Tensor, sparse_indices: Tensor, scale_value: float,
+    query_rope: Tensor | None = None, key_rope: Tensor | None = None,
+    actual_seq_lengths_query: list[int] | None = None, actual_seq_lengths_kv: list[int] | None = None,
+    sparse_block_size: int = 1, layout: str = "BSND", sparse_mode: int = 3, pre_tokens: int = INT64_MAX,
+    next_tokens: int = INT64_MAX, backend: str = "auto",
+) -> tuple[Tensor, Tensor, Tensor]:
+    """SparseFlashAttention -> (attention_out, softmax_max, softmax_sum)."""
+    return tuple(_eager_sparse_flash_attention(
+        query, key, value, sparse_indices, scale_value, query_rope=query_rope, key_rope=key_rope,
+        actual_seq_lengths_query=actual_seq_lengths_query, actual_seq_lengths_kv=actual_seq_lengths_kv,
+        sparse_block_size=sparse_block_size, layout=layout, sparse_mode=sparse_mode, pre_tokens=pre_tokens,
+        next_tokens=next_tokens, backend=backend,
+    ))
+
+
+def _dsa_stat_shape(query: Tensor, layout: str) -> tuple:
+    """[B, N2=1, S1, G=N1] or [N2=1, T1, G] (SEMANTICS.md 8)."""
+    if layout == "TND":
+        return (1, query.shape[0], query.shape[1])
+    return (query.shape[0], 1, query.shape[1], query.shape[2])
+
+
+@_sfa_op.register_fake
+def _(query, key, value, sparse_indices, scale_value, query_rope=None, key_rope=None, actual_seq_lengths_query=None,
+      actual_seq_lengths_kv=None, sparse_block_size=1, layout="BSND", sparse_mode=3, pre_tokens=INT64_MAX,
+      next_tokens=INT64_MAX, backend="auto"):
+    stat_dtype = _stat_dtype(query.dtype)
+    stat_shape = _dsa_stat_shape(query, layout)
+    return (query.new_empty((*query.shape[:-1], value.shape[-1])), query.new_empty(stat_shape, dtype=stat_dtype),
+            query.new_empty(stat_shape, dtype=stat_dtype))
+
+
+def _sfa_setup_context(ctx, inputs, output):
+    args = dict(zip(_SFA_NAMES, inputs, strict=False))
+    attention_out, softmax_max, softmax_sum = output
+    ctx.save_for_backward(args["query"], args["key"], args["value"], args["sparse_indices"], args["query_rope"],
+                          args["key_rope"], attention_out, softmax_max, softmax_sum)
+    ctx.scale_value, ctx.sparse_block_size = args["scale_value"], args.get("sparse_block_size", 1)
+    ctx.options = {name: args[name] for name in _SFA_SHARED if name in args}
+    ctx.mark_non_differentiable(softmax_max, softmax_sum)
+
+
+def _sfa_backward(ctx, d_out, d_max, d_sum):
+    query, key, value, sparse_indices, query_rope, key_rope, out, softmax_max, softmax_sum = ctx.saved_tensors
+    dq, dk, dv, dq_rope, dk_rope = torch.ops.cann_attn.sparse_flash_attention_grad(
+        query, key, value, sparse_indices, d_out.contiguous(), out, softmax_max, softmax_sum, ctx.scale_value,
+        ctx.sparse_block_size, query_rope=query_rope, key_rope=key_rope, **ctx.options,
+    )
+    grads = {"query": dq, "key": dk, "value": dv,
+             "query_rope": dq_rope if query_rope is not None else None,
+             "key_rope": dk_rope if key_rope is not None else None}
+    return tuple(grads.get(name) for name in _SFA_NAMES)
+
+
+_sfa_op.register_autograd(_sfa_backward, setup_context=_sfa_setup_context)
+
+
+@torch.library.custom_op("cann_attn::sparse_flash_attention_grad", mutates_args=())
+def _sfa_grad_op(
+    query: Tensor, key: Tensor, value: Tensor, sparse_indices: Tensor, d_out: Tensor, out: Tensor,
+    softmax_max: Tensor, softmax_sum: Tensor, scale_value: float, sparse_block_size: int = 1,
+    query_rope: Tensor | None = None, key_rope: Tensor | None = None,
+    actual_seq_lengths_query: list[int] | None = None, actual_seq_lengths_kv: list[int] | None = None,
+    layout: str = "BSND", sparse_mode: int = 3, pre_tokens: int = INT64_MAX, next_tokens: int = INT64_MAX,
+    deterministic: bool = False, backend: str = "auto",
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """SparseFlashAttentionGrad -> (d_query, d_key, d_value, d_query_rope, d_key_rope); the rope gradients are
+    empty (0,) tensors without rope inputs."""
+    result = _eager_sparse_flash_attention_grad(
+        query, key, value, sparse_indices, d_out, out, softmax_max, softmax_sum, scale_value,
+        sparse_block_size=sparse_block_size, query_rope=query_rope, key_rope=key_rope,
+        actual_seq_lengths_query=actual_seq_lengths_query, actual_seq_lengths_kv=actual_seq_lengths_kv,
+        layout=layout, sparse_mode=sparse_mode, pre_tokens=pre_tokens, next_tokens=next_tokens,
+        deterministic=deterministic, backend=backend,
+    )
+    dq_rope = result.d_query_rope if result.d_query_rope is not None else _empty_like_none(query)
+    dk_rope = result.d_key_rope if result.d_key_rope is not None else _empty_like_none(key)
+    return result.d_query, result.d_key, result.d_value, dq_rope, dk_rope
+
+
+@_sfa_grad_op.register_fake
+def _(query, key, value, sparse_indices, d_out, out, softmax_max, softmax_sum, scale_value, sparse_block_size=1,
+      query_rope=None, key_rope=None, *args, **kwargs):
+    dq_rope = torch.empty_like(query_rope) if query_rope is not None else _empty_like_none(query)
+    dk_rope = torch.empty_like(key_rope) if key_rope is not None else _empty_like_none(key)
+    return torch.empty_like(query), torch.empty_like(key), torch.empty_like(value), dq_rope, dk_rope
+
+
+def sparse_flash_attention(
+    query: Tensor, key: Tensor, value: Tensor, sparse_indices: Tensor, scale_value: float, *,
+    query_rope: Tensor | None = None, key_rope: Tensor | None = None, actual_seq_lengths_query=None,
+    actual_seq_lengths_kv=None, sparse_block_size: int = 1, layout: str = "BSND", sparse_mode: int = 3,
+    pre_tokens: int = INT64_MAX, next_tokens: int = INT64_MAX, backend: str = "auto",
+) -> SparseFlashAttentionResult:
+    """``cann_attn.sparse_flash_attention`` through the ``cann_attn::sparse_flash_attention`` custom op:
+    traceable and differentiable (gradients to query, key, value, query_rope, key_rope)."""
+    return SparseFlashAttentionResult(*torch.ops.cann_attn.sparse_flash_attention(
+        query, key, value, sparse_indices, float(scale_value), query_rope, key_rope,
+        _ints(actual_seq_lengths_query, "actual_seq_lengths_query"),
+        _ints(actual_seq_lengths_kv, "actual_seq_lengths_kv"), sparse_block_size, layout, sparse_mode, pre_tokens,
+        next_tokens, backend,
+    ))
+
+
+def sparse_flash_attention_grad(
+    query: Tensor, key: Tensor, value: Tensor, sparse_indices: Tensor, d_out: Tensor, out: Tensor,
+    softmax_max: Tensor, softmax_sum: Tensor, scale_value: float, *, sparse_block_size: int = 1,
+    query_rope: Tensor | None = None, key_rope: Tensor | None = None, actual_seq_lengths_query=None,
+    actual_seq_lengths_kv=None, layout: str = "BSND", sparse_mode: int = 3, pre_tokens: int = INT64_MAX,
+    next_tokens: int = INT64_MAX, deterministic: bool = False, backend: str = "auto",
+) -> SparseFlashAttentionGradResult:
+    """``cann_attn.sparse_flash_attention_grad`` through its custom op; rope gradients are None without rope."""
+    dq, dk, dv, dq_rope, dk_rope = torch.ops.cann_attn.sparse_flash_attention_grad(
+        query, key, value, sparse_indices, d_out, out, softmax_max, softmax_sum, float(scale_value),
+        sparse_block_size, query_rope, key_rope, _ints(actual_seq_lengths_query, "actual_seq_lengths_query"),
+        _ints(actual_seq_lengths_kv, "actual_seq_lengths_kv"), layout, sparse_mode, pre_tokens, next_tokens,
+        deterministic, backend,
+    )
+    return SparseFlashAttentionGradResult(dq, dk, dv, _none_if_placeholder(dq_rope, query_rope is not None),
+                                          _none_if_placeholder(dk_rope, key_rope is not None))
+
+
+# ===================================================================== LightningIndexer and its KL-loss grad op
+@torch.library.custom_op("cann_attn::lightning_indexer", mutates_args=())
+def _li_op(
+    query_index: Tensor, key_index: Tensor, weights: Tensor, actual_seq_lengths_query: list[int] | None = None,
+    actual_seq_lengths_key: list[int] | None = None, layout: str = "BSND", sparse_count: int = 2048,
+    sparse_mode: int = 3, return_value: bool = False, backend: str = "auto",
+) -> tuple[Tensor, Tensor]:
+    """LightningIndexer -> (sparse_indices, sparse_values); sparse_values is an empty (0,) tensor unless
+    return_value."""
+    result = _eager_lightning_indexer(
+        query_index, key_index, weights, actual_seq_lengths_query=actual_seq_lengths_query,
+        actual_seq_lengths_key=actual_seq_lengths_key, layout=layout, sparse_count=sparse_count,
+        sparse_mode=sparse_mode, return_value=return_value, backend=backend,
+    )
+    values = result.sparse_values if result.sparse_values is not None else _empty_like_none(query_index)
+    return result.sparse_indices, values
+
+
+@_li_op.register_fake
+def _(query_index, key_index, weights, actual_seq_lengths_query=None, actual_seq_lengths_key=None, layout="BSND",
+      sparse_count=2048, sparse_mode=3, return_value=False, backend="auto"):
+    shape = (*query_index.shape[:-2], 1, sparse_count)
+    indices = query_index.new_empty(shape, dtype=torch.int32)
+    values = query_index.new_empty(shape) if return_value else _empty_like_none(query_index)
+    return indices, values
+
+
+def lightning_indexer(
+    query_index: Tensor, key_index: Tensor, weights: Tensor, *, actual_seq_lengths_query=None,
+    actual_seq_lengths_key=None, layout: str = "BSND", sparse_count: int = 2048, sparse_mode: int = 3,
+    return_value: bool = False, backend: str = "auto",
+) -> LightningIndexerResult:
+    """``cann_attn.lightning_indexer`` through the ``cann_attn::lightning_indexer`` custom op."""
+    indices, values = torch.ops.cann_attn.lightning_indexer(
+        query_index, key_index, weights, _ints(actual_seq_lengths_query, "actual_seq_lengths_query"),
+        _ints(actual_seq_lengths_key, "actual_seq_lengths_key"), layout, sparse_count, sparse_mode, return_value,
+        backend,
+    )
+    return LightningIndexerResult(indices, _none_if_placeholder(values, return_value))
+
+
+@torch.library.custom_op("cann_attn::sparse_lightning_indexer_grad_kl_loss", mutates_args=())
+def _sli_kl_op(
+    query: Tensor, key: Tensor, query_index: Tensor, key_index: Tensor, weights: Tensor, sparse_indices: Tensor,
+    softmax_max: Tensor, softmax_sum: Tensor, scale_value: float, query_rope: Tensor | None = None,
+    key_rope: Tensor | None = None, actual_seq_lengths_query: list[int] | None = None,
+    actual_seq_lengths_key: list[int] | None = None, layout: str = "BSND", sparse_mode: int = 3,
+    pre_tokens: int = INT64_MAX, next_tokens: int = INT64_MAX, deterministic: bool = False, backend: str = "auto",
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """SparseLightningIndexerGradKLLoss -> (d_query_index, d_key_index, d_weights, loss)."""
+    return tuple(_eager_sparse_lightning_indexer_grad_kl_loss(
+        query, key, query_index, key_index, weights, sparse_indices, softmax_max, softmax_sum, scale_value,
+        query_rope=query_rope, key_rope=key_rope, actual_seq_lengths_query=actual_seq_lengths_query,
+        actual_seq_lengths_key=actual_seq_lengths_key, layout=layout, sparse_mode=sparse_mode, pre_tokens=pre_tokens,
+        next_tokens=next_tokens, deterministic=deterministic, backend=backend,
+    ))
+
+
+@_sli_kl_op.register_fake
+def _(query, key, query_index, key_index, weights, *args, **kwargs):
+    loss = query.new_empty((1,), dtype=_stat_dtype(query_index.dtype))
+    return torch.empty_like(query_index), torch.empty_like(key_index), torch.empty_like(weights), loss
+
+
+def sparse_lightning_indexer_grad_kl_loss(
+    query: Tensor, key: Tensor, query_index: Tensor, key_index: Tensor, weights: Tensor, sparse_indices: Tensor,
+    softmax_max: Tensor, softmax_sum: Tensor, scale_value: float, *, query_rope: Tensor | None = None,
+    key_rope: Tensor | None = None, actual_seq_lengths_query=None, actual_seq_lengths_key=None,
+    layout: str = "BSND", sparse_mode: int = 3, pre_tokens: int = INT64_MAX, next_tokens: int = INT64_MAX,
+    deterministic: bool = False, backend: str = "auto",
+) -> SparseLightningIndexerGradKLLossResult:
+    """``cann_attn.sparse_lightning_indexer_grad_kl_loss`` through its custom op."""
+    return SparseLightningIndexerGradKLLossResult(*torch.ops.cann_attn.sparse_lightning_indexer_grad_kl_loss(
+        query, key, query_index, key_index, weights, sparse_indices, softmax_max, softmax_sum, float(scale_value),
+        query_rope, key_rope, _ints(actual_seq_lengths_query, "actual_seq_lengths_query"),
+        _ints(actual_seq_lengths_key, "actual_seq_lengths_key"), layout, sparse_mode, pre_tokens, next_tokens,
+        deterministic, backend,
+    ))
