@@ -234,8 +234,10 @@ def test_head_dim_above_512():
     )
 
 
-def test_batch_above_2048():
-    q = torch.zeros(2049, 1, 1, 1)  # tiny: B x N x S x D = 2049 elements
+def test_batch_above_2m_dense_layouts():
+    # FlashAttentionScore(GradV2) allow B up to 2M in the dense layouts; the 2K limit is FlashAttentionVarLenScore's
+    # (TND, tested below). Zero-size S keeps the tensor tiny.
+    q = torch.zeros(2 * 1024 * 1024 + 1, 1, 0, 1)
     expect_error(
         r"\b(query|batch)\b", call, {"query": q, "key": q, "value": q, "head_num": 1, "input_layout": "BNSD"}
     )

@@ -1,7 +1,9 @@
 """``cann-attn bench``: run the benchmark scripts of the repository's ``benchmarks/`` folder.
 
-Each suite NAME is the script ``benchmarks/bench_NAME.py``; it runs in a subprocess with the same Python,
-with ``--device`` and ``--quick`` passed on (results land in ``benchmarks/results/``, or ``--out DIR``).
+Each suite NAME is the script ``benchmarks/bench_NAME.py``; it runs in a subprocess with the same Python.
+The options given here are passed on: every script accepts ``--quick``, ``--strict`` and ``--out DIR``
+(default ``benchmarks/results/``); those that can run on a GPU also accept ``--device cpu|cuda``, which is
+passed only when given.
 """
 
 from __future__ import annotations
@@ -33,12 +35,16 @@ def add_parser(subparsers) -> None:
     p = subparsers.add_parser(
         "bench",
         help="run the benchmarks (ratios against PyTorch, JSON + PNG results)",
-        description=__doc__.splitlines()[0],
+        description="Run the benchmark scripts benchmarks/bench_<suite>.py (each prints a table and "
+        "writes JSON and PNG results).",
     )
     p.add_argument("--suite", default="all", help="suite name (e.g. fa_forward) or 'all' (default)")
-    p.add_argument("--device", default="cpu", choices=("cpu", "cuda"), help="device to benchmark on")
+    p.add_argument(
+        "--device", choices=("cpu", "cuda"), help="device to benchmark on (default: the script's, cpu)"
+    )
     p.add_argument("--quick", action="store_true", help="fewer repeats")
     p.add_argument("--out", metavar="DIR", help="results folder (default: benchmarks/results)")
+    p.add_argument("--strict", action="store_true", help="exit status 1 when a performance target is missed")
     p.set_defaults(func=run)
 
 
@@ -54,9 +60,13 @@ def run(args: argparse.Namespace) -> int:
     chosen = available if args.suite == "all" else {args.suite: available[args.suite]}
     status = 0
     for name, script in chosen.items():
-        cmd = [sys.executable, str(script), "--device", args.device]
+        cmd = [sys.executable, str(script)]
+        if args.device:
+            cmd += ["--device", args.device]
         if args.quick:
             cmd.append("--quick")
+        if args.strict:
+            cmd.append("--strict")
         if args.out:
             cmd += ["--out", args.out]
         print(f"== {name}: {' '.join(cmd)}", flush=True)

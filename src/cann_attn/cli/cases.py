@@ -11,7 +11,10 @@ A case is a small `Case` record:
 - ``oracle(call) -> {output name: tensor}``: the golden outputs (float64); every output the oracle returns is
   compared with the operator's output of the same name by the Ascend rule of SEMANTICS.md section 11, with the
   threshold of the operator output's dtype;
-- ``quick``: whether ``verify --quick`` runs it (keep quick cases small: the oracles materialise S x S).
+- ``quick``: whether ``verify --quick`` runs it (keep quick cases small: the oracles materialise S x S);
+- ``naive(call) -> {output name: tensor}`` (optional): the same computation in the input dtype; an output the
+  Ascend rule rejects still passes when the flash-attn rule accepts it against this reference (the secondary
+  rule of SEMANTICS.md section 11, as in the tests). Only computed when needed.
 
 Adding cases for a new operator (grad, PFA, DSA) takes one function and one ``register`` call::
 
@@ -93,6 +96,7 @@ class Case:
     run: Callable[[Call], Outputs]
     oracle: Callable[[Call], Outputs]
     quick: bool = True
+    naive: Callable[[Call], Outputs] | None = None
 
 
 CASES: list[Case] = []
@@ -221,10 +225,11 @@ def fa_inputs(
     return Call((q, k, v, cfg.heads_q, cfg.layout), kw)
 
 
-def _fa_oracle(call: Call) -> Outputs:
-    from ..testing.oracle import fa_forward_oracle
+def _fa_oracle(call: Call, same_dtype: bool = False) -> Outputs:
+    from ..testing.oracle import fa_forward_oracle, naive_same_dtype_forward
 
-    out, smax, ssum = fa_forward_oracle(*call.args, **call.kwargs)
+    fn = naive_same_dtype_forward if same_dtype else fa_forward_oracle
+    out, smax, ssum = fn(*call.args, **call.kwargs)
     return {"attention_out": out, "softmax_max": smax, "softmax_sum": ssum}
 
 
@@ -249,6 +254,7 @@ def fa_case(
         run=outputs_of(op, ("attention_out", "softmax_max", "softmax_sum")),
         oracle=_fa_oracle,
         quick=quick,
+        naive=functools.partial(_fa_oracle, same_dtype=True),
     )
 
 
@@ -529,6 +535,119 @@ register(
         sparse_mode=4,
         pre_tokens=128,
         next_tokens=0,
+        quick=False,
+    ),
+)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# FlashAttentionScoreGradV2: golden = torch.autograd through the float64 forward oracle
+# ---------------------------------------------------------------------------------------------------------
+_GRAD_STATE = ("softmax_max", "softmax_sum", "attention_in")
+
+
+def _grad_inputs(
+    gen: torch.Generator, cfg: FAConfig, kwargs: Mapping[str, Any], extras: Extras | None
+) -> Call:
+    """Forward inputs, dy, and the forward's softmax_max / softmax_sum / attention_out (from the oracle, cast
+    as the operator would produce them) passed on as the grad expects them."""
+    from ..testing.oracle import fa_forward_oracle
+
+    fwd = fa_inputs(gen, cfg, kwargs, extras)
+    q, k, v, head_num, layout = fwd.args
+    out, smax, ssum = fa_forward_oracle(*fwd.args, **fwd.kwargs)
+    dy = randn(gen, out.shape, cfg.dtype)
+    state = {"softmax_max": smax.float(), "softmax_sum": ssum.float(), "attention_in": out.to(cfg.dtype)}
+    return Call((q, k, v, dy, head_num, layout), {**fwd.kwargs, **state})
+
+
+def _grad_oracle(call: Call, same_dtype: bool = False) -> Outputs:
+    """Autograd through the float64 oracle (or, `same_dtype`, through its code run in the input dtype)."""
+    from ..testing.oracle import fa_forward_oracle, naive_same_dtype_forward
+
+    q, k, v, dy, head_num, layout = call.args
+    kwargs = {name: value for name, value in call.kwargs.items() if name not in _GRAD_STATE}
+
+    def leaf(t: torch.Tensor) -> torch.Tensor:
+        return (t.detach().clone() if same_dtype else t.detach().to(torch.float64)).requires_grad_()
+
+    leaves = [leaf(t) for t in (q, k, v)]
+    pse = kwargs.get("pse")
+    if pse is not None and kwargs.get("pse_type", 1) in (0, 1):
+        kwargs["pse"] = leaf(pse)
+        leaves.append(kwargs["pse"])
+    fn = naive_same_dtype_forward if same_dtype else fa_forward_oracle
+    out = fn(*leaves[:3], head_num, layout, **kwargs)[0]
+    grads = torch.autograd.grad(out, leaves, dy.to(out.dtype), allow_unused=True)
+    grads = [torch.zeros_like(t) if g is None else g for g, t in zip(grads, leaves, strict=True)]
+    return dict(zip(("dq", "dk", "dv", "dpse"), grads, strict=False))
+
+
+def fa_grad_case(
+    name: str, cfg: FAConfig, *, extras: Extras | None = None, quick: bool = True, **kwargs
+) -> Case:
+    """A flash_attention_score_grad case: same arguments as `fa_case`; dq, dk, dv (and dpse for a type 0/1
+    pse tensor) are compared with autograd through the float64 oracle."""
+    kwargs.setdefault("scale_value", cfg.dim**-0.5)
+    return Case(
+        op="flash_attention_score_grad",
+        name=name,
+        dtype=cfg.dtype,
+        shape=cfg.summary(),
+        build=functools.partial(_grad_inputs, cfg=cfg, kwargs=kwargs, extras=extras),
+        run=outputs_of("flash_attention_score_grad", ("dq", "dk", "dv", "dpse")),
+        oracle=_grad_oracle,
+        quick=quick,
+        naive=functools.partial(_grad_oracle, same_dtype=True),
+    )
+
+
+register(
+    fa_grad_case("bsh_gqa", FAConfig("BSH", F32, batch=2, heads_q=4, heads_kv=2, seq_q=96)),
+    fa_grad_case("sbh_cross", FAConfig("SBH", F16, batch=2, heads_q=2, seq_q=64, seq_kv=80)),
+    fa_grad_case(
+        "bnsd_causal_mode3",
+        FAConfig("BNSD", BF16, heads_q=4, heads_kv=1, seq_q=96, seq_kv=128),
+        extras=compressed(3),
+        sparse_mode=3,
+    ),
+    fa_grad_case(
+        "bsnd_band_mode4",
+        FAConfig("BSND", F32, heads_q=2, seq_q=128),
+        extras=compressed(4),
+        sparse_mode=4,
+        pre_tokens=32,
+        next_tokens=8,
+    ),
+    fa_grad_case(
+        "mode1_dead_rows",
+        FAConfig("BNSD", F32, heads_q=2, seq_q=48, seq_kv=64),
+        extras=random_mask("B1SS", p=0.3, dead_rows=2),
+        sparse_mode=1,
+    ),
+    fa_grad_case(
+        "pse1_dpse", FAConfig("BNSD", F32, batch=2, heads_q=2, seq_q=64), extras=pse_tensor("S"), pse_type=1
+    ),
+    fa_grad_case(
+        "pse0_dpse_broadcast",
+        FAConfig("BSH", F16, batch=2, heads_q=2, seq_q=48, seq_kv=64),
+        extras=pse_tensor("1", batch_broadcast=True),
+        pse_type=0,
+    ),
+    fa_grad_case("alibi", FAConfig("BSND", BF16, heads_q=4, seq_q=64), extras=alibi(q_start=2), pse_type=2),
+    fa_grad_case("dropout", FAConfig("BNSD", F16, heads_q=2, seq_q=96), extras=dropout(0.85)),
+    fa_grad_case(
+        "tnd_mode8_zero_len",
+        FAConfig("TND", F32, heads_q=2, heads_kv=1, q_lens=(0, 40, 56), kv_lens=(0, 60, 56)),
+        extras=compressed(8),
+        sparse_mode=8,
+        next_tokens=4,
+    ),
+    fa_grad_case(
+        "large_bnsd_causal",
+        FAConfig("BNSD", BF16, heads_q=2, seq_q=1024, dim=128),
+        extras=compressed(2),
+        sparse_mode=2,
         quick=False,
     ),
 )

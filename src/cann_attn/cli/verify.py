@@ -1,8 +1,11 @@
 """``cann-attn verify``: run every implemented operator on the built-in cases and judge it against the oracle.
 
 For each case (``cases.py``) and each output tensor the table shows the max absolute error, the max relative
-error (Ascend's rel = |a - g| / max(|a|, |g|)), the Ascend "double thousandth" verdict of SEMANTICS.md
-section 11 and the operator's wall time. Exit status 1 if any output fails or any case raises.
+error (Ascend's rel = |a - g| / max(|a|, |g|)), the verdict of the Ascend "double thousandth" rule of
+SEMANTICS.md section 11 (threshold of the output's dtype) and the operator's wall time. As in the test suite,
+an output the Ascend rule rejects still passes when its case has a same-dtype naive reference and the
+flash-attn rule (max error <= 2 x the naive computation's max error + 1e-5) accepts it; the "fa rule" column
+says so. Exit status 1 if any output fails or any case raises.
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ from dataclasses import dataclass
 
 import torch
 from rich.console import Console
+from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
@@ -26,29 +30,36 @@ _DTYPE_NAMES = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "f
 
 @dataclass
 class Row:
+    """One output of one case (output "-": the case raised before any output could be judged)."""
+
     op: str
     case: str
     dtype: str
     shape: str
     output: str
-    max_abs: float | None
-    max_rel: float | None
-    passed: bool
-    time_ms: float | None
+    ascend: bool = False
+    fa_rule: bool | None = None  # None: not evaluated (Ascend rule passed, or no naive reference)
+    max_abs: float | None = None
+    max_rel: float | None = None
+    time_ms: float | None = None
     note: str = ""
     traceback: str = ""
+
+    @property
+    def passed(self) -> bool:
+        return self.ascend or bool(self.fa_rule)
 
 
 def add_parser(subparsers) -> None:
     p = subparsers.add_parser(
         "verify",
         help="check every implemented operator against its float64 oracle (Ascend precision rule)",
-        description=__doc__.splitlines()[0],
+        description="Run every implemented operator on the built-in cases and judge each output against "
+        "the float64 oracle with the Ascend precision rule (SEMANTICS.md section 11). Exit status 1 on any "
+        "failure.",
     )
     p.add_argument("--op", help="only this operator (default: every operator with cases)")
-    p.add_argument(
-        "--quick", action="store_true", help="skip the larger cases (finishes in well under a minute)"
-    )
+    p.add_argument("--quick", action="store_true", help="skip the larger cases (well under a minute)")
     p.add_argument("--device", default="cpu", help="device of the operator's inputs, e.g. cpu, cuda, cuda:1")
     p.add_argument("--seed", type=int, default=0, help="base seed of the input generators (default 0)")
     p.add_argument("--case", metavar="SUBSTR", help="only cases whose name contains SUBSTR")
@@ -62,10 +73,10 @@ def _device(name: str) -> torch.device:
         device = torch.device(name)
     except RuntimeError as exc:
         raise UsageError(f"--device: not a device name: {name!r}") from exc
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise UsageError(f"--device {name}: CUDA is not available in this PyTorch build / machine")
     if device.type not in ("cpu", "cuda"):
         raise UsageError(f"--device: expected cpu or cuda[:N], got {name!r}")
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise UsageError(f"--device {name}: CUDA is not available (PyTorch build or machine)")
     return device
 
 
@@ -93,7 +104,7 @@ def _sync(device: torch.device) -> None:
 
 def run_case(case: registry.Case, device: torch.device, seed: int) -> list[Row]:
     """Build, run (timed), compute the oracle and judge every output of one case."""
-    from ..testing.precision import ascend_rule
+    from ..testing.precision import ascend_rule, flash_attn_rule
 
     dtype = _DTYPE_NAMES.get(case.dtype, str(case.dtype))
     base = {"op": case.op, "case": case.name, "dtype": dtype, "shape": case.shape}
@@ -106,64 +117,36 @@ def run_case(case: registry.Case, device: torch.device, seed: int) -> list[Row]:
         _sync(device)
         elapsed_ms = (time.perf_counter() - start) * 1e3
         golden = case.oracle(call)
-    except Exception as exc:
-        note = f"{type(exc).__name__}: {exc}".splitlines()[0][:200]
-        return [
-            Row(
-                **base,
-                output="-",
-                max_abs=None,
-                max_rel=None,
-                passed=False,
-                time_ms=None,
-                note=note,
-                traceback=traceback.format_exc(),
-            )
-        ]
-    rows = []
-    for name, expected in golden.items():
-        actual = outputs.get(name)
-        if actual is None:
-            rows.append(
-                Row(
-                    **base,
-                    output=name,
-                    max_abs=None,
-                    max_rel=None,
-                    passed=False,
-                    time_ms=elapsed_ms,
-                    note="missing output",
-                )
-            )
-            continue
-        try:
-            passed, details = ascend_rule(actual, expected)
-        except AssertionError as exc:  # shape mismatch
-            rows.append(
-                Row(
-                    **base,
-                    output=name,
-                    max_abs=None,
-                    max_rel=None,
-                    passed=False,
-                    time_ms=elapsed_ms,
-                    note=str(exc),
-                )
-            )
-            continue
-        note = "" if passed else f"{details['n_rel_fail']} rel / {details['n_abs_fail']} abs > t"
-        rows.append(
-            Row(
+        rows, naive = [], None
+        for name, expected in golden.items():
+            actual = outputs.get(name)
+            if actual is None:
+                rows.append(Row(**base, output=name, time_ms=elapsed_ms, note="missing output"))
+                continue
+            if tuple(actual.shape) != tuple(expected.shape):
+                note = f"shape {tuple(actual.shape)} != expected {tuple(expected.shape)}"
+                rows.append(Row(**base, output=name, time_ms=elapsed_ms, note=note))
+                continue
+            ok, details = ascend_rule(actual, expected)
+            row = Row(
                 **base,
                 output=name,
+                ascend=ok,
                 max_abs=details["max_abs_err"],
                 max_rel=details["max_rel_err"],
-                passed=passed,
                 time_ms=elapsed_ms,
-                note=note,
             )
-        )
-    return rows
+            if not ok:
+                row.note = f"{details['n_rel_fail']} rel / {details['n_abs_fail']} abs > t"
+                if case.naive is not None:
+                    naive = case.naive(call) if naive is None else naive
+                    if naive.get(name) is not None:
+                        row.fa_rule = flash_attn_rule(actual, naive[name], expected)[0]
+            rows.append(row)
+        return rows
+    except Exception as exc:
+        note = f"{type(exc).__name__}: {exc}".splitlines()[0][:200]
+        return [Row(**base, output="-", note=note, traceback=traceback.format_exc())]
 
 
 def _fmt(x: float | None) -> str:
@@ -171,7 +154,7 @@ def _fmt(x: float | None) -> str:
 
 
 def render(rows: list[Row], console: Console, title: str) -> None:
-    table = Table(title=title, show_lines=False, header_style="bold")
+    table = Table(title=title, header_style="bold")
     for col, justify in (
         ("op", "left"),
         ("case", "left"),
@@ -181,25 +164,28 @@ def render(rows: list[Row], console: Console, title: str) -> None:
         ("max abs", "right"),
         ("max rel", "right"),
         ("ascend", "center"),
+        ("fa rule", "center"),
         ("time ms", "right"),
     ):
-        table.add_column(col, justify=justify, no_wrap=col in ("case", "output"))
+        table.add_column(col, justify=justify, no_wrap=col in ("op", "case", "output"))
     previous = None
     for r in rows:
         first = (r.op, r.case) != previous
         previous = (r.op, r.case)
-        verdict = "[green]pass[/]" if r.passed else "[bold red]FAIL[/]"
-        if r.note and not r.passed:
-            verdict += f" [red]({r.note})[/]"
+        ascend = "[green]pass[/]" if r.ascend else "[bold red]FAIL[/]"
+        if r.note and not r.ascend:
+            ascend += f" [red]({escape(r.note)})[/]"
+        fa_rule = {None: "-", True: "[green]pass[/]", False: "[bold red]FAIL[/]"}[r.fa_rule]
         table.add_row(
             r.op if first else "",
             r.case if first else "",
             r.dtype if first else "",
-            r.shape if first else "",
+            escape(r.shape) if first else "",
             r.output,
             _fmt(r.max_abs),
             _fmt(r.max_rel),
-            verdict,
+            ascend,
+            fa_rule,
             "-" if r.time_ms is None else (f"{r.time_ms:.1f}" if first else ""),
         )
     console.print(table)
@@ -210,15 +196,11 @@ def run(args: argparse.Namespace) -> int:
     selected = _select(args)
     console = Console()
     if not console.is_terminal:
-        console = Console(width=max(console.width, 160))
+        console = Console(width=max(console.width, 170))
     if args.list:
         for c in selected:
-            console.print(
-                f"{c.op}  {c.name}  {_DTYPE_NAMES.get(c.dtype, c.dtype)}  {c.shape}"
-                + ("" if c.quick else "  (not in --quick)"),
-                markup=False,
-                highlight=False,
-            )
+            line = f"{c.op}  {c.name}  {_DTYPE_NAMES.get(c.dtype, c.dtype)}  {c.shape}"
+            console.print(line + ("" if c.quick else "  (not in --quick)"), markup=False, highlight=False)
         return 0
     rows: list[Row] = []
     start = time.perf_counter()
@@ -238,20 +220,21 @@ def run(args: argparse.Namespace) -> int:
             rows.extend(run_case(case, device, args.seed))
             progress.advance(task)
     failed_cases = sorted({(r.op, r.case) for r in rows if not r.passed})
-    title = f"cann-attn verify ({device}, seed {args.seed}{', quick' if args.quick else ''})"
-    render(rows, console, title)
+    render(rows, console, f"cann-attn verify ({device}, seed {args.seed}{', quick' if args.quick else ''})")
     elapsed = time.perf_counter() - start
-    summary = (
-        f"{len(selected)} cases, {len(rows)} outputs, {len(failed_cases)} failing case(s), {elapsed:.1f} s"
-    )
-    if failed_cases:
-        console.print(f"[bold red]FAILED[/]: {summary}")
-        tracebacks = [r for r in rows if r.traceback]
-        if tracebacks and not args.traceback:
-            console.print("[dim]--traceback shows where the failing cases raised[/]")
-        for r in tracebacks if args.traceback else ():
-            console.print(f"[bold]{r.op}/{r.case}[/]")
-            console.print(r.traceback, markup=False, highlight=False)
-        return 1
-    console.print(f"[bold green]OK[/]: {summary}")
-    return 0
+    by_fa_rule = sum(1 for r in rows if r.passed and not r.ascend)
+    summary = f"{len(selected)} cases, {len(rows)} outputs, {len(failed_cases)} failing case(s)"
+    if by_fa_rule:
+        summary += f", {by_fa_rule} output(s) passed by the flash-attn rule only"
+    summary += f", {elapsed:.1f} s"
+    if not failed_cases:
+        console.print(f"[bold green]OK[/]: {summary}")
+        return 0
+    console.print(f"[bold red]FAILED[/]: {summary}")
+    tracebacks = [r for r in rows if r.traceback]
+    if tracebacks and not args.traceback:
+        console.print("[dim]--traceback shows where the failing cases raised[/]")
+    for r in tracebacks if args.traceback else ():
+        console.print(f"[bold]{r.op}/{r.case}[/]")
+        console.print(r.traceback, markup=False, highlight=False)
+    return 1

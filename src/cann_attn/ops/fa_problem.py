@@ -20,7 +20,9 @@ from ..problem.lengths import cumulative_lengths, starts_of, to_int_list
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 MAX_HEADS = 256
 MAX_HEAD_DIM = 512
-MAX_BATCH = 2048
+# FlashAttentionVarLenScore documents B <= 2K (1K with prefix) for TND; the dense layouts allow up to 2M.
+MAX_BATCH_TND = 2048
+MAX_BATCH_DENSE = 2 * 1024 * 1024
 MAX_BATCH_WITH_PREFIX = 1024
 MAX_TOKENS = 1 << 20
 
@@ -105,7 +107,8 @@ def validate_shapes(
         require(q.batch == k.batch, "key", f"batch B={q.batch} like the query", key)
         batch = q.batch
         seq_q, seq_kv = [q.seq] * batch, [k.seq] * batch
-    require(batch <= MAX_BATCH, "query", f"batch B in 1..{MAX_BATCH}", batch)
+    max_batch = MAX_BATCH_TND if input_layout == "TND" else MAX_BATCH_DENSE
+    require(batch <= max_batch, "query", f"batch B in 1..{max_batch} for layout {input_layout}", batch)
     return FaShapes(batch, q.heads, k.heads, q.head_dim, v.head_dim, seq_q, seq_kv, q.seq)
 
 

@@ -9,7 +9,7 @@ import torch
 
 from ..backends import select_backend
 from ..backends.reference import flash_backward, flash_forward
-from ..errors import ParamInvalidError, require
+from ..errors import ParamInvalidError, ParamNullptrError, require
 from ..problem import layout as layouts
 from ..problem import stats
 from .fa_problem import build_problem
@@ -114,6 +114,8 @@ def flash_attention_score_grad(
 
 
 def _check_like(t, name: str, shape: tuple[int, ...], dtype: torch.dtype) -> None:
+    if t is None:
+        raise ParamNullptrError(f"{name}: a required input, got None")
     require(isinstance(t, torch.Tensor), name, "a torch.Tensor", t)
     require(tuple(t.shape) == tuple(shape) and t.dtype == dtype, name,
             f"dtype {dtype} and the attention output's shape {list(shape)}", t)

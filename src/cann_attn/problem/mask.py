@@ -108,7 +108,12 @@ class SequenceMask:
 
 def compressed_mask(sparse_mode: int, device: torch.device | str = "cpu") -> torch.Tensor:
     """The mask tensor Ascend expects for a compressed mode: 2048x2048 strict upper triangle, or [3072, 2048]
-    for mode 6 (triangle over a [1024, 2048] block whose left half is 0 and right half 1)."""
+    for mode 6 (triangle over a [1024, 2048] block whose left half is 0 and right half 1). A fresh copy of a
+    cached tensor: callers may modify it."""
+    return _cached_compressed_mask(sparse_mode, torch.device(device)).clone()
+
+
+def _build_compressed_mask(sparse_mode: int, device: torch.device) -> torch.Tensor:
     tri = torch.ones(COMPRESSED_SIZE, COMPRESSED_SIZE, dtype=torch.bool, device=device).triu(1)
     if sparse_mode != 6:
         return tri
@@ -127,7 +132,7 @@ def validate_compressed_mask(atten_mask: torch.Tensor, sparse_mode: int) -> None
         )
     # A strided sample plus the diagonals next to the triangle's edge keeps validation O(2048) while catching
     # inverted, dense and off-by-one masks.
-    expected = _cached_compressed_mask(sparse_mode, atten_mask.device)
+    expected = _cached_compressed_mask(sparse_mode, atten_mask.device)  # never handed out: safe to share
     given = atten_mask != 0
     step = 61
     ok = torch.equal(given[::step, ::step], expected[::step, ::step])
@@ -150,7 +155,7 @@ _MASK_CACHE: dict[tuple[int, str], torch.Tensor] = {}
 def _cached_compressed_mask(sparse_mode: int, device: torch.device) -> torch.Tensor:
     key = (6 if sparse_mode == 6 else 2, str(device))
     if key not in _MASK_CACHE:
-        _MASK_CACHE[key] = compressed_mask(sparse_mode, device)
+        _MASK_CACHE[key] = _build_compressed_mask(sparse_mode, device)
     return _MASK_CACHE[key]
 
 
