@@ -69,7 +69,7 @@ def lightning_indexer(
     if isinstance(sparse_count, bool) or not isinstance(sparse_count, int) or sparse_count < 1:
         raise ParamInvalidError(f"sparse_count: expected a positive int, got {sparse_count!r}")
     problem = sequence_spans(layout, query_index, key_index, actual_seq_lengths_query, actual_seq_lengths_key,
-                             "actual_seq_lengths_key")
+                             "actual_seq_lengths_key", "key_index")
     select_backend(backend, query_index.device)
     lead = query_index.shape[:-2]
     indices = torch.full((*lead, 1, sparse_count), -1, dtype=torch.int32, device=query_index.device)
@@ -149,7 +149,7 @@ def sparse_lightning_indexer_grad_kl_loss(
     if not isinstance(scale_value, (int, float)) or isinstance(scale_value, bool):
         raise ParamInvalidError(f"scale_value: expected a float, got {scale_value!r}")
     problem = sequence_spans(layout, query_index, key_index, actual_seq_lengths_query, actual_seq_lengths_key,
-                             "actual_seq_lengths_key")
+                             "actual_seq_lengths_key", "key_index")
     select_backend(backend, query.device)
     dtype = torch.float64 if query_index.dtype == torch.float64 else torch.float32
     d_query_index = torch.zeros_like(query_index)
@@ -195,7 +195,7 @@ def count_tokens_with_keys(query_index, key_index, sparse_indices, layout: str, 
                            actual_seq_lengths_query=None, actual_seq_lengths_key=None) -> int:
     """Query tokens with at least one valid selected key under the KL rule (the divisor of reduction="mean")."""
     problem = sequence_spans(layout, query_index, key_index, actual_seq_lengths_query, actual_seq_lengths_key,
-                             "actual_seq_lengths_key")
+                             "actual_seq_lengths_key", "key_index")
     total = 0
     for b in range(len(problem.q_spans)):
         lq, lk = problem.q_lengths[b], problem.kv_lengths[b]

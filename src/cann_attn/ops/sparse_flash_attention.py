@@ -119,12 +119,12 @@ def validate_sparse(query, key, value, sparse_indices, scale_value, *, query_rop
 
 
 def sequence_spans(layout: str, query: torch.Tensor, key: torch.Tensor, actual_q, actual_kv,
-                   kv_param: str) -> SparseProblem:
+                   kv_param: str, key_param: str = "key") -> SparseProblem:
     """Per-sequence spans of a BSND (plain per-batch actual lengths) or TND (cumulative ends) DSA problem."""
     heads = query.shape[-2]
     if layout == "BSND":
         batch = query.shape[0]
-        require(key.shape[0] == batch, "key", f"batch B={batch} like the query", key)
+        require(key.shape[0] == batch, key_param, f"batch B={batch} like the query", key)
         s1, s2 = query.shape[1], key.shape[1]
         q_len = per_batch_lengths(actual_q, "actual_seq_lengths_query", batch, s1)
         kv_len = per_batch_lengths(actual_kv, kv_param, batch, s2)
@@ -137,24 +137,30 @@ def sequence_spans(layout: str, query: torch.Tensor, key: torch.Tensor, actual_q
         raise ParamInvalidError(
             f"{kv_param}: expected {len(q_len)} sequences like actual_seq_lengths_query, got {len(kv_len)}"
         )
+    for b, (sq, skv) in enumerate(zip(q_len, kv_len, strict=True)):
+        if sq > 0 and skv == 0:
+            raise ParamInvalidError(f"{kv_param}: sequence {b} has {sq} query tokens but no key tokens")
     q_spans = [(-1, s, n) for s, n in zip(starts_of(q_len), q_len, strict=True)]
     kv_spans = [(-1, s, n) for s, n in zip(starts_of(kv_len), kv_len, strict=True)]
     return SparseProblem(layout, heads, q_spans, kv_spans, q_len, kv_len, q_len, kv_len)
 
 
 def _sequences(problem: SparseProblem, query, key, value, sparse_indices, query_rope, key_rope):
-    """(b, SparseSequence) for each sequence with rows to compute; Q and K carry the rope dims appended."""
+    """(b, SparseSequence) for each sequence with rows to compute; Q and K carry the rope dims appended, K and V
+    are converted once to the compute dtype. Sequences without keys are skipped: their rows select nothing and
+    keep the zero output / invalid statistics they were initialised with."""
+    dtype = _compute_dtype(query.dtype)
     for b in range(len(problem.q_spans)):
         lq, lk = problem.q_lengths[b], problem.kv_lengths[b]
-        if lq == 0:
+        if lq == 0 or lk == 0:
             continue
         q = problem.rows(query, b)[:lq]
-        k = problem.keys(key, b)[:lk, 0]
+        k = problem.keys(key, b)[:lk, 0].to(dtype)
         if query_rope is not None:
             q = torch.cat([q, problem.rows(query_rope, b)[:lq]], dim=-1)
-            k = torch.cat([k, problem.keys(key_rope, b)[:lk, 0]], dim=-1)
+            k = torch.cat([k, problem.keys(key_rope, b)[:lk, 0].to(dtype)], dim=-1)
         yield b, kernel.SparseSequence(
-            q=q, k=k, v=problem.keys(value, b)[:lk, 0], indices=problem.rows(sparse_indices, b)[:lq, 0],
+            q=q, k=k, v=problem.keys(value, b)[:lk, 0].to(dtype), indices=problem.rows(sparse_indices, b)[:lq, 0],
             seq_q=lq, seq_kv=lk,
         )
 
