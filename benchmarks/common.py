@@ -1,6 +1,7 @@
-"""Shared helpers of the benchmark scripts: timing, peak memory in a fresh process, FLOPs, JSON, plots, machine.
+"""Shared benchmark helpers: timing, peak memory in a fresh process, FLOPs, JSON, plots, machine info.
 
-- `time_fn(fn, warmup, repeats, device)`: median (and all) wall times of `fn()` after warm-up calls.
+- `time_fn(fn, warmup, repeats, device)`: median (and all) wall times of `fn()` after warm-up calls;
+  `timed_once(fn, device)`: result and time of a single call.
 - `peak_rss(script, func, kwargs)`: run ``func(**kwargs)`` from `script` in a fresh interpreter and return its
   peak resident set (VmHWM of /proc/self/status, falling back to getrusage ru_maxrss), together with the peak
   before the measured call (imports + inputs) so the call's own overhead is visible. On CUDA the child reports
@@ -33,9 +34,9 @@ HERE = Path(__file__).resolve().parent
 RESULTS = HERE / "results"
 
 
-# ---------------------------------------------------------------------------------------------------------------
+# ----------------------------------------------------------------------------------------------------------
 # Timing
-# ---------------------------------------------------------------------------------------------------------------
+# ----------------------------------------------------------------------------------------------------------
 def sync(device: str | torch.device = "cpu") -> None:
     if torch.device(device).type == "cuda":
         torch.cuda.synchronize()
@@ -55,9 +56,18 @@ def time_fn(fn: Callable[[], Any], warmup: int = 1, repeats: int = 5, device: st
     return {"median_s": statistics.median(times), "min_s": min(times), "times_s": times}
 
 
-# ---------------------------------------------------------------------------------------------------------------
+def timed_once(fn: Callable[[], Any], device: str = "cpu") -> tuple[Any, float]:
+    """(result, seconds) of one call (for calls too long to repeat)."""
+    sync(device)
+    start = time.perf_counter()
+    result = fn()
+    sync(device)
+    return result, time.perf_counter() - start
+
+
+# ----------------------------------------------------------------------------------------------------------
 # Memory: peak RSS of one call in a fresh interpreter
-# ---------------------------------------------------------------------------------------------------------------
+# ----------------------------------------------------------------------------------------------------------
 def _status_kb(field: str) -> int | None:
     try:
         with open("/proc/self/status") as f:
@@ -83,6 +93,7 @@ def load_module(path: str | Path, name: str | None = None):
     path = Path(path).resolve()
     spec = importlib.util.spec_from_file_location(name or f"_bench_{path.stem}", path)
     module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up there
     spec.loader.exec_module(module)
     return module
 
@@ -95,8 +106,14 @@ def peak_rss(script: str | Path, func: str, kwargs: dict[str, Any], timeout: flo
     children_maxrss_mb (getrusage(RUSAGE_CHILDREN) of this process after the child ended, a cross-check that
     is a maximum over every child so far) and, on CUDA, cuda_peak_mb.
     """
-    cmd = [sys.executable, str(Path(__file__).resolve()), "--child", str(Path(script).resolve()), func,
-           json.dumps(kwargs)]
+    cmd = [
+        sys.executable,
+        str(Path(__file__).resolve()),
+        "--child",
+        str(Path(script).resolve()),
+        func,
+        json.dumps(kwargs),
+    ]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
     if proc.returncode != 0:
         raise RuntimeError(f"peak_rss child failed ({proc.returncode}): {proc.stderr.strip()[-2000:]}")
@@ -120,17 +137,24 @@ def _child(script: str, func: str, kwargs_json: str) -> None:
         torch.cuda.synchronize()
     seconds = time.perf_counter() - start
     peak = current_peak_kb()
-    out = {"peak_mb": peak / 1024, "before_mb": before / 1024, "delta_mb": (peak - before) / 1024,
-           "seconds": seconds, **info}
+    out = {
+        "peak_mb": peak / 1024,
+        "before_mb": before / 1024,
+        "delta_mb": (peak - before) / 1024,
+        "seconds": seconds,
+        **info,
+    }
     if cuda:
         out["cuda_peak_mb"] = torch.cuda.max_memory_allocated() / 2**20
     print(json.dumps(out))
 
 
-# ---------------------------------------------------------------------------------------------------------------
+# ----------------------------------------------------------------------------------------------------------
 # FLOPs (ANCHORS.md)
-# ---------------------------------------------------------------------------------------------------------------
-def visible_pairs(seq_q: int, seq_kv: int, pre: int | None = None, nxt: int | None = None, delta: int = 0) -> int:
+# ----------------------------------------------------------------------------------------------------------
+def visible_pairs(
+    seq_q: int, seq_kv: int, pre: int | None = None, nxt: int | None = None, delta: int = 0
+) -> int:
     """Number of (i, j) with i - pre + delta <= j <= i + nxt + delta (None = unbounded), 0 <= j < seq_kv."""
     i = torch.arange(seq_q, dtype=torch.int64)
     hi = torch.full_like(i, seq_kv - 1) if nxt is None else (i + delta + nxt).clamp(max=seq_kv - 1)
@@ -143,9 +167,9 @@ def attention_flops(batch: int, heads: int, pairs: int, d_qk: int, d_v: int | No
     return 2.0 * batch * heads * pairs * (d_qk + (d_qk if d_v is None else d_v))
 
 
-# ---------------------------------------------------------------------------------------------------------------
+# ----------------------------------------------------------------------------------------------------------
 # Machine, JSON, plots
-# ---------------------------------------------------------------------------------------------------------------
+# ----------------------------------------------------------------------------------------------------------
 def cpu_model() -> str:
     try:
         with open("/proc/cpuinfo") as f:
@@ -157,6 +181,56 @@ def cpu_model() -> str:
     return platform.processor() or platform.machine()
 
 
+def load_average() -> list[float] | None:
+    """1/5/15-minute load averages (None where unavailable)."""
+    try:
+        return [round(x, 2) for x in os.getloadavg()]
+    except OSError:
+        return None
+
+
+def _own_running_threads() -> int:
+    """Threads of this process in state R (the sampling thread itself included)."""
+    count = 0
+    for stat in Path("/proc/self/task").glob("*/stat"):
+        try:
+            if stat.read_text().rsplit(")", 1)[1].split()[0] == "R":
+                count += 1
+        except (OSError, IndexError):
+            pass
+    return max(count, 1)
+
+
+def other_runnable(samples: int = 20, interval: float = 0.05) -> float | None:
+    """Mean number of runnable tasks outside this process (/proc/loadavg minus our own running threads,
+    sampled `samples` times); None where /proc is unavailable. Unlike load averages it does not lag."""
+    counts = []
+    for _ in range(samples):
+        try:
+            with open("/proc/loadavg") as f:
+                running = int(f.read().split()[3].split("/")[0])
+        except (OSError, IndexError, ValueError):
+            return None
+        counts.append(max(0, running - _own_running_threads()))
+        time.sleep(interval)
+    return sum(counts) / len(counts)
+
+
+def busy_warning() -> str | None:
+    """A warning when other processes compete for the CPUs: timings of many small parallel regions (our tiled
+    reference) then degrade far more than those of one big kernel (SDPA), so ratios are not meaningful."""
+    cpus = os.cpu_count() or 1
+    others = other_runnable()
+    if others is not None:
+        if others > 0.25 * cpus:
+            return f"machine busy: {others:.1f} other runnable tasks on {cpus} CPUs; timings are unreliable"
+        return None
+    load = load_average()
+    if load is not None and load[0] > 0.75 * cpus:
+        return f"machine busy: 1-min load average {load[0]} on {cpus} CPUs; timings are unreliable"
+    return None
+
+
 def machine_info(device: str = "cpu") -> dict[str, Any]:
     info = {
         "cpu": cpu_model(),
@@ -166,6 +240,8 @@ def machine_info(device: str = "cpu") -> dict[str, Any]:
         "python": platform.python_version(),
         "platform": platform.platform(),
         "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "load_average_1_5_15": load_average(),
+        "other_runnable_tasks": other_runnable(),
     }
     try:
         import cann_attn
@@ -209,7 +285,9 @@ def bar_plot(
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     panels = 2 if ratios is not None else 1
-    fig, axes = plt.subplots(panels, 1, figsize=(max(8.0, 0.9 * len(labels) + 3), 4.5 * panels), squeeze=False)
+    fig, axes = plt.subplots(
+        panels, 1, figsize=(max(8.0, 0.9 * len(labels) + 3), 4.5 * panels), squeeze=False
+    )
     ax = axes[0][0]
     x = list(range(len(labels)))
     width = 0.8 / max(1, len(series))
@@ -219,7 +297,8 @@ def bar_plot(
     ax.set_xticks(x, labels, rotation=30, ha="right", fontsize=8)
     ax.set_ylabel(ylabel)
     ax.set_title(title)
-    ax.legend()
+    ax.set_ylim(top=ax.get_ylim()[1] * 1.15)  # room for the legend
+    ax.legend(loc="upper center", ncol=len(series))
     ax.grid(axis="y", alpha=0.3)
     if ratios is not None:
         ax2 = axes[1][0]
