@@ -225,11 +225,16 @@ def fa_inputs(
     return Call((q, k, v, cfg.heads_q, cfg.layout), kw)
 
 
+# Parameters of the FA family that do not change the result (reserved, or precision modes we always honour).
+_FA_NO_EFFECT = ("padding_mask", "inner_precise", "softmax_in", "backend")
+
+
 def _fa_oracle(call: Call, same_dtype: bool = False) -> Outputs:
     from ..testing.oracle import fa_forward_oracle, naive_same_dtype_forward
 
     fn = naive_same_dtype_forward if same_dtype else fa_forward_oracle
-    out, smax, ssum = fn(*call.args, **call.kwargs)
+    kwargs = {name: value for name, value in call.kwargs.items() if name not in _FA_NO_EFFECT}
+    out, smax, ssum = fn(*call.args[:5], **kwargs)
     return {"attention_out": out, "softmax_max": smax, "softmax_sum": ssum}
 
 
@@ -551,22 +556,34 @@ def _grad_inputs(
 ) -> Call:
     """Forward inputs, dy, and the forward's softmax_max / softmax_sum / attention_out (from the oracle, cast
     as the operator would produce them) passed on as the grad expects them."""
-    from ..testing.oracle import fa_forward_oracle
-
     fwd = fa_inputs(gen, cfg, kwargs, extras)
     q, k, v, head_num, layout = fwd.args
-    out, smax, ssum = fa_forward_oracle(*fwd.args, **fwd.kwargs)
-    dy = randn(gen, out.shape, cfg.dtype)
-    state = {"softmax_max": smax.float(), "softmax_sum": ssum.float(), "attention_in": out.to(cfg.dtype)}
+    named = {"query": q, "key": k, "value": v, "head_num": head_num, "input_layout": layout, **fwd.kwargs}
+    state = fa_grad_state(named)
+    dy = randn(gen, state["attention_in"].shape, cfg.dtype)
     return Call((q, k, v, dy, head_num, layout), {**fwd.kwargs, **state})
+
+
+def fa_grad_state(named: Mapping[str, Any]) -> dict[str, torch.Tensor]:
+    """softmax_max, softmax_sum (fp32) and attention_in (query dtype) of the float64 forward oracle, from the
+    grad's arguments by name (dy and any given state are ignored)."""
+    skip = (*_GRAD_STATE, *_FA_NO_EFFECT, "dy", "query", "key", "value", "head_num", "input_layout")
+    fwd_kwargs = {name: value for name, value in named.items() if name not in skip}
+    fwd = Call((named["query"], named["key"], named["value"], named["head_num"], named["input_layout"]), fwd_kwargs)
+    golden = _fa_oracle(fwd)
+    return {
+        "softmax_max": golden["softmax_max"].float(),
+        "softmax_sum": golden["softmax_sum"].float(),
+        "attention_in": golden["attention_out"].to(named["query"].dtype),
+    }
 
 
 def _grad_oracle(call: Call, same_dtype: bool = False) -> Outputs:
     """Autograd through the float64 oracle (or, `same_dtype`, through its code run in the input dtype)."""
     from ..testing.oracle import fa_forward_oracle, naive_same_dtype_forward
 
-    q, k, v, dy, head_num, layout = call.args
-    kwargs = {name: value for name, value in call.kwargs.items() if name not in _GRAD_STATE}
+    q, k, v, dy, head_num, layout = call.args[:6]
+    kwargs = {name: value for name, value in call.kwargs.items() if name not in (*_GRAD_STATE, *_FA_NO_EFFECT)}
 
     def leaf(t: torch.Tensor) -> torch.Tensor:
         return (t.detach().clone() if same_dtype else t.detach().to(torch.float64)).requires_grad_()

@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 
 from ...problem.attention import AttentionProblem, Run
-from .flash_forward import BLOCK_K, BLOCK_Q, RunKernel, group_rows, key_tiles
+from .flash_forward import BLOCK_Q, RunKernel, group_rows, key_tiles
 
 
 def backward(
@@ -63,10 +63,10 @@ def _backward_run(kernel: RunKernel, problem: AttentionProblem, run: Run, dy, at
         row_max = max_all[:, :, i0:i1].to(dtype).unsqueeze(-1)
         inv_sum = 1.0 / sum_all[:, :, i0:i1].to(dtype).unsqueeze(-1)
         dq_acc = torch.zeros((c * n2, q_tile.shape[1], d_qk), dtype=dtype, device=device)
-        for j0, j1, state in key_tiles(run, i0, i1, BLOCK_K):
+        for j0, j1, state in key_tiles(run, i0, i1, kernel.block_k):
             cols = j1 - j0
-            p = kernel.scores(q_tile, i0, i1, j0, j1, state)
-            p.sub_(row_max).exp_().mul_(inv_sum)
+            p, masked = kernel.scores(q_tile, i0, i1, j0, j1, state)
+            kernel.exp_shifted_(p, row_max, masked).mul_(inv_sum)
             p_g = p.view(c * n2, -1, cols)
             dp = torch.bmm(dy_g, kernel.v[:, j0:j1].transpose(1, 2)).view(c, n1, rows, cols)
             if run.dropout is not None:
