@@ -40,6 +40,7 @@ of its (NamedTuple or tuple or single tensor) result; ``Call`` holds positional 
 from __future__ import annotations
 
 import functools
+import inspect
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -667,4 +668,696 @@ register(
         sparse_mode=2,
         quick=False,
     ),
+)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Arguments by name (the operators' signatures; used by the cases below and by ``cann-attn golden``)
+# ---------------------------------------------------------------------------------------------------------
+@functools.cache
+def op_signature(op: str) -> inspect.Signature:
+    """The signature of ``cann_attn.<op>``."""
+    return inspect.signature(getattr(cann_attn, op))
+
+
+def tensor_parameters(op: str) -> tuple[str, ...]:
+    """The parameters of `op` annotated as tensors, in signature order."""
+    return tuple(n for n, p in op_signature(op).parameters.items() if "Tensor" in str(p.annotation))
+
+
+def bind(op: str, named: Mapping[str, Any]) -> Call:
+    """The `Call` of `op` for arguments given by name: the parameters before ``*`` positionally (their defaults
+    filled in), the keyword-only ones as given. Raises TypeError for an unknown or missing argument."""
+    params = op_signature(op).parameters
+    unknown = sorted(set(named) - set(params))
+    if unknown:
+        raise TypeError(f"{op}: unknown argument {unknown[0]!r}")
+    args, kwargs = [], {}
+    for name, p in params.items():
+        if p.kind is inspect.Parameter.POSITIONAL_OR_KEYWORD:
+            if name in named:
+                args.append(named[name])
+            elif p.default is not inspect.Parameter.empty:
+                args.append(p.default)
+            else:
+                raise TypeError(f"{op}: missing required argument {name!r}")
+        elif name in named:
+            kwargs[name] = named[name]
+    return Call(tuple(args), kwargs)
+
+
+def by_name(op: str, call: Call) -> dict[str, Any]:
+    """The arguments of a `Call` of `op` by parameter name (the inverse of `bind`)."""
+    return dict(op_signature(op).bind(*call.args, **call.kwargs).arguments)
+
+
+def _without(named: Mapping[str, Any], *names: str) -> dict[str, Any]:
+    return {k: v for k, v in named.items() if k not in names and k != "backend"}
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Operators: output names, output dtypes, golden, and the inputs a grad op takes from its forward
+# ---------------------------------------------------------------------------------------------------------
+DTypes = Callable[[Mapping[str, Any]], dict[str, torch.dtype]]
+
+
+@dataclass(frozen=True)
+class Operator:
+    """What ``cann-attn golden`` needs to know about an operator beyond its signature.
+
+    - ``outputs``: names of the results, in order (``outputs_of``);
+    - ``golden(call) -> {name: tensor}``: float64 goldens (integer outputs as integers) of the outputs the
+      reference defines for this call (e.g. no ``dpse`` without a pse tensor);
+    - ``output_dtypes(named) -> {name: dtype}``: the dtype of each output (goldens are cast to it);
+    - ``state`` / ``derive(named) -> {name: tensor}``: the inputs a grad op takes from its forward (softmax
+      statistics, forward output), computed with the float64 forward oracle when not given.
+    """
+
+    name: str
+    outputs: tuple[str, ...]
+    golden: Callable[[Call], Outputs]
+    output_dtypes: DTypes
+    state: tuple[str, ...] = ()
+    derive: Callable[[Mapping[str, Any]], dict[str, torch.Tensor]] | None = None
+
+
+OPERATORS: dict[str, Operator] = {}
+
+
+def _register_operator(op: Operator) -> None:
+    OPERATORS[op.name] = op
+
+
+def _same_dtype(**pairs: str) -> DTypes:
+    """Output dtypes: output name -> the input whose dtype it has, or a fixed dtype name ("float32", "int32")."""
+
+    def dtypes(named: Mapping[str, Any]) -> dict[str, torch.dtype]:
+        out = {}
+        for output, source in pairs.items():
+            fixed = getattr(torch, source, None)
+            if isinstance(fixed, torch.dtype):
+                out[output] = fixed
+            elif isinstance(named.get(source), torch.Tensor):
+                out[output] = named[source].dtype
+        return out
+
+    return dtypes
+
+
+def _fa_golden(op: str) -> Callable[[Call], Outputs]:
+    return lambda call: _fa_oracle(bind(op, _without(by_name(op, call))))
+
+
+for _op in ("flash_attention_score", "flash_attention_var_len_score"):
+    _register_operator(
+        Operator(
+            _op,
+            ("attention_out", "softmax_max", "softmax_sum", "softmax_out"),
+            _fa_golden(_op),
+            _same_dtype(attention_out="query", softmax_max="float32", softmax_sum="float32"),
+        )
+    )
+_register_operator(
+    Operator(
+        "flash_attention_score_grad",
+        ("dq", "dk", "dv", "dpse"),
+        lambda call: _grad_oracle(call),
+        _same_dtype(dq="query", dk="key", dv="value", dpse="pse"),
+        state=_GRAD_STATE,
+        derive=fa_grad_state,
+    )
+)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# PromptFlashAttentionV2 (float and int8)
+# ---------------------------------------------------------------------------------------------------------
+def _pfa_golden(call: Call, naive: bool = False) -> Outputs:
+    from ..testing.pfa_oracle import pfa_oracle
+
+    named = _without(by_name("prompt_flash_attention", call))
+    q, k, v = named.pop("query"), named.pop("key"), named.pop("value")
+    if naive:
+        if q.dtype not in (torch.float16, torch.bfloat16) or named.get("quant_scale2") is not None:
+            return {}
+        named["naive_dtype"] = q.dtype
+    return {"attention_out": pfa_oracle(q, k, v, **named)}
+
+
+def _pfa_dtypes(named: Mapping[str, Any]) -> dict[str, torch.dtype]:
+    from ..testing.pfa_oracle import output_dtype
+
+    return {"attention_out": output_dtype(named["query"].dtype, named.get("quant_scale2"))}
+
+
+_register_operator(Operator("prompt_flash_attention", ("attention_out",), _pfa_golden, _pfa_dtypes))
+
+
+def _int8(gen: torch.Generator, shape: Sequence[int]) -> torch.Tensor:
+    return torch.randint(-127, 128, tuple(shape), generator=gen, dtype=torch.int64).to(torch.int8)
+
+
+def _pfa_shape(layout: str, b: int, n: int, s: int, d: int) -> tuple[int, ...]:
+    return _layout_shape("BNSD" if layout == "BNSD_BSND" else layout, b, s, n, d, b * s)
+
+
+def pfa_case(
+    name: str,
+    *,
+    layout: str,
+    dtype: torch.dtype,
+    b: int = 1,
+    n: int = 2,
+    n_kv: int | None = None,
+    sq: int = 64,
+    skv: int | None = None,
+    d: int = 64,
+    extras: Callable[[torch.Generator], dict[str, Any]] | None = None,
+    quick: bool = True,
+    **kwargs: Any,
+) -> Case:
+    """A prompt_flash_attention case: random query/key/value (int8: uniform in [-127, 127]) in `layout`,
+    `extras(gen)` adds tensor keyword arguments (masks, quantization scales), `kwargs` the scalar ones."""
+    n_kv = n if n_kv is None else n_kv
+    skv = sq if skv is None else skv
+    kwargs = {"num_heads": n, "input_layout": layout, **kwargs}
+    if n_kv != n:
+        kwargs["num_key_value_heads"] = n_kv
+    kwargs.setdefault("scale_value", 1.0 if dtype == torch.int8 else d**-0.5)
+
+    def build(gen: torch.Generator) -> Call:
+        def draw(heads: int, seq: int) -> torch.Tensor:
+            shape = _pfa_shape(layout, b, heads, seq, d)
+            return _int8(gen, shape) if dtype == torch.int8 else randn(gen, shape, dtype)
+
+        q, k, v = draw(n, sq), draw(n_kv, skv), draw(n_kv, skv)
+        return Call((q, k, v), {**kwargs, **(extras(gen) if extras else {})})
+
+    heads = f"N{n}" if n_kv == n else f"N{n}/{n_kv}"
+    seq = f"S{sq}" if skv == sq else f"S{sq}x{skv}"
+    return Case(
+        op="prompt_flash_attention",
+        name=name,
+        dtype=dtype,
+        shape=f"{layout} B{b} {heads} {seq} D{d}",
+        build=build,
+        run=outputs_of("prompt_flash_attention", ("attention_out",)),
+        oracle=_pfa_golden,
+        quick=quick,
+        naive=functools.partial(_pfa_golden, naive=True),
+    )
+
+
+# int8 scales for random int8 inputs with D = 64: logits s32 * deq1 of std ~2.5, p_q = p * 127, outputs O(1).
+_DEQ1, _QUANT1, _DEQ2 = 2.5 / (8 * 5376.0) * (1 + 2**-20), 127.0, 1.0 / (127.0 * 40.0) * (1 + 3 * 2**-21)
+
+
+def _int8_scales(uint64: bool = False, quant_scale2: float | None = None, quant_offset2: float | None = None):
+    def build(gen: torch.Generator) -> dict[str, Any]:
+        f32 = functools.partial(torch.tensor, dtype=torch.float32)
+        deq1, deq2 = f32([_DEQ1]), f32([_DEQ2])
+        if uint64:
+            deq1, deq2 = cann_attn.trans_quant_param(deq1), cann_attn.trans_quant_param(deq2)
+        out = {"deq_scale1": deq1, "quant_scale1": f32([_QUANT1]), "deq_scale2": deq2}
+        if quant_scale2 is not None:
+            out["quant_scale2"] = f32([quant_scale2])
+        if quant_offset2 is not None:
+            out["quant_offset2"] = f32([quant_offset2])
+        return out
+
+    return build
+
+
+def _per_channel_quant(n: int, d: int, *, lo: float = 20.0, hi: float = 40.0):
+    """quant_scale2 / quant_offset2 per channel, [N, D] (fp16/bf16 in, int8 out)."""
+
+    def build(gen: torch.Generator) -> dict[str, Any]:
+        scale = lo + (hi - lo) * torch.rand(n, d, generator=gen)
+        return {"quant_scale2": scale, "quant_offset2": torch.randint(-3, 4, (n, d), generator=gen).float()}
+
+    return build
+
+
+I8 = torch.int8
+_ALL = 2147483647  # pre/next_tokens: no band limit
+register(
+    pfa_case("bsh_gqa", layout="BSH", dtype=F16, b=2, n=8, n_kv=2, sq=128, next_tokens=_ALL),
+    pfa_case(
+        "bnsd_causal_mode3_actual_len",
+        layout="BNSD",
+        dtype=BF16,
+        b=2,
+        n=4,
+        n_kv=1,
+        sq=96,
+        skv=160,
+        extras=lambda gen: {"atten_mask": cann_attn.compressed_mask(3)},
+        sparse_mode=3,
+        actual_seq_lengths=[96, 70],
+        actual_seq_lengths_kv=[160, 100],
+    ),
+    pfa_case(
+        "bnsd_bsnd_band_mode4",
+        layout="BNSD_BSND",
+        dtype=F16,
+        n=4,
+        sq=128,
+        extras=lambda gen: {"atten_mask": cann_attn.compressed_mask(4)},
+        sparse_mode=4,
+        pre_tokens=48,
+        next_tokens=8,
+    ),
+    pfa_case(
+        "int8_in_int8_out",
+        layout="BNSD",
+        dtype=I8,
+        b=2,
+        n=2,
+        sq=64,
+        skv=96,
+        extras=_int8_scales(quant_scale2=30.0, quant_offset2=2.0),
+        next_tokens=_ALL,
+    ),
+    pfa_case(
+        "int8_in_fp16_out_uint64_causal",
+        layout="BSH",
+        dtype=I8,
+        n=4,
+        n_kv=2,
+        sq=80,
+        extras=lambda gen: {**_int8_scales(uint64=True)(gen), "atten_mask": cann_attn.compressed_mask(2)},
+        sparse_mode=2,
+    ),
+    pfa_case(
+        "fp16_in_int8_out_per_channel",
+        layout="BSND",
+        dtype=F16,
+        n=2,
+        sq=64,
+        extras=_per_channel_quant(2, 64),
+        next_tokens=_ALL,
+    ),
+    pfa_case("large_bsh_fp16", layout="BSH", dtype=F16, n=8, sq=1024, d=128, quick=False),
+)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# DSA: SparseFlashAttention(+Grad), LightningIndexer, SparseLightningIndexerGradKLLoss (float64 oracles of
+# cann_attn.testing.dsa_oracle; the grads by torch.autograd through them)
+# ---------------------------------------------------------------------------------------------------------
+_DSA_NO_EFFECT = ("pre_tokens", "next_tokens", "deterministic")
+_SFA_TENSORS = ("query", "key", "value", "query_rope", "key_rope")
+_SFA_GRAD_STATE = ("out", "softmax_max", "softmax_sum")
+_KL_STATE = ("softmax_max", "softmax_sum")
+_KL_LEAVES = ("query_index", "key_index", "weights")
+
+
+def _causal_allowed(sparse_mode: int, seq_q: int, seq_kv: int, t: int) -> int:
+    """thr(t): row t of a sequence may use keys [0, thr) (mode 3: Skv - Sq + t + 1; mode 0: Skv)."""
+    return seq_kv - seq_q + t + 1 if sparse_mode == 3 else seq_kv
+
+
+def random_sparse_indices(
+    gen: torch.Generator,
+    query_shape: Sequence[int],
+    key_shape: Sequence[int],
+    topk: int,
+    *,
+    layout: str = "BSND",
+    sparse_block_size: int = 1,
+    sparse_mode: int = 3,
+    actual_seq_lengths_query=None,
+    actual_seq_lengths_kv=None,
+    dtype: torch.dtype = torch.int32,
+) -> torch.Tensor:
+    """sparse_indices [B, S1, 1, K] / [T1, 1, K] as a top-k producer writes them: for each row, up to K distinct
+    blocks it may see (SEMANTICS.md 8), in random order, then -1; rows beyond the actual query length all -1."""
+    from ..testing.dsa_oracle import sequence_spans
+
+    spans = sequence_spans(layout, query_shape, key_shape, actual_seq_lengths_query, actual_seq_lengths_kv)
+    indices = torch.full((*tuple(query_shape)[:-2], 1, topk), -1, dtype=torch.int64)
+    for span in spans:
+        for t in range(span.q_len):
+            thr = _causal_allowed(sparse_mode, span.q_len, span.kv_len, t)
+            n_allowed = -(-thr // sparse_block_size) if thr > 0 else 0
+            blocks = torch.randperm(n_allowed, generator=gen)[:topk]
+            indices[(*span.q_token(t), 0)][: blocks.numel()] = blocks
+    return indices.to(dtype)
+
+
+def _sfa_oracle(named: Mapping[str, Any], compute_dtype: torch.dtype = torch.float64):
+    """(out, softmax_max, softmax_sum) of the SFA oracle from SFA or SFA-grad arguments by name."""
+    from ..testing.dsa_oracle import sparse_attention_oracle
+
+    skip = (*_SFA_TENSORS, *_SFA_GRAD_STATE, *_DSA_NO_EFFECT, "sparse_indices", "scale_value", "d_out")
+    kwargs = _without(named, *skip)
+    return sparse_attention_oracle(
+        named["query"],
+        named["key"],
+        named["value"],
+        named["sparse_indices"],
+        named["scale_value"],
+        query_rope=named.get("query_rope"),
+        key_rope=named.get("key_rope"),
+        compute_dtype=compute_dtype,
+        **kwargs,
+    )
+
+
+def _naive_dtype(named: Mapping[str, Any], naive: bool) -> torch.dtype | None:
+    """The compute dtype of the golden (float64) or of the naive reference (fp16/bf16 inputs only, else None)."""
+    if not naive:
+        return torch.float64
+    dtype = named["query"].dtype
+    return dtype if dtype in (torch.float16, torch.bfloat16) else None
+
+
+def _sfa_golden(call: Call, naive: bool = False) -> Outputs:
+    named = by_name("sparse_flash_attention", call)
+    compute = _naive_dtype(named, naive)
+    if compute is None:
+        return {}
+    out, smax, ssum = _sfa_oracle(named, compute)
+    return {"attention_out": out, "softmax_max": smax, "softmax_sum": ssum}
+
+
+def sfa_grad_state(named: Mapping[str, Any]) -> dict[str, torch.Tensor]:
+    """out (query dtype), softmax_max, softmax_sum (fp32) of the float64 SFA oracle."""
+    out, smax, ssum = _sfa_oracle(named)
+    return {"out": out.to(named["query"].dtype), "softmax_max": smax.float(), "softmax_sum": ssum.float()}
+
+
+def _sfa_grad_golden(call: Call, naive: bool = False) -> Outputs:
+    """d_query .. d_key_rope: autograd of (out * d_out).sum() through the oracle (SEMANTICS.md 8)."""
+    named = by_name("sparse_flash_attention_grad", call)
+    compute = _naive_dtype(named, naive)
+    if compute is None:
+        return {}
+    leaves = {
+        n: named[n].detach().to(compute).requires_grad_() for n in _SFA_TENSORS if named.get(n) is not None
+    }
+    out = _sfa_oracle({**named, **leaves}, compute)[0]
+    if out.requires_grad:
+        grads = torch.autograd.grad(out, list(leaves.values()), named["d_out"].to(compute), allow_unused=True)
+    else:  # nothing selected anywhere: the output is a constant 0
+        grads = (None,) * len(leaves)
+    return {
+        f"d_{n}": torch.zeros_like(leaf) if g is None else g for (n, leaf), g in zip(leaves.items(), grads, strict=True)
+    }
+
+
+def _li_golden(call: Call) -> Outputs:
+    from ..testing.dsa_oracle import lightning_indexer_oracle
+
+    named = by_name("lightning_indexer", call)
+    kwargs = _without(named, *_KL_LEAVES, "return_value")
+    indices, values = lightning_indexer_oracle(named["query_index"], named["key_index"], named["weights"], **kwargs)
+    out = {"sparse_indices": indices}
+    if named.get("return_value"):
+        out["sparse_values"] = values
+    return out
+
+
+def kl_state(named: Mapping[str, Any]) -> dict[str, torch.Tensor]:
+    """softmax_max / softmax_sum (fp32) of the main attention over the entries the KL loss uses (the SFA oracle
+    with value = key over those entries moved to the front), so that the target p sums to 1 per row."""
+    from ..testing.dsa_oracle import kl_selected_entries, sequence_spans
+
+    layout, mode = named.get("layout", "BSND"), named.get("sparse_mode", 3)
+    lengths_q, lengths_kv = named.get("actual_seq_lengths_query"), named.get("actual_seq_lengths_key")
+    indices = named["sparse_indices"]
+    compact = torch.full_like(indices, -1)
+    for span in sequence_spans(layout, named["query"].shape, named["key"].shape, lengths_q, lengths_kv):
+        for t in range(span.q_len):
+            tok = span.q_token(t)
+            entries = kl_selected_entries(indices[(*tok, 0)].tolist(), t, span.q_len, span.kv_len, mode)
+            compact[(*tok, 0)][: len(entries)] = torch.tensor(entries, dtype=indices.dtype)
+    sfa = {
+        "query": named["query"],
+        "key": named["key"],
+        "value": named["key"],
+        "query_rope": named.get("query_rope"),
+        "key_rope": named.get("key_rope"),
+        "sparse_indices": compact,
+        "scale_value": named["scale_value"],
+        "actual_seq_lengths_query": lengths_q,
+        "actual_seq_lengths_kv": lengths_kv,
+        "layout": layout,
+        "sparse_mode": mode,
+    }
+    _, smax, ssum = _sfa_oracle(sfa)
+    return {"softmax_max": smax.float(), "softmax_sum": ssum.float()}
+
+
+def _kl_golden(call: Call) -> Outputs:
+    """loss (the oracle's float64 sum, shape [1]) and its documented gradients (SEMANTICS.md 9)."""
+    from ..testing.dsa_oracle import indexer_kl_loss_oracle
+
+    named = by_name("sparse_lightning_indexer_grad_kl_loss", call)
+    leaves = {n: named[n].detach().double().requires_grad_() for n in _KL_LEAVES}
+    positional = ("query", "key", *_KL_LEAVES, "sparse_indices", *_KL_STATE, "scale_value")
+    kwargs = _without(named, *positional, *_DSA_NO_EFFECT)
+    res = indexer_kl_loss_oracle(*({**named, **leaves}[n] for n in positional), **kwargs)
+    grads = torch.autograd.grad(res.loss, list(leaves.values()), allow_unused=True)
+    out = {
+        f"d_{n}": torch.zeros_like(leaf) if g is None else g for (n, leaf), g in zip(leaves.items(), grads, strict=True)
+    }
+    out["loss"] = res.loss.detach().reshape(1)
+    return out
+
+
+_register_operator(
+    Operator(
+        "sparse_flash_attention",
+        ("attention_out", "softmax_max", "softmax_sum"),
+        _sfa_golden,
+        _same_dtype(attention_out="query", softmax_max="float32", softmax_sum="float32"),
+    )
+)
+_register_operator(
+    Operator(
+        "sparse_flash_attention_grad",
+        tuple(f"d_{n}" for n in _SFA_TENSORS),
+        _sfa_grad_golden,
+        _same_dtype(**{f"d_{n}": n for n in _SFA_TENSORS}),
+        state=_SFA_GRAD_STATE,
+        derive=sfa_grad_state,
+    )
+)
+_register_operator(
+    Operator(
+        "lightning_indexer",
+        ("sparse_indices", "sparse_values"),
+        _li_golden,
+        _same_dtype(sparse_indices="int32", sparse_values="query_index"),
+    )
+)
+_register_operator(
+    Operator(
+        "sparse_lightning_indexer_grad_kl_loss",
+        ("d_query_index", "d_key_index", "d_weights", "loss"),
+        _kl_golden,
+        _same_dtype(d_query_index="query_index", d_key_index="key_index", d_weights="weights", loss="float32"),
+        state=_KL_STATE,
+        derive=kl_state,
+    )
+)
+
+
+@dataclass(frozen=True)
+class DSAConfig:
+    """Shapes of one DSA case (N2 = 1). BSND: `q_lens` / `kv_lens` are optional actual lengths; TND: the
+    per-sequence lengths (required)."""
+
+    layout: str
+    dtype: torch.dtype
+    batch: int = 1
+    seq_q: int = 32
+    seq_kv: int = 64
+    heads: int = 4
+    dim: int = 64
+    rope: int = 16  # 0: no query_rope / key_rope
+    topk: int = 16
+    block_size: int = 1
+    sparse_mode: int = 3
+    index_dtype: torch.dtype = torch.int32
+    heads_index: int = 4
+    dim_index: int = 32
+    q_lens: tuple[int, ...] | None = None
+    kv_lens: tuple[int, ...] | None = None
+
+    def lead(self, kv: bool = False) -> tuple[int, ...]:
+        if self.layout == "TND":
+            return (sum(self.kv_lens if kv else self.q_lens),)
+        return (self.batch, self.seq_kv if kv else self.seq_q)
+
+    def lengths(self, kv_name: str) -> dict[str, list[int]]:
+        """The actual-length arguments (TND: cumulative ends), the kv one named `kv_name`."""
+        out = {}
+        for name, lens in (("actual_seq_lengths_query", self.q_lens), (kv_name, self.kv_lens)):
+            if lens is not None:
+                out[name] = _cumulative(lens) if self.layout == "TND" else list(lens)
+        return out
+
+    def summary(self, indexer: bool = False) -> str:
+        if self.layout == "TND":
+            lens = ",".join(f"{q}x{k}" for q, k in zip(self.q_lens, self.kv_lens, strict=True))
+            seq = f"T{sum(self.q_lens)} [{lens}]"
+        else:
+            seq = f"B{self.batch} S{self.seq_q}x{self.seq_kv}"
+        if indexer:
+            return f"{self.layout} {seq} Nidx{self.heads_index} Didx{self.dim_index} K{self.topk}"
+        rope = f"+{self.rope}" if self.rope else ""
+        return f"{self.layout} {seq} N{self.heads} D{self.dim}{rope} K{self.topk} bs{self.block_size}"
+
+
+def _sfa_named(gen: torch.Generator, cfg: DSAConfig) -> dict[str, Any]:
+    q_lead, kv_lead = cfg.lead(), cfg.lead(kv=True)
+    named: dict[str, Any] = {
+        "query": randn(gen, (*q_lead, cfg.heads, cfg.dim), cfg.dtype),
+        "key": randn(gen, (*kv_lead, 1, cfg.dim), cfg.dtype),
+        "value": randn(gen, (*kv_lead, 1, cfg.dim), cfg.dtype),
+        "scale_value": (cfg.dim + cfg.rope) ** -0.5,
+        "layout": cfg.layout,
+        "sparse_mode": cfg.sparse_mode,
+        "sparse_block_size": cfg.block_size,
+        **cfg.lengths("actual_seq_lengths_kv"),
+    }
+    if cfg.rope:
+        named["query_rope"] = randn(gen, (*q_lead, cfg.heads, cfg.rope), cfg.dtype)
+        named["key_rope"] = randn(gen, (*kv_lead, 1, cfg.rope), cfg.dtype)
+    named["sparse_indices"] = random_sparse_indices(
+        gen,
+        named["query"].shape,
+        named["key"].shape,
+        cfg.topk,
+        layout=cfg.layout,
+        sparse_block_size=cfg.block_size,
+        sparse_mode=cfg.sparse_mode,
+        actual_seq_lengths_query=named.get("actual_seq_lengths_query"),
+        actual_seq_lengths_kv=named.get("actual_seq_lengths_kv"),
+        dtype=cfg.index_dtype,
+    )
+    return named
+
+
+def _indexer_named(gen: torch.Generator, cfg: DSAConfig, kv_name: str) -> dict[str, Any]:
+    q_lead, kv_lead = cfg.lead(), cfg.lead(kv=True)
+    return {
+        "query_index": randn(gen, (*q_lead, cfg.heads_index, cfg.dim_index), cfg.dtype),
+        "key_index": randn(gen, (*kv_lead, 1, cfg.dim_index), cfg.dtype),
+        "weights": randn(gen, (*q_lead, cfg.heads_index), cfg.dtype, std=(cfg.heads_index * cfg.dim_index) ** -0.5),
+        "layout": cfg.layout,
+        "sparse_mode": cfg.sparse_mode,
+        **cfg.lengths(kv_name),
+    }
+
+
+def _dsa_case(op: str, name: str, cfg: DSAConfig, build: Callable[[torch.Generator], Call], **kw: Any) -> Case:
+    return Case(
+        op=op,
+        name=name,
+        dtype=cfg.dtype,
+        shape=cfg.summary(indexer=op == "lightning_indexer"),
+        build=build,
+        run=outputs_of(op, OPERATORS[op].outputs),
+        oracle=OPERATORS[op].golden,
+        **kw,
+    )
+
+
+def sfa_case(name: str, cfg: DSAConfig, quick: bool = True) -> Case:
+    return _dsa_case(
+        "sparse_flash_attention",
+        name,
+        cfg,
+        lambda gen: bind("sparse_flash_attention", _sfa_named(gen, cfg)),
+        quick=quick,
+        naive=functools.partial(_sfa_golden, naive=True),
+    )
+
+
+def sfa_grad_case(name: str, cfg: DSAConfig, quick: bool = True) -> Case:
+    def build(gen: torch.Generator) -> Call:
+        named = _sfa_named(gen, cfg)
+        named["d_out"] = randn(gen, named["query"].shape, cfg.dtype)
+        named.update(sfa_grad_state(named))
+        return bind("sparse_flash_attention_grad", named)
+
+    return _dsa_case(
+        "sparse_flash_attention_grad",
+        name,
+        cfg,
+        build,
+        quick=quick,
+        naive=functools.partial(_sfa_grad_golden, naive=True),
+    )
+
+
+def li_case(name: str, cfg: DSAConfig, quick: bool = True) -> Case:
+    def build(gen: torch.Generator) -> Call:
+        named = _indexer_named(gen, cfg, "actual_seq_lengths_key")
+        return bind("lightning_indexer", {**named, "sparse_count": cfg.topk, "return_value": True})
+
+    return _dsa_case("lightning_indexer", name, cfg, build, quick=quick)
+
+
+def kl_case(name: str, cfg: DSAConfig, indices_from_indexer: bool = False, quick: bool = True) -> Case:
+    """A sparse_lightning_indexer_grad_kl_loss case: sparse_indices random (or the indexer oracle's top-k),
+    statistics from the SFA oracle over the same selection."""
+    op = "sparse_lightning_indexer_grad_kl_loss"
+
+    def build(gen: torch.Generator) -> Call:
+        from ..testing.dsa_oracle import lightning_indexer_oracle
+
+        sfa = _sfa_named(gen, cfg)
+        named = {**_indexer_named(gen, cfg, "actual_seq_lengths_key"), "scale_value": sfa["scale_value"]}
+        for n in ("query", "key", "query_rope", "key_rope", "sparse_indices"):
+            if n in sfa:
+                named[n] = sfa[n]
+        if indices_from_indexer:
+            kwargs = _without(named, *_KL_LEAVES, "query", "key", "query_rope", "key_rope", "sparse_indices")
+            kwargs.pop("scale_value")
+            named["sparse_indices"] = lightning_indexer_oracle(
+                named["query_index"], named["key_index"], named["weights"], sparse_count=cfg.topk, **kwargs
+            )[0]
+        named.update(kl_state(named))
+        return bind(op, named)
+
+    return _dsa_case(op, name, cfg, build, quick=quick)
+
+
+register(
+    sfa_case("bsnd_rope", DSAConfig("BSND", BF16, batch=2, seq_q=32, seq_kv=64, heads=8)),
+    sfa_case(
+        "tnd_block16",
+        DSAConfig("TND", F16, heads=4, topk=4, block_size=16, q_lens=(20, 40), kv_lens=(64, 96)),
+    ),
+    sfa_case(
+        "bsnd_actual_len_mode0_int64",
+        DSAConfig(
+            "BSND",
+            F32,
+            batch=2,
+            seq_q=16,
+            seq_kv=48,
+            rope=0,
+            topk=4,
+            block_size=8,
+            sparse_mode=0,
+            index_dtype=torch.int64,
+            q_lens=(16, 9),
+            kv_lens=(48, 30),
+        ),
+    ),
+    sfa_case("large_bsnd_d512", DSAConfig("BSND", BF16, seq_q=256, seq_kv=1024, heads=16, dim=512, rope=64,
+                                           topk=256), quick=False),
+    sfa_grad_case("bsnd_rope", DSAConfig("BSND", BF16, batch=2, seq_q=24, seq_kv=48, heads=4)),
+    sfa_grad_case("tnd_block8", DSAConfig("TND", F32, heads=2, topk=4, block_size=8, q_lens=(16, 24),
+                                          kv_lens=(40, 24))),
+    li_case("bsnd_topk", DSAConfig("BSND", BF16, batch=2, seq_q=32, seq_kv=64, topk=16, heads_index=8)),
+    li_case("tnd_actual_len", DSAConfig("TND", F16, topk=8, q_lens=(24, 40), kv_lens=(40, 64))),
+    kl_case("bsnd_rope", DSAConfig("BSND", BF16, seq_q=32, seq_kv=48, heads=8, topk=16)),
+    kl_case("tnd_indexer_topk", DSAConfig("TND", F32, heads=4, topk=8, q_lens=(16, 24), kv_lens=(24, 40)),
+            indices_from_indexer=True),
 )

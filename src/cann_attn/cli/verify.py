@@ -2,7 +2,8 @@
 
 For each case (``cases.py``) and each output tensor the table shows the max absolute error, the max relative
 error (Ascend's rel = |a - g| / max(|a|, |g|)), the verdict of the Ascend "double thousandth" rule of
-SEMANTICS.md section 11 (threshold of the output's dtype) and the operator's wall time. As in the test suite,
+SEMANTICS.md section 11 (threshold of the output's dtype) and the operator's wall time; integer outputs (int8
+quantized results, top-k indices) are judged as ``compare`` judges them (metrics.py). As in the test suite,
 an output the Ascend rule rejects still passes when its case has a same-dtype naive reference and the
 flash-attn rule (max error <= 2 x the naive computation's max error + 1e-5) accepts it; the "fa rule" column
 says so. Exit status 1 if any output fails or any case raises.
@@ -25,7 +26,13 @@ from rich.table import Table
 from . import UsageError
 from . import cases as registry
 
-_DTYPE_NAMES = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32", torch.float64: "fp64"}
+_DTYPE_NAMES = {
+    torch.float16: "fp16",
+    torch.bfloat16: "bf16",
+    torch.float32: "fp32",
+    torch.float64: "fp64",
+    torch.int8: "int8",
+}
 
 
 @dataclass
@@ -105,6 +112,7 @@ def _sync(device: torch.device) -> None:
 def run_case(case: registry.Case, device: torch.device, seed: int) -> list[Row]:
     """Build, run (timed), compute the oracle and judge every output of one case."""
     from ..testing.precision import ascend_rule, flash_attn_rule
+    from .metrics import measure
 
     dtype = _DTYPE_NAMES.get(case.dtype, str(case.dtype))
     base = {"op": case.op, "case": case.name, "dtype": dtype, "shape": case.shape}
@@ -126,6 +134,13 @@ def run_case(case: registry.Case, device: torch.device, seed: int) -> list[Row]:
             if tuple(actual.shape) != tuple(expected.shape):
                 note = f"shape {tuple(actual.shape)} != expected {tuple(expected.shape)}"
                 rows.append(Row(**base, output=name, time_ms=elapsed_ms, note=note))
+                continue
+            if not actual.dtype.is_floating_point:  # int8 outputs, indices: see metrics.py
+                m = measure(name, actual, expected)
+                note = "; ".join(m.failures()) or (f"{m.n_mismatch} one step off" if m.n_mismatch else "exact")
+                rows.append(
+                    Row(**base, output=name, ascend=m.passed(), max_abs=m.max_abs, time_ms=elapsed_ms, note=note)
+                )
                 continue
             ok, details = ascend_rule(actual, expected)
             row = Row(
@@ -175,6 +190,8 @@ def render(rows: list[Row], console: Console, title: str) -> None:
         ascend = "[green]pass[/]" if r.ascend else "[bold red]FAIL[/]"
         if r.note and not r.ascend:
             ascend += f" [red]({escape(r.note)})[/]"
+        elif r.note:
+            ascend += f" [dim]({escape(r.note)})[/]"
         fa_rule = {None: "-", True: "[green]pass[/]", False: "[bold red]FAIL[/]"}[r.fa_rule]
         table.add_row(
             r.op if first else "",

@@ -150,6 +150,9 @@ def _sequences(problem: SparseProblem, query, key, value, sparse_indices, query_
     are converted once to the compute dtype. Sequences without keys are skipped: their rows select nothing and
     keep the zero output / invalid statistics they were initialised with."""
     dtype = _compute_dtype(query.dtype)
+    value_is_key = value is key or (
+        value.shape == key.shape and value.stride() == key.stride() and value.data_ptr() == key.data_ptr()
+    )
     for b in range(len(problem.q_spans)):
         lq, lk = problem.q_lengths[b], problem.kv_lengths[b]
         if lq == 0 or lk == 0:
@@ -161,7 +164,7 @@ def _sequences(problem: SparseProblem, query, key, value, sparse_indices, query_
             k = torch.cat([k, problem.keys(key_rope, b)[:lk, 0].to(dtype)], dim=-1)
         yield b, kernel.SparseSequence(
             q=q, k=k, v=problem.keys(value, b)[:lk, 0].to(dtype), indices=problem.rows(sparse_indices, b)[:lq, 0],
-            seq_q=lq, seq_kv=lk,
+            seq_q=lq, seq_kv=lk, value_is_key=value_is_key,
         )
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import torch
 
 from ...problem.sparse import allowed_keys, indexer_selection
+from .workspace import Workspace
 
 ROW_TILE = 64
 KL_CLAMP = 1e-8
@@ -66,17 +67,19 @@ def kl_loss_sequence(seq_q: int, seq_kv: int, *, q_main, k_main, q_idx, k_idx, w
     loss = torch.zeros((), dtype=torch.float64, device=q_idx.device)
     k_idx_all = k_idx.to(dtype)
     k_main_all = k_main.to(dtype)
+    ws = Workspace(q_idx.device)
     for t0 in range(0, seq_q, ROW_TILE):
         t1 = min(t0 + ROW_TILE, seq_q)
         rows = torch.arange(t0, t1, device=q_idx.device)
         tokens, valid = indexer_selection(indices[t0:t1], rows, sparse_mode=sparse_mode, seq_q=seq_q, seq_kv=seq_kv)
         # Target: main-attention probabilities of the selected keys, averaged over the N1 heads.
-        z = torch.bmm(q_main[t0:t1].to(dtype), k_main_all[tokens].transpose(1, 2)) * scale
+        k_main_sel = ws.gather_rows("k_main", k_main_all, tokens)
+        z = torch.bmm(q_main[t0:t1].to(dtype), k_main_sel.transpose(1, 2)).mul_(scale)
         m = row_max[t0:t1].to(dtype).unsqueeze(-1)
         inv_l = 1.0 / row_sum[t0:t1].to(dtype).unsqueeze(-1)
         p = (torch.exp(z - m) * inv_l).mean(1).masked_fill(~valid, 0.0)
         # Indexer distribution over the same entries.
-        k_sel = k_idx_all[tokens]
+        k_sel = ws.gather_rows("k_idx", k_idx_all, tokens)
         q_t = q_idx[t0:t1].to(dtype)
         w_t = weights[t0:t1].to(dtype)
         relu = torch.relu(torch.bmm(q_t, k_sel.transpose(1, 2)))  # [rows, H, W]
@@ -89,5 +92,6 @@ def kl_loss_sequence(seq_q: int, seq_kv: int, *, q_main, k_main, q_idx, k_idx, w
         dw[t0:t1] = torch.bmm(relu, d_scores.unsqueeze(-1)).squeeze(-1)
         ds = d_scores.unsqueeze(1) * w_t.unsqueeze(-1) * (relu > 0)
         dq_idx[t0:t1] = torch.bmm(ds, k_sel)
-        dk_idx.index_add_(0, tokens.reshape(-1), torch.bmm(ds.transpose(1, 2), q_t).flatten(0, 1))
+        dk_sel = torch.bmm(ds.transpose(1, 2), q_t, out=ws.take("dk_sel", (*tokens.shape, q_t.shape[-1]), dtype))
+        dk_idx.index_add_(0, tokens.reshape(-1), dk_sel.flatten(0, 1))
     return loss

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from ...problem.sparse import RowSelection, row_selection
+from .workspace import Workspace
 
 ROW_TILE = 32
 # Cost of gathering one fp32 element, in multiply-adds: memory traffic versus GEMM throughput on a CPU.
@@ -33,6 +34,14 @@ class SparseSequence:
     indices: torch.Tensor  # [Sq, K]
     seq_q: int
     seq_kv: int
+    # DSA passes the same latent as key and value: V is then K's first Dv columns and is gathered with it.
+    value_is_key: bool = False
+
+    def gather(self, ws: Workspace, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        keys = ws.gather_rows("keys", self.k, tokens)
+        if self.value_is_key:
+            return keys, keys[..., : self.v.shape[-1]]
+        return keys, ws.gather_rows("values", self.v, tokens)
 
 
 @dataclass
@@ -48,7 +57,7 @@ class _TileKeys:
 
 
 def _tile_keys(seq: SparseSequence, q_tile: torch.Tensor, rows: torch.Tensor, scale: float, sparse_mode: int,
-               block_size: int) -> _TileKeys:
+               block_size: int, ws: Workspace) -> _TileKeys:
     sel = row_selection(seq.indices[rows], rows, sparse_mode=sparse_mode, seq_q=seq.seq_q, seq_kv=seq.seq_kv,
                         block_size=block_size)
     n_rows, heads, d_qk = q_tile.shape
@@ -59,14 +68,16 @@ def _tile_keys(seq: SparseSequence, q_tile: torch.Tensor, rows: torch.Tensor, sc
     gather_cost = n_rows * width * d_all * (GATHER_COST + heads)
     union_cost = union_width * d_all * (GATHER_COST + n_rows * heads)
     if union_width == 0 or gather_cost <= union_cost:
-        keys, values = seq.k[sel.tokens], seq.v[sel.tokens]
-        z = torch.bmm(q_tile, keys.transpose(1, 2))
+        keys, values = seq.gather(ws, sel.tokens)
+        z = torch.bmm(q_tile, keys.transpose(1, 2), out=ws.take("z", (n_rows, heads, width), q_tile.dtype))
         union_pos, key_tokens = None, sel.tokens
     else:
         offsets = torch.arange(block_size, device=rows.device)
         key_tokens = (union_blocks.view(-1, 1) * block_size + offsets).reshape(-1).clamp_(max=seq.seq_kv - 1)
-        keys, values = seq.k[key_tokens], seq.v[key_tokens]
-        dense = (q_tile.reshape(-1, d_qk) @ keys.transpose(0, 1)).view(n_rows, heads, -1)
+        keys, values = seq.gather(ws, key_tokens)
+        dense = torch.mm(q_tile.reshape(-1, d_qk), keys.transpose(0, 1),
+                         out=ws.take("dense", (n_rows * heads, key_tokens.numel()), q_tile.dtype))
+        dense = dense.view(n_rows, heads, -1)
         slot = torch.searchsorted(union_blocks, sel.blocks).clamp_(max=union_blocks.numel() - 1)
         union_pos = (slot.unsqueeze(-1) * block_size + offsets).reshape(n_rows, -1)
         z = torch.gather(dense, 2, union_pos.unsqueeze(1).expand(-1, heads, -1))
@@ -92,10 +103,11 @@ def _weighted_values(tk: _TileKeys, p: torch.Tensor) -> torch.Tensor:
 def forward_sequence(seq: SparseSequence, scale: float, sparse_mode: int, block_size: int, dtype: torch.dtype,
                      out: torch.Tensor, row_max: torch.Tensor, row_sum: torch.Tensor) -> None:
     """Fill out [Sq, N1, Dv], row_max / row_sum [Sq, N1] of one sequence."""
+    ws = Workspace(seq.q.device)
     for t0 in range(0, seq.seq_q, ROW_TILE):
         rows = torch.arange(t0, min(t0 + ROW_TILE, seq.seq_q), device=seq.q.device)
         q_tile = seq.q[t0 : t0 + rows.numel()].to(dtype)
-        tk = _tile_keys(seq, q_tile, rows, scale, sparse_mode, block_size)
+        tk = _tile_keys(seq, q_tile, rows, scale, sparse_mode, block_size, ws)
         m = tk.z.amax(-1)
         has_keys = tk.sel.row_has_keys.unsqueeze(-1)
         shift = torch.where(has_keys, m, 0.0)
@@ -111,11 +123,12 @@ def backward_sequence(seq: SparseSequence, d_out: torch.Tensor, out: torch.Tenso
                       row_sum: torch.Tensor, scale: float, sparse_mode: int, block_size: int, dtype: torch.dtype,
                       dq: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor) -> None:
     """dq [Sq, N1, Dq] written; dk [Skv, Dq] and dv [Skv, Dv] (fp32) accumulated, in a fixed order."""
+    ws = Workspace(seq.q.device)
     for t0 in range(0, seq.seq_q, ROW_TILE):
         n = min(ROW_TILE, seq.seq_q - t0)
         rows = torch.arange(t0, t0 + n, device=seq.q.device)
         q_tile = seq.q[t0 : t0 + n].to(dtype)
-        tk = _tile_keys(seq, q_tile, rows, scale, sparse_mode, block_size)
+        tk = _tile_keys(seq, q_tile, rows, scale, sparse_mode, block_size, ws)
         has_keys = tk.sel.row_has_keys.unsqueeze(-1)
         m = torch.where(has_keys, row_max[t0 : t0 + n].to(dtype), 0.0).unsqueeze(-1)
         inv_l = torch.where(has_keys, 1.0 / row_sum[t0 : t0 + n].to(dtype), 0.0).unsqueeze(-1)
@@ -125,15 +138,18 @@ def backward_sequence(seq: SparseSequence, d_out: torch.Tensor, out: torch.Tenso
         heads = p.shape[1]
         if tk.union_pos is None:
             dp = torch.bmm(do, tk.values.transpose(1, 2))
-            ds = p * (dp - d_sum)
-            dq[t0 : t0 + n] = torch.bmm(ds, tk.keys) * scale
-            dk.index_add_(0, tk.key_tokens.reshape(-1), (torch.bmm(ds.transpose(1, 2), q_tile) * scale).flatten(0, 1))
-            dv.index_add_(0, tk.key_tokens.reshape(-1), torch.bmm(p.transpose(1, 2), do).flatten(0, 1))
+            ds = p * (dp - d_sum) * scale  # the softmax scale folded in once, on the small [rows, N1, T] tile
+            dq[t0 : t0 + n] = torch.bmm(ds, tk.keys)
+            width = tk.keys.shape[1]
+            dk_sel = torch.bmm(ds.transpose(1, 2), q_tile, out=ws.take("dk_sel", (n, width, q_tile.shape[-1]), dtype))
+            dv_sel = torch.bmm(p.transpose(1, 2), do, out=ws.take("dv_sel", (n, width, do.shape[-1]), dtype))
+            dk.index_add_(0, tk.key_tokens.reshape(-1), dk_sel.flatten(0, 1))
+            dv.index_add_(0, tk.key_tokens.reshape(-1), dv_sel.flatten(0, 1))
         else:
             dp_dense = (do.reshape(n * heads, -1) @ tk.values.transpose(0, 1)).view(n, heads, -1)
             dp = torch.gather(dp_dense, 2, tk.union_pos.unsqueeze(1).expand(-1, heads, -1))
-            ds_u = _to_union(tk, p * (dp - d_sum)).view(n * heads, -1)
+            ds_u = _to_union(tk, p * (dp - d_sum) * scale).view(n * heads, -1)
             p_u = _to_union(tk, p).view(n * heads, -1)
-            dq[t0 : t0 + n] = (ds_u @ tk.keys).view(n, heads, -1) * scale
-            dk.index_add_(0, tk.key_tokens, (ds_u.transpose(0, 1) @ q_tile.reshape(n * heads, -1)) * scale)
+            dq[t0 : t0 + n] = (ds_u @ tk.keys).view(n, heads, -1)
+            dk.index_add_(0, tk.key_tokens, ds_u.transpose(0, 1) @ q_tile.reshape(n * heads, -1))
             dv.index_add_(0, tk.key_tokens, p_u.transpose(0, 1) @ do.reshape(n * heads, -1))

@@ -1,0 +1,158 @@
+"""Per-tensor precision metrics of SEMANTICS.md section 11, as ``cann-attn compare`` and ``verify`` report them.
+
+Floating-point tensors (threshold dtype = the output's dtype, or the one asked for):
+
+- max abs error, max relative error (Ascend's rel = |a - g| / (max(|a|, |g|) + eps));
+- the Ascend "double thousandth" rule (the gate): threshold t = 1e-3 fp16, 4e-3 bf16, 1e-4 fp32; FAIL only when
+  BOTH more than t * numel elements have rel > t AND more than t * numel elements have |a - g| > t;
+- MERE / MARE: mean / max of |a - g| / (|g| + 1e-7) over the elements with |g| at least 2^-11 (fp16), 2^-8
+  (bf16), 2^-14 (fp32); they pass when MERE < T and MARE < 10 T (T = 2^-10, 2^-7, 2^-13). Reported always,
+  a gate only with ``strict``.
+
+Integer tensors: int8 (quantized outputs) pass when every element is within one int8 step of the golden
+(SEMANTICS.md 7: the NPU may round an intermediate value to fp16 and land one step away); with ``strict`` at
+most 0.1% of the elements (at least one) may be one step off. Other integer and bool tensors (indices) must
+match exactly.
+
+The computations are those of ``cann_attn.testing.precision`` (the rules the test suite applies).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from ..testing.precision import _MERE_T, ascend_rule, mere_mare
+
+__all__ = ["TensorMetrics", "dtype_name", "measure"]
+
+INT8_STRICT_FRACTION = 1e-3
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """'float16', 'bfloat16', 'int8', ... (torch's name without the ``torch.`` prefix)."""
+    return str(dtype).removeprefix("torch.")
+
+
+@dataclass
+class TensorMetrics:
+    """The metrics of one actual tensor against its golden; ``failures(strict)`` names the failing metrics."""
+
+    name: str
+    dtype: str  # the dtype whose thresholds apply
+    shape: tuple[int, ...]
+    kind: str  # "float" (Ascend rule), "int8" (quantized steps) or "exact"
+    numel: int = 0
+    max_abs: float = 0.0
+    max_rel: float | None = None
+    threshold: float | None = None
+    n_rel_fail: int = 0
+    n_abs_fail: int = 0
+    allowed: float = 0.0
+    ascend_pass: bool = True
+    mere: float | None = None
+    mare: float | None = None
+    mere_limit: float | None = None
+    n_mismatch: int = 0  # integer tensors: elements that differ
+    problem: str = ""  # could not be compared (missing, shape mismatch): always a failure
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def mere_pass(self) -> bool:
+        return self.mere is None or self.mere < self.mere_limit
+
+    @property
+    def mare_pass(self) -> bool:
+        return self.mare is None or self.mare < 10 * self.mere_limit
+
+    def failures(self, strict: bool = False) -> list[str]:
+        """One short line per failing metric (empty: the tensor passes)."""
+        if self.problem:
+            return [self.problem]
+        out = []
+        if self.kind == "float":
+            if not self.ascend_pass:
+                out.append(
+                    f"Ascend rule: {self.n_rel_fail} elements with rel err > {self.threshold:g} and "
+                    f"{self.n_abs_fail} with abs err > {self.threshold:g} (both over the {self.allowed:g} allowed "
+                    f"= {self.threshold:g} x {self.numel})"
+                )
+            if strict and not self.mere_pass:
+                out.append(f"MERE {self.mere:.3e} >= {self.mere_limit:.3e}")
+            if strict and not self.mare_pass:
+                out.append(f"MARE {self.mare:.3e} >= {10 * self.mere_limit:.3e}")
+        elif self.kind == "int8":
+            if self.max_abs > 1:
+                out.append(f"int8 steps: max |diff| {self.max_abs:g} > 1 step ({self.n_mismatch} elements differ)")
+            elif strict and self.n_mismatch > self.int8_allowed:
+                out.append(
+                    f"int8 steps: {self.n_mismatch} elements one step off > {self.int8_allowed} allowed (--strict)"
+                )
+        elif self.n_mismatch:
+            out.append(f"exact match: {self.n_mismatch} of {self.numel} elements differ (max |diff| {self.max_abs:g})")
+        return out
+
+    @property
+    def int8_allowed(self) -> int:
+        return max(1, int(INT8_STRICT_FRACTION * self.numel))
+
+    def passed(self, strict: bool = False) -> bool:
+        return not self.failures(strict)
+
+    def to_json(self, strict: bool = False) -> dict:
+        out = {k: v for k, v in self.__dict__.items() if k != "notes"}
+        out.update(shape=list(self.shape), notes=list(self.notes), passed=self.passed(strict))
+        out["failures"] = self.failures(strict)
+        if self.kind == "float":
+            out.update(mere_pass=self.mere_pass, mare_pass=self.mare_pass)
+        return out
+
+
+def measure(name: str, actual: torch.Tensor, golden: torch.Tensor, dtype: torch.dtype | None = None) -> TensorMetrics:
+    """Metrics of `actual` against `golden`. `dtype` picks the thresholds (default: the actual's dtype); the
+    golden is cast to the actual's dtype before comparing (SEMANTICS.md 11)."""
+    dtype = actual.dtype if dtype is None else dtype
+    shape = tuple(actual.shape)
+    if tuple(golden.shape) != shape:
+        return TensorMetrics(
+            name,
+            dtype_name(dtype),
+            tuple(golden.shape),
+            "float" if dtype.is_floating_point else "exact",
+            problem=f"shape {list(actual.shape)} != golden shape {list(golden.shape)}",
+        )
+    if dtype.is_floating_point:
+        if not actual.dtype.is_floating_point:
+            actual = actual.to(dtype)
+        ok, details = ascend_rule(actual, golden, dtype)
+        mere, mare, _ = mere_mare(actual, golden, dtype)
+        return TensorMetrics(
+            name,
+            dtype_name(dtype),
+            shape,
+            "float",
+            numel=details["numel"],
+            max_abs=details["max_abs_err"],
+            max_rel=details["max_rel_err"],
+            threshold=details["threshold"],
+            n_rel_fail=details["n_rel_fail"],
+            n_abs_fail=details["n_abs_fail"],
+            allowed=details["allowed"],
+            ascend_pass=ok,
+            mere=mere,
+            mare=mare,
+            mere_limit=_MERE_T[dtype],
+        )
+    a = actual.detach().to("cpu").to(torch.int64)
+    g = golden.detach().to("cpu").to(torch.int64)
+    diff = (a - g).abs()
+    return TensorMetrics(
+        name,
+        dtype_name(dtype),
+        shape,
+        "int8" if dtype == torch.int8 else "exact",
+        numel=a.numel(),
+        max_abs=float(diff.max()) if a.numel() else 0.0,
+        n_mismatch=int((diff != 0).sum()),
+    )

@@ -1,0 +1,249 @@
+"""Tensor files of ``cann-attn golden`` / ``compare``: ``.npy``, raw little-endian ``.bin``, ``manifest.json``,
+and directories written all-or-nothing.
+
+- ``.npy``: numpy's format. bfloat16 has no numpy dtype: its ``.npy`` holds the exact values as float32 (the
+  manifest's ``npy_dtype`` says so, and readers cast back to the manifest's ``dtype``).
+- ``.bin``: the elements in row-major order, little-endian, no header (what Ascend's C++ examples read with
+  ``ReadFile``): float16 2 bytes, bfloat16 its raw 16-bit pattern (read it as uint16 and reinterpret), float32 4,
+  int8 / uint8 / bool 1 (bool as 0 / 1), int32 4, int64 8.
+- ``manifest.json``: per tensor its name, role (input / output), shape, dtype and files, plus the operator, its
+  parameters, the seed and the cann_attn version (see ``golden.py``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from . import UsageError
+
+__all__ = [
+    "DTYPES",
+    "MANIFEST",
+    "Staged",
+    "bin_dtype_name",
+    "canonical_dtype",
+    "find_entry",
+    "parse_dtype",
+    "read_bin",
+    "read_entry",
+    "read_manifest",
+    "read_npy",
+    "write_tensor",
+]
+
+MANIFEST = "manifest.json"
+
+# Canonical dtype names (torch's, without the prefix) and the aliases accepted in case files and on the command line.
+DTYPES: dict[str, torch.dtype] = {
+    "float16": torch.float16,
+    "bfloat16": torch.bfloat16,
+    "float32": torch.float32,
+    "float64": torch.float64,
+    "int8": torch.int8,
+    "uint8": torch.uint8,
+    "int16": torch.int16,
+    "int32": torch.int32,
+    "int64": torch.int64,
+    "bool": torch.bool,
+}
+_ALIASES = {"fp16": "float16", "half": "float16", "bf16": "bfloat16", "fp32": "float32", "float": "float32",
+            "fp64": "float64", "double": "float64"}
+_NUMPY = {
+    torch.float16: np.float16,
+    torch.float32: np.float32,
+    torch.float64: np.float64,
+    torch.int8: np.int8,
+    torch.uint8: np.uint8,
+    torch.int16: np.int16,
+    torch.int32: np.int32,
+    torch.int64: np.int64,
+    torch.bool: np.bool_,
+}
+_FROM_NUMPY = {np.dtype(v): k for k, v in _NUMPY.items()}
+
+
+def parse_dtype(name: Any) -> torch.dtype | None:
+    """The dtype of a name ('bf16', 'bfloat16', 'float32', ...), None if unknown."""
+    if not isinstance(name, str):
+        return None
+    key = name.strip().lower().removeprefix("torch.")
+    return DTYPES.get(_ALIASES.get(key, key))
+
+
+def canonical_dtype(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def bin_dtype_name(dtype: torch.dtype) -> str:
+    """How the .bin file stores `dtype`, in words, for the manifest."""
+    if dtype == torch.bfloat16:
+        return "bfloat16 as its raw 16-bit pattern (read as little-endian uint16, reinterpret as bfloat16)"
+    if dtype == torch.bool:
+        return "bool, 1 byte per element (0 or 1)"
+    return f"{canonical_dtype(dtype)}, little-endian"
+
+
+def _to_numpy(t: torch.Tensor) -> np.ndarray:
+    t = t.detach().to("cpu").contiguous()
+    return (t.float() if t.dtype == torch.bfloat16 else t).numpy()
+
+
+def _bin_bytes(t: torch.Tensor) -> bytes:
+    t = t.detach().to("cpu").contiguous()
+    if t.dtype == torch.bfloat16:
+        arr = t.view(torch.int16).numpy().view(np.uint16)
+    elif t.dtype in _NUMPY:
+        arr = t.numpy()
+    else:
+        raise ValueError(f"cannot write a {t.dtype} tensor")
+    return arr.astype(arr.dtype.newbyteorder("<"), copy=False).tobytes()
+
+
+def write_tensor(directory: Path, name: str, t: torch.Tensor, role: str, **extra: Any) -> dict[str, Any]:
+    """Write NAME.npy and NAME.bin into `directory`; returns the tensor's manifest entry."""
+    np.save(directory / f"{name}.npy", _to_numpy(t), allow_pickle=False)
+    data = _bin_bytes(t)
+    (directory / f"{name}.bin").write_bytes(data)
+    entry: dict[str, Any] = {
+        "name": name,
+        "role": role,
+        "shape": list(t.shape),
+        "dtype": canonical_dtype(t.dtype),
+        "files": {"npy": f"{name}.npy", "bin": f"{name}.bin"},
+        "npy_dtype": "float32" if t.dtype == torch.bfloat16 else canonical_dtype(t.dtype),
+        "bin_dtype": bin_dtype_name(t.dtype),
+        "bin_bytes": len(data),
+    }
+    entry.update(extra)
+    return entry
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Reading
+# ----------------------------------------------------------------------------------------------------------
+def read_npy(path: Path, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """A .npy file as a tensor (cast to `dtype` when given: bfloat16 .npy files hold float32 values)."""
+    try:
+        arr = np.load(path, allow_pickle=False)
+    except (OSError, ValueError) as exc:
+        raise UsageError(f"{path}: not a readable .npy file ({exc})") from exc
+    if arr.dtype.newbyteorder("=") not in _FROM_NUMPY:
+        raise UsageError(f"{path}: unsupported numpy dtype {arr.dtype}")
+    t = torch.from_numpy(np.ascontiguousarray(arr.astype(arr.dtype.newbyteorder("="), copy=False)))
+    return t if dtype is None else t.to(dtype)
+
+
+def read_bin(path: Path, dtype: torch.dtype, shape: list[int] | tuple[int, ...]) -> torch.Tensor:
+    """A raw little-endian .bin file of `dtype` and `shape` (bfloat16: raw 16-bit patterns)."""
+    numel = 1
+    for s in shape:
+        numel *= int(s)
+    np_dtype = np.dtype(np.uint16 if dtype == torch.bfloat16 else _NUMPY[dtype]).newbyteorder("<")
+    size = path.stat().st_size
+    if size != numel * np_dtype.itemsize:
+        raise UsageError(
+            f"{path}: {size} bytes, expected {numel * np_dtype.itemsize} for {canonical_dtype(dtype)} {list(shape)}"
+        )
+    arr = np.fromfile(path, dtype=np_dtype).astype(np_dtype.newbyteorder("="))
+    if dtype == torch.bfloat16:
+        return torch.from_numpy(arr.view(np.int16)).view(torch.bfloat16).reshape(tuple(shape))
+    return torch.from_numpy(arr).reshape(tuple(shape))
+
+
+def read_manifest(directory: Path) -> dict[str, Any] | None:
+    """The directory's manifest.json (None if it has none)."""
+    path = directory / MANIFEST
+    if not path.is_file():
+        return None
+    try:
+        manifest = json.loads(path.read_text())
+    except (OSError, ValueError) as exc:
+        raise UsageError(f"{path}: not a readable manifest ({exc})") from exc
+    if not isinstance(manifest, dict) or not isinstance(manifest.get("tensors"), list):
+        raise UsageError(f"{path}: not a cann-attn manifest (no 'tensors' list)")
+    return manifest
+
+
+def find_entry(manifest: dict[str, Any] | None, *, name: str | None = None, file: str | None = None):
+    """The manifest entry of tensor `name`, or of the tensor stored in file `file` (None if absent)."""
+    for entry in (manifest or {}).get("tensors", []):
+        if name is not None and entry.get("name") == name:
+            return entry
+        if file is not None and file in (entry.get("files") or {}).values():
+            return entry
+    return None
+
+
+def read_entry(directory: Path, entry: dict[str, Any], prefer: str = "npy") -> torch.Tensor:
+    """The tensor of a manifest entry, from its .npy (or .bin) file, in the manifest's dtype."""
+    dtype = parse_dtype(entry.get("dtype"))
+    if dtype is None:
+        raise UsageError(f"{directory / MANIFEST}: tensor {entry.get('name')!r}: unknown dtype {entry.get('dtype')!r}")
+    files = entry.get("files") or {}
+    order = ("npy", "bin") if prefer == "npy" else ("bin", "npy")
+    for kind in order:
+        if kind in files and (directory / files[kind]).is_file():
+            path = directory / files[kind]
+            if kind == "npy":
+                return read_npy(path, dtype)
+            return read_bin(path, dtype, entry.get("shape", []))
+    raise UsageError(f"{directory}: the files of tensor {entry.get('name')!r} are missing")
+
+
+# ----------------------------------------------------------------------------------------------------------
+# All-or-nothing directories
+# ----------------------------------------------------------------------------------------------------------
+class Staged:
+    """A directory built in a temporary sibling of `target` and renamed onto it by `commit()`; `abort()` (or a
+    commit that fails) removes the temporary directory. Nothing is created before `open()`."""
+
+    def __init__(self, target: Path, force: bool = False):
+        self.target = Path(target)
+        self.force = force
+        self.tmp: Path | None = None
+
+    def check(self, option: str) -> None:
+        """Refuse an existing non-empty target unless forced (before any work is done)."""
+        t = self.target
+        if t.exists() and not t.is_dir():
+            raise UsageError(f"{option}: {t} exists and is not a directory")
+        if t.is_dir() and any(t.iterdir()) and not self.force:
+            raise UsageError(f"{option}: {t} exists and is not empty (--force replaces it)")
+
+    def open(self) -> Path:
+        self.target.parent.mkdir(parents=True, exist_ok=True)
+        self.tmp = Path(tempfile.mkdtemp(prefix=f".{self.target.name}.", suffix=".tmp", dir=self.target.parent))
+        return self.tmp
+
+    def commit(self) -> None:
+        assert self.tmp is not None
+        old = None
+        if self.target.exists():
+            old = self.target.with_name(f".{self.target.name}.{os.getpid()}.old")
+            self.target.rename(old)
+        try:
+            self.tmp.rename(self.target)
+        except OSError:
+            if old is not None:
+                old.rename(self.target)
+            raise
+        self.tmp = None
+        if old is not None:
+            shutil.rmtree(old, ignore_errors=True)
+
+    def abort(self) -> None:
+        if self.tmp is not None:
+            shutil.rmtree(self.tmp, ignore_errors=True)
+            self.tmp = None
+
+
+def write_manifest(directory: Path, manifest: dict[str, Any]) -> None:
+    (directory / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
