@@ -1,4 +1,4 @@
-"""Command-line tools: ``cann-attn verify | bench`` (entry point ``cann_attn.cli.main:main``)."""
+"""Command-line tools: ``cann-attn verify | golden | compare | bench`` (entry point ``cann_attn.cli.main:main``)."""
 
 from __future__ import annotations
 

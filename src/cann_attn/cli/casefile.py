@@ -368,6 +368,9 @@ def build_inputs(case: CaseFile, loaded: Mapping[str, tuple[torch.Tensor, str]])
                 named[name] = _generate(spec, gen, named, case.params)
             except CaseError as exc:
                 raise CaseError(f"{case.path}: {exc}") from None
+            except Exception as exc:
+                message = f"{type(exc).__name__}: {exc}".splitlines()[0]
+                raise CaseError(f"{case.path}: inputs.{name}: generator {spec.generator} failed ({message})") from exc
             sources[name] = spec.describe()
     missing_state = [n for n in op.state if n not in named]
     if missing_state and op.derive is not None:

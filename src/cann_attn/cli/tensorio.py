@@ -36,6 +36,7 @@ __all__ = [
     "read_entry",
     "read_manifest",
     "read_npy",
+    "write_manifest",
     "write_tensor",
 ]
 

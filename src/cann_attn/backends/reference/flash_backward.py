@@ -68,7 +68,8 @@ def _backward_run(kernel: RunKernel, problem: AttentionProblem, run: Run, dy, at
             p, masked = kernel.scores(q_tile, i0, i1, j0, j1, state)
             kernel.exp_shifted_(p, row_max, masked).mul_(inv_sum)
             p_g = p.view(c * n2, -1, cols)
-            dp = torch.bmm(dy_g, kernel.v[:, j0:j1].transpose(1, 2)).view(c, n1, rows, cols)
+            dp = torch.bmm(dy_g, kernel.v[:, j0:j1].transpose(1, 2), out=kernel.scratch(p_g.shape))
+            dp = dp.view(c, n1, rows, cols)
             if run.dropout is not None:
                 keep = run.dropout.keep_tile(i0, i1, j0, j1, device).to(dtype) * inv_keep
                 dv_acc[:, j0:j1].baddbmm_((p * keep).view(c * n2, -1, cols).transpose(1, 2), dy_g)

@@ -9,6 +9,8 @@ into the query tile and ALiBi (pse_type 2) into extra GEMM columns wherever `pro
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from ...problem.attention import AttentionProblem, Run
@@ -77,6 +79,13 @@ class RunKernel:
         self.block_k = BLOCK_K_DENSE if dense else BLOCK_K
         rows = c * problem.heads_q * min(BLOCK_Q, run.seq_q) * min(self.block_k, run.seq_kv)
         self._buffer = torch.empty(rows, dtype=self.dtype, device=self.device)
+        self._scratch: torch.Tensor | None = None
+
+    def scratch(self, shape: torch.Size) -> torch.Tensor:
+        """A second reusable tile-sized buffer (the backward's dP), allocated on first use."""
+        if self._scratch is None:
+            self._scratch = torch.empty_like(self._buffer)
+        return self._scratch[: math.prod(shape)].view(shape)
 
     def query_tile(self, i0: int, i1: int) -> torch.Tensor:
         """Scaled query rows grouped for GEMM, with room for the linear-pse columns: [c*N2, G*rows, Dk]."""

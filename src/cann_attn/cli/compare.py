@@ -1,0 +1,204 @@
+"""``cann-attn compare ACTUAL GOLDEN``: actual outputs against a golden, with the metrics of SEMANTICS.md 11.
+
+ACTUAL and GOLDEN are both files or both directories:
+
+- directories: GOLDEN is a ``cann-attn golden`` directory; each of its output tensors (``--all``: also the
+  inputs) is matched by name in ACTUAL: by ACTUAL's manifest.json if it has one, else ``NAME.npy``, else
+  ``NAME.bin`` (of ``--dtype``, default the golden's dtype, and the golden's shape);
+- files: ``.npy`` or ``.bin``; a ``.bin`` takes its dtype from ``--dtype`` (default: the golden's) and its shape
+  from the golden (a ``.bin`` golden needs the manifest.json of its directory).
+
+Per tensor (``metrics.py``): max abs / max rel error, the Ascend double-thousandth verdict with its counts (the
+gate), MERE / MARE (a gate only with ``--strict``); integer tensors: int8 within one step, others exact. The
+thresholds are those of the golden's dtype (its manifest; bfloat16 ``.npy`` files hold float32 values).
+Exit status 0 when every tensor passes, 1 when one fails or is missing, 2 for bad usage or unreadable input.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+from rich.console import Console
+from rich.markup import escape
+from rich.table import Table
+
+from . import UsageError
+from .metrics import TensorMetrics, dtype_name, measure
+from .tensorio import find_entry, parse_dtype, read_bin, read_entry, read_manifest, read_npy
+
+
+def add_parser(subparsers) -> None:
+    p = subparsers.add_parser(
+        "compare",
+        help="compare actual outputs with a golden (max abs/rel, Ascend double-thousandth, MERE/MARE)",
+        description="Compare actual tensors with golden ones (files, or directories matched by the golden's "
+        "manifest) using the precision metrics of SEMANTICS.md section 11. Exit status 0: every tensor "
+        "passes; 1: a tensor fails or is missing; 2: bad usage or unreadable input.",
+    )
+    p.add_argument("actual", metavar="ACTUAL", help="a .npy / .bin file, or a directory of them")
+    p.add_argument("golden", metavar="GOLDEN", help="a golden file, or a directory written by cann-attn golden")
+    p.add_argument(
+        "--dtype",
+        help="element type of .bin files (default: the golden's dtype); also the threshold dtype of a golden "
+        "without manifest",
+    )
+    p.add_argument(
+        "--strict", action="store_true", help="MERE/MARE gate too; int8: at most 0.1%% of elements one step off"
+    )
+    p.add_argument("--all", action="store_true", help="directories: compare the input tensors too")
+    p.add_argument("--json", metavar="FILE", help="also write the metrics to FILE as JSON")
+    p.set_defaults(func=run)
+
+
+def _dtype_option(args: argparse.Namespace) -> torch.dtype | None:
+    if args.dtype is None:
+        return None
+    dtype = parse_dtype(args.dtype)
+    if dtype is None:
+        raise UsageError(f"--dtype: unknown dtype {args.dtype!r} (e.g. float16, bfloat16, float32, int8)")
+    return dtype
+
+
+def _load_actual(path: Path, golden: torch.Tensor, dtype: torch.dtype | None, entry=None) -> torch.Tensor:
+    """An actual tensor: by manifest entry, .npy (float32 values of a bfloat16 golden are cast to bfloat16) or
+    .bin (dtype `dtype` or the golden's, the golden's shape)."""
+    if entry is not None:
+        return read_entry(path, entry)
+    if path.suffix == ".npy":
+        t = read_npy(path)
+        if golden.dtype == torch.bfloat16 and t.dtype == torch.float32:
+            t = t.to(torch.bfloat16)
+        return t
+    if path.suffix == ".bin":
+        return read_bin(path, dtype or golden.dtype, list(golden.shape))
+    raise UsageError(f"{path}: expected a .npy or .bin file")
+
+
+def _golden_file(path: Path, dtype_option: torch.dtype | None) -> tuple[str, torch.Tensor]:
+    entry = find_entry(read_manifest(path.parent), file=path.name)
+    if path.suffix == ".bin":
+        if entry is None:
+            raise UsageError(f"{path}: a .bin golden needs the manifest.json of its directory (for its shape)")
+        return entry["name"], read_bin(path, parse_dtype(entry["dtype"]) or dtype_option, entry["shape"])
+    if path.suffix != ".npy":
+        raise UsageError(f"{path}: expected a .npy or .bin file")
+    dtype = parse_dtype(entry["dtype"]) if entry else dtype_option
+    return (entry["name"] if entry else path.stem), read_npy(path, dtype)
+
+
+def collect(args: argparse.Namespace) -> tuple[list[TensorMetrics], dict[str, Any]]:
+    """The metrics of every compared tensor, and facts about the golden for the title."""
+    actual_path, golden_path = Path(args.actual), Path(args.golden)
+    dtype_option = _dtype_option(args)
+    for option, p in (("ACTUAL", actual_path), ("GOLDEN", golden_path)):
+        if not p.exists():
+            raise UsageError(f"{option}: {p}: no such file or directory")
+    if actual_path.is_dir() != golden_path.is_dir():
+        raise UsageError("ACTUAL and GOLDEN must both be files or both be directories")
+
+    if not golden_path.is_dir():
+        name, golden = _golden_file(golden_path, dtype_option)
+        actual = _load_actual(actual_path, golden, dtype_option)
+        info = {"op": (read_manifest(golden_path.parent) or {}).get("op")}
+        return [measure(name, actual, golden, golden.dtype)], info
+
+    manifest = read_manifest(golden_path)
+    if manifest is None:
+        raise UsageError(f"GOLDEN: {golden_path} has no manifest.json (write it with cann-attn golden)")
+    entries = [e for e in manifest["tensors"] if args.all or e.get("role") == "output"]
+    if not entries:
+        raise UsageError(f"GOLDEN: {golden_path / 'manifest.json'} lists no output tensor")
+    actual_manifest = read_manifest(actual_path)
+    results = []
+    for entry in entries:
+        name = entry["name"]
+        golden = read_entry(golden_path, entry)
+        actual_entry = find_entry(actual_manifest, name=name)
+        candidates = [actual_path / f"{name}.npy", actual_path / f"{name}.bin"]
+        found = next((c for c in candidates if c.is_file()), None)
+        if actual_entry is None and found is None:
+            results.append(
+                TensorMetrics(
+                    name,
+                    dtype_name(golden.dtype),
+                    tuple(golden.shape),
+                    "float" if golden.dtype.is_floating_point else "exact",
+                    problem=f"missing: no {name}.npy or {name}.bin in {actual_path}",
+                )
+            )
+            continue
+        if actual_entry is not None:
+            actual = _load_actual(actual_path, golden, dtype_option, actual_entry)
+        else:
+            actual = _load_actual(found, golden, dtype_option)
+        results.append(measure(name, actual, golden, golden.dtype))
+    return results, {"op": manifest.get("op"), "seed": manifest.get("seed")}
+
+
+def _num(x: float | None, fmt: str = ".2e") -> str:
+    return "-" if x is None else format(x, fmt)
+
+
+def render(results: list[TensorMetrics], strict: bool, console: Console, title: str) -> None:
+    table = Table(title=title, header_style="bold")
+    for col in ("tensor", "dtype", "shape", "max abs", "max rel", "rel>t", "abs>t", "allowed", "Ascend", "MERE",
+                "MARE", "result"):
+        justify = "right" if col in ("max abs", "max rel", "rel>t", "abs>t", "allowed", "MERE", "MARE") else "left"
+        table.add_column(col, justify=justify, no_wrap=col in ("tensor", "shape"))
+    gate = "red" if strict else "yellow"
+    for m in results:
+        ok = m.passed(strict)
+        result = "[bold green]PASS[/]" if ok else "[bold red]FAIL[/]"
+        if m.problem:
+            table.add_row(m.name, m.dtype, str(list(m.shape)), *["-"] * 5, f"[red]{escape(m.problem)}[/]", "-", "-",
+                          result)
+            continue
+        if m.kind == "float":
+            ascend = f"[green]pass[/] (t={m.threshold:g})" if m.ascend_pass else f"[red]FAIL[/] (t={m.threshold:g})"
+            mere = _num(m.mere) if m.mere_pass else f"[{gate}]{_num(m.mere)}[/]"
+            mare = _num(m.mare) if m.mare_pass else f"[{gate}]{_num(m.mare)}[/]"
+            counts = (str(m.n_rel_fail), str(m.n_abs_fail), f"{m.allowed:.4g}")
+        else:
+            failures = m.failures(strict)
+            rule = "within 1 step" if m.kind == "int8" else "exact"
+            ascend = (f"[red]FAIL[/] ({rule})" if failures else f"[green]pass[/] ({rule}, {m.n_mismatch} differ)")
+            mere = mare = "-"
+            counts = (f"{m.n_mismatch} differ", "-", "-")
+        table.add_row(m.name, m.dtype, str(list(m.shape)), _num(m.max_abs), _num(m.max_rel), *counts, ascend, mere,
+                      mare, result)
+    console.print(table)
+
+
+def run(args: argparse.Namespace) -> int:
+    results, info = collect(args)
+    console = Console()
+    if not console.is_terminal:
+        console = Console(width=max(console.width, 150))
+    what = f" ({info['op']})" if info.get("op") else ""
+    render(results, args.strict, console, f"cann-attn compare{what}: {args.actual} vs golden {args.golden}")
+    failed = [m for m in results if not m.passed(args.strict)]
+    gates = "Ascend double-thousandth rule" + (" + MERE/MARE (--strict)" if args.strict else "")
+    if args.json:
+        report = {
+            "actual": args.actual,
+            "golden": args.golden,
+            "strict": args.strict,
+            "passed": not failed,
+            "tensors": [m.to_json(args.strict) for m in results],
+        }
+        Path(args.json).write_text(json.dumps(report, indent=2) + "\n")
+    if not failed:
+        console.print(f"[bold green]PASS[/]: {len(results)}/{len(results)} tensors pass ({gates})")
+        over = [m.name for m in results if m.kind == "float" and not (m.mere_pass and m.mare_pass)]
+        if over and not args.strict:
+            console.print(f"[yellow]note[/]: MERE/MARE over their limits for {', '.join(over)} (a gate with --strict)")
+        return 0
+    console.print(f"[bold red]FAIL[/]: {len(failed)} of {len(results)} tensors fail ({gates})")
+    for m in failed:
+        for failure in m.failures(args.strict):
+            console.print(f"  {m.name}: {escape(failure)}", highlight=False)
+    return 1

@@ -1,0 +1,202 @@
+"""``cann-attn golden``: inputs and golden outputs of one operator call, as files an Ascend test can read.
+
+From a case file (``casefile.py``: the operator, tensor shapes / dtypes / generators, parameters, seed) it
+builds the inputs (seeded ``torch.Generator``; or ``.npy`` files given with ``--inputs``), checks the call with
+the operator itself (a call the operator rejects is a bad case: exit status 2 with the operator's message),
+computes the golden outputs with the float64 oracle (``cases.OPERATORS``: the oracles of ``cann_attn.testing``;
+for grad operators the gradients, by autograd through the forward oracle or the documented gradient), casts
+them to each output's dtype and writes, in ``--out``:
+
+- every input and output tensor as ``NAME.npy`` and ``NAME.bin`` (``tensorio.py``: raw little-endian,
+  bfloat16 as its raw 16-bit pattern);
+- ``manifest.json``: per tensor its name, role (input / output), shape, dtype, files and origin; the operator,
+  its parameters, the seed, the case, and the cann_attn / torch versions.
+
+``--actual DIR`` also writes the operator's own outputs for the same inputs (same names, same manifest format),
+ready for ``cann-attn compare DIR OUT``. Directories are written to a temporary sibling and renamed at the
+end: on any failure nothing is left behind.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+from rich.console import Console
+from rich.table import Table
+
+import cann_attn
+
+from . import UsageError
+from . import cases as registry
+from .casefile import CaseError, build_inputs, load_case, load_inputs
+from .tensorio import Staged, canonical_dtype, write_manifest, write_tensor
+
+FORMAT = "cann-attn golden 1"
+FILES_NOTE = (
+    "NAME.npy: numpy (bfloat16 tensors hold their exact values as float32); NAME.bin: raw row-major "
+    "little-endian elements, no header (bfloat16: the raw 16-bit pattern; bool: one byte 0/1)"
+)
+GOLDEN_NOTE = (
+    "float64 oracle of SEMANTICS.md (cann_attn.testing), cast to each output's dtype; gradients of grad "
+    "operators by torch.autograd through the forward oracle (SparseLightningIndexerGradKLLoss: the documented "
+    "gradient dI = q - p)"
+)
+
+
+def add_parser(subparsers) -> None:
+    p = subparsers.add_parser(
+        "golden",
+        help="write seeded inputs and float64-oracle golden outputs of one case (.npy, .bin, manifest.json)",
+        description="Generate the inputs of one operator call described by a JSON case file (or load them from "
+        ".npy files), compute its golden outputs with the float64 oracle, and write every tensor as .npy and raw "
+        "little-endian .bin plus manifest.json. Example case files: examples/cases/.",
+    )
+    p.add_argument("--op", help="the operator (default: the case file's 'op'; if both are given they must agree)")
+    p.add_argument("--case", required=True, metavar="CASE.json", help="the case file")
+    p.add_argument("--out", required=True, metavar="DIR", help="output directory (created; written atomically)")
+    p.add_argument(
+        "--inputs",
+        nargs="+",
+        metavar="PATH",
+        help="input tensors instead of generated ones: NAME.npy files, NAME=FILE.npy, or directories (a golden "
+        "directory's inputs, or NAME.npy files named after the operator's inputs)",
+    )
+    p.add_argument(
+        "--actual",
+        metavar="DIR",
+        help="also run the cann_attn operator on the same inputs and write its outputs to DIR (for compare)",
+    )
+    p.add_argument("--device", default="cpu", help="device of the operator run (the golden is computed on the CPU)")
+    p.add_argument("--force", action="store_true", help="replace existing non-empty output directories")
+    p.set_defaults(func=run)
+
+
+def _run_operator(case, call: registry.Call, device: torch.device) -> tuple[dict[str, torch.Tensor], float]:
+    """The operator's outputs on `device` (moved back to the CPU) and its time; a rejection is a bad case."""
+    op = registry.OPERATORS[case.op]
+    dev_call = call.map_tensors(lambda t: t.to(device))
+    start = time.perf_counter()
+    try:
+        outputs = registry.outputs_of(case.op, op.outputs)(dev_call)
+    except cann_attn.AclnnError as exc:
+        message = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise CaseError(f"{case.path}: cann_attn.{case.op} rejects this case: {message}") from exc
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    elapsed = time.perf_counter() - start
+    return {n: t.detach().to("cpu") for n, t in outputs.items() if isinstance(t, torch.Tensor)}, elapsed
+
+
+def _goldens(case, call: registry.Call, named: dict[str, Any], actual: dict[str, torch.Tensor]):
+    op = registry.OPERATORS[case.op]
+    dtypes = op.output_dtypes(named)
+    out = {}
+    for name, t in op.golden(call).items():
+        dtype = dtypes.get(name) or (actual[name].dtype if name in actual else t.dtype)
+        out[name] = t.detach().to("cpu").to(dtype)
+    return out
+
+
+def _manifest(case, kind: str, **extra: Any) -> dict[str, Any]:
+    return {
+        "format": FORMAT,
+        "kind": kind,
+        "op": case.op,
+        "cann_attn_version": cann_attn.__version__,
+        "torch_version": torch.__version__,
+        "seed": case.seed,
+        "params": case.params,
+        **extra,
+        "byte_order": "little-endian",
+        "files": FILES_NOTE,
+        "tensors": [],
+    }
+
+
+def _write(staged: Staged, manifest: dict[str, Any], tensors: list[tuple[str, torch.Tensor, str, str]]) -> int:
+    directory = staged.open()
+    total = 0
+    for name, t, role, source in tensors:
+        entry = write_tensor(directory, name, t, role, source=source)
+        total += entry["bin_bytes"]
+        manifest["tensors"].append(entry)
+    write_manifest(directory, manifest)
+    return total
+
+
+def run(args: argparse.Namespace) -> int:
+    from .verify import _device
+
+    start = time.perf_counter()
+    out = Staged(Path(args.out), args.force)
+    out.check("--out")
+    actual_dir = None
+    if args.actual:
+        if Path(args.actual).resolve() == Path(args.out).resolve():
+            raise UsageError("--actual: must differ from --out")
+        actual_dir = Staged(Path(args.actual), args.force)
+        actual_dir.check("--actual")
+    device = _device(args.device)
+
+    case = load_case(args.case, args.op)
+    loaded = load_inputs(args.inputs, case) if args.inputs else {}
+    named, sources = build_inputs(case, loaded)
+    call = registry.bind(case.op, named)
+    actual, op_seconds = _run_operator(case, call, device)
+    golden = _goldens(case, call, named, actual)
+
+    inputs = [
+        (name, named[name], "input", sources[name])
+        for name in registry.tensor_parameters(case.op)
+        if isinstance(named.get(name), torch.Tensor)
+    ]
+    outputs = [(name, t, "output", "golden") for name, t in golden.items()]
+    manifest = _manifest(
+        case,
+        "golden",
+        description=case.raw.get("description", ""),
+        case_file=str(args.case),
+        case=case.raw,
+        inputs_from=list(args.inputs or []),
+        golden=GOLDEN_NOTE,
+    )
+    try:
+        nbytes = _write(out, manifest, inputs + outputs)
+        if actual_dir is not None:
+            missing = [n for n in golden if n not in actual]
+            if missing:
+                raise UsageError(f"cann_attn.{case.op} returned no {', '.join(missing)}")
+            source = f"cann_attn.{case.op} (backend auto, device {device})"
+            actual_manifest = _manifest(case, "actual", operator=source, operator_seconds=round(op_seconds, 4))
+            _write(actual_dir, actual_manifest, [(n, actual[n], "output", source) for n in golden])
+        out.commit()
+        if actual_dir is not None:
+            actual_dir.commit()
+    finally:
+        out.abort()
+        if actual_dir is not None:
+            actual_dir.abort()
+
+    console = Console()
+    if not console.is_terminal:
+        console = Console(width=max(console.width, 140))
+    table = Table(title=f"cann-attn golden: {case.op} (seed {case.seed})", header_style="bold")
+    for col in ("tensor", "role", "dtype", "shape", "origin"):
+        table.add_column(col, no_wrap=col != "origin")
+    for name, t, role, source in inputs + outputs:
+        table.add_row(name, role, canonical_dtype(t.dtype), str(list(t.shape)), source)
+    console.print(table)
+    console.print(
+        f"[bold green]wrote[/] {args.out}: {len(inputs)} inputs, {len(outputs)} golden outputs, "
+        f"{nbytes / 2**20:.1f} MiB per format, manifest.json ({time.perf_counter() - start:.1f} s)"
+    )
+    if actual_dir is not None:
+        console.print(
+            f"[bold green]wrote[/] {args.actual}: the outputs of cann_attn.{case.op} on {device} "
+            f"({op_seconds * 1e3:.1f} ms); compare with: cann-attn compare {args.actual} {args.out}"
+        )
+    return 0
