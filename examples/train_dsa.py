@@ -5,22 +5,30 @@ shared latent (N2 = 1) that serves as both key and value, plus a small decoupled
 projected straight into the latent space (the absorbed form of MLA). Each layer also has a lightning indexer
 (a few ReLU-scored heads with per-token weights) that picks the top-k keys for every query.
 
-Training follows DeepSeek-V3.2's two stages:
+Training follows DeepSeek-V3.2's recipe in three phases (two optimizers: AdamW for the main model, AdamW for the
+indexers, each with its own learning-rate schedule):
 
-1. dense warm-up: causal dense attention through `cann_attn.flash_attention` (rope dims concatenated to Q and K,
-   the latent as an MQA key/value), while the indexer learns, with a KL loss computed here in plain torch, to
-   match the head-averaged main attention distribution over all causal keys;
-2. sparse training: `cann_attn.lightning_indexer` picks K keys per query, `cann_attn.sparse_attention` attends over
-   them, and `cann_attn.indexer_kl_loss` (with the softmax statistics of a no-grad `sparse_flash_attention`)
+1. dense LM (`--steps-dense`): the language model trains with causal dense attention through
+   `cann_attn.flash_attention` (rope dims concatenated to Q and K, the latent as an MQA key/value); the indexer is
+   not trained. (DeepSeek starts from a dense checkpoint, DeepSeek-V3.1-Terminus: this phase stands in for it.)
+   The untrained indexer's KL is still computed and logged, for information only: it climbs as the main attention
+   sharpens away from the near-uniform attention of the initialisation;
+2. dense indexer warm-up (`--steps-warmup`): the main model is frozen and only the lightning indexers train, with a
+   KL loss computed here in plain torch, to match the head-averaged main attention distribution over all causal
+   keys (the frozen model's LM loss is logged for information only);
+3. sparse training (`--steps-sparse`): `cann_attn.lightning_indexer` picks K keys per query,
+   `cann_attn.sparse_attention` attends over them and the main model trains again (at a lower learning rate) on the
+   LM loss, while `cann_attn.indexer_kl_loss` (with the softmax statistics of a no-grad `sparse_flash_attention`)
    trains the indexer on the selected set.
 
 The indexer always sees detached inputs, and the KL losses see detached main-attention tensors, so the language
 model is trained only by the LM loss and the indexer only by the KL loss (as DeepSeek does).
 
-    python examples/train_dsa.py                       # ~2-3 minutes on a 2-core CPU
-    python examples/train_dsa.py --steps-dense 20 --steps-sparse 10 --out /tmp/dsa
+    python examples/train_dsa.py                       # ~2 minutes on a 2-core CPU (one thread)
+    python examples/train_dsa.py --steps-dense 20 --steps-warmup 10 --steps-sparse 10 --out /tmp/dsa
 
-Writes <out>/train_dsa.png (both loss curves across both stages) and <out>/train_dsa.json (summary).
+Writes <out>/train_dsa.png (both loss curves across the three phases) and <out>/train_dsa.json (summary: per phase,
+the LM loss and the KL loss where each is trained, as the mean of the first/last 10 steps, and the time spent).
 """
 
 from __future__ import annotations
@@ -57,11 +65,15 @@ class Config:
     idx_heads: int = 2
     idx_dim: int = 16
     top_k: int = 32
-    lr: float = 3e-3
+    lr: float = 3e-3  # main model, phase 1 peak (cosine to 10 %)
+    lr_sparse: float = 3e-4  # main model, phase 3 (cosine to 10 %): continued training at a low rate
+    indexer_lr: float = 3e-3  # indexer, phase 2 peak (cosine to 10 %)
+    indexer_lr_sparse: float = 1e-3  # indexer, phase 3 (cosine to 10 %)
     weight_decay: float = 0.01
-    warmup_steps: int = 10
-    steps_dense: int = 200
-    steps_sparse: int = 100
+    warmup_steps: int = 10  # linear lr warm-up at the start of phases 1 and 2
+    steps_dense: int = 500  # phase 1: dense LM
+    steps_warmup: int = 150  # phase 2: dense indexer warm-up, main model frozen
+    steps_sparse: int = 160  # phase 3: sparse (DSA) training
     seed: int = 0
     avg_window: int = 10
 
@@ -188,7 +200,7 @@ def sparse_mla(query, query_rope, latent, key_rope, q_idx, k_idx, w_idx, scale: 
 def dense_indexer_kl(query, query_rope, latent, key_rope, q_idx, k_idx, w_idx, scale: float) -> torch.Tensor:
     """Dense warm-up target: KL(p || softmax(I)) over all causal keys, p = head-averaged main attention.
 
-    Same clamping and per-token mean as `indexer_kl_loss` (SEMANTICS.md 9), so the two stages' curves compare."""
+    Same clamping and per-token mean as `indexer_kl_loss` (SEMANTICS.md 9), so the phases' curves compare."""
     s = query.shape[1]
     causal = torch.ones(s, s, dtype=torch.bool).tril()
     with torch.no_grad():
@@ -288,12 +300,26 @@ def evaluate(model: TinyDSA, val: torch.Tensor, cfg: Config, seed: int) -> dict:
 
 # -------------------------------------------------------------------------------------------------- training
 
+PHASES = ("dense", "warmup", "sparse")
+PHASE_LABELS = {"dense": "1: dense LM", "warmup": "2: indexer warm-up (model frozen)", "sparse": "3: sparse (DSA)"}
 
-def lr_at(step: int, total: int, cfg: Config) -> float:
-    if step < cfg.warmup_steps:
-        return cfg.lr * (step + 1) / cfg.warmup_steps
-    progress = (step - cfg.warmup_steps) / max(1, total - cfg.warmup_steps)
-    return cfg.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress)))
+
+def schedule(step: int, steps: int, peak: float, warmup: int, floor: float = 0.1) -> float:
+    """Linear warm-up over `warmup` steps, then cosine decay from `peak` to `floor * peak` at the last step."""
+    if step < warmup:
+        return peak * (step + 1) / warmup
+    progress = (step - warmup) / max(1, steps - 1 - warmup)
+    return peak * (floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * min(1.0, progress))))
+
+
+def learning_rates(phase: str, step: int, cfg: Config) -> tuple[float, float]:
+    """(main-model lr, indexer lr) of one step; 0 for the part that the phase does not train."""
+    if phase == "dense":
+        return schedule(step, cfg.steps_dense, cfg.lr, cfg.warmup_steps), 0.0
+    if phase == "warmup":
+        return 0.0, schedule(step, cfg.steps_warmup, cfg.indexer_lr, cfg.warmup_steps)
+    return (schedule(step, cfg.steps_sparse, cfg.lr_sparse, 0),
+            schedule(step, cfg.steps_sparse, cfg.indexer_lr_sparse, 0))
 
 
 def average(values: list[float], first: bool, window: int) -> float | None:
@@ -301,8 +327,19 @@ def average(values: list[float], first: bool, window: int) -> float | None:
     return sum(part) / len(part) if part else None
 
 
+def first_last(values: list[float], window: int) -> dict:
+    return {"initial": average(values, True, window), "final": average(values, False, window)}
+
+
+def split_parameters(model: TinyDSA) -> tuple[list[nn.Parameter], list[nn.Parameter]]:
+    """(main-model parameters, lightning-indexer parameters)."""
+    indexer = [p for block in model.blocks for p in block.indexer.parameters()]
+    ids = {id(p) for p in indexer}
+    return [p for p in model.parameters() if id(p) not in ids], indexer
+
+
 def train(cfg: Config, out_dir: Path | None = None, progress: bool = True, threads: int | None = 1) -> dict:
-    """Runs both stages and returns the summary (also written to out_dir with the plot when out_dir is given).
+    """Runs the three phases and returns the summary (also written to out_dir with the plot when out_dir is given).
 
     `threads` sets torch's CPU threads for the run (restored afterwards; None leaves them alone): one thread is the
     fastest for these tiny ops and keeps the timing sane when other processes compete for the cores."""
@@ -319,93 +356,124 @@ def _train(cfg: Config, out_dir: Path | None, progress: bool) -> dict:
     torch.manual_seed(cfg.seed)
     train_data, val_data = load_corpus()
     model = TinyDSA(cfg)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.95))
+    main_params, indexer_params = split_parameters(model)
+    # Two optimizers: the LM loss trains the main model, the KL loss the indexers, each with its own schedule and
+    # gradient clipping (the main optimizer's state carries over from phase 1 to phase 3).
+    adamw = dict(weight_decay=cfg.weight_decay, betas=(0.9, 0.95))
+    main_opt = torch.optim.AdamW(main_params, lr=cfg.lr, **adamw)
+    indexer_opt = torch.optim.AdamW(indexer_params, lr=cfg.indexer_lr, **adamw)
     generator = torch.Generator().manual_seed(cfg.seed)
-    total = cfg.steps_dense + cfg.steps_sparse
-    lm_hist: list[float] = []
-    kl_hist: list[float] = []
-    stage_time = {"dense": 0.0, "sparse": 0.0}
+    steps = {"dense": cfg.steps_dense, "warmup": cfg.steps_warmup, "sparse": cfg.steps_sparse}
+    history = {phase: {"lm": [], "kl": []} for phase in PHASES}
+    seconds = dict.fromkeys(PHASES, 0.0)
     columns = (TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
                TextColumn("lm {task.fields[lm]:.3f}  kl {task.fields[kl]:.3f}"), TimeElapsedColumn(),
                TimeRemainingColumn())
     start = time.perf_counter()
     with Progress(*columns, disable=not progress) as bar:
-        task = bar.add_task("dense warm-up", total=total, lm=float("nan"), kl=float("nan"))
-        for step in range(total):
-            sparse = step >= cfg.steps_dense
-            t0 = time.perf_counter()
-            for group in optimizer.param_groups:
-                group["lr"] = lr_at(step, total, cfg)
-            tokens, targets = get_batch(train_data, cfg, generator)
-            lm, kl = model(tokens, targets, sparse=sparse)
-            optimizer.zero_grad(set_to_none=True)
-            # Disjoint graphs: the LM loss reaches only the model, the KL loss only the indexers.
-            (lm + kl).backward()
-            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-            optimizer.step()
-            stage_time["sparse" if sparse else "dense"] += time.perf_counter() - t0
-            lm_hist.append(lm.item())
-            kl_hist.append(kl.item())
-            bar.update(task, advance=1, lm=lm_hist[-1], kl=kl_hist[-1],
-                       description="sparse (DSA)" if sparse else "dense warm-up")
+        task = bar.add_task(PHASE_LABELS["dense"], total=sum(steps.values()), lm=float("nan"), kl=float("nan"))
+        for phase in PHASES:
+            train_main, train_indexer = phase != "warmup", phase != "dense"
+            # Frozen parts get requires_grad=False: no graph is built for them (phase 1 still evaluates the untrained
+            # indexer's KL, and phase 2 the frozen model's LM loss, for information).
+            for p in main_params:
+                p.requires_grad_(train_main)
+            for p in indexer_params:
+                p.requires_grad_(train_indexer)
+            parts = ((main_opt, main_params, train_main), (indexer_opt, indexer_params, train_indexer))
+            for step in range(steps[phase]):
+                t0 = time.perf_counter()
+                tokens, targets = get_batch(train_data, cfg, generator)
+                lm, kl = model(tokens, targets, sparse=phase == "sparse")
+                # Disjoint graphs: the LM loss reaches only the main model, the KL loss only the indexers.
+                ((lm if train_main else 0) + (kl if train_indexer else 0)).backward()
+                for (optimizer, params, trained), lr in zip(parts, learning_rates(phase, step, cfg), strict=True):
+                    if trained:
+                        for group in optimizer.param_groups:
+                            group["lr"] = lr
+                        torch.nn.utils.clip_grad_norm_(params, 1.0)
+                        optimizer.step()
+                        optimizer.zero_grad(set_to_none=True)
+                seconds[phase] += time.perf_counter() - t0
+                history[phase]["lm"].append(lm.item())
+                history[phase]["kl"].append(kl.item())
+                bar.update(task, advance=1, lm=lm.item(), kl=kl.item(), description=PHASE_LABELS[phase])
+    for p in model.parameters():
+        p.requires_grad_(True)
     train_seconds = time.perf_counter() - start
     t0 = time.perf_counter()
     model.eval()
     evaluation = evaluate(model, val_data, cfg, cfg.seed)
     eval_seconds = time.perf_counter() - t0
 
-    w, nd = cfg.avg_window, cfg.steps_dense
+    w = cfg.avg_window
+    lm, kl = ({phase: history[phase][key] for phase in PHASES} for key in ("lm", "kl"))
     summary = {
         "config": asdict(cfg),
         "parameters": sum(p.numel() for p in model.parameters()),
         "corpus_bytes": len(train_data) + len(val_data),
-        "steps": {"dense": cfg.steps_dense, "sparse": cfg.steps_sparse, "total": total},
-        "time_seconds": {"dense": round(stage_time["dense"], 2), "sparse": round(stage_time["sparse"], 2),
+        "steps": {**steps, "total": sum(steps.values())},
+        "time_seconds": {**{phase: round(seconds[phase], 2) for phase in PHASES},
                          "train": round(train_seconds, 2), "eval": round(eval_seconds, 2),
-                         "per_step_dense": round(stage_time["dense"] / max(1, cfg.steps_dense), 3),
-                         "per_step_sparse": round(stage_time["sparse"] / max(1, cfg.steps_sparse), 3)},
-        "lm_loss": {"initial": average(lm_hist, True, w), "final": average(lm_hist, False, w),
-                    "dense_final": average(lm_hist[:nd], False, w), "sparse_initial": average(lm_hist[nd:], True, w)},
-        "kl_loss": {"initial": average(kl_hist, True, w), "final": average(kl_hist, False, w),
-                    "dense_final": average(kl_hist[:nd], False, w), "sparse_initial": average(kl_hist[nd:], True, w)},
-        "kl_peak": {"step": kl_hist.index(max(kl_hist)) + 1 if kl_hist else None,
-                    "value": max(kl_hist) if kl_hist else None},
-        "loss_note": f"initial/final: mean over the first/last {w} steps; LM loss in nats per byte; KL per token, "
-                     "averaged over layers (dense stage: over all causal keys; sparse stage: over the top-k set)",
+                         **{f"per_step_{phase}": round(seconds[phase] / max(1, steps[phase]), 3) for phase in PHASES}},
+        # Trained losses, per phase where each is trained.
+        "lm_loss": {"dense": first_last(lm["dense"], w), "sparse": first_last(lm["sparse"], w)},
+        "kl_loss": {"warmup": first_last(kl["warmup"], w), "sparse": first_last(kl["sparse"], w)},
+        # Logged for information only: the losses of the frozen part.
+        "untrained": {"lm_warmup_frozen_model": first_last(lm["warmup"], w),
+                      "kl_dense_untrained_indexer": first_last(kl["dense"], w)},
+        "loss_note": f"initial/final: mean over the first/last {w} steps of the phase; LM loss in nats per byte, "
+                     "trained in phases 1 and 3; indexer KL per token, averaged over layers, trained in phases 2 and 3 "
+                     "(phases 1-2: over all causal keys against the dense attention; phase 3: over the top-k set "
+                     "against the sparse attention). Phase 1's KL (untrained indexer) and phase 2's LM loss (frozen "
+                     "model) are logged for information only.",
         "evaluation": evaluation,
-        "history": {"lm": lm_hist, "kl": kl_hist},
+        "history": history,
     }
     if out_dir is not None:
         out_dir.mkdir(parents=True, exist_ok=True)
         (out_dir / "train_dsa.json").write_text(json.dumps(summary, indent=2) + "\n")
-        plot(lm_hist, kl_hist, cfg, out_dir / "train_dsa.png")
+        plot(history, cfg, out_dir / "train_dsa.png")
     return summary
 
 
-def plot(lm_hist: list[float], kl_hist: list[float], cfg: Config, path: Path) -> None:
+def plot(history: dict, cfg: Config, path: Path) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    steps = list(range(1, len(lm_hist) + 1))
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
-    for ax, values, title in ((axes[0], lm_hist, "language-model loss (nats/byte)"),
-                              (axes[1], kl_hist, "indexer KL loss (per token, layer mean)")):
-        ax.plot(steps, values, lw=0.8, alpha=0.45, color="tab:blue", label="per step")
-        w = cfg.avg_window
-        smooth = [sum(values[max(0, i - w + 1) : i + 1]) / len(values[max(0, i - w + 1) : i + 1])
-                  for i in range(len(values))]
-        ax.plot(steps, smooth, lw=1.8, color="tab:blue", label=f"mean of last {w}")
-        if cfg.steps_sparse and cfg.steps_dense:
-            ax.axvline(cfg.steps_dense + 0.5, color="tab:red", ls="--", lw=1)
-            ax.axvspan(cfg.steps_dense + 0.5, len(values) + 0.5, color="tab:red", alpha=0.06,
-                       label=f"sparse stage (top-{cfg.top_k})")
+    w = cfg.avg_window
+    trained = {"lm": ("dense", "sparse"), "kl": ("warmup", "sparse")}
+    shades = {"dense": "tab:blue", "warmup": "tab:green", "sparse": "tab:red"}
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
+    for ax, key, title in ((axes[0], "lm", "language-model loss (nats/byte)"),
+                           (axes[1], "kl", "indexer KL loss (per token, layer mean)")):
+        first = 1
+        for phase in PHASES:
+            values = history[phase][key]
+            if not values:
+                continue
+            steps = list(range(first, first + len(values)))
+            smooth = [sum(values[max(0, i - w + 1) : i + 1]) / len(values[max(0, i - w + 1) : i + 1])
+                      for i in range(len(values))]
+            color, style = ("tab:blue", "-") if phase in trained[key] else ("0.45", "--")
+            ax.plot(steps, values, lw=0.8, alpha=0.35, color=color)
+            ax.plot(steps, smooth, lw=1.8, color=color, ls=style)
+            ax.axvspan(first - 0.5, first + len(values) - 0.5, color=shades[phase], alpha=0.07, lw=0)
+            ax.text(first + len(values) / 2, 0.98, PHASE_LABELS[phase].replace(" (", "\n("), ha="center", va="top",
+                    fontsize=8, transform=ax.get_xaxis_transform())
+            first += len(values)
+        ax.plot([], [], color="tab:blue", label=f"trained (mean of last {w})")
+        ax.plot([], [], color="0.45", ls="--", label="not trained: information only")
         ax.set_title(title)
         ax.set_xlabel("step")
         ax.grid(alpha=0.3)
-        ax.legend()
-    fig.suptitle(f"Tiny DSA on {CORPUS.name}: dense warm-up {cfg.steps_dense} steps, sparse {cfg.steps_sparse} steps")
+        ax.legend(loc="center right", fontsize=8)
+    axes[0].set_ylim(top=axes[0].get_ylim()[1] * 1.12)
+    axes[1].set_ylim(bottom=0, top=axes[1].get_ylim()[1] * 1.15)
+    fig.suptitle(f"Tiny DSA on {CORPUS.name}: dense LM {cfg.steps_dense} steps, indexer warm-up {cfg.steps_warmup} "
+                 f"steps, sparse top-{cfg.top_k} {cfg.steps_sparse} steps")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
@@ -417,14 +485,19 @@ def report(summary: dict, cfg: Config) -> None:
             return "[" + ", ".join(f(v) for v in value) + "]"
         return "n/a" if value is None else f"{value:.3f}"
 
-    lm, kl, t, ev = summary["lm_loss"], summary["kl_loss"], summary["time_seconds"], summary["evaluation"]
-    print(f"trained {summary['steps']['total']} steps in {t['train']:.1f} s "
-          f"(dense {t['per_step_dense']:.2f} s/step, sparse {t['per_step_sparse']:.2f} s/step)")
-    print(f"LM loss {f(lm['initial'])} -> {f(lm['final'])}   KL loss {f(kl['initial'])} -> {f(kl['final'])} "
-          f"(mean of the first/last {cfg.avg_window} steps)")
-    print(f"KL peak {f(summary['kl_peak']['value'])} at step {summary['kl_peak']['step']} (its target sharpens as "
-          f"the model learns); dense stage end {f(kl['dense_final'])}, sparse stage {f(kl['sparse_initial'])} -> "
-          f"{f(kl['final'])}")
+    def arrow(d: dict) -> str:
+        return f"{f(d['initial'])} -> {f(d['final'])}"
+
+    lm, kl, info = summary["lm_loss"], summary["kl_loss"], summary["untrained"]
+    t, ev, steps = summary["time_seconds"], summary["evaluation"], summary["steps"]
+    print(f"trained {steps['total']} steps in {t['train']:.1f} s (+ eval {t['eval']:.1f} s); "
+          f"mean of the first/last {cfg.avg_window} steps of each phase:")
+    print(f"  1 dense LM        {steps['dense']:4d} steps {t['dense']:6.1f} s: LM {arrow(lm['dense'])}  "
+          f"(untrained indexer's KL, info: {arrow(info['kl_dense_untrained_indexer'])})")
+    print(f"  2 indexer warm-up {steps['warmup']:4d} steps {t['warmup']:6.1f} s: KL {arrow(kl['warmup'])}  "
+          f"(frozen model's LM, info: {arrow(info['lm_warmup_frozen_model'])})")
+    print(f"  3 sparse (DSA)    {steps['sparse']:4d} steps {t['sparse']:6.1f} s: LM {arrow(lm['sparse'])}  "
+          f"KL (top-{cfg.top_k} set) {arrow(kl['sparse'])}")
     print(f"validation LM loss: dense {f(ev['val_lm_dense'])}, sparse {f(ev['val_lm_sparse'])}")
     print(f"per layer: top-{cfg.top_k} attention recall {f(ev['topk_attention_recall'])} vs the {cfg.top_k} most "
           f"recent keys {f(ev['recent_window_attention_recall'])}; dense KL trained indexer "
@@ -433,15 +506,20 @@ def report(summary: dict, cfg: Config) -> None:
 
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps-dense", type=int, default=Config.steps_dense)
-    parser.add_argument("--steps-sparse", type=int, default=Config.steps_sparse)
+    parser.add_argument("--steps-dense", type=int, default=Config.steps_dense,
+                        help="phase 1: dense-attention LM steps (indexer not trained)")
+    parser.add_argument("--steps-warmup", type=int, default=Config.steps_warmup,
+                        help="phase 2: dense indexer warm-up steps (main model frozen, indexer trained on dense KL)")
+    parser.add_argument("--steps-sparse", type=int, default=Config.steps_sparse,
+                        help="phase 3: sparse (DSA) steps (LM loss and top-k indexer KL, both trained)")
     parser.add_argument("--seed", type=int, default=Config.seed)
     parser.add_argument("--out", type=Path, default=HERE, help="folder for train_dsa.png and train_dsa.json")
     parser.add_argument("--threads", type=int, default=1,
                         help="torch CPU threads (default 1: fastest for these tiny ops, robust on a busy machine)")
     parser.add_argument("--no-progress", action="store_true", help="hide the progress bar")
     args = parser.parse_args(argv)
-    cfg = Config(steps_dense=args.steps_dense, steps_sparse=args.steps_sparse, seed=args.seed)
+    cfg = Config(steps_dense=args.steps_dense, steps_warmup=args.steps_warmup, steps_sparse=args.steps_sparse,
+                 seed=args.seed)
     summary = train(cfg, args.out, progress=not args.no_progress, threads=args.threads)
     report(summary, cfg)
     print(f"wrote {args.out / 'train_dsa.png'} and {args.out / 'train_dsa.json'}")

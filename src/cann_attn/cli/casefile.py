@@ -33,7 +33,8 @@ Generators (``"generator"``; the default is ``normal`` for float dtypes, ``randi
 The inputs a grad operator takes from its forward (softmax statistics, forward output) are computed with the
 float64 forward oracle unless they are listed here or loaded with ``--inputs``. Every generator draws from one
 ``torch.Generator().manual_seed(seed)``: first the plain generators in the operator's parameter order, then
-those that depend on other inputs (drop_mask, sparse_indices, lightning_indexer).
+those that depend on other inputs (drop_mask, sparse_indices, lightning_indexer). A tensor loaded with
+``--inputs`` replaces the generated one, which is still drawn, so the other tensors are those of the seeded case.
 
 Every problem raises `CaseError` (exit status 2) with one line naming the field, e.g.
 ``case.json: inputs.query.shape: expected a list of non-negative integers, got [2, -1]``.
@@ -156,21 +157,21 @@ def load_case(path: str | Path, op: str | None = None) -> CaseFile:
     if "description" in raw and not isinstance(raw["description"], str):
         raise fail("description: expected a string")
 
+    inputs = raw.get("inputs", {})
+    if not isinstance(inputs, dict):
+        raise fail(f"inputs: expected an object of tensor descriptions, got {type(inputs).__name__}")
+    tensor_names = registry.tensor_parameters(name)
+    for tname in inputs:
+        if tname not in tensor_names:
+            hint = " (a scalar: give it under params)" if tname in registry.op_signature(name).parameters else ""
+            raise fail(f"inputs.{tname}: not a tensor input of {name}{hint} (tensor inputs: {', '.join(tensor_names)})")
+
     params = raw.get("params", {})
     if not isinstance(params, dict):
         raise fail(f"params: expected an object of parameter values, got {type(params).__name__}")
     _check_params(name, params, fail)
 
-    inputs = raw.get("inputs", {})
-    if not isinstance(inputs, dict):
-        raise fail(f"inputs: expected an object of tensor descriptions, got {type(inputs).__name__}")
-    tensor_names = registry.tensor_parameters(name)
-    specs = {}
-    for tname, spec in inputs.items():
-        if tname not in tensor_names:
-            hint = " (a scalar: give it under params)" if tname in registry.op_signature(name).parameters else ""
-            raise fail(f"inputs.{tname}: not a tensor input of {name}{hint} (tensor inputs: {', '.join(tensor_names)})")
-        specs[tname] = _tensor_spec(tname, spec, fail)
+    specs = {tname: _tensor_spec(tname, spec, fail) for tname, spec in inputs.items()}
     return CaseFile(where, name, seed, dict(params), specs, raw)
 
 
@@ -358,14 +359,17 @@ def build_inputs(case: CaseFile, loaded: Mapping[str, tuple[torch.Tensor, str]])
     for name, (t, where) in loaded.items():
         named[name], sources[name] = t, where
     gen = torch.Generator().manual_seed(case.seed)
-    order = [n for n in registry.tensor_parameters(case.op) if n in case.tensors and n not in loaded]
+    order = [n for n in registry.tensor_parameters(case.op) if n in case.tensors]
     for dependent in (False, True):
         for name in order:
             spec = case.tensors[name]
             if (spec.generator in DEPENDENT) != dependent:
                 continue
             try:
-                named[name] = _generate(spec, gen, named, case.params)
+                t = _generate(spec, gen, named, case.params)
+                if name in loaded:  # drawn all the same: the other tensors stay those of the seeded case
+                    continue
+                named[name] = t
             except CaseError as exc:
                 raise CaseError(f"{case.path}: {exc}") from None
             except Exception as exc:
@@ -464,8 +468,8 @@ def _sparse_indices(spec: TensorSpec, gen: torch.Generator, named: Mapping[str, 
     query, key = _need(field_, named, "query", "key")
     shape = spec.shape
     if len(shape) != query.dim() or shape[:-2] != tuple(query.shape[:-2]) or shape[-2] != 1:
-        lead = list(query.shape[:-2])
-        raise CaseError(f"{field_}.shape: expected {[*lead, 1, 'K']} (query's leading dims), got {list(shape)}")
+        expected = ", ".join(str(x) for x in (*query.shape[:-2], 1, "K"))
+        raise CaseError(f"{field_}.shape: expected [{expected}] (query's leading dims), got {list(shape)}")
     return registry.random_sparse_indices(
         gen,
         query.shape,
@@ -487,8 +491,8 @@ def _indexer_topk(spec: TensorSpec, named: Mapping[str, Any], params: Mapping[st
     qi, ki, w = _need(field_, named, "query_index", "key_index", "weights")
     shape = spec.shape
     if len(shape) != qi.dim() or shape[:-2] != tuple(qi.shape[:-2]) or shape[-2] != 1:
-        lead = list(qi.shape[:-2])
-        raise CaseError(f"{field_}.shape: expected {[*lead, 1, 'K']} (query_index's leading dims), got {list(shape)}")
+        expected = ", ".join(str(x) for x in (*qi.shape[:-2], 1, "K"))
+        raise CaseError(f"{field_}.shape: expected [{expected}] (query_index's leading dims), got {list(shape)}")
     kwargs = {k: params[k] for k in ("actual_seq_lengths_query", "actual_seq_lengths_key", "layout") if k in params}
     return lightning_indexer_oracle(qi, ki, w, sparse_count=shape[-1], sparse_mode=params.get("sparse_mode", 3),
                                     **kwargs)[0]

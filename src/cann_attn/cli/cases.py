@@ -35,6 +35,11 @@ Adding cases for a new operator (grad, PFA, DSA) takes one function and one ``re
 
 ``outputs_of(op_name, names)`` calls ``cann_attn.<op_name>(*call.args, **call.kwargs)`` and names the elements
 of its (NamedTuple or tuple or single tensor) result; ``Call`` holds positional and keyword arguments.
+
+``OPERATORS`` describes every operator for ``cann-attn golden``, by parameter name: its output names, the
+float64 golden of a call, the output dtypes, and for grad operators the inputs taken from the forward (derived
+with the forward oracle). ``bind(op, named)`` / ``by_name(op, call)`` convert between arguments by name and a
+``Call``; the cases of PromptFlashAttention and of the DSA operators are built that way and use these goldens.
 """
 
 from __future__ import annotations

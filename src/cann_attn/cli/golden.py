@@ -101,15 +101,15 @@ def _goldens(case, call: registry.Call, named: dict[str, Any], actual: dict[str,
     return out
 
 
-def _manifest(case, kind: str, **extra: Any) -> dict[str, Any]:
+def _manifest(parsed, kind: str, **extra: Any) -> dict[str, Any]:
     return {
         "format": FORMAT,
         "kind": kind,
-        "op": case.op,
+        "op": parsed.op,
         "cann_attn_version": cann_attn.__version__,
         "torch_version": torch.__version__,
-        "seed": case.seed,
-        "params": case.params,
+        "seed": parsed.seed,
+        "params": parsed.params,
         **extra,
         "byte_order": "little-endian",
         "files": FILES_NOTE,

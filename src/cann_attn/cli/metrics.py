@@ -7,7 +7,8 @@ Floating-point tensors (threshold dtype = the output's dtype, or the one asked f
   BOTH more than t * numel elements have rel > t AND more than t * numel elements have |a - g| > t;
 - MERE / MARE: mean / max of |a - g| / (|g| + 1e-7) over the elements with |g| at least 2^-11 (fp16), 2^-8
   (bf16), 2^-14 (fp32); they pass when MERE < T and MARE < 10 T (T = 2^-10, 2^-7, 2^-13). Reported always,
-  a gate only with ``strict``.
+  a gate only with ``strict``. Non-finite values equal on both sides (the -inf of empty top-k slots) count as
+  exact, as in the Ascend rule.
 
 Integer tensors: int8 (quantized outputs) pass when every element is within one int8 step of the golden
 (SEMANTICS.md 7: the NPU may round an intermediate value to fp16 and land one step away); with ``strict`` at
@@ -109,6 +110,17 @@ class TensorMetrics:
         return out
 
 
+def _same_non_finite_to_zero(actual: torch.Tensor, golden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Elements holding the same non-finite value on both sides (-inf score slots, ...) set to 0 on both sides, so
+    that MERE/MARE skip them (|g| = 0 is below the small-value cut) as the Ascend rule counts them as exact."""
+    a = actual.detach().to("cpu")
+    g = golden.detach().to("cpu").to(a.dtype)
+    same = ~torch.isfinite(a) & ((a == g) | (torch.isnan(a) & torch.isnan(g)))
+    if not bool(same.any()):
+        return actual, golden
+    return a.masked_fill(same, 0), g.masked_fill(same, 0)
+
+
 def measure(name: str, actual: torch.Tensor, golden: torch.Tensor, dtype: torch.dtype | None = None) -> TensorMetrics:
     """Metrics of `actual` against `golden`. `dtype` picks the thresholds (default: the actual's dtype); the
     golden is cast to the actual's dtype before comparing (SEMANTICS.md 11)."""
@@ -126,7 +138,7 @@ def measure(name: str, actual: torch.Tensor, golden: torch.Tensor, dtype: torch.
         if not actual.dtype.is_floating_point:
             actual = actual.to(dtype)
         ok, details = ascend_rule(actual, golden, dtype)
-        mere, mare, _ = mere_mare(actual, golden, dtype)
+        mere, mare, _ = mere_mare(*_same_non_finite_to_zero(actual, golden), dtype)
         return TensorMetrics(
             name,
             dtype_name(dtype),

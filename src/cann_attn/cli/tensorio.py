@@ -222,6 +222,9 @@ class Staged:
     def open(self) -> Path:
         self.target.parent.mkdir(parents=True, exist_ok=True)
         self.tmp = Path(tempfile.mkdtemp(prefix=f".{self.target.name}.", suffix=".tmp", dir=self.target.parent))
+        umask = os.umask(0)
+        os.umask(umask)
+        self.tmp.chmod(0o777 & ~umask)  # mkdtemp makes it private; the result is an ordinary directory
         return self.tmp
 
     def commit(self) -> None:
@@ -246,5 +249,16 @@ class Staged:
             self.tmp = None
 
 
+def _dumps(value: Any, indent: int = 0) -> str:
+    """JSON with objects and lists of objects one item per line, lists of scalars (shapes) on one line."""
+    pad, inner = " " * indent, " " * (indent + 2)
+    if isinstance(value, dict) and value:
+        items = [f"{inner}{json.dumps(str(k))}: {_dumps(v, indent + 2)}" for k, v in value.items()]
+        return "{\n" + ",\n".join(items) + f"\n{pad}}}"
+    if isinstance(value, list) and any(isinstance(v, (dict, list)) for v in value):
+        return "[\n" + ",\n".join(f"{inner}{_dumps(v, indent + 2)}" for v in value) + f"\n{pad}]"
+    return json.dumps(value)
+
+
 def write_manifest(directory: Path, manifest: dict[str, Any]) -> None:
-    (directory / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
+    (directory / MANIFEST).write_text(_dumps(manifest) + "\n")

@@ -1,0 +1,370 @@
+"""``cann-attn golden`` and ``cann-attn compare``: golden data files, the round trip through compare, the metric
+that fails on a perturbed output, bad case files (exit status 2, one line naming the field), nothing left behind
+on failure, and every example case file of examples/cases/.
+
+The end-to-end round trip and a bad case file run the installed command in a subprocess; the many small
+variations call ``cann_attn.cli.main.main`` in-process (same code path, without a second of interpreter and
+torch start-up per call).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from cann_attn.cli import main as cli_main
+from cann_attn.cli import tensorio
+
+ROOT = Path(__file__).resolve().parents[1]
+EXAMPLES = sorted((ROOT / "examples" / "cases").glob("*.json"))
+OPS = (
+    "flash_attention_score",
+    "flash_attention_var_len_score",
+    "flash_attention_score_grad",
+    "prompt_flash_attention",
+    "sparse_flash_attention",
+    "sparse_flash_attention_grad",
+    "lightning_indexer",
+    "sparse_lightning_indexer_grad_kl_loss",
+)
+
+SMALL_FA = {
+    "op": "flash_attention_score",
+    "seed": 11,
+    "inputs": {
+        "query": {"shape": [1, 64, 4, 32], "dtype": "bfloat16"},
+        "key": {"shape": [1, 80, 2, 32], "dtype": "bfloat16"},
+        "value": {"shape": [1, 80, 2, 32], "dtype": "bfloat16"},
+        "atten_mask": {"generator": "compressed_mask"},
+    },
+    "params": {"head_num": 4, "input_layout": "BSND", "scale_value": 0.17677669529663687, "sparse_mode": 3},
+}
+
+
+def _cli() -> list[str]:
+    script = Path(sys.executable).parent / "cann-attn"
+    if script.exists():
+        return [str(script)]
+    found = shutil.which("cann-attn")
+    return [found] if found else [sys.executable, "-m", "cann_attn.cli.main"]
+
+
+def _run(*args: str) -> subprocess.CompletedProcess:
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    return subprocess.run([*_cli(), *map(str, args)], capture_output=True, text=True, timeout=120, env=env)
+
+
+def _main(capsys, *args) -> tuple[int, str, str]:
+    """Run the CLI in-process: (exit status, stdout, stderr)."""
+    capsys.readouterr()
+    rc = cli_main.main([str(a) for a in args])
+    out = capsys.readouterr()
+    return rc, out.out, out.err
+
+
+def _case(tmp_path: Path, case: dict, name: str = "case.json") -> Path:
+    path = tmp_path / name
+    path.write_text(json.dumps(case))
+    return path
+
+
+@pytest.fixture(scope="module")
+def small_golden(tmp_path_factory):
+    """SMALL_FA written by the real command, with the operator's own outputs (--actual)."""
+    tmp = tmp_path_factory.mktemp("golden")
+    case = _case(tmp, SMALL_FA)
+    proc = _run("golden", "--case", case, "--out", tmp / "golden", "--actual", tmp / "actual")
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return tmp
+
+
+# ------------------------------------------------------------------------------------------------------
+# Round trip (subprocess)
+# ------------------------------------------------------------------------------------------------------
+def test_golden_writes_npy_bin_and_manifest(small_golden):
+    golden = small_golden / "golden"
+    manifest = json.loads((golden / "manifest.json").read_text())
+    assert manifest["op"] == "flash_attention_score" and manifest["seed"] == 11
+    assert manifest["params"] == SMALL_FA["params"] and manifest["cann_attn_version"]
+    roles = {e["name"]: e["role"] for e in manifest["tensors"]}
+    assert roles == {
+        "query": "input",
+        "key": "input",
+        "value": "input",
+        "atten_mask": "input",
+        "attention_out": "output",
+        "softmax_max": "output",
+        "softmax_sum": "output",
+    }
+    for entry in manifest["tensors"]:
+        npy = np.load(golden / entry["files"]["npy"])
+        raw = (golden / entry["files"]["bin"]).read_bytes()
+        assert list(npy.shape) == entry["shape"] and len(raw) == entry["bin_bytes"]
+        if entry["dtype"] == "bfloat16":  # .bin: raw 16-bit patterns; .npy: the same values as float32
+            assert "raw 16-bit pattern" in entry["bin_dtype"] and entry["npy_dtype"] == "float32"
+            bits = torch.from_numpy(np.frombuffer(raw, dtype="<u2").astype(np.int16))
+            assert torch.equal(bits.view(torch.bfloat16).float(), torch.from_numpy(npy).reshape(-1))
+        else:
+            assert np.array_equal(np.frombuffer(raw, dtype=npy.dtype.newbyteorder("<")), npy.reshape(-1))
+    assert not [p for p in small_golden.iterdir() if p.name.startswith(".")], "temporary directories left"
+
+
+def test_compare_golden_with_itself_and_with_the_operator(small_golden):
+    golden, actual = small_golden / "golden", small_golden / "actual"
+    proc = _run("compare", golden, golden)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "PASS: 3/3 tensors" in proc.stdout
+    proc = _run("compare", actual, golden)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    for name in ("attention_out", "softmax_max", "softmax_sum"):
+        assert name in proc.stdout
+    assert "PASS" in proc.stdout and "FAIL" not in proc.stdout
+
+
+def test_compare_perturbed_output_fails_naming_the_metric(small_golden, tmp_path):
+    perturbed = tmp_path / "perturbed"
+    shutil.copytree(small_golden / "actual", perturbed)
+    out = np.load(perturbed / "attention_out.npy")
+    np.save(perturbed / "attention_out.npy", out * 1.05 + 0.01)  # bf16 values as float32, like the golden's
+    proc = _run("compare", perturbed, small_golden / "golden")
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert "FAIL: 1 of 3 tensors fail" in proc.stdout
+    assert "attention_out: Ascend rule:" in proc.stdout and "rel err > 0.004" in proc.stdout
+
+
+def test_bad_case_file_subprocess_exit_2_one_line(tmp_path):
+    case = _case(tmp_path, {**SMALL_FA, "op": "no_such_op"})
+    parent = tmp_path / "results"
+    parent.mkdir()
+    proc = _run("golden", "--case", case, "--out", parent / "out")
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("cann-attn: error:") and "op: unknown operator" in lines[0]
+    assert list(parent.iterdir()) == []
+
+
+# ------------------------------------------------------------------------------------------------------
+# compare: files, .bin, strict, missing tensors (in-process)
+# ------------------------------------------------------------------------------------------------------
+def test_compare_files_npy_and_bin(small_golden, capsys):
+    golden, actual = small_golden / "golden", small_golden / "actual"
+    for a, g in (("npy", "npy"), ("bin", "npy"), ("bin", "bin"), ("npy", "bin")):
+        rc, out, err = _main(capsys, "compare", actual / f"attention_out.{a}", golden / f"attention_out.{g}")
+        assert rc == 0, (a, g, out, err)
+        assert "bfloat16" in out  # thresholds of the manifest's dtype, not of the float32 .npy carrier
+    # The bf16 .bin read as fp16 is garbage: the Ascend rule fails.
+    rc, out, _ = _main(capsys, "compare", actual / "attention_out.bin", golden / "attention_out.npy", "--dtype", "fp16")
+    assert rc == 1 and "Ascend rule" in out
+    # Wrong size for the dtype: bad input.
+    rc, _, err = _main(capsys, "compare", actual / "attention_out.bin", golden / "attention_out.npy", "--dtype", "fp32")
+    assert rc == 2 and "bytes, expected" in err and len(err.strip().splitlines()) == 1
+
+
+def test_compare_dir_with_bin_only_actual_and_json(small_golden, tmp_path, capsys):
+    actual = tmp_path / "bins"
+    actual.mkdir()
+    for name in ("attention_out", "softmax_max", "softmax_sum"):
+        shutil.copy(small_golden / "actual" / f"{name}.bin", actual)
+    report = tmp_path / "report.json"
+    rc, out, _ = _main(capsys, "compare", actual, small_golden / "golden", "--json", report)
+    assert rc == 0, out
+    data = json.loads(report.read_text())
+    assert data["passed"] and [t["name"] for t in data["tensors"]] == ["attention_out", "softmax_max", "softmax_sum"]
+    assert all(t["kind"] == "float" and t["ascend_pass"] for t in data["tensors"])
+
+
+def test_compare_strict_gates_mere_mare_and_missing_tensor_fails(small_golden, tmp_path, capsys):
+    golden = small_golden / "golden"
+    actual = tmp_path / "actual"
+    actual.mkdir()
+    # 20 elements of the bf16 output 50% off: within the Ascend rule's allowance (4e-3 x 8192 = 32 elements),
+    # far over the bf16 MARE limit (10 x 2^-7).
+    out = np.load(golden / "attention_out.npy")
+    flat = out.reshape(-1).copy()
+    big = np.flatnonzero(np.abs(flat) > 0.1)[:20]
+    flat[big] *= 1.5
+    np.save(actual / "attention_out.npy", flat.reshape(out.shape))
+    shutil.copy(golden / "softmax_sum.npy", actual)
+    rc, out_text, _ = _main(capsys, "compare", actual, golden)
+    assert rc == 1 and "softmax_max: missing" in out_text
+    shutil.copy(golden / "softmax_max.npy", actual)
+    rc, out_text, _ = _main(capsys, "compare", actual, golden)
+    assert rc == 0, out_text
+    assert "MERE/MARE over their limits for attention_out" in out_text
+    rc, out_text, _ = _main(capsys, "compare", actual, golden, "--strict")
+    assert rc == 1 and "attention_out: MARE" in out_text and "Ascend rule:" not in out_text
+
+
+@pytest.mark.parametrize(
+    "args,message",
+    [
+        (["compare", "{golden}", "{golden}/attention_out.npy"], "both be files or both be directories"),
+        (["compare", "{golden}/nope.npy", "{golden}/attention_out.npy"], "no such file or directory"),
+        (["compare", "{golden}", "{golden}", "--dtype", "fp17"], "--dtype: unknown dtype"),
+        (["compare", "{golden}", "{parent}"], "has no manifest.json"),
+    ],
+)
+def test_compare_bad_usage_exit_2(small_golden, capsys, args, message):
+    fmt = {"golden": small_golden / "golden", "parent": small_golden}
+    rc, _, err = _main(capsys, *(a.format(**fmt) for a in args))
+    assert rc == 2 and message in err and len(err.strip().splitlines()) == 1, err
+
+
+# ------------------------------------------------------------------------------------------------------
+# golden: bad case files (in-process), nothing left behind, --inputs
+# ------------------------------------------------------------------------------------------------------
+def _without(d: dict, *keys: str) -> dict:
+    return {k: v for k, v in d.items() if k not in keys}
+
+
+def _with_input(name: str, spec: dict) -> dict:
+    return {**SMALL_FA, "inputs": {**SMALL_FA["inputs"], name: spec}}
+
+
+BAD_CASES = {
+    "unknown_op": ({**SMALL_FA, "op": "flash_attn"}, "op: unknown operator 'flash_attn'"),
+    "missing_op": (_without(SMALL_FA, "op"), "op: missing"),
+    "missing_param": (
+        {**SMALL_FA, "params": _without(SMALL_FA["params"], "head_num")},
+        "params.head_num: missing (required by flash_attention_score)",
+    ),
+    "unknown_param": ({**SMALL_FA, "params": {**SMALL_FA["params"], "scale": 1.0}}, "params.scale: not a parameter"),
+    "param_type": ({**SMALL_FA, "params": {**SMALL_FA["params"], "head_num": "4"}}, "params.head_num: expected an"),
+    "missing_input": (
+        {**SMALL_FA, "inputs": _without(SMALL_FA["inputs"], "value")},
+        "inputs.value: missing (required by flash_attention_score)",
+    ),
+    "unknown_input": (_with_input("queries", {"shape": [1], "dtype": "fp16"}), "inputs.queries: not a tensor input"),
+    "missing_shape": (_with_input("query", {"dtype": "bfloat16"}), "inputs.query.shape: missing"),
+    "negative_shape": (
+        _with_input("query", {"shape": [1, -64, 4, 32], "dtype": "bfloat16"}),
+        "inputs.query.shape: expected a list of non-negative integers, got [1, -64, 4, 32]",
+    ),
+    "bad_dtype": (
+        _with_input("query", {"shape": [1, 64, 4, 32], "dtype": "float17"}),
+        'inputs.query.dtype: unknown dtype "float17"',
+    ),
+    "missing_dtype": (_with_input("query", {"shape": [1, 64, 4, 32]}), "inputs.query.dtype: missing"),
+    "bad_generator": (
+        _with_input("query", {"shape": [1, 64, 4, 32], "dtype": "bf16", "generator": "gauss"}),
+        'inputs.query.generator: unknown generator "gauss"',
+    ),
+    "shape_rejected_by_op": (
+        _with_input("key", {"shape": [1, 80, 2, 16], "dtype": "bfloat16"}),
+        "cann_attn.flash_attention_score rejects this case: [161002] key",
+    ),
+    "unknown_field": ({**SMALL_FA, "parameters": {}}, "parameters: unknown field"),
+}
+
+
+@pytest.mark.parametrize("name", list(BAD_CASES))
+def test_bad_case_file_exit_2_one_line_naming_the_field(name, tmp_path, capsys):
+    case, message = BAD_CASES[name]
+    path = _case(tmp_path, case)
+    parent = tmp_path / "results"
+    parent.mkdir()
+    rc, out, err = _main(capsys, "golden", "--case", path, "--out", parent / "out")
+    assert rc == 2, (out, err)
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("cann-attn: error:") and message in lines[0], err
+    assert list(parent.iterdir()) == [], "nothing may be written for a bad case"
+
+
+def test_invalid_json_and_missing_file(tmp_path, capsys):
+    path = tmp_path / "broken.json"
+    path.write_text('{"op": "flash_attention_score",')
+    rc, _, err = _main(capsys, "golden", "--case", path, "--out", tmp_path / "out")
+    assert rc == 2 and "not valid JSON" in err and len(err.strip().splitlines()) == 1
+    rc, _, err = _main(capsys, "golden", "--case", tmp_path / "none.json", "--out", tmp_path / "out")
+    assert rc == 2 and "--case: cannot read" in err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["broken.json"]
+
+
+def test_failure_while_writing_leaves_nothing(tmp_path, capsys, monkeypatch):
+    path = _case(tmp_path, SMALL_FA)
+    parent = tmp_path / "results"
+    parent.mkdir()
+    calls = []
+
+    def failing_write(directory, name, t, role, **extra):
+        calls.append(name)
+        if len(calls) == 3:
+            raise OSError(28, "No space left on device")
+        return real_write(directory, name, t, role, **extra)
+
+    real_write = tensorio.write_tensor
+    monkeypatch.setattr("cann_attn.cli.golden.write_tensor", failing_write)
+    with pytest.raises(OSError):
+        cli_main.main(["golden", "--case", str(path), "--out", str(parent / "out"), "--actual", str(parent / "act")])
+    assert len(calls) == 3 and list(parent.iterdir()) == []
+
+
+def test_existing_out_needs_force(small_golden, tmp_path, capsys):
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "keep.txt").write_text("x")
+    path = _case(tmp_path, SMALL_FA)
+    rc, _, err = _main(capsys, "golden", "--case", path, "--out", out)
+    assert rc == 2 and "--force" in err and (out / "keep.txt").exists()
+    rc, _, err = _main(capsys, "golden", "--case", path, "--out", out, "--force")
+    assert rc == 0, err
+    assert not (out / "keep.txt").exists() and (out / "manifest.json").exists()
+    # Same case, same seed: the same bytes as the subprocess run.
+    for name in ("query.bin", "attention_out.bin"):
+        assert (out / name).read_bytes() == (small_golden / "golden" / name).read_bytes()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["case.json", "out"]
+
+
+def test_inputs_from_golden_dir_and_npy_files(small_golden, tmp_path, capsys):
+    golden = small_golden / "golden"
+    params_only = _case(tmp_path, _without(SMALL_FA, "inputs", "seed"))
+    rc, _, err = _main(capsys, "golden", "--case", params_only, "--out", tmp_path / "a", "--inputs", golden)
+    assert rc == 0, err
+    names = ("query", "key", "value", "atten_mask")
+    files = [golden / f"{n}.npy" for n in names[:2]] + [f"value={golden / 'value.npy'}", golden / "atten_mask.npy"]
+    rc, _, err = _main(capsys, "golden", "--case", params_only, "--out", tmp_path / "b", "--inputs", *files)
+    assert rc == 0, err
+    for d in ("a", "b"):
+        manifest = json.loads((tmp_path / d / "manifest.json").read_text())
+        assert all("loaded from" in e["source"] for e in manifest["tensors"] if e["role"] == "input")
+        for name in ("attention_out", "softmax_max", "softmax_sum"):
+            assert (tmp_path / d / f"{name}.bin").read_bytes() == (golden / f"{name}.bin").read_bytes()
+    # One tensor replaced: the others are still those of the seeded case (the replaced one is drawn all the same).
+    full = _case(tmp_path, SMALL_FA, "full.json")
+    rc, _, err = _main(capsys, "golden", "--case", full, "--out", tmp_path / "c", "--inputs", golden / "query.npy")
+    assert rc == 0, err
+    for name in ("key.bin", "value.bin", "attention_out.bin"):
+        assert (tmp_path / "c" / name).read_bytes() == (golden / name).read_bytes()
+    rc, _, err = _main(capsys, "golden", "--case", params_only, "--out", tmp_path / "d", "--inputs", golden / "qq.npy")
+    assert rc == 2 and "no such file" in err
+
+
+# ------------------------------------------------------------------------------------------------------
+# Every example case file: golden, the operator's outputs, compare (in-process)
+# ------------------------------------------------------------------------------------------------------
+def test_examples_cover_every_operator():
+    ops = {json.loads(p.read_text())["op"] for p in EXAMPLES}
+    assert ops == set(OPS)
+    int8 = [json.loads(p.read_text()) for p in EXAMPLES if "int8" in p.name]
+    assert int8 and int8[0]["inputs"]["query"]["dtype"] == "int8"
+
+
+@pytest.mark.parametrize("example", EXAMPLES, ids=[p.stem for p in EXAMPLES])
+def test_example_round_trip(example, tmp_path, capsys):
+    golden, actual = tmp_path / "golden", tmp_path / "actual"
+    rc, out, err = _main(capsys, "golden", "--case", example, "--out", golden, "--actual", actual)
+    assert rc == 0, out + err
+    manifest = tensorio.read_manifest(golden)
+    outputs = [e["name"] for e in manifest["tensors"] if e["role"] == "output"]
+    assert outputs and manifest["op"] == json.loads(example.read_text())["op"]
+    rc, out, err = _main(capsys, "compare", actual, golden)
+    assert rc == 0, out + err
+    assert f"PASS: {len(outputs)}/{len(outputs)} tensors" in out
