@@ -63,7 +63,10 @@ def _tile_keys(seq: SparseSequence, q_tile: torch.Tensor, rows: torch.Tensor, sc
     n_rows, heads, d_qk = q_tile.shape
     width = sel.tokens.shape[1]
     d_all = d_qk + seq.v.shape[-1]
-    union_blocks = torch.unique(sel.blocks[sel.entry_valid])
+    # Sorted distinct selected blocks without a sort: mark them in a per-block table.
+    present = torch.zeros(-(-seq.seq_kv // block_size), dtype=torch.bool, device=rows.device)
+    present[sel.blocks[sel.entry_valid]] = True
+    union_blocks = present.nonzero().view(-1)
     union_width = union_blocks.numel() * block_size
     gather_cost = n_rows * width * d_all * (GATHER_COST + heads)
     union_cost = union_width * d_all * (GATHER_COST + n_rows * heads)
