@@ -101,9 +101,6 @@ class SequenceMask:
             return False
         return bool((self.explicit[..., i0:i1, j0:j1] != 0).all())
 
-    def visible_dense(self, device: torch.device) -> torch.Tensor:
-        """Materialised visibility [.., Sq, Skv]; only for small problems, tests and debugging."""
-        return ~self.masked_tile(0, self.seq_q, 0, self.seq_kv, device)
 
 
 def compressed_mask(sparse_mode: int, device: torch.device | str = "cpu") -> torch.Tensor:

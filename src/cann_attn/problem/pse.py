@@ -39,10 +39,6 @@ class SequencePse:
     q_start: int = 0
     kv_start: int = 0
 
-    @property
-    def multiplier(self) -> float:
-        return self.scale if self.pse_type == 1 else 1.0
-
     def _compressed_index(self, i0: int, i1: int, j0: int, j1: int, device) -> tuple[torch.Tensor, torch.Tensor]:
         first_tail_row = self.seq_q - COMPRESSED_PSE_ROWS
         rows = torch.arange(i0, i1, device=device)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from ..errors import ParamInvalidError, describe
+from ..errors import ParamInvalidError
 
 STAT_WIDTH = 8
 FLT_MAX = 3.4028234663852886e38
@@ -39,12 +39,3 @@ def run_view(stats: torch.Tensor, *, tnd: bool, softmax_layout: str, b0: int, co
     flat = stats.view(-1)
     start = token_start * heads * STAT_WIDTH
     return flat[start : start + count * heads * seq_q * STAT_WIDTH].view(count, heads, seq_q, STAT_WIDTH)
-
-
-def check_stats_tensor(stats: torch.Tensor, expected_shape: tuple[int, ...], param: str) -> None:
-    if stats.dtype != torch.float32 or tuple(stats.shape) != expected_shape:
-        raise ParamInvalidError(
-            f"{param}: expected float32 of shape {list(expected_shape)}, got {describe(stats)}"
-        )
-    if not stats.is_contiguous():
-        raise ParamInvalidError(f"{param}: expected a contiguous tensor (its memory layout carries meaning)")

@@ -37,10 +37,10 @@ def quantize_output(problem: AttentionProblem, dense: torch.Tensor, row_valid: t
         if run.seq_q > 0:
             rows = problem.q_view(dense, run)
             valid = row_valid[run.b0 : run.b0 + run.count, :, : run.seq_q].unsqueeze(-1)
-            problem.q_view(out, run).copy_(_quantize(rows, plan, run, problem).masked_fill_(~valid, 0))
+            problem.q_view(out, run).copy_(_quantize(rows, plan).masked_fill_(~valid, 0))
 
 
-def _quantize(o: torch.Tensor, plan, run: Run, problem: AttentionProblem) -> torch.Tensor:
+def _quantize(o: torch.Tensor, plan) -> torch.Tensor:
     scale = plan.scale2.to(o.device)
     y = o * scale
     if plan.offset2 is not None:
@@ -88,6 +88,6 @@ def _run(problem: AttentionProblem, run: Run, query, key, value, out_view, plan)
         valid = row_sum > 0
         o = (acc.to(torch.float32) * plan.deq2).view(c, problem.heads_q, rows, d)
         o = o / torch.where(valid, row_sum, 1.0).unsqueeze(-1)
-        result = _quantize(o, plan, run, problem) if plan.output_dtype == torch.int8 else o.to(plan.output_dtype)
+        result = _quantize(o, plan) if plan.output_dtype == torch.int8 else o.to(plan.output_dtype)
         result.masked_fill_(~valid.unsqueeze(-1), 0)
         out_view[:, :, i0:i1].copy_(result)
