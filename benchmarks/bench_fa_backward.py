@@ -154,10 +154,6 @@ def long_case(impl: str, device: str = "cpu"):
     return step, {"impl": impl, "device": device}
 
 
-def _gflops(flops: float, seconds: float | None) -> float | None:
-    return None if not seconds else flops / seconds / 1e9
-
-
 def _compare(ours: tuple[torch.Tensor, ...], ref: tuple[torch.Tensor, ...]) -> tuple[bool, float]:
     """allclose of every gradient (dq, dk, dv), and the largest absolute difference."""
     atol, rtol = TOLERANCES[ours[0].dtype]
@@ -182,28 +178,11 @@ def run_benches(args, warmup: int, repeats: int, progress, task) -> list[dict[st
             t_ours = common.time_fn(bench.ours, warmup, repeats, args.device)
             t_sdpa = common.time_fn(bench.sdpa, warmup, repeats, args.device)
             flops = FWD_BWD_FACTOR * common.attention_flops(B, N, bench.pairs, D)
-            ratio = t_sdpa["median_s"] / t_ours["median_s"]
-            results.append(
-                {
-                    "key": bench.key,
-                    "case": bench.label,
-                    "dtype": dtype_name,
-                    "shape": f"B{B} N{N} S{S} D{D}",
-                    "visible_pairs": bench.pairs,
-                    "flops_fwd_bwd": flops,
-                    "ours_ms": t_ours["median_s"] * 1e3,
-                    "sdpa_ms": t_sdpa["median_s"] * 1e3,
-                    "ours_times_s": t_ours["times_s"],
-                    "sdpa_times_s": t_sdpa["times_s"],
-                    "ours_gflops": _gflops(flops, t_ours["median_s"]),
-                    "sdpa_gflops": _gflops(flops, t_sdpa["median_s"]),
-                    "ratio": ratio,
-                    "target": bench.target,
-                    "passed": ratio >= bench.target,
-                    "allclose": match,
-                    "max_abs_diff": diff,
-                }
-            )
+            results.append(common.ratio_record(
+                key=bench.key, case=bench.label, dtype=dtype_name, shape=f"B{B} N{N} S{S} D{D}",
+                pairs=bench.pairs, flops=flops, flops_name="flops_fwd_bwd", t_ours=t_ours, t_ref=t_sdpa,
+                target=bench.target, allclose=match, max_abs_diff=diff,
+            ))
             progress.advance(task)
     return results
 
@@ -235,8 +214,8 @@ def run_long(args, progress, task) -> dict[str, Any]:
         "flops_fwd_bwd": flops,
         "ours_ms": t_ours * 1e3,
         "sdpa_ms": t_sdpa * 1e3,
-        "ours_gflops": _gflops(flops, t_ours),
-        "sdpa_gflops": _gflops(flops, t_sdpa),
+        "ours_gflops": common.gflops(flops, t_ours),
+        "sdpa_gflops": common.gflops(flops, t_sdpa),
         "ratio": t_sdpa / t_ours,
         "ours_peak_rss_mb": mem_ours["peak_mb"],
         "ours_rss_before_call_mb": mem_ours["before_mb"],

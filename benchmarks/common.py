@@ -170,6 +170,36 @@ def attention_flops(batch: int, heads: int, pairs: int, d_qk: int, d_v: int | No
 # ----------------------------------------------------------------------------------------------------------
 # Machine, JSON, plots
 # ----------------------------------------------------------------------------------------------------------
+def gflops(flops: float, seconds: float | None) -> float | None:
+    return None if not seconds else flops / seconds / 1e9
+
+
+def ratio_record(*, key: str, case: str, dtype: str, shape: str, pairs: int, flops: float, flops_name: str,
+                 t_ours: dict[str, Any], t_ref: dict[str, Any], target: float, allclose: bool,
+                 max_abs_diff: float) -> dict[str, Any]:
+    """One row of a ours-vs-SDPA benchmark: medians, GFLOP/s, ratio = SDPA time / ours, and the target check."""
+    ratio = t_ref["median_s"] / t_ours["median_s"]
+    return {
+        "key": key,
+        "case": case,
+        "dtype": dtype,
+        "shape": shape,
+        "visible_pairs": pairs,
+        flops_name: flops,
+        "ours_ms": t_ours["median_s"] * 1e3,
+        "sdpa_ms": t_ref["median_s"] * 1e3,
+        "ours_times_s": t_ours["times_s"],
+        "sdpa_times_s": t_ref["times_s"],
+        "ours_gflops": gflops(flops, t_ours["median_s"]),
+        "sdpa_gflops": gflops(flops, t_ref["median_s"]),
+        "ratio": ratio,
+        "target": target,
+        "passed": ratio >= target,
+        "allclose": allclose,
+        "max_abs_diff": max_abs_diff,
+    }
+
+
 def cpu_model() -> str:
     try:
         with open("/proc/cpuinfo") as f:
