@@ -21,7 +21,6 @@ Writes DIR/fa_backward_<device>.json and DIR/fa_backward_<device>.png (default D
 
 from __future__ import annotations
 
-import argparse
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -285,11 +284,8 @@ def print_tables(results, long, console) -> None:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="fewer repeats (1 warm-up, 3 timed)")
-    parser.add_argument("--out", default=str(common.RESULTS), help="results folder (default benchmarks/results)")
+    parser = common.cli_parser(__doc__, "fewer repeats (1 warm-up, 3 timed)")
     parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
-    parser.add_argument("--strict", action="store_true", help="exit 1 when a performance target is missed")
     parser.add_argument("--skip-long", action="store_true", help=f"skip (e), the S={LONG_S} case")
     args = parser.parse_args(argv)
     if args.device == "cuda" and not torch.cuda.is_available():
@@ -298,9 +294,7 @@ def main(argv=None) -> int:
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-    console = Console()
-    if not console.is_terminal:
-        console = Console(width=max(console.width, 160))
+    console = common.console(160)
     busy_before = common.busy_warning()
     if busy_before:
         console.print(f"[yellow]warning[/]: {busy_before}", highlight=False)

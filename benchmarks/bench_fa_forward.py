@@ -18,7 +18,6 @@ Writes DIR/fa_forward_<device>.json and DIR/fa_forward_<device>.png (default DIR
 
 from __future__ import annotations
 
-import argparse
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -263,13 +262,8 @@ def print_tables(results, long, console) -> None:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="fewer repeats (1 warm-up, 3 timed)")
-    parser.add_argument(
-        "--out", default=str(common.RESULTS), help="results folder (default benchmarks/results)"
-    )
+    parser = common.cli_parser(__doc__, "fewer repeats (1 warm-up, 3 timed)")
     parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
-    parser.add_argument("--strict", action="store_true", help="exit 1 when a performance target is missed")
     parser.add_argument("--skip-long", action="store_true", help="skip (e), the S=32768 case")
     args = parser.parse_args(argv)
     if args.device == "cuda" and not torch.cuda.is_available():
@@ -278,9 +272,7 @@ def main(argv=None) -> int:
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-    console = Console()
-    if not console.is_terminal:
-        console = Console(width=max(console.width, 150))
+    console = common.console(150)
     busy_before = common.busy_warning()
     if busy_before:
         console.print(f"[yellow]warning[/]: {busy_before}", highlight=False)

@@ -20,7 +20,6 @@ Writes DIR/indexer_cpu.json and DIR/indexer_cpu.png (default DIR: benchmarks/res
 
 from __future__ import annotations
 
-import argparse
 import sys
 import traceback
 from pathlib import Path
@@ -188,12 +187,7 @@ def print_table(results, gemm: dict, console) -> None:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="no warm-up, 1 timed call, fewer GEMM repeats")
-    parser.add_argument("--out", default=str(common.RESULTS), help="results folder (default benchmarks/results)")
-    parser.add_argument("--strict", action="store_true", help="exit 1 when a performance target is missed")
-    parser.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's)")
-    parser.add_argument("--no-rss", action="store_true", help="skip the peak-memory subprocesses")
+    parser = common.cli_parser(__doc__, "no warm-up, 1 timed call, fewer GEMM repeats", threads=True, no_rss=True)
     args = parser.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -201,9 +195,7 @@ def main(argv=None) -> int:
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-    console = Console()
-    if not console.is_terminal:
-        console = Console(width=max(console.width, 180))
+    console = common.console(180)
     warmup, repeats = (0, 1) if args.quick else (1, 3)
     busy = common.busy_warning()
     if busy:

@@ -16,7 +16,6 @@ Writes DIR/pfa_cpu.json and DIR/pfa_cpu.png (default DIR: benchmarks/results).
 
 from __future__ import annotations
 
-import argparse
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -230,11 +229,7 @@ def print_table(results, console) -> None:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="fewer repeats (1 warm-up, 2 timed)")
-    parser.add_argument("--out", default=str(common.RESULTS), help="results folder (default benchmarks/results)")
-    parser.add_argument("--strict", action="store_true", help="exit 1 when a performance target is missed")
-    parser.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's)")
+    parser = common.cli_parser(__doc__, "fewer repeats (1 warm-up, 2 timed)", threads=True)
     args = parser.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -242,9 +237,7 @@ def main(argv=None) -> int:
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-    console = Console()
-    if not console.is_terminal:
-        console = Console(width=max(console.width, 150))
+    console = common.console(150)
     warmup, repeats = (1, 2) if args.quick else (1, 5)
     progress = Progress(
         TextColumn("[bold]bench pfa"),

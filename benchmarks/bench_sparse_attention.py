@@ -23,7 +23,6 @@ Writes DIR/sparse_attention_cpu.json and DIR/sparse_attention_cpu.png (default D
 
 from __future__ import annotations
 
-import argparse
 import math
 import sys
 import time
@@ -303,12 +302,7 @@ def print_table(results, gemm: dict, console) -> None:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="no warm-up, 1 timed call, fewer GEMM repeats")
-    parser.add_argument("--out", default=str(common.RESULTS), help="results folder (default benchmarks/results)")
-    parser.add_argument("--strict", action="store_true", help="exit 1 when a performance target is missed")
-    parser.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's)")
-    parser.add_argument("--no-rss", action="store_true", help="skip the peak-memory subprocesses")
+    parser = common.cli_parser(__doc__, "no warm-up, 1 timed call, fewer GEMM repeats", threads=True, no_rss=True)
     args = parser.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -316,9 +310,7 @@ def main(argv=None) -> int:
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-    console = Console()
-    if not console.is_terminal:
-        console = Console(width=max(console.width, 200))
+    console = common.console(200)
     warmup, repeats = (0, 1) if args.quick else (1, 3)
     busy = common.busy_warning()
     if busy:

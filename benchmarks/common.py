@@ -200,6 +200,29 @@ def ratio_record(*, key: str, case: str, dtype: str, shape: str, pairs: int, flo
     }
 
 
+def cli_parser(doc: str, quick_help: str, *, threads: bool = False, no_rss: bool = False):
+    """The options every benchmark script shares: --quick, --out, --strict (and --threads / --no-rss)."""
+    import argparse
+
+    parser = argparse.ArgumentParser(description=doc.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help=quick_help)
+    parser.add_argument("--out", default=str(RESULTS), help="results folder (default benchmarks/results)")
+    parser.add_argument("--strict", action="store_true", help="exit 1 when a performance target is missed")
+    if threads:
+        parser.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's)")
+    if no_rss:
+        parser.add_argument("--no-rss", action="store_true", help="skip the peak-memory subprocesses")
+    return parser
+
+
+def console(min_width: int):
+    """A rich console; when output is not a terminal (logs, CI), wide enough for the result tables."""
+    from rich.console import Console
+
+    con = Console()
+    return con if con.is_terminal else Console(width=max(con.width, min_width))
+
+
 def cpu_model() -> str:
     try:
         with open("/proc/cpuinfo") as f:

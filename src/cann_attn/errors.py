@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["AclnnError", "ParamInvalidError", "ParamNullptrError", "describe", "require"]
+__all__ = ["AclnnError", "ParamInvalidError", "ParamNullptrError", "describe", "require", "require_int"]
 
 
 class AclnnError(ValueError):
@@ -40,6 +40,13 @@ def describe(value: Any) -> str:
     if shape is not None and dtype is not None:
         return f"tensor(dtype={dtype}, shape={list(shape)})"
     return repr(value)
+
+
+def require_int(value: Any, param: str) -> int:
+    """`value` must be a Python int (bool is rejected although it is an int subclass)."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ParamInvalidError(f"{param}: expected an int, got {value!r}")
+    return value
 
 
 def require(condition: bool, param: str, expected: str, given: Any) -> None:

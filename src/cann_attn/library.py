@@ -57,6 +57,7 @@ from .ops.sparse_flash_attention import sparse_flash_attention_grad as _eager_sp
 from .problem.dropout import gen_drop_mask
 from .problem.lengths import to_int_list
 from .problem.quant import trans_quant_param as _eager_trans_quant_param
+from .problem.stats import accumulation_dtype
 
 __all__ = [
     "dropout_mask",
@@ -83,10 +84,6 @@ def _empty_like_none(like: Tensor, dtype: torch.dtype | None = None) -> Tensor:
 
 def _none_if_placeholder(t: Tensor, present: bool) -> Tensor | None:
     return t if present else None
-
-
-def _stat_dtype(dtype: torch.dtype) -> torch.dtype:
-    return torch.float64 if dtype == torch.float64 else torch.float32
 
 
 def _ints(value, name: str) -> list[int] | None:
@@ -227,7 +224,7 @@ def _fa_stat_shape(query: Tensor, head_num: int, layout: str) -> tuple:
 
 
 def _fa_fake(query, key, value, head_num, input_layout, *args, **kwargs):
-    stat_dtype = _stat_dtype(query.dtype)
+    stat_dtype = accumulation_dtype(query.dtype)
     stat_shape = _fa_stat_shape(query, head_num, input_layout)
     return (
         query.new_empty(_fa_out_shape(query, key, value, head_num, input_layout)),
@@ -472,7 +469,7 @@ def _dsa_stat_shape(query: Tensor, layout: str) -> tuple:
 def _(query, key, value, sparse_indices, scale_value, query_rope=None, key_rope=None, actual_seq_lengths_query=None,
       actual_seq_lengths_kv=None, sparse_block_size=1, layout="BSND", sparse_mode=3, pre_tokens=INT64_MAX,
       next_tokens=INT64_MAX, backend="auto"):
-    stat_dtype = _stat_dtype(query.dtype)
+    stat_dtype = accumulation_dtype(query.dtype)
     stat_shape = _dsa_stat_shape(query, layout)
     return (query.new_empty((*query.shape[:-1], value.shape[-1])), query.new_empty(stat_shape, dtype=stat_dtype),
             query.new_empty(stat_shape, dtype=stat_dtype))
@@ -628,7 +625,7 @@ def _sli_kl_op(
 
 @_sli_kl_op.register_fake
 def _(query, key, query_index, key_index, weights, *args, **kwargs):
-    loss = query.new_empty((1,), dtype=_stat_dtype(query_index.dtype))
+    loss = query.new_empty((1,), dtype=accumulation_dtype(query_index.dtype))
     return torch.empty_like(query_index), torch.empty_like(key_index), torch.empty_like(weights), loss
 
 

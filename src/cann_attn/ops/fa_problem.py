@@ -8,13 +8,13 @@ from dataclasses import dataclass
 
 import torch
 
-from ..errors import ParamInvalidError, ParamNullptrError, describe, require
+from ..errors import ParamInvalidError, ParamNullptrError, describe, require, require_int
 from ..problem import dropout as drop
 from ..problem import layout as layouts
 from ..problem import mask as masks
 from ..problem import pse as pses
 from ..problem import stats
-from ..problem.attention import AttentionProblem, Run, partition_runs
+from ..problem.attention import AttentionProblem, Run, mask_runs
 from ..problem.lengths import cumulative_lengths, starts_of, to_int_list
 
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
@@ -112,12 +112,6 @@ def validate_shapes(
     return FaShapes(batch, q.heads, k.heads, q.head_dim, v.head_dim, seq_q, seq_kv, q.seq)
 
 
-def _check_int(value, param: str) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise ParamInvalidError(f"{param}: expected an int, got {value!r}")
-    return value
-
-
 def _mask_rows_cols(shapes: FaShapes, tnd: bool) -> tuple[int, int]:
     return (max(shapes.seq_q), max(shapes.seq_kv)) if tnd else (shapes.seq_q[0], shapes.seq_kv[0])
 
@@ -131,12 +125,12 @@ def build_problem(
     """Validate every FA-family parameter and return the canonical problem (nothing is computed)."""
     shapes = validate_shapes(query, key, value, head_num, input_layout, actual_seq_qlen, actual_seq_kvlen)
     tnd = input_layout == "TND"
-    sparse_mode = _check_int(sparse_mode, "sparse_mode")
-    pre_tokens = _check_int(pre_tokens, "pre_tokens")
-    next_tokens = _check_int(next_tokens, "next_tokens")
-    _check_int(inner_precise, "inner_precise")
+    sparse_mode = require_int(sparse_mode, "sparse_mode")
+    pre_tokens = require_int(pre_tokens, "pre_tokens")
+    next_tokens = require_int(next_tokens, "next_tokens")
+    require_int(inner_precise, "inner_precise")
     require(inner_precise in (0, 1, 2, 3, 4), "inner_precise", "0..4", inner_precise)
-    pse_type = _check_int(pse_type, "pse_type")
+    pse_type = require_int(pse_type, "pse_type")
     pses.check_pse_type(pse_type)
     stats.check_softmax_layout(softmax_layout)
     require(tnd or softmax_layout == "", "softmax_layout", "'' for non-TND layouts", softmax_layout)
@@ -194,12 +188,8 @@ def _validate_mask(atten_mask, sparse_mode, shapes: FaShapes, tnd, prefix, pre_t
                 raise ParamInvalidError(
                     f"atten_mask: sparse_mode 5 expects [B,N,Sq,Skv] or [B,1,Sq,Skv], got {describe(atten_mask)}"
                 )
-    if sparse_mode in (0, 4) and pre_tokens < masks.INT_MAX and next_tokens < masks.INT_MAX \
-            and pre_tokens + next_tokens < 0:
-        raise ParamInvalidError(
-            f"pre_tokens/next_tokens: the band [i - pre_tokens, i + next_tokens] must be non-empty, got "
-            f"pre_tokens={pre_tokens}, next_tokens={next_tokens}"
-        )
+    if sparse_mode in (0, 4):
+        masks.check_band(pre_tokens, next_tokens)
     if sparse_mode not in (5, 6):
         return None
     prefix_list = to_int_list(prefix, "prefix")
@@ -288,12 +278,11 @@ def _make_runs(shapes: FaShapes, tnd, sparse_mode, atten_mask, prefix_list, pre_
                 prefix=None if prefix_list is None else prefix_list[b], is_band_batch=(b == band_batch),
             ))
     uses_explicit = atten_mask is not None and sparse_mode in (0, 1, 5)
-    keys = [(m.structure, b if uses_explicit and tnd else 0) for b, m in enumerate(seq_masks)]
     q_starts = starts_of(shapes.seq_q) if tnd else [0] * shapes.batch
     kv_starts = starts_of(shapes.seq_kv) if tnd else [0] * shapes.batch
     element_base = starts_of([shapes.heads_q * a * c for a, c in zip(shapes.seq_q, shapes.seq_kv, strict=True)])
     runs = []
-    for b0, count in partition_runs(keys):
+    for b0, count in mask_runs(seq_masks, one_per_sequence=uses_explicit and tnd):
         base = seq_masks[b0]
         sq, skv = base.seq_q, base.seq_kv
         explicit = None

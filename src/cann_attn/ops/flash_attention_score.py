@@ -116,7 +116,7 @@ def _run(args: dict, allowed_modes: tuple[int, ...]) -> FlashAttentionScoreResul
     )
     out = torch.zeros(out_shape, dtype=query.dtype, device=query.device)
     stat_shape = stats.stats_shape(tnd, shapes.batch, shapes.heads_q, shapes.total_q)
-    stat_dtype = torch.float64 if query.dtype == torch.float64 else torch.float32
+    stat_dtype = stats.accumulation_dtype(query.dtype)
     softmax_max = torch.empty(stat_shape, dtype=stat_dtype, device=query.device)
     softmax_sum = torch.empty(stat_shape, dtype=stat_dtype, device=query.device)
     if out.numel() > 0:

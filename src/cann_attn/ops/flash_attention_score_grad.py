@@ -81,7 +81,7 @@ def flash_attention_score_grad(
     stat_shape = stats.stats_shape(problem.tnd, shapes.batch, shapes.heads_q, shapes.total_q)
     if (softmax_max is None) != (softmax_sum is None):
         raise ParamInvalidError("softmax_max/softmax_sum: give both forward statistics or neither")
-    stat_dtype = torch.float64 if query.dtype == torch.float64 else torch.float32
+    stat_dtype = stats.accumulation_dtype(query.dtype)
     if softmax_max is not None:
         for name, t in (("softmax_max", softmax_max), ("softmax_sum", softmax_sum)):
             require(isinstance(t, torch.Tensor) and t.dtype in (torch.float32, stat_dtype)

@@ -9,8 +9,9 @@ import torch
 
 from ..backends import select_backend
 from ..backends.reference import indexer as kernel
-from ..errors import ParamInvalidError, require
+from ..errors import ParamInvalidError, require, require_int
 from ..problem.sparse import indexer_selection
+from ..problem.stats import accumulation_dtype
 from .sparse_flash_attention import FLOAT_DTYPES, INT64_MAX, _check_tensor, _deterministic_guard, sequence_spans
 
 
@@ -34,7 +35,7 @@ def _check_common(query_index, key_index, weights, layout, sparse_mode, allowed_
     require(weights.dtype in FLOAT_DTYPES, "weights", "dtype float16, bfloat16 or float32", weights)
     if layout not in ("BSND", "TND"):
         raise ParamInvalidError(f"layout: expected 'BSND' or 'TND', got {layout!r}")
-    if isinstance(sparse_mode, bool) or sparse_mode not in allowed_modes:
+    if require_int(sparse_mode, "sparse_mode") not in allowed_modes:
         raise ParamInvalidError(f"sparse_mode: expected one of {list(allowed_modes)}, got {sparse_mode!r}")
     rank = 4 if layout == "BSND" else 3
     require(query_index.dim() == rank, "query_index", f"a {rank}-D tensor for layout {layout}", query_index)
@@ -151,7 +152,7 @@ def sparse_lightning_indexer_grad_kl_loss(
     problem = sequence_spans(layout, query_index, key_index, actual_seq_lengths_query, actual_seq_lengths_key,
                              "actual_seq_lengths_key", "key_index")
     select_backend(backend, query.device)
-    dtype = torch.float64 if query_index.dtype == torch.float64 else torch.float32
+    dtype = accumulation_dtype(query_index.dtype)
     d_query_index = torch.zeros_like(query_index)
     d_key_index = torch.zeros_like(key_index)
     d_weights = torch.zeros_like(weights)
@@ -179,8 +180,7 @@ def sparse_lightning_indexer_grad_kl_loss(
             problem.rows(d_query_index, b)[:lq] = dq
             problem.keys(d_key_index, b)[:lk, 0] = dk
             problem.rows(d_weights, b)[:lq] = dw
-    loss_dtype = torch.float64 if dtype == torch.float64 else torch.float32
-    return SparseLightningIndexerGradKLLossResult(d_query_index, d_key_index, d_weights, loss.to(loss_dtype).view(1))
+    return SparseLightningIndexerGradKLLossResult(d_query_index, d_key_index, d_weights, loss.to(dtype).view(1))
 
 
 def _stat_rows(problem, stat: torch.Tensor, b: int, rows: int) -> torch.Tensor:

@@ -6,11 +6,11 @@ import torch
 
 from ..backends import select_backend
 from ..backends.reference import flash_forward, quant_attention
-from ..errors import ParamInvalidError, ParamNullptrError, describe, require
+from ..errors import ParamInvalidError, ParamNullptrError, describe, require, require_int
 from ..problem import layout as layouts
 from ..problem import mask as masks
 from ..problem import quant
-from ..problem.attention import AttentionProblem, Run, partition_runs
+from ..problem.attention import AttentionProblem, Run, mask_runs
 from ..problem.lengths import per_batch_lengths
 from ..problem.pse import SequencePse
 from ..problem.stats import FLT_MAX
@@ -101,8 +101,7 @@ def prompt_flash_attention(
                 query)
     require(q.batch <= MAX_BATCH, "query", f"batch B <= {MAX_BATCH}", query)
     for name, value_ in (("sparse_mode", sparse_mode), ("pre_tokens", pre_tokens), ("next_tokens", next_tokens)):
-        if isinstance(value_, bool) or not isinstance(value_, int):
-            raise ParamInvalidError(f"{name}: expected an int, got {value_!r}")
+        require_int(value_, name)
     if sparse_mode not in PFA_MODES:
         raise ParamInvalidError(f"sparse_mode: PromptFlashAttentionV2 supports 0..4, got {sparse_mode}")
 
@@ -161,17 +160,11 @@ def _validate_mask(atten_mask, sparse_mode, batch, heads, seq_q, seq_kv, pre_tok
         else:
             squeezed = atten_mask
         masks.validate_compressed_mask(squeezed, sparse_mode)
-        if sparse_mode == 4 and pre_tokens + next_tokens < 0:
-            raise ParamInvalidError(
-                f"pre_tokens/next_tokens: the band must be non-empty, got pre_tokens={pre_tokens}, "
-                f"next_tokens={next_tokens}"
-            )
+        if sparse_mode == 4:
+            masks.check_band(pre_tokens, next_tokens)
         return None
-    if sparse_mode == 0 and pre_tokens < INT_MAX and next_tokens < INT_MAX and pre_tokens + next_tokens < 0:
-        raise ParamInvalidError(
-            f"pre_tokens/next_tokens: the band [i - pre_tokens, i + next_tokens] must be non-empty, got "
-            f"pre_tokens={pre_tokens}, next_tokens={next_tokens}"
-        )
+    if sparse_mode == 0:
+        masks.check_band(pre_tokens, next_tokens)
     # The mask may be padded beyond (Q_S, KV_S) (the seed recommends padding KV_S to 32 with ones): only its
     # top-left block is read.
     rows, cols = atten_mask.shape[-2:] if atten_mask.dim() >= 2 else (0, 0)
@@ -281,10 +274,8 @@ def _runs(atten_mask, explicit_views, sparse_mode, act_q, act_kv, pre_tokens, ne
         explicit = None if explicit_views is None else explicit_views[b][..., :sq, :skv].unsqueeze(0)
         seq_masks.append(masks.sequence_mask(sparse_mode, sq, skv, pre_tokens=pre_tokens, next_tokens=next_tokens,
                                              explicit=explicit))
-    per_batch_explicit = explicit_views is not None
-    keys = [(m.structure, b if per_batch_explicit else 0) for b, m in enumerate(seq_masks)]
     runs = []
-    for b0, count in partition_runs(keys):
+    for b0, count in mask_runs(seq_masks, one_per_sequence=explicit_views is not None):
         m = seq_masks[b0]
         pse = None
         if pse_shift is not None:

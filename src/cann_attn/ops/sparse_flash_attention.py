@@ -10,9 +10,10 @@ import torch
 
 from ..backends import select_backend
 from ..backends.reference import sparse_attention as kernel
-from ..errors import ParamInvalidError, ParamNullptrError, require
+from ..errors import ParamInvalidError, ParamNullptrError, require, require_int
 from ..problem.lengths import cumulative_lengths, per_batch_lengths, starts_of
 from ..problem.sparse import SPARSE_BLOCK_SIZES
+from ..problem.stats import accumulation_dtype
 
 INT64_MAX = 2**63 - 1
 SFA_MODES = (0, 3)
@@ -82,7 +83,7 @@ def validate_sparse(query, key, value, sparse_indices, scale_value, *, query_rop
             sparse_indices)
     if layout not in ("BSND", "TND"):
         raise ParamInvalidError(f"layout: expected 'BSND' or 'TND', got {layout!r}")
-    if isinstance(sparse_mode, bool) or sparse_mode not in SFA_MODES:
+    if require_int(sparse_mode, "sparse_mode") not in SFA_MODES:
         raise ParamInvalidError(f"sparse_mode: expected 0 or 3, got {sparse_mode!r}")
     if sparse_block_size not in SPARSE_BLOCK_SIZES or isinstance(sparse_block_size, bool):
         raise ParamInvalidError(
@@ -149,7 +150,7 @@ def _sequences(problem: SparseProblem, query, key, value, sparse_indices, query_
     """(b, SparseSequence) for each sequence with rows to compute; Q and K carry the rope dims appended, K and V
     are converted once to the compute dtype. Sequences without keys are skipped: their rows select nothing and
     keep the zero output / invalid statistics they were initialised with."""
-    dtype = _compute_dtype(query.dtype)
+    dtype = accumulation_dtype(query.dtype)
     value_is_key = value is key or (
         value.shape == key.shape and value.stride() == key.stride() and value.data_ptr() == key.data_ptr()
     )
@@ -174,10 +175,6 @@ def _stat_rows(problem: SparseProblem, stat: torch.Tensor, b: int) -> torch.Tens
         _, start, length = problem.q_spans[b]
         return stat[0, start : start + length]
     return stat[b, 0]
-
-
-def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
-    return torch.float64 if dtype == torch.float64 else torch.float32
 
 
 def _stats_shape(problem: SparseProblem, query: torch.Tensor) -> tuple[int, ...]:
@@ -218,7 +215,7 @@ def sparse_flash_attention(
                               layout=layout, sparse_mode=sparse_mode)
     select_backend(backend, query.device)
     out = torch.zeros((*query.shape[:-1], value.shape[-1]), dtype=query.dtype, device=query.device)
-    dtype = _compute_dtype(query.dtype)
+    dtype = accumulation_dtype(query.dtype)
     softmax_max = torch.full(_stats_shape(problem, query), kernel.INVALID_MAX, dtype=dtype, device=query.device)
     softmax_sum = torch.zeros(_stats_shape(problem, query), dtype=dtype, device=query.device)
     for b, seq in _sequences(problem, query, key, value, sparse_indices, query_rope, key_rope):
@@ -274,7 +271,7 @@ def sparse_flash_attention_grad(
         _check_tensor(t, name)
         require(t.dtype in (torch.float32, torch.float64) and tuple(t.shape) == stat_shape, name,
                 f"float32 of shape {list(stat_shape)}", t)
-    dtype = _compute_dtype(query.dtype)
+    dtype = accumulation_dtype(query.dtype)
     d_qk = query.shape[-1]
     dq = torch.zeros_like(query)
     dk = torch.zeros_like(key)
@@ -301,18 +298,13 @@ def sparse_flash_attention_grad(
     return SparseFlashAttentionGradResult(dq, dk, dv, dq_rope, dk_rope)
 
 
+@contextlib.contextmanager
 def _deterministic_guard(enabled: bool):
     """GPU scatter-adds use atomics unless deterministic algorithms are forced for the call."""
-    if not enabled:
-        return contextlib.nullcontext()
-    return _DeterministicAlgorithms()
-
-
-class _DeterministicAlgorithms:
-    def __enter__(self):
-        self._previous = torch.are_deterministic_algorithms_enabled()
+    previous = torch.are_deterministic_algorithms_enabled()
+    if enabled:
         torch.use_deterministic_algorithms(True)
-
-    def __exit__(self, *exc):
-        torch.use_deterministic_algorithms(self._previous)
-        return False
+    try:
+        yield
+    finally:
+        torch.use_deterministic_algorithms(previous)

@@ -79,6 +79,13 @@ class AttentionProblem:
         return view if self.tnd else view[:, :, : run.seq_q]
 
 
+def mask_runs(seq_masks: list[SequenceMask], one_per_sequence: bool) -> list[tuple[int, int]]:
+    """(b0, count) runs of consecutive sequences whose masks share their structure. With `one_per_sequence`
+    (each sequence reads its own slice of an explicit mask that no batched view describes) every sequence is
+    its own run."""
+    return partition_runs([(m.structure, b if one_per_sequence else 0) for b, m in enumerate(seq_masks)])
+
+
 def partition_runs(keys: list[tuple]) -> list[tuple[int, int]]:
     """(b0, count) of the maximal runs of consecutive sequences with equal keys (lengths + mask structure)."""
     runs: list[tuple[int, int]] = []

@@ -189,6 +189,16 @@ def explicit_mask_views(
     return [atten_mask[b] for b in range(batch)]
 
 
+def check_band(pre_tokens: int, next_tokens: int) -> None:
+    """The window i - pre <= j <= i + next (any origin) must be non-empty: pre + next >= 0 (SEMANTICS.md 2).
+    INT_MAX means "no bound", so only finite pairs can fail."""
+    if pre_tokens + next_tokens < 0:
+        raise ParamInvalidError(
+            f"pre_tokens/next_tokens: the band [i - pre_tokens, i + next_tokens] must be non-empty, got "
+            f"pre_tokens={pre_tokens}, next_tokens={next_tokens}"
+        )
+
+
 def band_batch_index(sparse_mode: int, seq_q: list[int]) -> int | None:
     """Mode 7: the last sequence with Sq_b > 0; mode 8: the first one."""
     candidates = [b for b, s in enumerate(seq_q) if s > 0]

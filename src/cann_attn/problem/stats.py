@@ -16,6 +16,11 @@ FLT_MAX = 3.4028234663852886e38
 SOFTMAX_LAYOUTS = ("", "TND")
 
 
+def accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
+    """fp32 accumulation and statistics everywhere; float64 inputs (gradcheck, goldens) stay float64."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
 def check_softmax_layout(softmax_layout: str) -> str:
     if softmax_layout not in SOFTMAX_LAYOUTS:
         raise ParamInvalidError(f"softmax_layout: expected '' or 'TND', got {softmax_layout!r}")

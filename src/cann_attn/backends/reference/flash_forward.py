@@ -15,7 +15,7 @@ import torch
 
 from ...problem.attention import AttentionProblem, Run
 from ...problem.mask import TileState
-from ...problem.stats import FLT_MAX
+from ...problem.stats import FLT_MAX, accumulation_dtype
 
 BLOCK_Q = 256
 BLOCK_K = 256
@@ -25,11 +25,6 @@ BLOCK_K_DENSE = 512
 # are < 1.7e-38 of the row's largest term, far below fp32 resolution, so they are computed as exp(EXP_FLOOR)
 # (masked entries are zeroed exactly afterwards).
 EXP_FLOOR = -87.0
-
-
-def compute_dtype(dtype: torch.dtype) -> torch.dtype:
-    """fp32 accumulation everywhere; float64 inputs (gradcheck) stay float64."""
-    return torch.float64 if dtype == torch.float64 else torch.float32
 
 
 def forward(problem: AttentionProblem, query, key, value, out, softmax_max=None, softmax_sum=None) -> None:
@@ -64,7 +59,7 @@ class RunKernel:
 
     def __init__(self, problem: AttentionProblem, run: Run, query, key, value) -> None:
         self.problem, self.run = problem, run
-        self.dtype = compute_dtype(query.dtype)
+        self.dtype = accumulation_dtype(query.dtype)
         self.device = query.device
         c, n2 = run.count, problem.heads_kv
         self.q_all = problem.q_view(query, run)

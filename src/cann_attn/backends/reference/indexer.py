@@ -9,6 +9,7 @@ from __future__ import annotations
 import torch
 
 from ...problem.sparse import allowed_keys, indexer_selection
+from ...problem.stats import accumulation_dtype
 from .workspace import Workspace
 
 ROW_TILE = 64
@@ -33,7 +34,7 @@ def index_scores(q_idx: torch.Tensor, k_idx: torch.Tensor, weights: torch.Tensor
 def top_k_sequence(q_idx, k_idx, weights, *, sparse_mode: int, seq_q: int, seq_kv: int, k: int,
                    indices_out: torch.Tensor, values_out: torch.Tensor | None) -> None:
     """Fill indices_out [Sq, K] (int32, -1 padded) and values_out [Sq, K] for one sequence."""
-    dtype = torch.float64 if q_idx.dtype == torch.float64 else torch.float32
+    dtype = accumulation_dtype(q_idx.dtype)
     k_all = k_idx.to(dtype)
     for t0 in range(0, seq_q, ROW_TILE):
         t1 = min(t0 + ROW_TILE, seq_q)
