@@ -212,54 +212,8 @@ def run_long(args, progress, task) -> dict[str, Any]:
 
 
 def print_tables(results, long, console) -> None:
-    from rich.table import Table
-
-    def f(x, spec=".1f"):
-        return "-" if x is None else format(x, spec)
-
-    table = Table(
-        title=f"FlashAttentionScore forward vs SDPA ({results[0]['shape']}, BNSD)", header_style="bold"
-    )
-    for col in (
-        "case",
-        "dtype",
-        "ours ms",
-        "SDPA ms",
-        "ours GFLOP/s",
-        "SDPA GFLOP/s",
-        "ratio",
-        "target",
-        "pass",
-        "allclose (max diff)",
-    ):
-        table.add_column(col, justify="left" if col in ("case", "dtype") else "right")
-    for r in [*results, long] if long else results:
-        verdict = "[green]pass[/]" if r["passed"] else "[bold red]FAIL[/]"
-        target = f">= {r['target']}" if r.get("target") is not None else f"RSS < {RSS_TARGET_GB} GB"
-        close = ("[green]yes[/]" if r["allclose"] else "[bold red]NO[/]") + f" ({r['max_abs_diff']:.1e})"
-        table.add_row(
-            r["case"],
-            r["dtype"],
-            f(r["ours_ms"]),
-            f(r["sdpa_ms"]),
-            f(r["ours_gflops"]),
-            f(r["sdpa_gflops"]),
-            f(r["ratio"], ".2f"),
-            target,
-            verdict,
-            close,
-        )
-    console.print(table)
-    if long:
-        verdict = "pass" if long["passed"] else "FAIL"
-        console.print(
-            f"(e) {long['shape']} fp32: our peak RSS {long['ours_peak_rss_mb']:.0f} MB "
-            f"({long['ours_rss_before_call_mb']:.0f} MB before the call, "
-            f"+{long['ours_rss_call_delta_mb']:.0f} MB during it; target < {RSS_TARGET_GB} GB: {verdict}); "
-            f"SDPA peak RSS {long['sdpa_peak_rss_mb']:.0f} MB (+{long['sdpa_rss_call_delta_mb']:.0f} MB)",
-            highlight=False,
-        )
-
+    title = f"FlashAttentionScore forward vs SDPA ({results[0]['shape']}, BNSD)"
+    common.print_ratio_table(console, title, results, long, close_label="allclose (max diff)", long_label="fp32")
 
 def main(argv=None) -> int:
     parser = common.cli_parser(__doc__, "fewer repeats (1 warm-up, 3 timed)")

@@ -223,6 +223,37 @@ def console(min_width: int):
     return con if con.is_terminal else Console(width=max(con.width, min_width))
 
 
+def print_ratio_table(console, title: str, rows: list[dict[str, Any]], long: dict[str, Any] | None,
+                      close_label: str, long_label: str) -> None:
+    """The ours-vs-SDPA table of `ratio_record` rows (+ the optional long-sequence memory row) and its RSS line."""
+    from rich.table import Table
+
+    def f(x, spec=".1f"):
+        return "-" if x is None else format(x, spec)
+
+    table = Table(title=title, header_style="bold")
+    columns = ("case", "dtype", "ours ms", "SDPA ms", "ours GFLOP/s", "SDPA GFLOP/s", "ratio", "target", "pass",
+               close_label)
+    for col in columns:
+        table.add_column(col, justify="left" if col in ("case", "dtype") else "right")
+    for r in [*rows, long] if long else rows:
+        verdict = "[green]pass[/]" if r["passed"] else "[bold red]FAIL[/]"
+        target = f">= {r['target']}" if r.get("target") is not None else f"RSS < {r['rss_target_gb']} GB"
+        close = ("[green]yes[/]" if r["allclose"] else "[bold red]NO[/]") + f" ({r['max_abs_diff']:.1e})"
+        table.add_row(r["case"], r["dtype"], f(r["ours_ms"]), f(r["sdpa_ms"]), f(r["ours_gflops"]),
+                      f(r["sdpa_gflops"]), f(r["ratio"], ".2f"), target, verdict, close)
+    console.print(table)
+    if long:
+        verdict = "pass" if long["passed"] else "FAIL"
+        console.print(
+            f"(e) {long['shape']} {long_label}: our peak RSS {long['ours_peak_rss_mb']:.0f} MB "
+            f"({long['ours_rss_before_call_mb']:.0f} MB before the call, +{long['ours_rss_call_delta_mb']:.0f} MB "
+            f"during it; target < {long['rss_target_gb']} GB: {verdict}); SDPA peak RSS "
+            f"{long['sdpa_peak_rss_mb']:.0f} MB (+{long['sdpa_rss_call_delta_mb']:.0f} MB)",
+            highlight=False,
+        )
+
+
 def cpu_model() -> str:
     try:
         with open("/proc/cpuinfo") as f:
