@@ -16,9 +16,14 @@ $(STAMP): pyproject.toml
 demo: $(STAMP)
 	$(BIN)/cann-attn verify
 
+# The operator test matrix again with every supported case on the Triton kernels (interpreter on CPU).
+TRITON_MATRIX := tests/test_fa_forward.py tests/test_fa_backward.py tests/test_pfa.py \
+	tests/test_sparse_attention.py tests/test_indexer.py
+
 test: $(STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/python -m pytest -n 2 -q
+	CANN_ATTN_BACKEND=triton TRITON_INTERPRET=1 $(BIN)/python -m pytest -n 2 -q $(TRITON_MATRIX)
 
 lint: $(STAMP)
 	$(BIN)/ruff check .

@@ -8,6 +8,12 @@ from pathlib import Path
 
 import pytest
 import torch
+
+# Without a GPU the Triton kernels run in Triton's interpreter; the flag is read when a kernel module is first
+# imported, so it must be set before any test imports one. backend="auto" still picks the reference backend on
+# CPU unless CANN_ATTN_BACKEND=triton (the Triton matrix run of `make test`).
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 from hypothesis import HealthCheck, settings
 
 _TESTS_DIR = str(Path(__file__).resolve().parent)
