@@ -44,6 +44,12 @@ def test_verify_quick_flash_attention_score():
     assert "flash_attention_score" in proc.stdout and "OK" in proc.stdout
 
 
+def test_verify_names_the_backend_of_each_case():
+    proc = _run("verify", "--quick", "--op", "flash_attention_score", "--case", "gqa", "--backend", "reference")
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    assert "backend reference" in proc.stdout and "│ reference" in proc.stdout
+
+
 def test_verify_list():
     proc = _run("verify", "--list")
     assert proc.returncode == 0, proc.stderr

@@ -6,12 +6,15 @@ SEMANTICS.md section 11 (threshold of the output's dtype) and the operator's wal
 quantized results, top-k indices) are judged as ``compare`` judges them (metrics.py). As in the test suite,
 an output the Ascend rule rejects still passes when its case has a same-dtype naive reference and the
 flash-attn rule (max error <= 2 x the naive computation's max error + 1e-5) accepts it; the "fa rule" column
-says so. Exit status 1 if any output fails or any case raises.
+says so. The "backend" column names the backend that computed the case (``--backend triton`` prefers the Triton
+kernels and falls back per case where they do not apply; on CPU they run in Triton's interpreter). Exit status 1
+if any output fails or any case raises.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import time
 import traceback
 import zlib
@@ -23,6 +26,7 @@ from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
+from ..backends import PREFERENCE_ENV, dispatch_counts
 from . import UsageError
 from . import cases as registry
 
@@ -49,6 +53,7 @@ class Row:
     max_abs: float | None = None
     max_rel: float | None = None
     time_ms: float | None = None
+    backend: str = ""
     note: str = ""
     traceback: str = ""
 
@@ -69,6 +74,9 @@ def add_parser(subparsers) -> None:
     p.add_argument("--quick", action="store_true", help="skip the larger cases (well under a minute)")
     p.add_argument("--device", default="cpu", help="device of the operator's inputs, e.g. cpu, cuda, cuda:1")
     p.add_argument("--seed", type=int, default=0, help="base seed of the input generators (default 0)")
+    p.add_argument("--backend", choices=("auto", "reference", "triton"), default="auto",
+                   help="backend preference: triton runs every case the Triton kernels support on them (on CPU "
+                   "in Triton's interpreter) and the rest on the reference backend (default auto)")
     p.add_argument("--case", metavar="SUBSTR", help="only cases whose name contains SUBSTR")
     p.add_argument("--list", action="store_true", help="list the selected cases and exit")
     p.add_argument("--traceback", action="store_true", help="print the traceback of cases that raised")
@@ -120,10 +128,12 @@ def run_case(case: registry.Case, device: torch.device, seed: int) -> list[Row]:
         call = case.build(case_generator(case, seed))
         dev_call = call.map_tensors(lambda t: t.to(device))
         _sync(device)
+        before = dispatch_counts.copy()
         start = time.perf_counter()
         outputs = case.run(dev_call)
         _sync(device)
         elapsed_ms = (time.perf_counter() - start) * 1e3
+        base["backend"] = _backends_used(before)
         golden = case.oracle(call)
         rows, naive = [], None
         for name, expected in golden.items():
@@ -164,6 +174,22 @@ def run_case(case: registry.Case, device: torch.device, seed: int) -> list[Row]:
         return [Row(**base, output="-", note=note, traceback=traceback.format_exc())]
 
 
+def _backends_used(before) -> str:
+    """Which backends the calls since `before` ran on ("triton", "reference" or both, "+"-joined)."""
+    used = sorted({backend for _op, backend in dispatch_counts - before})
+    return "+".join(used) or "-"
+
+
+def _use_backend(preference: str, device: torch.device) -> None:
+    """Make `preference` the default of every op call in this process (see cann_attn.backends)."""
+    if preference == "auto":
+        return
+    os.environ[PREFERENCE_ENV] = preference
+    if preference == "triton" and device.type == "cpu":
+        # Read when the kernel modules are first imported, which happens lazily on the first Triton call.
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
 def _fmt(x: float | None) -> str:
     return "-" if x is None else f"{x:.2e}"
 
@@ -180,6 +206,7 @@ def render(rows: list[Row], console: Console, title: str) -> None:
         ("max rel", "right"),
         ("ascend", "center"),
         ("fa rule", "center"),
+        ("backend", "left"),
         ("time ms", "right"),
     ):
         table.add_column(col, justify=justify, no_wrap=col in ("op", "case", "output"))
@@ -203,6 +230,7 @@ def render(rows: list[Row], console: Console, title: str) -> None:
             _fmt(r.max_rel),
             ascend,
             fa_rule,
+            r.backend if first else "",
             "-" if r.time_ms is None else (f"{r.time_ms:.1f}" if first else ""),
         )
     console.print(table)
@@ -211,6 +239,7 @@ def render(rows: list[Row], console: Console, title: str) -> None:
 def run(args: argparse.Namespace) -> int:
     device = _device(args.device)
     selected = _select(args)
+    _use_backend(args.backend, device)
     console = Console()
     if not console.is_terminal:
         console = Console(width=max(console.width, 170))
@@ -237,7 +266,8 @@ def run(args: argparse.Namespace) -> int:
             rows.extend(run_case(case, device, args.seed))
             progress.advance(task)
     failed_cases = sorted({(r.op, r.case) for r in rows if not r.passed})
-    render(rows, console, f"cann-attn verify ({device}, seed {args.seed}{', quick' if args.quick else ''})")
+    title = f"cann-attn verify ({device}, backend {args.backend}, seed {args.seed}{', quick' if args.quick else ''})"
+    render(rows, console, title)
     elapsed = time.perf_counter() - start
     by_fa_rule = sum(1 for r in rows if r.passed and not r.ascend)
     summary = f"{len(selected)} cases, {len(rows)} outputs, {len(failed_cases)} failing case(s)"
