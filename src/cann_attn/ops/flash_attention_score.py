@@ -7,7 +7,7 @@ from typing import NamedTuple
 import torch
 
 from ..backends import select_backend
-from ..backends.reference import flash_forward
+from ..backends.triton.dense_plan import dense_unsupported
 from ..errors import ParamInvalidError
 from ..problem import layout as layouts
 from ..problem import stats
@@ -59,7 +59,7 @@ def flash_attention_score(
     attention_out (query layout, value's D), softmax_max / softmax_sum ([B,N1,Sq,8]; TND [T,N1,8] laid out as
     `softmax_layout` says, 6) and an empty softmax_out. `padding_mask` is reserved and ignored.
     """
-    return _run(locals(), FORWARD_MODES)
+    return _run(locals(), FORWARD_MODES, "flash_attention_score")
 
 
 def flash_attention_var_len_score(
@@ -95,10 +95,10 @@ def flash_attention_var_len_score(
     """
     if input_layout != "TND":
         raise ParamInvalidError(f"input_layout: flash_attention_var_len_score expects 'TND', got {input_layout!r}")
-    return _run(locals(), VARLEN_MODES)
+    return _run(locals(), VARLEN_MODES, "flash_attention_var_len_score")
 
 
-def _run(args: dict, allowed_modes: tuple[int, ...]) -> FlashAttentionScoreResult:
+def _run(args: dict, allowed_modes: tuple[int, ...], op: str) -> FlashAttentionScoreResult:
     query, key, value = args["query"], args["key"], args["value"]
     problem, shapes = build_problem(
         query, key, value, args["head_num"], args["input_layout"],
@@ -109,7 +109,8 @@ def _run(args: dict, allowed_modes: tuple[int, ...]) -> FlashAttentionScoreResul
         inner_precise=args["inner_precise"], sparse_mode=args["sparse_mode"], pse_type=args["pse_type"],
         softmax_layout=args["softmax_layout"], allowed_modes=allowed_modes,
     )
-    select_backend(args["backend"], query.device)
+    backend = select_backend(args["backend"], query.device, op=op,
+                             unsupported=lambda: dense_unsupported(problem, query.dtype))
     tnd = problem.tnd
     out_shape = layouts.output_shape(
         problem.layout, shapes.batch, shapes.total_q, shapes.heads_q, shapes.dim_v
@@ -120,6 +121,18 @@ def _run(args: dict, allowed_modes: tuple[int, ...]) -> FlashAttentionScoreResul
     softmax_max = torch.empty(stat_shape, dtype=stat_dtype, device=query.device)
     softmax_sum = torch.empty(stat_shape, dtype=stat_dtype, device=query.device)
     if out.numel() > 0:
-        flash_forward.forward(problem, query, key, value, out, softmax_max, softmax_sum)
+        dense_forward(backend).forward(problem, query, key, value, out, softmax_max, softmax_sum)
     softmax_out = torch.empty(0, dtype=query.dtype, device=query.device)
     return FlashAttentionScoreResult(out, softmax_max, softmax_sum, softmax_out)
+
+
+def dense_forward(backend: str):
+    """The module whose `forward(problem, query, key, value, out, softmax_max=None, softmax_sum=None)` computes
+    a dense FA-family forward on `backend` ("reference" or "triton"; the Triton module is imported only when
+    chosen, so the package works without triton)."""
+    if backend == "triton":
+        from ..backends.triton import dense_forward as module
+    else:
+        from ..backends.reference import flash_forward as module
+    return module
+

@@ -1,0 +1,247 @@
+"""Fused Triton FlashAttention forward over a canonical dense problem (SEMANTICS.md sections 2-6).
+
+One launch covers every sequence of the problem (varlen TND included): the grid is (query blocks of the
+longest sequence, N1 query heads, sequences) and each program reads its sequence's integers from the
+`dense_plan` table. Per program: the band/prefix give the visible key range (tiles outside it are never
+visited), an online softmax in fp32 runs over the key tiles in log2 units (exp2 with log2(e) folded into the
+scale), the band mask is evaluated only on tiles the band cuts, the explicit mask / pse / dropout bits are
+read per tile, and ALiBi is generated in-kernel. GQA/MQA reads kv head h // G directly (K/V are never
+expanded); Dv < Dqk uses separately padded head dims.
+
+Matches `backends/reference/flash_forward.py`: softmax_max / softmax_sum are taken before dropout,
+out = sum(P * keep * V) / (row_sum * keep_prob), and rows with nothing visible give out 0, max -FLT_MAX,
+sum +FLT_MAX (section 3).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ...problem.attention import AttentionProblem
+from . import dense_tiles as tiles
+from .dense_plan import NO_LOWER, NO_UPPER, DensePlan, build_plan
+from .dense_tiles import (
+    C_DROP,
+    C_K,
+    C_LOWER,
+    C_MASK,
+    C_O,
+    C_PREFIX,
+    C_PSE,
+    C_PSE_COMP,
+    C_Q,
+    C_SEQ_KV,
+    C_SEQ_Q,
+    C_SLOPE,
+    C_STAT,
+    C_STAT_HS,
+    C_UPPER,
+    C_V,
+    INTERPRET,
+    NCOL,
+)
+
+
+@triton.jit
+def _forward_kernel(
+    Q, K, V, O, SMAX, SSUM, TAB, MASK, PSE, SLOPES, DROP,
+    sqh, sqs, sqd, skh, sks, skd, svh, svs, svd, soh, sos, sod,
+    stat_rs, mask_hs, mask_rs, mask_cs, pse_hs, pse_rs, pse_cs, slope_hs,
+    q_start, kv_start, qk_scale, pse_mul, keep_prob,
+    GROUP: tl.constexpr, DQK: tl.constexpr, DV: tl.constexpr, BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr,
+    HAS_MASK: tl.constexpr, PSE_KIND: tl.constexpr, COMPRESSED: tl.constexpr, HAS_DROP: tl.constexpr,
+    WRITE_STATS: tl.constexpr, BANDED: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    pid_m = tl.program_id(0)
+    h = tl.program_id(1)
+    row = TAB + tl.program_id(2).to(tl.int64) * NCOL
+    seq_q = tl.load(row + C_SEQ_Q).to(tl.int32)
+    i0 = pid_m * BLOCK_M
+    if i0 >= seq_q:
+        return
+    seq_kv = tl.load(row + C_SEQ_KV).to(tl.int32)
+    lower = tl.load(row + C_LOWER).to(tl.int32)
+    upper = tl.load(row + C_UPPER).to(tl.int32)
+    prefix = tl.load(row + C_PREFIX).to(tl.int32)
+    kvh = h // GROUP
+
+    offs_m = i0 + tl.arange(0, BLOCK_M)
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_dq = tl.arange(0, BLOCK_DQK)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    row_ok = offs_m < seq_q
+    i2 = offs_m[:, None]
+
+    q_base = Q + tl.load(row + C_Q) + h * sqh
+    q = tl.load(q_base + offs_m[:, None] * sqs + offs_dq[None, :] * sqd,
+                mask=row_ok[:, None] & (offs_dq[None, :] < DQK), other=0.0)
+    if UPCAST:
+        q = q.to(tl.float32)
+    k_base = K + tl.load(row + C_K) + kvh * skh
+    v_base = V + tl.load(row + C_V) + kvh * svh
+    mask_base = 0
+    if HAS_MASK:
+        mask_base = tl.load(row + C_MASK) + h * mask_hs
+    pse_base = 0
+    comp = 0
+    slope_addr = 0
+    if PSE_KIND == 1:
+        pse_base = tl.load(row + C_PSE) + h * pse_hs
+        comp = tl.load(row + C_PSE_COMP)
+    if PSE_KIND >= 2:
+        slope_addr = tl.load(row + C_SLOPE) + h * slope_hs
+    drop_base = 0
+    if HAS_DROP:
+        drop_base = tl.load(row + C_DROP)
+
+    # Visible key range of these rows: [i0 + lower, i_last + upper] widened to the prefix (a superset).
+    i_last = tl.minimum(i0 + BLOCK_M, seq_q) - 1
+    lo = tl.maximum(i0 + lower, 0)
+    hi = tl.minimum(seq_kv, i_last + tl.minimum(upper, seq_kv) + 1)
+    hi = tl.maximum(hi, tl.minimum(seq_kv, prefix))
+    start = (lo // BLOCK_N) * BLOCK_N
+
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)
+    for j0 in tl.range(start, hi, BLOCK_N):
+        offs_j = j0 + offs_n
+        col_ok = offs_j < seq_kv
+        j2 = offs_j[None, :]
+        kt = tl.load(k_base + offs_j[None, :] * sks + offs_dq[:, None] * skd,
+                     mask=col_ok[None, :] & (offs_dq[:, None] < DQK), other=0.0)
+        if UPCAST:
+            kt = kt.to(tl.float32)
+        s = tl.dot(q, kt, input_precision=PRECISION) * qk_scale
+        if PSE_KIND != 0:
+            s += tiles.bias_log2(PSE, pse_base, SLOPES, slope_addr, i2, j2, seq_q, seq_kv, comp, pse_rs, pse_cs,
+                                 q_start, kv_start, pse_mul, PSE_KIND, COMPRESSED)
+        if HAS_MASK:
+            vis = tiles.visible(i2, j2, seq_q, seq_kv, lower, upper, prefix)
+            vis &= tiles.explicit_visible(MASK, mask_base, i2, j2, seq_q, seq_kv, mask_rs, mask_cs)
+            s = tl.where(vis, s, float("-inf"))
+        elif not tiles.tile_is_full(i0, j0, seq_q, seq_kv, lower, upper, prefix, BLOCK_M, BLOCK_N):
+            s = tl.where(tiles.visible(i2, j2, seq_q, seq_kv, lower, upper, prefix), s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        # Rows that have seen nothing visible keep max -inf: shift them by 0 so no inf - inf appears.
+        shift = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.math.exp2(s - shift[:, None])
+        alpha = tl.math.exp2(m_i - shift)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        m_i = m_new
+        if HAS_DROP:
+            p = tl.where(tiles.keep_bits(DROP, drop_base, h, i2, j2, seq_q, seq_kv), p, 0.0)
+        v = tl.load(v_base + offs_j[:, None] * svs + offs_dv[None, :] * svd,
+                    mask=col_ok[:, None] & (offs_dv[None, :] < DV), other=0.0)
+        if UPCAST:
+            v = v.to(tl.float32)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+
+    valid = l_i > 0.0
+    denom = tl.where(valid, l_i * keep_prob, 1.0)
+    out = tl.where(valid[:, None], acc / denom[:, None], 0.0)
+    o_base = O + tl.load(row + C_O) + h * soh
+    tl.store(o_base + offs_m[:, None] * sos + offs_dv[None, :] * sod, out.to(O.dtype.element_ty),
+             mask=row_ok[:, None] & (offs_dv[None, :] < DV))
+    if WRITE_STATS:
+        offs_w = tl.arange(0, 8)
+        stat_off = (tl.load(row + C_STAT) + h * tl.load(row + C_STAT_HS)
+                    + offs_m[:, None] * stat_rs + offs_w[None, :])
+        row_max = tl.where(valid, m_i * tiles.LN2, -tiles.FLT_MAX)
+        row_sum = tl.where(valid, l_i, tiles.FLT_MAX)
+        wmask = row_ok[:, None] & (offs_w[None, :] < 8)
+        tl.store(SMAX + stat_off, tl.broadcast_to(row_max[:, None], [BLOCK_M, 8]), mask=wmask)
+        tl.store(SSUM + stat_off, tl.broadcast_to(row_sum[:, None], [BLOCK_M, 8]), mask=wmask)
+
+
+def _gpu_configs() -> list[triton.Config]:
+    """Hopper-suited forward tiles (H100/H200): 64/128 query rows per program, 32..128 keys per step."""
+    configs = []
+    for bm in (64, 128):
+        for bn in (32, 64, 128):
+            for warps in (4, 8):
+                for stages in (2, 3, 4):
+                    if bm == 64 and warps == 8:
+                        continue
+                    configs.append(triton.Config({"BLOCK_M": bm, "BLOCK_N": bn}, num_warps=warps, num_stages=stages))
+    return configs
+
+
+TUNE_KEY = ["DQK", "DV", "HAS_MASK", "PSE_KIND", "HAS_DROP", "BANDED", "GROUP"]
+_tuned: dict[str, object] = {}
+
+
+def _launcher(name: str, kernel, configs, reset_to_zero: list[str] | None = None):
+    """The autotuned kernel on a GPU (built once), the plain kernel in the interpreter."""
+    if INTERPRET:
+        return kernel
+    if name not in _tuned:
+        _tuned[name] = triton.autotune(configs, key=TUNE_KEY, reset_to_zero=reset_to_zero)(kernel)
+    return _tuned[name]
+
+
+def interpreter_block(plan: DensePlan) -> int:
+    """One small tile size under the interpreter, where run time grows with programs x loop iterations:
+    16 exercises multi-tile paths at test shapes; longer sequences take 64."""
+    return 16 if max(plan.max_seq_q, plan.max_seq_kv) <= 128 else 64
+
+
+def head_block(d: int) -> int:
+    return max(16, triton.next_power_of_2(d))
+
+
+def common_flags(problem: AttentionProblem, plan: DensePlan, dtype: torch.dtype) -> dict:
+    """Constexpr switches shared by every dense kernel."""
+    banded = bool(((plan.table[:, C_LOWER.value] != NO_LOWER) | (plan.table[:, C_UPPER.value] != NO_UPPER)
+                   | (plan.table[:, C_PREFIX.value] != 0)).any()) if plan.num_seq else False
+    return {
+        "GROUP": problem.group, "DQK": problem.dim_qk, "DV": problem.dim_v,
+        "BLOCK_DQK": head_block(problem.dim_qk), "BLOCK_DV": head_block(problem.dim_v),
+        "HAS_MASK": plan.mask is not None, "PSE_KIND": plan.pse_kind, "COMPRESSED": plan.pse_compressed,
+        "HAS_DROP": plan.drop is not None, "BANDED": banded,
+        # The interpreter computes bf16/fp16 dots wrongly: give it fp32 tiles. On a GPU fp16/bf16 operands feed
+        # the tensor cores with fp32 accumulation, and fp32 inputs keep full fp32 products (no TF32).
+        "UPCAST": INTERPRET, "PRECISION": "ieee" if dtype == torch.float32 else "tf32",
+    }
+
+
+def mask_pse_args(plan: DensePlan, placeholder: torch.Tensor) -> tuple:
+    """(MASK, PSE, SLOPES, DROP) tensors, placeholders where absent."""
+    return tuple(t if t is not None else placeholder for t in (plan.mask, plan.pse, plan.slopes, plan.drop))
+
+
+def forward(problem: AttentionProblem, query, key, value, out, softmax_max=None, softmax_sum=None) -> None:
+    """Fill `out` and (when given) `softmax_max` / `softmax_sum`, like `reference.flash_forward.forward`."""
+    plan = build_plan(problem, {"q": query, "k": key, "v": value, "o": out}, stats=softmax_max)
+    if plan.num_seq == 0 or plan.max_seq_q == 0:
+        return
+    launch_forward(problem, plan, query, key, value, out, softmax_max, softmax_sum)
+
+
+def launch_forward(problem: AttentionProblem, plan: DensePlan, query, key, value, out, softmax_max,
+                   softmax_sum) -> None:
+    flags = common_flags(problem, plan, query.dtype)
+    write_stats = softmax_max is not None
+    s = plan.strides
+    log2e = tiles.LOG2E
+    args = (
+        query, key, value, out,
+        softmax_max if write_stats else plan.table, softmax_sum if write_stats else plan.table,
+        plan.table, *mask_pse_args(plan, plan.table),
+        *s["q"], *s["k"], *s["v"], *s["o"],
+        plan.stat_row_stride, *plan.mask_strides, *plan.pse_strides, plan.slope_head_stride,
+        plan.q_start, plan.kv_start, problem.scale * log2e, plan.pse_multiplier * log2e, problem.keep_prob,
+    )
+    kernel = _launcher("forward", _forward_kernel, _gpu_configs())
+
+    def grid(meta):
+        return (triton.cdiv(plan.max_seq_q, meta["BLOCK_M"]), problem.heads_q, plan.num_seq)
+
+    if INTERPRET:
+        block = interpreter_block(plan)
+        kernel[grid](*args, **flags, WRITE_STATS=write_stats, BLOCK_M=block, BLOCK_N=block)
+    else:
+        kernel[grid](*args, **flags, WRITE_STATS=write_stats)

@@ -1,0 +1,118 @@
+"""Per-tile building blocks shared by the dense forward and backward kernels (SEMANTICS.md sections 2, 4, 5).
+
+Each helper takes broadcastable row / column index tensors `i2`, `j2` (a [M, 1] x [1, N] pair, or transposed
+for the backward's key-major tiles), so the same code serves both orientations. They implement the canonical
+description that `dense_plan` lowered; none of them looks at sparse_mode or pse shapes.
+"""
+
+from __future__ import annotations
+
+import os
+
+import triton
+import triton.language as tl
+
+from .dense_plan import COL, NUM_COLUMNS
+
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+LOG2E = 1.4426950408889634
+LN2 = 0.6931471805599453
+FLT_MAX = 3.4028234663852886e38
+COMPRESSED_PSE_ROWS = 1024
+
+# Table columns as kernel-visible constants.
+C_SEQ_Q = tl.constexpr(COL["seq_q"])
+C_SEQ_KV = tl.constexpr(COL["seq_kv"])
+C_LOWER = tl.constexpr(COL["lower"])
+C_UPPER = tl.constexpr(COL["upper"])
+C_PREFIX = tl.constexpr(COL["prefix"])
+C_Q = tl.constexpr(COL["q"])
+C_K = tl.constexpr(COL["k"])
+C_V = tl.constexpr(COL["v"])
+C_O = tl.constexpr(COL["o"])
+C_DY = tl.constexpr(COL["dy"])
+C_DQ = tl.constexpr(COL["dq"])
+C_DK = tl.constexpr(COL["dk"])
+C_DV = tl.constexpr(COL["dv"])
+C_STAT = tl.constexpr(COL["stat"])
+C_STAT_HS = tl.constexpr(COL["stat_hs"])
+C_DELTA = tl.constexpr(COL["delta"])
+C_MASK = tl.constexpr(COL["mask"])
+C_PSE = tl.constexpr(COL["pse"])
+C_DPSE = tl.constexpr(COL["dpse"])
+C_PSE_COMP = tl.constexpr(COL["pse_compressed"])
+C_SLOPE = tl.constexpr(COL["slope"])
+C_DROP = tl.constexpr(COL["drop"])
+NCOL = tl.constexpr(NUM_COLUMNS)
+
+
+@triton.jit
+def visible(i2, j2, seq_q, seq_kv, lower, upper, prefix):
+    """SEMANTICS.md 2 in canonical form: lower <= j - i and (j - i <= upper or j < prefix), inside the
+    sequence (the explicit mask is separate)."""
+    d = j2 - i2
+    return (d >= lower) & ((d <= upper) | (j2 < prefix)) & (i2 < seq_q) & (j2 < seq_kv)
+
+
+@triton.jit
+def tile_is_full(i0, j0, seq_q, seq_kv, lower, upper, prefix, BLOCK_I: tl.constexpr, BLOCK_J: tl.constexpr):
+    """True when every (i, j) of rows [i0, i0+BLOCK_I) x cols [j0, j0+BLOCK_J) is inside the sequence and
+    the band: such tiles skip the elementwise mask."""
+    inside = (i0 + BLOCK_I <= seq_q) & (j0 + BLOCK_J <= seq_kv)
+    d_min = j0 - (i0 + BLOCK_I - 1)
+    d_max = (j0 + BLOCK_J - 1) - i0
+    return inside & (d_min >= lower) & ((d_max <= upper) | (j0 + BLOCK_J <= prefix))
+
+
+@triton.jit
+def explicit_visible(MASK, mask_base, i2, j2, seq_q, seq_kv, mask_rs, mask_cs):
+    """Not hidden by the explicit mask (True/nonzero = masked; outside the sequence counts as masked)."""
+    inb = (i2 < seq_q) & (j2 < seq_kv)
+    m = tl.load(MASK + mask_base + i2 * mask_rs + j2 * mask_cs, mask=inb, other=1)
+    return m == 0
+
+
+@triton.jit
+def pse_element_offsets(i2, j2, seq_q, seq_kv, compressed, pse_rs, pse_cs, COMPRESSED: tl.constexpr):
+    """Offsets of the pse elements a tile reads (SEMANTICS.md 4); with the 1024-row compressed form,
+    value(i, j) = C[r, j + (Sq - 1024) + r - i], r = i - (Sq - 1024) on the last 1024 rows, else i mod 1024.
+    Columns it sends outside [0, Skv) only occur where the mask hides the element (j > i): clamped."""
+    if COMPRESSED:
+        tail = seq_q - COMPRESSED_PSE_ROWS
+        r = tl.where(i2 >= tail, i2 - tail, i2 % COMPRESSED_PSE_ROWS)
+        c = j2 + tail + r - i2
+        c = tl.minimum(tl.maximum(c, 0), seq_kv - 1)
+        row = tl.where(compressed != 0, r, i2)
+        col = tl.where(compressed != 0, c, j2)
+    else:
+        row = i2
+        col = j2
+    return row * pse_rs + col * pse_cs
+
+
+@triton.jit
+def bias_log2(PSE, pse_base, SLOPES, slope_addr, i2, j2, seq_q, seq_kv, compressed, pse_rs, pse_cs,
+              q_start, kv_start, pse_mul, PSE_KIND: tl.constexpr, COMPRESSED: tl.constexpr):
+    """The additive bias of a tile in log2 units (`pse_mul` carries log2(e) and, for pse_type 1, the scale):
+    tensor pse (kind 1) or ALiBi generated from the slope (kind 2: |d|, kind 3: sqrt|d|)."""
+    if PSE_KIND == 1:
+        inb = (i2 < seq_q) & (j2 < seq_kv)
+        offs = pse_element_offsets(i2, j2, seq_q, seq_kv, compressed, pse_rs, pse_cs, COMPRESSED)
+        b = tl.load(PSE + pse_base + offs, mask=inb, other=0.0).to(tl.float32) * pse_mul
+    else:
+        slope = tl.load(SLOPES + slope_addr).to(tl.float32)
+        dist = tl.abs((j2 + kv_start) - (i2 + q_start)).to(tl.float32)
+        if PSE_KIND == 3:
+            dist = tl.sqrt(dist)
+        b = dist * (-slope * pse_mul)
+    return b
+
+
+@triton.jit
+def keep_bits(DROP, drop_base, h, i2, j2, seq_q, seq_kv):
+    """Dropout keep bits (SEMANTICS.md 5): element e = base + h*Sq*Skv + i*Skv + j, bit (e & 7) of byte e >> 3,
+    LSB first; 64-bit element indices (masks exceed 2^31 bits at long sequences)."""
+    inb = (i2 < seq_q) & (j2 < seq_kv)
+    e = drop_base + (h.to(tl.int64) * seq_q + i2.to(tl.int64)) * seq_kv + j2.to(tl.int64)
+    byte = tl.load(DROP + (e >> 3), mask=inb, other=0).to(tl.int32)
+    return ((byte >> (e & 7).to(tl.int32)) & 1) != 0
