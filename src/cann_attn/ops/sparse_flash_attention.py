@@ -10,6 +10,7 @@ import torch
 
 from ..backends import select_backend
 from ..backends.reference import sparse_attention as kernel
+from ..backends.triton.sparse_plan import sfa_tables, sparse_unsupported
 from ..errors import ParamInvalidError, ParamNullptrError, require, require_int
 from ..problem.lengths import cumulative_lengths, per_batch_lengths, starts_of
 from ..problem.sparse import SPARSE_BLOCK_SIZES
@@ -169,6 +170,12 @@ def _sequences(problem: SparseProblem, query, key, value, sparse_indices, query_
         )
 
 
+def _index_rows(sparse_indices: torch.Tensor) -> torch.Tensor:
+    """sparse_indices as [R, K] rows (one per query token) with unit stride along K, for the Triton kernels."""
+    rows = sparse_indices.reshape(-1, sparse_indices.shape[-1])
+    return rows if rows.stride(-1) == 1 else rows.contiguous()
+
+
 def _stat_rows(problem: SparseProblem, stat: torch.Tensor, b: int) -> torch.Tensor:
     """[S_b, N1] view of softmax_max/sum ([B, 1, S1, N1] or [1, T1, N1])."""
     if problem.layout == "TND":
@@ -213,7 +220,15 @@ def sparse_flash_attention(
                               key_rope=key_rope, actual_seq_lengths_query=actual_seq_lengths_query,
                               actual_seq_lengths_kv=actual_seq_lengths_kv, sparse_block_size=sparse_block_size,
                               layout=layout, sparse_mode=sparse_mode)
-    select_backend(backend, query.device)
+    if select_backend(backend, query.device, op="sparse_flash_attention",
+                      unsupported=lambda: sparse_unsupported(query, key, value, query_rope)) == "triton":
+        from ..backends.triton import sparse_attention as triton_kernel
+
+        indices = _index_rows(sparse_indices)
+        tables = sfa_tables(problem, indices, sparse_mode, sparse_block_size)
+        return SparseFlashAttentionResult(*triton_kernel.sparse_forward(
+            query, key, value, indices, query_rope, key_rope, tables, float(scale_value), sparse_block_size,
+            _stats_shape(problem, query)))
     out = torch.zeros((*query.shape[:-1], value.shape[-1]), dtype=query.dtype, device=query.device)
     dtype = accumulation_dtype(query.dtype)
     softmax_max = torch.full(_stats_shape(problem, query), kernel.INVALID_MAX, dtype=dtype, device=query.device)
@@ -261,7 +276,6 @@ def sparse_flash_attention_grad(
                               key_rope=key_rope, actual_seq_lengths_query=actual_seq_lengths_query,
                               actual_seq_lengths_kv=actual_seq_lengths_kv, sparse_block_size=sparse_block_size,
                               layout=layout, sparse_mode=sparse_mode)
-    select_backend(backend, query.device)
     out_shape = (*query.shape[:-1], value.shape[-1])
     for name, t in (("d_out", d_out), ("out", out)):
         _check_tensor(t, name, query.dtype)
@@ -271,6 +285,15 @@ def sparse_flash_attention_grad(
         _check_tensor(t, name)
         require(t.dtype in (torch.float32, torch.float64) and tuple(t.shape) == stat_shape, name,
                 f"float32 of shape {list(stat_shape)}", t)
+    if select_backend(backend, query.device, op="sparse_flash_attention_grad",
+                      unsupported=lambda: sparse_unsupported(query, key, value, query_rope)) == "triton":
+        from ..backends.triton import sparse_attention as triton_kernel
+
+        indices = _index_rows(sparse_indices)
+        tables = sfa_tables(problem, indices, sparse_mode, sparse_block_size)
+        return SparseFlashAttentionGradResult(*triton_kernel.sparse_backward(
+            query, key, value, indices, d_out, out, softmax_max, softmax_sum, query_rope, key_rope, tables,
+            float(scale_value), sparse_block_size, bool(deterministic)))
     dtype = accumulation_dtype(query.dtype)
     d_qk = query.shape[-1]
     dq = torch.zeros_like(query)

@@ -39,21 +39,33 @@ class RowSelection:
         return self.valid.any(-1)
 
 
+def scan_lengths(indices: torch.Tensor, thr: torch.Tensor, block_size: int) -> torch.Tensor:
+    """How many leading entries of each row of `indices` [rows, K] are examined (int64 [rows]):
+    n = min(K, ceil(thr / bs)) (0 where thr <= 0), cut at the first -1 (scanning stops there).
+
+    An examined entry e then counts iff idx >= 0 and its block starts before thr (idx * bs < thr, i.e.
+    idx < ceil(thr / bs)); its tokens are clipped to [idx * bs, thr). Kernels that apply the rule per entry
+    take these lengths as input, so the scan-and-stop part lives only here."""
+    k = indices.shape[-1]
+    examined = torch.clamp((thr + block_size - 1) // block_size, min=0, max=k)  # n = min(K, ceil(thr / bs))
+    is_pad = indices == -1
+    first_pad = torch.where(is_pad.any(-1), is_pad.to(torch.int8).argmax(-1), k)
+    return torch.minimum(examined, first_pad)
+
+
 def row_selection(
     indices: torch.Tensor, rows: torch.Tensor, *, sparse_mode: int, seq_q: int, seq_kv: int, block_size: int
 ) -> RowSelection:
     """Apply the selection rule to `indices` [rows, K] (int32/int64) of the query rows `rows` (int64 [rows])."""
     idx = indices.to(torch.int64)
-    k = idx.shape[-1]
     thr = causal_threshold(sparse_mode, seq_q, seq_kv, rows).clamp(max=seq_kv)
-    examined = torch.clamp((thr + block_size - 1) // block_size, min=0, max=k)  # n = min(K, ceil(thr / bs))
-    # Only entries up to the largest n of the tile can be valid: keep the tile narrow.
-    width = max(1, int(examined.max().item())) if examined.numel() else 1
+    scanned = scan_lengths(idx, thr, block_size)
+    # Only entries up to the largest scan length of the tile can be valid: keep the tile narrow.
+    width = max(1, int(scanned.max().item())) if scanned.numel() else 1
     idx = idx[:, :width]
     position = torch.arange(width, device=idx.device).view(1, -1)
-    before_stop = torch.cumsum((idx == -1).to(torch.int32), dim=-1) == 0
     block_start = idx * block_size
-    entry_valid = (position < examined.view(-1, 1)) & before_stop & (idx >= 0) & (block_start < thr.view(-1, 1))
+    entry_valid = (position < scanned.view(-1, 1)) & (idx >= 0) & (block_start < thr.view(-1, 1))
     offsets = torch.arange(block_size, device=idx.device).view(1, 1, -1)
     tokens = (block_start.unsqueeze(-1) + offsets).reshape(idx.shape[0], -1)
     valid = entry_valid.repeat_interleave(block_size, dim=-1) & (tokens < thr.view(-1, 1))
