@@ -9,6 +9,7 @@ import torch
 
 from ..backends import select_backend
 from ..backends.reference import indexer as kernel
+from ..backends.triton.sparse_plan import indexer_tables, indexer_unsupported
 from ..errors import ParamInvalidError, require, require_int
 from ..problem.sparse import indexer_selection
 from ..problem.stats import accumulation_dtype
@@ -71,13 +72,20 @@ def lightning_indexer(
         raise ParamInvalidError(f"sparse_count: expected a positive int, got {sparse_count!r}")
     problem = sequence_spans(layout, query_index, key_index, actual_seq_lengths_query, actual_seq_lengths_key,
                              "actual_seq_lengths_key", "key_index")
-    select_backend(backend, query_index.device)
     lead = query_index.shape[:-2]
     indices = torch.full((*lead, 1, sparse_count), -1, dtype=torch.int32, device=query_index.device)
     values = None
     if return_value:
         values = torch.full((*lead, 1, sparse_count), float("-inf"), dtype=query_index.dtype,
                             device=query_index.device)
+    if select_backend(backend, query_index.device, op="lightning_indexer",
+                      unsupported=lambda: indexer_unsupported(query_index, weights)) == "triton":
+        from ..backends.triton import indexer as triton_kernel
+
+        triton_kernel.lightning_top_k(
+            query_index, key_index, weights, indexer_tables(problem, sparse_mode, query_index.device), sparse_count,
+            indices.view(-1, sparse_count), None if values is None else values.view(-1, sparse_count))
+        return LightningIndexerResult(indices, values)
     for b in range(len(problem.q_spans)):
         lq, lk = problem.q_lengths[b], problem.kv_lengths[b]
         if lq == 0 or lk == 0:
@@ -151,7 +159,15 @@ def sparse_lightning_indexer_grad_kl_loss(
         raise ParamInvalidError(f"scale_value: expected a float, got {scale_value!r}")
     problem = sequence_spans(layout, query_index, key_index, actual_seq_lengths_query, actual_seq_lengths_key,
                              "actual_seq_lengths_key", "key_index")
-    select_backend(backend, query.device)
+    if select_backend(backend, query.device, op="sparse_lightning_indexer_grad_kl_loss",
+                      unsupported=lambda: indexer_unsupported(query_index, weights, query, query_rope)) == "triton":
+        from ..backends.triton import indexer as triton_kernel
+
+        rows = sparse_indices.reshape(-1, sparse_indices.shape[-1])
+        return SparseLightningIndexerGradKLLossResult(*triton_kernel.kl_loss_backward(
+            query, key, query_index, key_index, weights, rows if rows.stride(-1) == 1 else rows.contiguous(),
+            softmax_max, softmax_sum, query_rope, key_rope, indexer_tables(problem, sparse_mode, query.device),
+            float(scale_value), bool(deterministic)))
     dtype = accumulation_dtype(query_index.dtype)
     d_query_index = torch.zeros_like(query_index)
     d_key_index = torch.zeros_like(key_index)

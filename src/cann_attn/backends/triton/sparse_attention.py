@@ -24,7 +24,8 @@ import triton.language as tl
 
 from .sparse_plan import RowTables, interpreting
 
-INVALID_MAX = -2e38  # softmax_max of a row with nothing selected (SEMANTICS.md 3)
+# softmax_max of a row with nothing selected (SEMANTICS.md 3); constexpr because kernels use it.
+INVALID_MAX = tl.constexpr(-2e38)
 # Deterministic backward workspace per slab of query rows (fp32 contributions of every selected position).
 DETERMINISTIC_WORKSPACE_BYTES = 2 << 30
 
@@ -70,7 +71,7 @@ class _Dims:
         self.block_dv = _next_pow2(dv, floor)
         # Interpreter: few, wide chunks (its cost grows with programs x loop iterations, not with tile size);
         # None: autotuned on GPUs.
-        self.block_n = min(64, _next_pow2(max_positions, 1)) if interp else None
+        self.block_n = min(512, _next_pow2(max_positions, 1)) if interp else None
 
 
 # ----------------------------------------------------------------------------------------------------------
