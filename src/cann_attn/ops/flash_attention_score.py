@@ -109,8 +109,9 @@ def _run(args: dict, allowed_modes: tuple[int, ...], op: str) -> FlashAttentionS
         inner_precise=args["inner_precise"], sparse_mode=args["sparse_mode"], pse_type=args["pse_type"],
         softmax_layout=args["softmax_layout"], allowed_modes=allowed_modes,
     )
+    qkv = {"q": query, "k": key, "v": value}
     backend = select_backend(args["backend"], query.device, op=op,
-                             unsupported=lambda: dense_unsupported(problem, query.dtype))
+                             unsupported=lambda: dense_unsupported(problem, query.dtype, tensors=qkv))
     tnd = problem.tnd
     out_shape = layouts.output_shape(
         problem.layout, shapes.batch, shapes.total_q, shapes.heads_q, shapes.dim_v

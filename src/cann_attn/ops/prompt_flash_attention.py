@@ -6,6 +6,7 @@ import torch
 
 from ..backends import select_backend
 from ..backends.reference import flash_forward, quant_attention
+from ..backends.triton.dense_plan import dense_unsupported
 from ..errors import ParamInvalidError, ParamNullptrError, describe, require, require_int
 from ..problem import layout as layouts
 from ..problem import mask as masks
@@ -14,6 +15,7 @@ from ..problem.attention import AttentionProblem, Run, mask_runs
 from ..problem.lengths import per_batch_lengths
 from ..problem.pse import SequencePse
 from ..problem.stats import FLT_MAX
+from .flash_attention_score import dense_forward
 
 INT_MAX = 2147483647
 PFA_LAYOUTS = ("BSH", "BSND", "BNSD", "BNSD_BSND")
@@ -115,13 +117,6 @@ def prompt_flash_attention(
                        "BSND" if input_layout == "BNSD_BSND" else input_layout, num_heads, q.head_dim)
     if plan.offset_nonzero:
         _reject_offset_with_invalid_rows(atten_mask is not None, sparse_mode, act_q, act_kv, pre_tokens, next_tokens)
-    select_backend(backend, query.device)
-
-    out_layout = "BSND" if input_layout == "BNSD_BSND" else input_layout
-    out = torch.zeros(layouts.output_shape(out_layout, batch, seq_q, num_heads, q.head_dim),
-                      dtype=plan.output_dtype, device=query.device)
-    if query.numel() == 0:
-        return out
     # Every tensor goes to the backend as a [B, N, S, D] view, so input and output layouts may differ.
     problem = AttentionProblem(
         layout="BNSD", batch=batch, heads_q=num_heads,
@@ -129,6 +124,16 @@ def prompt_flash_attention(
         softmax_layout="", runs=_runs(atten_mask, explicit_views, sparse_mode, act_q, act_kv, pre_tokens,
                                       next_tokens, pse_shift, float(scale_value)),
     )
+    backend = select_backend(
+        backend, query.device, op="prompt_flash_attention",
+        unsupported=lambda: dense_unsupported(problem, query.dtype, output_dtype=plan.output_dtype),
+    )
+
+    out_layout = "BSND" if input_layout == "BNSD_BSND" else input_layout
+    out = torch.zeros(layouts.output_shape(out_layout, batch, seq_q, num_heads, q.head_dim),
+                      dtype=plan.output_dtype, device=query.device)
+    if query.numel() == 0:
+        return out
     out_bnsd = layouts.as_bnsd(out, out_layout, num_heads)
     q_bnsd = layouts.as_bnsd(query, input_layout, num_heads)
     k_bnsd = layouts.as_bnsd(key, kv_layout, heads_kv)
@@ -142,7 +147,7 @@ def prompt_flash_attention(
         flash_forward.forward(problem, q_bnsd, k_bnsd, v_bnsd, dense, row_max, row_sum)
         quant_attention.quantize_output(problem, dense, row_max[..., 0] > -FLT_MAX, out_bnsd, plan)
     else:
-        flash_forward.forward(problem, q_bnsd, k_bnsd, v_bnsd, out_bnsd)
+        dense_forward(backend).forward(problem, q_bnsd, k_bnsd, v_bnsd, out_bnsd)
     return out
 
 

@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ...problem import layout as layouts
-from ...problem.attention import AttentionProblem, Run
+from ...problem.attention import AttentionProblem
 from ...problem.pse import ALIBI_TYPES
 
 # Band sentinels: |j - i| never reaches 2^30 (sequences are far shorter), and they stay int32-safe in kernels.
@@ -110,12 +110,12 @@ def _uniform(values: list[tuple[int, ...]], what: str) -> tuple[int, ...]:
             if s is None:
                 continue
             if merged[k] is not None and merged[k] != s:
-                raise _NonUniform(f"{what} strides differ between sequences")
+                raise _Unsupported(f"{what} strides differ between sequences")
             merged[k] = s
     return tuple(0 if s is None else s for s in merged)
 
 
-class _NonUniform(Exception):
+class _Unsupported(Exception):
     """Raised while planning a case the kernels cannot describe with uniform strides."""
 
 
@@ -123,23 +123,36 @@ def dense_unsupported(problem: AttentionProblem, dtype: torch.dtype, *, output_d
                       tensors: dict[str, torch.Tensor] | None = None) -> str | None:
     """Why the dense Triton kernels cannot compute `problem` (None when they can). SEMANTICS.md 1-6.
 
-    `tensors` (the caller's q/k/v/... by table name) lets the check build the plan once and reject layouts
-    whose strides are not uniform across sequences.
+    `tensors` (the caller's q/k/v by table name) adds the layout checks: offsets inside one sequence must fit
+    in int32 (the kernels index a sequence with 32-bit arithmetic from a 64-bit base), and explicit masks /
+    pse views must be describable with strides shared by every sequence.
     """
+    if dtype == torch.int8 or output_dtype == torch.int8:
+        return "int8 (quantised) attention stays on the reference backend"
     if dtype not in SUPPORTED_DTYPES:
         return f"dtype {dtype} is not supported by the Triton kernels (float16, bfloat16, float32)"
     if output_dtype is not None and output_dtype not in SUPPORTED_DTYPES:
-        return f"output dtype {output_dtype} (int8 quantisation) stays on the reference backend"
+        return f"output dtype {output_dtype} is not supported by the Triton kernels"
     if max(problem.dim_qk, problem.dim_v) > MAX_HEAD_DIM:
         return f"head dim {max(problem.dim_qk, problem.dim_v)} > {MAX_HEAD_DIM}"
     if problem.heads_q > MAX_GRID_YZ or sum(run.count for run in problem.runs) > MAX_GRID_YZ:
         return f"more than {MAX_GRID_YZ} heads or sequences (CUDA grid limit)"
     if problem.heads_kv <= 0 or problem.heads_q % problem.heads_kv:
         return "query heads must be a multiple of key/value heads"
-    if tensors is not None:
+    if tensors is None:
+        return None
+    max_q = max((run.seq_q for run in problem.runs), default=0)
+    max_kv = max((run.seq_kv for run in problem.runs), default=0)
+    for name, t in tensors.items():
+        heads, seq = (problem.heads_q, max_q) if name in QUERY_LIKE else (problem.heads_kv, max_kv)
+        _, (sh, ss, sd) = _layout_strides(problem, t, heads)
+        extent = (heads - 1) * abs(sh) + max(seq - 1, 0) * abs(ss) + (t.shape[-1] - 1) * abs(sd)
+        if extent >= 1 << 31:
+            return f"{name}: one sequence spans more than 2^31 elements"
+    if any(run.mask.explicit is not None or run.pse is not None for run in problem.runs):
         try:
             build_plan(problem, tensors)
-        except _NonUniform as exc:
+        except _Unsupported as exc:
             return str(exc)
     return None
 
@@ -197,7 +210,7 @@ def _plan_stats(problem: AttentionProblem, plan: DensePlan, rows, seqs, stats: t
     if row_strides:
         row_stride, last = _uniform(row_strides, "softmax statistics")
         if last not in (0, 1):
-            raise _NonUniform("softmax statistics must be contiguous in their last dim")
+            raise _Unsupported("softmax statistics must be contiguous in their last dim")
         plan.stat_row_stride = row_stride
 
 
@@ -214,7 +227,7 @@ def _plan_mask(plan: DensePlan, rows, seqs) -> None:
         strides.append((ex.stride(1) if ex.shape[1] > 1 else 0, ex.stride(2) if ex.shape[2] > 1 else None,
                         ex.stride(3) if ex.shape[3] > 1 else None))
     if len(storages) > 1:
-        raise _NonUniform("explicit masks of different sequences live in different tensors")
+        raise _Unsupported("explicit masks of different sequences live in different tensors")
     if strides:
         plan.mask_strides = _uniform(strides, "atten_mask")
 
@@ -257,7 +270,7 @@ def _plan_pse(problem: AttentionProblem, plan: DensePlan, rows, seqs, dpse: torc
             plan.dpse_reduces |= broadcast_rows or p.compressed
     plan.dpse_reduces |= shared_rows > 1
     if len(storages) > 1:
-        raise _NonUniform("pse views of different sequences live in different tensors")
+        raise _Unsupported("pse views of different sequences live in different tensors")
     if pse_strides:
         plan.pse_strides = _uniform(pse_strides, "pse")
 
@@ -269,10 +282,6 @@ def _plan_dropout(problem: AttentionProblem, plan: DensePlan, rows, seqs) -> Non
         if plan.drop is None:
             plan.drop = run.dropout.mask
         elif run.dropout.mask.data_ptr() != plan.drop.data_ptr():
-            raise _NonUniform("dropout masks of different sequences live in different tensors")
+            raise _Unsupported("dropout masks of different sequences live in different tensors")
         row[COL["drop"]] = run.dropout.base + idx * problem.heads_q * run.seq_q * run.seq_kv
 
-
-def run_sequences(problem: AttentionProblem) -> list[Run]:
-    """The run of every sequence, in table order (tests and debugging)."""
-    return [run for run, *_ in _sequences(problem)]
