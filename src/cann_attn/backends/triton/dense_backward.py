@@ -27,7 +27,7 @@ import triton.language as tl
 from ...problem.attention import AttentionProblem
 from . import dense_tiles as tiles
 from .dense_forward import _launcher, common_flags, interpreter_block, mask_pse_args
-from .dense_plan import build_plan
+from .dense_plan import DensePlan, build_plan
 from .dense_tiles import (
     C_DELTA,
     C_DK,
@@ -75,7 +75,7 @@ def _delta_kernel(O, DY, DELTA, TAB, soh, sos, sod, sdyh, sdys, sdyd,
     tl.store(DELTA + tl.load(row + C_DELTA) + h * seq_q + offs_m, delta, mask=offs_m < seq_q)
 
 
-@triton.jit
+@tiles.device_function
 def _row_stats(SMAX, SSUM, DELTA, row, h, offs_m, seq_q, stat_rs):
     """max (log2 units), 1 / sum and Dsum of rows offs_m; rows past Sq get harmless finite values. A fully
     masked row (max -FLT_MAX, section 3) gets max +inf: its P is 0 without overflowing exp2 (every entry of
@@ -131,9 +131,17 @@ def _dkdv_kernel(
     i_lo = tl.where(j0 < prefix, 0, tl.maximum(j0 - upper, 0))
     i_hi = tl.minimum(seq_q, j_last - lower + 1)
     start = (i_lo // BLOCK_M) * BLOCK_M
+    # Query tiles with full_lo <= i0 <= full_hi (and inside Sq) see every key of this block: no elementwise
+    # mask. d_min = j0 - (i0 + BLOCK_M - 1) >= lower; d_max = j0 + BLOCK_N - 1 - i0 <= upper, or the whole
+    # block inside the prefix.
+    cols_full = j0 + BLOCK_N <= seq_kv
+    full_hi = j0 - lower - BLOCK_M + 1
+    full_lo = tl.where(j0 + BLOCK_N <= prefix, 0, j0 + BLOCK_N - 1 - upper)
 
     dk = tl.zeros([BLOCK_N, BLOCK_DQK], tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_DV], tl.float32)
+    dq_ok = offs_dq < DQK
+    dv_ok = offs_dv < DV
     q_off = tl.load(row + C_Q)
     dy_off = tl.load(row + C_DY)
     mask_row = 0
@@ -150,18 +158,18 @@ def _dkdv_kernel(
     drop_base = 0
     if HAS_DROP:
         drop_base = tl.load(row + C_DROP)
+    q_step = BLOCK_M * sqs
+    dy_step = BLOCK_M * sdys
     for g in range(GROUP):
         h = kvh * GROUP + g
-        q_base = Q + q_off + h * sqh
-        dy_base = DY + dy_off + h * sdyh
+        q_ptrs = Q + q_off + h * sqh + (start + offs_mb)[:, None] * sqs + offs_dq[None, :] * sqd
+        dy_ptrs = DY + dy_off + h * sdyh + (start + offs_mb)[:, None] * sdys + offs_dv[None, :] * sdyd
         for i0 in tl.range(start, i_hi, BLOCK_M):
             offs_m = i0 + offs_mb
             row_ok = offs_m < seq_q
             i2 = offs_m[None, :]
-            q = tl.load(q_base + offs_m[:, None] * sqs + offs_dq[None, :] * sqd,
-                        mask=row_ok[:, None] & (offs_dq[None, :] < DQK), other=0.0)
-            dy = tl.load(dy_base + offs_m[:, None] * sdys + offs_dv[None, :] * sdyd,
-                         mask=row_ok[:, None] & (offs_dv[None, :] < DV), other=0.0)
+            q = tl.load(q_ptrs, mask=row_ok[:, None] & dq_ok[None, :], other=0.0)
+            dy = tl.load(dy_ptrs, mask=row_ok[:, None] & dv_ok[None, :], other=0.0)
             if UPCAST:
                 q = q.to(tl.float32)
                 dy = dy.to(tl.float32)
@@ -171,12 +179,11 @@ def _dkdv_kernel(
                 st += tiles.bias_log2(PSE, pse_row + h * pse_hs, SLOPES, slope_row + h * slope_hs, i2, j2, seq_q,
                                       seq_kv, comp, pse_rs, pse_cs, q_start, kv_start, pse_mul, PSE_KIND, COMPRESSED)
             pt = tl.math.exp2(st - m2[None, :]) * inv_l[None, :]
-            # Masked entries are zeroed after the exp: the max of a fully masked row is -FLT_MAX (section 3).
             if HAS_MASK:
                 vis = tiles.visible(i2, j2, seq_q, seq_kv, lower, upper, prefix)
                 vis &= tiles.explicit_visible(MASK, mask_row + h * mask_hs, i2, j2, seq_q, seq_kv, mask_rs, mask_cs)
                 pt = tl.where(vis, pt, 0.0)
-            elif not tiles.tile_is_full(i0, j0, seq_q, seq_kv, lower, upper, prefix, BLOCK_M, BLOCK_N):
+            elif not (cols_full & (i0 + BLOCK_M <= seq_q) & (i0 <= full_hi) & (i0 >= full_lo)):
                 pt = tl.where(tiles.visible(i2, j2, seq_q, seq_kv, lower, upper, prefix), pt, 0.0)
             dpt = tl.dot(v, tl.trans(dy), input_precision=PRECISION)
             if HAS_DROP:
@@ -188,6 +195,8 @@ def _dkdv_kernel(
             dv += tl.dot(pdt.to(dy.dtype), dy, input_precision=PRECISION)
             dst = pt * (dpt - delta[None, :])
             dk += tl.dot(dst.to(q.dtype), q, input_precision=PRECISION)
+            q_ptrs += q_step
+            dy_ptrs += dy_step
 
     tl.store(DK + tl.load(row + C_DK) + kvh * sdkh + offs_n[:, None] * sdks + offs_dq[None, :] * sdkd,
              (dk * scale).to(DK.dtype.element_ty), mask=col_ok[:, None] & (offs_dq[None, :] < DQK))
@@ -253,21 +262,29 @@ def _dq_kernel(
     if HAS_DROP:
         drop_base = tl.load(row + C_DROP)
 
+    # The forward's visible key range and fully visible key tiles (see dense_forward).
     i_last = tl.minimum(i0 + BLOCK_M, seq_q) - 1
+    upper_c = tl.minimum(upper, seq_kv)
     lo = tl.maximum(i0 + lower, 0)
-    hi = tl.minimum(seq_kv, i_last + tl.minimum(upper, seq_kv) + 1)
-    hi = tl.maximum(hi, tl.minimum(seq_kv, prefix))
+    hi = tl.maximum(tl.minimum(seq_kv, i_last + upper_c + 1), tl.minimum(seq_kv, prefix))
     start = (lo // BLOCK_N) * BLOCK_N
+    rows_full = i0 + BLOCK_M <= seq_q
+    full_lo = i0 + BLOCK_M - 1 + lower
+    full_hi = tl.minimum(seq_kv, tl.maximum(i0 + 1 + upper_c, prefix))
 
     dq = tl.zeros([BLOCK_M, BLOCK_DQK], tl.float32)
+    dq_ok = offs_dq < DQK
+    dv_ok = offs_dv < DV
+    kt_ptrs = k_base + (start + offs_nb)[None, :] * sks + offs_dq[:, None] * skd
+    vt_ptrs = v_base + (start + offs_nb)[None, :] * svs + offs_dv[:, None] * svd
+    k_step = BLOCK_N * sks
+    v_step = BLOCK_N * svs
     for j0 in tl.range(start, hi, BLOCK_N):
         offs_j = j0 + offs_nb
         col_ok = offs_j < seq_kv
         j2 = offs_j[None, :]
-        kt = tl.load(k_base + offs_j[None, :] * sks + offs_dq[:, None] * skd,
-                     mask=col_ok[None, :] & (offs_dq[:, None] < DQK), other=0.0)
-        vt = tl.load(v_base + offs_j[None, :] * svs + offs_dv[:, None] * svd,
-                     mask=col_ok[None, :] & (offs_dv[:, None] < DV), other=0.0)
+        kt = tl.load(kt_ptrs, mask=col_ok[None, :] & dq_ok[:, None], other=0.0)
+        vt = tl.load(vt_ptrs, mask=col_ok[None, :] & dv_ok[:, None], other=0.0)
         if UPCAST:
             kt = kt.to(tl.float32)
             vt = vt.to(tl.float32)
@@ -276,11 +293,12 @@ def _dq_kernel(
             s += tiles.bias_log2(PSE, pse_base, SLOPES, slope_addr, i2, j2, seq_q, seq_kv, comp, pse_rs, pse_cs,
                                  q_start, kv_start, pse_mul, PSE_KIND, COMPRESSED)
         p = tl.math.exp2(s - m2[:, None]) * inv_l[:, None]
+        # Masked entries are zeroed after the exp: the max of a fully masked row is -FLT_MAX (section 3).
         if HAS_MASK:
             vis = tiles.visible(i2, j2, seq_q, seq_kv, lower, upper, prefix)
             vis &= tiles.explicit_visible(MASK, mask_base, i2, j2, seq_q, seq_kv, mask_rs, mask_cs)
             p = tl.where(vis, p, 0.0)
-        elif not tiles.tile_is_full(i0, j0, seq_q, seq_kv, lower, upper, prefix, BLOCK_M, BLOCK_N):
+        elif not (rows_full & (j0 >= full_lo) & (j0 + BLOCK_N <= full_hi)):
             p = tl.where(tiles.visible(i2, j2, seq_q, seq_kv, lower, upper, prefix), p, 0.0)
         dp = tl.dot(dy, vt, input_precision=PRECISION)
         if HAS_DROP:
@@ -288,12 +306,14 @@ def _dq_kernel(
         ds = p * (dp - delta[:, None])
         dq += tl.dot(ds.to(kt.dtype), tl.trans(kt), input_precision=PRECISION)
         if WRITE_DPSE:
-            inb = (i2 < seq_q) & (j2 < seq_kv)
+            inb = (i2 < seq_q) & col_ok[None, :]
             offs = tiles.pse_element_offsets(i2, j2, seq_q, seq_kv, comp, dpse_rs, dpse_cs, COMPRESSED)
             if DPSE_ATOMIC:
                 tl.atomic_add(DPSE + dpse_base + offs, ds * dpse_mul, mask=inb)
             else:
                 tl.store(DPSE + dpse_base + offs, ds * dpse_mul, mask=inb)
+        kt_ptrs += k_step
+        vt_ptrs += v_step
 
     tl.store(DQ + tl.load(row + C_DQ) + h * sdqh + offs_m[:, None] * sdqs + offs_dq[None, :] * sdqd,
              (dq * scale).to(DQ.dtype.element_ty), mask=row_ok[:, None] & (offs_dq[None, :] < DQK))
@@ -322,6 +342,13 @@ def backward(
     plan = build_plan(problem, tensors, stats=softmax_max, dpse=dpse_source)
     if plan.num_seq == 0 or plan.max_seq_q == 0 or plan.max_seq_kv == 0:
         return
+    with tiles.interpreter_speed():
+        _launch(problem, plan, query, key, value, dy, attention_in, softmax_max, softmax_sum, dq, dk, dv,
+                dpse_source)
+
+
+def _launch(problem: AttentionProblem, plan: DensePlan, query, key, value, dy, attention_in, softmax_max,
+            softmax_sum, dq, dk, dv, dpse_source) -> None:
     flags = common_flags(problem, plan, query.dtype)
     s = plan.strides
     placeholder = plan.table

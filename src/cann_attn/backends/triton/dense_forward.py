@@ -99,20 +99,30 @@ def _forward_kernel(
 
     # Visible key range of these rows: [i0 + lower, i_last + upper] widened to the prefix (a superset).
     i_last = tl.minimum(i0 + BLOCK_M, seq_q) - 1
+    upper_c = tl.minimum(upper, seq_kv)  # keeps i + upper inside int32 with the "no bound" sentinel
     lo = tl.maximum(i0 + lower, 0)
-    hi = tl.minimum(seq_kv, i_last + tl.minimum(upper, seq_kv) + 1)
-    hi = tl.maximum(hi, tl.minimum(seq_kv, prefix))
+    hi = tl.maximum(tl.minimum(seq_kv, i_last + upper_c + 1), tl.minimum(seq_kv, prefix))
     start = (lo // BLOCK_N) * BLOCK_N
+    # Key tiles with full_lo <= j0 and j0 + BLOCK_N <= full_hi are visible for every row of the block: they
+    # skip the elementwise band mask (SEMANTICS.md 2; d_min >= lower and d_max <= upper or inside the prefix).
+    rows_full = i0 + BLOCK_M <= seq_q
+    full_lo = i0 + BLOCK_M - 1 + lower
+    full_hi = tl.minimum(seq_kv, tl.maximum(i0 + 1 + upper_c, prefix))
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)
+    dq_ok = offs_dq < DQK
+    dv_ok = offs_dv < DV
+    kt_ptrs = k_base + (start + offs_n)[None, :] * sks + offs_dq[:, None] * skd
+    v_ptrs = v_base + (start + offs_n)[:, None] * svs + offs_dv[None, :] * svd
+    k_step = BLOCK_N * sks
+    v_step = BLOCK_N * svs
     for j0 in tl.range(start, hi, BLOCK_N):
         offs_j = j0 + offs_n
         col_ok = offs_j < seq_kv
         j2 = offs_j[None, :]
-        kt = tl.load(k_base + offs_j[None, :] * sks + offs_dq[:, None] * skd,
-                     mask=col_ok[None, :] & (offs_dq[:, None] < DQK), other=0.0)
+        kt = tl.load(kt_ptrs, mask=col_ok[None, :] & dq_ok[:, None], other=0.0)
         if UPCAST:
             kt = kt.to(tl.float32)
         s = tl.dot(q, kt, input_precision=PRECISION) * qk_scale
@@ -123,7 +133,7 @@ def _forward_kernel(
             vis = tiles.visible(i2, j2, seq_q, seq_kv, lower, upper, prefix)
             vis &= tiles.explicit_visible(MASK, mask_base, i2, j2, seq_q, seq_kv, mask_rs, mask_cs)
             s = tl.where(vis, s, float("-inf"))
-        elif not tiles.tile_is_full(i0, j0, seq_q, seq_kv, lower, upper, prefix, BLOCK_M, BLOCK_N):
+        elif not (rows_full & (j0 >= full_lo) & (j0 + BLOCK_N <= full_hi)):
             s = tl.where(tiles.visible(i2, j2, seq_q, seq_kv, lower, upper, prefix), s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         # Rows that have seen nothing visible keep max -inf: shift them by 0 so no inf - inf appears.
@@ -134,11 +144,12 @@ def _forward_kernel(
         m_i = m_new
         if HAS_DROP:
             p = tl.where(tiles.keep_bits(DROP, drop_base, h, i2, j2, seq_q, seq_kv), p, 0.0)
-        v = tl.load(v_base + offs_j[:, None] * svs + offs_dv[None, :] * svd,
-                    mask=col_ok[:, None] & (offs_dv[None, :] < DV), other=0.0)
+        v = tl.load(v_ptrs, mask=col_ok[:, None] & dv_ok[None, :], other=0.0)
         if UPCAST:
             v = v.to(tl.float32)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+        kt_ptrs += k_step
+        v_ptrs += v_step
 
     valid = l_i > 0.0
     denom = tl.where(valid, l_i * keep_prob, 1.0)
@@ -184,9 +195,11 @@ def _launcher(name: str, kernel, configs, reset_to_zero: list[str] | None = None
 
 
 def interpreter_block(plan: DensePlan) -> int:
-    """One small tile size under the interpreter, where run time grows with programs x loop iterations:
-    16 exercises multi-tile paths at test shapes; longer sequences take 64."""
-    return 16 if max(plan.max_seq_q, plan.max_seq_kv) <= 128 else 64
+    """One square tile size under the interpreter, where run time grows with programs x loop iterations (each
+    tile operation costs ~0.1 ms whatever its size): 16 exercises the multi-tile paths at test shapes, longer
+    sequences take 64 or 128."""
+    longest = max(plan.max_seq_q, plan.max_seq_kv)
+    return 16 if longest <= 128 else 64 if longest <= 512 else 128
 
 
 def head_block(d: int) -> int:
@@ -242,6 +255,7 @@ def launch_forward(problem: AttentionProblem, plan: DensePlan, query, key, value
 
     if INTERPRET:
         block = interpreter_block(plan)
-        kernel[grid](*args, **flags, WRITE_STATS=write_stats, BLOCK_M=block, BLOCK_N=block)
+        with tiles.interpreter_speed():
+            kernel[grid](*args, **flags, WRITE_STATS=write_stats, BLOCK_M=block, BLOCK_N=block)
     else:
         kernel[grid](*args, **flags, WRITE_STATS=write_stats)

@@ -7,7 +7,10 @@ description that `dense_plan` lowered; none of them looks at sparse_mode or pse 
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import os
+from collections.abc import Iterator
 
 import triton
 import triton.language as tl
@@ -19,6 +22,38 @@ LOG2E = 1.4426950408889634
 LN2 = 0.6931471805599453
 FLT_MAX = 3.4028234663852886e38
 COMPRESSED_PSE_ROWS = 1024
+
+
+
+def device_function(fn):
+    """`triton.jit` on a GPU. Under the interpreter a plain function: the interpreter re-patches triton.language
+    on every call of a nested jit function (~1.5 ms each, several per tile), while a plain function called
+    from a running interpreted kernel already sees the patched language."""
+    return fn if INTERPRET else triton.jit(fn)
+
+
+@contextlib.contextmanager
+def interpreter_speed() -> Iterator[None]:
+    """Around the dense kernel launches: under the interpreter, skip its int32 overflow sanitizer, which
+    re-does every 32-bit integer add/mul in int64 plus an assert (~40% of interpreted run time). The plan
+    bounds every in-sequence offset below 2^31 (`dense_unsupported`), and test shapes are tiny. Set
+    CANN_ATTN_TRITON_SANITIZE=1 to keep the sanitizer. No effect on a GPU."""
+    if not INTERPRET or os.environ.get("CANN_ATTN_TRITON_SANITIZE") == "1":
+        yield
+        return
+    from triton.runtime import interpreter
+
+    builder = getattr(interpreter, "interpreter_builder", None)
+    options = getattr(builder, "options", None)
+    if options is None or not hasattr(options, "sanitize_overflow"):
+        yield
+        return
+    builder.options = dataclasses.replace(options, sanitize_overflow=False)
+    try:
+        yield
+    finally:
+        builder.options = options
+
 
 # Table columns as kernel-visible constants.
 C_SEQ_Q = tl.constexpr(COL["seq_q"])
@@ -46,7 +81,7 @@ C_DROP = tl.constexpr(COL["drop"])
 NCOL = tl.constexpr(NUM_COLUMNS)
 
 
-@triton.jit
+@device_function
 def visible(i2, j2, seq_q, seq_kv, lower, upper, prefix):
     """SEMANTICS.md 2 in canonical form: lower <= j - i and (j - i <= upper or j < prefix), inside the
     sequence (the explicit mask is separate)."""
@@ -54,7 +89,7 @@ def visible(i2, j2, seq_q, seq_kv, lower, upper, prefix):
     return (d >= lower) & ((d <= upper) | (j2 < prefix)) & (i2 < seq_q) & (j2 < seq_kv)
 
 
-@triton.jit
+@device_function
 def tile_is_full(i0, j0, seq_q, seq_kv, lower, upper, prefix, BLOCK_I: tl.constexpr, BLOCK_J: tl.constexpr):
     """True when every (i, j) of rows [i0, i0+BLOCK_I) x cols [j0, j0+BLOCK_J) is inside the sequence and
     the band: such tiles skip the elementwise mask."""
@@ -64,7 +99,7 @@ def tile_is_full(i0, j0, seq_q, seq_kv, lower, upper, prefix, BLOCK_I: tl.conste
     return inside & (d_min >= lower) & ((d_max <= upper) | (j0 + BLOCK_J <= prefix))
 
 
-@triton.jit
+@device_function
 def explicit_visible(MASK, mask_base, i2, j2, seq_q, seq_kv, mask_rs, mask_cs):
     """Not hidden by the explicit mask (True/nonzero = masked; outside the sequence counts as masked)."""
     inb = (i2 < seq_q) & (j2 < seq_kv)
@@ -72,7 +107,7 @@ def explicit_visible(MASK, mask_base, i2, j2, seq_q, seq_kv, mask_rs, mask_cs):
     return m == 0
 
 
-@triton.jit
+@device_function
 def pse_element_offsets(i2, j2, seq_q, seq_kv, compressed, pse_rs, pse_cs, COMPRESSED: tl.constexpr):
     """Offsets of the pse elements a tile reads (SEMANTICS.md 4); with the 1024-row compressed form,
     value(i, j) = C[r, j + (Sq - 1024) + r - i], r = i - (Sq - 1024) on the last 1024 rows, else i mod 1024.
@@ -90,7 +125,7 @@ def pse_element_offsets(i2, j2, seq_q, seq_kv, compressed, pse_rs, pse_cs, COMPR
     return row * pse_rs + col * pse_cs
 
 
-@triton.jit
+@device_function
 def bias_log2(PSE, pse_base, SLOPES, slope_addr, i2, j2, seq_q, seq_kv, compressed, pse_rs, pse_cs,
               q_start, kv_start, pse_mul, PSE_KIND: tl.constexpr, COMPRESSED: tl.constexpr):
     """The additive bias of a tile in log2 units (`pse_mul` carries log2(e) and, for pse_type 1, the scale):
@@ -108,7 +143,7 @@ def bias_log2(PSE, pse_base, SLOPES, slope_addr, i2, j2, seq_q, seq_kv, compress
     return b
 
 
-@triton.jit
+@device_function
 def keep_bits(DROP, drop_base, h, i2, j2, seq_q, seq_kv):
     """Dropout keep bits (SEMANTICS.md 5): element e = base + h*Sq*Skv + i*Skv + j, bit (e & 7) of byte e >> 3,
     LSB first; 64-bit element indices (masks exceed 2^31 bits at long sequences)."""
