@@ -21,7 +21,7 @@ INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 LOG2E = 1.4426950408889634
 LN2 = 0.6931471805599453
 FLT_MAX = 3.4028234663852886e38
-COMPRESSED_PSE_ROWS = 1024
+COMPRESSED_PSE_ROWS = tl.constexpr(1024)  # a constexpr global: kernels may only read those
 
 
 
