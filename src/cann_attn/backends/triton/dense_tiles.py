@@ -90,16 +90,6 @@ def visible(i2, j2, seq_q, seq_kv, lower, upper, prefix):
 
 
 @device_function
-def tile_is_full(i0, j0, seq_q, seq_kv, lower, upper, prefix, BLOCK_I: tl.constexpr, BLOCK_J: tl.constexpr):
-    """True when every (i, j) of rows [i0, i0+BLOCK_I) x cols [j0, j0+BLOCK_J) is inside the sequence and
-    the band: such tiles skip the elementwise mask."""
-    inside = (i0 + BLOCK_I <= seq_q) & (j0 + BLOCK_J <= seq_kv)
-    d_min = j0 - (i0 + BLOCK_I - 1)
-    d_max = (j0 + BLOCK_J - 1) - i0
-    return inside & (d_min >= lower) & ((d_max <= upper) | (j0 + BLOCK_J <= prefix))
-
-
-@device_function
 def explicit_visible(MASK, mask_base, i2, j2, seq_q, seq_kv, mask_rs, mask_cs):
     """Not hidden by the explicit mask (True/nonzero = masked; outside the sequence counts as masked)."""
     inb = (i2 < seq_q) & (j2 < seq_kv)
