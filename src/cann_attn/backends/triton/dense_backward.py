@@ -342,8 +342,8 @@ def backward(
     plan = build_plan(problem, tensors, stats=softmax_max, dpse=dpse_source)
     if plan.num_seq == 0 or plan.max_seq_q == 0 or plan.max_seq_kv == 0:
         return
-    with tiles.interpreter_speed():
-        _launch(problem, plan, query, key, value, dy, attention_in, softmax_max, softmax_sum, dq, dk, dv,
+    with tiles.interpreter_speed(), tiles.rounded_bf16_outputs(dq, dk, dv) as (dq_k, dk_k, dv_k):
+        _launch(problem, plan, query, key, value, dy, attention_in, softmax_max, softmax_sum, dq_k, dk_k, dv_k,
                 dpse_source)
 
 

@@ -231,7 +231,8 @@ def forward(problem: AttentionProblem, query, key, value, out, softmax_max=None,
     plan = build_plan(problem, {"q": query, "k": key, "v": value, "o": out}, stats=softmax_max)
     if plan.num_seq == 0 or plan.max_seq_q == 0:
         return
-    launch_forward(problem, plan, query, key, value, out, softmax_max, softmax_sum)
+    with tiles.rounded_bf16_outputs(out) as (out_k,):
+        launch_forward(problem, plan, query, key, value, out_k, softmax_max, softmax_sum)
 
 
 def launch_forward(problem: AttentionProblem, plan: DensePlan, query, key, value, out, softmax_max,

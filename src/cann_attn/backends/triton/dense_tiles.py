@@ -12,6 +12,7 @@ import dataclasses
 import os
 from collections.abc import Iterator
 
+import torch
 import triton
 import triton.language as tl
 
@@ -53,6 +54,26 @@ def interpreter_speed() -> Iterator[None]:
         yield
     finally:
         builder.options = options
+
+
+@contextlib.contextmanager
+def rounded_bf16_outputs(*outputs: torch.Tensor) -> Iterator[tuple[torch.Tensor, ...]]:
+    """Kernel-facing stand-ins for `outputs`. The interpreter has no bf16 type (NumPy) and converts fp32 to bf16
+    by truncation, one ulp off half the time, where GPUs round to nearest; under the interpreter each bf16
+    output is computed into an fp32 tensor of the same strides (so the plan's offsets still hold) and copied
+    back with torch's round-to-nearest. Anything else is handed through unchanged."""
+    if not INTERPRET:
+        yield outputs
+        return
+    standins = tuple(
+        torch.empty_strided(t.shape, t.stride(), dtype=torch.float32, device=t.device).copy_(t)
+        if t.dtype == torch.bfloat16 else t
+        for t in outputs
+    )
+    yield standins
+    for target, standin in zip(outputs, standins, strict=True):
+        if standin is not target:
+            target.copy_(standin)
 
 
 # Table columns as kernel-visible constants.
