@@ -16,9 +16,11 @@ $(STAMP): pyproject.toml
 demo: $(STAMP)
 	$(BIN)/cann-attn verify
 
-# The operator test matrix again with every supported case on the Triton kernels (interpreter on CPU).
+# The operator test matrix and the hypothesis fuzzers again, every supported case on the Triton kernels (the
+# interpreter on CPU), against the same float64 oracle.
 TRITON_MATRIX := tests/test_fa_forward.py tests/test_fa_backward.py tests/test_pfa.py \
-	tests/test_sparse_attention.py tests/test_indexer.py
+	tests/test_sparse_attention.py tests/test_indexer.py tests/test_fa_hypothesis.py \
+	tests/test_fa_backward_hypothesis.py tests/test_pfa_hypothesis.py tests/test_sparse_attention_hypothesis.py
 
 test: $(STAMP)
 	$(BIN)/ruff check .
