@@ -19,7 +19,6 @@ message without CUDA.
 
 from __future__ import annotations
 
-import argparse
 import re
 import sys
 from collections.abc import Callable
@@ -280,14 +279,8 @@ def _print(rec: dict[str, Any]) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--quick", action="store_true", help="S = 1k and 4k only, 3 repeats")
-    parser.add_argument("--out", type=Path, default=common.RESULTS)
-    parser.add_argument("--strict", action="store_true", help="exit 1 when a ratio target is missed")
-    args = parser.parse_args(argv)
-    if not torch.cuda.is_available():
-        print("bench_gpu_dense.py needs a CUDA GPU (torch.cuda.is_available() is False); nothing measured.",
-              file=sys.stderr)
+    args = common.gpu_args(__doc__, "S = 1k and 4k only, 3 repeats", argv, "bench_gpu_dense.py")
+    if args is None:
         return 2
     gpu = torch.cuda.get_device_name()
     repeats = 3 if args.quick else 10

@@ -18,7 +18,6 @@ without CUDA.
 
 from __future__ import annotations
 
-import argparse
 import re
 import sys
 from pathlib import Path
@@ -111,14 +110,8 @@ def run_case(s2: int, repeats: int, dev: torch.device) -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--quick", action="store_true", help="S2 = 8k only, 3 repeats")
-    parser.add_argument("--out", type=Path, default=common.RESULTS)
-    parser.add_argument("--strict", action="store_true", help="exit 1 when a TFLOPS target is missed")
-    args = parser.parse_args(argv)
-    if not torch.cuda.is_available():
-        print("bench_gpu_dsa.py needs a CUDA GPU (torch.cuda.is_available() is False); nothing measured.",
-              file=sys.stderr)
+    args = common.gpu_args(__doc__, "S2 = 8k only, 3 repeats", argv, "bench_gpu_dsa.py")
+    if args is None:
         return 2
     dev = torch.device("cuda")
     gpu = torch.cuda.get_device_name()

@@ -215,6 +215,17 @@ def cli_parser(doc: str, quick_help: str, *, threads: bool = False, no_rss: bool
     return parser
 
 
+def gpu_args(doc: str, quick_help: str, argv: list[str] | None, script: str):
+    """The shared options of a GPU benchmark, parsed (`out` as a Path); None, after saying so on stderr, when
+    there is no CUDA GPU (the caller exits with status 2)."""
+    args = cli_parser(doc, quick_help).parse_args(argv)
+    args.out = Path(args.out)
+    if not torch.cuda.is_available():
+        print(f"{script} needs a CUDA GPU (torch.cuda.is_available() is False); nothing measured.", file=sys.stderr)
+        return None
+    return args
+
+
 def console(min_width: int):
     """A rich console; when output is not a terminal (logs, CI), wide enough for the result tables."""
     from rich.console import Console

@@ -21,7 +21,14 @@ import torch
 import triton
 import triton.language as tl
 
-from .sparse_attention import DETERMINISTIC_WORKSPACE_BYTES, _next_pow2, _precision, deterministic_scatter_add
+from .sparse_attention import (
+    DETERMINISTIC_WORKSPACE_BYTES,
+    _next_pow2,
+    _precision,
+    _rows2,
+    _rows3,
+    deterministic_scatter_add,
+)
 from .sparse_plan import RowTables, interpreting
 
 # Constants used inside kernels must be constexpr globals.
@@ -29,16 +36,6 @@ KL_CLAMP = tl.constexpr(1e-8)
 INT64_MIN = tl.constexpr(-(2**63))
 LOW_WORD = tl.constexpr(0xFFFFFFFF)
 TOPK_KEY_BYTES = 1 << 30  # sort-key buffer per slab of query rows
-
-
-def _rows3(t: torch.Tensor, rows: int, dtype: torch.dtype) -> torch.Tensor:
-    v = t.reshape(rows, t.shape[-2], t.shape[-1]).to(dtype)
-    return v if v.stride(-1) == 1 else v.contiguous()
-
-
-def _rows2(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    v = t.reshape(-1, t.shape[-1]).to(dtype)
-    return v if v.stride(-1) == 1 else v.contiguous()
 
 
 # ----------------------------------------------------------------------------------------------------------
