@@ -76,15 +76,16 @@ class Config:
     steps_sparse: int = 160  # phase 3: sparse (DSA) training
     seed: int = 0
     avg_window: int = 10
+    device: str = "cpu"  # "cuda": the cann_attn ops pick their Triton kernels (backend="auto")
 
 
 # ----------------------------------------------------------------------------------------------------- model
 
 
 @cache
-def causal_mask() -> torch.Tensor:
-    """Ascend's compressed 2048x2048 mask for sparse_mode 3 (right-down causal), built once (~4 MB)."""
-    return cann_attn.compressed_mask(3)
+def causal_mask(device: torch.device) -> torch.Tensor:
+    """Ascend's compressed 2048x2048 mask for sparse_mode 3 (right-down causal), built once per device (~4 MB)."""
+    return cann_attn.compressed_mask(3, device)
 
 
 def rope_tables(seq_len: int, dim: int, base: float = 10000.0) -> tuple[torch.Tensor, torch.Tensor]:
@@ -175,7 +176,7 @@ class Block(nn.Module):
             # sparse op's (SEMANTICS.md 8), over every causal key instead of the selected ones.
             out = cann_attn.flash_attention(
                 torch.cat((query, query_rope), dim=-1), torch.cat((latent, key_rope), dim=-1), latent,
-                self.cfg.n_heads, "BSND", atten_mask=causal_mask(), sparse_mode=3, scale_value=scale,
+                self.cfg.n_heads, "BSND", atten_mask=causal_mask(query.device), sparse_mode=3, scale_value=scale,
             )
             kl = dense_indexer_kl(query, query_rope, latent, key_rope, q_idx, k_idx, w_idx, scale)
         x = x + self.attn.wo(out.flatten(2))
@@ -202,7 +203,7 @@ def dense_indexer_kl(query, query_rope, latent, key_rope, q_idx, k_idx, w_idx, s
 
     Same clamping and per-token mean as `indexer_kl_loss` (SEMANTICS.md 9), so the phases' curves compare."""
     s = query.shape[1]
-    causal = torch.ones(s, s, dtype=torch.bool).tril()
+    causal = torch.ones(s, s, dtype=torch.bool, device=query.device).tril()
     with torch.no_grad():
         logits = torch.einsum("bthd,bsd->bhts", query, latent[:, :, 0]) + torch.einsum(
             "bthd,bsd->bhts", query_rope, key_rope[:, :, 0])
@@ -223,9 +224,8 @@ class TinyDSA(nn.Module):
         self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layers))
         self.norm = nn.RMSNorm(cfg.d_model)
         nn.init.normal_(self.embed.weight, std=0.02)
-        cos, sin = rope_tables(cfg.seq_len, cfg.d_rope)
-        cos_idx, sin_idx = rope_tables(cfg.seq_len, cfg.idx_dim // 2)
-        self.rope = Rope(cos, sin, cos_idx, sin_idx)
+        tables = (*rope_tables(cfg.seq_len, cfg.d_rope), *rope_tables(cfg.seq_len, cfg.idx_dim // 2))
+        self.rope = Rope(*(t.to(cfg.device) for t in tables))
 
     def forward(self, tokens: torch.Tensor, targets: torch.Tensor, sparse: bool) -> tuple[torch.Tensor, torch.Tensor]:
         """Returns (LM cross-entropy in nats per byte, indexer KL averaged over layers)."""
@@ -253,7 +253,7 @@ def load_corpus(path: Path = CORPUS, val_fraction: float = 0.05) -> tuple[torch.
 
 def get_batch(data: torch.Tensor, cfg: Config, generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
     starts = torch.randint(0, len(data) - cfg.seq_len - 1, (cfg.batch_size,), generator=generator)
-    window = torch.stack([data[s : s + cfg.seq_len + 1] for s in starts.tolist()])
+    window = torch.stack([data[s : s + cfg.seq_len + 1] for s in starts.tolist()]).to(cfg.device)
     return window[:, :-1], window[:, 1:]
 
 
@@ -270,12 +270,12 @@ def evaluate(model: TinyDSA, val: torch.Tensor, cfg: Config, seed: int) -> dict:
     lm_sparse, _ = model(tokens, targets, sparse=True)
     s, k = tokens.shape[1], cfg.top_k
     rope = model.rope
-    causal = torch.ones(s, s, dtype=torch.bool).tril()
+    causal = torch.ones(s, s, dtype=torch.bool, device=tokens.device).tril()
     x = model.embed(tokens)
     recall, window, kl_trained, kl_fresh = [], [], [], []
     with torch.random.fork_rng():
         torch.manual_seed(seed + 2)
-        fresh = Indexer(cfg)
+        fresh = Indexer(cfg).to(cfg.device)
     for block in model.blocks:
         h = block.norm1(x)
         query, query_rope, latent, key_rope = block.attn.project(h, rope.cos[:s], rope.sin[:s])
@@ -355,7 +355,7 @@ def train(cfg: Config, out_dir: Path | None = None, progress: bool = True, threa
 def _train(cfg: Config, out_dir: Path | None, progress: bool) -> dict:
     torch.manual_seed(cfg.seed)
     train_data, val_data = load_corpus()
-    model = TinyDSA(cfg)
+    model = TinyDSA(cfg).to(cfg.device)
     main_params, indexer_params = split_parameters(model)
     # Two optimizers: the LM loss trains the main model, the KL loss the indexers, each with its own schedule and
     # gradient clipping (the main optimizer's state carries over from phase 1 to phase 3).
@@ -517,9 +517,11 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--threads", type=int, default=1,
                         help="torch CPU threads (default 1: fastest for these tiny ops, robust on a busy machine)")
     parser.add_argument("--no-progress", action="store_true", help="hide the progress bar")
+    parser.add_argument("--device", default="cpu",
+                        help="cpu, or cuda to train through the Triton kernels (backend auto)")
     args = parser.parse_args(argv)
     cfg = Config(steps_dense=args.steps_dense, steps_warmup=args.steps_warmup, steps_sparse=args.steps_sparse,
-                 seed=args.seed)
+                 seed=args.seed, device=args.device)
     summary = train(cfg, args.out, progress=not args.no_progress, threads=args.threads)
     report(summary, cfg)
     print(f"wrote {args.out / 'train_dsa.png'} and {args.out / 'train_dsa.json'}")

@@ -491,6 +491,28 @@ def select_configs(specs: list[KernelSpec], per_kernel_all: bool = True) -> list
     return out
 
 
+# Constexprs that switch code paths on or off: the richest specialization of a kernel exercises the most code.
+_FEATURE_FLAGS = ("HAS_MASK", "PSE_KIND", "COMPRESSED", "HAS_DROP", "WRITE_DPSE", "DPSE_ATOMIC", "HAS_ROPE",
+                  "WRITE_STATS")
+
+
+def representative(specs: list[KernelSpec]) -> list[KernelSpec]:
+    """One spec per kernel (two for kernels with a DETERMINISTIC switch), the one with the most feature flags set
+    and then the widest head dims, each with its default config only: the CI test's compile plan, a few dozen
+    seconds of ptxas on 2 cores where the full plan takes minutes."""
+    def score(spec: KernelSpec) -> tuple:
+        flags = sum(bool(spec.constexprs.get(f)) for f in _FEATURE_FLAGS)
+        widths = sum(v for k, v in spec.constexprs.items() if k.startswith("BLOCK_D") and isinstance(v, int))
+        return flags, widths
+
+    best: dict[tuple[str, bool], KernelSpec] = {}
+    for spec in specs:
+        key = (spec.kernel, bool(spec.constexprs.get("DETERMINISTIC")))
+        if key not in best or score(spec) > score(best[key]):
+            best[key] = spec
+    return [dataclasses.replace(spec, configs=spec.configs[:1]) for spec in best.values()]
+
+
 def _main(argv: list[str]) -> None:
     command = argv[0] if argv else "summary"
     if command == "record":

@@ -284,7 +284,10 @@ def kl_loss_backward(query: torch.Tensor, key: torch.Tensor, query_index: torch.
         stats = torch.empty((rows, 2), dtype=torch.float32, device=dev)
         floor = 1 if interp else 16
         block_n = min(_next_pow2(width, 1), 512) if interp else 32
-        block_hm = _next_pow2(n1, floor) if interp else min(64, _next_pow2(n1, 16))
+        # 32 main heads per step with 2 stages: 84-88 KB of shared memory and no spills at D = 512 + 64, where
+        # 64 heads with 3 stages needed 240-384 KB, over Hopper's 227 KB per block (sm_90 AOT compile); fp32
+        # operands take 16 heads.
+        block_hm = _next_pow2(n1, floor) if interp else min(16 if work == torch.float32 else 32, _next_pow2(n1, 16))
         common = dict(PRECISION=_precision(work), BLOCK_N=block_n)
         block_h, block_di = _next_pow2(heads, floor), _next_pow2(di, floor)
         _kl_prepare_kernel[(rows,)](
@@ -293,7 +296,7 @@ def kl_loss_backward(query: torch.Tensor, key: torch.Tensor, query_index: torch.
             kr2.stride(0), qi.stride(0), qi.stride(1), ki.stride(0), w.stride(0), indices.stride(0),
             indices.shape[-1], n1, d, dr, heads, di, HAS_ROPE=has_rope, BLOCK_HM=block_hm,
             BLOCK_D=_next_pow2(d, floor), BLOCK_DR=_next_pow2(dr, floor) if dr else floor, BLOCK_H=block_h,
-            BLOCK_DI=block_di, **common, **({} if interp else {"num_warps": 8}))
+            BLOCK_DI=block_di, **common, **({} if interp else {"num_warps": 8, "num_stages": 2}))
 
         def launch(grid_rows, row0, det_width, dki, keys, det):
             _kl_grad_kernel[(grid_rows,)](

@@ -62,13 +62,24 @@ def _precision(dtype: torch.dtype) -> str:
 class _Dims:
     """Padded block sizes of one call (powers of two; >= 16 where tl.dot needs it on GPUs)."""
 
-    def __init__(self, n1: int, d: int, dr: int, dv: int, max_positions: int):
+    def __init__(self, n1: int, d: int, dr: int, dv: int, max_positions: int, dtype: torch.dtype):
         interp = interpreting()
         floor = 1 if interp else 16
         self.block_h = _next_pow2(n1, floor) if interp else min(64, _next_pow2(n1, 16))
         self.block_d = _next_pow2(d, floor)
         self.block_dr = _next_pow2(dr, floor) if dr else floor
         self.block_dv = _next_pow2(dv, floor)
+        # The backward keeps dQ [BLOCK_H, D] and dQ_rope in fp32 registers besides Q, dO and the K/V chunk: at
+        # DSA's 512 + 64 (+ 512) head dims, 64 heads need 288-376 KB of shared memory (over Hopper's 227 KB per
+        # block) and spill kilobytes per thread; 32 heads fit (100-136 KB, < 0.6 KB spilled; sm_90 AOT compile,
+        # benchmarks/kernel_report.py).
+        # fp32 operands (no tensor-core path) halve that again, and the forward too: at 64 heads it keeps its
+        # whole tile in local memory (13-28 KB per thread); 16 heads with 8 warps spill nothing.
+        wide = self.block_d + self.block_dr + self.block_dv > 512
+        fp32 = dtype == torch.float32
+        if not interp and wide:
+            self.block_h = min(self.block_h, 16 if fp32 else 64)
+        self.block_h_bwd = self.block_h if interp or not wide else min(self.block_h, 16 if fp32 else 32)
         # Interpreter: few, wide chunks (its cost grows with programs x loop iterations, not with tile size);
         # None: autotuned on GPUs.
         self.block_n = min(512, _next_pow2(max_positions, 1)) if interp else None
@@ -178,7 +189,7 @@ def sparse_forward(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, 
     kr2 = _rows2(key_rope, work) if has_rope else k2
     dr = query_rope.shape[-1] if has_rope else 0
     out3 = torch.empty((rows, n1, dv), dtype=work, device=dev)
-    dims = _Dims(n1, d, dr, dv, tables.max_positions)
+    dims = _Dims(n1, d, dr, dv, tables.max_positions, q3.dtype)
     v_is_k = v2 is k2 and dims.block_dv == dims.block_d
     args = (q3, qr3, k2, kr2, v2, indices, tables.kv_start, tables.thr, tables.scan, out3, softmax_max, softmax_sum,
             float(scale), q3.stride(0), q3.stride(1), qr3.stride(0), qr3.stride(1), k2.stride(0), kr2.stride(0),
@@ -301,8 +312,9 @@ def _sfa_bwd_kernel(
 
 
 def _bwd_configs() -> list[triton.Config]:
-    return [triton.Config({"BLOCK_N": n}, num_warps=w, num_stages=s)
-            for n in (16, 32) for w in (4, 8) for s in (1, 2)]
+    # 8 warps only: with 4, the fp32 dQ accumulator alone spills 4-8 KB per thread at D = 512 (sm_90 AOT
+    # compile); 64-key chunks exceed the shared-memory limit there.
+    return [triton.Config({"BLOCK_N": n}, num_warps=8, num_stages=s) for n in (16, 32) for s in (1, 2)]
 
 
 _sfa_bwd_atomic_tuned = triton.autotune(_bwd_configs(), key=["N1", "D", "DR", "DV", "BS", "V_IS_K"],
@@ -388,11 +400,11 @@ def _launch_backward(q3, k2, v2, kr2, indices, do3, o3, softmax_max, softmax_sum
     dqr3 = dq3 if dqr3 is None else dqr3
     stat_max = softmax_max.float().contiguous()
     stat_sum = softmax_sum.float().contiguous()
-    dims = _Dims(n1, d, dr, dv, tables.max_positions)
+    dims = _Dims(n1, d, dr, dv, tables.max_positions, q3.dtype)
     v_is_k = v2 is k2 and dims.block_dv == dims.block_d
-    groups = triton.cdiv(n1, dims.block_h)
+    groups = triton.cdiv(n1, dims.block_h_bwd)
     common = dict(BS=block_size, HAS_ROPE=has_rope, V_IS_K=v_is_k, PRECISION=_precision(q3.dtype),
-                  BLOCK_H=dims.block_h, BLOCK_D=dims.block_d, BLOCK_DR=dims.block_dr, BLOCK_DV=dims.block_dv)
+                  BLOCK_H=dims.block_h_bwd, BLOCK_D=dims.block_d, BLOCK_DR=dims.block_dr, BLOCK_DV=dims.block_dv)
 
     def launch(grid_rows, row0, width, keys, dkv, det):
         args = (q3, qr3, k2, kr2, v2, do3, o3, stat_max, stat_sum, indices, tables.kv_start, tables.thr,
