@@ -21,7 +21,7 @@ import triton.language as tl
 
 from ...problem.attention import AttentionProblem
 from . import dense_tiles as tiles
-from .dense_plan import NO_LOWER, NO_UPPER, DensePlan, build_plan
+from .dense_plan import DensePlan, build_plan
 from .dense_tiles import (
     C_DROP,
     C_K,
@@ -208,13 +208,11 @@ def head_block(d: int) -> int:
 
 def common_flags(problem: AttentionProblem, plan: DensePlan, dtype: torch.dtype) -> dict:
     """Constexpr switches shared by every dense kernel."""
-    banded = bool(((plan.table[:, C_LOWER.value] != NO_LOWER) | (plan.table[:, C_UPPER.value] != NO_UPPER)
-                   | (plan.table[:, C_PREFIX.value] != 0)).any()) if plan.num_seq else False
     return {
         "GROUP": problem.group, "DQK": problem.dim_qk, "DV": problem.dim_v,
         "BLOCK_DQK": head_block(problem.dim_qk), "BLOCK_DV": head_block(problem.dim_v),
         "HAS_MASK": plan.mask is not None, "PSE_KIND": plan.pse_kind, "COMPRESSED": plan.pse_compressed,
-        "HAS_DROP": plan.drop is not None, "BANDED": banded,
+        "HAS_DROP": plan.drop is not None, "BANDED": plan.banded,
         # The interpreter computes bf16/fp16 dots wrongly: give it fp32 tiles. On a GPU fp16/bf16 operands feed
         # the tensor cores with fp32 accumulation, and fp32 inputs keep full fp32 products (no TF32).
         "UPCAST": INTERPRET, "PRECISION": "ieee" if dtype == torch.float32 else "tf32",

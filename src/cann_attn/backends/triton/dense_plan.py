@@ -75,6 +75,7 @@ class DensePlan:
     dpse_reduces: bool = False  # several (sequence, i, j) share one dpse element: atomics needed
     slopes: torch.Tensor | None = None
     slope_head_stride: int = 0
+    banded: bool = False  # some sequence has a band or prefix bound (decided on the host: no device sync)
     q_start: int = 0
     kv_start: int = 0
     drop: torch.Tensor | None = None
@@ -191,7 +192,10 @@ def build_plan(problem: AttentionProblem, tensors: dict[str, torch.Tensor], *,
     _plan_mask(plan, rows, seqs)
     _plan_pse(problem, plan, rows, seqs, dpse)
     _plan_dropout(problem, plan, rows, seqs)
-    plan.table = torch.tensor(rows, dtype=torch.int64).reshape(len(seqs), NUM_COLUMNS).to(device)
+    table = torch.tensor(rows, dtype=torch.int64).reshape(len(seqs), NUM_COLUMNS)
+    plan.banded = bool(((table[:, COL["lower"]] != NO_LOWER) | (table[:, COL["upper"]] != NO_UPPER)
+                        | (table[:, COL["prefix"]] != 0)).any()) if len(seqs) else False
+    plan.table = table.to(device)
     return plan
 
 
