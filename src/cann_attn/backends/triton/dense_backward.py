@@ -58,7 +58,7 @@ from .dense_tiles import (
 
 @triton.jit
 def _delta_kernel(O, DY, DELTA, TAB, soh, sos, sod, sdyh, sdys, sdyd,
-                  DV: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr):
+                  DV: tl.constexpr, BLOCK_DV: tl.constexpr, OFF_ALIGN: tl.constexpr, BLOCK_M: tl.constexpr):
     h = tl.program_id(1)
     row = TAB + tl.program_id(2).to(tl.int64) * NCOL
     seq_q = tl.load(row + C_SEQ_Q).to(tl.int32)
@@ -68,9 +68,10 @@ def _delta_kernel(O, DY, DELTA, TAB, soh, sos, sod, sdyh, sdys, sdyd,
     offs_m = i0 + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_DV)
     ok = (offs_m[:, None] < seq_q) & (offs_d[None, :] < DV)
-    o = tl.load(O + tl.load(row + C_O) + h * soh + offs_m[:, None] * sos + offs_d[None, :] * sod, mask=ok, other=0.0)
-    dy = tl.load(DY + tl.load(row + C_DY) + h * sdyh + offs_m[:, None] * sdys + offs_d[None, :] * sdyd,
-                 mask=ok, other=0.0)
+    o_base = O + tiles.tensor_offset(row, C_O, OFF_ALIGN) + h * soh
+    dy_base = DY + tiles.tensor_offset(row, C_DY, OFF_ALIGN) + h * sdyh
+    o = tl.load(o_base + offs_m[:, None] * sos + offs_d[None, :] * sod, mask=ok, other=0.0)
+    dy = tl.load(dy_base + offs_m[:, None] * sdys + offs_d[None, :] * sdyd, mask=ok, other=0.0)
     delta = tl.sum(o.to(tl.float32) * dy.to(tl.float32), 1)
     tl.store(DELTA + tl.load(row + C_DELTA) + h * seq_q + offs_m, delta, mask=offs_m < seq_q)
 
@@ -97,7 +98,7 @@ def _dkdv_kernel(
     q_start, kv_start, qk_scale, scale, pse_mul, inv_keep,
     GROUP: tl.constexpr, DQK: tl.constexpr, DV: tl.constexpr, BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr,
     HAS_MASK: tl.constexpr, PSE_KIND: tl.constexpr, COMPRESSED: tl.constexpr, HAS_DROP: tl.constexpr,
-    BANDED: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
+    BANDED: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr, OFF_ALIGN: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     kvh = tl.program_id(1)
@@ -117,9 +118,11 @@ def _dkdv_kernel(
     offs_dv = tl.arange(0, BLOCK_DV)
     col_ok = offs_n < seq_kv
     j2 = offs_n[:, None]  # key-major tiles: keys on axis 0, queries on axis 1
-    k = tl.load(K + tl.load(row + C_K) + kvh * skh + offs_n[:, None] * sks + offs_dq[None, :] * skd,
+    k_base = K + tiles.tensor_offset(row, C_K, OFF_ALIGN) + kvh * skh
+    v_base = V + tiles.tensor_offset(row, C_V, OFF_ALIGN) + kvh * svh
+    k = tl.load(k_base + offs_n[:, None] * sks + offs_dq[None, :] * skd,
                 mask=col_ok[:, None] & (offs_dq[None, :] < DQK), other=0.0)
-    v = tl.load(V + tl.load(row + C_V) + kvh * svh + offs_n[:, None] * svs + offs_dv[None, :] * svd,
+    v = tl.load(v_base + offs_n[:, None] * svs + offs_dv[None, :] * svd,
                 mask=col_ok[:, None] & (offs_dv[None, :] < DV), other=0.0)
     if UPCAST:
         k = k.to(tl.float32)
@@ -142,8 +145,8 @@ def _dkdv_kernel(
     dv = tl.zeros([BLOCK_N, BLOCK_DV], tl.float32)
     dq_ok = offs_dq < DQK
     dv_ok = offs_dv < DV
-    q_off = tl.load(row + C_Q)
-    dy_off = tl.load(row + C_DY)
+    q_off = tiles.tensor_offset(row, C_Q, OFF_ALIGN)
+    dy_off = tiles.tensor_offset(row, C_DY, OFF_ALIGN)
     mask_row = 0
     if HAS_MASK:
         mask_row = tl.load(row + C_MASK)
@@ -198,10 +201,12 @@ def _dkdv_kernel(
             q_ptrs += q_step
             dy_ptrs += dy_step
 
-    tl.store(DK + tl.load(row + C_DK) + kvh * sdkh + offs_n[:, None] * sdks + offs_dq[None, :] * sdkd,
-             (dk * scale).to(DK.dtype.element_ty), mask=col_ok[:, None] & (offs_dq[None, :] < DQK))
-    tl.store(DV_ + tl.load(row + C_DV) + kvh * sdvh + offs_n[:, None] * sdvs + offs_dv[None, :] * sdvd,
-             dv.to(DV_.dtype.element_ty), mask=col_ok[:, None] & (offs_dv[None, :] < DV))
+    dk_base = DK + tiles.tensor_offset(row, C_DK, OFF_ALIGN) + kvh * sdkh
+    dv_base = DV_ + tiles.tensor_offset(row, C_DV, OFF_ALIGN) + kvh * sdvh
+    tl.store(dk_base + offs_n[:, None] * sdks + offs_dq[None, :] * sdkd, (dk * scale).to(DK.dtype.element_ty),
+             mask=col_ok[:, None] & (offs_dq[None, :] < DQK))
+    tl.store(dv_base + offs_n[:, None] * sdvs + offs_dv[None, :] * sdvd, dv.to(DV_.dtype.element_ty),
+             mask=col_ok[:, None] & (offs_dv[None, :] < DV))
 
 
 @triton.jit
@@ -212,7 +217,7 @@ def _dq_kernel(
     q_start, kv_start, qk_scale, scale, pse_mul, dpse_mul, inv_keep,
     GROUP: tl.constexpr, DQK: tl.constexpr, DV: tl.constexpr, BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr,
     HAS_MASK: tl.constexpr, PSE_KIND: tl.constexpr, COMPRESSED: tl.constexpr, HAS_DROP: tl.constexpr,
-    BANDED: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
+    BANDED: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr, OFF_ALIGN: tl.constexpr,
     WRITE_DPSE: tl.constexpr, DPSE_ATOMIC: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
@@ -234,16 +239,18 @@ def _dq_kernel(
     offs_dv = tl.arange(0, BLOCK_DV)
     row_ok = offs_m < seq_q
     i2 = offs_m[:, None]
-    q = tl.load(Q + tl.load(row + C_Q) + h * sqh + offs_m[:, None] * sqs + offs_dq[None, :] * sqd,
+    q_base = Q + tiles.tensor_offset(row, C_Q, OFF_ALIGN) + h * sqh
+    dy_base = DY + tiles.tensor_offset(row, C_DY, OFF_ALIGN) + h * sdyh
+    q = tl.load(q_base + offs_m[:, None] * sqs + offs_dq[None, :] * sqd,
                 mask=row_ok[:, None] & (offs_dq[None, :] < DQK), other=0.0)
-    dy = tl.load(DY + tl.load(row + C_DY) + h * sdyh + offs_m[:, None] * sdys + offs_dv[None, :] * sdyd,
+    dy = tl.load(dy_base + offs_m[:, None] * sdys + offs_dv[None, :] * sdyd,
                  mask=row_ok[:, None] & (offs_dv[None, :] < DV), other=0.0)
     if UPCAST:
         q = q.to(tl.float32)
         dy = dy.to(tl.float32)
     m2, inv_l, delta = _row_stats(SMAX, SSUM, DELTA, row, h, offs_m, seq_q, stat_rs)
-    k_base = K + tl.load(row + C_K) + kvh * skh
-    v_base = V + tl.load(row + C_V) + kvh * svh
+    k_base = K + tiles.tensor_offset(row, C_K, OFF_ALIGN) + kvh * skh
+    v_base = V + tiles.tensor_offset(row, C_V, OFF_ALIGN) + kvh * svh
     mask_base = 0
     if HAS_MASK:
         mask_base = tl.load(row + C_MASK) + h * mask_hs
@@ -315,8 +322,9 @@ def _dq_kernel(
         kt_ptrs += k_step
         vt_ptrs += v_step
 
-    tl.store(DQ + tl.load(row + C_DQ) + h * sdqh + offs_m[:, None] * sdqs + offs_dq[None, :] * sdqd,
-             (dq * scale).to(DQ.dtype.element_ty), mask=row_ok[:, None] & (offs_dq[None, :] < DQK))
+    dq_base = DQ + tiles.tensor_offset(row, C_DQ, OFF_ALIGN) + h * sdqh
+    tl.store(dq_base + offs_m[:, None] * sdqs + offs_dq[None, :] * sdqd, (dq * scale).to(DQ.dtype.element_ty),
+             mask=row_ok[:, None] & (offs_dq[None, :] < DQK))
 
 
 def _configs(outer: str, inner: str) -> list[triton.Config]:
@@ -356,7 +364,8 @@ def _launch(problem: AttentionProblem, plan: DensePlan, query, key, value, dy, a
     delta = torch.empty(max(plan.total_q, 1), dtype=torch.float32, device=query.device)
     block_dv = flags["BLOCK_DV"]
     _delta_kernel[(triton.cdiv(plan.max_seq_q, 64), problem.heads_q, plan.num_seq)](
-        attention_in, dy, delta, plan.table, *s["o"], *s["dy"], DV=problem.dim_v, BLOCK_DV=block_dv, BLOCK_M=64)
+        attention_in, dy, delta, plan.table, *s["o"], *s["dy"], DV=problem.dim_v, BLOCK_DV=block_dv,
+        OFF_ALIGN=plan.offset_align, BLOCK_M=64)
 
     log2e = tiles.LOG2E
     common = (plan.stat_row_stride, *plan.mask_strides, *plan.pse_strides, plan.slope_head_stride)

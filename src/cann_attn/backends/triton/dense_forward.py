@@ -53,7 +53,7 @@ def _forward_kernel(
     GROUP: tl.constexpr, DQK: tl.constexpr, DV: tl.constexpr, BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr,
     HAS_MASK: tl.constexpr, PSE_KIND: tl.constexpr, COMPRESSED: tl.constexpr, HAS_DROP: tl.constexpr,
     WRITE_STATS: tl.constexpr, BANDED: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    OFF_ALIGN: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
     h = tl.program_id(1)
@@ -75,13 +75,13 @@ def _forward_kernel(
     row_ok = offs_m < seq_q
     i2 = offs_m[:, None]
 
-    q_base = Q + tl.load(row + C_Q) + h * sqh
+    q_base = Q + tiles.tensor_offset(row, C_Q, OFF_ALIGN) + h * sqh
     q = tl.load(q_base + offs_m[:, None] * sqs + offs_dq[None, :] * sqd,
                 mask=row_ok[:, None] & (offs_dq[None, :] < DQK), other=0.0)
     if UPCAST:
         q = q.to(tl.float32)
-    k_base = K + tl.load(row + C_K) + kvh * skh
-    v_base = V + tl.load(row + C_V) + kvh * svh
+    k_base = K + tiles.tensor_offset(row, C_K, OFF_ALIGN) + kvh * skh
+    v_base = V + tiles.tensor_offset(row, C_V, OFF_ALIGN) + kvh * svh
     mask_base = 0
     if HAS_MASK:
         mask_base = tl.load(row + C_MASK) + h * mask_hs
@@ -154,7 +154,7 @@ def _forward_kernel(
     valid = l_i > 0.0
     denom = tl.where(valid, l_i * keep_prob, 1.0)
     out = tl.where(valid[:, None], acc / denom[:, None], 0.0)
-    o_base = O + tl.load(row + C_O) + h * soh
+    o_base = O + tiles.tensor_offset(row, C_O, OFF_ALIGN) + h * soh
     tl.store(o_base + offs_m[:, None] * sos + offs_dv[None, :] * sod, out.to(O.dtype.element_ty),
              mask=row_ok[:, None] & (offs_dv[None, :] < DV))
     if WRITE_STATS:
@@ -181,7 +181,7 @@ def _gpu_configs() -> list[triton.Config]:
     return configs
 
 
-TUNE_KEY = ["DQK", "DV", "HAS_MASK", "PSE_KIND", "HAS_DROP", "BANDED", "GROUP"]
+TUNE_KEY = ["DQK", "DV", "HAS_MASK", "PSE_KIND", "HAS_DROP", "BANDED", "GROUP", "OFF_ALIGN"]
 _tuned: dict[str, object] = {}
 
 
@@ -216,6 +216,7 @@ def common_flags(problem: AttentionProblem, plan: DensePlan, dtype: torch.dtype)
         # The interpreter computes bf16/fp16 dots wrongly: give it fp32 tiles. On a GPU fp16/bf16 operands feed
         # the tensor cores with fp32 accumulation, and fp32 inputs keep full fp32 products (no TF32).
         "UPCAST": INTERPRET, "PRECISION": "ieee" if dtype == torch.float32 else "tf32",
+        "OFF_ALIGN": plan.offset_align,
     }
 
 

@@ -20,6 +20,7 @@ No triton import here: `dense_unsupported` runs before a backend is chosen.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 import torch
@@ -76,6 +77,9 @@ class DensePlan:
     slopes: torch.Tensor | None = None
     slope_head_stride: int = 0
     banded: bool = False  # some sequence has a band or prefix bound (decided on the host: no device sync)
+    # Largest power of two (at most 16) dividing every q/k/v/o/dy/dq/dk/dv offset of the table: the kernels' alignment
+    # hint for those offsets, without which the compiler can neither vectorise nor pipeline the tile loads.
+    offset_align: int = 16
     q_start: int = 0
     kv_start: int = 0
     drop: torch.Tensor | None = None
@@ -175,6 +179,9 @@ def build_plan(problem: AttentionProblem, tensors: dict[str, torch.Tensor], *,
         unit, plan.strides[name] = _layout_strides(problem, t, heads)
         for row, (_, _, b, q_tok, kv_tok) in zip(rows, seqs, strict=True):
             row[COL[name]] = unit * ((q_tok if query_like else kv_tok) if problem.tnd else b)
+
+    offsets = math.gcd(*(row[COL[name]] for row in rows for name in tensors))
+    plan.offset_align = 16 if offsets == 0 else min(16, offsets & -offsets)
 
     delta = 0
     for row, (run, _, _, _, _) in zip(rows, seqs, strict=True):

@@ -103,6 +103,14 @@ NCOL = tl.constexpr(NUM_COLUMNS)
 
 
 @device_function
+def tensor_offset(row, col, OFF_ALIGN: tl.constexpr):
+    """A q/k/v/o/dy/dq/dk/dv offset of a table row with its host-checked alignment (`DensePlan.offset_align`):
+    with an unknown divisor the compiler loads tiles one element at a time (a 64-bit address per element, the
+    registers then spill) and cannot pipeline them."""
+    return tl.multiple_of(tl.load(row + col), OFF_ALIGN)
+
+
+@device_function
 def visible(i2, j2, seq_q, seq_kv, lower, upper, prefix):
     """SEMANTICS.md 2 in canonical form: lower <= j - i and (j - i <= upper or j < prefix), inside the
     sequence (the explicit mask is separate)."""
