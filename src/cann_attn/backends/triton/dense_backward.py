@@ -161,18 +161,18 @@ def _dkdv_kernel(
     drop_base = 0
     if HAS_DROP:
         drop_base = tl.load(row + C_DROP)
-    q_step = BLOCK_M * sqs
-    dy_step = BLOCK_M * sdys
     for g in range(GROUP):
         h = kvh * GROUP + g
-        q_ptrs = Q + q_off + h * sqh + (start + offs_mb)[:, None] * sqs + offs_dq[None, :] * sqd
-        dy_ptrs = DY + dy_off + h * sdyh + (start + offs_mb)[:, None] * sdys + offs_dv[None, :] * sdyd
+        q_head = Q + q_off + h * sqh
+        dy_head = DY + dy_off + h * sdyh
         for i0 in tl.range(start, i_hi, BLOCK_M):
             offs_m = i0 + offs_mb
             row_ok = offs_m < seq_q
             i2 = offs_m[None, :]
-            q = tl.load(q_ptrs, mask=row_ok[:, None] & dq_ok[None, :], other=0.0)
-            dy = tl.load(dy_ptrs, mask=row_ok[:, None] & dv_ok[None, :], other=0.0)
+            q = tl.load(q_head + offs_m[:, None] * sqs + offs_dq[None, :] * sqd,
+                        mask=row_ok[:, None] & dq_ok[None, :], other=0.0)
+            dy = tl.load(dy_head + offs_m[:, None] * sdys + offs_dv[None, :] * sdyd,
+                         mask=row_ok[:, None] & dv_ok[None, :], other=0.0)
             if UPCAST:
                 q = q.to(tl.float32)
                 dy = dy.to(tl.float32)
@@ -198,8 +198,6 @@ def _dkdv_kernel(
             dv += tl.dot(pdt.to(dy.dtype), dy, input_precision=PRECISION)
             dst = pt * (dpt - delta[None, :])
             dk += tl.dot(dst.to(q.dtype), q, input_precision=PRECISION)
-            q_ptrs += q_step
-            dy_ptrs += dy_step
 
     dk_base = DK + tiles.tensor_offset(row, C_DK, OFF_ALIGN) + kvh * sdkh
     dv_base = DV_ + tiles.tensor_offset(row, C_DV, OFF_ALIGN) + kvh * sdvh
@@ -282,16 +280,14 @@ def _dq_kernel(
     dq = tl.zeros([BLOCK_M, BLOCK_DQK], tl.float32)
     dq_ok = offs_dq < DQK
     dv_ok = offs_dv < DV
-    kt_ptrs = k_base + (start + offs_nb)[None, :] * sks + offs_dq[:, None] * skd
-    vt_ptrs = v_base + (start + offs_nb)[None, :] * svs + offs_dv[:, None] * svd
-    k_step = BLOCK_N * sks
-    v_step = BLOCK_N * svs
     for j0 in tl.range(start, hi, BLOCK_N):
         offs_j = j0 + offs_nb
         col_ok = offs_j < seq_kv
         j2 = offs_j[None, :]
-        kt = tl.load(kt_ptrs, mask=col_ok[None, :] & dq_ok[:, None], other=0.0)
-        vt = tl.load(vt_ptrs, mask=col_ok[None, :] & dv_ok[:, None], other=0.0)
+        kt = tl.load(k_base + offs_j[None, :] * sks + offs_dq[:, None] * skd,
+                     mask=col_ok[None, :] & dq_ok[:, None], other=0.0)
+        vt = tl.load(v_base + offs_j[None, :] * svs + offs_dv[:, None] * svd,
+                     mask=col_ok[None, :] & dv_ok[:, None], other=0.0)
         if UPCAST:
             kt = kt.to(tl.float32)
             vt = vt.to(tl.float32)
@@ -319,8 +315,6 @@ def _dq_kernel(
                 tl.atomic_add(DPSE + dpse_base + offs, ds * dpse_mul, mask=inb)
             else:
                 tl.store(DPSE + dpse_base + offs, ds * dpse_mul, mask=inb)
-        kt_ptrs += k_step
-        vt_ptrs += v_step
 
     dq_base = DQ + tiles.tensor_offset(row, C_DQ, OFF_ALIGN) + h * sdqh
     tl.store(dq_base + offs_m[:, None] * sdqs + offs_dq[None, :] * sdqd, (dq * scale).to(DQ.dtype.element_ty),

@@ -114,15 +114,12 @@ def _forward_kernel(
     acc = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)
     dq_ok = offs_dq < DQK
     dv_ok = offs_dv < DV
-    kt_ptrs = k_base + (start + offs_n)[None, :] * sks + offs_dq[:, None] * skd
-    v_ptrs = v_base + (start + offs_n)[:, None] * svs + offs_dv[None, :] * svd
-    k_step = BLOCK_N * sks
-    v_step = BLOCK_N * svs
     for j0 in tl.range(start, hi, BLOCK_N):
         offs_j = j0 + offs_n
         col_ok = offs_j < seq_kv
         j2 = offs_j[None, :]
-        kt = tl.load(kt_ptrs, mask=col_ok[None, :] & dq_ok[:, None], other=0.0)
+        kt = tl.load(k_base + offs_j[None, :] * sks + offs_dq[:, None] * skd,
+                     mask=col_ok[None, :] & dq_ok[:, None], other=0.0)
         if UPCAST:
             kt = kt.to(tl.float32)
         s = tl.dot(q, kt, input_precision=PRECISION) * qk_scale
@@ -144,12 +141,11 @@ def _forward_kernel(
         m_i = m_new
         if HAS_DROP:
             p = tl.where(tiles.keep_bits(DROP, drop_base, h, i2, j2, seq_q, seq_kv), p, 0.0)
-        v = tl.load(v_ptrs, mask=col_ok[:, None] & dv_ok[None, :], other=0.0)
+        v = tl.load(v_base + offs_j[:, None] * svs + offs_dv[None, :] * svd,
+                    mask=col_ok[:, None] & dv_ok[None, :], other=0.0)
         if UPCAST:
             v = v.to(tl.float32)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
-        kt_ptrs += k_step
-        v_ptrs += v_step
 
     valid = l_i > 0.0
     denom = tl.where(valid, l_i * keep_prob, 1.0)
