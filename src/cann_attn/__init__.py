@@ -5,6 +5,7 @@ Public API: DESIGN.md. Semantics: SEMANTICS.md (section numbers are cited in doc
 
 from . import library  # noqa: F401  (registers the cann_attn::* custom ops)
 from .autograd import flash_attention, indexer_kl_loss, sparse_attention
+from .backends import BackendFallbackWarning
 from .errors import AclnnError, ParamInvalidError, ParamNullptrError
 from .ops.flash_attention_score import (
     FlashAttentionScoreResult,
@@ -33,6 +34,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "AclnnError",
+    "BackendFallbackWarning",
     "FlashAttentionScoreGradResult",
     "FlashAttentionScoreResult",
     "LightningIndexerResult",
