@@ -151,3 +151,44 @@ def test_varlen_tnd_bf16():
     assert_close_to_oracle(fwd.attention_out, gold.attention_out, naive[0], name="attention_out")
     for name, a, g, nv in zip(("dq", "dk", "dv"), grads[:3], gold_g[:3], naive[1:], strict=True):
         assert_close_to_oracle(a, g, nv, name=name)
+
+
+def test_auto_picks_triton_and_falls_back_with_a_warning():
+    """backend="auto" on CUDA tensors: Triton where supported; int8 PFA warns and runs on the reference."""
+    q, k, v = (torch.randn(1, 4, 256, 64, device=DEV, dtype=torch.bfloat16) for _ in range(3))
+    before = dispatch_counts[("flash_attention_score", "triton")]
+    cann_attn.flash_attention_score(q, k, v, 4, "BNSD", scale_value=0.125)
+    assert dispatch_counts[("flash_attention_score", "triton")] == before + 1
+    qi, ki, vi = (torch.randint(-100, 100, (1, 4, 64, 64), device=DEV, dtype=torch.int8) for _ in range(3))
+    deq = cann_attn.trans_quant_param(torch.tensor([0.01])).to(DEV)
+    with pytest.warns(cann_attn.BackendFallbackWarning, match="int8"):
+        cann_attn.prompt_flash_attention(qi, ki, vi, num_heads=4, input_layout="BNSD", deq_scale1=deq,
+                                         quant_scale1=torch.tensor([0.02], device=DEV), deq_scale2=deq)
+
+
+def test_backward_is_bitwise_deterministic_bf16():
+    gen = torch.Generator().manual_seed(3)
+    q, k, v, dy = (torch.randn(2, 16, 1536, 128, generator=gen).to(DEV, torch.bfloat16) for _ in range(4))
+    kw = {"scale_value": 128**-0.5, "atten_mask": cann_attn.compressed_mask(3), "sparse_mode": 3}
+    runs = [cann_attn.flash_attention_score_grad(q, k, v, dy, 16, "BNSD", backend="triton", **kw)[:3]
+            for _ in range(3)]
+    for other in runs[1:]:
+        for a, b in zip(runs[0], other, strict=True):
+            assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("rows", ["full", "broadcast"])
+def test_pse_tensor_with_dpse_bf16(rows):
+    """pse_type 1 tensor bias with its gradient (direct writes, or atomics for the row-broadcast pse)."""
+    gen = torch.Generator().manual_seed(4)
+    b, n, s, d = 2, 4, 1024, 64
+    q, k, v, dy = (torch.randn(b, n, s, d, generator=gen).to(DEV, torch.bfloat16) for _ in range(4))
+    pse = torch.randn(b, n, s if rows == "full" else 1, s, generator=gen).to(DEV, torch.bfloat16)
+    kw = {"scale_value": d**-0.5, "pse": pse, "pse_type": 1}
+    ours = cann_attn.flash_attention_score_grad(q, k, v, dy, n, "BNSD", backend="triton", **kw)
+    f32 = {**kw, "pse": pse.float()}
+    gold = cann_attn.flash_attention_score_grad(*(t.float() for t in (q, k, v, dy)), n, "BNSD", backend="reference",
+                                                **f32)
+    for name, a, g in zip(("dq", "dk", "dv", "dpse"), ours, gold, strict=True):
+        err = (a.float() - g).norm() / g.norm()
+        assert err < 1e-2, (name, err.item())
