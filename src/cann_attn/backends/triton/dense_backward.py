@@ -267,15 +267,8 @@ def _dq_kernel(
     if HAS_DROP:
         drop_base = tl.load(row + C_DROP)
 
-    # The forward's visible key range and fully visible key tiles (see dense_forward).
-    i_last = tl.minimum(i0 + BLOCK_M, seq_q) - 1
-    upper_c = tl.minimum(upper, seq_kv)
-    lo = tl.maximum(i0 + lower, 0)
-    hi = tl.maximum(tl.minimum(seq_kv, i_last + upper_c + 1), tl.minimum(seq_kv, prefix))
-    start = (lo // BLOCK_N) * BLOCK_N
-    rows_full = i0 + BLOCK_M <= seq_q
-    full_lo = i0 + BLOCK_M - 1 + lower
-    full_hi = tl.minimum(seq_kv, tl.maximum(i0 + 1 + upper_c, prefix))
+    start, hi, rows_full, full_lo, full_hi = tiles.key_span(i0, seq_q, seq_kv, lower, upper, prefix, BLOCK_M,
+                                                            BLOCK_N)
 
     dq = tl.zeros([BLOCK_M, BLOCK_DQK], tl.float32)
     dq_ok = offs_dq < DQK

@@ -97,17 +97,8 @@ def _forward_kernel(
     if HAS_DROP:
         drop_base = tl.load(row + C_DROP)
 
-    # Visible key range of these rows: [i0 + lower, i_last + upper] widened to the prefix (a superset).
-    i_last = tl.minimum(i0 + BLOCK_M, seq_q) - 1
-    upper_c = tl.minimum(upper, seq_kv)  # keeps i + upper inside int32 with the "no bound" sentinel
-    lo = tl.maximum(i0 + lower, 0)
-    hi = tl.maximum(tl.minimum(seq_kv, i_last + upper_c + 1), tl.minimum(seq_kv, prefix))
-    start = (lo // BLOCK_N) * BLOCK_N
-    # Key tiles with full_lo <= j0 and j0 + BLOCK_N <= full_hi are visible for every row of the block: they
-    # skip the elementwise band mask (SEMANTICS.md 2; d_min >= lower and d_max <= upper or inside the prefix).
-    rows_full = i0 + BLOCK_M <= seq_q
-    full_lo = i0 + BLOCK_M - 1 + lower
-    full_hi = tl.minimum(seq_kv, tl.maximum(i0 + 1 + upper_c, prefix))
+    start, hi, rows_full, full_lo, full_hi = tiles.key_span(i0, seq_q, seq_kv, lower, upper, prefix, BLOCK_M,
+                                                            BLOCK_N)
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)

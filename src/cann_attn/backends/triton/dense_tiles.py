@@ -111,6 +111,24 @@ def tensor_offset(row, col, OFF_ALIGN: tl.constexpr):
 
 
 @device_function
+def key_span(i0, seq_q, seq_kv, lower, upper, prefix, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """The key tiles query rows [i0, i0 + BLOCK_M) visit (forward and dQ kernels): (start, hi, rows_full,
+    full_lo, full_hi). Keys [start, hi) cover the band [i0 + lower, i_last + upper] widened to the prefix (a
+    superset, start aligned to BLOCK_N). A key tile with full_lo <= j0 and j0 + BLOCK_N <= full_hi is visible
+    for every row of the block when rows_full (SEMANTICS.md 2: d_min >= lower and d_max <= upper or inside the
+    prefix), so it skips the elementwise band mask."""
+    i_last = tl.minimum(i0 + BLOCK_M, seq_q) - 1
+    upper_c = tl.minimum(upper, seq_kv)  # keeps i + upper inside int32 with the "no bound" sentinel
+    lo = tl.maximum(i0 + lower, 0)
+    hi = tl.maximum(tl.minimum(seq_kv, i_last + upper_c + 1), tl.minimum(seq_kv, prefix))
+    start = (lo // BLOCK_N) * BLOCK_N
+    rows_full = i0 + BLOCK_M <= seq_q
+    full_lo = i0 + BLOCK_M - 1 + lower
+    full_hi = tl.minimum(seq_kv, tl.maximum(i0 + 1 + upper_c, prefix))
+    return start, hi, rows_full, full_lo, full_hi
+
+
+@device_function
 def visible(i2, j2, seq_q, seq_kv, lower, upper, prefix):
     """SEMANTICS.md 2 in canonical form: lower <= j - i and (j - i <= upper or j < prefix), inside the
     sequence (the explicit mask is separate)."""
