@@ -15,11 +15,13 @@ matrix that way. CANN_ATTN_BACKEND=reference pins "auto" to the reference backen
 
 from __future__ import annotations
 
+import importlib
 import importlib.util
 import os
 import warnings
 from collections import Counter
 from collections.abc import Callable
+from types import ModuleType
 
 import torch
 
@@ -97,3 +99,19 @@ def _triton_reason(device: torch.device, unsupported: Callable[[], str | None] |
 def _count(op: str, backend: str) -> str:
     dispatch_counts[(op, backend)] += 1
     return backend
+
+
+# (reference module, Triton module) under cann_attn.backends of each kernel family that both backends implement.
+_KERNEL_MODULES = {
+    "dense_forward": ("reference.flash_forward", "triton.dense_forward"),
+    "dense_backward": ("reference.flash_backward", "triton.dense_backward"),
+}
+
+
+def kernels(family: str, backend: str) -> ModuleType:
+    """The module computing `family` on `backend` ("reference" or "triton"), imported on demand so the package
+    works without triton: dense_forward has `forward(problem, query, key, value, out, softmax_max=None,
+    softmax_sum=None)`, dense_backward `backward(problem, query, key, value, dy, attention_in, softmax_max,
+    softmax_sum, dq, dk, dv, dpse_source)`."""
+    reference, triton = _KERNEL_MODULES[family]
+    return importlib.import_module(f"{__name__}.{triton if backend == 'triton' else reference}")

@@ -6,7 +6,7 @@ from typing import NamedTuple
 
 import torch
 
-from ..backends import select_backend
+from ..backends import kernels, select_backend
 from ..backends.triton.dense_plan import dense_unsupported
 from ..errors import ParamInvalidError
 from ..problem import layout as layouts
@@ -122,18 +122,7 @@ def _run(args: dict, allowed_modes: tuple[int, ...], op: str) -> FlashAttentionS
     softmax_max = torch.empty(stat_shape, dtype=stat_dtype, device=query.device)
     softmax_sum = torch.empty(stat_shape, dtype=stat_dtype, device=query.device)
     if out.numel() > 0:
-        dense_forward(backend).forward(problem, query, key, value, out, softmax_max, softmax_sum)
+        kernels("dense_forward", backend).forward(problem, query, key, value, out, softmax_max, softmax_sum)
     softmax_out = torch.empty(0, dtype=query.dtype, device=query.device)
     return FlashAttentionScoreResult(out, softmax_max, softmax_sum, softmax_out)
-
-
-def dense_forward(backend: str):
-    """The module whose `forward(problem, query, key, value, out, softmax_max=None, softmax_sum=None)` computes
-    a dense FA-family forward on `backend` ("reference" or "triton"; the Triton module is imported only when
-    chosen, so the package works without triton)."""
-    if backend == "triton":
-        from ..backends.triton import dense_forward as module
-    else:
-        from ..backends.reference import flash_forward as module
-    return module
 

@@ -7,13 +7,12 @@ from typing import NamedTuple
 
 import torch
 
-from ..backends import select_backend
+from ..backends import kernels, select_backend
 from ..backends.triton.dense_plan import dense_unsupported
 from ..errors import ParamInvalidError, ParamNullptrError, require
 from ..problem import layout as layouts
 from ..problem import stats
 from .fa_problem import build_problem
-from .flash_attention_score import dense_forward
 
 INT_MAX = 2147483647
 GRAD_MODES = (0, 1, 2, 3, 4, 5, 6, 7, 8)
@@ -98,7 +97,7 @@ def flash_attention_score_grad(
         new_max = torch.empty(stat_shape, dtype=stat_dtype, device=query.device)
         new_sum = torch.empty(stat_shape, dtype=stat_dtype, device=query.device)
         if recomputed_out.numel() > 0:
-            dense_forward(backend).forward(problem, query, key, value, recomputed_out, new_max, new_sum)
+            kernels("dense_forward", backend).forward(problem, query, key, value, recomputed_out, new_max, new_sum)
         if softmax_max is None:
             softmax_max, softmax_sum = new_max, new_sum
         if attention_in is None:
@@ -110,8 +109,8 @@ def flash_attention_score_grad(
     has_pse_tensor = pse is not None and pse_type in (0, 1)
     dpse_acc = torch.zeros(pse.shape, dtype=stat_dtype, device=pse.device) if has_pse_tensor else None
     if query.numel() > 0 and key.numel() > 0:
-        dense_backward(backend).backward(problem, query, key, value, dy, attention_in, softmax_max, softmax_sum,
-                                         dq, dk, dv, dpse_acc)
+        kernels("dense_backward", backend).backward(problem, query, key, value, dy, attention_in, softmax_max,
+                                                    softmax_sum, dq, dk, dv, dpse_acc)
     dpse = dpse_acc.to(pse.dtype) if dpse_acc is not None else None
     return FlashAttentionScoreGradResult(dq, dk, dv, dpse)
 
@@ -122,14 +121,4 @@ def _check_like(t, name: str, shape: tuple[int, ...], dtype: torch.dtype) -> Non
     require(isinstance(t, torch.Tensor), name, "a torch.Tensor", t)
     require(tuple(t.shape) == tuple(shape) and t.dtype == dtype, name,
             f"dtype {dtype} and the attention output's shape {list(shape)}", t)
-
-
-def dense_backward(backend: str):
-    """The module whose `backward(problem, query, key, value, dy, attention_in, softmax_max, softmax_sum, dq, dk,
-    dv, dpse_source)` computes the FA-family backward on `backend` (Triton imported only when chosen)."""
-    if backend == "triton":
-        from ..backends.triton import dense_backward as module
-    else:
-        from ..backends.reference import flash_backward as module
-    return module
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from ..backends import select_backend
+from ..backends import kernels, select_backend
 from ..backends.reference import flash_forward, quant_attention
 from ..backends.triton.dense_plan import dense_unsupported
 from ..errors import ParamInvalidError, ParamNullptrError, describe, require, require_int
@@ -15,7 +15,6 @@ from ..problem.attention import AttentionProblem, Run, mask_runs
 from ..problem.lengths import per_batch_lengths
 from ..problem.pse import SequencePse
 from ..problem.stats import FLT_MAX
-from .flash_attention_score import dense_forward
 
 INT_MAX = 2147483647
 PFA_LAYOUTS = ("BSH", "BSND", "BNSD", "BNSD_BSND")
@@ -147,7 +146,7 @@ def prompt_flash_attention(
         flash_forward.forward(problem, q_bnsd, k_bnsd, v_bnsd, dense, row_max, row_sum)
         quant_attention.quantize_output(problem, dense, row_max[..., 0] > -FLT_MAX, out_bnsd, plan)
     else:
-        dense_forward(backend).forward(problem, q_bnsd, k_bnsd, v_bnsd, out_bnsd)
+        kernels("dense_forward", backend).forward(problem, q_bnsd, k_bnsd, v_bnsd, out_bnsd)
     return out
 
 
