@@ -13,24 +13,16 @@ import os
 from collections.abc import Iterator
 
 import torch
-import triton
 import triton.language as tl
 
 from .dense_plan import COL, NUM_COLUMNS
+from .jit import INTERPRET, device_function
 
-INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 LOG2E = 1.4426950408889634
 LN2 = 0.6931471805599453
 FLT_MAX = 3.4028234663852886e38
 COMPRESSED_PSE_ROWS = tl.constexpr(1024)  # a constexpr global: kernels may only read those
 
-
-
-def device_function(fn):
-    """`triton.jit` on a GPU. Under the interpreter a plain function: the interpreter re-patches triton.language
-    on every call of a nested jit function (~1.5 ms each, several per tile), while a plain function called
-    from a running interpreted kernel already sees the patched language."""
-    return fn if INTERPRET else triton.jit(fn)
 
 
 @contextlib.contextmanager

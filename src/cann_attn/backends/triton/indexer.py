@@ -21,6 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .jit import device_function
 from .sparse_attention import (
     DETERMINISTIC_WORKSPACE_BYTES,
     _next_pow2,
@@ -36,6 +37,18 @@ KL_CLAMP = tl.constexpr(1e-8)
 INT64_MIN = tl.constexpr(-(2**63))
 LOW_WORD = tl.constexpr(0xFFFFFFFF)
 TOPK_KEY_BYTES = 1 << 30  # sort-key buffer per slab of query rows
+
+
+@device_function
+def examined_keys(row_idx, start, n_exam, thr, kv0, BLOCK_N: tl.constexpr):
+    """Entries [start, start + BLOCK_N) of a query row's selection (row_idx: its sparse_indices) under the
+    `indexer_selection` rule: (e, in_exam, valid, key_row) with in_exam = e < n_exam (the first min(K, allowed)
+    entries), valid = in_exam, idx >= 0 and idx < thr, key_row = kv0 + idx (kv0 where not valid)."""
+    e = start + tl.arange(0, BLOCK_N)
+    in_exam = e < n_exam
+    idx = tl.load(row_idx + e, mask=in_exam, other=-1)
+    valid = in_exam & (idx >= 0) & (idx < thr)
+    return e, in_exam, valid, kv0 + tl.where(valid, idx, 0).to(tl.int64)
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -148,11 +161,7 @@ def _kl_prepare_kernel(Q, QR, K, KR, MAX, SUM, QI, KI, W, IDX, KV_START, THR, P,
     m_vec = tl.full([BLOCK_N], float("-inf"), tl.float32)
     l_vec = tl.zeros([BLOCK_N], tl.float32)
     for start in range(0, n_exam, BLOCK_N):
-        e = start + tl.arange(0, BLOCK_N)
-        in_exam = e < n_exam
-        idx = tl.load(IDX + r * stride_it + e, mask=in_exam, other=-1)
-        valid = in_exam & (idx >= 0) & (idx < thr)
-        key_row = kv0 + tl.where(valid, idx, 0).to(tl.int64)
+        e, in_exam, valid, key_row = examined_keys(IDX + r * stride_it, start, n_exam, thr, kv0, BLOCK_N)
         # Target distribution: main heads in groups of BLOCK_HM against the gathered latent chunk.
         k = tl.load(K + key_row[:, None] * stride_kt + offs_d[None, :], mask=valid[:, None] & d_ok[None, :],
                     other=0.0)
@@ -218,11 +227,7 @@ def _kl_grad_kernel(QI, KI, W, IDX, KV_START, THR, P, S, STATS, DQI, DW, DKI, KE
     dw = tl.zeros([BLOCK_H], tl.float32)
     loss = tl.zeros([BLOCK_N], tl.float32)
     for start in range(0, n_exam, BLOCK_N):
-        e = start + tl.arange(0, BLOCK_N)
-        in_exam = e < n_exam
-        idx = tl.load(IDX + r * stride_it + e, mask=in_exam, other=-1)
-        valid = in_exam & (idx >= 0) & (idx < thr)
-        key_row = kv0 + tl.where(valid, idx, 0).to(tl.int64)
+        e, in_exam, valid, key_row = examined_keys(IDX + r * stride_it, start, n_exam, thr, kv0, BLOCK_N)
         ki = tl.load(KI + key_row[:, None] * stride_kit + offs_d[None, :], mask=valid[:, None] & d_ok[None, :],
                      other=0.0)
         relu = tl.maximum(tl.dot(qi, tl.trans(ki), input_precision=PRECISION), 0.0)  # [BLOCK_H, BLOCK_N]

@@ -22,6 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .jit import device_function
 from .sparse_plan import RowTables, interpreting
 
 # softmax_max of a row with nothing selected (SEMANTICS.md 3); constexpr because kernels use it.
@@ -85,6 +86,21 @@ class _Dims:
         self.block_n = min(512, _next_pow2(max_positions, 1)) if interp else None
 
 
+@device_function
+def selected_keys(row_idx, start, npos, nblk, thr, kv0, BS: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Selected key positions [start, start + BLOCK_N) of one query row (row_idx: its sparse_indices): position
+    p is entry p // BS, offset p % BS. Returns (pos, valid, key_row): which positions count under the rule of
+    `problem.sparse` (scanned prefix from `scan_lengths`, entry >= 0, block start < thr, token < thr) and their
+    key rows (kv0 + token; kv0 where not valid)."""
+    pos = start + tl.arange(0, BLOCK_N)
+    in_scan = pos < npos
+    entry = tl.load(row_idx + pos // BS, mask=in_scan, other=-1)
+    block_ok = in_scan & (entry >= 0) & (entry < nblk)  # tested before multiplying: no int overflow
+    token = tl.where(block_ok, entry, 0).to(tl.int32) * BS + pos % BS
+    valid = block_ok & (token < thr)
+    return pos, valid, kv0 + tl.where(valid, token, 0).to(tl.int64)
+
+
 # ----------------------------------------------------------------------------------------------------------
 # Forward
 # ----------------------------------------------------------------------------------------------------------
@@ -121,14 +137,7 @@ def _sfa_fwd_kernel(
     l_i = tl.zeros([BLOCK_H], tl.float32)
     acc = tl.zeros([BLOCK_H, BLOCK_DV], tl.float32)
     for start in range(0, npos, BLOCK_N):
-        # Selection rule of the chunk (see module docstring; inlined: nested jit calls are slow to interpret).
-        pos = start + tl.arange(0, BLOCK_N)
-        in_scan = pos < npos
-        entry = tl.load(IDX + r * stride_it + pos // BS, mask=in_scan, other=-1)
-        block_ok = in_scan & (entry >= 0) & (entry < nblk)  # tested before multiplying: no int overflow
-        token = tl.where(block_ok, entry, 0).to(tl.int32) * BS + pos % BS
-        valid = block_ok & (token < thr)
-        key_row = kv0 + tl.where(valid, token, 0).to(tl.int64)
+        _pos, valid, key_row = selected_keys(IDX + r * stride_it, start, npos, nblk, thr, kv0, BS, BLOCK_N)
         k = tl.load(K + key_row[:, None] * stride_kt + offs_d[None, :], mask=valid[:, None] & d_ok[None, :],
                     other=0.0)
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION)
@@ -255,14 +264,7 @@ def _sfa_bwd_kernel(
     dqr = tl.zeros([BLOCK_H, BLOCK_DR], tl.float32)
     item0 = ((r - row0) * tl.num_programs(0) + group) * width
     for start in range(0, npos, BLOCK_N):
-        # Selection rule of the chunk (see module docstring; inlined: nested jit calls are slow to interpret).
-        pos = start + tl.arange(0, BLOCK_N)
-        in_scan = pos < npos
-        entry = tl.load(IDX + r * stride_it + pos // BS, mask=in_scan, other=-1)
-        block_ok = in_scan & (entry >= 0) & (entry < nblk)  # tested before multiplying: no int overflow
-        token = tl.where(block_ok, entry, 0).to(tl.int32) * BS + pos % BS
-        valid = block_ok & (token < thr)
-        key_row = kv0 + tl.where(valid, token, 0).to(tl.int64)
+        pos, valid, key_row = selected_keys(IDX + r * stride_it, start, npos, nblk, thr, kv0, BS, BLOCK_N)
         kd = valid[:, None] & d_ok[None, :]
         k = tl.load(K + key_row[:, None] * stride_kt + offs_d[None, :], mask=kd, other=0.0)
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION)
