@@ -9,7 +9,7 @@ import torch
 
 from ..backends import select_backend
 from ..backends.reference import indexer as kernel
-from ..backends.triton.sparse_plan import indexer_tables, indexer_unsupported
+from ..backends.triton.sparse_plan import index_rows, indexer_tables, indexer_unsupported
 from ..errors import ParamInvalidError, require, require_int
 from ..problem.sparse import indexer_selection
 from ..problem.stats import accumulation_dtype
@@ -163,9 +163,8 @@ def sparse_lightning_indexer_grad_kl_loss(
                       unsupported=lambda: indexer_unsupported(query_index, weights, query, query_rope)) == "triton":
         from ..backends.triton import indexer as triton_kernel
 
-        rows = sparse_indices.reshape(-1, sparse_indices.shape[-1])
         return SparseLightningIndexerGradKLLossResult(*triton_kernel.kl_loss_backward(
-            query, key, query_index, key_index, weights, rows if rows.stride(-1) == 1 else rows.contiguous(),
+            query, key, query_index, key_index, weights, index_rows(sparse_indices),
             softmax_max, softmax_sum, query_rope, key_rope, indexer_tables(problem, sparse_mode, query.device),
             float(scale_value), bool(deterministic)))
     dtype = accumulation_dtype(query_index.dtype)

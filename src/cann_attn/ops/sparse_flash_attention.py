@@ -10,7 +10,7 @@ import torch
 
 from ..backends import select_backend
 from ..backends.reference import sparse_attention as kernel
-from ..backends.triton.sparse_plan import sfa_tables, sparse_unsupported
+from ..backends.triton.sparse_plan import index_rows, sfa_tables, sparse_unsupported
 from ..errors import ParamInvalidError, ParamNullptrError, require, require_int
 from ..problem.lengths import cumulative_lengths, per_batch_lengths, starts_of
 from ..problem.sparse import SPARSE_BLOCK_SIZES
@@ -170,12 +170,6 @@ def _sequences(problem: SparseProblem, query, key, value, sparse_indices, query_
         )
 
 
-def _index_rows(sparse_indices: torch.Tensor) -> torch.Tensor:
-    """sparse_indices as [R, K] rows (one per query token) with unit stride along K, for the Triton kernels."""
-    rows = sparse_indices.reshape(-1, sparse_indices.shape[-1])
-    return rows if rows.stride(-1) == 1 else rows.contiguous()
-
-
 def _stat_rows(problem: SparseProblem, stat: torch.Tensor, b: int) -> torch.Tensor:
     """[S_b, N1] view of softmax_max/sum ([B, 1, S1, N1] or [1, T1, N1])."""
     if problem.layout == "TND":
@@ -224,7 +218,7 @@ def sparse_flash_attention(
                       unsupported=lambda: sparse_unsupported(query, key, value, query_rope)) == "triton":
         from ..backends.triton import sparse_attention as triton_kernel
 
-        indices = _index_rows(sparse_indices)
+        indices = index_rows(sparse_indices)
         tables = sfa_tables(problem, indices, sparse_mode, sparse_block_size)
         return SparseFlashAttentionResult(*triton_kernel.sparse_forward(
             query, key, value, indices, query_rope, key_rope, tables, float(scale_value), sparse_block_size,
@@ -289,7 +283,7 @@ def sparse_flash_attention_grad(
                       unsupported=lambda: sparse_unsupported(query, key, value, query_rope)) == "triton":
         from ..backends.triton import sparse_attention as triton_kernel
 
-        indices = _index_rows(sparse_indices)
+        indices = index_rows(sparse_indices)
         tables = sfa_tables(problem, indices, sparse_mode, sparse_block_size)
         return SparseFlashAttentionGradResult(*triton_kernel.sparse_backward(
             query, key, value, indices, d_out, out, softmax_max, softmax_sum, query_rope, key_rope, tables,

@@ -119,3 +119,9 @@ def indexer_unsupported(query_index: torch.Tensor, weights: torch.Tensor,
         if query_rope is not None and query_rope.shape[-1] > MAX_SFA_ROPE_DIM:
             return f"rope head dim {query_rope.shape[-1]} exceeds the kernels' {MAX_SFA_ROPE_DIM}"
     return None
+
+
+def index_rows(sparse_indices: torch.Tensor) -> torch.Tensor:
+    """sparse_indices as [R, K] rows (one per query token) with unit stride along K, as the kernels read them."""
+    rows = sparse_indices.reshape(-1, sparse_indices.shape[-1])
+    return rows if rows.stride(-1) == 1 else rows.contiguous()
