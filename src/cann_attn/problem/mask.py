@@ -95,6 +95,13 @@ class SequenceMask:
             masked = masked | (self.explicit[..., i0:i1, j0:j1] != 0)
         return masked
 
+    def tile_key(self, i0: int, i1: int, j0: int, j1: int) -> tuple[int, int, int] | None:
+        """A key equal for tiles whose `masked_tile` is equal (band-only masks depend on j - i alone), or None
+        when the tile has its own pattern (prefix or explicit mask); lets kernels reuse a tile's mask."""
+        if self.prefix is not None or self.explicit is not None:
+            return None
+        return j0 - i0, i1 - i0, j1 - j0
+
     def explicit_tile_all_masked(self, i0: int, i1: int, j0: int, j1: int) -> bool:
         """True when the explicit mask hides the whole tile (lets kernels skip it)."""
         if self.explicit is None:

@@ -11,9 +11,11 @@ from __future__ import annotations
 import torch
 
 from ...problem.attention import AttentionProblem, Run
-from .flash_forward import BLOCK_Q, RunKernel, group_rows, key_tiles
+from ...problem.stats import FLT_MAX
+from .flash_forward import LN2, LOG2E, RunKernel, group_rows, key_tiles
 
 
+@torch.no_grad()  # kernels fill preallocated outputs; autograd pairs the ops one level up
 def backward(
     problem: AttentionProblem, query, key, value, dy, attention_in, softmax_max, softmax_sum,
     dq, dk, dv, dpse_source: torch.Tensor | None,
@@ -52,21 +54,22 @@ def _backward_run(kernel: RunKernel, problem: AttentionProblem, run: Run, dy, at
     dv_acc = torch.zeros((c * n2, run.seq_kv, kernel.v.shape[-1]), dtype=dtype, device=device)
     pse_grad = _pse_grad_target(run, dpse_source)
     inv_keep = 1.0 / problem.keep_prob
-    for i0 in range(0, run.seq_q, BLOCK_Q):
-        i1 = min(i0 + BLOCK_Q, run.seq_q)
+    for i0 in range(0, run.seq_q, kernel.block_q):
+        i1 = min(i0 + kernel.block_q, run.seq_q)
         rows = i1 - i0
         q_tile = kernel.query_tile(i0, i1)
         dy_t = dy_all[:, :, i0:i1].to(dtype)
         # rowsum(dY * O) with O the forward output (after dropout), per SEMANTICS.md section 5.
         d_sum = (dy_t * o_all[:, :, i0:i1].to(dtype)).sum(-1)
         dy_g = group_rows(dy_t, n2)
-        row_max = max_all[:, :, i0:i1].to(dtype).unsqueeze(-1)
+        # Base-2 max, kept finite: an invalid row's -FLT_MAX times log2(e) would overflow to -inf (then -inf - -inf).
+        row_max = (max_all[:, :, i0:i1].to(dtype).unsqueeze(-1) * LOG2E).clamp_(-FLT_MAX, FLT_MAX)
         inv_sum = 1.0 / sum_all[:, :, i0:i1].to(dtype).unsqueeze(-1)
         dq_acc = torch.zeros((c * n2, q_tile.shape[1], d_qk), dtype=dtype, device=device)
-        for j0, j1, state in key_tiles(run, i0, i1, kernel.block_k):
+        for j0, j1, state in key_tiles(run, i0, i1, kernel.block_k, kernel.max_width):
             cols = j1 - j0
-            p, masked = kernel.scores(q_tile, i0, i1, j0, j1, state)
-            kernel.exp_shifted_(p, row_max, masked).mul_(inv_sum)
+            p = kernel.scores(q_tile, i0, i1, j0, j1, state)
+            kernel.exp2_shifted_(p, row_max).mul_(inv_sum)
             p_g = p.view(c * n2, -1, cols)
             dp = torch.bmm(dy_g, kernel.v[:, j0:j1].transpose(1, 2), out=kernel.scratch(p_g.shape))
             dp = dp.view(c, n1, rows, cols)
@@ -83,5 +86,6 @@ def _backward_run(kernel: RunKernel, problem: AttentionProblem, run: Run, dy, at
             if pse_grad is not None:
                 run.pse.accumulate_grad(pse_grad, i0, i1, j0, j1, ds)
         dq_view[:, :, i0:i1].copy_(dq_acc.view(c, n1, rows, d_qk).mul_(problem.scale))
-    dk_view.copy_(dk_acc.view(c, n2, run.seq_kv, d_qk))
+    # The query tiles carry scale * log2(e); dK = scale * dS^T Q.
+    dk_view.copy_(dk_acc.view(c, n2, run.seq_kv, d_qk).mul_(LN2))
     dv_view.copy_(dv_acc.view(c, n2, run.seq_kv, -1))

@@ -1,10 +1,14 @@
 """Tiled FlashAttention forward over a canonical `AttentionProblem` (SEMANTICS.md sections 2-6).
 
-Online softmax over key tiles of each query tile: never more than one [count, N1, BLOCK_Q, BLOCK_K] score
+Online softmax over key tiles of each query tile: never more than one [count, N1, rows, cols] score
 tile exists, and its buffer is reused (fresh multi-megabyte allocations cost page faults on every tile).
 Tiles the mask structure hides are skipped; fully visible tiles skip the mask. GQA shares K/V across a group
 by stacking the group's query rows into one GEMM ([count * N2, G * rows, D]). The softmax scale is folded
 into the query tile and ALiBi (pse_type 2) into extra GEMM columns wherever `problem.pse` allows it.
+
+Logits are kept in base 2 (S * log2(e), the factor folded into the query scale and the bias) so the softmax
+uses exp2, which PyTorch's CPU kernels compute ~1.9x faster than exp; the statistics are converted back to the
+natural-log units of SEMANTICS.md section 6 where they are written or read.
 """
 
 from __future__ import annotations
@@ -12,21 +16,45 @@ from __future__ import annotations
 import math
 
 import torch
+import torch.nn.functional as F
 
 from ...problem.attention import AttentionProblem, Run
 from ...problem.mask import TileState
 from ...problem.stats import FLT_MAX, accumulation_dtype
 
-BLOCK_Q = 256
-BLOCK_K = 256
-# Unmasked problems keep every key tile: wider key tiles make both GEMMs more efficient there.
-BLOCK_K_DENSE = 512
-# exp() of arguments below ~-87 yields fp32 denormals, which the vectorised exp computes ~50x slower; such terms
-# are < 1.7e-38 of the row's largest term, far below fp32 resolution, so they are computed as exp(EXP_FLOOR)
-# (masked entries are zeroed exactly afterwards).
-EXP_FLOOR = -87.0
+# Score-tile budget in elements (16 MB fp32): it bounds memory whatever the batch and head counts.
+TILE_ELEMENTS = 1 << 22
+# (query rows, key columns) of the score tiles. Unmasked problems take wide tiles (fewer, larger GEMMs); masked
+# ones take 256 x 256 tiles, whose finer grain skips more of the masked area, merged up to MERGED_WIDTH columns
+# where consecutive tiles are fully visible.
+DENSE_TILE = (256, 512)
+MASKED_TILE = (256, 256)
+MERGED_WIDTH = 1024
+MIN_TILE_ROWS = 16
 
 
+def tile_shape(heads: int, seq_q: int, seq_kv: int, dense: bool) -> tuple[int, int, int]:
+    """(query rows, key columns, merged key columns) of the score tiles of a run with `heads` = count * N1
+    score matrices, shrunk to stay within TILE_ELEMENTS."""
+    block_q, block_k = DENSE_TILE if dense else MASKED_TILE
+    width = max(block_k, MERGED_WIDTH)
+    while width > 128 and heads * MIN_TILE_ROWS * width > TILE_ELEMENTS:
+        width //= 2
+    block_k = min(block_k, width, seq_kv)
+    width = min(width, max(block_k, seq_kv))
+    rows = max(MIN_TILE_ROWS, TILE_ELEMENTS // (heads * width))
+    return min(block_q, seq_q, rows), block_k, width
+
+
+LOG2E = 1.4426950408889634
+LN2 = 0.6931471805599453
+# exp2() of arguments below -126 yields fp32 denormals, computed several times slower; such terms are < 1.2e-38
+# of the row's largest term (>= 1), below fp32 resolution of every sum they enter, so arguments <= EXP2_FLOOR
+# are flushed to -inf and their terms are exactly 0 (as masked entries, which are -inf already).
+EXP2_FLOOR = -126.0
+
+
+@torch.no_grad()  # kernels fill preallocated outputs; autograd pairs the ops one level up
 def forward(problem: AttentionProblem, query, key, value, out, softmax_max=None, softmax_sum=None) -> None:
     """Fill `out` (query layout, Dv) and, when given, `softmax_max` / `softmax_sum` for every run of `problem`.
     Runs without keys are left alone: the caller's zero-initialised output is their result."""
@@ -43,15 +71,27 @@ def group_rows(t: torch.Tensor, heads_kv: int) -> torch.Tensor:
     return t.reshape(c * heads_kv, (n1 // heads_kv) * r, d)
 
 
-def key_tiles(run: Run, i0: int, i1: int, block_k: int):
-    """(j0, j1, state) of the key tiles rows [i0, i1) may see, in order."""
+def key_tiles(run: Run, i0: int, i1: int, block_k: int, max_width: int | None = None):
+    """(j0, j1, state) of the key tiles rows [i0, i1) may see, in order: block_k-wide tiles, except that runs of
+    consecutive fully visible tiles merge into tiles up to `max_width` wide (fewer, larger GEMMs)."""
+    max_width = max_width or block_k
     lo, hi = run.mask.key_range(i0, i1)
+    merged: tuple[int, int] | None = None
     for j0 in range(lo - lo % block_k, hi, block_k):
         j1 = min(j0 + block_k, run.seq_kv)
         state = run.mask.tile_state(i0, i1, j0, j1)
-        if state is TileState.EMPTY or run.mask.explicit_tile_all_masked(i0, i1, j0, j1):
+        if state is TileState.FULL and merged is not None and j1 - merged[0] <= max_width:
+            merged = (merged[0], j1)
             continue
-        yield j0, j1, state
+        if merged is not None:
+            yield merged[0], merged[1], TileState.FULL
+            merged = None
+        if state is TileState.FULL:
+            merged = (j0, j1)
+        elif state is not TileState.EMPTY and not run.mask.explicit_tile_all_masked(i0, i1, j0, j1):
+            yield j0, j1, state
+    if merged is not None:
+        yield merged[0], merged[1], TileState.FULL
 
 
 class RunKernel:
@@ -73,10 +113,14 @@ class RunKernel:
         # [c*N2, Dk, Skv]: Q K^T as a plain (NN) GEMM, ~14% faster than reading K transposed in every tile.
         self.k_t = k.transpose(1, 2).contiguous()
         dense = run.mask.lower is None and run.mask.upper is None and run.mask.explicit is None
-        self.block_k = BLOCK_K_DENSE if dense else BLOCK_K
-        rows = c * problem.heads_q * min(BLOCK_Q, run.seq_q) * min(self.block_k, run.seq_kv)
+        self.block_q, self.block_k, self.max_width = tile_shape(c * problem.heads_q, run.seq_q, run.seq_kv, dense)
+        if self.linear_pse:
+            # Merged tiles would straddle the diagonal more often, where ALiBi needs its bias materialised.
+            self.max_width = self.block_k
+        rows = c * problem.heads_q * self.block_q * self.max_width
         self._buffer = torch.empty(rows, dtype=self.dtype, device=self.device)
         self._scratch: torch.Tensor | None = None
+        self._mask_biases: dict[tuple[int, int, int], torch.Tensor] = {}
 
     def scratch(self, shape: torch.Size) -> torch.Tensor:
         """A second reusable tile-sized buffer (the backward's dP), allocated on first use."""
@@ -85,8 +129,9 @@ class RunKernel:
         return self._scratch[: math.prod(shape)].view(shape)
 
     def query_tile(self, i0: int, i1: int) -> torch.Tensor:
-        """Scaled query rows grouped for GEMM, with room for the linear-pse columns: [c*N2, G*rows, Dk]."""
-        q = self.q_all[:, :, i0:i1].to(self.dtype) * self.problem.scale
+        """Query rows times scale * log2(e), grouped for GEMM, with room for the linear-pse columns:
+        [c*N2, G*rows, Dk]."""
+        q = self.q_all[:, :, i0:i1].to(self.dtype) * (self.problem.scale * LOG2E)
         if self.linear_pse:
             q = torch.cat([q, q.new_zeros(*q.shape[:-1], 2)], dim=-1)
         return group_rows(q, self.problem.heads_kv)
@@ -94,13 +139,12 @@ class RunKernel:
     def _linear_query_features(self, i0: int, i1: int, j0: int, j1: int) -> torch.Tensor | None:
         if not self.linear_pse:
             return None
-        return self.run.pse.linear_query_features(i0, i1, j0, j1, self.device, self.dtype)
+        feats = self.run.pse.linear_query_features(i0, i1, j0, j1, self.device, self.dtype)
+        return None if feats is None else feats * LOG2E
 
-    def scores(
-        self, q_tile: torch.Tensor, i0: int, i1: int, j0: int, j1: int, state: TileState
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Masked logits S = scale * Q K^T + bias of the tile, [c, N1, rows, cols] (a view of the buffer), and the
-        tile's mask (True = masked) when it has one."""
+    def scores(self, q_tile: torch.Tensor, i0: int, i1: int, j0: int, j1: int, state: TileState) -> torch.Tensor:
+        """Masked base-2 logits log2(e) * (scale * Q K^T + bias) of the tile, [c, N1, rows, cols] (a view of the
+        buffer); masked entries are -inf."""
         problem, run = self.problem, self.run
         c, rows, cols = run.count, i1 - i0, j1 - j0
         out = self._buffer[: c * problem.heads_q * rows * cols].view(q_tile.shape[0], -1, cols)
@@ -117,54 +161,70 @@ class RunKernel:
             if self.linear_pse:
                 q_tile[:, :, -2:] = 0.0
             bias = pse.tile(i0, i1, j0, j1, self.device, self.dtype)
-            out.view(c, problem.heads_q, rows, cols).copy_(bias.expand(c, problem.heads_q, rows, cols))
+            torch.mul(bias.expand(c, problem.heads_q, rows, cols), LOG2E, out=out.view(c, problem.heads_q, rows, cols))
             out.baddbmm_(q_tile, kt)
         s = out.view(c, problem.heads_q, rows, cols)
-        masked = None
         if state is TileState.PARTIAL:
-            masked = run.mask.masked_tile(i0, i1, j0, j1, s.device)
-            s.masked_fill_(masked, float("-inf"))
-        return s, masked
+            s.add_(self._mask_bias(i0, i1, j0, j1))
+        return s
+
+    def _mask_bias(self, i0: int, i1: int, j0: int, j1: int) -> torch.Tensor:
+        """The tile's mask as a 0 / -inf additive tile (adding it is ~10x faster than masked_fill_ with a mask
+        broadcast over heads), reused across tiles with the same pattern (every diagonal tile of a causal mask)."""
+        key = self.run.mask.tile_key(i0, i1, j0, j1)
+        bias = self._mask_biases.get(key) if key is not None else None
+        if bias is None:
+            masked = self.run.mask.masked_tile(i0, i1, j0, j1, self.device)
+            bias = torch.zeros(masked.shape, dtype=self.dtype, device=self.device)
+            bias.masked_fill_(masked, float("-inf"))
+            if key is not None:
+                self._mask_biases[key] = bias
+        return bias
 
     @staticmethod
-    def exp_shifted_(s: torch.Tensor, shift: torch.Tensor, masked: torch.Tensor | None) -> torch.Tensor:
-        """In place: s <- exp(s - shift) with masked entries exactly 0 (shift is [c, N1, rows, 1])."""
-        s.sub_(shift).clamp_(min=EXP_FLOOR).exp_()
-        if masked is not None:
-            s.masked_fill_(masked, 0.0)
-        return s
+    def exp2_shifted_(s: torch.Tensor, shift: torch.Tensor) -> torch.Tensor:
+        """In place: s <- 2^(s - shift), exactly 0 where s is -inf or s - shift <= EXP2_FLOOR (shift is
+        [c, N1, rows, 1] and finite)."""
+        F.threshold_(s.sub_(shift), EXP2_FLOOR, float("-inf"))
+        return s.exp2_()
 
     def forward(self, out_view, max_view, sum_view) -> None:
         problem, run = self.problem, self.run
         c, n2 = run.count, problem.heads_kv
         dv = self.v.shape[-1]
-        for i0 in range(0, run.seq_q, BLOCK_Q):
-            i1 = min(i0 + BLOCK_Q, run.seq_q)
+        for i0 in range(0, run.seq_q, self.block_q):
+            i1 = min(i0 + self.block_q, run.seq_q)
             rows = i1 - i0
             q_tile = self.query_tile(i0, i1)
             row_max = torch.full((c, problem.heads_q, rows), float("-inf"), dtype=self.dtype, device=self.device)
             row_sum = torch.zeros_like(row_max)
-            acc = torch.zeros((c * n2, q_tile.shape[1], dv), dtype=self.dtype, device=self.device)
-            for j0, j1, state in key_tiles(run, i0, i1, self.block_k):
-                s, masked = self.scores(q_tile, i0, i1, j0, j1, state)
+            acc = torch.empty((c * n2, q_tile.shape[1], dv), dtype=self.dtype, device=self.device)
+            first = True
+            for j0, j1, state in key_tiles(run, i0, i1, self.block_k, self.max_width):
+                s = self.scores(q_tile, i0, i1, j0, j1, state)
                 new_max = torch.maximum(row_max, s.amax(-1))
                 # A row that has seen nothing visible yet keeps max -inf; shift it by 0 to avoid inf - inf.
                 shift = torch.where(new_max == float("-inf"), 0.0, new_max)
-                self.exp_shifted_(s, shift.unsqueeze(-1), masked)
-                correction = torch.exp(row_max - shift)
+                self.exp2_shifted_(s, shift.unsqueeze(-1))
+                correction = torch.exp2(row_max - shift)
                 row_sum.mul_(correction).add_(s.sum(-1))
                 row_max = new_max
                 if run.dropout is not None:
                     s.mul_(run.dropout.keep_tile(i0, i1, j0, j1, s.device))
-                acc.mul_(correction.view(c * n2, -1, 1))
-                acc.baddbmm_(s.view(c * n2, -1, j1 - j0), self.v[:, j0:j1])
+                p = s.view(c * n2, -1, j1 - j0)
+                if first:
+                    torch.bmm(p, self.v[:, j0:j1], out=acc)
+                    first = False
+                else:
+                    acc.mul_(correction.view(c * n2, -1, 1)).baddbmm_(p, self.v[:, j0:j1])
+            if first:
+                acc.zero_()
+            # Rows without a visible key have row_sum 0 and acc 0 (their terms are all exactly 0): output 0.
             valid = row_sum > 0
             denom = torch.where(valid, row_sum * problem.keep_prob, 1.0).view(c * n2, -1, 1)
-            result = (acc / denom).view(c, problem.heads_q, rows, dv)
-            result.masked_fill_(~valid.unsqueeze(-1), 0.0)
-            out_view[:, :, i0:i1].copy_(result)
+            out_view[:, :, i0:i1].copy_(acc.div_(denom).view(c, problem.heads_q, rows, dv))
             if max_view is not None:
-                write_stat(max_view[:, :, i0:i1], torch.where(valid, row_max, -FLT_MAX))
+                write_stat(max_view[:, :, i0:i1], torch.where(valid, row_max * LN2, -FLT_MAX))
                 write_stat(sum_view[:, :, i0:i1], torch.where(valid, row_sum, FLT_MAX))
 
 

@@ -16,9 +16,10 @@ import torch
 from ...problem.attention import AttentionProblem, Run
 from ...problem.mask import TileState
 from ...problem.quant import round_to_fp16, round_to_int8
-from .flash_forward import BLOCK_Q, group_rows, key_tiles
+from .flash_forward import group_rows, key_tiles
 
 # 127 * 128 * 512 < 2^24 for the QK^T product (D <= 512); 128 * 128 * BLOCK_KV < 2^24 for P_q V.
+QUANT_BLOCK_Q = 256
 QUANT_BLOCK_K = 512
 
 
@@ -67,8 +68,8 @@ def _run(problem: AttentionProblem, run: Run, query, key, value, out_view, plan)
     k_all = problem.kv_view(key, run).to(torch.float32).reshape(c * n2, run.seq_kv, -1)
     v_all = problem.kv_view(value, run).to(torch.float32).reshape(c * n2, run.seq_kv, -1)
     d = v_all.shape[-1]
-    for i0 in range(0, run.seq_q, BLOCK_Q):
-        i1 = min(i0 + BLOCK_Q, run.seq_q)
+    for i0 in range(0, run.seq_q, QUANT_BLOCK_Q):
+        i1 = min(i0 + QUANT_BLOCK_Q, run.seq_q)
         rows = i1 - i0
         q_tile = group_rows(q_all[:, :, i0:i1], n2)
         tiles = list(key_tiles(run, i0, i1, QUANT_BLOCK_K))
