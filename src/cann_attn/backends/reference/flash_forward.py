@@ -24,22 +24,28 @@ from ...problem.stats import FLT_MAX, accumulation_dtype
 
 # Score-tile budget in elements (16 MB fp32): it bounds memory whatever the batch and head counts.
 TILE_ELEMENTS = 1 << 22
-# (query rows, key columns) of the score tiles. Unmasked problems take wide tiles (fewer, larger GEMMs); masked
-# ones take 256 x 256 tiles, whose finer grain skips more of the masked area, merged up to MERGED_WIDTH columns
-# where consecutive tiles are fully visible.
-DENSE_TILE = (256, 512)
+# Unmasked problems keep every key tile and take wide ones (fewer, larger GEMMs): MERGED_WIDTH columns and
+# enough rows for DENSE_TILE_ELEMENTS (256 rows at 8 heads, up to 2048 rows for one head). Masked ones take
+# 256 x 256 tiles, whose finer grain skips more of the masked area, merged up to MERGED_WIDTH columns where
+# consecutive tiles are fully visible.
+DENSE_TILE_ELEMENTS = 1 << 21
+DENSE_ROWS = (256, 2048)
 MASKED_TILE = (256, 256)
 MERGED_WIDTH = 1024
 MIN_TILE_ROWS = 16
+LINEAR_PSE_WIDTH = 512
 
 
 def tile_shape(heads: int, seq_q: int, seq_kv: int, dense: bool) -> tuple[int, int, int]:
     """(query rows, key columns, merged key columns) of the score tiles of a run with `heads` = count * N1
     score matrices, shrunk to stay within TILE_ELEMENTS."""
-    block_q, block_k = DENSE_TILE if dense else MASKED_TILE
-    width = max(block_k, MERGED_WIDTH)
+    width = MERGED_WIDTH
     while width > 128 and heads * MIN_TILE_ROWS * width > TILE_ELEMENTS:
         width //= 2
+    if dense:
+        block_q, block_k = min(DENSE_ROWS[1], max(DENSE_ROWS[0], DENSE_TILE_ELEMENTS // (heads * width))), width
+    else:
+        block_q, block_k = MASKED_TILE
     block_k = min(block_k, width, seq_kv)
     width = min(width, max(block_k, seq_kv))
     rows = max(MIN_TILE_ROWS, TILE_ELEMENTS // (heads * width))
@@ -115,8 +121,8 @@ class RunKernel:
         dense = run.mask.lower is None and run.mask.upper is None and run.mask.explicit is None
         self.block_q, self.block_k, self.max_width = tile_shape(c * problem.heads_q, run.seq_q, run.seq_kv, dense)
         if self.linear_pse:
-            # Merged tiles would straddle the diagonal more often, where ALiBi needs its bias materialised.
-            self.max_width = self.block_k
+            # Wide tiles straddle the diagonal more often, where ALiBi needs its bias materialised.
+            self.block_k = self.max_width = min(self.block_k, LINEAR_PSE_WIDTH)
         rows = c * problem.heads_q * self.block_q * self.max_width
         self._buffer = torch.empty(rows, dtype=self.dtype, device=self.device)
         self._scratch: torch.Tensor | None = None
