@@ -148,9 +148,9 @@ def sequence_spans(layout: str, query: torch.Tensor, key: torch.Tensor, actual_q
 
 
 def _sequences(problem: SparseProblem, query, key, value, sparse_indices, query_rope, key_rope):
-    """(b, SparseSequence) for each sequence with rows to compute; Q and K carry the rope dims appended, K and V
-    are converted once to the compute dtype. Sequences without keys are skipped: their rows select nothing and
-    keep the zero output / invalid statistics they were initialised with."""
+    """(b, SparseSequence) for each sequence with rows to compute; K carries the rope dims appended (the kernel
+    appends Q's per tile), K and V are converted once to the compute dtype. Sequences without keys are skipped:
+    their rows select nothing and keep the zero output / invalid statistics they were initialised with."""
     dtype = accumulation_dtype(query.dtype)
     value_is_key = value is key or (
         value.shape == key.shape and value.stride() == key.stride() and value.data_ptr() == key.data_ptr()
@@ -159,13 +159,14 @@ def _sequences(problem: SparseProblem, query, key, value, sparse_indices, query_
         lq, lk = problem.q_lengths[b], problem.kv_lengths[b]
         if lq == 0 or lk == 0:
             continue
-        q = problem.rows(query, b)[:lq]
         k = problem.keys(key, b)[:lk, 0].to(dtype)
+        q_rope = None
         if query_rope is not None:
-            q = torch.cat([q, problem.rows(query_rope, b)[:lq]], dim=-1)
+            q_rope = problem.rows(query_rope, b)[:lq]
             k = torch.cat([k, problem.keys(key_rope, b)[:lk, 0].to(dtype)], dim=-1)
         yield b, kernel.SparseSequence(
-            q=q, k=k, v=problem.keys(value, b)[:lk, 0].to(dtype), indices=problem.rows(sparse_indices, b)[:lq, 0],
+            q=problem.rows(query, b)[:lq], q_rope=q_rope, k=k, v=problem.keys(value, b)[:lk, 0].to(dtype),
+            indices=problem.rows(sparse_indices, b)[:lq, 0],
             seq_q=lq, seq_kv=lk, value_is_key=value_is_key,
         )
 
@@ -298,7 +299,7 @@ def sparse_flash_attention_grad(
     guard = _deterministic_guard(deterministic and query.device.type != "cpu")
     with guard:
         for b, seq in _sequences(problem, query, key, value, sparse_indices, query_rope, key_rope):
-            dq_seq = torch.empty((seq.seq_q, problem.heads, seq.q.shape[-1]), dtype=dtype, device=query.device)
+            dq_seq = torch.empty((seq.seq_q, problem.heads, seq.dim_qk), dtype=dtype, device=query.device)
             dk_seq = torch.zeros((seq.seq_kv, seq.k.shape[-1]), dtype=dtype, device=query.device)
             dv_seq = torch.zeros((seq.seq_kv, seq.v.shape[-1]), dtype=dtype, device=query.device)
             kernel.backward_sequence(

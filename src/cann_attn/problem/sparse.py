@@ -33,10 +33,18 @@ class RowSelection:
     tokens: torch.Tensor
     valid: torch.Tensor
     block_size: int
+    scanned: torch.Tensor  # [rows] examined entries per row (valid entries lie within them)
 
     @property
     def row_has_keys(self) -> torch.Tensor:
         return self.valid.any(-1)
+
+    def rows(self, r0: int, r1: int) -> RowSelection:
+        """The selection of rows [r0, r1) (views), narrowed to the widest of their scans."""
+        e = max(1, int(self.scanned[r0:r1].max().item())) if r1 > r0 else 1
+        t = e * self.block_size
+        return RowSelection(self.blocks[r0:r1, :e], self.entry_valid[r0:r1, :e], self.tokens[r0:r1, :t],
+                            self.valid[r0:r1, :t], self.block_size, self.scanned[r0:r1])
 
 
 def scan_lengths(indices: torch.Tensor, thr: torch.Tensor, block_size: int) -> torch.Tensor:
@@ -70,7 +78,7 @@ def row_selection(
     tokens = (block_start.unsqueeze(-1) + offsets).reshape(idx.shape[0], -1)
     valid = entry_valid.repeat_interleave(block_size, dim=-1) & (tokens < thr.view(-1, 1))
     blocks = torch.where(entry_valid, idx, 0)
-    return RowSelection(blocks, entry_valid, torch.where(valid, tokens, 0), valid, block_size)
+    return RowSelection(blocks, entry_valid, torch.where(valid, tokens, 0), valid, block_size, scanned)
 
 
 def indexer_selection(

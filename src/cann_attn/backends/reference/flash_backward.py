@@ -11,8 +11,7 @@ from __future__ import annotations
 import torch
 
 from ...problem.attention import AttentionProblem, Run
-from ...problem.stats import FLT_MAX
-from .flash_forward import LN2, LOG2E, RunKernel, group_rows, key_tiles
+from .flash_forward import RunKernel, group_rows, key_tiles
 
 
 @torch.no_grad()  # kernels fill preallocated outputs; autograd pairs the ops one level up
@@ -62,14 +61,13 @@ def _backward_run(kernel: RunKernel, problem: AttentionProblem, run: Run, dy, at
         # rowsum(dY * O) with O the forward output (after dropout), per SEMANTICS.md section 5.
         d_sum = (dy_t * o_all[:, :, i0:i1].to(dtype)).sum(-1)
         dy_g = group_rows(dy_t, n2)
-        # Base-2 max, kept finite: an invalid row's -FLT_MAX times log2(e) would overflow to -inf (then -inf - -inf).
-        row_max = (max_all[:, :, i0:i1].to(dtype).unsqueeze(-1) * LOG2E).clamp_(-FLT_MAX, FLT_MAX)
+        row_max = max_all[:, :, i0:i1].to(dtype).unsqueeze(-1)
         inv_sum = 1.0 / sum_all[:, :, i0:i1].to(dtype).unsqueeze(-1)
         dq_acc = torch.zeros((c * n2, q_tile.shape[1], d_qk), dtype=dtype, device=device)
         for j0, j1, state in key_tiles(run, i0, i1, kernel.block_k, kernel.max_width):
             cols = j1 - j0
             p = kernel.scores(q_tile, i0, i1, j0, j1, state)
-            kernel.exp2_shifted_(p, row_max).mul_(inv_sum)
+            kernel.exp_shifted_(p, row_max).mul_(inv_sum)
             p_g = p.view(c * n2, -1, cols)
             dp = torch.bmm(dy_g, kernel.v[:, j0:j1].transpose(1, 2), out=kernel.scratch(p_g.shape))
             dp = dp.view(c, n1, rows, cols)
@@ -86,6 +84,5 @@ def _backward_run(kernel: RunKernel, problem: AttentionProblem, run: Run, dy, at
             if pse_grad is not None:
                 run.pse.accumulate_grad(pse_grad, i0, i1, j0, j1, ds)
         dq_view[:, :, i0:i1].copy_(dq_acc.view(c, n1, rows, d_qk).mul_(problem.scale))
-    # The query tiles carry scale * log2(e); dK = scale * dS^T Q.
-    dk_view.copy_(dk_acc.view(c, n2, run.seq_kv, d_qk).mul_(LN2))
+    dk_view.copy_(dk_acc.view(c, n2, run.seq_kv, d_qk))
     dv_view.copy_(dv_acc.view(c, n2, run.seq_kv, -1))

@@ -6,9 +6,9 @@ Tiles the mask structure hides are skipped; fully visible tiles skip the mask. G
 by stacking the group's query rows into one GEMM ([count * N2, G * rows, D]). The softmax scale is folded
 into the query tile and ALiBi (pse_type 2) into extra GEMM columns wherever `problem.pse` allows it.
 
-Logits are kept in base 2 (S * log2(e), the factor folded into the query scale and the bias) so the softmax
-uses exp2, which PyTorch's CPU kernels compute ~1.9x faster than exp; the statistics are converted back to the
-natural-log units of SEMANTICS.md section 6 where they are written or read.
+Exponentials are taken as exp2((S - max) * log2(e)): PyTorch's CPU exp2 is ~1.9x faster than exp, which pays
+for the extra multiply. The logits themselves stay in natural units, so softmax_max is exactly the largest
+logit and the backward, recomputing the same logits, gets P = 1 exactly at a row's maximum.
 """
 
 from __future__ import annotations
@@ -53,7 +53,6 @@ def tile_shape(heads: int, seq_q: int, seq_kv: int, dense: bool) -> tuple[int, i
 
 
 LOG2E = 1.4426950408889634
-LN2 = 0.6931471805599453
 # exp2() of arguments below -126 yields fp32 denormals, computed several times slower; such terms are < 1.2e-38
 # of the row's largest term (>= 1), below fp32 resolution of every sum they enter, so arguments <= EXP2_FLOOR
 # are flushed to -inf and their terms are exactly 0 (as masked entries, which are -inf already).
@@ -135,9 +134,8 @@ class RunKernel:
         return self._scratch[: math.prod(shape)].view(shape)
 
     def query_tile(self, i0: int, i1: int) -> torch.Tensor:
-        """Query rows times scale * log2(e), grouped for GEMM, with room for the linear-pse columns:
-        [c*N2, G*rows, Dk]."""
-        q = self.q_all[:, :, i0:i1].to(self.dtype) * (self.problem.scale * LOG2E)
+        """Scaled query rows grouped for GEMM, with room for the linear-pse columns: [c*N2, G*rows, Dk]."""
+        q = self.q_all[:, :, i0:i1].to(self.dtype) * self.problem.scale
         if self.linear_pse:
             q = torch.cat([q, q.new_zeros(*q.shape[:-1], 2)], dim=-1)
         return group_rows(q, self.problem.heads_kv)
@@ -145,12 +143,11 @@ class RunKernel:
     def _linear_query_features(self, i0: int, i1: int, j0: int, j1: int) -> torch.Tensor | None:
         if not self.linear_pse:
             return None
-        feats = self.run.pse.linear_query_features(i0, i1, j0, j1, self.device, self.dtype)
-        return None if feats is None else feats * LOG2E
+        return self.run.pse.linear_query_features(i0, i1, j0, j1, self.device, self.dtype)
 
     def scores(self, q_tile: torch.Tensor, i0: int, i1: int, j0: int, j1: int, state: TileState) -> torch.Tensor:
-        """Masked base-2 logits log2(e) * (scale * Q K^T + bias) of the tile, [c, N1, rows, cols] (a view of the
-        buffer); masked entries are -inf."""
+        """Masked logits S = scale * Q K^T + bias of the tile, [c, N1, rows, cols] (a view of the buffer);
+        masked entries are -inf."""
         problem, run = self.problem, self.run
         c, rows, cols = run.count, i1 - i0, j1 - j0
         out = self._buffer[: c * problem.heads_q * rows * cols].view(q_tile.shape[0], -1, cols)
@@ -167,7 +164,7 @@ class RunKernel:
             if self.linear_pse:
                 q_tile[:, :, -2:] = 0.0
             bias = pse.tile(i0, i1, j0, j1, self.device, self.dtype)
-            torch.mul(bias.expand(c, problem.heads_q, rows, cols), LOG2E, out=out.view(c, problem.heads_q, rows, cols))
+            out.view(c, problem.heads_q, rows, cols).copy_(bias.expand(c, problem.heads_q, rows, cols))
             out.baddbmm_(q_tile, kt)
         s = out.view(c, problem.heads_q, rows, cols)
         if state is TileState.PARTIAL:
@@ -188,10 +185,10 @@ class RunKernel:
         return bias
 
     @staticmethod
-    def exp2_shifted_(s: torch.Tensor, shift: torch.Tensor) -> torch.Tensor:
-        """In place: s <- 2^(s - shift), exactly 0 where s is -inf or s - shift <= EXP2_FLOOR (shift is
-        [c, N1, rows, 1] and finite)."""
-        F.threshold_(s.sub_(shift), EXP2_FLOOR, float("-inf"))
+    def exp_shifted_(s: torch.Tensor, shift: torch.Tensor) -> torch.Tensor:
+        """In place: s <- exp(s - shift) as 2^((s - shift) log2(e)), exactly 0 where s is -inf or below the
+        floor (shift is [c, N1, rows, 1] and finite)."""
+        F.threshold_(s.sub_(shift).mul_(LOG2E), EXP2_FLOOR, float("-inf"))
         return s.exp2_()
 
     def forward(self, out_view, max_view, sum_view) -> None:
@@ -211,8 +208,8 @@ class RunKernel:
                 new_max = torch.maximum(row_max, s.amax(-1))
                 # A row that has seen nothing visible yet keeps max -inf; shift it by 0 to avoid inf - inf.
                 shift = torch.where(new_max == float("-inf"), 0.0, new_max)
-                self.exp2_shifted_(s, shift.unsqueeze(-1))
-                correction = torch.exp2(row_max - shift)
+                self.exp_shifted_(s, shift.unsqueeze(-1))
+                correction = torch.exp(row_max - shift)
                 row_sum.mul_(correction).add_(s.sum(-1))
                 row_max = new_max
                 if run.dropout is not None:
@@ -230,7 +227,7 @@ class RunKernel:
             denom = torch.where(valid, row_sum * problem.keep_prob, 1.0).view(c * n2, -1, 1)
             out_view[:, :, i0:i1].copy_(acc.div_(denom).view(c, problem.heads_q, rows, dv))
             if max_view is not None:
-                write_stat(max_view[:, :, i0:i1], torch.where(valid, row_max * LN2, -FLT_MAX))
+                write_stat(max_view[:, :, i0:i1], torch.where(valid, row_max, -FLT_MAX))
                 write_stat(sum_view[:, :, i0:i1], torch.where(valid, row_sum, FLT_MAX))
 
 
