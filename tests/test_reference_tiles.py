@@ -1,0 +1,77 @@
+"""Tiling rules of the reference FlashAttention kernels: memory bound, merged key tiles, reusable mask tiles."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from cann_attn.backends.reference.flash_forward import TILE_ELEMENTS, key_tiles, tile_shape
+from cann_attn.problem.attention import Run
+from cann_attn.problem.mask import SequenceMask, TileState
+
+
+@pytest.mark.parametrize("heads", [1, 8, 64, 512, 4096])
+@pytest.mark.parametrize("dense", [True, False])
+@pytest.mark.parametrize("seq", [(1, 1), (97, 2048), (2048, 2048), (32768, 32768)])
+def test_tile_shape_stays_within_budget(heads: int, dense: bool, seq: tuple[int, int]) -> None:
+    seq_q, seq_kv = seq
+    rows, block_k, width = tile_shape(heads, seq_q, seq_kv, dense)
+    assert 1 <= rows <= seq_q and 1 <= block_k <= width
+    assert block_k <= seq_kv and width <= max(block_k, seq_kv)
+    # Within the budget, or at the smallest tile the rules allow (16 rows x 128 columns) for huge head counts.
+    assert heads * rows * width <= max(TILE_ELEMENTS, heads * 16 * 128)
+
+
+def _run(mask: SequenceMask) -> Run:
+    return Run(b0=0, count=1, seq_q=mask.seq_q, seq_kv=mask.seq_kv, q_token0=0, kv_token0=0, mask=mask)
+
+
+def _visible(mask: SequenceMask, i0: int, i1: int) -> torch.Tensor:
+    return ~mask.masked_tile(i0, i1, 0, mask.seq_kv, torch.device("cpu"))
+
+
+MASKS = [
+    SequenceMask(700, 900),  # no mask
+    SequenceMask(700, 900, upper=200),  # causal, bottom-right
+    SequenceMask(700, 700, lower=-300, upper=40),  # band
+    SequenceMask(700, 900, upper=0, prefix=333),  # prefix
+]
+
+
+@pytest.mark.parametrize("mask", MASKS, ids=["dense", "causal", "band", "prefix"])
+@pytest.mark.parametrize("block_k,max_width", [(128, 128), (128, 512), (256, 1024)])
+def test_merged_key_tiles_cover_exactly_the_visible_columns(mask: SequenceMask, block_k: int, max_width: int):
+    run = _run(mask)
+    for i0 in range(0, mask.seq_q, 256):
+        i1 = min(i0 + 256, mask.seq_q)
+        covered = torch.zeros(mask.seq_kv, dtype=torch.bool)
+        previous_end = -1
+        for j0, j1, state in key_tiles(run, i0, i1, block_k, max_width):
+            assert j0 >= previous_end and j1 - j0 <= max_width  # in order, disjoint, within the width
+            previous_end = j1
+            tile_visible = _visible(mask, i0, i1)[:, j0:j1]
+            if state is TileState.FULL:
+                assert bool(tile_visible.all())  # merging never hides a mask
+            covered[j0:j1] = True
+        # Every visible column of these rows lies in some tile.
+        assert bool(covered[_visible(mask, i0, i1).any(0)].all())
+
+
+@pytest.mark.parametrize("mask", MASKS[:3], ids=["dense", "causal", "band"])
+def test_equal_tile_keys_mean_equal_mask_tiles(mask: SequenceMask):
+    seen: dict[tuple, torch.Tensor] = {}
+    for i0 in range(0, mask.seq_q, 128):
+        for j0 in range(0, mask.seq_kv, 128):
+            i1, j1 = min(i0 + 128, mask.seq_q), min(j0 + 128, mask.seq_kv)
+            tile = mask.masked_tile(i0, i1, j0, j1, torch.device("cpu"))
+            key = mask.tile_key(i0, i1, j0, j1)
+            assert key is not None
+            if key in seen:
+                assert torch.equal(seen[key], tile)
+            seen[key] = tile
+
+
+def test_prefix_and_explicit_masks_have_no_tile_key():
+    assert SequenceMask(64, 64, upper=0, prefix=10).tile_key(0, 16, 0, 16) is None
+    explicit = torch.zeros(64, 64, dtype=torch.bool)
+    assert SequenceMask(64, 64, explicit=explicit).tile_key(0, 16, 0, 16) is None
