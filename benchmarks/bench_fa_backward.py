@@ -174,8 +174,7 @@ def run_benches(args, warmup: int, repeats: int, progress, task) -> list[dict[st
             bench.sdpa()
             match, diff = _compare(ours_grads, bench.grads())
             del ours_grads
-            t_ours = common.time_fn(bench.ours, warmup, repeats, args.device)
-            t_sdpa = common.time_fn(bench.sdpa, warmup, repeats, args.device)
+            t_ours, t_sdpa = common.time_pair(bench.ours, bench.sdpa, warmup, repeats, args.device)
             flops = FWD_BWD_FACTOR * common.attention_flops(B, N, bench.pairs, D)
             results.append(common.ratio_record(
                 key=bench.key, case=bench.label, dtype=dtype_name, shape=f"B{B} N{N} S{S} D{D}",

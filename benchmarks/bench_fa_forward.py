@@ -155,8 +155,7 @@ def run_benches(args, warmup: int, repeats: int, progress, task) -> list[dict[st
         for bench in benches(dtype_name, args.device):
             progress.update(task, description=f"{dtype_name} {bench.label}")
             match, diff = _compare(bench.ours(), bench.sdpa())
-            t_ours = common.time_fn(bench.ours, warmup, repeats, args.device)
-            t_sdpa = common.time_fn(bench.sdpa, warmup, repeats, args.device)
+            t_ours, t_sdpa = common.time_pair(bench.ours, bench.sdpa, warmup, repeats, args.device)
             flops = common.attention_flops(B, N, bench.pairs, D)
             results.append(common.ratio_record(
                 key=bench.key, case=bench.label, dtype=dtype_name, shape=f"B{B} N{N} S{S} D{D}",

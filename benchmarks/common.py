@@ -1,6 +1,7 @@
 """Shared benchmark helpers: timing, peak memory in a fresh process, FLOPs, JSON, plots, machine info.
 
-- `time_fn(fn, warmup, repeats, device)`: median (and all) wall times of `fn()` after warm-up calls;
+- `time_fn(fn, warmup, repeats, device)`: median (and all) wall times of `fn()` after warm-up calls; `time_pair`
+  times two implementations alternately (the fair way to take their ratio on a shared machine);
   `timed_once(fn, device)`: result and time of a single call.
 - `peak_rss(script, func, kwargs)`: run ``func(**kwargs)`` from `script` in a fresh interpreter and return its
   peak resident set (VmHWM of /proc/self/status, falling back to getrusage ru_maxrss), together with the peak
@@ -54,6 +55,25 @@ def time_fn(fn: Callable[[], Any], warmup: int = 1, repeats: int = 5, device: st
         sync(device)
         times.append(time.perf_counter() - start)
     return {"median_s": statistics.median(times), "min_s": min(times), "times_s": times}
+
+
+def time_pair(fn_a: Callable[[], Any], fn_b: Callable[[], Any], warmup: int = 1, repeats: int = 5,
+              device: str = "cpu") -> tuple[dict[str, Any], dict[str, Any]]:
+    """Time two implementations alternately (a, b, a, b, ...), as `time_fn` does each. On a shared machine whose
+    speed drifts over seconds, interleaving exposes both to the same conditions, so their ratio is not skewed
+    by which one happened to run during a slow spell."""
+    for _ in range(warmup):
+        fn_a()
+        fn_b()
+    sync(device)
+    times: tuple[list[float], list[float]] = ([], [])
+    for _ in range(max(1, repeats)):
+        for fn, out in ((fn_a, times[0]), (fn_b, times[1])):
+            start = time.perf_counter()
+            fn()
+            sync(device)
+            out.append(time.perf_counter() - start)
+    return tuple({"median_s": statistics.median(t), "min_s": min(t), "times_s": t} for t in times)
 
 
 def timed_once(fn: Callable[[], Any], device: str = "cpu") -> tuple[Any, float]:
