@@ -12,6 +12,7 @@ import torch
 
 from ...problem.attention import AttentionProblem, Run
 from .flash_forward import RunKernel, group_rows, key_tiles
+from .softmax_exp import exp_shifted_
 
 
 @torch.no_grad()  # kernels fill preallocated outputs; autograd pairs the ops one level up
@@ -67,7 +68,7 @@ def _backward_run(kernel: RunKernel, problem: AttentionProblem, run: Run, dy, at
         for j0, j1, state in key_tiles(run, i0, i1, kernel.block_k, kernel.max_width):
             cols = j1 - j0
             p = kernel.scores(q_tile, i0, i1, j0, j1, state)
-            kernel.exp_shifted_(p, row_max).mul_(inv_sum)
+            exp_shifted_(p, row_max).mul_(inv_sum)
             p_g = p.view(c * n2, -1, cols)
             dp = torch.bmm(dy_g, kernel.v[:, j0:j1].transpose(1, 2), out=kernel.scratch(p_g.shape))
             dp = dp.view(c, n1, rows, cols)

@@ -6,9 +6,7 @@ Tiles the mask structure hides are skipped; fully visible tiles skip the mask. G
 by stacking the group's query rows into one GEMM ([count * N2, G * rows, D]). The softmax scale is folded
 into the query tile and ALiBi (pse_type 2) into extra GEMM columns wherever `problem.pse` allows it.
 
-Exponentials are taken as exp2((S - max) * log2(e)): PyTorch's CPU exp2 is ~1.9x faster than exp, which pays
-for the extra multiply. The logits themselves stay in natural units, so softmax_max is exactly the largest
-logit and the backward, recomputing the same logits, gets P = 1 exactly at a row's maximum.
+Exponentials come from `softmax_exp.exp_shifted_` (exp2-based, natural-unit logits, denormals flushed to 0).
 """
 
 from __future__ import annotations
@@ -16,11 +14,11 @@ from __future__ import annotations
 import math
 
 import torch
-import torch.nn.functional as F
 
 from ...problem.attention import AttentionProblem, Run
 from ...problem.mask import TileState
 from ...problem.stats import FLT_MAX, accumulation_dtype
+from .softmax_exp import exp_shifted_
 
 # Score-tile budget in elements (16 MB fp32): it bounds memory whatever the batch and head counts.
 TILE_ELEMENTS = 1 << 22
@@ -50,13 +48,6 @@ def tile_shape(heads: int, seq_q: int, seq_kv: int, dense: bool) -> tuple[int, i
     width = min(width, max(block_k, seq_kv))
     rows = max(MIN_TILE_ROWS, TILE_ELEMENTS // (heads * width))
     return min(block_q, seq_q, rows), block_k, width
-
-
-LOG2E = 1.4426950408889634
-# exp2() of arguments below -126 yields fp32 denormals, computed several times slower; such terms are < 1.2e-38
-# of the row's largest term (>= 1), below fp32 resolution of every sum they enter, so arguments <= EXP2_FLOOR
-# are flushed to -inf and their terms are exactly 0 (as masked entries, which are -inf already).
-EXP2_FLOOR = -126.0
 
 
 @torch.no_grad()  # kernels fill preallocated outputs; autograd pairs the ops one level up
@@ -184,13 +175,6 @@ class RunKernel:
                 self._mask_biases[key] = bias
         return bias
 
-    @staticmethod
-    def exp_shifted_(s: torch.Tensor, shift: torch.Tensor) -> torch.Tensor:
-        """In place: s <- exp(s - shift) as 2^((s - shift) log2(e)), exactly 0 where s is -inf or below the
-        floor (shift is [c, N1, rows, 1] and finite)."""
-        F.threshold_(s.sub_(shift).mul_(LOG2E), EXP2_FLOOR, float("-inf"))
-        return s.exp2_()
-
     def forward(self, out_view, max_view, sum_view) -> None:
         problem, run = self.problem, self.run
         c, n2 = run.count, problem.heads_kv
@@ -208,7 +192,7 @@ class RunKernel:
                 new_max = torch.maximum(row_max, s.amax(-1))
                 # A row that has seen nothing visible yet keeps max -inf; shift it by 0 to avoid inf - inf.
                 shift = torch.where(new_max == float("-inf"), 0.0, new_max)
-                self.exp_shifted_(s, shift.unsqueeze(-1))
+                exp_shifted_(s, shift.unsqueeze(-1))
                 correction = torch.exp(row_max - shift)
                 row_sum.mul_(correction).add_(s.sum(-1))
                 row_max = new_max
