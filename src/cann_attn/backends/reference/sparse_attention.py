@@ -51,14 +51,26 @@ class SparseSequence:
     def dim_qk(self) -> int:
         return self.k.shape[-1]
 
-    def query_tile(self, ws: Workspace, t0: int, t1: int, dtype: torch.dtype, factor: float) -> torch.Tensor:
-        """factor * (query ++ query_rope) of rows [t0, t1) in `dtype`: [rows, N1, Dq + Dr] (a workspace view)."""
-        d = self.q.shape[-1]
-        tile = ws.take("q", (t1 - t0, self.q.shape[1], self.dim_qk), dtype)
-        tile[..., :d] = self.q[t0:t1]
+    def query_tile(self, ws: Workspace, t0: int, t1: int, dtype: torch.dtype, factor: float,
+                   value_rows: torch.Tensor | None = None) -> torch.Tensor:
+        """factor * (query ++ query_rope) of rows [t0, t1) in `dtype`: [rows, N1, Dq + Dr] (a workspace view).
+
+        With `value_rows` [rows, E, Dv] (only when V is K's first Dv columns) these are stacked below the N1
+        query rows, zero-padded to Dq + Dr: one GEMM against the gathered keys then gives both the logits and
+        value_rows . V^T, reading the gathered keys once with twice the rows."""
+        heads, d = self.q.shape[1], self.q.shape[-1]
+        extra = 0 if value_rows is None else value_rows.shape[1]
+        tile = ws.take("q", (t1 - t0, heads + extra, self.dim_qk), dtype)
+        query = tile[:, :heads]
+        query[..., :d] = self.q[t0:t1]
         if self.q_rope is not None:
-            tile[..., d:] = self.q_rope[t0:t1]
-        return tile.mul_(factor)
+            query[..., d:] = self.q_rope[t0:t1]
+        query.mul_(factor)
+        if value_rows is not None:
+            dv = value_rows.shape[-1]
+            tile[:, heads:, :dv] = value_rows
+            tile[:, heads:, dv:] = 0.0
+        return tile
 
     def gather(self, ws: Workspace, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         keys = ws.gather_rows("keys", self.k, tokens)
@@ -72,6 +84,7 @@ class _TileKeys:
     """Selected logits of a row tile plus what the backward needs to route gradients back to keys."""
 
     z: torch.Tensor  # [rows, N1, T] masked logits (scale applied)
+    extra: torch.Tensor | None  # [rows, E, T] products of the rows stacked below the queries, per entry
     sel: RowSelection
     keys: torch.Tensor  # gathered [rows, T, Dq] or union [U, Dq]
     values: torch.Tensor  # gathered [rows, T, Dv] or union [U, Dv]
@@ -86,10 +99,11 @@ def _sequence_selection(seq: SparseSequence, sparse_mode: int, block_size: int) 
                          block_size=block_size)
 
 
-def _tile_keys(seq: SparseSequence, q_tile: torch.Tensor, sel: RowSelection, ws: Workspace) -> _TileKeys:
-    """Logits of the tile's selected entries from `q_tile` (already scaled), -inf where an entry is invalid."""
+def _tile_keys(seq: SparseSequence, q_tile: torch.Tensor, heads: int, sel: RowSelection, ws: Workspace) -> _TileKeys:
+    """Logits of the tile's selected entries from the first `heads` rows of `q_tile` (already scaled), -inf where
+    an entry is invalid, and the plain products of any rows stacked below them."""
     block_size = sel.block_size
-    n_rows, heads, d_qk = q_tile.shape
+    n_rows, stacked, d_qk = q_tile.shape
     width = sel.tokens.shape[1]
     d_all = d_qk + seq.v.shape[-1]
     device = q_tile.device
@@ -103,23 +117,25 @@ def _tile_keys(seq: SparseSequence, q_tile: torch.Tensor, sel: RowSelection, ws:
     union_cost = union_width * d_all * (GATHER_COST + n_rows * heads)
     if union_width == 0 or gather_cost <= union_cost:
         keys, values = seq.gather(ws, sel.tokens)
-        z = torch.bmm(q_tile, keys.transpose(1, 2), out=ws.take("z", (n_rows, heads, width), q_tile.dtype))
+        products = torch.bmm(q_tile, keys.transpose(1, 2), out=ws.take("z", (n_rows, stacked, width), q_tile.dtype))
         union_pos, key_tokens = None, sel.tokens
     else:
         offsets = torch.arange(block_size, device=device)
         key_tokens = (union_blocks.view(-1, 1) * block_size + offsets).reshape(-1).clamp_(max=seq.seq_kv - 1)
         keys, values = seq.gather(ws, key_tokens)
         dense = torch.mm(q_tile.reshape(-1, d_qk), keys.transpose(0, 1),
-                         out=ws.take("dense", (n_rows * heads, key_tokens.numel()), q_tile.dtype))
-        dense = dense.view(n_rows, heads, -1)
+                         out=ws.take("dense", (n_rows * stacked, key_tokens.numel()), q_tile.dtype))
+        dense = dense.view(n_rows, stacked, -1)
         slot = torch.searchsorted(union_blocks, sel.blocks.contiguous()).clamp_(max=union_blocks.numel() - 1)
         union_pos = (slot.unsqueeze(-1) * block_size + offsets).reshape(n_rows, -1)
-        z = torch.gather(dense, 2, union_pos.unsqueeze(1).expand(-1, heads, -1))
+        products = torch.gather(dense, 2, union_pos.unsqueeze(1).expand(-1, stacked, -1))
+    z = products[:, :heads]
+    extra = products[:, heads:] if stacked > heads else None
     if not bool(sel.valid.all()):
         # A 0/-inf [rows, 1, T] addend: far cheaper than masked_fill_ with a mask broadcast over heads.
         z.add_(torch.zeros(sel.valid.shape, dtype=z.dtype, device=z.device).masked_fill_(~sel.valid, float("-inf"))
                .unsqueeze(1))
-    return _TileKeys(z, sel, keys, values, key_tokens, union_pos)
+    return _TileKeys(z, extra, sel, keys, values, key_tokens, union_pos)
 
 
 def _to_union(tk: _TileKeys, per_entry: torch.Tensor) -> torch.Tensor:
@@ -147,7 +163,7 @@ def forward_sequence(seq: SparseSequence, scale: float, sparse_mode: int, block_
     for t0 in range(0, seq.seq_q, row_tile):
         t1 = min(t0 + row_tile, seq.seq_q)
         q_tile = seq.query_tile(ws, t0, t1, dtype, scale)
-        tk = _tile_keys(seq, q_tile, selection.rows(t0, t1), ws)
+        tk = _tile_keys(seq, q_tile, q_tile.shape[1], selection.rows(t0, t1), ws)
         m = tk.z.amax(-1)
         # A row without a valid entry has max -inf and all-zero terms: shift by 0, total 0, output 0.
         p = exp_shifted_(tk.z, torch.where(m == float("-inf"), 0.0, m).unsqueeze(-1))
@@ -169,17 +185,20 @@ def backward_sequence(seq: SparseSequence, d_out: torch.Tensor, out: torch.Tenso
     for t0 in range(0, seq.seq_q, BACKWARD_ROW_TILE):
         t1 = min(t0 + BACKWARD_ROW_TILE, seq.seq_q)
         n = t1 - t0
-        q_tile = seq.query_tile(ws, t0, t1, dtype, scale)
-        tk = _tile_keys(seq, q_tile, selection.rows(t0, t1), ws)
+        heads = seq.q.shape[1]
+        # dP = dO V^T comes out of the logits' GEMM when V is K's first columns (rows stacked below Q).
+        stacked = seq.query_tile(ws, t0, t1, dtype, scale, d_out[t0:t1] if seq.value_is_key else None)
+        q_tile = stacked[:, :heads]
+        tk = _tile_keys(seq, stacked, heads, selection.rows(t0, t1), ws)
         has_keys = tk.sel.row_has_keys.unsqueeze(-1)
         m = torch.where(has_keys, row_max[t0:t1].to(dtype), 0.0).unsqueeze(-1)
         inv_l = torch.where(has_keys, 1.0 / row_sum[t0:t1].to(dtype), 0.0).unsqueeze(-1)
         p = exp_shifted_(tk.z, m).mul_(inv_l)
         do = d_out[t0:t1].to(dtype)
         d_sum = (do * out[t0:t1].to(dtype)).sum(-1, keepdim=True)
-        heads = p.shape[1]
         if tk.union_pos is None:
-            dp = torch.bmm(do, tk.values.transpose(1, 2), out=ws.take("dp", p.shape, dtype))
+            dp = tk.extra if tk.extra is not None else torch.bmm(do, tk.values.transpose(1, 2),
+                                                                  out=ws.take("dp", p.shape, dtype))
             ds = dp.sub_(d_sum).mul_(p)
             torch.bmm(ds, tk.keys, out=dq[t0:t1]).mul_(scale)
             width = tk.keys.shape[1]
@@ -189,8 +208,10 @@ def backward_sequence(seq: SparseSequence, d_out: torch.Tensor, out: torch.Tenso
             dk.index_add_(0, tk.key_tokens.reshape(-1), dk_sel.flatten(0, 1))
             dv.index_add_(0, tk.key_tokens.reshape(-1), dv_sel.flatten(0, 1))
         else:
-            dp_dense = (do.reshape(n * heads, -1) @ tk.values.transpose(0, 1)).view(n, heads, -1)
-            dp = torch.gather(dp_dense, 2, tk.union_pos.unsqueeze(1).expand(-1, heads, -1))
+            dp = tk.extra
+            if dp is None:
+                dp_dense = (do.reshape(n * heads, -1) @ tk.values.transpose(0, 1)).view(n, heads, -1)
+                dp = torch.gather(dp_dense, 2, tk.union_pos.unsqueeze(1).expand(-1, heads, -1))
             ds_u = _to_union(tk, p * (dp - d_sum)).view(n * heads, -1)
             p_u = _to_union(tk, p).view(n * heads, -1)
             dq[t0:t1] = (ds_u @ tk.keys).view(n, heads, -1).mul_(scale)
