@@ -56,8 +56,8 @@ class SparseSequence:
         """factor * (query ++ query_rope) of rows [t0, t1) in `dtype`: [rows, N1, Dq + Dr] (a workspace view).
 
         With `value_rows` [rows, E, Dv] (only when V is K's first Dv columns) these are stacked below the N1
-        query rows, zero-padded to Dq + Dr: one GEMM against the gathered keys then gives both the logits and
-        value_rows . V^T, reading the gathered keys once with twice the rows."""
+        query rows, zero-padded to Dq + Dr, giving [rows, N1 + E, Dq + Dr]: one GEMM against the gathered keys
+        then yields both the logits and value_rows . V^T, reading the gathered keys once."""
         heads, d = self.q.shape[1], self.q.shape[-1]
         extra = 0 if value_rows is None else value_rows.shape[1]
         tile = ws.take("q", (t1 - t0, heads + extra, self.dim_qk), dtype)
