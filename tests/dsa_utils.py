@@ -151,6 +151,7 @@ class SFACase:
 
     def grad(self, fwd=None, **kw):
         fwd = self.forward() if fwd is None else fwd
+        self.given_out = fwd.attention_out  # what the grad's Dl = rowsum(dO * out) reads (SEMANTICS.md 8)
         i = self.inputs
         kw = {**self.kw, **kw}
         scale = kw.pop("scale_value")
@@ -158,23 +159,32 @@ class SFACase:
             i["query"], i["key"], i["value"], i["sparse_indices"], self.d_out, fwd.attention_out, fwd.softmax_max,
             fwd.softmax_sum, scale, query_rope=i["query_rope"], key_rope=i["key_rope"], **kw)
 
-    def oracle(self, compute_dtype=F64, requires_grad: bool = False):
-        """(inputs used, (out, max, sum)): the oracle on leaf copies of the inputs (separate leaves for key and
-        value even when they are one tensor, so that d_key and d_value are separate like the op's)."""
+    def oracle(self, compute_dtype=F64, requires_grad: bool = False, return_lse: bool = False):
+        """(inputs used, (out, max, sum[, lse])): the oracle on leaf copies of the inputs (separate leaves for key
+        and value even when they are one tensor, so that d_key and d_value are separate like the op's)."""
         leaves = {}
         for name, t in self.tensors.items():
             leaves[name] = None if t is None else t.detach().to(compute_dtype).requires_grad_(requires_grad)
         res = dsa_oracle.sparse_attention_oracle(
             leaves["query"], leaves["key"], leaves["value"], self.inputs["sparse_indices"],
-            query_rope=leaves["query_rope"], key_rope=leaves["key_rope"], compute_dtype=compute_dtype, **self.kw)
+            query_rope=leaves["query_rope"], key_rope=leaves["key_rope"], compute_dtype=compute_dtype,
+            return_lse=return_lse, **self.kw)
         return leaves, res
 
-    def oracle_grads(self, compute_dtype=F64) -> dict:
-        leaves, (out, _, _) = self.oracle(compute_dtype, requires_grad=True)
+    def oracle_grads(self, compute_dtype=F64, given_out: torch.Tensor | None = None) -> dict:
+        """Gradients by autograd through the oracle. With `given_out` (the attention_out handed to the grad op),
+        the golden of the grad as SEMANTICS.md 8 defines it: Dl = rowsum(dO * given_out), not the exact
+        forward's. A loss term c * lse with c = rowsum(dO * (O_exact - given_out)) (a constant) moves
+        dS = P (dP - Dl) by exactly P * c, since d lse / dz = P."""
+        leaves, (out, _, _, lse) = self.oracle(compute_dtype, requires_grad=True, return_lse=True)
         names = [n for n, t in leaves.items() if t is not None]
         if out.requires_grad:
-            grads = torch.autograd.grad(out, [leaves[n] for n in names], self.d_out.to(compute_dtype),
-                                        allow_unused=True)
+            d_out = self.d_out.to(compute_dtype)
+            loss = (out * d_out).sum()
+            if given_out is not None and lse.requires_grad:
+                c = (d_out * (out.detach() - given_out.to(compute_dtype))).sum(-1)
+                loss = loss + (c * lse).sum()
+            grads = torch.autograd.grad(loss, [leaves[n] for n in names], allow_unused=True)
         else:  # nothing selected anywhere: the output is a constant 0
             grads = [None] * len(names)
         result = {g: None for g in GRAD_NAMES}
@@ -209,7 +219,7 @@ class SFACase:
 
     def check_grads(self, res=None):
         res = self.grad() if res is None else res
-        golden = self.oracle_grads()
+        golden = self.oracle_grads(given_out=getattr(self, "given_out", None))
         naive = self.oracle_grads(self.naive_dtype()) if self.naive_dtype() is not None else None
         for name in GRAD_NAMES:
             actual, g = getattr(res, name), golden[name]

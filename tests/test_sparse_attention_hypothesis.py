@@ -8,7 +8,7 @@ import math
 
 import pytest
 import torch
-from hypothesis import assume, given, settings
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from dsa_utils import BF16, F16, F32, F64, SFACase, single_thread
@@ -68,17 +68,10 @@ def test_sparse_attention_random_configs(cfg):
     _run(cfg)
 
 
-def _has_duplicate_entries(indices: torch.Tensor) -> bool:
-    rows = indices.reshape(-1, indices.shape[-1])
-    return any(len(set(r[r >= 0].tolist())) < int((r >= 0).sum()) for r in rows)
-
-
 @settings(max_examples=50, deadline=None)
 @given(sfa_configs(dtypes=(F16, BF16)))
 def test_sparse_attention_random_configs_half(cfg):
-    # The grad's Dl = rowsum(dO * out) uses the given fp16/bf16 `out` (SEMANTICS.md 8), while the float64 golden
-    # differentiates the exact forward. Rows that select one token several times make dS = P (dP - Dl) a pure
-    # cancellation, so that documented rounding dominates their tiny gradients; duplicates are covered in
-    # fp32/fp64 above and by the fixed fp16/bf16 cases of test_sparse_attention.py.
-    assume(not _has_duplicate_entries(cfg["indices"]))
+    # The grad's Dl = rowsum(dO * out) uses the given fp16/bf16 `out` (SEMANTICS.md 8); the golden does the same
+    # (dsa_utils.oracle_grads). Against the exact forward's gradient instead, rows where dS = P (dP - Dl) nearly
+    # cancels (duplicated selections, or a single selected block) failed by several bf16 ulps.
     _run(cfg)

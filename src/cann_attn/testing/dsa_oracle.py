@@ -189,7 +189,8 @@ def sparse_attention_oracle(
     layout: str = "BSND",
     sparse_mode: int = 3,
     compute_dtype: torch.dtype = torch.float64,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return_lse: bool = False,
+) -> tuple[torch.Tensor, ...]:
     """SparseFlashAttention forward, one query row at a time (SEMANTICS.md 8, 3).
 
     Q = [query ; query_rope], K = [key ; key_rope] (without rope: query, key), V = value, N2 = 1. For row t of a
@@ -201,7 +202,9 @@ def sparse_attention_oracle(
     Returns (out [..., N1, Dv] in `compute_dtype`, softmax_max, softmax_sum of shape [B, 1, S1, N1] / [1, T1, N1]
     in float64, or float32 when `compute_dtype` is not float64). `out` is differentiable (torch.autograd) w.r.t.
     the five input tensors; the statistics are detached. A `compute_dtype` other than float64 gives the "naive
-    same-dtype" reference of the flash-attn rule.
+    same-dtype" reference of the flash-attn rule. With `return_lse`, a fourth output is the differentiable
+    log-sum-exp max + log(sum) of every row and head ([..., N1], 0 for rows with nothing selected): its gradient
+    w.r.t. the logits is P, which lets a golden reproduce the grad's Dl = rowsum(dO * O) taken from a given O.
     """
     cd = compute_dtype
     q_all, k_all, v_all = query.to(cd), key.to(cd), value.to(cd)
@@ -216,6 +219,7 @@ def sparse_attention_oracle(
     softmax_sum = torch.zeros(s_shape, dtype=stat_dtype)
     zero_row = torch.zeros(heads, d_v, dtype=cd)
     rows: dict[tuple[int, ...], torch.Tensor] = {}
+    lse_rows: dict[tuple[int, ...], torch.Tensor] = {}
     for span in spans:
         k_seq = span.kv_rows(k_all)[:, 0]  # [Lk, Dqk]: keys beyond the actual length are never touched
         v_seq = span.kv_rows(v_all)[:, 0]
@@ -232,13 +236,19 @@ def sparse_attention_oracle(
             total = e.sum(dim=-1)
             p = e / total.unsqueeze(-1)
             rows[span.q_token(t)] = (p.unsqueeze(-1) * v_seq[pos].unsqueeze(0)).sum(dim=1)  # [N1, Dv]
+            lse_rows[span.q_token(t)] = m + torch.log(total)
             stat_index = (0, span.q_start + t) if layout == "TND" else (span.batch, 0, t)
             softmax_max[stat_index] = m
             softmax_sum[stat_index] = total.detach()
     lead = tuple(query.shape[:-2])
     flat = [rows.get(tok, zero_row) for tok in _all_tokens(lead)]
     out = torch.stack(flat).reshape(*lead, heads, d_v) if flat else torch.zeros(*lead, heads, d_v, dtype=cd)
-    return out, softmax_max, softmax_sum
+    if not return_lse:
+        return out, softmax_max, softmax_sum
+    zero_lse = torch.zeros(heads, dtype=cd)
+    flat_lse = [lse_rows.get(tok, zero_lse) for tok in _all_tokens(lead)]
+    lse = torch.stack(flat_lse).reshape(*lead, heads) if flat_lse else torch.zeros(*lead, heads, dtype=cd)
+    return out, softmax_max, softmax_sum, lse
 
 
 def _all_tokens(lead: tuple[int, ...]) -> list[tuple[int, ...]]:
