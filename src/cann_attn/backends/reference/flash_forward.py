@@ -106,7 +106,7 @@ class RunKernel:
         if feats is not None:
             k = torch.cat([k, feats.expand(c * n2, -1, -1)], dim=-1)
         self.k = k
-        # [c*N2, Dk, Skv]: Q K^T as a plain (NN) GEMM, ~14% faster than reading K transposed in every tile.
+        # [c*N2, Dk, Skv]: Q K^T as a plain (NN) GEMM, 5-15% faster (measured) than reading K transposed per tile.
         self.k_t = k.transpose(1, 2).contiguous()
         dense = run.mask.lower is None and run.mask.upper is None and run.mask.explicit is None
         self.block_q, self.block_k, self.max_width = tile_shape(c * problem.heads_q, run.seq_q, run.seq_kv, dense)
