@@ -37,10 +37,8 @@ from .dense_tiles import (
     C_DV,
     C_DY,
     C_K,
-    C_LOWER,
     C_MASK,
     C_O,
-    C_PREFIX,
     C_PSE,
     C_PSE_COMP,
     C_Q,
@@ -49,7 +47,6 @@ from .dense_tiles import (
     C_SLOPE,
     C_STAT,
     C_STAT_HS,
-    C_UPPER,
     C_V,
     INTERPRET,
     NCOL,
@@ -108,9 +105,7 @@ def _dkdv_kernel(
     if j0 >= seq_kv:
         return
     seq_q = tl.load(row + C_SEQ_Q).to(tl.int32)
-    lower = tl.load(row + C_LOWER).to(tl.int32)
-    upper = tl.load(row + C_UPPER).to(tl.int32)
-    prefix = tl.load(row + C_PREFIX).to(tl.int32)
+    lower, upper, prefix = tiles.band_bounds(row)
 
     offs_n = j0 + tl.arange(0, BLOCK_N)
     offs_mb = tl.arange(0, BLOCK_M)
@@ -226,9 +221,7 @@ def _dq_kernel(
     if i0 >= seq_q:
         return
     seq_kv = tl.load(row + C_SEQ_KV).to(tl.int32)
-    lower = tl.load(row + C_LOWER).to(tl.int32)
-    upper = tl.load(row + C_UPPER).to(tl.int32)
-    prefix = tl.load(row + C_PREFIX).to(tl.int32)
+    lower, upper, prefix = tiles.band_bounds(row)
     kvh = h // GROUP
 
     offs_m = i0 + tl.arange(0, BLOCK_M)

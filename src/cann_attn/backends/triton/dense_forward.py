@@ -25,10 +25,8 @@ from .dense_plan import DensePlan, build_plan
 from .dense_tiles import (
     C_DROP,
     C_K,
-    C_LOWER,
     C_MASK,
     C_O,
-    C_PREFIX,
     C_PSE,
     C_PSE_COMP,
     C_Q,
@@ -37,7 +35,6 @@ from .dense_tiles import (
     C_SLOPE,
     C_STAT,
     C_STAT_HS,
-    C_UPPER,
     C_V,
     INTERPRET,
     NCOL,
@@ -63,9 +60,7 @@ def _forward_kernel(
     if i0 >= seq_q:
         return
     seq_kv = tl.load(row + C_SEQ_KV).to(tl.int32)
-    lower = tl.load(row + C_LOWER).to(tl.int32)
-    upper = tl.load(row + C_UPPER).to(tl.int32)
-    prefix = tl.load(row + C_PREFIX).to(tl.int32)
+    lower, upper, prefix = tiles.band_bounds(row)
     kvh = h // GROUP
 
     offs_m = i0 + tl.arange(0, BLOCK_M)

@@ -103,6 +103,15 @@ def tensor_offset(row, col, OFF_ALIGN: tl.constexpr):
 
 
 @device_function
+def band_bounds(row):
+    """(lower, upper, prefix) of a table row: the band of j - i every kernel clips its tiles to (int32)."""
+    lower = tl.load(row + C_LOWER).to(tl.int32)
+    upper = tl.load(row + C_UPPER).to(tl.int32)
+    prefix = tl.load(row + C_PREFIX).to(tl.int32)
+    return lower, upper, prefix
+
+
+@device_function
 def key_span(i0, seq_q, seq_kv, lower, upper, prefix, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     """The key tiles query rows [i0, i0 + BLOCK_M) visit (forward and dQ kernels): (start, hi, rows_full,
     full_lo, full_hi). Keys [start, hi) cover the band [i0 + lower, i_last + upper] widened to the prefix (a
