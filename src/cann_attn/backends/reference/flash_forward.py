@@ -34,9 +34,11 @@ MIN_TILE_ROWS = 16
 LINEAR_PSE_WIDTH = 512
 
 
-def tile_shape(heads: int, seq_q: int, seq_kv: int, dense: bool) -> tuple[int, int, int]:
+def tile_shape(heads: int, seq_q: int, seq_kv: int, dense: bool, linear_pse: bool = False) -> tuple[int, int, int]:
     """(query rows, key columns, merged key columns) of the score tiles of a run with `heads` = count * N1
-    score matrices, shrunk to stay within TILE_ELEMENTS."""
+    score matrices, shrunk to stay within TILE_ELEMENTS. With ALiBi folded into GEMM columns (`linear_pse`),
+    key tiles stay LINEAR_PSE_WIDTH wide and unmerged: wide tiles straddle the diagonal more often, where the
+    bias has to be materialised."""
     width = MERGED_WIDTH
     while width > 128 and heads * MIN_TILE_ROWS * width > TILE_ELEMENTS:
         width //= 2
@@ -47,6 +49,8 @@ def tile_shape(heads: int, seq_q: int, seq_kv: int, dense: bool) -> tuple[int, i
     block_k = min(block_k, width, seq_kv)
     width = min(width, max(block_k, seq_kv))
     rows = max(MIN_TILE_ROWS, TILE_ELEMENTS // (heads * width))
+    if linear_pse:
+        block_k = width = min(block_k, LINEAR_PSE_WIDTH)
     return min(block_q, seq_q, rows), block_k, width
 
 
@@ -109,10 +113,8 @@ class RunKernel:
         # [c*N2, Dk, Skv]: Q K^T as a plain (NN) GEMM, 5-15% faster (measured) than reading K transposed per tile.
         self.k_t = k.transpose(1, 2).contiguous()
         dense = run.mask.lower is None and run.mask.upper is None and run.mask.explicit is None
-        self.block_q, self.block_k, self.max_width = tile_shape(c * problem.heads_q, run.seq_q, run.seq_kv, dense)
-        if self.linear_pse:
-            # Wide tiles straddle the diagonal more often, where ALiBi needs its bias materialised.
-            self.block_k = self.max_width = min(self.block_k, LINEAR_PSE_WIDTH)
+        self.block_q, self.block_k, self.max_width = tile_shape(c * problem.heads_q, run.seq_q, run.seq_kv, dense,
+                                                                self.linear_pse)
         rows = c * problem.heads_q * self.block_q * self.max_width
         self._buffer = torch.empty(rows, dtype=self.dtype, device=self.device)
         self._scratch: torch.Tensor | None = None
