@@ -177,17 +177,19 @@ def sparse_lightning_indexer_grad_kl_loss(
             lq, lk = problem.q_lengths[b], problem.kv_lengths[b]
             if lq == 0 or lk == 0:
                 continue
-            q_main = problem.rows(query, b)[:lq]
+            # Keys carry the rope dims appended here (once); the kernel appends the query's per tile.
             k_main = problem.keys(key, b)[:lk, 0]
+            q_rope = None
             if query_rope is not None:
-                q_main = torch.cat([q_main, problem.rows(query_rope, b)[:lq]], dim=-1)
+                q_rope = problem.rows(query_rope, b)[:lq]
                 k_main = torch.cat([k_main, problem.keys(key_rope, b)[:lk, 0]], dim=-1)
             dq = torch.zeros((lq, *query_index.shape[-2:]), dtype=dtype, device=query.device)
             dk = torch.zeros((lk, key_index.shape[-1]), dtype=dtype, device=query.device)
             dw = torch.zeros((lq, weights.shape[-1]), dtype=dtype, device=query.device)
             loss += kernel.kl_loss_sequence(
-                lq, lk, q_main=q_main, k_main=k_main, q_idx=problem.rows(query_index, b)[:lq],
-                k_idx=problem.keys(key_index, b)[:lk, 0], weights=problem.rows(weights, b)[:lq],
+                lq, lk, q_main=problem.rows(query, b)[:lq], q_rope=q_rope, k_main=k_main,
+                q_idx=problem.rows(query_index, b)[:lq], k_idx=problem.keys(key_index, b)[:lk, 0],
+                weights=problem.rows(weights, b)[:lq],
                 indices=problem.rows(sparse_indices, b)[:lq, 0], row_max=_stat_rows(problem, softmax_max, b, lq),
                 row_sum=_stat_rows(problem, softmax_sum, b, lq), scale=float(scale_value), sparse_mode=sparse_mode,
                 dq_idx=dq, dk_idx=dk, dw=dw,

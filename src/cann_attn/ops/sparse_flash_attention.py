@@ -229,11 +229,9 @@ def sparse_flash_attention(
     softmax_max = torch.full(_stats_shape(problem, query), kernel.INVALID_MAX, dtype=dtype, device=query.device)
     softmax_sum = torch.zeros(_stats_shape(problem, query), dtype=dtype, device=query.device)
     for b, seq in _sequences(problem, query, key, value, sparse_indices, query_rope, key_rope):
-        seq_out = torch.empty((seq.seq_q, problem.heads, value.shape[-1]), dtype=dtype, device=query.device)
-        kernel.forward_sequence(seq, float(scale_value), sparse_mode, sparse_block_size, dtype, seq_out,
-                                _stat_rows(problem, softmax_max, b)[: seq.seq_q],
+        kernel.forward_sequence(seq, float(scale_value), sparse_mode, sparse_block_size, dtype,
+                                problem.rows(out, b)[: seq.seq_q], _stat_rows(problem, softmax_max, b)[: seq.seq_q],
                                 _stat_rows(problem, softmax_sum, b)[: seq.seq_q])
-        problem.rows(out, b)[: seq.seq_q] = seq_out
     return SparseFlashAttentionResult(out, softmax_max, softmax_sum)
 
 
