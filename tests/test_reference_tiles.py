@@ -75,3 +75,26 @@ def test_prefix_and_explicit_masks_have_no_tile_key():
     assert SequenceMask(64, 64, upper=0, prefix=10).tile_key(0, 16, 0, 16) is None
     explicit = torch.zeros(64, 64, dtype=torch.bool)
     assert SequenceMask(64, 64, explicit=explicit).tile_key(0, 16, 0, 16) is None
+
+
+# ----------------------------------------------------------------------------------------------------------
+# DSA reference: the per-tile union widths that choose between the gather and union paths
+# ----------------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("block_size", [1, 16, 64])
+@pytest.mark.parametrize("row_tile", [1, 8, 32])
+@pytest.mark.parametrize("table_elements", [1, 64, 1 << 24])
+def test_union_block_counts_match_each_tiles_distinct_blocks(block_size: int, row_tile: int, table_elements: int,
+                                                             monkeypatch) -> None:
+    from cann_attn.backends.reference import sparse_attention
+    from cann_attn.problem.sparse import row_selection
+
+    monkeypatch.setattr(sparse_attention, "UNION_TABLE_ELEMENTS", table_elements)  # 1 and 64 force chunking
+    gen = torch.Generator().manual_seed(block_size * 100 + row_tile)
+    seq_q, seq_kv, k = 75, 300, 12
+    n_blocks = -(-seq_kv // block_size)
+    indices = torch.randint(-1, n_blocks, (seq_q, k), generator=gen)
+    selection = row_selection(indices, torch.arange(seq_q), sparse_mode=3, seq_q=seq_q, seq_kv=seq_kv,
+                              block_size=block_size)
+    counts = sparse_attention._union_block_counts(selection, row_tile, n_blocks)
+    expected = [selection.blocks[t0:t0 + row_tile].unique().numel() for t0 in range(0, seq_q, row_tile)]
+    assert counts == expected
