@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import shutil
 import subprocess
 import sys
@@ -54,3 +55,32 @@ def test_verify_list():
     proc = _run("verify", "--list")
     assert proc.returncode == 0, proc.stderr
     assert "doc_example" in proc.stdout
+
+
+def _fake_benchmarks(tmp_path: Path) -> dict[str, str]:
+    """A benchmarks folder with a CPU suite that succeeds and a GPU-only suite that fails without CUDA."""
+    folder = tmp_path / "benchmarks"
+    folder.mkdir()
+    (folder / "bench_cpu_case.py").write_text("print('cpu suite ran')\n")
+    (folder / "bench_gpu_case.py").write_text("import sys\nprint('gpu suite ran')\nsys.exit(2)\n")
+    return {**os.environ, "CANN_ATTN_BENCHMARKS": str(folder)}
+
+
+def test_bench_all_skips_gpu_only_suites_without_cuda(tmp_path):
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("a CUDA device is present: the GPU suites run")
+    env = _fake_benchmarks(tmp_path)
+    proc = subprocess.run([*_cli(), "bench"], capture_output=True, text=True, timeout=120, env=env)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "cpu suite ran" in proc.stdout and "gpu suite ran" not in proc.stdout
+    assert "skipped (no CUDA device" in proc.stdout and "gpu_case" in proc.stdout
+
+
+def test_bench_named_suite_reports_its_failure(tmp_path):
+    env = _fake_benchmarks(tmp_path)
+    proc = subprocess.run([*_cli(), "bench", "--suite", "gpu_case"], capture_output=True, text=True, timeout=120,
+                          env=env)
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert "gpu suite ran" in proc.stdout and "exit status 2" in proc.stderr

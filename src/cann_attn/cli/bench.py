@@ -3,7 +3,8 @@
 Each suite NAME is the script ``benchmarks/bench_NAME.py``; it runs in a subprocess with the same Python.
 The options given here are passed on: every script accepts ``--quick``, ``--strict`` and ``--out DIR``
 (default ``benchmarks/results/``); those that can run on a GPU also accept ``--device cpu|cuda``, which is
-passed only when given.
+passed only when given. Suites named ``gpu_*`` measure CUDA kernels only: ``--suite all`` skips them (and says
+so) where no CUDA device is available, while naming one explicitly still runs it and reports its failure.
 """
 
 from __future__ import annotations
@@ -27,8 +28,17 @@ def benchmarks_dir() -> Path | None:
     return next((c for c in candidates if c.is_dir() and any(c.glob("bench_*.py"))), None)
 
 
+GPU_ONLY_PREFIX = "gpu_"
+
+
 def suites(directory: Path) -> dict[str, Path]:
     return {p.stem.removeprefix("bench_"): p for p in sorted(directory.glob("bench_*.py"))}
+
+
+def cuda_available() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
 
 
 def add_parser(subparsers) -> None:
@@ -59,6 +69,11 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError(f"--suite: unknown suite {args.suite!r} (known: {', '.join(available)}, all)")
     chosen = available if args.suite == "all" else {args.suite: available[args.suite]}
     status = 0
+    if args.suite == "all" and args.device != "cuda" and not cuda_available():
+        skipped = [name for name in chosen if name.startswith(GPU_ONLY_PREFIX)]
+        if skipped:
+            print(f"== skipped (no CUDA device; they measure GPU kernels only): {', '.join(skipped)}", flush=True)
+        chosen = {name: script for name, script in chosen.items() if name not in skipped}
     for name, script in chosen.items():
         cmd = [sys.executable, str(script)]
         if args.device:
