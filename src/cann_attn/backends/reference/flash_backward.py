@@ -2,7 +2,8 @@
 
 Per query tile and visible key tile, P is recomputed from the given softmax statistics (no renormalisation):
 P = exp(S - max) / sum, P_drop = P * keep / keep_prob, dV += P_drop^T dY, dP = dY V^T,
-dS = P * (dP * keep / keep_prob - rowsum(dY * O)), dQ += scale dS K, dK += scale dS^T Q, dpse from dS.
+dS = P * (dP * keep / keep_prob - rowsum(dY * O)), dQ += scale dS K, dK += scale dS^T Q, dpse from dS
+(both scales applied once, to the finished dQ rows and dK).
 dK/dV accumulate in fp32 buffers of the key's size; no [Sq, Skv] matrix is ever formed.
 """
 
@@ -85,5 +86,5 @@ def _backward_run(kernel: RunKernel, problem: AttentionProblem, run: Run, dy, at
             if pse_grad is not None:
                 run.pse.accumulate_grad(pse_grad, i0, i1, j0, j1, ds)
         dq_view[:, :, i0:i1].copy_(dq_acc.view(c, n1, rows, d_qk).mul_(problem.scale))
-    dk_view.copy_(dk_acc.view(c, n2, run.seq_kv, d_qk))
+    dk_view.copy_(dk_acc.view(c, n2, run.seq_kv, d_qk).mul_(problem.scale))
     dv_view.copy_(dv_acc.view(c, n2, run.seq_kv, -1))
