@@ -201,6 +201,7 @@ def main(argv=None) -> int:
     if busy:
         console.print(f"[yellow]warning[/]: {busy}", highlight=False)
     gemm = gemm_rate(3 if args.quick else 7)
+    memory_before = common.memory_copy_bandwidth()
     progress = Progress(TextColumn("[bold]bench indexer"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                         TextColumn("{task.description}"), console=Console(stderr=True), transient=True)
     results = []
@@ -211,6 +212,9 @@ def main(argv=None) -> int:
                            task)
     gemm_after = gemm_rate(3)
     print_table(results, gemm, console)
+    console.print(f"memory copy bandwidth: {memory_before:.1f} GB/s before the cases, "
+                  f"{common.memory_copy_bandwidth():.1f} GB/s after (the gather-bound cases slow down when it drops)",
+                  highlight=False)
     payload = {
         "benchmark": "indexer",
         "device": "cpu",
@@ -223,6 +227,7 @@ def main(argv=None) -> int:
                      "statistics": "fp32 sparse_flash_attention over the same selection (outside the timing)"},
         "gemm_fp32": gemm,
         "gemm_fp32_after": gemm_after,
+        "memory_copy_gbps_before": memory_before,  # machine["memory_copy_gbps"] is measured after the run
         "flop_convention": {
             "kl_grad": "2*tokens*K*(N1*Dqk + 3*Nidx1*Didx), Dqk = 576 (main logits of the selected keys for the "
                        "target p; index scores, d_query_index and d_key_index GEMMs)",

@@ -340,6 +340,7 @@ def main(argv=None) -> int:
     if busy:
         console.print(f"[yellow]warning[/]: {busy}", highlight=False)
     gemm = gemm_rate(3 if args.quick else 7)
+    memory_before = common.memory_copy_bandwidth()
     progress = Progress(TextColumn("[bold]bench sparse attention"), BarColumn(), MofNCompleteColumn(),
                         TimeElapsedColumn(), TextColumn("{task.description}"), console=Console(stderr=True),
                         transient=True)
@@ -352,6 +353,9 @@ def main(argv=None) -> int:
                                progress, task)
     gemm_after = gemm_rate(3)  # the machine may be shared: a second measurement shows the drift
     print_table(results, gemm, console)
+    console.print(f"memory copy bandwidth: {memory_before:.1f} GB/s before the cases, "
+                  f"{common.memory_copy_bandwidth():.1f} GB/s after (the gather-bound cases slow down when it drops)",
+                  highlight=False)
 
     payload = {
         "benchmark": "sparse_attention",
@@ -365,6 +369,7 @@ def main(argv=None) -> int:
                                  "64": "the allowed blocks in order, then -1"}},
         "gemm_fp32": gemm,
         "gemm_fp32_after": gemm_after,
+        "memory_copy_gbps_before": memory_before,  # machine["memory_copy_gbps"] is measured after the run
         "flop_convention": {
             "forward": "2*tokens*topk*N1*(Dqk+Dv), Dqk=576, Dv=512 (ANCHORS.md sparse MLA)",
             "backward": "2*tokens*N1*topk*(2*Dv+3*Dqk)",

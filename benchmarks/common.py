@@ -346,6 +346,21 @@ def busy_warning() -> str | None:
     return None
 
 
+def memory_copy_bandwidth(megabytes: int = 256, repeats: int = 3) -> float:
+    """Best-of GB/s (read + write) of copying a `megabytes` fp32 tensor: a probe of the memory bandwidth this
+    process gets now. On a shared host it moves with the neighbours' traffic, which the load average does not
+    show; the gather-bound DSA kernels slow down with it while a GEMM yardstick barely does."""
+    n = megabytes * (1 << 20) // 4
+    src, dst = torch.ones(n), torch.empty(n)
+    dst.copy_(src)
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        dst.copy_(src)
+        best = min(best, time.perf_counter() - start)
+    return 2 * n * 4 / best / 1e9
+
+
 def machine_info(device: str = "cpu") -> dict[str, Any]:
     info = {
         "cpu": cpu_model(),
@@ -357,6 +372,7 @@ def machine_info(device: str = "cpu") -> dict[str, Any]:
         "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         "load_average_1_5_15": load_average(),
         "other_runnable_tasks": other_runnable(),
+        "memory_copy_gbps": round(memory_copy_bandwidth(), 1),
     }
     try:
         import cann_attn
