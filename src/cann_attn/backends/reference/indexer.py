@@ -7,11 +7,10 @@ indexer forward forms a [rows, Skv] score tile (never S1 x S2), the KL op gather
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from ...problem.sparse import allowed_keys, indexer_selection
 from ...problem.stats import accumulation_dtype
-from .softmax_exp import EXP2_FLOOR, LOG2E
+from .softmax_exp import LOG2E, exp2_flushed_
 from .workspace import Workspace
 
 ROW_TILE = 64
@@ -91,7 +90,7 @@ def _target_distribution(q_main: torch.Tensor, q_rope: torch.Tensor | None, k_ma
         keys = ws.gather_rows("k_main", k_main, tokens[r0:r1])
         z = torch.baddbmm(shift[r0:r1], query[r0:r1], keys.transpose(1, 2), beta=-1.0,
                           out=ws.take("z", (r1 - r0, heads, width), dtype))
-        F.threshold_(z, EXP2_FLOOR, float("-inf")).exp2_()
+        exp2_flushed_(z)
         torch.sum(z, 1, out=p[r0:r1])
     return p.mul_(1.0 / heads)
 

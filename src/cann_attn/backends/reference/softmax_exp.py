@@ -20,5 +20,9 @@ EXP2_FLOOR = -126.0
 
 def exp_shifted_(s: torch.Tensor, shift: torch.Tensor) -> torch.Tensor:
     """In place: s <- exp(s - shift) (shift broadcastable, finite), exactly 0 where s is -inf or below the floor."""
-    F.threshold_(s.sub_(shift).mul_(LOG2E), EXP2_FLOOR, float("-inf"))
-    return s.exp2_()
+    return exp2_flushed_(s.sub_(shift).mul_(LOG2E))
+
+
+def exp2_flushed_(x: torch.Tensor) -> torch.Tensor:
+    """In place: x <- 2^x for arguments already in base-2 units, exactly 0 at or below the floor."""
+    return F.threshold_(x, EXP2_FLOOR, float("-inf")).exp2_()

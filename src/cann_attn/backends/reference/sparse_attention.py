@@ -193,18 +193,18 @@ def forward_sequence(seq: SparseSequence, scale: float, sparse_mode: int, block_
         tk = _tile_keys(seq, q_tile, q_tile.shape[1], selection.rows(t0, t1), ws, union_counts[tile])
         m = tk.z.amax(-1)
         o_tile = out[t0:t1] if direct else ws.take("pv", (t1 - t0, *out.shape[1:]), dtype)
+        # With every entry valid, m is finite and the total >= 1 (the maximum's term is exactly 1). Otherwise a
+        # row without a valid entry has max -inf and all-zero terms: shift by 0, total 0, output 0.
+        shift = m if tk.all_valid else torch.where(m == float("-inf"), 0.0, m)
+        p = exp_shifted_(tk.z, shift.unsqueeze(-1))
+        total = p.sum(-1)
+        o = _weighted_values(tk, p, o_tile)
         if tk.all_valid:
-            # Every row has keys: m is finite and the total is >= 1 (the maximum's term is exactly 1).
-            p = exp_shifted_(tk.z, m.unsqueeze(-1))
-            total = p.sum(-1)
-            _weighted_values(tk, p, o_tile).div_(total.unsqueeze(-1))
+            o.div_(total.unsqueeze(-1))
             row_max[t0:t1] = m
         else:
-            # A row without a valid entry has max -inf and all-zero terms: shift by 0, total 0, output 0.
-            p = exp_shifted_(tk.z, torch.where(m == float("-inf"), 0.0, m).unsqueeze(-1))
-            total = p.sum(-1)
             has_keys = total > 0
-            _weighted_values(tk, p, o_tile).div_(torch.where(has_keys, total, 1.0).unsqueeze(-1))
+            o.div_(torch.where(has_keys, total, 1.0).unsqueeze(-1))
             row_max[t0:t1] = torch.where(has_keys, m, INVALID_MAX)
         if not direct:
             out[t0:t1] = o_tile
