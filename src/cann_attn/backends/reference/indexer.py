@@ -14,11 +14,13 @@ from .softmax_exp import LOG2E, exp2_flushed_
 from .workspace import Workspace
 
 ROW_TILE = 64
-# Rows per KL tile: 32 measured best of 8..64 at DeepSeek-V3.2 shapes on a 2-core EPYC (smaller tiles keep the
-# gathered main keys in cache but pay more per-tile overhead).
+# Rows per KL tile (selection, indexer scores, softmax, KL terms, gradients, dK scatter): 32 measured best of
+# 8..64 at DeepSeek-V3.2 shapes on a 2-core EPYC; processing the indexer part per 8 rows (more, smaller ops)
+# measured slower.
 KL_ROW_TILE = 32
 # Rows per main-attention target sub-tile: 8 rows' gathered keys (8 x 512 x 576 fp32, 9.4 MB) stay in a 32 MB
-# last-level cache between the gather and the GEMM; measured 25% faster than gathering all 32 rows at once.
+# last-level cache between the gather and the GEMM. Against gathering all 32 rows at once: ~20% faster in most
+# alternating A/B runs, none better in a spell of low memory bandwidth; 4 and 8 rows measured alike.
 TARGET_ROW_TILE = 8
 KL_CLAMP = 1e-8
 
