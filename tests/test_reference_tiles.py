@@ -98,3 +98,36 @@ def test_union_block_counts_match_each_tiles_distinct_blocks(block_size: int, ro
     counts = sparse_attention._union_block_counts(selection, row_tile, n_blocks)
     expected = [selection.blocks[t0:t0 + row_tile].unique().numel() for t0 in range(0, seq_q, row_tile)]
     assert counts == expected
+
+
+# ----------------------------------------------------------------------------------------------------------
+# FA reference: query tiles may be views of the caller's query (the scale rides on the key copy), so the kernels
+# must treat every input as read-only
+# ----------------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize(("layout", "heads_kv"), [("BNSD", 4), ("BSND", 4), ("BNSD", 2), ("TND", 4)])
+@pytest.mark.parametrize("pse_type", [None, 1, 2])
+def test_fa_reference_never_writes_its_inputs(layout: str, heads_kv: int, pse_type: int | None) -> None:
+    import cann_attn
+
+    gen = torch.Generator().manual_seed(7)
+    b, n, s, d = 1, 4, 40, 16
+    shapes = {"BNSD": (b, n, s, d), "BSND": (b, s, n, d), "TND": (b * s, n, d)}
+    kv_shapes = {"BNSD": (b, heads_kv, s, d), "BSND": (b, s, heads_kv, d), "TND": (b * s, heads_kv, d)}
+    q = torch.randn(shapes[layout], generator=gen)
+    k, v = (torch.randn(kv_shapes[layout], generator=gen) for _ in range(2))
+    dy = torch.randn(shapes[layout], generator=gen)
+    kw = {"scale_value": d**-0.5, "backend": "reference", "sparse_mode": 3,
+          "atten_mask": cann_attn.compressed_mask(3)}
+    if layout == "TND":
+        kw.update(actual_seq_qlen=[s], actual_seq_kvlen=[s])
+    if pse_type == 1:
+        kw.update(pse=torch.randn(b, n, s, s, generator=gen), pse_type=1)
+    elif pse_type == 2:
+        kw.update(pse=torch.tensor([2.0**-1, 2.0**-2, 2.0**-3, 2.0**-4]), pse_type=2)
+    inputs = {"query": q, "key": k, "value": v, "dy": dy, **({"pse": kw["pse"]} if "pse" in kw else {})}
+    before = {name: t.clone() for name, t in inputs.items()}
+    fwd = cann_attn.flash_attention_score(q, k, v, n, layout, **kw)
+    cann_attn.flash_attention_score_grad(q, k, v, dy, n, layout, softmax_max=fwd.softmax_max,
+                                         softmax_sum=fwd.softmax_sum, attention_in=fwd.attention_out, **kw)
+    for name, t in inputs.items():
+        assert torch.equal(t, before[name]), f"{name} was modified"
