@@ -11,6 +11,7 @@ import torch
 from ...problem.sparse import allowed_keys, indexer_selection
 from ...problem.stats import accumulation_dtype
 from .softmax_exp import LOG2E, exp2_flushed_
+from .sparse_attention import query_with_rope
 from .workspace import Workspace
 
 ROW_TILE = 64
@@ -76,14 +77,10 @@ def _target_distribution(q_main: torch.Tensor, q_rope: torch.Tensor | None, k_ma
     exp(z - m) / l is taken as 2^(z' - (m + ln l) log2 e) with z' = (scale log2 e q) . k: the shift rides in the
     GEMM (baddbmm), leaving one threshold and one exp2 pass. Rows go in TARGET_ROW_TILE sub-tiles so the gathered
     keys stay in the last-level cache for the GEMM that reads them."""
-    rows, heads, d = q_main.shape
+    rows, heads, _ = q_main.shape
     dtype = k_main.dtype
     width = tokens.shape[1]
-    query = ws.take("q_main", (rows, heads, k_main.shape[-1]), dtype)
-    query[..., :d] = q_main
-    if q_rope is not None:
-        query[..., d:] = q_rope
-    query.mul_(scale * LOG2E)
+    query = query_with_rope(ws, "q_main", q_main, q_rope, k_main.shape[-1], dtype, scale * LOG2E)
     # (m + ln l) log2 e per row and head; l = 0 gives -inf and an infinite target, as the formula does.
     shift = row_sum.to(dtype).log().add_(row_max.to(dtype)).mul_(LOG2E).unsqueeze(-1)
     p = ws.take("p", (rows, width), dtype)

@@ -37,6 +37,21 @@ INVALID_MAX = -2e38
 UNION_TABLE_ELEMENTS = 1 << 24
 
 
+def query_with_rope(ws: Workspace, name: str, q: torch.Tensor, q_rope: torch.Tensor | None, dim_qk: int,
+                    dtype: torch.dtype, factor: float, extra_heads: int = 0) -> torch.Tensor:
+    """factor * (q ++ q_rope) in `dtype` for q [rows, N1, D] (+ q_rope [rows, N1, Dr]): a workspace view
+    [rows, N1 + extra_heads, dim_qk] whose first N1 heads hold it (the extra heads are the caller's to fill).
+    Assembled per tile, so no [S, N1, D + Dr] copy of the whole query is ever made."""
+    rows, heads, d = q.shape
+    tile = ws.take(name, (rows, heads + extra_heads, dim_qk), dtype)
+    query = tile[:, :heads]
+    query[..., :d] = q
+    if q_rope is not None:
+        query[..., d:] = q_rope
+    query.mul_(factor)
+    return tile
+
+
 @dataclass
 class SparseSequence:
     """One sequence's tensors as [S, N, D] / [S, D] views and its lengths."""
@@ -62,14 +77,10 @@ class SparseSequence:
         With `value_rows` [rows, E, Dv] (only when V is K's first Dv columns) these are stacked below the N1
         query rows, zero-padded to Dq + Dr, giving [rows, N1 + E, Dq + Dr]: one GEMM against the gathered keys
         then yields both the logits and value_rows . V^T, reading the gathered keys once."""
-        heads, d = self.q.shape[1], self.q.shape[-1]
+        heads = self.q.shape[1]
         extra = 0 if value_rows is None else value_rows.shape[1]
-        tile = ws.take("q", (t1 - t0, heads + extra, self.dim_qk), dtype)
-        query = tile[:, :heads]
-        query[..., :d] = self.q[t0:t1]
-        if self.q_rope is not None:
-            query[..., d:] = self.q_rope[t0:t1]
-        query.mul_(factor)
+        tile = query_with_rope(ws, "q", self.q[t0:t1], None if self.q_rope is None else self.q_rope[t0:t1],
+                               self.dim_qk, dtype, factor, extra_heads=extra)
         if value_rows is not None:
             dv = value_rows.shape[-1]
             tile[:, heads:, :dv] = value_rows
