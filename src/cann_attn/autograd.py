@@ -5,7 +5,8 @@ from __future__ import annotations
 import torch
 
 from .errors import ParamInvalidError
-from .ops.flash_attention_score import INT_MAX, flash_attention_score
+from .ops.fa_problem import build_problem
+from .ops.flash_attention_score import FORWARD_MODES, INT_MAX, flash_attention_score
 from .ops.flash_attention_score_grad import flash_attention_score_grad
 from .ops.lightning_indexer import count_tokens_with_keys, sparse_lightning_indexer_grad_kl_loss
 from .ops.sparse_flash_attention import sparse_flash_attention, sparse_flash_attention_grad
@@ -74,6 +75,14 @@ def flash_attention(
         keep_prob = 1.0 - float(dropout_p)
     drop_mask = None
     if 0.0 < keep_prob < 1.0:
+        # Sizing the mask reads shapes and lengths: validate them first, so that bad input raises the operator's
+        # own errors (SEMANTICS.md 10), as it does without dropout.
+        build_problem(query, key, value, head_num, input_layout, pse=pse, drop_mask=None, atten_mask=atten_mask,
+                      prefix=prefix, actual_seq_qlen=actual_seq_qlen, actual_seq_kvlen=actual_seq_kvlen,
+                      q_start_idx=q_start_idx, kv_start_idx=kv_start_idx, scale_value=scale_value, keep_prob=1.0,
+                      pre_tokens=pre_tokens, next_tokens=next_tokens, inner_precise=inner_precise,
+                      sparse_mode=sparse_mode, pse_type=pse_type, softmax_layout=softmax_layout,
+                      allowed_modes=FORWARD_MODES)
         if input_layout == "TND":
             numel = drop_mask_numel(head_num, actual_seq_qlen=to_int_list(actual_seq_qlen, "actual_seq_qlen"),
                                     actual_seq_kvlen=to_int_list(actual_seq_kvlen, "actual_seq_kvlen"))
@@ -155,9 +164,14 @@ class _IndexerKLLossFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, query_index, key_index, weights, query, key, sparse_indices, softmax_max, softmax_sum,
-                scale_value, options: dict, divisor: float):
+                scale_value, options: dict, mean: bool):
         result = sparse_lightning_indexer_grad_kl_loss(query, key, query_index, key_index, weights, sparse_indices,
                                                        softmax_max, softmax_sum, scale_value, **options)
+        divisor = 1.0
+        if mean:  # counted after the op has validated the inputs, so bad input raises the op's own errors
+            divisor = float(max(1, count_tokens_with_keys(
+                query_index, key_index, sparse_indices, options["layout"], options["sparse_mode"],
+                options["actual_seq_lengths_query"], options["actual_seq_lengths_key"])))
         ctx.save_for_backward(result.d_query_index, result.d_key_index, result.d_weights)
         ctx.divisor = divisor
         return result.loss.reshape(()) / divisor
@@ -201,9 +215,7 @@ def indexer_kl_loss(
     options = dict(query_rope=query_rope, key_rope=key_rope, actual_seq_lengths_query=actual_seq_lengths_query,
                    actual_seq_lengths_key=actual_seq_lengths_key, layout=layout, sparse_mode=sparse_mode,
                    pre_tokens=pre_tokens, next_tokens=next_tokens, deterministic=deterministic, backend=backend)
-    divisor = 1.0
-    if reduction == "mean":
-        divisor = float(max(1, count_tokens_with_keys(query_index, key_index, sparse_indices, layout, sparse_mode,
-                                                      actual_seq_lengths_query, actual_seq_lengths_key)))
-    return _IndexerKLLossFunction.apply(query_index, key_index, weights, query.detach(), key.detach(),
-                                        sparse_indices, softmax_max, softmax_sum, scale_value, options, divisor)
+    # query/key get no gradient (detached); None passes through for the op to report.
+    query, key = (t.detach() if isinstance(t, torch.Tensor) else t for t in (query, key))
+    return _IndexerKLLossFunction.apply(query_index, key_index, weights, query, key, sparse_indices, softmax_max,
+                                        softmax_sum, scale_value, options, reduction == "mean")
