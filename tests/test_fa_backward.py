@@ -374,6 +374,56 @@ def test_empty_query_gives_empty_dq_and_zero_dkdv(rng):
     assert torch.equal(res.dk, torch.zeros_like(k)) and torch.equal(res.dv, torch.zeros_like(v))
 
 
+@pytest.mark.parametrize("with_pse", [False, True])
+@pytest.mark.parametrize("layout", ["BSH", "BNSD"])
+def test_empty_key_gives_zero_gradients(rng, layout, with_pse):
+    """Dense Skv = 0 with Sq > 0: the forward's invalid-row statistics (SEMANTICS.md 3) and the recomputation path
+    both give dq = 0 (and an all-zero dpse), with no NaN from the -FLT_MAX / +FLT_MAX statistics."""
+    case = GradCase(layout, rng, b=2, n1=2, sq=6, skv=0)
+    kw = {**case.kw}
+    if with_pse:
+        kw.update(pse=case.randn(2, 2, 6, 0), pse_type=1)
+    fwd = cann_attn.flash_attention_score(case.q, case.k, case.v, case.n1, layout, **kw)
+    assert torch.all(fwd.softmax_max == -oracle.FLT_MAX) and torch.all(fwd.softmax_sum == oracle.FLT_MAX)
+    dy = case.randn(*fwd.attention_out.shape)
+    given = {"softmax_max": fwd.softmax_max, "softmax_sum": fwd.softmax_sum, "attention_in": fwd.attention_out}
+    for stats in (given, {}):
+        res = cann_attn.flash_attention_score_grad(case.q, case.k, case.v, dy, case.n1, layout, **stats, **kw)
+        assert torch.equal(res.dq, torch.zeros_like(case.q))
+        assert res.dk.shape == case.k.shape and res.dv.shape == case.v.shape
+        assert (res.dpse is None) != with_pse and (res.dpse is None or res.dpse.shape == kw["pse"].shape)
+
+
+@pytest.mark.parametrize(
+    ("layout", "form"),
+    [("BSND", "expanded"), ("BSND", "transposed"), ("SBH", "mixed"), ("TND", "expanded"), ("TND", "transposed")],
+)
+def test_non_contiguous_statistics(rng, layout, form):
+    """softmax_max / softmax_sum may be non-contiguous (GradV2 table: 非连续Tensor supported) and give exactly the
+    gradients of their contiguous copies; TND with softmax_layout "TND" (a true [T, N1, 8]) too. "mixed": only
+    softmax_max is strided, so the two statistics do not share strides."""
+    case = GradCase(layout, rng, sq=9, skv=11, q_lens=[9, 4], kv_lens=[11, 6])
+    extra = {"softmax_layout": "TND"} if layout == "TND" else {}
+    fwd = case.forward(**_causal(3), **extra)
+    dy = case.randn(*fwd.attention_out.shape)
+    kw = {**case.kw, **_causal(3), **extra, "attention_in": fwd.attention_out}
+    ref = cann_attn.flash_attention_score_grad(case.q, case.k, case.v, dy, case.n1, layout, **kw,
+                                               softmax_max=fwd.softmax_max, softmax_sum=fwd.softmax_sum)
+
+    def strided(t: torch.Tensor) -> torch.Tensor:
+        # "expanded": one value per row, broadcast over the 8 lanes (stride 0)
+        out = t[..., :1].expand(t.shape) if form == "expanded" else _non_contiguous(t)
+        assert not out.is_contiguous() and torch.equal(out, t)
+        return out
+
+    smax = strided(fwd.softmax_max)
+    ssum = fwd.softmax_sum.clone() if form == "mixed" else strided(fwd.softmax_sum)
+    res = cann_attn.flash_attention_score_grad(case.q, case.k, case.v, dy, case.n1, layout, **kw,
+                                               softmax_max=smax, softmax_sum=ssum)
+    for name in ("dq", "dk", "dv"):
+        torch.testing.assert_close(getattr(res, name), getattr(ref, name), rtol=0, atol=0)
+
+
 def _non_contiguous(t: torch.Tensor) -> torch.Tensor:
     """The same values in a strided (non-contiguous) tensor."""
     out = torch.empty(*t.shape[::-1], dtype=t.dtype).permute(*reversed(range(t.dim())))

@@ -223,12 +223,30 @@ def test_statistic_wrong_dtype(base, name, dtype):
 
 
 @pytest.mark.parametrize("name", ["softmax_max", "softmax_sum"])
-def test_statistic_non_contiguous(base, name):
+def test_statistic_non_contiguous_accepted(base, name):
+    """The GradV2 table marks softmax_max / softmax_sum as 非连续Tensor-capable: a dense-layout statistic is read
+    by its logical [B, N1, Sq, 8] index, whatever its strides."""
     args, kw = base
-    strided = torch.empty(B, N, 8, S).transpose(2, 3)  # the right shape, but not the documented memory layout
+    strided = torch.empty(B, N, 8, S).transpose(2, 3)
     strided.copy_(kw[name])
     assert tuple(strided.shape) == tuple(kw[name].shape) and not strided.is_contiguous()
-    _raises(args, {**kw, name: strided}, name)
+    ref = cann_attn.flash_attention_score_grad(*args, **kw)
+    res = cann_attn.flash_attention_score_grad(*args, **{**kw, name: strided})
+    for grad in ("dq", "dk", "dv"):
+        assert torch.equal(getattr(res, grad), getattr(ref, grad))
+
+
+@pytest.mark.parametrize("name", ["softmax_max", "softmax_sum"])
+def test_tnd_default_softmax_layout_statistic_non_contiguous(name):
+    """TND with softmax_layout "": the [T, N1, 8] tensor's memory holds per-sequence [N1, Sq_b, 8] blocks
+    (SEMANTICS.md 6), so only its memory order means anything and a strided view is refused."""
+    q = _t(2 * S, N, D)
+    lens = {"actual_seq_qlen": [S, 2 * S], "actual_seq_kvlen": [S, 2 * S]}
+    fwd = cann_attn.flash_attention_score(q, q, q, N, "TND", **lens)
+    kw = {**lens, "softmax_max": fwd.softmax_max, "softmax_sum": fwd.softmax_sum, "attention_in": fwd.attention_out}
+    strided = torch.empty(N, 2 * S, 8).transpose(0, 1)
+    strided.copy_(kw[name])
+    _raises([q, q, q, q, N, "TND"], {**kw, name: strided}, name)
 
 
 def test_tnd_statistic_shape():
@@ -326,6 +344,13 @@ def test_atten_mask_dtype(base):
 def test_atten_mask_shape(base, shape):
     args, kw = base
     _raises(args, {**kw, "sparse_mode": 0, "atten_mask": torch.zeros(shape, dtype=torch.bool)}, "atten_mask")
+
+
+def test_mode5_mask_batch_must_be_b(base):
+    """Mode 5 takes [B,N,Sq,Skv] or [B,1,Sq,Skv] (SEMANTICS.md 2): [1,1,Sq,Skv] with B = 2 is refused."""
+    args, kw = base
+    mask = {"sparse_mode": 5, "prefix": [4, 4], "atten_mask": torch.zeros(1, 1, S, S, dtype=torch.bool)}
+    _raises(args, {**kw, **mask}, "atten_mask")
 
 
 def test_mode5_needs_four_dim_mask(base):
@@ -465,6 +490,22 @@ def test_tnd_row_broadcast_pse_rejected():
     _raises([q, q, q, q, N, "TND"], kw, "pse")
 
 
+@pytest.mark.parametrize("pse_type", [1, 2, 3])
+@pytest.mark.parametrize("variant", ["zero_length_sequence", "mode7", "mode8_unequal_lengths"])
+def test_tnd_pse_restrictions_every_pse_type(variant, pse_type):
+    """Seed FlashAttentionVarLenScore.md:144-146 (the grad shares the forward's checks): no pse, tensor or ALiBi
+    slopes, with an Sq_b = 0 sequence or with sparse_mode 7; with mode 8 only if every Sq_b == Skv_b."""
+    q_lens, kv_lens = {"zero_length_sequence": ([0, S], [3, S]), "mode7": ([4, S], [4, S]),
+                       "mode8_unequal_lengths": ([4, S], [5, S])}[variant]
+    q, k = _t(sum(q_lens), N, D), _t(sum(kv_lens), N, D)
+    kw = {"actual_seq_qlen": [q_lens[0], sum(q_lens)], "actual_seq_kvlen": [kv_lens[0], sum(kv_lens)],
+          "pse": _t(1, N, S, S) if pse_type == 1 else torch.full((N,), 0.5), "pse_type": pse_type}
+    mode = {"mode7": 7, "mode8_unequal_lengths": 8}.get(variant)
+    if mode is not None:
+        kw.update(sparse_mode=mode, atten_mask=make_compressed_mask(mode))
+    _raises([q, k, k, q, N, "TND"], kw, "pse")
+
+
 def test_tnd_pse_with_zero_length_sequence_rejected():
     q = _t(S, N, D)
     kw = {"actual_seq_qlen": [0, S], "actual_seq_kvlen": [3, S + 3], "pse": _t(2, N, S, S + 3), "pse_type": 1}
@@ -491,6 +532,13 @@ def test_tnd_length_counts_differ():
     _raises([q, q, q, q, N, "TND"], {"actual_seq_qlen": [4, S], "actual_seq_kvlen": [S]}, "actual_seq_kvlen")
 
 
+def test_tnd_key_tokens_above_1m():
+    """Seed FlashAttentionVarLenScore.md:132: T in 1..1M, for key/value as for the query."""
+    t = (1 << 20) + 1
+    q, k = _t(4, 1, 1), torch.zeros(t, 1, 1)
+    _raises([q, k, k, q, 1, "TND"], {"actual_seq_qlen": [4], "actual_seq_kvlen": [t]}, "key")
+
+
 def test_tnd_query_tokens_without_keys():
     q, k = _t(S, N, D), _t(S, N, D)
     _raises([q, k, k, q, N, "TND"], {"actual_seq_qlen": [4, S], "actual_seq_kvlen": [S, S]}, "actual_seq_kvlen")
@@ -514,3 +562,23 @@ def test_batch_range_doc_allows_more_than_2k():
     q = _t(2049, 1, 1, 2)
     res = cann_attn.flash_attention_score_grad(q, q, q, q, 1, "BSND")
     assert res.dq.shape == q.shape
+
+
+def test_prefix_batch_limit_dense_2k():
+    """B <= 2K with prefix for BSH/SBH/BSND/BNSD (seed aclnnFlashAttentionScoreGradV2.md:486)."""
+    q = _t(1500, 1, 2, 1)
+    res = cann_attn.flash_attention_score_grad(q, q, q, q, 1, "BNSD", sparse_mode=6,
+                                               atten_mask=make_compressed_mask(6), prefix=[2] * 1500)
+    assert res.dq.shape == q.shape
+    q = _t(2049, 1, 2, 1)
+    _raises([q, q, q, q, 1, "BNSD"], {"sparse_mode": 6, "atten_mask": make_compressed_mask(6), "prefix": [2] * 2049},
+            "prefix")
+
+
+def test_prefix_batch_limit_tnd_1k():
+    """TND (FlashAttentionVarLenScore's backward): B <= 1K with prefix (seed FlashAttentionVarLenScore.md:133)."""
+    q = _t(1025, 1, 1)
+    lens = list(range(1, 1026))
+    kw = {"actual_seq_qlen": lens, "actual_seq_kvlen": lens, "sparse_mode": 6,
+          "atten_mask": make_compressed_mask(6), "prefix": [1] * 1025}
+    _raises([q, q, q, q, 1, "TND"], kw, "prefix")

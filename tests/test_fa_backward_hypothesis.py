@@ -104,8 +104,12 @@ def configs(draw):
             cfg["mask"] = ("compressed", mode)
     # ---- pse
     pse_type = draw(st.sampled_from([None, 0, 1, 2, 3]))
-    if pse_type in (0, 1) and tnd and (0 in q_lens or (with_mask and mode == 7)):
-        pse_type = None  # TND: no pse tensor with a zero-length query sequence, nor with mode 7
+    if pse_type is not None and tnd and (
+        0 in q_lens or (with_mask and (mode == 7 or (mode == 8 and q_lens != kv_lens)))
+    ):
+        # TND pse rules, ALiBi slopes included: none with a zero-length query sequence, nor with mode 7, and with
+        # mode 8 only when every sequence has Sq_b == Skv_b (FlashAttentionVarLenScore.md 144-146).
+        pse_type = None
     cfg["pse"] = None
     if pse_type is not None:
         kw["pse_type"] = pse_type

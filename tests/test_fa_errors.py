@@ -273,12 +273,37 @@ def test_tnd_tokens_above_1m():
     expect_error(r"\b(query|actual_seq_qlen)\b", call, args)
 
 
-def test_prefix_batch_above_1024():
-    q = torch.zeros(1025, 1, 2, 1)
+def test_tnd_key_tokens_above_1m():
+    """Seed FlashAttentionVarLenScore.md:132, T in 1..1M, holds for the key/value tokens too."""
+    t = (1 << 20) + 1
+    q, k = torch.zeros(4, 1, 1), torch.zeros(t, 1, 1)
+    args = {"query": q, "key": k, "value": k, "head_num": 1, "input_layout": "TND",
+            "actual_seq_qlen": [4], "actual_seq_kvlen": [t]}
+    expect_error(r"\bkey\b", call, args)
+
+
+@pytest.mark.parametrize("mode", [5, 6])
+def test_prefix_batch_dense_limit_2048(mode):
+    """Dense layouts: B <= 2K with prefix (seed aclnnFlashAttentionScoreGradV2.md:486), 1K is TND's limit."""
+    q = torch.zeros(2048, 1, 2, 1)
     args = {"query": q, "key": q, "value": q, "head_num": 1, "input_layout": "BNSD"}
-    expect_error(
-        r"\bprefix\b", call, args, sparse_mode=6, atten_mask=make_compressed_mask(6), prefix=[1] * 1025
-    )
+    mask = torch.zeros(2048, 1, 2, 2, dtype=torch.bool) if mode == 5 else make_compressed_mask(6)
+    call(args, sparse_mode=mode, atten_mask=mask, prefix=[1] * 2048)
+    q = torch.zeros(2049, 1, 2, 1)
+    args = {"query": q, "key": q, "value": q, "head_num": 1, "input_layout": "BNSD"}
+    mask = torch.zeros(2049, 1, 2, 2, dtype=torch.bool) if mode == 5 else make_compressed_mask(6)
+    expect_error(r"\bprefix\b", call, args, sparse_mode=mode, atten_mask=mask, prefix=[1] * 2049)
+
+
+def test_prefix_batch_tnd_limit_1024():
+    """TND: B <= 1K with prefix (seed FlashAttentionVarLenScore.md:133)."""
+    q = torch.zeros(1025, 1, 1)
+    lens = list(range(1, 1026))
+    args = {"query": q, "key": q, "value": q, "head_num": 1, "input_layout": "TND",
+            "actual_seq_qlen": lens, "actual_seq_kvlen": lens}
+    expect_error(r"\bprefix\b", call, args, sparse_mode=6, atten_mask=make_compressed_mask(6), prefix=[1] * 1025)
+    expect_error(r"\bprefix\b", call_var_len, args, sparse_mode=6, atten_mask=make_compressed_mask(6),
+                 prefix=[1] * 1025)
 
 
 # ---------------------------------------------------------------------------------------------- scalars
@@ -445,8 +470,10 @@ def test_atten_mask_shape(mode, shape):
     )
 
 
-@pytest.mark.parametrize("shape", [(8, 12), (1, 8, 12), (2, 2, 8, 13), (3, 1, 8, 12)], ids=str)
+@pytest.mark.parametrize("shape", [(8, 12), (1, 8, 12), (2, 2, 8, 13), (3, 1, 8, 12), (1, 1, 8, 12)], ids=str)
 def test_mode5_atten_mask_shape(shape):
+    """Mode 5 takes [B,N,Sq,Skv] or [B,1,Sq,Skv] (SEMANTICS.md 2), here with B = 2: a batch-shared mask cannot
+    carry the per-batch prefix."""
     args = base("BNSD", sq=8, skv=12)
     expect_error(
         r"\batten_mask\b",
@@ -511,6 +538,29 @@ def test_var_len_with_non_tnd_layout():
 def test_tnd_pse_with_zero_length_sequence():
     args = base("TND", q_lens=[4, 0, 6], kv_lens=[5, 0, 6])
     expect_error(r"\bpse\b", call, args, pse=torch.zeros(3, 2, 6, 6), pse_type=1)
+
+
+@pytest.mark.parametrize("pse_type", [1, 2, 3])
+@pytest.mark.parametrize("variant", ["zero_length_sequence", "mode7", "mode8_unequal_lengths"])
+def test_tnd_pse_restrictions_every_pse_type(variant, pse_type):
+    """Seed FlashAttentionVarLenScore.md:144-146: no pse (tensor or ALiBi slopes) with an Sq_b = 0 sequence, none
+    with sparse_mode 7, and with sparse_mode 8 only when every sequence has Sq_b == Skv_b."""
+    q_lens, kv_lens = {"zero_length_sequence": ([4, 0, 6], [5, 2, 6]), "mode7": ([4, 6], [4, 6]),
+                       "mode8_unequal_lengths": ([4, 6], [5, 6])}[variant]
+    args = base("TND", q_lens=q_lens, kv_lens=kv_lens)
+    mode = {"mode7": 7, "mode8_unequal_lengths": 8}.get(variant, 0)
+    extra = {"sparse_mode": mode, "atten_mask": make_compressed_mask(mode)} if mode else {}
+    pse = torch.zeros(1, 2, 6, 6) if pse_type == 1 else torch.full((2,), 0.5)
+    expect_error(r"\bpse\b", call, args, pse=pse, pse_type=pse_type, **extra)
+    expect_error(r"\bpse\b", call_var_len, args, pse=pse, pse_type=pse_type, **extra)
+
+
+@pytest.mark.parametrize("pse_type", [1, 2, 3])
+def test_tnd_mode8_pse_with_equal_lengths_accepted(pse_type):
+    """The valid side of the mode-8 rule: equal Sq_b == Skv_b in every sequence allows pse."""
+    args = base("TND", q_lens=[4, 6], kv_lens=[4, 6])
+    pse = torch.zeros(1, 2, 6, 6) if pse_type == 1 else torch.full((2,), 0.5)
+    call(args, pse=pse, pse_type=pse_type, sparse_mode=8, atten_mask=make_compressed_mask(8), next_tokens=1)
 
 
 def test_tnd_broadcast_pse_rejected():

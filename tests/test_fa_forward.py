@@ -215,6 +215,12 @@ def test_mode5_prefix_mask_shapes(rng, heads):
     case.run(sparse_mode=5, prefix=prefix, atten_mask=_prefix_full_mask(case, prefix, heads=heads))
 
 
+def test_mode5_batch_one_takes_1_1_sq_skv_mask(rng):
+    """B = 1: [1,1,Sq,Skv] is the documented [B,1,Sq,Skv] (the B > 1 refusal lives in test_fa_errors)."""
+    case = Case("BNSD", rng, b=1, n1=2, sq=10, skv=12)
+    case.run(sparse_mode=5, prefix=[6], atten_mask=_prefix_full_mask(case, [6], heads=1))
+
+
 def test_mode5_uses_mask_content(rng):
     """Mode 5: the given full mask's content decides (not the prefix formula)."""
     case = Case("BSH", rng, b=2, n1=2, sq=10, skv=12)
@@ -523,7 +529,11 @@ def test_tnd_zero_length_sequences(rng, lens, variant):
     elif variant == "dropout":
         kw = {"drop_mask": keep_drop_mask(case.drop_numel, gen=rng)[1], "keep_prob": 0.8}
     elif variant == "alibi":
-        kw = {"pse": torch.tensor([0.5, 0.125]), "pse_type": 2}
+        # Seed FlashAttentionVarLenScore.md:144: a sequence with Sq_b = 0 takes no pse, ALiBi slopes included.
+        for var_len in (False, True):
+            with pytest.raises(cann_attn.ParamInvalidError, match=r"\bpse\b"):
+                case.run(var_len=var_len, pse=torch.tensor([0.5, 0.125]), pse_type=2)
+        return
     for var_len in (False, True):
         case.run(var_len=var_len, **kw)
 
@@ -558,6 +568,16 @@ def test_empty_query_gives_empty_output(rng, layout):
     (out, smax, ssum, _), golden = case.run()
     assert out.numel() == 0 and smax.numel() == 0 and ssum.numel() == 0
     assert tuple(out.shape) == tuple(golden[0].shape)
+
+
+@pytest.mark.parametrize("layout", NON_TND)
+def test_empty_key_gives_zero_output_and_invalid_row_stats(rng, layout):
+    """Dense Skv = 0 with Sq > 0: every row sees no column, so out = 0, softmax_max = -FLT_MAX and softmax_sum =
+    +FLT_MAX (SEMANTICS.md 3: never garbage), whichever backend computed it."""
+    case = Case(layout, rng, b=2, n1=2, sq=5, skv=0)
+    out, smax, ssum, _ = cann_attn.flash_attention_score(case.q, case.k, case.v, case.n1, layout, **case.kw)
+    assert out.shape == case.q.shape and torch.all(out == 0)
+    assert smax.shape == (2, 2, 5, 8) and torch.all(smax == -FLT_MAX) and torch.all(ssum == FLT_MAX)
 
 
 def test_empty_batch(rng):

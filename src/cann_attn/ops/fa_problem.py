@@ -20,10 +20,13 @@ from ..problem.lengths import cumulative_lengths, starts_of, to_int_list
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 MAX_HEADS = 256
 MAX_HEAD_DIM = 512
-# FlashAttentionVarLenScore documents B <= 2K (1K with prefix) for TND; the dense layouts allow up to 2M.
+# FlashAttentionVarLenScore documents B <= 2K (1K with prefix) for TND (seed FlashAttentionVarLenScore.md:133);
+# the dense layouts allow up to 2M (2K with prefix: seed aclnnFlashAttentionScoreGradV2.md:486).
 MAX_BATCH_TND = 2048
 MAX_BATCH_DENSE = 2 * 1024 * 1024
-MAX_BATCH_WITH_PREFIX = 1024
+MAX_BATCH_WITH_PREFIX_TND = 1024
+MAX_BATCH_WITH_PREFIX_DENSE = 2048
+# TND token count T of query and of key/value: 1..1M (seed FlashAttentionVarLenScore.md:132).
 MAX_TOKENS = 1 << 20
 
 
@@ -90,6 +93,7 @@ def validate_shapes(
         )
     if input_layout == "TND":
         require(q.seq <= MAX_TOKENS, "query", f"T in 1..{MAX_TOKENS}", query)
+        require(k.seq <= MAX_TOKENS, "key", f"T in 1..{MAX_TOKENS}", key)  # value's T equals key's (checked above)
         seq_q = cumulative_lengths(actual_seq_qlen, q.seq, "actual_seq_qlen")
         seq_kv = cumulative_lengths(actual_seq_kvlen, k.seq, "actual_seq_kvlen")
         if len(seq_q) != len(seq_kv):
@@ -184,7 +188,9 @@ def _validate_mask(atten_mask, sparse_mode, shapes: FaShapes, tnd, prefix, pre_t
                 )
         else:
             masks.explicit_mask_views(atten_mask, shapes.batch, shapes.heads_q, rows, cols)
-            if sparse_mode == 5 and atten_mask.dim() != 4:
+            # SEMANTICS.md 2: mode 5 takes a per-batch full mask (each batch has its own prefix), so its batch
+            # dim is B; [1,1,Sq,Skv] is that shape only when B = 1.
+            if sparse_mode == 5 and (atten_mask.dim() != 4 or atten_mask.shape[0] != shapes.batch):
                 raise ParamInvalidError(
                     f"atten_mask: sparse_mode 5 expects [B,N,Sq,Skv] or [B,1,Sq,Skv], got {describe(atten_mask)}"
                 )
@@ -195,8 +201,9 @@ def _validate_mask(atten_mask, sparse_mode, shapes: FaShapes, tnd, prefix, pre_t
     prefix_list = to_int_list(prefix, "prefix")
     if prefix_list is None:
         raise ParamNullptrError(f"prefix: required for sparse_mode {sparse_mode}, got None")
-    require(shapes.batch <= MAX_BATCH_WITH_PREFIX, "prefix", f"batch B <= {MAX_BATCH_WITH_PREFIX} with prefix",
-            shapes.batch)
+    max_batch = MAX_BATCH_WITH_PREFIX_TND if tnd else MAX_BATCH_WITH_PREFIX_DENSE
+    require(shapes.batch <= max_batch, "prefix", f"batch B <= {max_batch} with prefix (input_layout "
+            f"{'TND' if tnd else 'BSH/SBH/BSND/BNSD'})", shapes.batch)
     if len(prefix_list) < shapes.batch:
         raise ParamInvalidError(f"prefix: expected one value per batch ({shapes.batch}), got {prefix_list}")
     for b in range(shapes.batch):
@@ -229,16 +236,14 @@ def _validate_pse(pse, pse_type, query, shapes: FaShapes, tnd, sparse_mode, next
         return None
     if not isinstance(pse, torch.Tensor):
         raise ParamInvalidError(f"pse: expected a torch.Tensor, got {type(pse).__name__}")
+    if tnd:  # these TND rules hold for every pse type, ALiBi slopes included
+        _check_tnd_pse_allowed(shapes, sparse_mode, has_mask, pse_type)
     if pse_type in pses.ALIBI_TYPES:
         pses.validate_slopes(pse, shapes.batch, shapes.heads_q)
         return _PseSpec(pse, pse_type, "alibi", _start_index(q_start_idx, "q_start_idx"),
                         _start_index(kv_start_idx, "kv_start_idx"))
     require(pse.dtype == query.dtype, "pse", f"the query's dtype {query.dtype} for pse_type {pse_type}", pse)
     if tnd:
-        if any(s == 0 for s in shapes.seq_q):
-            raise ParamInvalidError("pse: not supported when a TND sequence has Sq=0 (actual_seq_qlen)")
-        if has_mask and sparse_mode == 7:
-            raise ParamInvalidError("pse: not supported with sparse_mode 7")
         max_q, max_kv = max(shapes.seq_q), max(shapes.seq_kv)
         ok_rows = pse.dim() == 4 and (pse.shape[2] == max_q or pse.shape[2] == pses.COMPRESSED_PSE_ROWS)
         if not (ok_rows and pse.shape[0] in (1, shapes.batch) and pse.shape[1] == shapes.heads_q
@@ -262,6 +267,27 @@ def _validate_pse(pse, pse_type, query, shapes: FaShapes, tnd, sparse_mode, next
                 f"Sq={shapes.seq_q[b]}, Skv={shapes.seq_kv[b]}, atten_mask given={has_mask}"
             )
     return _PseSpec(pse, pse_type, form)
+
+
+def _check_tnd_pse_allowed(shapes: FaShapes, sparse_mode: int, has_mask: bool, pse_type: int) -> None:
+    """TND combinations that take no pse. Modes 7/8 only count with a mask: without one the mode is ignored
+    (full attention, SEMANTICS.md 2). The experimental mode-8 start-index rule of :146 is not enforced."""
+    empty = [b for b, s in enumerate(shapes.seq_q) if s == 0]
+    if empty:  # seed FlashAttentionVarLenScore.md:144
+        raise ParamInvalidError(
+            f"pse: not supported (pse_type {pse_type}) when a TND sequence has Sq=0 (actual_seq_qlen), "
+            f"got Sq=0 for sequence(s) {empty}"
+        )
+    if has_mask and sparse_mode == 7:  # seed FlashAttentionVarLenScore.md:145
+        raise ParamInvalidError(f"pse: not supported with sparse_mode 7, got pse_type {pse_type}")
+    if has_mask and sparse_mode == 8:  # seed FlashAttentionVarLenScore.md:146
+        unequal = [b for b, (sq, skv) in enumerate(zip(shapes.seq_q, shapes.seq_kv, strict=True)) if sq != skv]
+        if unequal:
+            b = unequal[0]
+            raise ParamInvalidError(
+                f"pse: sparse_mode 8 takes a pse (pse_type {pse_type}) only when every sequence has Sq == Skv, "
+                f"got Sq={shapes.seq_q[b]}, Skv={shapes.seq_kv[b]} for sequence {b}"
+            )
 
 
 def _make_runs(shapes: FaShapes, tnd, sparse_mode, atten_mask, prefix_list, pre_tokens, next_tokens,

@@ -119,8 +119,8 @@ def _run(args: dict, allowed_modes: tuple[int, ...], op: str) -> FlashAttentionS
     out = torch.zeros(out_shape, dtype=query.dtype, device=query.device)
     stat_shape = stats.stats_shape(tnd, shapes.batch, shapes.heads_q, shapes.total_q)
     stat_dtype = stats.accumulation_dtype(query.dtype)
-    softmax_max = torch.empty(stat_shape, dtype=stat_dtype, device=query.device)
-    softmax_sum = torch.empty(stat_shape, dtype=stat_dtype, device=query.device)
+    softmax_max, softmax_sum = stats.allocate(stat_shape, stat_dtype, query.device,
+                                              keyless_rows=problem.has_keyless_rows)
     if out.numel() > 0:
         kernels("dense_forward", backend).forward(problem, query, key, value, out, softmax_max, softmax_sum)
     softmax_out = torch.empty(0, dtype=query.dtype, device=query.device)

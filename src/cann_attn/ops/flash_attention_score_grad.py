@@ -85,17 +85,23 @@ def flash_attention_score_grad(
         raise ParamInvalidError("softmax_max/softmax_sum: give both forward statistics or neither")
     stat_dtype = stats.accumulation_dtype(query.dtype)
     if softmax_max is not None:
+        # Non-contiguous statistics are supported (GradV2 table, softmaxMax/SumOptional: 非连续Tensor √): the
+        # kernels read them through strided views by logical index. Only TND with softmax_layout "" is refused:
+        # there the [T, N1, 8] tensor's memory holds per-sequence [N1, Sq_b, 8] blocks (SEMANTICS.md 6), so its
+        # meaning lies in the memory order, which a strided view does not have.
+        memory_layout = problem.tnd and problem.softmax_layout == ""
         for name, t in (("softmax_max", softmax_max), ("softmax_sum", softmax_sum)):
             require(isinstance(t, torch.Tensor) and t.dtype in (torch.float32, stat_dtype)
                     and tuple(t.shape) == stat_shape, name, f"float32 of shape {list(stat_shape)}", t)
-            require(t.is_contiguous(), name, "a contiguous tensor (its memory layout carries meaning)", t)
+            if memory_layout:
+                require(t.is_contiguous(), name, "a contiguous tensor with TND and softmax_layout '' (its memory "
+                        "holds per-sequence [N1, Sq, 8] blocks)", t)
     if attention_in is not None:
         _check_like(attention_in, "attention_in", out_shape, query.dtype)
 
     if softmax_max is None or attention_in is None:
         recomputed_out = torch.zeros(out_shape, dtype=query.dtype, device=query.device)
-        new_max = torch.empty(stat_shape, dtype=stat_dtype, device=query.device)
-        new_sum = torch.empty(stat_shape, dtype=stat_dtype, device=query.device)
+        new_max, new_sum = stats.allocate(stat_shape, stat_dtype, query.device, keyless_rows=problem.has_keyless_rows)
         if recomputed_out.numel() > 0:
             kernels("dense_forward", backend).forward(problem, query, key, value, recomputed_out, new_max, new_sum)
         if softmax_max is None:

@@ -52,6 +52,12 @@ class AttentionProblem:
         return self.layout == "TND"
 
     @property
+    def has_keyless_rows(self) -> bool:
+        """Some query row has no key at all (a run with Sq > 0 and Skv = 0: dense layouts only, TND rejects it);
+        kernels skip such runs, so their statistics must be filled beforehand (`stats.allocate`)."""
+        return any(run.seq_q > 0 and run.seq_kv == 0 for run in self.runs)
+
+    @property
     def group(self) -> int:
         return self.heads_q // self.heads_kv
 

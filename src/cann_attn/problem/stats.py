@@ -27,6 +27,17 @@ def check_softmax_layout(softmax_layout: str) -> str:
     return softmax_layout
 
 
+def allocate(shape: tuple[int, ...], dtype: torch.dtype, device, *, keyless_rows: bool
+             ) -> tuple[torch.Tensor, torch.Tensor]:
+    """softmax_max / softmax_sum outputs. Kernels write the rows of every run that has keys; a run without keys
+    (dense Skv = 0 with Sq > 0) has rows with no visible column that no kernel visits, so with `keyless_rows`
+    they are prefilled with the invalid-row values (SEMANTICS.md 3: never garbage) for every backend alike."""
+    if keyless_rows:
+        return (torch.full(shape, -FLT_MAX, dtype=dtype, device=device),
+                torch.full(shape, FLT_MAX, dtype=dtype, device=device))
+    return torch.empty(shape, dtype=dtype, device=device), torch.empty(shape, dtype=dtype, device=device)
+
+
 def stats_shape(tnd: bool, batch: int, heads: int, seq: int) -> tuple[int, ...]:
     """[B, N1, Sq, 8], or [T, N1, 8] for TND (`seq` is the query tensor's S or T)."""
     return (seq, heads, STAT_WIDTH) if tnd else (batch, heads, seq, STAT_WIDTH)

@@ -58,7 +58,8 @@ def tile_shape(heads: int, seq_q: int, seq_kv: int, dense: bool, linear_pse: boo
 @torch.no_grad()  # kernels fill preallocated outputs; autograd pairs the ops one level up
 def forward(problem: AttentionProblem, query, key, value, out, softmax_max=None, softmax_sum=None) -> None:
     """Fill `out` (query layout, Dv) and, when given, `softmax_max` / `softmax_sum` for every run of `problem`.
-    Runs without keys are left alone: the caller's zero-initialised output is their result."""
+    Runs without keys are left alone: the caller's zero-initialised output is their result, and the caller
+    prefills their statistics (`stats.allocate`)."""
     for run in problem.runs:
         if run.seq_q > 0 and run.seq_kv > 0:
             max_view = None if softmax_max is None else problem.stat_view(softmax_max, run)

@@ -334,6 +334,10 @@ def backward(
     """Fill dq / dk / dv (caller layouts, pre-zeroed) and dpse (fp32, the pse's own shape, pre-zeroed), like
     `reference.flash_backward.backward`."""
     tensors = {"q": query, "k": key, "v": value, "o": attention_in, "dy": dy, "dq": dq, "dk": dk, "dv": dv}
+    if softmax_max.stride() != softmax_sum.stride() or softmax_max.stride(-1) not in (0, 1):
+        # The kernels address both statistics with softmax_max's offsets and need a unit (or 0) lane stride
+        # (dense_plan._plan_stats); other strided statistics (accepted by the op) are copied into that layout.
+        softmax_max, softmax_sum = softmax_max.contiguous(), softmax_sum.contiguous()
     plan = build_plan(problem, tensors, stats=softmax_max, dpse=dpse_source)
     if plan.num_seq == 0 or plan.max_seq_q == 0 or plan.max_seq_kv == 0:
         return
