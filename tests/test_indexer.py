@@ -97,6 +97,31 @@ def test_ties_go_to_the_smaller_index(layout, dtype, rng):
         torch.testing.assert_close(res.sparse_values, vals.to(dtype), rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("s2", [257, 1023])
+@pytest.mark.parametrize("mode", [0, 3])
+@pytest.mark.parametrize("dtype", [F32, BF16], ids=DT_IDS.get)
+def test_ties_between_identical_keys(dtype, mode, s2, rng):
+    """Realistic head dims (D = 128, Nidx1 = 16): key s is a copy of key s % 8, so the keys of a group score
+    exactly alike and the group's selected members must be its smallest allowed indices in increasing order, with
+    bitwise-equal values (SEMANTICS.md 9, "ties to the smaller index"). Key counts that are no multiple of 8 once
+    made copies score 1 ulp apart by column position."""
+    s1, n_idx, d, groups, k = 70, 16, 128, 8, 64
+    qi = torch.randn(1, s1, n_idx, d, generator=rng).to(dtype)
+    w = torch.randn(1, s1, n_idx, generator=rng).to(dtype)
+    base = torch.randn(1, groups, 1, d, generator=rng).to(dtype)
+    ki = base.repeat(1, -(-s2 // groups), 1, 1)[:, :s2].contiguous()
+    res = cann_attn.lightning_indexer(qi, ki, w, sparse_count=k, sparse_mode=mode, return_value=True)
+    for t in range(s1):
+        row, vals = res.sparse_indices[0, t, 0].tolist(), res.sparse_values[0, t, 0]
+        allowed = s2 if mode == 0 else s2 - s1 + t + 1
+        for g in range(groups):
+            picked = [e for e, i in enumerate(row) if i >= 0 and i % groups == g]
+            members = [row[e] for e in picked]
+            assert members == list(range(g, allowed, groups))[: len(members)], (
+                f"row {t}: copies of key {g} selected as {members}, not the smallest indices in order")
+            assert len(torch.unique(vals[picked])) <= 1, f"row {t}: copies of key {g} score differently"
+
+
 @pytest.mark.parametrize("mode", [0, 3])
 @pytest.mark.parametrize("dtype", [F16, BF16, F32], ids=DT_IDS.get)
 @pytest.mark.parametrize("layout", ["BSND", "TND"])
@@ -499,6 +524,14 @@ def test_li_head_dim_mismatch():
     expect_error("key_index", li_call, key_index=li_args()["key_index"][..., :8])
 
 
+@pytest.mark.parametrize("layout", ["BSND", "TND"])
+def test_li_index_heads_at_least_one(layout):
+    """Nidx1 = 0 with query tokens: no score to rank (any Nidx1 >= 1 is accepted, not only the seed's 8..64)."""
+    a = li_args(layout)
+    expect_error("query_index.*Nidx1", li_call, _layout=layout, query_index=a["query_index"][..., :0, :],
+                 weights=a["weights"][..., :0])
+
+
 def test_li_weights_shape():
     expect_error("weights", li_call, weights=li_args()["weights"][..., :-1])
 
@@ -573,6 +606,40 @@ def test_kl_head_dims():
     expect_error("key_index", kl_call, key_index=a["key_index"][..., :8])
 
 
+@pytest.mark.parametrize("layout", ["BSND", "TND"])
+def test_kl_heads_at_least_one(layout):
+    """N1 = 0 (the 1/N1 head mean is undefined) and Nidx1 = 0 with query tokens are rejected by name."""
+    a = kl_args(layout)
+    expect_error("query.*N1", kl_call, _layout=layout, query=a["query"][..., :0, :],
+                 query_rope=a["query_rope"][..., :0, :], softmax_max=a["softmax_max"][..., :0],
+                 softmax_sum=a["softmax_sum"][..., :0])
+    expect_error("query_index.*Nidx1", kl_call, _layout=layout, query_index=a["query_index"][..., :0, :],
+                 weights=a["weights"][..., :0])
+
+
+@pytest.mark.parametrize("heads", [(3, 5), (0, 0)], ids=["heads", "no_heads"])
+@pytest.mark.parametrize("layout", ["BSND", "TND"])
+def test_empty_query_gives_empty_results(layout, heads):
+    """A query without tokens returns empty indices, zero loss and empty gradients, whatever its head count
+    (SEMANTICS.md 10)."""
+    n1, n_idx = heads
+    lead, stats = ((1, 0), (1, 1, 0, n1)) if layout == "BSND" else ((0,), (1, 0, n1))
+    kv_lead = (1, 6) if layout == "BSND" else (6,)
+    kw = {"layout": layout}
+    if layout == "TND":
+        kw.update(actual_seq_lengths_query=[0], actual_seq_lengths_key=[6])
+    qi, w = torch.randn(*lead, n_idx, 4), torch.randn(*lead, n_idx)
+    ki = torch.randn(*kv_lead, 1, 4)
+    li = cann_attn.lightning_indexer(qi, ki, w, sparse_count=3, return_value=True, **kw)
+    assert tuple(li.sparse_indices.shape) == (*lead, 1, 3) and tuple(li.sparse_values.shape) == (*lead, 1, 3)
+    res = cann_attn.sparse_lightning_indexer_grad_kl_loss(
+        torch.randn(*lead, n1, 8), torch.randn(*kv_lead, 1, 8), qi, ki, w, li.sparse_indices, torch.zeros(stats),
+        torch.ones(stats), 0.5, query_rope=torch.randn(*lead, n1, 2), key_rope=torch.randn(*kv_lead, 1, 2), **kw)
+    assert res.loss.tolist() == [0.0]
+    assert res.d_query_index.shape == qi.shape and res.d_weights.shape == w.shape
+    assert res.d_key_index.shape == ki.shape and not bool(res.d_key_index.any())
+
+
 def test_kl_weights_shape():
     expect_error("weights", kl_call, weights=kl_args()["weights"][..., :-1])
 
@@ -596,6 +663,16 @@ def test_kl_rope_leading_dims():
     a = kl_args()
     expect_error("query_rope", kl_call, query_rope=a["query_rope"][:, :, :2])
     expect_error("key_rope", kl_call, key_rope=a["key_rope"][:, :-1])
+
+
+@pytest.mark.parametrize("dims", [(1, 8), (8, 1), (2, 8)], ids=lambda d: f"q{d[0]}-k{d[1]}")
+def test_kl_rope_dims_must_match(dims):
+    """query_rope and key_rope share Dr (Q = [query ; query_rope], K = [key ; key_rope], SEMANTICS.md 9); Dr 1 vs 8
+    used to broadcast into a wrong loss, other pairs to crash."""
+    a = kl_args()
+    assert a["query_rope"].shape[-1] == a["key_rope"].shape[-1] == 8
+    expect_error("key_rope", kl_call, query_rope=a["query_rope"][..., : dims[0]],
+                 key_rope=a["key_rope"][..., : dims[1]])
 
 
 @pytest.mark.parametrize("name", ["softmax_max", "softmax_sum"])

@@ -41,10 +41,21 @@ def _check_common(query_index, key_index, weights, layout, sparse_mode, allowed_
     rank = 4 if layout == "BSND" else 3
     require(query_index.dim() == rank, "query_index", f"a {rank}-D tensor for layout {layout}", query_index)
     require(key_index.dim() == rank, "key_index", f"a {rank}-D tensor for layout {layout}", key_index)
+    _require_heads(query_index, "query_index", "Nidx1")
     require(key_index.shape[-2] == 1, "key_index", "Nidx2 = 1", key_index)
     require(key_index.shape[-1] == query_index.shape[-1], "key_index", f"head dim {query_index.shape[-1]}", key_index)
     require(tuple(weights.shape) == tuple(query_index.shape[:-1]), "weights",
             f"query_index's leading dims {list(query_index.shape[:-1])}", weights)
+
+
+def _require_heads(t: torch.Tensor, name: str, label: str) -> None:
+    """At least one head when the tensor has query tokens. The seed's 约束说明 head counts (N1 in 8..128, Nidx1 in
+    8..64, powers of two) are the NPU kernel's tilings, not semantics, so any positive count is accepted. Zero heads
+    describe no indexer / attention: every index score would be the empty sum 0 and the 1/N1 head mean of the KL
+    target (SEMANTICS.md 9) is undefined. A query without tokens is an empty problem and returns empty results
+    whatever its head count (SEMANTICS.md 10)."""
+    if t.shape[:-2].numel() > 0:
+        require(t.shape[-2] >= 1, name, f"{label} >= 1 heads", t)
 
 
 def lightning_indexer(
@@ -136,6 +147,7 @@ def sparse_lightning_indexer_grad_kl_loss(
             sparse_indices)
     if (query_rope is None) != (key_rope is None):
         raise ParamInvalidError("query_rope/key_rope: give both rope tensors or neither")
+    _require_heads(query, "query", "N1")
     require(key.shape[-2] == 1, "key", "N2 = 1", key)
     require(key.shape[-1] == query.shape[-1], "key", f"head dim {query.shape[-1]} like the query", key)
     require(query.shape[:-2] == query_index.shape[:-2], "query", f"query_index's tokens {list(query_index.shape[:-2])}",
@@ -147,6 +159,10 @@ def sparse_lightning_indexer_grad_kl_loss(
         require(query_rope.shape[:-1] == query.shape[:-1], "query_rope", f"leading dims {list(query.shape[:-1])}",
                 query_rope)
         require(key_rope.shape[:-1] == key.shape[:-1], "key_rope", f"leading dims {list(key.shape[:-1])}", key_rope)
+        # Q = [query ; query_rope] and K = [key ; key_rope] (SEMANTICS.md 9): both rope tensors carry the same Dr
+        # (seed 参数说明, queryRope (B,S1,N1,Dr) / keyRope (B,S2,N2,Dr)); a mismatch would broadcast or crash.
+        require(key_rope.shape[-1] == query_rope.shape[-1], "key_rope", f"rope dim Dr = {query_rope.shape[-1]} like "
+                "query_rope", key_rope)
     require(sparse_indices.shape[:-2] == query_index.shape[:-2] and sparse_indices.shape[-2] == 1, "sparse_indices",
             f"shape {[*query_index.shape[:-2], 1, 'K']}", sparse_indices)
     heads = query.shape[-2]
