@@ -270,6 +270,132 @@ def test_all_rows_without_keys_give_zero_gradients(layout, rng):
         assert bool((getattr(grads, name) == 0).all()), name
 
 
+@pytest.mark.parametrize("bs,idx_dtype,huge", [
+    (8, torch.int64, 2**61),  # 2**61 * 8 wraps to 0 in int64: block 0 again
+    (8, torch.int64, 2**61 + 1),  # wraps to 8: block 1
+    (128, torch.int64, 2**57),
+    (1, torch.int64, 2**63 - 1),
+    (64, torch.int32, 2**31 - 1),
+])
+@pytest.mark.parametrize("layout", ["BSND", "TND"])
+def test_huge_indices_are_skipped(layout, bs, idx_dtype, huge, rng):
+    """Entries so large that idx * bs overflows int64 start beyond thr like any other: skipped, the scan goes on
+    (SEMANTICS.md 8)."""
+    case = SFACase(layout, gen=rng, s1=6, s2=2 * bs + 3, block_size=bs, k=4, mode=0, style="topk",
+                   index_dtype=idx_dtype)
+    idx = case.inputs["sparse_indices"]
+    case.inputs["sparse_indices"] = torch.cat([torch.full_like(idx[..., :1], huge), idx[..., :-1]], dim=-1)
+    fwd, grads = case.check()
+    case.inputs["sparse_indices"] = torch.cat([torch.full_like(idx[..., :1], 10**6), idx[..., :-1]], dim=-1)
+    fwd2 = case.forward()
+    grads2 = case.grad(fwd2)
+    for a, b in zip(fwd, fwd2, strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    for name in GRAD_NAMES:
+        torch.testing.assert_close(getattr(grads, name), getattr(grads2, name), rtol=0, atol=0)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Non-finite keys / values: only the selected ones reach a row (SEMANTICS.md 8: P is the softmax over the
+# selected set)
+# ----------------------------------------------------------------------------------------------------------
+NONFINITE_TARGETS = {"key": "key", "value": "value", "key_rope": "key_rope", "latent": "key"}
+
+
+def _poison_token(case: SFACase, target: str, token_of) -> list[int]:
+    """NaN in the whole row of token `token_of(span)` of every sequence of `target` (a key-side tensor); returns
+    the tokens."""
+    tokens = []
+    for span in case.spans:
+        p = token_of(span)
+        tokens.append(p)
+        if p is not None:
+            span.kv_rows(case.inputs[NONFINITE_TARGETS[target]])[p] = float("nan")
+    return tokens
+
+
+def _unselect(case: SFACase, tokens: list[int]) -> None:
+    """Make every row that selects the poisoned token of its sequence stop before it (an entry -1 in place of
+    the first entry that selects it), so that no row selects it; blocks holding it beyond thr stay selected."""
+    idx = case.inputs["sparse_indices"]
+    mode, bs = case.kw["sparse_mode"], case.kw["sparse_block_size"]
+    for span, p in zip(case.spans, tokens, strict=True):
+        for t in range(span.q_len):
+            row = idx[(*span.q_token(t), 0)]
+            for e in range(row.numel()):
+                if p in dsa_oracle.sfa_selected_tokens(row[: e + 1].tolist(), t, span.q_len, span.kv_len, mode, bs):
+                    row[e] = -1
+                    break
+            assert p not in dsa_oracle.sfa_selected_tokens(row.tolist(), t, span.q_len, span.kv_len, mode, bs)
+
+
+NONFINITE_SCENARIOS = {
+    # top-k tokens with -1 padding: padding entries gather token 0 (and a union path would read it)
+    "token0_padding": dict(block_size=1, mode=3, style="topk", k=6, token=lambda span: 0),
+    # a token no row selects, in the middle of the sequence (a control: no path reads it)
+    "unselected": dict(block_size=1, mode=0, style="random", k=4, token=lambda span: span.kv_len // 2),
+    # the last token: inside blocks that rows select, but beyond their causal limit (the block is clipped)
+    "beyond_thr_bs8": dict(block_size=8, mode=3, style="blocks", k=4, token=lambda span: span.kv_len - 1),
+    # the same with 64-token blocks shared by many rows (the union path when everything is finite)
+    "beyond_thr_bs64": dict(block_size=64, mode=3, style="blocks", k=3, token=lambda span: span.kv_len - 1),
+}
+
+
+@pytest.mark.parametrize("target", list(NONFINITE_TARGETS))
+@pytest.mark.parametrize("scenario", list(NONFINITE_SCENARIOS))
+@pytest.mark.parametrize("layout", ["BSND", "TND"])
+def test_nonfinite_unselected_keys_do_not_leak(layout, scenario, target, rng):
+    """NaN in a key / value / key_rope row that no row selects changes nothing: outputs, statistics and all five
+    gradients match the oracle and are finite."""
+    cfg = dict(NONFINITE_SCENARIOS[scenario])
+    token_of = cfg.pop("token")
+    bs = cfg["block_size"]
+    s2 = 2 * bs + 5 if bs > 1 else 17
+    q_lens, kv_lens = ([36, 5], [s2, bs + 4]) if layout == "TND" else (None, None)
+    case = SFACase(layout, gen=rng, b=1 if bs == 64 else 2, s1=36, s2=s2, q_lens=q_lens, kv_lens=kv_lens, n1=2,
+                   d=8, d_rope=4, value_is_key=target == "latent", **cfg)
+    tokens = _poison_token(case, target, token_of)
+    _unselect(case, tokens)
+    case.check()
+
+
+@pytest.mark.parametrize("target", ["key", "value", "latent"])
+@pytest.mark.parametrize("bs,style", [(1, "topk"), (8, "blocks"), (64, "blocks")])
+@pytest.mark.parametrize("layout", ["BSND", "TND"])
+def test_nonfinite_selected_key_poisons_only_its_rows(layout, bs, style, target, rng):
+    """Rows that select a NaN key (or value) row get NaN outputs; every other row, and every gradient the oracle
+    gives as finite, matches the oracle (NaN exactly where the oracle has NaN). "blocks": neighbouring rows share
+    the NaN token's block, most of them with the token beyond their causal limit (the union path when finite)."""
+    s2 = 3 * bs + 5
+    q_lens, kv_lens = ([12, 5], [s2, bs + 4]) if layout == "TND" else (None, None)
+    case = SFACase(layout, gen=rng, b=1 if bs == 64 else 2, s1=12, s2=s2, q_lens=q_lens, kv_lens=kv_lens, n1=2,
+                   d=8, d_rope=4, block_size=bs, k=4, mode=3, style=style, value_is_key=target == "latent")
+    tokens = _poison_token(case, target, lambda span: span.kv_len - 2)
+    idx = case.inputs["sparse_indices"]
+    for span, p in zip(case.spans, tokens, strict=True):  # the last row (thr = Skv) selects it
+        idx[(*span.q_token(span.q_len - 1), 0, 0)] = p // bs
+    fwd = case.forward()
+    _, (g_out, _, _) = case.oracle()
+    mode = case.kw["sparse_mode"]
+    poisoned_rows = torch.zeros(fwd.attention_out.shape[:-2], dtype=torch.bool)
+    for span, p in zip(case.spans, tokens, strict=True):
+        for t in range(span.q_len):
+            row = idx[(*span.q_token(t), 0)].tolist()
+            poisoned_rows[span.q_token(t)] = p in dsa_oracle.sfa_selected_tokens(row, t, span.q_len, span.kv_len,
+                                                                                mode, bs)
+    assert bool(poisoned_rows.any()) and not bool(poisoned_rows.all())
+    out_nan = fwd.attention_out.isnan().all(-1).all(-1)
+    assert torch.equal(out_nan, poisoned_rows), "NaN rows must be exactly the rows that select the NaN token"
+    assert not bool(fwd.attention_out[~poisoned_rows].isnan().any())
+    assert_close_to_oracle(fwd.attention_out[~poisoned_rows], g_out[~poisoned_rows], name="attention_out")
+    grads = case.grad(fwd)
+    golden = case.oracle_grads(given_out=fwd.attention_out)
+    for name in GRAD_NAMES:
+        actual, g = getattr(grads, name), golden[name]
+        assert torch.equal(actual.isnan(), g.isnan()), f"{name}: NaN pattern differs from the oracle's"
+        assert_close_to_oracle(actual.nan_to_num(0.0), g.nan_to_num(0.0).to(actual.dtype), name=name)
+
+
 # ----------------------------------------------------------------------------------------------------------
 # Actual lengths
 # ----------------------------------------------------------------------------------------------------------
@@ -308,22 +434,37 @@ def test_tnd_zero_length_sequences(rng):
     SFACase("TND", gen=rng, q_lens=[4, 0, 6, 0, 0], kv_lens=[7, 3, 9, 0, 0], k=4, style="random").check()
 
 
+@pytest.mark.parametrize("empty", ["tokens", "heads", "head_dim"])
 @pytest.mark.parametrize("layout", ["BSND", "TND"])
-def test_empty_query(layout):
-    """Empty query: empty outputs, no error (SEMANTICS.md 10)."""
+def test_empty_query(layout, empty):
+    """Empty query (no tokens, N1 = 0 or D = 0): outputs of the documented shapes (0 / -2e38 / 0), zero
+    gradients, no error (SEMANTICS.md 10; "query为空Tensor：直接返回", seed :560)."""
+    s1, n1, d = {"tokens": (0, 2, 8), "heads": (3, 0, 8), "head_dim": (3, 2, 0)}[empty]
     if layout == "TND":
-        q, idx = torch.zeros(0, 2, 8), torch.zeros(0, 1, 3, dtype=torch.int32)
-        k = torch.randn(5, 1, 8)
-        kw = {"layout": "TND", "actual_seq_lengths_query": [0], "actual_seq_lengths_kv": [5]}
+        q, idx = torch.zeros(s1, n1, d), torch.zeros(s1, 1, 3, dtype=torch.int32)
+        qr, k, v, kr = torch.zeros(s1, n1, 4), torch.randn(5, 1, d), torch.randn(5, 1, 6), torch.randn(5, 1, 4)
+        kw = {"layout": "TND", "actual_seq_lengths_query": [s1], "actual_seq_lengths_kv": [5]}
     else:
-        q, idx = torch.zeros(1, 0, 2, 8), torch.zeros(1, 0, 1, 3, dtype=torch.int32)
-        k = torch.randn(1, 5, 1, 8)
+        q, idx = torch.zeros(1, s1, n1, d), torch.zeros(1, s1, 1, 3, dtype=torch.int32)
+        qr, k, v, kr = (torch.zeros(1, s1, n1, 4), torch.randn(1, 5, 1, d), torch.randn(1, 5, 1, 6),
+                        torch.randn(1, 5, 1, 4))
         kw = {}
-    res = cann_attn.sparse_flash_attention(q, k, k, idx, 0.3, **kw)
-    assert res.attention_out.numel() == 0 and tuple(res.attention_out.shape) == tuple(q.shape)
-    g = cann_attn.sparse_flash_attention_grad(q, k, k, idx, res.attention_out, res.attention_out, res.softmax_max,
-                                              res.softmax_sum, 0.3, **kw)
-    assert g.d_query.numel() == 0 and bool((g.d_key == 0).all())
+    for rope in ({}, {"query_rope": qr, "key_rope": kr}):
+        res = cann_attn.sparse_flash_attention(q, k, v, idx, 0.3, **kw, **rope)
+        assert tuple(res.attention_out.shape) == (*q.shape[:-1], 6)
+        assert bool((res.attention_out == 0).all())
+        stat_shape = (1, s1, n1) if layout == "TND" else (1, 1, s1, n1)
+        assert tuple(res.softmax_max.shape) == stat_shape and tuple(res.softmax_sum.shape) == stat_shape
+        assert bool((res.softmax_max == -2e38).all()) and bool((res.softmax_sum == 0).all())
+        g = cann_attn.sparse_flash_attention_grad(q, k, v, idx, res.attention_out, res.attention_out,
+                                                  res.softmax_max, res.softmax_sum, 0.3, **kw, **rope)
+        for name, src in (("d_query", q), ("d_key", k), ("d_value", v)):
+            grad = getattr(g, name)
+            assert tuple(grad.shape) == tuple(src.shape) and bool((grad == 0).all()), name
+        if rope:
+            assert tuple(g.d_query_rope.shape) == tuple(qr.shape) and bool((g.d_key_rope == 0).all())
+        else:
+            assert g.d_query_rope is None and g.d_key_rope is None
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -351,6 +492,22 @@ def test_deterministic_is_bitwise_reproducible(layout, rng):
     again = case.forward()
     for a, b in zip(again, fwd, strict=True):
         assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_grad_restores_the_global_deterministic_setting(deterministic, rng):
+    """The grad's deterministic guard restores torch's global setting whole, warn_only included."""
+    case = SFACase("BSND", gen=rng, s1=4, s2=8, k=3)
+    fwd = case.forward()
+    before = (torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled())
+    try:
+        for enabled, warn_only in ((True, True), (True, False), (False, False)):
+            torch.use_deterministic_algorithms(enabled, warn_only=warn_only)
+            case.grad(fwd, deterministic=deterministic)
+            assert torch.are_deterministic_algorithms_enabled() == enabled
+            assert torch.is_deterministic_algorithms_warn_only_enabled() == warn_only
+    finally:
+        torch.use_deterministic_algorithms(before[0], warn_only=before[1])
 
 
 # ----------------------------------------------------------------------------------------------------------

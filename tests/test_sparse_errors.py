@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import re
 
+import numpy as np
 import pytest
 import torch
 
@@ -142,6 +143,40 @@ def test_unsupported_sparse_mode(fn, make, mode):
 @pytest.mark.parametrize("bs", [0, 2, 4, 7, 12, 256, -8])
 def test_unsupported_sparse_block_size(fn, make, bs):
     expect_error("sparse_block_size", fn, make(), sparse_block_size=bs)
+
+
+@BOTH
+@pytest.mark.parametrize("bs", [8.0, 1.0, "8", torch.tensor(8), None, True], ids=repr)
+def test_sparse_block_size_must_be_an_int(fn, make, bs):
+    """8.0 equals 8 but is no block size: the index arithmetic needs an int (SEMANTICS.md 8)."""
+    expect_error("sparse_block_size", fn, make(), sparse_block_size=bs)
+
+
+@BOTH
+def test_numpy_integer_block_size_is_accepted(fn, make):
+    args = make()
+    ref = fn(args, sparse_block_size=8)
+    for a, b in zip(fn(args, sparse_block_size=np.int64(8)), ref, strict=True):
+        assert (a is None and b is None) or torch.equal(a, b)
+
+
+# ---------------------------------------------------------------------------------------------- pre/next tokens
+@BOTH
+@pytest.mark.parametrize("name", ["pre_tokens", "next_tokens"])
+@pytest.mark.parametrize("value", [0, 5, -3, 2147483646, 2**62, 2147483647.0, "2147483647", None, True], ids=repr)
+def test_window_bounds_only_the_documented_value(fn, make, name, value):
+    """preTokens / nextTokens: "仅支持取值：2147483647" (aclnnSparseFlashAttentionGrad.md:364, :379); this API's
+    default 2**63-1 (DESIGN.md) means the same. Anything else is rejected, not ignored."""
+    expect_error(name, fn, make(), **{name: value})
+
+
+@BOTH
+@pytest.mark.parametrize("value", [2147483647, 2**63 - 1, np.int64(2147483647)], ids=repr)
+def test_window_bounds_documented_values_accepted(fn, make, value):
+    args = make()
+    ref = fn(args)
+    for a, b in zip(fn(args, pre_tokens=value, next_tokens=value), ref, strict=True):
+        assert (a is None and b is None) or torch.equal(a, b)
 
 
 @BOTH

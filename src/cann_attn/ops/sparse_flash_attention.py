@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import numbers
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -17,6 +18,10 @@ from ..problem.sparse import SPARSE_BLOCK_SIZES
 from ..problem.stats import accumulation_dtype
 
 INT64_MAX = 2**63 - 1
+# The only sliding-window bounds SparseFlashAttention(Grad) supports: the seed's 2147483647 (参数说明 of preTokens /
+# nextTokens, aclnnSparseFlashAttentionGrad.md:364 and :379) and this API's default 2**63-1 (DESIGN.md), which
+# mean the same thing here: no window.
+SFA_WINDOW_VALUES = (2147483647, INT64_MAX)
 SFA_MODES = (0, 3)
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 MAX_HEADS = 128
@@ -72,8 +77,14 @@ def _check_tensor(t, name: str, dtype: torch.dtype | None = None) -> torch.Tenso
     return t
 
 
+def _is_integer(value) -> bool:
+    """A Python int or a NumPy integer scalar; bool (an int subclass), floats and tensors are not."""
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
 def validate_sparse(query, key, value, sparse_indices, scale_value, *, query_rope, key_rope, actual_seq_lengths_query,
-                    actual_seq_lengths_kv, sparse_block_size, layout, sparse_mode) -> SparseProblem:
+                    actual_seq_lengths_kv, sparse_block_size, layout, sparse_mode, pre_tokens=INT64_MAX,
+                    next_tokens=INT64_MAX) -> SparseProblem:
     """Documented constraints of the SFA family (SEMANTICS.md 1, 8, 10)."""
     _check_tensor(query, "query")
     require(query.dtype in FLOAT_DTYPES, "query", "dtype float16 or bfloat16", query)
@@ -86,10 +97,15 @@ def validate_sparse(query, key, value, sparse_indices, scale_value, *, query_rop
         raise ParamInvalidError(f"layout: expected 'BSND' or 'TND', got {layout!r}")
     if require_int(sparse_mode, "sparse_mode") not in SFA_MODES:
         raise ParamInvalidError(f"sparse_mode: expected 0 or 3, got {sparse_mode!r}")
-    if sparse_block_size not in SPARSE_BLOCK_SIZES or isinstance(sparse_block_size, bool):
+    # An integer (8.0 would pass `in SPARSE_BLOCK_SIZES` and break the index arithmetic later; SEMANTICS.md 8).
+    if not _is_integer(sparse_block_size) or sparse_block_size not in SPARSE_BLOCK_SIZES:
         raise ParamInvalidError(
-            f"sparse_block_size: expected one of {list(SPARSE_BLOCK_SIZES)}, got {sparse_block_size!r}"
+            f"sparse_block_size: expected an int, one of {list(SPARSE_BLOCK_SIZES)}, got {sparse_block_size!r}"
         )
+    for name, bound in (("pre_tokens", pre_tokens), ("next_tokens", next_tokens)):
+        if not _is_integer(bound) or bound not in SFA_WINDOW_VALUES:
+            raise ParamInvalidError(f"{name}: expected an int equal to 2147483647 or 2**63-1 (the only supported "
+                                    f"value: no sliding window), got {bound!r}")
     if not isinstance(scale_value, (int, float)) or isinstance(scale_value, bool):
         raise ParamInvalidError(f"scale_value: expected a float, got {scale_value!r}")
     rank = 4 if layout == "BSND" else 3
@@ -108,7 +124,8 @@ def validate_sparse(query, key, value, sparse_indices, scale_value, *, query_rop
     heads, heads_kv = query.shape[-2], key.shape[-2]
     require(heads_kv == 1, "key", "N2 = 1 (MLA-absorbed MQA)", key)
     require(value.shape[-2] == 1, "value", "N2 = 1", value)
-    require(1 <= heads <= MAX_HEADS, "query", f"N1 in 1..{MAX_HEADS}", query)
+    # N1 = 0 is an empty query, which returns empty outputs without error (SEMANTICS.md 10; seed :560).
+    require(heads <= MAX_HEADS and (heads >= 1 or query.numel() == 0), "query", f"N1 in 1..{MAX_HEADS}", query)
     require(key.shape[-1] == query.shape[-1], "key", f"head dim {query.shape[-1]} like the query", key)
     require(value.shape[:-1] == key.shape[:-1], "value", f"key's leading dims {list(key.shape[:-1])}", value)
     require(sparse_indices.shape[:-2] == query.shape[:-2] and sparse_indices.shape[-2] == 1, "sparse_indices",
@@ -209,30 +226,42 @@ def sparse_flash_attention(
     selected blocks of `sparse_block_size` tokens, P = softmax(z), out = P V (SEMANTICS.md 8). Layouts BSND (optional
     per-batch actual lengths) and TND (cumulative ends). sparse_mode 3 (causal, bottom-right) or 0. Returns
     attention_out (query's shape with value's D), softmax_max / softmax_sum ([B, 1, S1, N1] or [1, T1, N1]); rows
-    with nothing selected give 0 with max = -2e38, sum = 0. pre_tokens/next_tokens are accepted and unused.
+    with nothing selected give 0 with max = -2e38, sum = 0. pre_tokens/next_tokens must be 2147483647 or 2**63-1
+    (no sliding window, the only supported value). An empty query returns these initial outputs directly.
     """
     problem = validate_sparse(query, key, value, sparse_indices, scale_value, query_rope=query_rope,
                               key_rope=key_rope, actual_seq_lengths_query=actual_seq_lengths_query,
                               actual_seq_lengths_kv=actual_seq_lengths_kv, sparse_block_size=sparse_block_size,
-                              layout=layout, sparse_mode=sparse_mode)
+                              layout=layout, sparse_mode=sparse_mode, pre_tokens=pre_tokens, next_tokens=next_tokens)
+    block_size = int(sparse_block_size)  # a NumPy integer is accepted; the kernels take a Python int
+    if query.numel() == 0:
+        # Empty query (B, S1/T1, N1 or D zero): "query为空Tensor：直接返回" (seed :560, SEMANTICS.md 10).
+        return SparseFlashAttentionResult(*_initial_outputs(problem, query, value))
     if select_backend(backend, query.device, op="sparse_flash_attention",
                       unsupported=lambda: sparse_unsupported(query, key, value, query_rope)) == "triton":
         from ..backends.triton import sparse_attention as triton_kernel
 
         indices = index_rows(sparse_indices)
-        tables = sfa_tables(problem, indices, sparse_mode, sparse_block_size)
+        tables = sfa_tables(problem, indices, sparse_mode, block_size)
         return SparseFlashAttentionResult(*triton_kernel.sparse_forward(
-            query, key, value, indices, query_rope, key_rope, tables, float(scale_value), sparse_block_size,
+            query, key, value, indices, query_rope, key_rope, tables, float(scale_value), block_size,
             _stats_shape(problem, query)))
-    out = torch.zeros((*query.shape[:-1], value.shape[-1]), dtype=query.dtype, device=query.device)
+    out, softmax_max, softmax_sum = _initial_outputs(problem, query, value)
     dtype = accumulation_dtype(query.dtype)
-    softmax_max = torch.full(_stats_shape(problem, query), kernel.INVALID_MAX, dtype=dtype, device=query.device)
-    softmax_sum = torch.zeros(_stats_shape(problem, query), dtype=dtype, device=query.device)
     for b, seq in _sequences(problem, query, key, value, sparse_indices, query_rope, key_rope):
-        kernel.forward_sequence(seq, float(scale_value), sparse_mode, sparse_block_size, dtype,
+        kernel.forward_sequence(seq, float(scale_value), sparse_mode, block_size, dtype,
                                 problem.rows(out, b)[: seq.seq_q], _stat_rows(problem, softmax_max, b)[: seq.seq_q],
                                 _stat_rows(problem, softmax_sum, b)[: seq.seq_q])
     return SparseFlashAttentionResult(out, softmax_max, softmax_sum)
+
+
+def _initial_outputs(problem: SparseProblem, query: torch.Tensor, value: torch.Tensor):
+    """(out, softmax_max, softmax_sum) of rows with nothing selected: 0, -2e38, 0 (SEMANTICS.md 3, 8)."""
+    dtype = accumulation_dtype(query.dtype)
+    out = torch.zeros((*query.shape[:-1], value.shape[-1]), dtype=query.dtype, device=query.device)
+    softmax_max = torch.full(_stats_shape(problem, query), kernel.INVALID_MAX, dtype=dtype, device=query.device)
+    softmax_sum = torch.zeros(_stats_shape(problem, query), dtype=dtype, device=query.device)
+    return out, softmax_max, softmax_sum
 
 
 def sparse_flash_attention_grad(
@@ -263,12 +292,14 @@ def sparse_flash_attention_grad(
     P = exp(z - softmax_max) / softmax_sum from the given statistics; dQ = scale dS K (split into d_query and
     d_query_rope), dK = scale dS^T Q and dV = P^T dO scattered (added) into the selected keys, fp32 accumulation.
     Rows with nothing selected and rows beyond the actual query length get zero gradients. The CPU reference is
-    deterministic in any case; `deterministic=True` also forces deterministic scatter-adds on GPUs.
+    deterministic in any case; `deterministic=True` also forces deterministic scatter-adds on GPUs. An empty query
+    returns zero gradients directly.
     """
     problem = validate_sparse(query, key, value, sparse_indices, scale_value, query_rope=query_rope,
                               key_rope=key_rope, actual_seq_lengths_query=actual_seq_lengths_query,
                               actual_seq_lengths_kv=actual_seq_lengths_kv, sparse_block_size=sparse_block_size,
-                              layout=layout, sparse_mode=sparse_mode)
+                              layout=layout, sparse_mode=sparse_mode, pre_tokens=pre_tokens, next_tokens=next_tokens)
+    block_size = int(sparse_block_size)
     out_shape = (*query.shape[:-1], value.shape[-1])
     for name, t in (("d_out", d_out), ("out", out)):
         _check_tensor(t, name, query.dtype)
@@ -278,22 +309,21 @@ def sparse_flash_attention_grad(
         _check_tensor(t, name)
         require(t.dtype in (torch.float32, torch.float64) and tuple(t.shape) == stat_shape, name,
                 f"float32 of shape {list(stat_shape)}", t)
+    if query.numel() == 0:
+        # Empty query: "直接返回" (seed :560, SEMANTICS.md 10); no row selects anything, so all gradients are 0.
+        return SparseFlashAttentionGradResult(*_zero_grads(query, key, value, query_rope, key_rope))
     if select_backend(backend, query.device, op="sparse_flash_attention_grad",
                       unsupported=lambda: sparse_unsupported(query, key, value, query_rope)) == "triton":
         from ..backends.triton import sparse_attention as triton_kernel
 
         indices = index_rows(sparse_indices)
-        tables = sfa_tables(problem, indices, sparse_mode, sparse_block_size)
+        tables = sfa_tables(problem, indices, sparse_mode, block_size)
         return SparseFlashAttentionGradResult(*triton_kernel.sparse_backward(
             query, key, value, indices, d_out, out, softmax_max, softmax_sum, query_rope, key_rope, tables,
-            float(scale_value), sparse_block_size, bool(deterministic)))
+            float(scale_value), block_size, bool(deterministic)))
+    dq, dk, dv, dq_rope, dk_rope = _zero_grads(query, key, value, query_rope, key_rope)
     dtype = accumulation_dtype(query.dtype)
     d_qk = query.shape[-1]
-    dq = torch.zeros_like(query)
-    dk = torch.zeros_like(key)
-    dv = torch.zeros_like(value)
-    dq_rope = torch.zeros_like(query_rope) if query_rope is not None else None
-    dk_rope = torch.zeros_like(key_rope) if key_rope is not None else None
     guard = _deterministic_guard(deterministic and query.device.type != "cpu")
     with guard:
         for b, seq in _sequences(problem, query, key, value, sparse_indices, query_rope, key_rope):
@@ -303,7 +333,7 @@ def sparse_flash_attention_grad(
             kernel.backward_sequence(
                 seq, problem.rows(d_out, b)[: seq.seq_q], problem.rows(out, b)[: seq.seq_q],
                 _stat_rows(problem, softmax_max, b)[: seq.seq_q], _stat_rows(problem, softmax_sum, b)[: seq.seq_q],
-                float(scale_value), sparse_mode, sparse_block_size, dtype, dq_seq, dk_seq, dv_seq,
+                float(scale_value), sparse_mode, block_size, dtype, dq_seq, dk_seq, dv_seq,
             )
             problem.rows(dq, b)[: seq.seq_q] = dq_seq[..., :d_qk]
             problem.keys(dk, b)[: seq.seq_kv, 0] = dk_seq[:, :d_qk]
@@ -314,13 +344,19 @@ def sparse_flash_attention_grad(
     return SparseFlashAttentionGradResult(dq, dk, dv, dq_rope, dk_rope)
 
 
+def _zero_grads(*tensors: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
+    return tuple(None if t is None else torch.zeros_like(t) for t in tensors)
+
+
 @contextlib.contextmanager
 def _deterministic_guard(enabled: bool):
-    """GPU scatter-adds use atomics unless deterministic algorithms are forced for the call."""
+    """GPU scatter-adds use atomics unless deterministic algorithms are forced for the call. The caller's global
+    setting is restored whole: its warn_only flag too (`use_deterministic_algorithms(x)` alone resets it)."""
     previous = torch.are_deterministic_algorithms_enabled()
+    previous_warn_only = torch.is_deterministic_algorithms_warn_only_enabled()
     if enabled:
         torch.use_deterministic_algorithms(True)
     try:
         yield
     finally:
-        torch.use_deterministic_algorithms(previous)
+        torch.use_deterministic_algorithms(previous, warn_only=previous_warn_only)

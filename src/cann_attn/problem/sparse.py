@@ -70,7 +70,10 @@ def row_selection(
     scanned = scan_lengths(idx, thr, block_size)
     # Only entries up to the largest scan length of the tile can be valid: keep the tile narrow.
     width = max(1, int(scanned.max().item())) if scanned.numel() else 1
-    idx = idx[:, :width]
+    # Clamp before multiplying: int64 entries near 2**63 / bs would overflow idx * bs and wrap into the visible
+    # range. Any entry >= ceil(Skv / bs) starts at or beyond Skv >= thr and is skipped (SEMANTICS.md 8); the
+    # clamped value still is, and -1 stays -1.
+    idx = idx[:, :width].clamp(max=-(-seq_kv // block_size))
     position = torch.arange(width, device=idx.device).view(1, -1)
     block_start = idx * block_size
     entry_valid = (position < scanned.view(-1, 1)) & (idx >= 0) & (block_start < thr.view(-1, 1))
