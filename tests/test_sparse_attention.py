@@ -396,6 +396,37 @@ def test_nonfinite_selected_key_poisons_only_its_rows(layout, bs, style, target,
         assert_close_to_oracle(actual.nan_to_num(0.0), g.nan_to_num(0.0).to(actual.dtype), name=name)
 
 
+@pytest.mark.parametrize("target", ["query", "query_rope", "d_out"])
+@pytest.mark.parametrize("bs,style", [(1, "random"), (64, "blocks")])
+@pytest.mark.parametrize("layout", ["BSND", "TND"])
+def test_nonfinite_query_side_row_reaches_only_its_selected_keys(layout, bs, style, target, rng):
+    """A NaN query / query_rope / d_out row poisons that row and the d_key / d_value rows of the keys it selects,
+    nothing else: unused (-1 padded) entries, which gather token 0, and block-union columns the row did not select
+    add exact zeros (NaN pattern and finite values match the oracle)."""
+    s2 = 2 * bs + 5 if bs > 1 else 17
+    q_lens, kv_lens = ([12, 5], [s2, bs + 4]) if layout == "TND" else (None, None)
+    case = SFACase(layout, gen=rng, b=1 if bs == 64 else 2, s1=12, s2=s2, q_lens=q_lens, kv_lens=kv_lens, n1=2,
+                   d=8, d_rope=4, block_size=bs, k=4, mode=3, style=style, value_is_key=True)
+    idx = case.inputs["sparse_indices"]
+    span = case.spans[0]
+    row = (*span.q_token(span.q_len // 2), 0)
+    if bs == 1:
+        idx[row][2:] = -1  # padding entries: they gather token 0, which this row does not select
+        idx[row][:2] = torch.tensor([1, 2])
+    poisoned = case.d_out if target == "d_out" else case.inputs[target]
+    poisoned[row[:-1]] = float("nan")
+    fwd = case.forward()
+    grads = case.grad(fwd)
+    golden = case.oracle_grads(given_out=fwd.attention_out)
+    for name in GRAD_NAMES:
+        actual, g = getattr(grads, name), golden[name]
+        if g is None:
+            continue
+        assert torch.equal(actual.isnan(), g.isnan()), f"{name}: NaN pattern differs from the oracle's"
+        assert_close_to_oracle(actual.nan_to_num(0.0), g.nan_to_num(0.0).to(actual.dtype), name=name)
+    assert bool(golden["d_key"].isnan().any()) and not bool(golden["d_key"].isnan().all())
+
+
 # ----------------------------------------------------------------------------------------------------------
 # Actual lengths
 # ----------------------------------------------------------------------------------------------------------

@@ -10,10 +10,11 @@ Duplicated entries are kept (gathered twice, gradients added). No S1 x S2 matrix
 
 Both paths compute products with keys a row did not select (unused entries gather token 0, clipped blocks their
 tokens beyond thr, the union every block of the tile) and cancel them by masking, which relies on finite keys
-and values: NaN + -inf and 0 * NaN are NaN. A sequence with a non-finite key or value therefore takes the gather
-path with the rows of invalid entries zeroed and their logits/gradients set (not added) to -inf/0, so that only
-the selected keys reach a row (SEMANTICS.md 8: P is the softmax over the selected set). The check costs one pass
-over K and V per sequence; the all-finite fast paths are unchanged.
+and values: NaN + -inf and 0 * NaN are NaN. A sequence with a non-finite key or value (or, in the backward, a
+non-finite query, d_out or out row) therefore takes the gather path with the rows of invalid entries zeroed and
+their logits/gradients set (not added) to -inf/0, so that only the selected keys reach a row and a row reaches
+only the keys it selected (SEMANTICS.md 8: P is the softmax over the selected set). The checks cost one pass over
+K and V (and the query-side tensors) per sequence; the all-finite fast paths are unchanged.
 
 The query tile carries the softmax scale; exponentials come from `softmax_exp.exp_shifted_`.
 """
@@ -107,6 +108,14 @@ class SparseSequence:
         ~25x cheaper than isfinite().all() (0.3 vs 7.4 ms at [4096, 576] fp32, one thread). Finite values whose
         sum overflows only send the sequence to the isolating path, which is exact as well."""
         return bool(self.k.sum().isfinite()) and (self.value_is_key or bool(self.v.sum().isfinite()))
+
+    def rows_finite(self, *row_tensors: torch.Tensor) -> bool:
+        """Whether the query side (query, query_rope and `row_tensors`, e.g. the grad's d_out and out) holds only
+        finite values. The backward's per-entry dK / dV products multiply a row's query and d_out by exactly 0 for
+        the row's unused entries (added into token 0) and union columns it did not select: a NaN row would reach
+        keys it never selected. Same sum test as `keys_values_finite`."""
+        tensors = (self.q, *(() if self.q_rope is None else (self.q_rope,)), *row_tensors)
+        return all(bool(t.sum().isfinite()) for t in tensors)
 
 
 @dataclass
@@ -265,7 +274,7 @@ def backward_sequence(seq: SparseSequence, d_out: torch.Tensor, out: torch.Tenso
     contributions) accumulated, in a fixed order."""
     ws = Workspace(seq.k.device)
     selection = _sequence_selection(seq, sparse_mode, block_size)
-    isolate = not seq.keys_values_finite()
+    isolate = not (seq.keys_values_finite() and seq.rows_finite(d_out, out))
     union_counts = _tile_union_counts(selection, BACKWARD_ROW_TILE, seq, block_size, isolate)
     for tile, t0 in enumerate(range(0, seq.seq_q, BACKWARD_ROW_TILE)):
         t1 = min(t0 + BACKWARD_ROW_TILE, seq.seq_q)
@@ -296,6 +305,11 @@ def backward_sequence(seq: SparseSequence, d_out: torch.Tensor, out: torch.Tenso
             # dK = scale dS^T Q: the query tile carries the scale.
             dk_sel = torch.bmm(ds.transpose(1, 2), q_tile, out=ws.take("dk_sel", (n, width, seq.dim_qk), dtype))
             dv_sel = torch.bmm(p.transpose(1, 2), do, out=ws.take("dv_sel", (n, width, do.shape[-1]), dtype))
+            if isolate and not tk.all_valid:
+                # 0 * a non-finite query / d_out row is NaN: unused entries add exact zeros to token 0.
+                unused = ~tk.sel.valid.unsqueeze(-1)
+                dk_sel.masked_fill_(unused, 0.0)
+                dv_sel.masked_fill_(unused, 0.0)
             dk.index_add_(0, tk.key_tokens.reshape(-1), dk_sel.flatten(0, 1))
             dv.index_add_(0, tk.key_tokens.reshape(-1), dv_sel.flatten(0, 1))
         else:
