@@ -330,17 +330,19 @@ def test_key_length_zero_gives_zeros(rng):
 
 @pytest.mark.parametrize(
     "shape,layout",
-    [((0, 4, 16), "BSH"), ((2, 0, 16), "BSH"), ((2, 2, 0, 8), "BNSD"), ((0, 3, 2, 8), "BSND")],
-    ids=["B0", "S0_bsh", "S0_bnsd", "B0_bsnd"],
+    [((0, 4, 16), "BSH"), ((2, 0, 16), "BSH"), ((2, 2, 0, 8), "BNSD"), ((0, 3, 2, 8), "BSND"),
+     ((2, 4, 0), "BSH"), ((2, 2, 4, 0), "BNSD")],
+    ids=["B0", "S0_bsh", "S0_bnsd", "B0_bsnd", "D0_bsh", "D0_bnsd"],
 )
 def test_empty_query_gives_empty_output(shape, layout):
     q = torch.zeros(shape, dtype=torch.float16)
+    h, d = shape[-1], shape[-1] // 2 if layout == "BSH" else shape[-1]  # H = N * D with N = 2
     if layout == "BSH":
-        k = torch.randn(shape[0], 5, 16).half()
+        k = torch.randn(shape[0], 5, h).half()
     elif layout == "BNSD":
-        k = torch.randn(shape[0], 2, 5, 8).half()
+        k = torch.randn(shape[0], 2, 5, d).half()
     else:
-        k = torch.randn(shape[0], 5, 2, 8).half()
+        k = torch.randn(shape[0], 5, 2, d).half()
     out = cann_attn.prompt_flash_attention(q, k, k.clone(), num_heads=2, input_layout=layout)
     assert out.numel() == 0 and tuple(out.shape) == tuple(shape) and out.dtype == torch.float16
 

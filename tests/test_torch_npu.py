@@ -203,7 +203,8 @@ def test_v1_without_dropout_returns_zero_seed_and_pse_grad(rng):
     pse = torch.randn(1, 2, 6, 6, generator=rng).requires_grad_()
     before = torch_npu.get_rng_state()
     out, _, _, _, seed, offset, numels = torch_npu.npu_fusion_attention(q, k, v, 2, "BSH", pse=pse, scale=0.3)
-    assert (seed, offset, numels) == (0, 0, 0) and torch.equal(torch_npu.get_rng_state(), before)
+    # Nothing drawn, but numels is the mask size B*N1*Sq*Skv, as torch_npu reports it without dropout too.
+    assert (seed, offset, numels) == (0, 0, _numels("BSH", q)) and torch.equal(torch_npu.get_rng_state(), before)
     out.sum().backward()
     grads = torch_npu.npu_fusion_attention_grad(q, k, v, torch.ones_like(out), 2, "BSH", pse=pse, scale_value=0.3)
     for g, t in zip(grads, (q, k, v, pse), strict=True):
@@ -249,6 +250,34 @@ def test_prompt_flash_attention_and_trans_quant_param(rng):
     assert torch.equal(torch_npu.npu_trans_quant_param(scale), cann_attn.trans_quant_param(scale))
     with pytest.raises(cann_attn.ParamInvalidError, match="round_mode"):
         torch_npu.npu_trans_quant_param(scale, round_mode=1)
+    # torch_npu declares `int? round_mode=0`: None means the default
+    assert torch.equal(torch_npu.npu_trans_quant_param(scale, round_mode=None), cann_attn.trans_quant_param(scale))
+
+
+@pytest.mark.parametrize("layout", ["BSH", "TND"])
+def test_fusion_attention_numels_without_dropout(layout):
+    x, lens = _inputs(layout)
+    x = x.view(x.shape[0], HEADS, -1) if layout == "TND" else x  # TND takes [T, N, D]
+    before = torch_npu.get_rng_state()
+    *_, seed, offset, numels = torch_npu.npu_fusion_attention(x, x, x, HEADS, layout, scale=0.3, **lens)
+    assert (seed, offset, numels) == (0, 0, _numels(layout, x)) and torch.equal(torch_npu.get_rng_state(), before)
+
+
+@pytest.mark.parametrize("layout", ["bsh", "Bsh", "tnd"])
+def test_fusion_attention_layout_is_case_insensitive(layout, rng):
+    """torch_npu upper-cases input_layout before checking it; forward, grad and their v2 forms alike."""
+    x, lens = _inputs(layout.upper())
+    x = x.view(x.shape[0], HEADS, -1) if layout.upper() == "TND" else x  # TND takes [T, N, D]
+    dy = torch.randn(x.shape, generator=rng)
+    for forward, grad in ((torch_npu.npu_fusion_attention, torch_npu.npu_fusion_attention_grad),
+                          (torch_npu.npu_fusion_attention_v2, torch_npu.npu_fusion_attention_grad_v2)):
+        upper = forward(x, x, x, HEADS, layout.upper(), scale=0.3, **lens)
+        mixed = forward(x, x, x, HEADS, layout, scale=0.3, **lens)
+        assert torch.equal(upper[0], mixed[0])
+        g_upper = grad(x, x, x, dy, HEADS, layout.upper(), scale_value=0.3, **lens)
+        g_mixed = grad(x, x, x, dy, HEADS, layout, scale_value=0.3, **lens)
+        for a, b in zip(g_upper[:3], g_mixed[:3], strict=True):
+            assert torch.equal(a, b)
 
 
 @pytest.mark.parametrize("layout", ["BSND", "TND"])

@@ -25,8 +25,8 @@ and the grad functions regenerate it from the ``seed``, ``offset`` and ``numels`
 generator is this module's state, a CPU int64 tensor ``[seed, offset]``: each dropout call draws the keep mask of
 ``numels = B*N1*Sq*Skv`` (TND: ``N1 * sum(Sq_b*Skv_b)``) elements at the current (seed, offset) through the
 ``cann_attn::dropout_mask`` op (see :func:`cann_attn.library.mix_seed`) and advances ``offset`` by ``numels`` in
-place. :func:`manual_seed` resets it to ``[seed, 0]``. With ``keep_prob == 1`` nothing is drawn and seed, offset and
-numels are 0.
+place. :func:`manual_seed` resets it to ``[seed, 0]``. With ``keep_prob == 1`` nothing is drawn and seed and offset
+are 0; numels is still the mask size, as torch_npu reports it.
 
 ``seed`` and ``offset`` are Python ints in eager mode. While ``torch.compiler.is_compiling()`` they are 0-d int64
 (CPU) tensors instead, so that reading the generator does not break the graph; the grad functions accept both.
@@ -171,6 +171,11 @@ def _rope_dims(query: Tensor, query_rope: Tensor | None, key_rope: Tensor | None
     return head_dim, rope_dim
 
 
+def _layout(input_layout):
+    """torch_npu upper-cases input_layout before checking it ("BSH/SBH/BNSD/BSND/TND (case-insensitive)")."""
+    return input_layout.upper() if isinstance(input_layout, str) else input_layout
+
+
 def _check_sink(sink) -> None:
     if sink is not None:
         raise ParamInvalidError("sink: attention sinks are not supported by cann_attn, got a tensor")
@@ -182,7 +187,7 @@ def _fusion_attention(query, key, value, head_num, input_layout, *, pse, padding
                       pse_type, q_start_idx, kv_start_idx, softmax_layout):
     q_ends = _ints(actual_seq_qlen, "actual_seq_qlen")
     kv_ends = _ints(actual_seq_kvlen, "actual_seq_kvlen")
-    drop_mask, numels = None, 0
+    drop_mask, numels = None, None
     if _uses_dropout(keep_prob):
         numels = _mask_numel(query, key, head_num, input_layout, q_ends, kv_ends)
         drop_mask, seed, offset = _draw_drop_mask(query, numels, keep_prob)
@@ -193,6 +198,8 @@ def _fusion_attention(query, key, value, head_num, input_layout, *, pse, padding
         q_ends, kv_ends, _ints(q_start_idx, "q_start_idx"), _ints(kv_start_idx, "kv_start_idx"), float(scale),
         float(keep_prob), pre_tokens, next_tokens, inner_precise, sparse_mode, pse_type, softmax_layout,
     )
+    if numels is None:  # torch_npu reports the mask size without dropout too (sized after the op validated)
+        numels = _mask_numel(query, key, head_num, input_layout, q_ends, kv_ends)
     return out, softmax_max, softmax_sum, softmax_out, seed, offset, numels
 
 
@@ -209,6 +216,7 @@ def npu_fusion_attention(
     w.r.t. query, key, value and pse. With ``keep_prob < 1`` the keep mask is drawn at (seed, offset) of this
     module's generator (module docstring); pass seed, offset and numels to :func:`npu_fusion_attention_grad`.
     """
+    input_layout = _layout(input_layout)
     return _fusion_attention(
         query, key, value, head_num, input_layout, pse=pse, padding_mask=padding_mask, atten_mask=atten_mask,
         scale=scale, keep_prob=keep_prob, pre_tokens=pre_tockens, next_tokens=next_tockens,
@@ -229,6 +237,7 @@ def npu_fusion_attention_v2(
     """torch_npu.npu_fusion_attention_v2: ``npu_fusion_attention`` with ``pse_type`` (0..3, SEMANTICS.md 4),
     ``q_start_idx``/``kv_start_idx`` for ALiBi, and ``query_rope``/``key_rope`` appended to query/key along the head
     dim. Same 7-tuple; differentiable w.r.t. query, key, value, a type 0/1 pse and the rope tensors."""
+    input_layout = _layout(input_layout)
     _check_sink(sink)
     head_dim, rope_dim = _rope_dims(query, query_rope, key_rope, head_num, input_layout)
     query = _cat_rope(query, query_rope, input_layout, head_dim, rope_dim)
@@ -273,6 +282,7 @@ def npu_fusion_attention_grad(
     With ``keep_prob < 1`` the forward's keep mask is regenerated from ``seed`` and ``offset`` (ints or the 0-d
     tensors a compiled forward returns); ``numels`` must be the forward's (or 0). dpse is None without pse.
     """
+    input_layout = _layout(input_layout)
     return _fusion_attention_grad(
         query, key, value, dy, head_num, input_layout, pse=pse, padding_mask=padding_mask, atten_mask=atten_mask,
         softmax_max=softmax_max, softmax_sum=softmax_sum, softmax_in=softmax_in, attention_in=attention_in,
@@ -298,6 +308,7 @@ def npu_fusion_attention_grad_v2(
     dpse is None unless a type 0/1 pse tensor is given; dq_rope/dk_rope are None without rope inputs; dsink is
     always None (sinks are not supported).
     """
+    input_layout = _layout(input_layout)
     _check_sink(sink)
     head_dim, rope_dim = _rope_dims(query, query_rope, key_rope, head_num, input_layout)
     full_query = _cat_rope(query, query_rope, input_layout, head_dim, rope_dim)
@@ -336,10 +347,10 @@ def npu_prompt_flash_attention(
     )
 
 
-def npu_trans_quant_param(scale: Tensor, offset: Tensor | None = None, round_mode: int = 0) -> Tensor:
+def npu_trans_quant_param(scale: Tensor, offset: Tensor | None = None, round_mode: int | None = 0) -> Tensor:
     """torch_npu.npu_trans_quant_param: float32 scales (and offsets) -> UINT64 deq-scale words, returned as int64
-    (SEMANTICS.md 7). Only the default ``round_mode=0`` is supported."""
-    if round_mode != 0:
+    (SEMANTICS.md 7). Only the default ``round_mode=0`` is supported (None, torch_npu's ``int?``, means it)."""
+    if round_mode is not None and round_mode != 0:
         raise ParamInvalidError(f"round_mode: only 0 is supported, got {round_mode!r}")
     return library.trans_quant_param(scale, offset)
 

@@ -91,7 +91,9 @@ def prompt_flash_attention(
     require(v.head_dim == q.head_dim and v.seq == k.seq and v.batch == k.batch and v.heads == k.heads, "value",
             f"the key's shape {list(key.shape)}", value)
     require(k.batch == q.batch, "key", f"batch B={q.batch} like the query", key)
-    require(1 <= q.head_dim <= MAX_HEAD_DIM, "query", f"head dim D in 1..{MAX_HEAD_DIM}", query)
+    # D = 0 makes an empty query, which returns an empty output (SEMANTICS.md 10; seed: "如果是空则直接返回").
+    require(q.head_dim <= MAX_HEAD_DIM and (q.head_dim >= 1 or query.numel() == 0), "query",
+            f"head dim D in 1..{MAX_HEAD_DIM}", query)
     require(num_heads <= MAX_HEADS, "num_heads", f"at most {MAX_HEADS}", num_heads)
     alignment = 32 if query.dtype == torch.int8 else 16
     if q.head_dim % alignment != 0:
