@@ -11,7 +11,7 @@ import torch
 import cann_attn
 from cann_attn.testing import dsa_oracle
 from cann_attn.testing.precision import assert_close_to_oracle
-from dsa_utils import BF16, DT_IDS, F16, F32, F64, GRAD_NAMES, SFACase, single_thread
+from dsa_utils import BF16, DT_IDS, F16, F32, F64, GRAD_NAMES, PROPERTY_LAYOUTS, SFACase, single_thread
 
 pytestmark = pytest.mark.usefixtures(single_thread.__name__)
 BLOCK_SIZES = (1, 8, 16, 32, 64, 128)
@@ -343,7 +343,7 @@ NONFINITE_SCENARIOS = {
 
 @pytest.mark.parametrize("target", list(NONFINITE_TARGETS))
 @pytest.mark.parametrize("scenario", list(NONFINITE_SCENARIOS))
-@pytest.mark.parametrize("layout", ["BSND", "TND"])
+@pytest.mark.parametrize("layout", PROPERTY_LAYOUTS)
 def test_nonfinite_unselected_keys_do_not_leak(layout, scenario, target, rng):
     """NaN in a key / value / key_rope row that no row selects changes nothing: outputs, statistics and all five
     gradients match the oracle and are finite."""
@@ -361,7 +361,7 @@ def test_nonfinite_unselected_keys_do_not_leak(layout, scenario, target, rng):
 
 @pytest.mark.parametrize("target", ["key", "value", "latent"])
 @pytest.mark.parametrize("bs,style", [(1, "topk"), (8, "blocks"), (64, "blocks")])
-@pytest.mark.parametrize("layout", ["BSND", "TND"])
+@pytest.mark.parametrize("layout", PROPERTY_LAYOUTS)
 def test_nonfinite_selected_key_poisons_only_its_rows(layout, bs, style, target, rng):
     """Rows that select a NaN key (or value) row get NaN outputs; every other row, and every gradient the oracle
     gives as finite, matches the oracle (NaN exactly where the oracle has NaN). "blocks": neighbouring rows share
@@ -398,7 +398,7 @@ def test_nonfinite_selected_key_poisons_only_its_rows(layout, bs, style, target,
 
 @pytest.mark.parametrize("target", ["query", "query_rope", "d_out"])
 @pytest.mark.parametrize("bs,style", [(1, "random"), (64, "blocks")])
-@pytest.mark.parametrize("layout", ["BSND", "TND"])
+@pytest.mark.parametrize("layout", PROPERTY_LAYOUTS)
 def test_nonfinite_query_side_row_reaches_only_its_selected_keys(layout, bs, style, target, rng):
     """A NaN query / query_rope / d_out row poisons that row and the d_key / d_value rows of the keys it selects,
     nothing else: unused (-1 padded) entries, which gather token 0, and block-union columns the row did not select
