@@ -36,6 +36,10 @@ import common
 
 import cann_attn
 
+# --device choices (the first is the default); cann-attn bench reads this line to pass --device only where it
+# applies.
+DEVICES = ("cpu", "cuda")
+
 B, N, S, D = 1, 8, 2048, 128
 BAND = 256
 LONG_S, LONG_N = 16384, 1
@@ -236,8 +240,7 @@ def print_tables(results, long, console) -> None:
                              long_label="fp32 forward+backward")
 
 def main(argv=None) -> int:
-    parser = common.cli_parser(__doc__, "fewer repeats (1 warm-up, 3 timed)")
-    parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
+    parser = common.cli_parser(__doc__, "fewer repeats (1 warm-up, 3 timed)", devices=DEVICES)
     parser.add_argument("--skip-long", action="store_true", help=f"skip (e), the S={LONG_S} case")
     args = parser.parse_args(argv)
     if args.device == "cuda" and not torch.cuda.is_available():

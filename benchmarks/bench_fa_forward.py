@@ -32,6 +32,10 @@ import common
 
 import cann_attn
 
+# --device choices (the first is the default); cann-attn bench reads this line to pass --device only where it
+# applies.
+DEVICES = ("cpu", "cuda")
+
 B, N, S, D = 1, 8, 2048, 128
 BAND = 256
 LONG_S, LONG_N = 32768, 1
@@ -215,8 +219,7 @@ def print_tables(results, long, console) -> None:
     common.print_ratio_table(console, title, results, long, close_label="allclose (max diff)", long_label="fp32")
 
 def main(argv=None) -> int:
-    parser = common.cli_parser(__doc__, "fewer repeats (1 warm-up, 3 timed)")
-    parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
+    parser = common.cli_parser(__doc__, "fewer repeats (1 warm-up, 3 timed)", devices=DEVICES)
     parser.add_argument("--skip-long", action="store_true", help="skip (e), the S=32768 case")
     args = parser.parse_args(argv)
     if args.device == "cuda" and not torch.cuda.is_available():

@@ -11,7 +11,7 @@ forward; the same count for every system. Ratios = other system's time / ours (>
 (issue 9): forward >= 1.1x SDPA flash, backward >= 1.0x SDPA flash; masks >= 1.2x FlexAttention (forward and
 backward). Each system's output is checked against ours (max abs diff) in the same run.
 
-    python benchmarks/bench_gpu_dense.py [--quick] [--out DIR] [--strict]
+    python benchmarks/bench_gpu_dense.py [--quick] [--out DIR] [--device cuda] [--strict]
 
 Writes DIR/gpu_dense_<gpu-model>.json and .png (default DIR: benchmarks/results). Exits with status 2 and a
 message without CUDA.
@@ -32,6 +32,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common
 
 import cann_attn
+
+# --device choices (the first is the default); cann-attn bench reads this line to pass --device only where it
+# applies.
+DEVICES = ("cuda",)
 
 TOKENS, N, D = 16384, 16, 128
 SEQS = (1024, 2048, 4096, 8192, 16384)
@@ -279,7 +283,7 @@ def _print(rec: dict[str, Any]) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = common.gpu_args(__doc__, "S = 1k and 4k only, 3 repeats", argv, "bench_gpu_dense.py")
+    args = common.gpu_args(__doc__, "S = 1k and 4k only, 3 repeats", argv, "bench_gpu_dense.py", DEVICES)
     if args is None:
         return 2
     gpu = torch.cuda.get_device_name()

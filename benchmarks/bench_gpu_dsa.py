@@ -10,7 +10,7 @@ top-2048) and the KL-loss backward (sparse_lightning_indexer_grad_kl_loss), whos
 the sparse backward. Peak memory: torch.cuda.max_memory_allocated of each call. Targets (issue 10): forward >= 300
 TFLOPS, backward >= 150 TFLOPS on H100/H200.
 
-    python benchmarks/bench_gpu_dsa.py [--quick] [--out DIR] [--strict]
+    python benchmarks/bench_gpu_dsa.py [--quick] [--out DIR] [--device cuda] [--strict]
 
 Writes DIR/gpu_dsa_<gpu-model>.json and .png (default DIR: benchmarks/results). Exits with status 2 and a message
 without CUDA.
@@ -30,6 +30,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common
 
 import cann_attn
+
+# --device choices (the first is the default); cann-attn bench reads this line to pass --device only where it
+# applies.
+DEVICES = ("cuda",)
 
 N1, D, DR, DV, TOPK = 128, 512, 64, 512, 2048
 N_IDX, D_IDX = 64, 128
@@ -110,7 +114,7 @@ def run_case(s2: int, repeats: int, dev: torch.device) -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = common.gpu_args(__doc__, "S2 = 8k only, 3 repeats", argv, "bench_gpu_dsa.py")
+    args = common.gpu_args(__doc__, "S2 = 8k only, 3 repeats", argv, "bench_gpu_dsa.py", DEVICES)
     if args is None:
         return 2
     dev = torch.device("cuda")

@@ -14,7 +14,8 @@ the inputs are built). Outputs are sanity-checked (finite loss and gradients; to
 recomputation up to rounding); an error or a mismatch makes the exit status 1 (with --strict, so does a missed
 target).
 
-    python benchmarks/bench_indexer.py [--quick] [--out DIR] [--strict] [--threads N] [--no-rss]
+    python benchmarks/bench_indexer.py [--quick] [--out DIR] [--device cpu] [--strict]
+        [--threads N] [--no-rss]
 
 Writes DIR/indexer_cpu.json and DIR/indexer_cpu.png (default DIR: benchmarks/results).
 """
@@ -34,6 +35,10 @@ import common
 from bench_sparse_attention import gemm_rate, paired_ratio, ratio_plot, reset_peak_rss
 
 import cann_attn
+
+# --device choices (the first is the default); cann-attn bench reads this line to pass --device only where it
+# applies.
+DEVICES = ("cpu",)
 
 B, S1, S2, N1, D, DR = 1, 1024, 4096, 16, 512, 64
 NIDX, DIDX, K = 8, 128, 512
@@ -187,7 +192,8 @@ def print_table(results, gemm: dict, console) -> None:
 
 
 def main(argv=None) -> int:
-    parser = common.cli_parser(__doc__, "no warm-up, 1 timed call, fewer GEMM repeats", threads=True, no_rss=True)
+    parser = common.cli_parser(__doc__, "no warm-up, 1 timed call, fewer GEMM repeats", devices=DEVICES,
+                               threads=True, no_rss=True)
     args = parser.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)

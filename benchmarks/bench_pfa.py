@@ -9,7 +9,7 @@ ours and SDPA alike. Times are medians of repeats. The fp16/bf16 outputs are che
 the int8 -> fp16 output against SDPA on the dequantized inputs (loose: p is quantized to int8). A mismatch makes
 the exit status 1 (with --strict, so does a missed target).
 
-    python benchmarks/bench_pfa.py [--quick] [--out DIR] [--strict] [--threads N]
+    python benchmarks/bench_pfa.py [--quick] [--out DIR] [--device cpu] [--strict] [--threads N]
 
 Writes DIR/pfa_cpu.json and DIR/pfa_cpu.png (default DIR: benchmarks/results).
 """
@@ -29,6 +29,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common
 
 import cann_attn
+
+# --device choices (the first is the default); cann-attn bench reads this line to pass --device only where it
+# applies.
+DEVICES = ("cpu",)
 
 B, N, NKV, S, D = 1, 8, 2, 2048, 128
 SCALE = D**-0.5
@@ -230,7 +234,7 @@ def print_table(results, console) -> None:
 
 
 def main(argv=None) -> int:
-    parser = common.cli_parser(__doc__, "fewer repeats (1 warm-up, 2 timed)", threads=True)
+    parser = common.cli_parser(__doc__, "fewer repeats (1 warm-up, 2 timed)", devices=DEVICES, threads=True)
     args = parser.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)

@@ -18,7 +18,8 @@ after the inputs are built, so "delta" is the call's own working memory). A few 
 checked against a float64 recomputation; a mismatch or an error makes the exit status 1 (with --strict, so does a
 missed target).
 
-    python benchmarks/bench_sparse_attention.py [--quick] [--out DIR] [--strict] [--threads N] [--no-rss]
+    python benchmarks/bench_sparse_attention.py [--quick] [--out DIR] [--device cpu] [--strict]
+        [--threads N] [--no-rss]
 
 Writes DIR/sparse_attention_cpu.json and DIR/sparse_attention_cpu.png (default DIR: benchmarks/results).
 """
@@ -40,6 +41,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common
 
 import cann_attn
+
+# --device choices (the first is the default); cann-attn bench reads this line to pass --device only where it
+# applies.
+DEVICES = ("cpu",)
 
 B, S1, S2, N1, D, DR, K = 1, 1024, 4096, 16, 512, 64, 512
 DQK, DV = D + DR, D
@@ -325,7 +330,8 @@ def print_table(results, gemm: dict, console) -> None:
 
 
 def main(argv=None) -> int:
-    parser = common.cli_parser(__doc__, "no warm-up, 1 timed call, fewer GEMM repeats", threads=True, no_rss=True)
+    parser = common.cli_parser(__doc__, "no warm-up, 1 timed call, fewer GEMM repeats", devices=DEVICES,
+                               threads=True, no_rss=True)
     args = parser.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)

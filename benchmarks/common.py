@@ -220,11 +220,16 @@ def ratio_record(*, key: str, case: str, dtype: str, shape: str, pairs: int, flo
     }
 
 
-def cli_parser(doc: str, quick_help: str, *, threads: bool = False, no_rss: bool = False):
-    """The options every benchmark script shares: --quick, --out, --strict (and --threads / --no-rss)."""
+def cli_parser(doc: str, quick_help: str, *, devices: tuple[str, ...], threads: bool = False, no_rss: bool = False):
+    """The options every benchmark script shares: --quick, --out, --strict, --device (one of `devices`, the
+    script's module-level DEVICES, which ``cann-attn bench`` reads to pass --device only where it applies; the
+    first is the default) and --threads / --no-rss."""
     import argparse
 
     parser = argparse.ArgumentParser(description=doc.splitlines()[0])
+    parser.add_argument(
+        "--device", default=devices[0], choices=devices, help=f"device to measure on (default {devices[0]})"
+    )
     parser.add_argument("--quick", action="store_true", help=quick_help)
     parser.add_argument("--out", default=str(RESULTS), help="results folder (default benchmarks/results)")
     parser.add_argument("--strict", action="store_true", help="exit 1 when a performance target is missed")
@@ -235,10 +240,10 @@ def cli_parser(doc: str, quick_help: str, *, threads: bool = False, no_rss: bool
     return parser
 
 
-def gpu_args(doc: str, quick_help: str, argv: list[str] | None, script: str):
+def gpu_args(doc: str, quick_help: str, argv: list[str] | None, script: str, devices: tuple[str, ...] = ("cuda",)):
     """The shared options of a GPU benchmark, parsed (`out` as a Path); None, after saying so on stderr, when
     there is no CUDA GPU (the caller exits with status 2)."""
-    args = cli_parser(doc, quick_help).parse_args(argv)
+    args = cli_parser(doc, quick_help, devices=devices).parse_args(argv)
     args.out = Path(args.out)
     if not torch.cuda.is_available():
         print(f"{script} needs a CUDA GPU (torch.cuda.is_available() is False); nothing measured.", file=sys.stderr)

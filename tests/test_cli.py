@@ -30,7 +30,16 @@ def test_help():
 
 
 @pytest.mark.parametrize(
-    "args", [["no-such-command"], [], ["verify", "--op", "no_such_op"], ["verify", "--bogus"]]
+    "args",
+    [
+        ["no-such-command"],
+        [],
+        ["verify", "--op", "no_such_op"],
+        ["verify", "--bogus"],
+        ["verify", "--seed", "99999999999999999999", "--list"],  # over 64 bits: torch's seeds overflow
+        ["verify", "--seed", "-9223372036854775809", "--list"],
+        ["verify", "--seed", "abc"],
+    ],
 )
 def test_bad_usage_exits_2_with_one_line(args):
     proc = _run(*args)
@@ -84,3 +93,114 @@ def test_bench_named_suite_reports_its_failure(tmp_path):
                           env=env)
     assert proc.returncode == 1, proc.stdout + proc.stderr
     assert "gpu suite ran" in proc.stdout and "exit status 2" in proc.stderr
+
+
+def _device_benchmarks(tmp_path: Path) -> dict[str, str]:
+    """Suites that print the options they get: one that declares DEVICES = ("cpu",), one that declares
+    ("cuda",), and one without DEVICES (and without a --device option)."""
+    folder = tmp_path / "benchmarks"
+    folder.mkdir()
+    template = (
+        "import argparse\n{devices}"
+        "p = argparse.ArgumentParser()\n{device_option}"
+        "p.add_argument('--quick', action='store_true')\n"
+        "p.add_argument('--out')\n"
+        "print('{name} ran with', vars(p.parse_args()))\n"
+    )
+    for name, devices in (("cpu_case", '("cpu",)'), ("gpu_case", '("cuda",)'), ("plain_case", None)):
+        (folder / f"bench_{name}.py").write_text(
+            template.format(
+                name=name,
+                devices=f"DEVICES = {devices}\n" if devices else "",
+                device_option="p.add_argument('--device', choices=DEVICES)\n" if devices else "",
+            )
+        )
+    return {**os.environ, "CANN_ATTN_BENCHMARKS": str(folder)}
+
+
+def _bench(env: dict[str, str], *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([*_cli(), "bench", *args], capture_output=True, text=True, timeout=120, env=env)
+
+
+def _one_line_usage_error(proc: subprocess.CompletedProcess, message: str) -> None:
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("cann-attn: error:") and message in lines[0], proc.stderr
+    assert " ran with" not in proc.stdout, "no suite may run"
+
+
+def test_bench_passes_device_only_to_suites_that_take_it(tmp_path):
+    env = _device_benchmarks(tmp_path)
+    proc = _bench(env, "--suite", "cpu_case", "--device", "cpu", "--quick")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "cpu_case ran with {'device': 'cpu', 'quick': True" in proc.stdout
+    proc = _bench(env, "--suite", "plain_case", "--device", "cpu")  # takes no --device: runs on the CPU without it
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "plain_case ran with {'quick': False" in proc.stdout
+    proc = _bench(env, "--device", "cpu")  # all: the suites that run on the CPU
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "cpu_case ran" in proc.stdout and "plain_case ran" in proc.stdout and "gpu_case ran" not in proc.stdout
+    assert "skipped (they do not run on cpu): gpu_case" in proc.stdout
+    _one_line_usage_error(_bench(env, "--suite", "gpu_case", "--device", "cpu"), "suite gpu_case runs on cuda only")
+    _one_line_usage_error(_bench(env, "--suite", "cpu_case", "--device", "cuda"), "suite cpu_case runs on cpu only")
+
+
+def test_bench_device_cuda_without_cuda_is_a_usage_error(tmp_path):
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("a CUDA device is present")
+    env = _device_benchmarks(tmp_path)
+    _one_line_usage_error(_bench(env, "--device", "cuda"), "--device cuda: CUDA is not available")
+    _one_line_usage_error(_bench(env, "--suite", "gpu_case", "--device", "cuda"), "CUDA is not available")
+
+
+@pytest.mark.parametrize("out", ["/dev/null/results", "{file}", "{file}/results"])
+def test_bench_unwritable_out_is_a_usage_error_before_any_suite(tmp_path, out):
+    env = _device_benchmarks(tmp_path)
+    (tmp_path / "file").write_text("x")
+    proc = _bench(env, "--suite", "cpu_case", "--out", out.format(file=tmp_path / "file"))
+    _one_line_usage_error(proc, "--out: cannot write")
+
+
+_PARSE_EACH_BENCHMARK = """
+import contextlib, importlib.util, io, json, sys
+from pathlib import Path
+from cann_attn.cli import bench
+result = {}
+for name, script in bench.suites(Path(sys.argv[1])).items():
+    devices, takes_device = bench.suite_devices(name, script)
+    spec = importlib.util.spec_from_file_location("bench_" + name, script)
+    module = sys.modules[spec.name] = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    codes = {}
+    for device in ("cpu", "cuda"):
+        with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+            try:
+                module.main(["--device", device, "--help"])  # parsed, then --help exits before any work
+            except SystemExit as exc:
+                codes[device] = exc.code
+    result[name] = {"declared": devices, "takes_device": takes_device, "module": list(module.DEVICES),
+                    "exit": codes}
+print(json.dumps(result))
+"""
+
+
+def test_real_benchmarks_take_the_devices_they_declare():
+    """What cann-attn bench passes (--device among a script's DEVICES) is what that script's parser takes."""
+    import json
+
+    folder = Path(__file__).resolve().parents[1] / "benchmarks"
+    proc = subprocess.run([sys.executable, "-c", _PARSE_EACH_BENCHMARK, str(folder)], capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert set(result) == {"fa_forward", "fa_backward", "pfa", "indexer", "sparse_attention", "gpu_dense", "gpu_dsa"}
+    for name, r in result.items():
+        assert r["takes_device"] and r["declared"] == r["module"], (name, r)
+        assert r["exit"] == {d: 0 if d in r["declared"] else 2 for d in ("cpu", "cuda")}, (name, r)
+    assert result["fa_forward"]["declared"] == result["fa_backward"]["declared"] == ["cpu", "cuda"]
+    for name in ("pfa", "indexer", "sparse_attention"):
+        assert result[name]["declared"] == ["cpu"]
+    for name in ("gpu_dense", "gpu_dsa"):
+        assert result[name]["declared"] == ["cuda"]

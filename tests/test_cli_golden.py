@@ -203,6 +203,90 @@ def test_compare_strict_gates_mere_mare_and_missing_tensor_fails(small_golden, t
     assert rc == 1 and "attention_out: MARE" in out_text and "Ascend rule:" not in out_text
 
 
+def test_compare_missing_tensor_listed_in_actual_manifest_fails_with_exit_1(small_golden, tmp_path, capsys):
+    """As without a manifest: a missing tensor is a row of the table and exit status 1, not bad usage."""
+    actual = tmp_path / "actual"
+    shutil.copytree(small_golden / "actual", actual)
+    for suffix in ("npy", "bin"):
+        (actual / f"softmax_max.{suffix}").unlink()
+    report = tmp_path / "report.json"
+    rc, out, err = _main(capsys, "compare", actual, small_golden / "golden", "--json", report)
+    assert rc == 1, out + err
+    assert "FAIL: 1 of 3 tensors fail" in out and "softmax_max: missing: softmax_max.npy, softmax_max.bin" in out
+    tensors = {t["name"]: t for t in json.loads(report.read_text())["tensors"]}
+    assert not tensors["softmax_max"]["passed"] and tensors["attention_out"]["passed"]
+
+
+def _rewrite_manifest(directory: Path, edit) -> None:
+    manifest = json.loads((directory / "manifest.json").read_text())
+    edit(manifest)
+    (directory / "manifest.json").write_text(json.dumps(manifest))
+
+
+def test_compare_actual_manifest_is_the_source_of_truth(small_golden, tmp_path, capsys):
+    golden = small_golden / "golden"
+    both = tmp_path / "both"
+    shutil.copytree(small_golden / "actual", both)
+    good_bin = (both / "attention_out.bin").read_bytes()
+    # A perturbed .bin next to an intact .npy, both listed: both are measured, the .bin fails.
+    bits = np.frombuffer(good_bin, dtype="<u2").astype(np.int16).copy()
+    values = torch.from_numpy(bits).view(torch.bfloat16) * 1.05 + 0.01
+    values.view(torch.int16).numpy().astype("<u2").tofile(both / "attention_out.bin")
+    rc, out, _ = _main(capsys, "compare", both, golden)
+    assert rc == 1 and "FAIL: 1 of 3 tensors fail" in out and "attention_out: Ascend rule:" in out, out
+    assert "attention_out.npy and attention_out.bin (both listed in" in out
+    assert "(attention_out.npy passes, attention_out.bin fails); the row is attention_out.bin's" in out
+    # The manifest lists only the .bin files: a .npy next to them is ignored.
+    _rewrite_manifest(both, lambda m: [e["files"].pop("npy") for e in m["tensors"]])
+    rc, out, _ = _main(capsys, "compare", both, golden)
+    assert rc == 1 and "attention_out: Ascend rule:" in out and "differ" not in out, out
+    (both / "attention_out.bin").write_bytes(good_bin)
+    np.save(both / "softmax_sum.npy", np.zeros_like(np.load(golden / "softmax_sum.npy")))
+    rc, out, _ = _main(capsys, "compare", both, golden)
+    assert rc == 0 and "PASS: 3/3 tensors" in out, out
+    # A tensor the manifest does not list is missing, even if NAME.npy is there.
+    _rewrite_manifest(both, lambda m: m.update(tensors=[e for e in m["tensors"] if e["name"] != "softmax_sum"]))
+    rc, out, _ = _main(capsys, "compare", both, golden)
+    assert rc == 1 and "softmax_sum: missing:" in out and "does not list softmax_sum" in out, out
+
+
+@pytest.mark.parametrize(
+    "tensors,message",
+    [
+        ([1], "expected an object"),
+        ([{"role": "output", "dtype": "float32", "files": {"npy": "x.npy"}}], "name: missing"),
+        ([{"name": "x", "dtype": "float32", "shape": "abc", "files": {"npy": "x.npy"}}],
+         'x: shape: expected a list of non-negative integers, got "abc"'),
+        ([{"name": "x", "dtype": "float99", "shape": [1], "files": {"npy": "x.npy"}}], "x: dtype: missing or unknown"),
+        ([{"name": "x", "dtype": "float32", "shape": [1], "files": ["x.npy"]}], "x: files: expected an object"),
+        ([{"name": "x", "dtype": "float32", "files": {"bin": "x.bin"}}], "x: shape: missing (needed to read x.bin)"),
+    ],
+)
+def test_malformed_manifest_is_a_usage_error(small_golden, tmp_path, capsys, tensors, message):
+    bad = tmp_path / "bad"
+    shutil.copytree(small_golden / "actual", bad)
+    _rewrite_manifest(bad, lambda m: m.update(tensors=tensors))
+    for args in (
+        ["compare", bad, small_golden / "golden"],
+        ["compare", small_golden / "golden", bad],
+        ["compare", small_golden / "golden" / "attention_out.npy", bad / "attention_out.npy"],
+        ["golden", "--case", _case(tmp_path, _without(SMALL_FA, "inputs")), "--out", tmp_path / "o", "--inputs", bad],
+    ):
+        rc, out, err = _main(capsys, *args)
+        assert rc == 2, (args, out, err)
+        lines = err.strip().splitlines()
+        assert len(lines) == 1 and f"manifest.json: tensors[0]: {message}" in lines[0], (args, err)
+
+
+@pytest.mark.parametrize("target", ["/nonexistent/dir/report.json", "{tmp}", "/dev/null/report.json"])
+def test_compare_unwritable_json_is_a_usage_error_before_comparing(small_golden, tmp_path, capsys, target):
+    golden = small_golden / "golden"
+    rc, out, err = _main(capsys, "compare", golden, golden, "--json", target.format(tmp=tmp_path))
+    assert rc == 2 and out == "", (out, err)  # before the table
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("cann-attn: error: --json:"), err
+
+
 @pytest.mark.parametrize(
     "args,message",
     [
@@ -262,6 +346,19 @@ BAD_CASES = {
         "cann_attn.flash_attention_score rejects this case: [161002] key",
     ),
     "unknown_field": ({**SMALL_FA, "parameters": {}}, "parameters: unknown field"),
+    "seed_over_64_bits": ({**SMALL_FA, "seed": 2**70}, "seed: expected an integer in [0, 2**63 - 1], got 1180591"),
+    "nan_scale_value": (  # the operator would take it and return NaN everywhere
+        {**SMALL_FA, "params": {**SMALL_FA["params"], "scale_value": float("nan")}},
+        "params.scale_value: expected a finite number, got NaN",
+    ),
+    "infinite_scale_value": (
+        {**SMALL_FA, "params": {**SMALL_FA["params"], "scale_value": float("-inf")}},
+        "params.scale_value: expected a finite number, got -Infinity",
+    ),
+    "infinite_generator_option": (
+        _with_input("query", {"shape": [1, 64, 4, 32], "dtype": "bf16", "std": float("inf")}),
+        "inputs.query.std: expected a finite number, got Infinity",
+    ),
 }
 
 
@@ -286,6 +383,38 @@ def test_invalid_json_and_missing_file(tmp_path, capsys):
     rc, _, err = _main(capsys, "golden", "--case", tmp_path / "none.json", "--out", tmp_path / "out")
     assert rc == 2 and "--case: cannot read" in err
     assert sorted(p.name for p in tmp_path.iterdir()) == ["broken.json"]
+
+
+def test_binary_case_file_is_a_usage_error(small_golden, tmp_path, capsys):
+    rc, _, err = _main(capsys, "golden", "--case", small_golden / "golden" / "query.npy", "--out", tmp_path / "out")
+    assert rc == 2 and "not a JSON case file (not UTF-8 text)" in err and len(err.strip().splitlines()) == 1, err
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("option", ["--out", "--actual"])
+@pytest.mark.parametrize("target", ["/dev/null/x", "/proc/cann-attn-no-such-dir", "{file}/sub"])
+def test_unwritable_output_is_a_usage_error_before_any_work(tmp_path, capsys, monkeypatch, option, target):
+    if target.startswith("/proc") and not Path("/proc").is_dir():
+        pytest.skip("no /proc")
+    (tmp_path / "file").write_text("x")
+    target = target.format(file=tmp_path / "file")
+
+    def no_work(*args, **kwargs):
+        raise AssertionError("the case was loaded before the output paths were checked")
+
+    monkeypatch.setattr("cann_attn.cli.golden.load_case", no_work)
+    args = ["--out", target] if option == "--out" else ["--out", tmp_path / "golden", "--actual", target]
+    rc, out, err = _main(capsys, "golden", "--case", _case(tmp_path, SMALL_FA), *args)
+    assert rc == 2, (out, err)
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"cann-attn: error: {option}: cannot write"), err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["case.json", "file"]
+
+
+def test_staged_open_failure_is_a_usage_error():
+    staged = tensorio.Staged(Path("/dev/null/x"))
+    with pytest.raises(tensorio.UsageError, match="--out: cannot create /dev/null/x"):
+        staged.open()
 
 
 def test_failure_while_writing_leaves_nothing(tmp_path, capsys, monkeypatch):

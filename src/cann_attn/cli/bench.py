@@ -2,20 +2,30 @@
 
 Each suite NAME is the script ``benchmarks/bench_NAME.py``; it runs in a subprocess with the same Python.
 The options given here are passed on: every script accepts ``--quick``, ``--strict`` and ``--out DIR``
-(default ``benchmarks/results/``); those that can run on a GPU also accept ``--device cpu|cuda``, which is
-passed only when given. Suites named ``gpu_*`` measure CUDA kernels only: ``--suite all`` skips them (and says
-so) where no CUDA device is available, while naming one explicitly still runs it and reports its failure.
+(default ``benchmarks/results/``). A script names the devices it measures on in a module-level
+``DEVICES = (...)`` line (read here without importing the script; its first device is its default), and takes
+``--device`` among them: fa_forward and fa_backward cpu or cuda, the CPU benchmarks (pfa, sparse_attention,
+indexer) cpu, the ``gpu_*`` suites cuda. A script without that line runs on cuda if named ``gpu_*``, else on the
+CPU, and gets no ``--device``.
+
+Checked before any suite runs (bad usage: exit status 2): ``--out`` can be written, ``--device cuda`` has a CUDA
+device, and a suite named with ``--suite`` runs on the ``--device`` given. ``--suite all`` runs the suites that
+run on the ``--device`` given (and says which it skips); without ``--device``, each suite on its default device,
+skipping the CUDA-only suites (and saying so) where no CUDA device is available. A suite named explicitly without
+``--device`` always runs (a CUDA-only one reports its failure without CUDA).
 """
 
 from __future__ import annotations
 
 import argparse
+import ast
 import os
 import subprocess
 import sys
 from pathlib import Path
 
 from . import UsageError
+from .tensorio import check_output
 
 
 def benchmarks_dir() -> Path | None:
@@ -35,6 +45,27 @@ def suites(directory: Path) -> dict[str, Path]:
     return {p.stem.removeprefix("bench_"): p for p in sorted(directory.glob("bench_*.py"))}
 
 
+def suite_devices(name: str, script: Path) -> tuple[tuple[str, ...], bool]:
+    """The devices a suite measures on (the first: its default) and whether its script takes ``--device``: its
+    module-level ``DEVICES = ("cpu", ...)`` line, else ("cuda",) for ``gpu_*`` suites and ("cpu",) for the others
+    (no --device)."""
+    try:
+        tree = ast.parse(script.read_text(encoding="utf-8"))
+    except (OSError, SyntaxError, ValueError):
+        tree = ast.Module(body=[], type_ignores=[])
+    for node in tree.body:
+        if (isinstance(node, ast.Assign) and len(node.targets) == 1 and isinstance(node.targets[0], ast.Name)
+                and node.targets[0].id == "DEVICES"):
+            try:
+                devices = ast.literal_eval(node.value)
+            except ValueError:
+                break
+            if isinstance(devices, (tuple, list)) and devices and all(d in ("cpu", "cuda") for d in devices):
+                return tuple(devices), True
+            break
+    return (("cuda",) if name.startswith(GPU_ONLY_PREFIX) else ("cpu",)), False
+
+
 def cuda_available() -> bool:
     import torch
 
@@ -50,7 +81,9 @@ def add_parser(subparsers) -> None:
     )
     p.add_argument("--suite", default="all", help="suite name (e.g. fa_forward) or 'all' (default)")
     p.add_argument(
-        "--device", choices=("cpu", "cuda"), help="device to benchmark on (default: the script's, cpu)"
+        "--device",
+        choices=("cpu", "cuda"),
+        help="device to benchmark on (default: each suite's own; with --suite all, only the suites that run on it)",
     )
     p.add_argument("--quick", action="store_true", help="fewer repeats")
     p.add_argument("--out", metavar="DIR", help="results folder (default: benchmarks/results)")
@@ -67,16 +100,34 @@ def run(args: argparse.Namespace) -> int:
     available = suites(directory)
     if args.suite != "all" and args.suite not in available:
         raise UsageError(f"--suite: unknown suite {args.suite!r} (known: {', '.join(available)}, all)")
-    chosen = available if args.suite == "all" else {args.suite: available[args.suite]}
-    status = 0
-    if args.suite == "all" and args.device != "cuda" and not cuda_available():
-        skipped = [name for name in chosen if name.startswith(GPU_ONLY_PREFIX)]
+    if args.out:
+        check_output(Path(args.out), "--out")
+    devices = {name: suite_devices(name, script) for name, script in available.items()}
+    if args.suite != "all" and args.device and args.device not in devices[args.suite][0]:
+        others = [n for n, (d, _) in devices.items() if args.device in d]
+        raise UsageError(
+            f"--device {args.device}: suite {args.suite} runs on {' / '.join(devices[args.suite][0])} only "
+            f"(suites for {args.device}: {', '.join(others) or 'none'})"
+        )
+    if args.device == "cuda" and not cuda_available():
+        raise UsageError("--device cuda: CUDA is not available (PyTorch build or machine)")
+    if args.suite != "all":
+        chosen = {args.suite: available[args.suite]}
+    elif args.device:
+        skipped = [name for name in available if args.device not in devices[name][0]]
         if skipped:
-            print(f"== skipped (no CUDA device; they measure GPU kernels only): {', '.join(skipped)}", flush=True)
-        chosen = {name: script for name, script in chosen.items() if name not in skipped}
+            print(f"== skipped (they do not run on {args.device}): {', '.join(skipped)}", flush=True)
+        chosen = {name: script for name, script in available.items() if name not in skipped}
+    else:
+        chosen = dict(available)
+        cuda_only = [name for name in chosen if "cpu" not in devices[name][0]]
+        if cuda_only and not cuda_available():
+            print(f"== skipped (no CUDA device; they measure GPU kernels only): {', '.join(cuda_only)}", flush=True)
+            chosen = {name: script for name, script in chosen.items() if name not in cuda_only}
+    status = 0
     for name, script in chosen.items():
         cmd = [sys.executable, str(script)]
-        if args.device:
+        if args.device and devices[name][1]:
             cmd += ["--device", args.device]
         if args.quick:
             cmd.append("--quick")

@@ -4,7 +4,8 @@
 
     {
       "op": "flash_attention_score",           # an operator of cann_attn (or --op)
-      "seed": 0,                                # seed of the torch.Generator drawing the inputs (default 0)
+      "seed": 0,                                # seed of the torch.Generator drawing the inputs (default 0;
+                                                #   an integer in [0, 2**63 - 1])
       "description": "free text",               # optional
       "inputs": {                               # tensor arguments, by the operator's parameter names
         "query": {"shape": [1, 256, 4, 64], "dtype": "bfloat16"},                  # normal(0, 1) by default
@@ -36,6 +37,8 @@ float64 forward oracle unless they are listed here or loaded with ``--inputs``. 
 those that depend on other inputs (drop_mask, sparse_indices, lightning_indexer). A tensor loaded with
 ``--inputs`` replaces the generated one, which is still drawn, so the other tensors are those of the seeded case.
 
+Numbers are JSON numbers; NaN and Infinity (which Python's json module accepts) are refused for the float
+parameters and generator options (the operators would take e.g. scale_value NaN and return NaN everywhere).
 Every problem raises `CaseError` (exit status 2) with one line naming the field, e.g.
 ``case.json: inputs.query.shape: expected a list of non-negative integers, got [2, -1]``.
 """
@@ -43,6 +46,7 @@ Every problem raises `CaseError` (exit status 2) with one line naming the field,
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -54,7 +58,7 @@ import cann_attn
 
 from . import UsageError
 from . import cases as registry
-from .tensorio import DTYPES, canonical_dtype, find_entry, parse_dtype, read_entry, read_manifest, read_npy
+from .tensorio import DTYPES, canonical_dtype, entry_files, find_entry, parse_dtype, read_entry, read_manifest, read_npy
 
 __all__ = ["CaseError", "CaseFile", "TensorSpec", "build_inputs", "load_case", "load_inputs"]
 
@@ -75,6 +79,7 @@ GENERATORS: dict[str, tuple[str, ...]] = {  # generator -> its options
 DEPENDENT = ("drop_mask", "sparse_indices", "lightning_indexer")
 _FIXED_SHAPE = ("values", "trans_quant_param", "compressed_mask", "drop_mask")
 _INTEGER = (torch.int8, torch.uint8, torch.int16, torch.int32, torch.int64)
+MAX_SEED = 2**63 - 1  # torch.Generator.manual_seed takes 64-bit seeds
 
 
 class CaseError(UsageError):
@@ -112,7 +117,8 @@ def _is_int(x: Any) -> bool:
 
 
 def _is_number(x: Any) -> bool:
-    return isinstance(x, (int, float)) and not isinstance(x, bool)
+    """A finite JSON number (json.loads accepts NaN, Infinity and -Infinity, which no parameter means)."""
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
 
 
 def _known_ops() -> list[str]:
@@ -130,6 +136,8 @@ def load_case(path: str | Path, op: str | None = None) -> CaseFile:
         text = Path(path).read_text()
     except OSError as exc:
         raise CaseError(f"--case: cannot read {where} ({exc.strerror or exc})") from exc
+    except UnicodeDecodeError as exc:
+        raise fail("not a JSON case file (not UTF-8 text)") from exc
     try:
         raw = json.loads(text)
     except json.JSONDecodeError as exc:
@@ -152,8 +160,8 @@ def load_case(path: str | Path, op: str | None = None) -> CaseFile:
         raise fail(f"op: unknown operator {name!r} (known: {', '.join(_known_ops())})")
 
     seed = raw.get("seed", 0)
-    if not _is_int(seed) or seed < 0:
-        raise fail(f"seed: expected a non-negative integer, got {seed!r}")
+    if not _is_int(seed) or not 0 <= seed <= MAX_SEED:
+        raise fail(f"seed: expected an integer in [0, 2**63 - 1], got {json.dumps(seed)}")
     if "description" in raw and not isinstance(raw["description"], str):
         raise fail("description: expected a string")
 
@@ -195,7 +203,7 @@ def _check_params(op: str, params: dict[str, Any], fail) -> None:
             ok = value is None or _is_int(value) or (isinstance(value, list) and all(_is_int(v) for v in value))
             annotation = "an integer or a list of integers"
         elif annotation == "float":
-            annotation = "a number"
+            annotation = "a finite number"
         else:
             annotation = {"int": "an integer", "str": "a string", "bool": "true or false"}[annotation]
         if not ok:
@@ -260,7 +268,7 @@ def _tensor_spec(name: str, spec: Any, fail) -> TensorSpec:
 def _check_options(field_: str, generator: str, dtype: torch.dtype, options: dict[str, Any], fail) -> None:
     for key in ("mean", "std", "low", "high", "p"):
         if key in options and not _is_number(options[key]):
-            raise fail(f"{field_}.{key}: expected a number, got {json.dumps(options[key])}")
+            raise fail(f"{field_}.{key}: expected a finite number, got {json.dumps(options[key])}")
     for key in ("mode", "diagonal"):
         if key in options and not _is_int(options[key]):
             raise fail(f"{field_}.{key}: expected an integer, got {json.dumps(options[key])}")
@@ -324,7 +332,8 @@ def load_inputs(paths: list[str], case: CaseFile) -> dict[str, tuple[torch.Tenso
             if manifest is not None:
                 entries = [e for e in manifest["tensors"] if e.get("role") == "input" and e.get("name") in inputs]
                 for entry in entries:
-                    add(entry["name"], read_entry(path, entry), str(path / entry["files"]["npy"]))
+                    files = [f for f in entry_files(path, entry).values() if f.is_file()]
+                    add(entry["name"], read_entry(path, entry), str(files[0] if files else path))
                 matched = len(entries)
             else:
                 files = [p for p in sorted(path.glob("*.npy")) if p.stem in inputs]

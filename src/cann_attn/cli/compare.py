@@ -3,8 +3,12 @@
 ACTUAL and GOLDEN are both files or both directories:
 
 - directories: GOLDEN is a ``cann-attn golden`` directory; each of its output tensors (``--all``: also the
-  inputs) is matched by name in ACTUAL: by ACTUAL's manifest.json if it has one, else ``NAME.npy``, else
-  ``NAME.bin`` (of ``--dtype``, default the golden's dtype, and the golden's shape);
+  inputs) is matched by name in ACTUAL. When ACTUAL has a manifest.json, it is the source of truth: a tensor it
+  does not list, or a listed file that is absent, is missing (files it does not list are ignored), and every
+  file it lists is read (in the manifest's dtype and shape) and measured: the tensor passes when each of them
+  does; when a ``.npy`` and a ``.bin`` of one tensor hold different values, its row is that of the file that
+  fares worse, with a note. Without a manifest: ``NAME.npy``, else ``NAME.bin`` (of ``--dtype``, default the
+  golden's dtype, and the golden's shape);
 - files: ``.npy`` or ``.bin``; a ``.bin`` takes its dtype from ``--dtype`` (default: the golden's) and its shape
   from the golden (a ``.bin`` golden needs the manifest.json of its directory).
 
@@ -18,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 from pathlib import Path
 from typing import Any
 
@@ -28,7 +33,18 @@ from rich.table import Table
 
 from . import UsageError
 from .metrics import TensorMetrics, dtype_name, measure
-from .tensorio import find_entry, parse_dtype, read_bin, read_entry, read_manifest, read_npy
+from .tensorio import (
+    MANIFEST,
+    check_output,
+    entry_files,
+    find_entry,
+    parse_dtype,
+    read_bin,
+    read_entry,
+    read_file_of_entry,
+    read_manifest,
+    read_npy,
+)
 
 
 def add_parser(subparsers) -> None:
@@ -63,11 +79,9 @@ def _dtype_option(args: argparse.Namespace) -> torch.dtype | None:
     return dtype
 
 
-def _load_actual(path: Path, golden: torch.Tensor, dtype: torch.dtype | None, entry=None) -> torch.Tensor:
-    """An actual tensor: by manifest entry, .npy (float32 values of a bfloat16 golden are cast to bfloat16) or
-    .bin (dtype `dtype` or the golden's, the golden's shape)."""
-    if entry is not None:
-        return read_entry(path, entry)
+def _load_actual(path: Path, golden: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
+    """An actual tensor: .npy (float32 values of a bfloat16 golden are cast to bfloat16) or .bin (dtype `dtype`
+    or the golden's, the golden's shape)."""
     if path.suffix == ".npy":
         t = read_npy(path)
         if golden.dtype == torch.bfloat16 and t.dtype == torch.float32:
@@ -88,6 +102,53 @@ def _golden_file(path: Path, dtype_option: torch.dtype | None) -> tuple[str, tor
         raise UsageError(f"{path}: expected a .npy or .bin file")
     dtype = parse_dtype(entry["dtype"]) if entry else dtype_option
     return (entry["name"] if entry else path.stem), read_npy(path, dtype)
+
+
+def _differ(a: torch.Tensor, b: torch.Tensor) -> int:
+    """How many elements differ between two tensors of one dtype (every element if the shapes differ; NaN equals
+    NaN)."""
+    if a.shape != b.shape:
+        return max(a.numel(), b.numel())
+    differ = a != b
+    if a.dtype.is_floating_point:
+        differ &= ~(a.isnan() & b.isnan())
+    return int(differ.sum())
+
+
+def _problem(name: str, golden: torch.Tensor, problem: str) -> TensorMetrics:
+    """A tensor that could not be compared (a failure)."""
+    kind = "float" if golden.dtype.is_floating_point else "exact"
+    return TensorMetrics(name, dtype_name(golden.dtype), tuple(golden.shape), kind, problem=problem)
+
+
+def _from_actual_manifest(actual_path: Path, entry, name: str, golden: torch.Tensor, strict: bool) -> TensorMetrics:
+    """The metrics of tensor `name` as ACTUAL's manifest lists it: every listed file is measured; when they hold
+    different values, the row is that of the file that fares worst (a failing one first), with a note."""
+    where = actual_path / MANIFEST
+    if entry is None:
+        return _problem(name, golden, f"missing: {where} does not list {name}")
+    files = entry_files(actual_path, entry)
+    absent = [p.name for p in files.values() if not p.is_file()]
+    if absent:
+        return _problem(name, golden, f"missing: {', '.join(absent)} (listed in {where}) not found")
+    tensors = {kind: read_file_of_entry(path, kind, entry) for kind, path in files.items()}
+    measured = {kind: measure(name, t, golden, golden.dtype) for kind, t in tensors.items()}
+    first, *others = tensors
+    differ = {kind: _differ(tensors[first], tensors[kind]) for kind in others}
+    if not any(differ.values()):
+        return measured[first]
+    worst = min(measured, key=lambda k: (measured[k].passed(strict), -(measured[k].max_abs or 0.0)))
+    row = measured[worst]
+    for kind, n in differ.items():
+        if n:
+            verdicts = ", ".join(
+                f"{files[k].name} {'passes' if measured[k].passed(strict) else 'fails'}" for k in (first, kind)
+            )
+            row.notes.append(
+                f"{files[first].name} and {files[kind].name} (both listed in {where}) differ in {n} of "
+                f"{tensors[first].numel()} elements ({verdicts}); the row is {files[worst].name}'s"
+            )
+    return row
 
 
 def collect(args: argparse.Namespace) -> tuple[list[TensorMetrics], dict[str, Any]]:
@@ -117,25 +178,16 @@ def collect(args: argparse.Namespace) -> tuple[list[TensorMetrics], dict[str, An
     for entry in entries:
         name = entry["name"]
         golden = read_entry(golden_path, entry)
-        actual_entry = find_entry(actual_manifest, name=name)
+        if actual_manifest is not None:  # the source of truth: what it lists, nothing else
+            entry = find_entry(actual_manifest, name=name)
+            results.append(_from_actual_manifest(actual_path, entry, name, golden, args.strict))
+            continue
         candidates = [actual_path / f"{name}.npy", actual_path / f"{name}.bin"]
         found = next((c for c in candidates if c.is_file()), None)
-        if actual_entry is None and found is None:
-            results.append(
-                TensorMetrics(
-                    name,
-                    dtype_name(golden.dtype),
-                    tuple(golden.shape),
-                    "float" if golden.dtype.is_floating_point else "exact",
-                    problem=f"missing: no {name}.npy or {name}.bin in {actual_path}",
-                )
-            )
+        if found is None:
+            results.append(_problem(name, golden, f"missing: no {name}.npy or {name}.bin in {actual_path}"))
             continue
-        if actual_entry is not None:
-            actual = _load_actual(actual_path, golden, dtype_option, actual_entry)
-        else:
-            actual = _load_actual(found, golden, dtype_option)
-        results.append(measure(name, actual, golden, golden.dtype))
+        results.append(measure(name, _load_actual(found, golden, dtype_option), golden, golden.dtype))
     return results, {"op": manifest.get("op"), "seed": manifest.get("seed")}
 
 
@@ -172,13 +224,30 @@ def render(results: list[TensorMetrics], strict: bool, console: Console, title: 
     console.print(table)
 
 
+def _check_json_option(path: str) -> None:
+    """--json FILE: refuse, before any work, a directory or a file that cannot be written."""
+    target = Path(path)
+    if target.is_dir():
+        raise UsageError(f"--json: {target} is a directory")
+    if not target.parent.is_dir():
+        raise UsageError(f"--json: cannot write {target} ({target.parent} is not an existing directory)")
+    if target.exists() and not os.access(target, os.W_OK):
+        raise UsageError(f"--json: cannot write {target} (permission denied)")
+    check_output(target.parent, "--json", shown=target)
+
+
 def run(args: argparse.Namespace) -> int:
+    if args.json:
+        _check_json_option(args.json)
     results, info = collect(args)
     console = Console()
     if not console.is_terminal:
         console = Console(width=max(console.width, 150))
     what = f" ({info['op']})" if info.get("op") else ""
     render(results, args.strict, console, f"cann-attn compare{what}: {args.actual} vs golden {args.golden}")
+    for m in results:
+        for note in m.notes:
+            console.print(f"[yellow]note[/]: {m.name}: {escape(note)}", highlight=False, soft_wrap=True)
     failed = [m for m in results if not m.passed(args.strict)]
     gates = "Ascend double-thousandth rule" + (" + MERE/MARE (--strict)" if args.strict else "")
     if any(m.kind != "float" for m in results):
@@ -191,7 +260,10 @@ def run(args: argparse.Namespace) -> int:
             "passed": not failed,
             "tensors": [m.to_json(args.strict) for m in results],
         }
-        Path(args.json).write_text(json.dumps(report, indent=2) + "\n")
+        try:
+            Path(args.json).write_text(json.dumps(report, indent=2) + "\n")
+        except OSError as exc:
+            raise UsageError(f"--json: cannot write {args.json} ({exc.strerror or exc})") from exc
     if not failed:
         console.print(f"[bold green]PASS[/]: {len(results)}/{len(results)} tensors pass ({gates})")
         over = [m.name for m in results if m.kind == "float" and not (m.mere_pass and m.mare_pass)]

@@ -9,7 +9,7 @@ them to each output's dtype and writes, in ``--out``:
 
 - every input and output tensor as ``NAME.npy`` and ``NAME.bin`` (``tensorio.py``: raw little-endian,
   bfloat16 as its raw 16-bit pattern);
-- ``manifest.json``: per tensor its name, role (input / output), shape, dtype, files and origin; the operator,
+- ``manifest.json``: per tensor its name, role (input / output), shape, dtype, files and source; the operator,
   its parameters, the seed, the case, and the cann_attn / torch versions.
 
 ``--actual DIR`` also writes the operator's own outputs for the same inputs (same names, same manifest format),
@@ -185,8 +185,8 @@ def run(args: argparse.Namespace) -> int:
     if not console.is_terminal:
         console = Console(width=max(console.width, 140))
     table = Table(title=f"cann-attn golden: {case.op} (seed {case.seed})", header_style="bold")
-    for col in ("tensor", "role", "dtype", "shape", "origin"):
-        table.add_column(col, no_wrap=col != "origin")
+    for col in ("tensor", "role", "dtype", "shape", "source"):
+        table.add_column(col, no_wrap=col != "source")
     for name, t, role, source in inputs + outputs:
         table.add_row(name, role, canonical_dtype(t.dtype), str(list(t.shape)), source)
     console.print(table)

@@ -30,10 +30,13 @@ __all__ = [
     "Staged",
     "bin_dtype_name",
     "canonical_dtype",
+    "check_output",
+    "entry_files",
     "find_entry",
     "parse_dtype",
     "read_bin",
     "read_entry",
+    "read_file_of_entry",
     "read_manifest",
     "read_npy",
     "write_manifest",
@@ -160,17 +163,47 @@ def read_bin(path: Path, dtype: torch.dtype, shape: list[int] | tuple[int, ...])
 
 
 def read_manifest(directory: Path) -> dict[str, Any] | None:
-    """The directory's manifest.json (None if it has none)."""
+    """The directory's manifest.json (None if it has none), its tensor entries checked (`_check_entry`)."""
     path = directory / MANIFEST
     if not path.is_file():
         return None
     try:
         manifest = json.loads(path.read_text())
-    except (OSError, ValueError) as exc:
+    except (OSError, ValueError) as exc:  # UnicodeDecodeError is a ValueError
         raise UsageError(f"{path}: not a readable manifest ({exc})") from exc
     if not isinstance(manifest, dict) or not isinstance(manifest.get("tensors"), list):
         raise UsageError(f"{path}: not a cann-attn manifest (no 'tensors' list)")
+    for i, entry in enumerate(manifest["tensors"]):
+        problem = _check_entry(entry)
+        if problem:
+            raise UsageError(f"{path}: tensors[{i}]: {problem}")
     return manifest
+
+
+def _check_entry(entry: Any) -> str:
+    """What is wrong with a manifest's tensor entry ('' if nothing): an object with a name, a known dtype, files
+    (npy and / or bin: file names) and, if given, a shape (a list of non-negative integers) and a role."""
+    if not isinstance(entry, dict):
+        return f"expected an object (name, role, shape, dtype, files), got {json.dumps(entry)}"
+    name = entry.get("name")
+    if not isinstance(name, str) or not name:
+        return "name: missing or not a string"
+    if "role" in entry and not isinstance(entry["role"], str):
+        return f"{name}: role: expected a string, got {json.dumps(entry['role'])}"
+    if "shape" in entry:
+        shape = entry["shape"]
+        if not isinstance(shape, list) or not all(isinstance(x, int) and not isinstance(x, bool) and x >= 0
+                                                  for x in shape):
+            return f"{name}: shape: expected a list of non-negative integers, got {json.dumps(shape)}"
+    if parse_dtype(entry.get("dtype")) is None:
+        return f"{name}: dtype: missing or unknown ({json.dumps(entry.get('dtype'))})"
+    files = entry.get("files")
+    if (not isinstance(files, dict) or not any(k in files for k in ("npy", "bin"))
+            or not all(isinstance(v, str) and v for v in files.values())):
+        return f"{name}: files: expected an object of file names with 'npy' and / or 'bin', got {json.dumps(files)}"
+    if "bin" in files and "shape" not in entry:
+        return f"{name}: shape: missing (needed to read {files['bin']})"
+    return ""
 
 
 def find_entry(manifest: dict[str, Any] | None, *, name: str | None = None, file: str | None = None):
@@ -181,6 +214,18 @@ def find_entry(manifest: dict[str, Any] | None, *, name: str | None = None, file
         if file is not None and file in (entry.get("files") or {}).values():
             return entry
     return None
+
+
+def entry_files(directory: Path, entry: dict[str, Any]) -> dict[str, Path]:
+    """The .npy / .bin files a (checked) manifest entry lists, by kind ('npy', 'bin'), in that order."""
+    files = entry.get("files") or {}
+    return {kind: directory / files[kind] for kind in ("npy", "bin") if kind in files}
+
+
+def read_file_of_entry(path: Path, kind: str, entry: dict[str, Any]) -> torch.Tensor:
+    """One listed file ('npy' or 'bin') of a checked manifest entry, in the entry's dtype."""
+    dtype = parse_dtype(entry["dtype"])
+    return read_npy(path, dtype) if kind == "npy" else read_bin(path, dtype, entry.get("shape", []))
 
 
 def read_entry(directory: Path, entry: dict[str, Any], prefer: str = "npy") -> torch.Tensor:
@@ -209,19 +254,27 @@ class Staged:
     def __init__(self, target: Path, force: bool = False):
         self.target = Path(target)
         self.force = force
+        self.option = "--out"
         self.tmp: Path | None = None
 
     def check(self, option: str) -> None:
-        """Refuse an existing non-empty target unless forced (before any work is done)."""
+        """Refuse an existing non-empty target unless forced, and a target whose parent cannot be created or
+        written in (before any work is done)."""
+        self.option = option
         t = self.target
         if t.exists() and not t.is_dir():
             raise UsageError(f"{option}: {t} exists and is not a directory")
         if t.is_dir() and any(t.iterdir()) and not self.force:
             raise UsageError(f"{option}: {t} exists and is not empty (--force replaces it)")
+        check_output(t.parent, option, shown=t)
 
     def open(self) -> Path:
-        self.target.parent.mkdir(parents=True, exist_ok=True)
-        self.tmp = Path(tempfile.mkdtemp(prefix=f".{self.target.name}.", suffix=".tmp", dir=self.target.parent))
+        try:
+            self.target.parent.mkdir(parents=True, exist_ok=True)
+            tmp = tempfile.mkdtemp(prefix=f".{self.target.name}.", suffix=".tmp", dir=self.target.parent)
+        except OSError as exc:
+            raise UsageError(f"{self.option}: cannot create {self.target} ({exc.strerror or exc})") from exc
+        self.tmp = Path(tmp)
         umask = os.umask(0)
         os.umask(umask)
         self.tmp.chmod(0o777 & ~umask)  # mkdtemp makes it private; the result is an ordinary directory
@@ -247,6 +300,22 @@ class Staged:
         if self.tmp is not None:
             shutil.rmtree(self.tmp, ignore_errors=True)
             self.tmp = None
+
+
+def check_output(directory: Path, option: str, shown: Path | None = None) -> None:
+    """Raise a UsageError unless files can be written in `directory` (created if missing): its nearest existing
+    ancestor must be a directory in which a directory can be created (probed with a temporary one, removed
+    at once). `shown`: the path named in the message (default `directory`)."""
+    shown = directory if shown is None else shown
+    existing = Path(directory)
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    if not existing.is_dir():
+        raise UsageError(f"{option}: cannot write {shown} ({existing} is not a directory)")
+    try:
+        os.rmdir(tempfile.mkdtemp(prefix=".cann-attn-probe.", dir=existing))
+    except OSError as exc:
+        raise UsageError(f"{option}: cannot write {shown} (cannot write in {existing}: {exc.strerror or exc})") from exc
 
 
 def _dumps(value: Any, indent: int = 0) -> str:

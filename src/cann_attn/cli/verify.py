@@ -73,7 +73,8 @@ def add_parser(subparsers) -> None:
     p.add_argument("--op", help="only this operator (default: every operator with cases)")
     p.add_argument("--quick", action="store_true", help="skip the larger cases (well under a minute)")
     p.add_argument("--device", default="cpu", help="device of the operator's inputs, e.g. cpu, cuda, cuda:1")
-    p.add_argument("--seed", type=int, default=0, help="base seed of the input generators (default 0)")
+    p.add_argument("--seed", type=_seed, default=0,
+                   help="base seed of the input generators, a 64-bit signed integer (default 0)")
     p.add_argument("--backend", choices=("auto", "reference", "triton"), default="auto",
                    help="backend preference: triton runs every case the Triton kernels support on them (on CPU "
                    "in Triton's interpreter) and the rest on the reference backend (default auto)")
@@ -81,6 +82,20 @@ def add_parser(subparsers) -> None:
     p.add_argument("--list", action="store_true", help="list the selected cases and exit")
     p.add_argument("--traceback", action="store_true", help="print the traceback of cases that raised")
     p.set_defaults(func=run)
+
+
+SEED_RANGE = (-(2**63), 2**63 - 1)  # seed + crc32 (< 2**32) stays within what torch.Generator.manual_seed takes
+
+
+def _seed(text: str) -> int:
+    """--seed: an integer in SEED_RANGE (argparse turns the ValueError into a usage error)."""
+    try:
+        seed = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"invalid integer: {text!r}") from None
+    if not SEED_RANGE[0] <= seed <= SEED_RANGE[1]:
+        raise argparse.ArgumentTypeError(f"expected an integer in [-2**63, 2**63 - 1], got {text}")
+    return seed
 
 
 def _device(name: str) -> torch.device:
