@@ -6,6 +6,7 @@ was given, so a user can fix the call without reading the operator documentation
 
 from __future__ import annotations
 
+import numbers
 from typing import Any
 
 __all__ = ["AclnnError", "ParamInvalidError", "ParamNullptrError", "describe", "require", "require_int"]
@@ -43,10 +44,11 @@ def describe(value: Any) -> str:
 
 
 def require_int(value: Any, param: str) -> int:
-    """`value` must be a Python int (bool is rejected although it is an int subclass)."""
-    if isinstance(value, bool) or not isinstance(value, int):
+    """`value` must be an integer, a Python int or a NumPy integer scalar (bool is rejected although it is an int
+    subclass, and so are floats such as 8.0); returned as a Python int."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
         raise ParamInvalidError(f"{param}: expected an int, got {value!r}")
-    return value
+    return int(value)
 
 
 def require(condition: bool, param: str, expected: str, given: Any) -> None:

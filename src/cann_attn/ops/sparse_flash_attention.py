@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import numbers
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -77,11 +76,6 @@ def _check_tensor(t, name: str, dtype: torch.dtype | None = None) -> torch.Tenso
     return t
 
 
-def _is_integer(value) -> bool:
-    """A Python int or a NumPy integer scalar; bool (an int subclass), floats and tensors are not."""
-    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
-
-
 def validate_sparse(query, key, value, sparse_indices, scale_value, *, query_rope, key_rope, actual_seq_lengths_query,
                     actual_seq_lengths_kv, sparse_block_size, layout, sparse_mode, pre_tokens=INT64_MAX,
                     next_tokens=INT64_MAX) -> SparseProblem:
@@ -97,13 +91,13 @@ def validate_sparse(query, key, value, sparse_indices, scale_value, *, query_rop
         raise ParamInvalidError(f"layout: expected 'BSND' or 'TND', got {layout!r}")
     if require_int(sparse_mode, "sparse_mode") not in SFA_MODES:
         raise ParamInvalidError(f"sparse_mode: expected 0 or 3, got {sparse_mode!r}")
-    # An integer (8.0 would pass `in SPARSE_BLOCK_SIZES` and break the index arithmetic later; SEMANTICS.md 8).
-    if not _is_integer(sparse_block_size) or sparse_block_size not in SPARSE_BLOCK_SIZES:
+    # An integer first (8.0 would pass `in SPARSE_BLOCK_SIZES` and break the index arithmetic later; SEMANTICS.md 8).
+    if require_int(sparse_block_size, "sparse_block_size") not in SPARSE_BLOCK_SIZES:
         raise ParamInvalidError(
             f"sparse_block_size: expected an int, one of {list(SPARSE_BLOCK_SIZES)}, got {sparse_block_size!r}"
         )
     for name, bound in (("pre_tokens", pre_tokens), ("next_tokens", next_tokens)):
-        if not _is_integer(bound) or bound not in SFA_WINDOW_VALUES:
+        if require_int(bound, name) not in SFA_WINDOW_VALUES:
             raise ParamInvalidError(f"{name}: expected an int equal to 2147483647 or 2**63-1 (the only supported "
                                     f"value: no sliding window), got {bound!r}")
     if not isinstance(scale_value, (int, float)) or isinstance(scale_value, bool):
