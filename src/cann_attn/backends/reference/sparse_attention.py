@@ -102,20 +102,22 @@ class SparseSequence:
         return keys, ws.gather_rows("values", self.v, tokens)
 
     def keys_values_finite(self) -> bool:
-        """Whether K (key ++ key_rope) and V hold only finite values: the fast paths' masking needs it.
-
-        Tested on the sums: a NaN or inf element makes a sum non-finite in any summation order, and one sum is
-        ~25x cheaper than isfinite().all() (0.3 vs 7.4 ms at [4096, 576] fp32, one thread). Finite values whose
-        sum overflows only send the sequence to the isolating path, which is exact as well."""
-        return bool(self.k.sum().isfinite()) and (self.value_is_key or bool(self.v.sum().isfinite()))
+        """Whether K (key ++ key_rope) and V hold only finite values: the fast paths' masking needs it."""
+        return all_finite(self.k, *(() if self.value_is_key else (self.v,)))
 
     def rows_finite(self, *row_tensors: torch.Tensor) -> bool:
         """Whether the query side (query, query_rope and `row_tensors`, e.g. the grad's d_out and out) holds only
         finite values. The backward's per-entry dK / dV products multiply a row's query and d_out by exactly 0 for
         the row's unused entries (added into token 0) and union columns it did not select: a NaN row would reach
-        keys it never selected. Same sum test as `keys_values_finite`."""
-        tensors = (self.q, *(() if self.q_rope is None else (self.q_rope,)), *row_tensors)
-        return all(bool(t.sum().isfinite()) for t in tensors)
+        keys it never selected."""
+        return all_finite(self.q, *(() if self.q_rope is None else (self.q_rope,)), *row_tensors)
+
+
+def all_finite(*tensors: torch.Tensor) -> bool:
+    """No NaN or inf in any of `tensors`, tested on their sums: a NaN or inf element makes a sum non-finite in any
+    summation order, and one sum is ~25x cheaper than isfinite().all() (0.3 vs 7.4 ms at [4096, 576] fp32, one
+    thread). Finite values whose sum overflows only send a sequence to the isolating path, which is exact too."""
+    return all(bool(t.sum().isfinite()) for t in tensors)
 
 
 @dataclass
