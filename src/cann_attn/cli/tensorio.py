@@ -233,14 +233,10 @@ def read_entry(directory: Path, entry: dict[str, Any], prefer: str = "npy") -> t
     dtype = parse_dtype(entry.get("dtype"))
     if dtype is None:
         raise UsageError(f"{directory / MANIFEST}: tensor {entry.get('name')!r}: unknown dtype {entry.get('dtype')!r}")
-    files = entry.get("files") or {}
-    order = ("npy", "bin") if prefer == "npy" else ("bin", "npy")
-    for kind in order:
-        if kind in files and (directory / files[kind]).is_file():
-            path = directory / files[kind]
-            if kind == "npy":
-                return read_npy(path, dtype)
-            return read_bin(path, dtype, entry.get("shape", []))
+    files = entry_files(directory, entry)
+    for kind in ("npy", "bin") if prefer == "npy" else ("bin", "npy"):
+        if kind in files and files[kind].is_file():
+            return read_file_of_entry(files[kind], kind, entry)
     raise UsageError(f"{directory}: the files of tensor {entry.get('name')!r} are missing")
 
 
