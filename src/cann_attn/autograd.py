@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from itertools import accumulate
+
 import torch
 
 from .errors import ParamInvalidError
@@ -11,7 +13,6 @@ from .ops.flash_attention_score_grad import flash_attention_score_grad
 from .ops.lightning_indexer import count_tokens_with_keys, sparse_lightning_indexer_grad_kl_loss
 from .ops.sparse_flash_attention import sparse_flash_attention, sparse_flash_attention_grad
 from .problem.dropout import drop_mask_numel, gen_drop_mask
-from .problem.lengths import to_int_list
 
 
 class _FlashAttentionFunction(torch.autograd.Function):
@@ -75,19 +76,16 @@ def flash_attention(
         keep_prob = 1.0 - float(dropout_p)
     drop_mask = None
     if 0.0 < keep_prob < 1.0:
-        # Sizing the mask reads shapes and lengths: validate them first, so that bad input raises the operator's
-        # own errors (SEMANTICS.md 10), as it does without dropout.
-        build_problem(query, key, value, head_num, input_layout, pse=pse, drop_mask=None, atten_mask=atten_mask,
-                      prefix=prefix, actual_seq_qlen=actual_seq_qlen, actual_seq_kvlen=actual_seq_kvlen,
-                      q_start_idx=q_start_idx, kv_start_idx=kv_start_idx, scale_value=scale_value, keep_prob=1.0,
-                      pre_tokens=pre_tokens, next_tokens=next_tokens, inner_precise=inner_precise,
-                      sparse_mode=sparse_mode, pse_type=pse_type, softmax_layout=softmax_layout,
-                      allowed_modes=FORWARD_MODES)
-        if input_layout == "TND":
-            numel = drop_mask_numel(head_num, actual_seq_qlen=to_int_list(actual_seq_qlen, "actual_seq_qlen"),
-                                    actual_seq_kvlen=to_int_list(actual_seq_kvlen, "actual_seq_kvlen"))
-        else:
-            numel = drop_mask_numel(head_num, **_dense_sizes(query, key, input_layout))
+        # Validated first, so that bad input raises the operator's own errors (SEMANTICS.md 10) as it does without
+        # dropout; the per-sequence lengths then size the mask for every layout (dense: B equal sequences).
+        _, shapes = build_problem(
+            query, key, value, head_num, input_layout, pse=pse, drop_mask=None, atten_mask=atten_mask, prefix=prefix,
+            actual_seq_qlen=actual_seq_qlen, actual_seq_kvlen=actual_seq_kvlen, q_start_idx=q_start_idx,
+            kv_start_idx=kv_start_idx, scale_value=scale_value, keep_prob=1.0, pre_tokens=pre_tokens,
+            next_tokens=next_tokens, inner_precise=inner_precise, sparse_mode=sparse_mode, pse_type=pse_type,
+            softmax_layout=softmax_layout, allowed_modes=FORWARD_MODES)
+        numel = drop_mask_numel(head_num, actual_seq_qlen=list(accumulate(shapes.seq_q)),
+                                actual_seq_kvlen=list(accumulate(shapes.seq_kv)))
         drop_mask = gen_drop_mask(numel, keep_prob, generator=generator, device=query.device)
     options = dict(
         head_num=head_num, input_layout=input_layout, padding_mask=padding_mask, atten_mask=atten_mask,
@@ -97,11 +95,6 @@ def flash_attention(
         pse_type=pse_type, softmax_layout=softmax_layout, backend=backend,
     )
     return _FlashAttentionFunction.apply(query, key, value, pse, drop_mask, options)
-
-
-def _dense_sizes(query: torch.Tensor, key: torch.Tensor, layout: str) -> dict:
-    b_axis, s_axis = {"BSH": (0, 1), "SBH": (1, 0), "BSND": (0, 1), "BNSD": (0, 2)}.get(layout, (0, 1))
-    return {"batch": query.shape[b_axis], "seq_q": query.shape[s_axis], "seq_kv": key.shape[s_axis]}
 
 
 class _SparseAttentionFunction(torch.autograd.Function):
