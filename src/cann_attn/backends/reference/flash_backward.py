@@ -2,9 +2,10 @@
 
 Per query tile and visible key tile, P is recomputed from the given softmax statistics (no renormalisation):
 P = exp(S - max) / sum, P_drop = P * keep / keep_prob, dV += P_drop^T dY, dP = dY V^T,
-dS = P * (dP * keep / keep_prob - rowsum(dY * O)), dQ += scale dS K, dK += scale dS^T Q, dpse from dS
-(both scales applied once, to the finished dQ rows and dK).
-dK/dV accumulate in fp32 buffers of the key's size; no [Sq, Skv] matrix is ever formed.
+dS = P * (dP * keep / keep_prob - rowsum(dY * O)), dQ += scale dS K, dK += dS^T (scale Q), dpse from dS
+(the query tile carries the scale; dQ's is applied once, to its finished rows).
+dQ/dK/dV accumulate in fp32: straight in the outputs when they are fp32 and their layout gives the GEMMs'
+[count * N2, rows, D] view, else in buffers. No [Sq, Skv] matrix is ever formed.
 """
 
 from __future__ import annotations
@@ -51,8 +52,8 @@ def _backward_run(kernel: RunKernel, problem: AttentionProblem, run: Run, dy, at
     max_all = problem.stat_view(softmax_max, run)[..., 0]
     sum_all = problem.stat_view(softmax_sum, run)[..., 0]
     dq_view = problem.q_view(dq, run)
-    dk_acc = torch.zeros((c * n2, run.seq_kv, d_qk), dtype=dtype, device=device)
-    dv_acc = torch.zeros((c * n2, run.seq_kv, kernel.v.shape[-1]), dtype=dtype, device=device)
+    dk_acc = _accumulator(dk_view, (c * n2, run.seq_kv, d_qk), dtype)
+    dv_acc = _accumulator(dv_view, (c * n2, run.seq_kv, kernel.v.shape[-1]), dtype)
     pse_grad = _pse_grad_target(run, dpse_source)
     inv_keep = 1.0 / problem.keep_prob
     for i0 in range(0, run.seq_q, kernel.block_q):
@@ -65,7 +66,7 @@ def _backward_run(kernel: RunKernel, problem: AttentionProblem, run: Run, dy, at
         dy_g = group_rows(dy_t, n2)
         row_max = max_all[:, :, i0:i1].to(dtype).unsqueeze(-1)
         inv_sum = 1.0 / sum_all[:, :, i0:i1].to(dtype).unsqueeze(-1)
-        dq_acc = torch.zeros((c * n2, q_tile.shape[1], d_qk), dtype=dtype, device=device)
+        dq_acc = _accumulator(dq_view[:, :, i0:i1], (c * n2, q_tile.shape[1], d_qk), dtype)
         for j0, j1, state in key_tiles(run, i0, i1, kernel.block_k, kernel.max_width):
             cols = j1 - j0
             p = kernel.scores(q_tile, i0, i1, j0, j1, state)
@@ -85,6 +86,25 @@ def _backward_run(kernel: RunKernel, problem: AttentionProblem, run: Run, dy, at
             dk_acc[:, j0:j1].baddbmm_(ds_g.transpose(1, 2), q_tile[:, :, :d_qk])
             if pse_grad is not None:
                 run.pse.accumulate_grad(pse_grad, i0, i1, j0, j1, ds)
-        dq_view[:, :, i0:i1].copy_(dq_acc.view(c, n1, rows, d_qk).mul_(problem.scale))
-    dk_view.copy_(dk_acc.view(c, n2, run.seq_kv, d_qk).mul_(problem.scale))
-    dv_view.copy_(dv_acc.view(c, n2, run.seq_kv, -1))
+        dq_acc.mul_(problem.scale)
+        _store(dq_view[:, :, i0:i1], dq_acc)
+    _store(dk_view, dk_acc)
+    _store(dv_view, dv_acc)
+
+
+def _accumulator(target: torch.Tensor, shape: tuple[int, int, int], dtype: torch.dtype) -> torch.Tensor:
+    """Where to accumulate a gradient whose output view is `target` (zero-initialised by the op): `target`
+    itself viewed as `shape` when it has the accumulation dtype and its strides allow the view (no buffer, no
+    copy back), else a zeroed fp32 buffer."""
+    if target.dtype == dtype:
+        try:
+            return target.view(shape)
+        except RuntimeError:  # strides that no view can merge (e.g. a GQA group's heads with a row slice)
+            pass
+    return torch.zeros(shape, dtype=dtype, device=target.device)
+
+
+def _store(target: torch.Tensor, acc: torch.Tensor) -> None:
+    """Copy a finished accumulator into its output view, unless it is that view."""
+    if acc.data_ptr() != target.data_ptr() or acc.dtype != target.dtype:
+        target.copy_(acc.view(target.shape))
