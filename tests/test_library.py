@@ -144,6 +144,14 @@ def _sli_kl(gen):
                                                                          key_rope=i["key_rope"])
 
 
+def _count_tokens(gen):
+    """The divisor of indexer_kl_loss(reduction="mean") as an op: TND, a sequence whose rows select only -1."""
+    qi, ki = _rand(gen, 5, 2, 8), _rand(gen, 7, 1, 8)
+    idx = torch.tensor([[0, -1], [1, 0], [-1, -1], [0, 2], [1, -1]], dtype=torch.int32).view(5, 1, 2)
+    kwargs = dict(actual_seq_lengths_query=[3, 5], actual_seq_lengths_key=[3, 7])
+    return OPS.count_tokens_with_keys.default, (qi, ki, idx, "TND", 3), kwargs
+
+
 def _dropout(gen):
     return OPS.dropout_mask.default, (torch.tensor([7, 96], dtype=torch.int64), 45, 0.7), {}
 
@@ -165,6 +173,7 @@ CASES = {
     "lightning_indexer": _li_novalue,
     "sli_kl_loss": _sli_kl,
     "dropout_mask": _dropout,
+    "count_tokens_with_keys": _count_tokens,
 }
 
 
@@ -179,7 +188,8 @@ def test_opcheck(case, rng):
 def test_every_operator_is_registered():
     expected = {"flash_attention_score", "flash_attention_var_len_score", "flash_attention_score_grad",
                 "prompt_flash_attention", "trans_quant_param", "sparse_flash_attention", "sparse_flash_attention_grad",
-                "lightning_indexer", "sparse_lightning_indexer_grad_kl_loss", "dropout_mask"}
+                "lightning_indexer", "sparse_lightning_indexer_grad_kl_loss", "dropout_mask",
+                "count_tokens_with_keys"}
     tested = {CASES[c](torch.Generator().manual_seed(0))[0].name().split("::")[1].split(".")[0] for c in CASES}
     assert expected <= tested
     for name in expected:

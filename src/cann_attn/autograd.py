@@ -1,11 +1,19 @@
-"""Differentiable entry points pairing each forward operator with its grad operator (DESIGN.md)."""
+"""Differentiable entry points pairing each forward operator with its grad operator (DESIGN.md).
+
+Each is one small torch.autograd.Function. Eagerly it calls the operators of `cann_attn.ops` directly; under
+torch.compile it calls their `torch.library` custom ops (`cann_attn.library`) instead, which the tracer keeps
+opaque (their fake twins give the shapes), so `torch.compile(fullgraph=True)` traces a model that calls these
+functions without a graph break. The custom ops run the same eager operators, so both paths compute alike.
+"""
 
 from __future__ import annotations
 
 from itertools import accumulate
+from types import SimpleNamespace
 
 import torch
 
+from . import library
 from .errors import ParamInvalidError
 from .ops.fa_problem import build_problem
 from .ops.flash_attention_score import FORWARD_MODES, INT_MAX, flash_attention_score
@@ -14,28 +22,67 @@ from .ops.lightning_indexer import count_tokens_with_keys, sparse_lightning_inde
 from .ops.sparse_flash_attention import sparse_flash_attention, sparse_flash_attention_grad
 from .problem.dropout import drop_mask_numel, gen_drop_mask
 
+_EAGER = SimpleNamespace(
+    flash_attention_score=flash_attention_score, flash_attention_score_grad=flash_attention_score_grad,
+    sparse_flash_attention=sparse_flash_attention, sparse_flash_attention_grad=sparse_flash_attention_grad,
+    sparse_lightning_indexer_grad_kl_loss=sparse_lightning_indexer_grad_kl_loss,
+    count_tokens_with_keys=lambda *args: torch.tensor(float(max(1, count_tokens_with_keys(*args)))),
+)
+
+
+def _ops():
+    """The operators to call: the custom ops while torch.compile traces (a tracer cannot follow the eager
+    operators' data-dependent validation), else the eager operators (no dispatch overhead, their errors as they
+    are raised, e.g. for arguments a custom op schema would reject before validation)."""
+    return library if torch.compiler.is_compiling() else _EAGER
+
+
+def _distinct(*tensors) -> tuple[list, tuple[int, ...]]:
+    """Differentiable inputs with repeats replaced by None, and for each input the position of its first occurrence
+    (-1 for a first occurrence). torch.compile cannot trace an autograd.Function given one tensor twice, and DSA
+    passes its latent as both key and value."""
+    aliases = tuple(next((j for j in range(i) if t is not None and tensors[j] is t), -1) for i, t in enumerate(tensors))
+    return [None if j >= 0 else t for t, j in zip(tensors, aliases, strict=True)], aliases
+
+
+def _restored(tensors, aliases: tuple[int, ...]) -> list:
+    """The inputs as the caller gave them (inverse of `_distinct`)."""
+    return [tensors[j] if j >= 0 else t for t, j in zip(tensors, aliases, strict=True)]
+
+
+def _folded(grads, aliases: tuple[int, ...]) -> list:
+    """Gradients per distinct input: a repeated input's gradients are summed into its first occurrence, as autograd
+    sums them for a tensor passed twice."""
+    grads = list(grads)
+    for i, j in enumerate(aliases):
+        if j >= 0:
+            if grads[i] is not None:
+                grads[j] = grads[i] if grads[j] is None else grads[j] + grads[i]
+            grads[i] = None
+    return grads
+
 
 class _FlashAttentionFunction(torch.autograd.Function):
     """Saves exactly what FlashAttentionScoreGradV2 consumes: inputs, output, softmax statistics, drop mask."""
 
     @staticmethod
-    def forward(ctx, query, key, value, pse, drop_mask, options: dict):
-        result = flash_attention_score(query, key, value, pse=pse, drop_mask=drop_mask, **options)
+    def forward(ctx, query, key, value, pse, drop_mask, options: dict, aliases: tuple[int, ...]):
+        query, key, value, pse = _restored((query, key, value, pse), aliases)
+        result = _ops().flash_attention_score(query, key, value, pse=pse, drop_mask=drop_mask, **options)
         ctx.save_for_backward(query, key, value, pse, drop_mask, result.attention_out, result.softmax_max,
                               result.softmax_sum)
-        ctx.options = options
-        ctx.mark_non_differentiable(result.softmax_max, result.softmax_sum)
+        ctx.options, ctx.aliases = options, aliases
         return result.attention_out
 
     @staticmethod
     def backward(ctx, dy):
         query, key, value, pse, drop_mask, out, softmax_max, softmax_sum = ctx.saved_tensors
-        grads = flash_attention_score_grad(
+        grads = _ops().flash_attention_score_grad(
             query, key, value, dy.contiguous(), pse=pse, drop_mask=drop_mask, softmax_max=softmax_max,
             softmax_sum=softmax_sum, attention_in=out, **ctx.options,
         )
         dpse = grads.dpse if pse is not None and ctx.needs_input_grad[3] else None
-        return grads.dq, grads.dk, grads.dv, dpse, None, None
+        return *_folded((grads.dq, grads.dk, grads.dv, dpse), ctx.aliases), None, None, None
 
 
 def flash_attention(
@@ -94,30 +141,34 @@ def flash_attention(
         pre_tokens=pre_tokens, next_tokens=next_tokens, inner_precise=inner_precise, sparse_mode=sparse_mode,
         pse_type=pse_type, softmax_layout=softmax_layout, backend=backend,
     )
-    return _FlashAttentionFunction.apply(query, key, value, pse, drop_mask, options)
+    inputs, aliases = _distinct(query, key, value, pse)
+    return _FlashAttentionFunction.apply(*inputs, drop_mask, options, aliases)
 
 
 class _SparseAttentionFunction(torch.autograd.Function):
     """Pairs SparseFlashAttention with SparseFlashAttentionGrad; saves inputs, output and softmax statistics."""
 
     @staticmethod
-    def forward(ctx, query, key, value, query_rope, key_rope, sparse_indices, scale_value, options: dict):
+    def forward(ctx, query, key, value, query_rope, key_rope, sparse_indices, scale_value, options: dict,
+                aliases: tuple[int, ...]):
+        query, key, value, query_rope, key_rope = _restored((query, key, value, query_rope, key_rope), aliases)
         forward_options = {k: v for k, v in options.items() if k != "deterministic"}
-        result = sparse_flash_attention(query, key, value, sparse_indices, scale_value, query_rope=query_rope,
-                                        key_rope=key_rope, **forward_options)
+        result = _ops().sparse_flash_attention(query, key, value, sparse_indices, scale_value,
+                                               query_rope=query_rope, key_rope=key_rope, **forward_options)
         ctx.save_for_backward(query, key, value, query_rope, key_rope, sparse_indices, result.attention_out,
                               result.softmax_max, result.softmax_sum)
-        ctx.scale_value, ctx.options = scale_value, options
+        ctx.scale_value, ctx.options, ctx.aliases = scale_value, options, aliases
         return result.attention_out
 
     @staticmethod
     def backward(ctx, d_out):
         query, key, value, query_rope, key_rope, sparse_indices, out, softmax_max, softmax_sum = ctx.saved_tensors
-        grads = sparse_flash_attention_grad(
+        grads = _ops().sparse_flash_attention_grad(
             query, key, value, sparse_indices, d_out.contiguous(), out, softmax_max, softmax_sum, ctx.scale_value,
             query_rope=query_rope, key_rope=key_rope, **ctx.options,
         )
-        return grads.d_query, grads.d_key, grads.d_value, grads.d_query_rope, grads.d_key_rope, None, None, None
+        grads = _folded((grads.d_query, grads.d_key, grads.d_value, grads.d_query_rope, grads.d_key_rope), ctx.aliases)
+        return *grads, None, None, None, None
 
 
 def sparse_attention(
@@ -148,8 +199,8 @@ def sparse_attention(
         next_tokens=next_tokens, backend=backend,
     )
     options["deterministic"] = deterministic
-    return _SparseAttentionFunction.apply(query, key, value, query_rope, key_rope, sparse_indices, scale_value,
-                                          options)
+    inputs, aliases = _distinct(query, key, value, query_rope, key_rope)
+    return _SparseAttentionFunction.apply(*inputs, sparse_indices, scale_value, options, aliases)
 
 
 class _IndexerKLLossFunction(torch.autograd.Function):
@@ -158,21 +209,24 @@ class _IndexerKLLossFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, query_index, key_index, weights, query, key, sparse_indices, softmax_max, softmax_sum,
                 scale_value, options: dict, mean: bool):
-        result = sparse_lightning_indexer_grad_kl_loss(query, key, query_index, key_index, weights, sparse_indices,
-                                                       softmax_max, softmax_sum, scale_value, **options)
-        divisor = 1.0
-        if mean:  # counted after the op has validated the inputs, so bad input raises the op's own errors
-            divisor = float(max(1, count_tokens_with_keys(
-                query_index, key_index, sparse_indices, options["layout"], options["sparse_mode"],
-                options["actual_seq_lengths_query"], options["actual_seq_lengths_key"])))
-        ctx.save_for_backward(result.d_query_index, result.d_key_index, result.d_weights)
-        ctx.divisor = divisor
-        return result.loss.reshape(()) / divisor
+        ops = _ops()
+        result = ops.sparse_lightning_indexer_grad_kl_loss(query, key, query_index, key_index, weights,
+                                                           sparse_indices, softmax_max, softmax_sum, scale_value,
+                                                           **options)
+        loss = result.loss.reshape(())
+        # A 0-d tensor max(1, tokens with a valid key), counted after the op has validated the inputs, so bad
+        # input raises the op's own errors.
+        divisor = ops.count_tokens_with_keys(
+            query_index, key_index, sparse_indices, options["layout"], options["sparse_mode"],
+            options["actual_seq_lengths_query"], options["actual_seq_lengths_key"]) if mean else None
+        ctx.save_for_backward(result.d_query_index, result.d_key_index, result.d_weights, divisor)
+        return loss if divisor is None else loss / divisor.to(device=loss.device, dtype=loss.dtype)
 
     @staticmethod
     def backward(ctx, grad_loss):
-        d_qi, d_ki, d_w = ctx.saved_tensors
-        factor = grad_loss / ctx.divisor
+        d_qi, d_ki, d_w, divisor = ctx.saved_tensors
+        factor = grad_loss if divisor is None else grad_loss / divisor.to(device=grad_loss.device,
+                                                                           dtype=grad_loss.dtype)
         return (d_qi * factor).to(d_qi.dtype), (d_ki * factor).to(d_ki.dtype), (d_w * factor).to(d_w.dtype), \
             None, None, None, None, None, None, None, None
 

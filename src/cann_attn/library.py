@@ -45,7 +45,13 @@ from .ops.flash_attention_score import (
 )
 from .ops.flash_attention_score_grad import FlashAttentionScoreGradResult
 from .ops.flash_attention_score_grad import flash_attention_score_grad as _eager_flash_attention_score_grad
-from .ops.lightning_indexer import LightningIndexerResult, SparseLightningIndexerGradKLLossResult
+from .ops.lightning_indexer import (
+    LightningIndexerResult,
+    SparseLightningIndexerGradKLLossResult,
+)
+from .ops.lightning_indexer import (
+    count_tokens_with_keys as _eager_count_tokens_with_keys,
+)
 from .ops.lightning_indexer import lightning_indexer as _eager_lightning_indexer
 from .ops.lightning_indexer import (
     sparse_lightning_indexer_grad_kl_loss as _eager_sparse_lightning_indexer_grad_kl_loss,
@@ -60,6 +66,7 @@ from .problem.quant import trans_quant_param as _eager_trans_quant_param
 from .problem.stats import accumulation_dtype
 
 __all__ = [
+    "count_tokens_with_keys",
     "dropout_mask",
     "flash_attention_score",
     "flash_attention_score_grad",
@@ -643,3 +650,30 @@ def sparse_lightning_indexer_grad_kl_loss(
         _ints(actual_seq_lengths_key, "actual_seq_lengths_key"), layout, sparse_mode, pre_tokens, next_tokens,
         deterministic, backend,
     ))
+
+
+@torch.library.custom_op("cann_attn::count_tokens_with_keys", mutates_args=())
+def _count_op(
+    query_index: Tensor, key_index: Tensor, sparse_indices: Tensor, layout: str, sparse_mode: int,
+    actual_seq_lengths_query: list[int] | None = None, actual_seq_lengths_key: list[int] | None = None,
+) -> Tensor:
+    """max(1, query tokens with a valid selected key) as a 0-d fp32 CPU tensor: the divisor of
+    ``cann_attn.indexer_kl_loss(reduction="mean")``, a tensor so that compiled code needs no data-dependent int."""
+    return torch.tensor(float(max(1, _eager_count_tokens_with_keys(
+        query_index, key_index, sparse_indices, layout, sparse_mode, actual_seq_lengths_query,
+        actual_seq_lengths_key))))
+
+
+@_count_op.register_fake
+def _(query_index, key_index, sparse_indices, layout, sparse_mode, actual_seq_lengths_query=None,
+      actual_seq_lengths_key=None):
+    return torch.empty((), dtype=torch.float32)
+
+
+def count_tokens_with_keys(query_index: Tensor, key_index: Tensor, sparse_indices: Tensor, layout: str,
+                           sparse_mode: int, actual_seq_lengths_query=None, actual_seq_lengths_key=None) -> Tensor:
+    """The ``cann_attn::count_tokens_with_keys`` custom op (see there)."""
+    return torch.ops.cann_attn.count_tokens_with_keys(
+        query_index, key_index, sparse_indices, layout, sparse_mode,
+        _ints(actual_seq_lengths_query, "actual_seq_lengths_query"),
+        _ints(actual_seq_lengths_key, "actual_seq_lengths_key"))
