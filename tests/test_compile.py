@@ -132,3 +132,51 @@ def test_dropout_compiles_with_a_graph_break_and_matches_eager(rng):
     assert torch.equal(out_e, out_c.detach())
     for g_e, t in zip(grads_e, (q, k, v), strict=True):
         assert torch.equal(g_e, t.grad)
+
+
+def _raw_op_cases(gen):
+    """(name, fn, inputs) calling each operator of `cann_attn` directly (no autograd)."""
+    q, k, v = (torch.randn(1, 8, 2, 16, generator=gen) for _ in range(3))
+    fwd = cann_attn.flash_attention_score(q, k, v, 2, "BSND", scale_value=0.25)
+    dy = torch.randn_like(fwd.attention_out)
+    qs, latent, q_rope, k_rope, idx = (t.detach() if t.is_floating_point() else t for t in _dsa_inputs(gen))
+    sfa = cann_attn.sparse_flash_attention(qs, latent, latent, idx, 0.2, query_rope=q_rope, key_rope=k_rope)
+    q_idx, k_idx, weights = torch.randn(1, 6, 2, 8, generator=gen), torch.randn(1, 10, 1, 8), torch.randn(1, 6, 2)
+    return {
+        "flash_attention_score": (lambda q, k, v: cann_attn.flash_attention_score(
+            q, k, v, 2, "BSND", scale_value=0.25, atten_mask=cann_attn.compressed_mask(2), sparse_mode=2), (q, k, v)),
+        "flash_attention_var_len_score": (lambda q, k, v: cann_attn.flash_attention_var_len_score(
+            q[0], k[0], v[0], 2, actual_seq_qlen=[3, 8], actual_seq_kvlen=[3, 8]), (q, k, v)),
+        "flash_attention_score_grad": (lambda q, k, v, dy: cann_attn.flash_attention_score_grad(
+            q, k, v, dy, 2, "BSND", scale_value=0.25, softmax_max=fwd.softmax_max, softmax_sum=fwd.softmax_sum,
+            attention_in=fwd.attention_out), (q, k, v, dy)),
+        "prompt_flash_attention": (lambda q, k, v: cann_attn.prompt_flash_attention(
+            q, k, v, num_heads=2, input_layout="BSND", scale_value=0.25, next_tokens=2147483647), (q, k, v)),
+        "sparse_flash_attention": (lambda q, kv: cann_attn.sparse_flash_attention(
+            q, kv, kv, idx, 0.2, query_rope=q_rope, key_rope=k_rope), (qs, latent)),
+        "sparse_flash_attention_grad": (lambda q, kv: cann_attn.sparse_flash_attention_grad(
+            q, kv, kv, idx, torch.ones_like(sfa.attention_out), sfa.attention_out, sfa.softmax_max, sfa.softmax_sum,
+            0.2, query_rope=q_rope, key_rope=k_rope), (qs, latent)),
+        "lightning_indexer": (lambda qi, ki, w: cann_attn.lightning_indexer(
+            qi, ki, w, sparse_count=4, return_value=True), (q_idx, k_idx, weights)),
+        "sparse_lightning_indexer_grad_kl_loss": (lambda qi, ki, w: cann_attn.sparse_lightning_indexer_grad_kl_loss(
+            qs, latent, qi, ki, w, idx, sfa.softmax_max, sfa.softmax_sum, 0.2, query_rope=q_rope, key_rope=k_rope),
+            (q_idx, k_idx, weights)),
+    }
+
+
+@pytest.mark.parametrize("name", list(_raw_op_cases(torch.Generator().manual_seed(0))))
+def test_operator_fullgraph_matches_eager(rng, name):
+    """Each operator called directly inside compiled code routes to its custom op (traceable.py) and returns what
+    the eager call returns."""
+    fn, inputs = _raw_op_cases(rng)[name]
+    eager = fn(*inputs)
+    torch._dynamo.reset()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        compiled = torch.compile(fn, backend="aot_eager", fullgraph=True)(*inputs)
+    for e, c in zip(eager if isinstance(eager, tuple) else (eager,), compiled if isinstance(compiled, tuple)
+                    else (compiled,), strict=True):
+        assert (e is None) == (c is None)
+        if e is not None:
+            assert torch.equal(e, c)

@@ -1,15 +1,13 @@
 """Differentiable entry points pairing each forward operator with its grad operator (DESIGN.md).
 
-Each is one small torch.autograd.Function. Eagerly it calls the operators of `cann_attn.ops` directly; under
-torch.compile it calls their `torch.library` custom ops (`cann_attn.library`) instead, which the tracer keeps
-opaque (their fake twins give the shapes), so `torch.compile(fullgraph=True)` traces a model that calls these
-functions without a graph break. The custom ops run the same eager operators, so both paths compute alike.
+Each is one small torch.autograd.Function over the operators of `cann_attn.ops`. While torch.compile traces,
+those operators route to their custom ops (`traceable.py`), so `torch.compile(fullgraph=True)` traces a model that
+calls these functions without a graph break.
 """
 
 from __future__ import annotations
 
 from itertools import accumulate
-from types import SimpleNamespace
 
 import torch
 
@@ -18,23 +16,9 @@ from .errors import ParamInvalidError
 from .ops.fa_problem import build_problem
 from .ops.flash_attention_score import FORWARD_MODES, INT_MAX, flash_attention_score
 from .ops.flash_attention_score_grad import flash_attention_score_grad
-from .ops.lightning_indexer import count_tokens_with_keys, sparse_lightning_indexer_grad_kl_loss
+from .ops.lightning_indexer import sparse_lightning_indexer_grad_kl_loss
 from .ops.sparse_flash_attention import sparse_flash_attention, sparse_flash_attention_grad
 from .problem.dropout import drop_mask_numel, gen_drop_mask
-
-_EAGER = SimpleNamespace(
-    flash_attention_score=flash_attention_score, flash_attention_score_grad=flash_attention_score_grad,
-    sparse_flash_attention=sparse_flash_attention, sparse_flash_attention_grad=sparse_flash_attention_grad,
-    sparse_lightning_indexer_grad_kl_loss=sparse_lightning_indexer_grad_kl_loss,
-    count_tokens_with_keys=lambda *args: torch.tensor(float(max(1, count_tokens_with_keys(*args)))),
-)
-
-
-def _ops():
-    """The operators to call: the custom ops while torch.compile traces (a tracer cannot follow the eager
-    operators' data-dependent validation), else the eager operators (no dispatch overhead, their errors as they
-    are raised, e.g. for arguments a custom op schema would reject before validation)."""
-    return library if torch.compiler.is_compiling() else _EAGER
 
 
 def _distinct(*tensors) -> tuple[list, tuple[int, ...]]:
@@ -68,7 +52,7 @@ class _FlashAttentionFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, query, key, value, pse, drop_mask, options: dict, aliases: tuple[int, ...]):
         query, key, value, pse = _restored((query, key, value, pse), aliases)
-        result = _ops().flash_attention_score(query, key, value, pse=pse, drop_mask=drop_mask, **options)
+        result = flash_attention_score(query, key, value, pse=pse, drop_mask=drop_mask, **options)
         ctx.save_for_backward(query, key, value, pse, drop_mask, result.attention_out, result.softmax_max,
                               result.softmax_sum)
         ctx.options, ctx.aliases = options, aliases
@@ -77,7 +61,7 @@ class _FlashAttentionFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dy):
         query, key, value, pse, drop_mask, out, softmax_max, softmax_sum = ctx.saved_tensors
-        grads = _ops().flash_attention_score_grad(
+        grads = flash_attention_score_grad(
             query, key, value, dy.contiguous(), pse=pse, drop_mask=drop_mask, softmax_max=softmax_max,
             softmax_sum=softmax_sum, attention_in=out, **ctx.options,
         )
@@ -153,7 +137,7 @@ class _SparseAttentionFunction(torch.autograd.Function):
                 aliases: tuple[int, ...]):
         query, key, value, query_rope, key_rope = _restored((query, key, value, query_rope, key_rope), aliases)
         forward_options = {k: v for k, v in options.items() if k != "deterministic"}
-        result = _ops().sparse_flash_attention(query, key, value, sparse_indices, scale_value,
+        result = sparse_flash_attention(query, key, value, sparse_indices, scale_value,
                                                query_rope=query_rope, key_rope=key_rope, **forward_options)
         ctx.save_for_backward(query, key, value, query_rope, key_rope, sparse_indices, result.attention_out,
                               result.softmax_max, result.softmax_sum)
@@ -163,7 +147,7 @@ class _SparseAttentionFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, d_out):
         query, key, value, query_rope, key_rope, sparse_indices, out, softmax_max, softmax_sum = ctx.saved_tensors
-        grads = _ops().sparse_flash_attention_grad(
+        grads = sparse_flash_attention_grad(
             query, key, value, sparse_indices, d_out.contiguous(), out, softmax_max, softmax_sum, ctx.scale_value,
             query_rope=query_rope, key_rope=key_rope, **ctx.options,
         )
@@ -209,14 +193,13 @@ class _IndexerKLLossFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, query_index, key_index, weights, query, key, sparse_indices, softmax_max, softmax_sum,
                 scale_value, options: dict, mean: bool):
-        ops = _ops()
-        result = ops.sparse_lightning_indexer_grad_kl_loss(query, key, query_index, key_index, weights,
+        result = sparse_lightning_indexer_grad_kl_loss(query, key, query_index, key_index, weights,
                                                            sparse_indices, softmax_max, softmax_sum, scale_value,
                                                            **options)
         loss = result.loss.reshape(())
-        # A 0-d tensor max(1, tokens with a valid key), counted after the op has validated the inputs, so bad
-        # input raises the op's own errors.
-        divisor = ops.count_tokens_with_keys(
+        # A 0-d tensor max(1, tokens with a valid key) from a custom op (traceable), counted after the op has
+        # validated the inputs, so bad input raises the op's own errors.
+        divisor = library.count_tokens_with_keys(
             query_index, key_index, sparse_indices, options["layout"], options["sparse_mode"],
             options["actual_seq_lengths_query"], options["actual_seq_lengths_key"]) if mean else None
         ctx.save_for_backward(result.d_query_index, result.d_key_index, result.d_weights, divisor)

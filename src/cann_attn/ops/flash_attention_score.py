@@ -11,6 +11,7 @@ from ..backends.triton.dense_plan import dense_unsupported
 from ..errors import ParamInvalidError
 from ..problem import layout as layouts
 from ..problem import stats
+from ..traceable import traced_as_custom_op
 from .fa_problem import build_problem
 
 INT_MAX = 2147483647
@@ -25,6 +26,7 @@ class FlashAttentionScoreResult(NamedTuple):
     softmax_out: torch.Tensor
 
 
+@traced_as_custom_op
 def flash_attention_score(
     query: torch.Tensor,
     key: torch.Tensor,
@@ -62,6 +64,7 @@ def flash_attention_score(
     return _run(locals(), FORWARD_MODES, "flash_attention_score")
 
 
+@traced_as_custom_op
 def flash_attention_var_len_score(
     query: torch.Tensor,
     key: torch.Tensor,

@@ -12,6 +12,7 @@ from ..backends.triton.dense_plan import dense_unsupported
 from ..errors import ParamInvalidError, ParamNullptrError, require
 from ..problem import layout as layouts
 from ..problem import stats
+from ..traceable import traced_as_custom_op
 from .fa_problem import build_problem
 
 INT_MAX = 2147483647
@@ -25,6 +26,7 @@ class FlashAttentionScoreGradResult(NamedTuple):
     dpse: torch.Tensor | None
 
 
+@traced_as_custom_op
 def flash_attention_score_grad(
     query: torch.Tensor,
     key: torch.Tensor,

@@ -13,6 +13,7 @@ from ..backends.triton.sparse_plan import index_rows, indexer_tables, indexer_un
 from ..errors import ParamInvalidError, require, require_int
 from ..problem.sparse import indexer_selection
 from ..problem.stats import accumulation_dtype
+from ..traceable import traced_as_custom_op
 from .sparse_flash_attention import FLOAT_DTYPES, INT64_MAX, _check_tensor, _deterministic_guard, sequence_spans
 
 
@@ -58,6 +59,7 @@ def _require_heads(t: torch.Tensor, name: str, label: str) -> None:
         require(t.shape[-2] >= 1, name, f"{label} >= 1 heads", t)
 
 
+@traced_as_custom_op
 def lightning_indexer(
     query_index: torch.Tensor,
     key_index: torch.Tensor,
@@ -110,6 +112,7 @@ def lightning_indexer(
     return LightningIndexerResult(indices, values)
 
 
+@traced_as_custom_op
 def sparse_lightning_indexer_grad_kl_loss(
     query: torch.Tensor,
     key: torch.Tensor,

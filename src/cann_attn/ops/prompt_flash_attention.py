@@ -15,6 +15,7 @@ from ..problem.attention import AttentionProblem, Run, mask_runs
 from ..problem.lengths import per_batch_lengths
 from ..problem.pse import SequencePse
 from ..problem.stats import FLT_MAX
+from ..traceable import traced_as_custom_op
 
 INT_MAX = 2147483647
 PFA_LAYOUTS = ("BSH", "BSND", "BNSD", "BNSD_BSND")
@@ -24,6 +25,7 @@ MAX_BATCH_UNALIGNED, MAX_HIDDEN = 128, 65535
 MASK_DTYPES = (torch.bool, torch.int8, torch.uint8)
 
 
+@traced_as_custom_op
 def prompt_flash_attention(
     query: torch.Tensor,
     key: torch.Tensor,

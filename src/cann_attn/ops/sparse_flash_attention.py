@@ -15,6 +15,7 @@ from ..errors import ParamInvalidError, ParamNullptrError, require, require_int
 from ..problem.lengths import cumulative_lengths, per_batch_lengths, starts_of
 from ..problem.sparse import SPARSE_BLOCK_SIZES
 from ..problem.stats import accumulation_dtype
+from ..traceable import traced_as_custom_op
 
 INT64_MAX = 2**63 - 1
 # The only sliding-window bounds SparseFlashAttention(Grad) supports: the seed's 2147483647 (参数说明 of preTokens /
@@ -196,6 +197,7 @@ def _stats_shape(problem: SparseProblem, query: torch.Tensor) -> tuple[int, ...]
     return (query.shape[0], 1, query.shape[1], problem.heads)
 
 
+@traced_as_custom_op
 def sparse_flash_attention(
     query: torch.Tensor,
     key: torch.Tensor,
@@ -258,6 +260,7 @@ def _initial_outputs(problem: SparseProblem, query: torch.Tensor, value: torch.T
     return out, softmax_max, softmax_sum
 
 
+@traced_as_custom_op
 def sparse_flash_attention_grad(
     query: torch.Tensor,
     key: torch.Tensor,
