@@ -131,3 +131,72 @@ def test_fa_reference_never_writes_its_inputs(layout: str, heads_kv: int, pse_ty
                                          softmax_sum=fwd.softmax_sum, attention_in=fwd.attention_out, **kw)
     for name, t in inputs.items():
         assert torch.equal(t, before[name]), f"{name} was modified"
+
+
+# ------------------------------------------------------------------------------- ALiBi tiles that underflow
+ALIBI_CASES = {
+    # slopes per query head (one head that never underflows keeps a partial set of entries), q/kv start, mask
+    "type2": (2, [4.0, 2.0, 1.0, 0.01], 0, 0, {}),
+    "type3_gqa_offsets": (3, [8.0, 6.0, 4.0, 0.001], 5, 17, {}),
+    "type2_negative_slope_causal": (2, [4.0, -0.5, 2.0, 1.0], 0, 0, {"sparse_mode": 3}),
+}
+
+
+def _alibi_inputs(case: str, gen: torch.Generator):
+    pse_type, slopes, q_start, kv_start, mask_kw = ALIBI_CASES[case]
+    heads_kv = 2 if "gqa" in case else 4
+    q = torch.randn(1, 1100, 4, 32, generator=gen)
+    k, v = (torch.randn(1, 1300, heads_kv, 32, generator=gen) for _ in range(2))
+    kwargs = dict(pse=torch.tensor(slopes), pse_type=pse_type, scale_value=32**-0.5, q_start_idx=[q_start],
+                  kv_start_idx=[kv_start], **mask_kw)
+    if mask_kw:
+        from cann_attn import compressed_mask
+
+        kwargs["atten_mask"] = compressed_mask(3)
+    return q, k, v, kwargs
+
+
+@pytest.mark.parametrize("case", list(ALIBI_CASES))
+def test_alibi_tiles_that_underflow_are_skipped_without_changing_a_bit(case: str, monkeypatch) -> None:
+    """Skipping a head's tile whose every term exp(s - max) would flush to 0 gives bitwise the outputs and
+    gradients of computing it (the forward visits tiles in the same order either way), and does skip."""
+    import cann_attn
+    from cann_attn.backends.reference import flash_forward
+
+    q, k, v, kwargs = _alibi_inputs(case, torch.Generator().manual_seed(7))
+    dy = torch.randn(1, 1100, 4, 32, generator=torch.Generator().manual_seed(8))
+    skipped = []
+    bounded = flash_forward.RunKernel.entries
+
+    def spy(self, *args):
+        entries = bounded(self, *args)
+        skipped.append(self.skipped_head_tiles)
+        return entries
+
+    def run(entries):
+        monkeypatch.setattr(flash_forward.RunKernel, "entries", entries)
+        fwd = cann_attn.flash_attention_score(q, k, v, 4, "BSND", backend="reference", **kwargs)
+        grad = cann_attn.flash_attention_score_grad(
+            q, k, v, dy, 4, "BSND", softmax_max=fwd.softmax_max, softmax_sum=fwd.softmax_sum,
+            attention_in=fwd.attention_out, backend="reference", **kwargs)
+        return [*fwd[:3], *grad[:3]]
+
+    skipping = run(spy)
+    assert max(skipped) > 0, "no head tile was skipped: the case does not exercise the bound"
+    computing = run(lambda self, *args: slice(0, self.run.count * self.problem.heads_kv))
+    for got, want in zip(skipping, computing, strict=True):
+        assert torch.equal(got, want)
+
+
+def test_alibi_with_skipped_tiles_matches_the_oracle(monkeypatch) -> None:
+    import cann_attn
+    from cann_attn.backends.reference import flash_forward
+    from oracle import check_fa_result
+
+    kernels = []
+    monkeypatch.setattr(flash_forward.RunKernel, "forward",
+                        lambda self, *a, _f=flash_forward.RunKernel.forward: (kernels.append(self), _f(self, *a)))
+    q, k, v, kwargs = _alibi_inputs("type3_gqa_offsets", torch.Generator().manual_seed(3))
+    result = cann_attn.flash_attention_score(q, k, v, 4, "BSND", backend="reference", **kwargs)
+    assert kernels and kernels[0].skipped_head_tiles > 0
+    check_fa_result(result, q, k, v, 4, "BSND", **kwargs)

@@ -70,6 +70,24 @@ class SequencePse:
         values = values.to(device=device, dtype=dtype)
         return values * self.scale if self.pse_type == 1 else values
 
+    def tile_bias_bound(
+        self, i0: int, i1: int, j0: int, j1: int, device: torch.device, dtype: torch.dtype = torch.float32
+    ) -> torch.Tensor | None:
+        """[nb or 1, N1, i1 - i0]: the largest ALiBi bias (types 2/3) of each row of the tile over its columns, by
+        the formula of `tile` (-slope * f(|d|) is monotone in |d|, so it sits at the smallest or largest |d|);
+        None for types 0/1. Kernels use it to skip tiles whose every term underflows."""
+        if self.pse_type not in ALIBI_TYPES:
+            return None
+        rows = torch.arange(i0, i1, device=device, dtype=dtype) + self.q_start
+        lo = (j0 + self.kv_start) - rows  # signed distances d = (j + kv_start) - (i + q_start) at j0 and j1 - 1
+        hi = (j1 - 1 + self.kv_start) - rows
+        nearest = torch.where(lo > 0, lo, torch.where(hi < 0, -hi, torch.zeros_like(lo)))
+        farthest = torch.maximum(lo.abs(), hi.abs())
+        if self.pse_type == 3:
+            nearest, farthest = nearest.sqrt(), farthest.sqrt()
+        neg_slopes = (-self.slopes.to(device=device, dtype=dtype))[:, :, None]
+        return torch.maximum(nearest * neg_slopes, farthest * neg_slopes)
+
     def linear_key_features(self, device: torch.device, dtype: torch.dtype = torch.float32) -> torch.Tensor | None:
         """[Skv, 2] key features f_k(j) = (j + kv_start, 1) of the rank-2 form of ALiBi type 2 (else None).
 

@@ -45,7 +45,7 @@ def _pse_grad_target(run: Run, dpse_source: torch.Tensor | None) -> torch.Tensor
 
 def _backward_run(kernel: RunKernel, problem: AttentionProblem, run: Run, dy, attention_in, softmax_max,
                   softmax_sum, dq, dk_view, dv_view, dpse_source) -> None:
-    c, n1, n2 = run.count, problem.heads_q, problem.heads_kv
+    c, n2 = run.count, problem.heads_kv
     dtype, device = kernel.dtype, kernel.device
     d_qk = problem.dim_qk
     dy_all, o_all = problem.q_view(dy, run), problem.q_view(attention_in, run)
@@ -58,7 +58,6 @@ def _backward_run(kernel: RunKernel, problem: AttentionProblem, run: Run, dy, at
     inv_keep = 1.0 / problem.keep_prob
     for i0 in range(0, run.seq_q, kernel.block_q):
         i1 = min(i0 + kernel.block_q, run.seq_q)
-        rows = i1 - i0
         q_tile = kernel.query_tile(i0, i1)
         dy_t = dy_all[:, :, i0:i1].to(dtype)
         # rowsum(dY * O) with O the forward output (after dropout), per SEMANTICS.md section 5.
@@ -68,22 +67,27 @@ def _backward_run(kernel: RunKernel, problem: AttentionProblem, run: Run, dy, at
         inv_sum = 1.0 / sum_all[:, :, i0:i1].to(dtype).unsqueeze(-1)
         dq_acc = _accumulator(dq_view[:, :, i0:i1], (c * n2, q_tile.shape[1], d_qk), dtype)
         for j0, j1, state in key_tiles(run, i0, i1, kernel.block_k, kernel.max_width):
-            cols = j1 - j0
-            p = kernel.scores(q_tile, i0, i1, j0, j1, state)
-            exp_shifted_(p, row_max).mul_(inv_sum)
-            p_g = p.view(c * n2, -1, cols)
-            dp = torch.bmm(dy_g, kernel.v[:, j0:j1].transpose(1, 2), out=kernel.scratch(p_g.shape))
-            dp = dp.view(c, n1, rows, cols)
+            entries = kernel.entries(i0, i1, j0, j1, row_max)
+            if entries is None:
+                continue
+            heads = kernel.heads(entries)
+            n_entries, cols = entries.stop - entries.start, j1 - j0
+            p = kernel.scores(q_tile, i0, i1, j0, j1, state, entries)
+            exp_shifted_(p, row_max[:, heads]).mul_(inv_sum[:, heads])
+            p_g = p.view(n_entries, -1, cols)
+            dy_e = dy_g[entries]
+            dp = torch.bmm(dy_e, kernel.v[entries, j0:j1].transpose(1, 2), out=kernel.scratch(p_g.shape))
+            dp = dp.view(p.shape)
             if run.dropout is not None:
-                keep = run.dropout.keep_tile(i0, i1, j0, j1, device).to(dtype) * inv_keep
-                dv_acc[:, j0:j1].baddbmm_((p * keep).view(c * n2, -1, cols).transpose(1, 2), dy_g)
+                keep = run.dropout.keep_tile(i0, i1, j0, j1, device)[:, heads].to(dtype) * inv_keep
+                dv_acc[entries, j0:j1].baddbmm_((p * keep).view(n_entries, -1, cols).transpose(1, 2), dy_e)
                 dp.mul_(keep)
             else:
-                dv_acc[:, j0:j1].baddbmm_(p_g.transpose(1, 2), dy_g)
-            ds = dp.sub_(d_sum.unsqueeze(-1)).mul_(p)
-            ds_g = ds.view(c * n2, -1, cols)
-            dq_acc.baddbmm_(ds_g, kernel.k[:, j0:j1, :d_qk])
-            dk_acc[:, j0:j1].baddbmm_(ds_g.transpose(1, 2), q_tile[:, :, :d_qk])
+                dv_acc[entries, j0:j1].baddbmm_(p_g.transpose(1, 2), dy_e)
+            ds = dp.sub_(d_sum[:, heads].unsqueeze(-1)).mul_(p)
+            ds_g = ds.view(n_entries, -1, cols)
+            dq_acc[entries].baddbmm_(ds_g, kernel.k[entries, j0:j1, :d_qk])
+            dk_acc[entries, j0:j1].baddbmm_(ds_g.transpose(1, 2), q_tile[entries, :, :d_qk])
             if pse_grad is not None:
                 run.pse.accumulate_grad(pse_grad, i0, i1, j0, j1, ds)
         dq_acc.mul_(problem.scale)

@@ -18,8 +18,9 @@ import torch
 
 from ...problem.attention import AttentionProblem, Run
 from ...problem.mask import TileState
+from ...problem.pse import ALIBI_TYPES
 from ...problem.stats import FLT_MAX, accumulation_dtype
-from .softmax_exp import exp_shifted_
+from .softmax_exp import EXP2_FLOOR, LOG2E, exp_shifted_
 
 # Score-tile budget in elements (16 MB fp32): it bounds memory whatever the batch and head counts.
 TILE_ELEMENTS = 1 << 22
@@ -33,6 +34,9 @@ MASKED_TILE = (256, 256)
 MERGED_WIDTH = 1024
 MIN_TILE_ROWS = 16
 LINEAR_PSE_WIDTH = 512
+# Slack (natural-log units) on the bound of an ALiBi tile's logits before it is skipped as underflowing: covers
+# the fp32 rounding of the GEMM, of the ALiBi columns and of the exponent's argument many times over.
+UNDERFLOW_SLACK = 1.0
 
 
 def tile_shape(heads: int, seq_q: int, seq_kv: int, dense: bool, linear_pse: bool = False) -> tuple[int, int, int]:
@@ -116,6 +120,12 @@ class RunKernel:
         # no faster per tile on a 2-core EPYC (MKL, AVX2) and cost a key-sized buffer plus a 3-7 ms strided copy
         # per call; without it fwd+bwd ran 2-14% faster (alternating A/B, B=1 N=8 S=2048 and N=1 S=8192).
         self.k = k
+        # ALiBi (types 2/3) of a single sequence: per-head tile skipping, from |logit| <= |scale| |q| |k| + bias.
+        self.underflow_bound = run.pse is not None and run.pse.pse_type in ALIBI_TYPES and c == 1
+        if self.underflow_bound:
+            self.q_norm = self.q_all.to(self.dtype).norm(dim=-1)[0].mul_(abs(problem.scale))  # [N1, Sq]
+            self.k_norm = k[..., : problem.dim_qk].norm(dim=-1)  # [N2, Skv]
+        self.skipped_head_tiles = 0
         dense = run.mask.lower is None and run.mask.upper is None and run.mask.explicit is None
         self.block_q, self.block_k, self.max_width = tile_shape(c * problem.heads_q, run.seq_q, run.seq_kv, dense,
                                                                 self.linear_pse)
@@ -148,28 +158,74 @@ class RunKernel:
             return None
         return self.run.pse.linear_query_features(i0, i1, j0, j1, self.device, self.dtype)
 
-    def scores(self, q_tile: torch.Tensor, i0: int, i1: int, j0: int, j1: int, state: TileState) -> torch.Tensor:
-        """Masked logits S = scale * Q K^T + bias of the tile, [c, N1, rows, cols] (a view of the buffer);
-        masked entries are -inf."""
+    def key_tiles(self, i0: int, i1: int) -> list[tuple[int, int, TileState]]:
+        """`key_tiles` of the run; with per-head tile skipping nearest the diagonal first, so that the running row
+        maxima are already high when the far tiles (those that may underflow) are tested."""
+        tiles = list(key_tiles(self.run, i0, i1, self.block_k, self.max_width))
+        if self.underflow_bound:
+            pse = self.run.pse
+            diagonal = (i0 + i1) / 2 + pse.q_start - pse.kv_start
+            tiles.sort(key=lambda t: abs((t[0] + t[1]) / 2 - diagonal))
+        return tiles
+
+    def entries(self, i0: int, i1: int, j0: int, j1: int, row_max: torch.Tensor) -> slice | None:
+        """The GEMM batch entries (the [c*N2] axis) that need the tile, as a slice; None when none does.
+
+        With ALiBi on a single sequence, an entry (a kv head with its query heads) skips the tile when every logit
+        s <= |scale| |q_i| max|k_j| + max_j bias(i, j) is more than 126 binary orders below its row's maximum
+        `row_max` [c, N1, rows] (the running one in the forward, the given one in the backward): every term
+        exp(s - max) would be flushed to exactly 0 (`softmax_exp`), so skipping changes no output bit."""
+        n2 = self.problem.heads_kv
+        every = slice(0, self.run.count * n2)
+        if not self.underflow_bound:
+            return every
+        group = self.problem.heads_q // n2
+        k_max = self.k_norm[:, j0:j1].amax(-1).repeat_interleave(group)  # [N1]
+        bound = self.run.pse.tile_bias_bound(i0, i1, j0, j1, self.device, self.dtype)[0]  # [N1, rows]
+        bound = bound + self.q_norm[:, i0:i1] * k_max[:, None] + UNDERFLOW_SLACK
+        reaches = ((bound - row_max.reshape(bound.shape)) * LOG2E > EXP2_FLOOR).any(-1)
+        needed = reaches.view(n2, group).any(-1).nonzero().view(-1).tolist()
+        if not needed:
+            self.skipped_head_tiles += self.problem.heads_q
+            return None
+        lo, hi = needed[0], needed[-1] + 1
+        self.skipped_head_tiles += (n2 - (hi - lo)) * group
+        return slice(lo, hi)
+
+    def heads(self, entries: slice) -> slice:
+        """The query heads of a range of GEMM batch entries (all heads for runs of several sequences, whose
+        entries are always all taken)."""
+        group = self.problem.heads_q // self.problem.heads_kv
+        if self.run.count > 1:
+            return slice(0, self.problem.heads_q)
+        return slice(entries.start * group, entries.stop * group)
+
+    def scores(self, q_tile: torch.Tensor, i0: int, i1: int, j0: int, j1: int, state: TileState,
+               entries: slice | None = None) -> torch.Tensor:
+        """Masked logits S = scale * Q K^T + bias of the tile for the GEMM batch `entries` (default: all), as
+        [c, heads, rows, cols] (a view of the buffer); masked entries are -inf."""
         problem, run = self.problem, self.run
-        c, rows, cols = run.count, i1 - i0, j1 - j0
-        out = self._buffer[: c * problem.heads_q * rows * cols].view(q_tile.shape[0], -1, cols)
-        kt = self.k[:, j0:j1].transpose(1, 2)
+        entries = entries or slice(0, q_tile.shape[0])
+        heads = self.heads(entries)
+        q_tile = q_tile[entries]
+        c, n_heads, rows, cols = run.count, heads.stop - heads.start, i1 - i0, j1 - j0
+        out = self._buffer[: c * n_heads * rows * cols].view(q_tile.shape[0], -1, cols)
+        kt = self.k[entries, j0:j1].transpose(1, 2)
         pse = run.pse
         if pse is None:
             torch.bmm(q_tile, kt, out=out)
         elif (feats := self._linear_query_features(i0, i1, j0, j1)) is not None:
             d = q_tile.shape[-1]
-            feats = feats.expand(c, problem.heads_q, rows, 2)
-            q_tile[:, :, d - 2 :] = group_rows(feats, problem.heads_kv)
+            feats = feats.expand(c, problem.heads_q, rows, 2)[:, heads]
+            q_tile[:, :, d - 2 :] = feats.reshape(q_tile.shape[0], -1, 2)
             torch.bmm(q_tile, kt, out=out)
         else:
             if self.linear_pse:
                 q_tile[:, :, -2:] = 0.0
-            bias = pse.tile(i0, i1, j0, j1, self.device, self.dtype)
-            out.view(c, problem.heads_q, rows, cols).copy_(bias.expand(c, problem.heads_q, rows, cols))
+            bias = pse.tile(i0, i1, j0, j1, self.device, self.dtype)[:, heads]
+            out.view(c, n_heads, rows, cols).copy_(bias.expand(c, n_heads, rows, cols))
             out.baddbmm_(q_tile, kt)
-        s = out.view(c, problem.heads_q, rows, cols)
+        s = out.view(c, n_heads, rows, cols)
         if state is TileState.PARTIAL:
             s.add_(self._mask_bias(i0, i1, j0, j1))
         return s
@@ -199,23 +255,31 @@ class RunKernel:
             row_sum = torch.zeros_like(row_max)
             acc = torch.empty((c * n2, q_tile.shape[1], dv), dtype=self.dtype, device=self.device)
             first = True
-            for j0, j1, state in key_tiles(run, i0, i1, self.block_k, self.max_width):
-                s = self.scores(q_tile, i0, i1, j0, j1, state)
-                new_max = torch.maximum(row_max, s.amax(-1))
+            for j0, j1, state in self.key_tiles(i0, i1):
+                entries = self.entries(i0, i1, j0, j1, row_max)
+                if entries is None:
+                    continue
+                heads = self.heads(entries)
+                s = self.scores(q_tile, i0, i1, j0, j1, state, entries)
+                old_max = row_max[:, heads]
+                new_max = torch.maximum(old_max, s.amax(-1))
                 # A row that has seen nothing visible yet keeps max -inf; shift it by 0 to avoid inf - inf.
                 shift = torch.where(new_max == float("-inf"), 0.0, new_max)
                 exp_shifted_(s, shift.unsqueeze(-1))
-                correction = torch.exp(row_max - shift)
-                row_sum.mul_(correction).add_(s.sum(-1))
-                row_max = new_max
+                correction = torch.exp(old_max - shift)
+                row_sum[:, heads].mul_(correction).add_(s.sum(-1))
+                row_max[:, heads] = new_max
                 if run.dropout is not None:
-                    s.mul_(run.dropout.keep_tile(i0, i1, j0, j1, s.device))
-                p = s.view(c * n2, -1, j1 - j0)
-                if first:
+                    s.mul_(run.dropout.keep_tile(i0, i1, j0, j1, s.device)[:, heads])
+                n_entries = entries.stop - entries.start
+                p = s.view(n_entries, -1, j1 - j0)
+                if first and n_entries == c * n2:
                     torch.bmm(p, self.v[:, j0:j1], out=acc)
-                    first = False
                 else:
-                    acc.mul_(correction.view(c * n2, -1, 1)).baddbmm_(p, self.v[:, j0:j1])
+                    if first:  # the first tile skipped some entries: theirs must start from 0
+                        acc.zero_()
+                    acc[entries].mul_(correction.view(n_entries, -1, 1)).baddbmm_(p, self.v[entries, j0:j1])
+                first = False
             if first:
                 acc.zero_()
             # Rows without a visible key have row_sum 0 and acc 0 (their terms are all exactly 0): output 0.
