@@ -183,7 +183,9 @@ class RunKernel:
         k_max = self.k_norm[:, j0:j1].amax(-1).repeat_interleave(group)  # [N1]
         bound = self.run.pse.tile_bias_bound(i0, i1, j0, j1, self.device, self.dtype)[0]  # [N1, rows]
         bound = bound + self.q_norm[:, i0:i1] * k_max[:, None] + UNDERFLOW_SLACK
-        reaches = ((bound - row_max.reshape(bound.shape)) * LOG2E > EXP2_FLOOR).any(-1)
+        # "not <=": a NaN (NaN input, or NaN statistics given to the backward) counts as reaching the tile.
+        reaches = ~((bound - row_max.reshape(bound.shape)) * LOG2E <= EXP2_FLOOR)
+        reaches = reaches.any(-1)
         needed = reaches.view(n2, group).any(-1).nonzero().view(-1).tolist()
         if not needed:
             self.skipped_head_tiles += self.problem.heads_q
