@@ -137,8 +137,8 @@ class _SparseAttentionFunction(torch.autograd.Function):
                 aliases: tuple[int, ...]):
         query, key, value, query_rope, key_rope = _restored((query, key, value, query_rope, key_rope), aliases)
         forward_options = {k: v for k, v in options.items() if k != "deterministic"}
-        result = sparse_flash_attention(query, key, value, sparse_indices, scale_value,
-                                               query_rope=query_rope, key_rope=key_rope, **forward_options)
+        result = sparse_flash_attention(query, key, value, sparse_indices, scale_value, query_rope=query_rope,
+                                        key_rope=key_rope, **forward_options)
         ctx.save_for_backward(query, key, value, query_rope, key_rope, sparse_indices, result.attention_out,
                               result.softmax_max, result.softmax_sum)
         ctx.scale_value, ctx.options, ctx.aliases = scale_value, options, aliases
@@ -193,9 +193,8 @@ class _IndexerKLLossFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, query_index, key_index, weights, query, key, sparse_indices, softmax_max, softmax_sum,
                 scale_value, options: dict, mean: bool):
-        result = sparse_lightning_indexer_grad_kl_loss(query, key, query_index, key_index, weights,
-                                                           sparse_indices, softmax_max, softmax_sum, scale_value,
-                                                           **options)
+        result = sparse_lightning_indexer_grad_kl_loss(query, key, query_index, key_index, weights, sparse_indices,
+                                                       softmax_max, softmax_sum, scale_value, **options)
         loss = result.loss.reshape(())
         # A 0-d tensor max(1, tokens with a valid key) from a custom op (traceable), counted after the op has
         # validated the inputs, so bad input raises the op's own errors.
