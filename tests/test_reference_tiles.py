@@ -139,14 +139,17 @@ ALIBI_CASES = {
     "type2": (2, [4.0, 2.0, 1.0, 0.01], 0, 0, {}),
     "type3_gqa_offsets": (3, [8.0, 6.0, 4.0, 0.001], 5, 17, {}),
     "type2_negative_slope_causal": (2, [4.0, -0.5, 2.0, 1.0], 0, 0, {"sparse_mode": 3}),
+    # two sequences, one run each (fa_problem.ALIBI_PER_SEQUENCE_MIN_KV), per-sequence slopes [B, N1]
+    "type2_batch2": (2, [[4.0, 2.0, 1.0, 0.01], [0.01, 1.0, 2.0, 4.0]], 0, 0, {}),
 }
 
 
 def _alibi_inputs(case: str, gen: torch.Generator):
     pse_type, slopes, q_start, kv_start, mask_kw = ALIBI_CASES[case]
     heads_kv = 2 if "gqa" in case else 4
-    q = torch.randn(1, 1100, 4, 32, generator=gen)
-    k, v = (torch.randn(1, 1300, heads_kv, 32, generator=gen) for _ in range(2))
+    batch = 2 if "batch2" in case else 1
+    q = torch.randn(batch, 1100, 4, 32, generator=gen)
+    k, v = (torch.randn(batch, 1300, heads_kv, 32, generator=gen) for _ in range(2))
     kwargs = dict(pse=torch.tensor(slopes), pse_type=pse_type, scale_value=32**-0.5, q_start_idx=[q_start],
                   kv_start_idx=[kv_start], **mask_kw)
     if mask_kw:
@@ -164,7 +167,7 @@ def test_alibi_tiles_that_underflow_are_skipped_without_changing_a_bit(case: str
     from cann_attn.backends.reference import flash_forward
 
     q, k, v, kwargs = _alibi_inputs(case, torch.Generator().manual_seed(7))
-    dy = torch.randn(1, 1100, 4, 32, generator=torch.Generator().manual_seed(8))
+    dy = torch.randn(q.shape, generator=torch.Generator().manual_seed(8))
     skipped = []
     bounded = flash_forward.RunKernel.entries
 

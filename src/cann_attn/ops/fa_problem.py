@@ -28,6 +28,10 @@ MAX_BATCH_WITH_PREFIX_TND = 1024
 MAX_BATCH_WITH_PREFIX_DENSE = 2048
 # TND token count T of query and of key/value: 1..1M (seed FlashAttentionVarLenScore.md:132).
 MAX_TOKENS = 1 << 20
+# From this key length on, sequences with generated ALiBi get a run each (see _make_runs): shorter ones have no
+# key tile far enough from the diagonal to underflow (the reference tiles are 256-512 wide), and batching them
+# saves per-tile work.
+ALIBI_PER_SEQUENCE_MIN_KV = 1024
 
 
 @dataclass(frozen=True)
@@ -307,8 +311,12 @@ def _make_runs(shapes: FaShapes, tnd, sparse_mode, atten_mask, prefix_list, pre_
     q_starts = starts_of(shapes.seq_q) if tnd else [0] * shapes.batch
     kv_starts = starts_of(shapes.seq_kv) if tnd else [0] * shapes.batch
     element_base = starts_of([shapes.heads_q * a * c for a, c in zip(shapes.seq_q, shapes.seq_kv, strict=True)])
+    # Long sequences with generated ALiBi run one at a time: the reference kernels skip a head's tiles whose
+    # terms all underflow, which they decide per sequence (a batched tile spans every sequence's heads).
+    alibi_per_sequence = (pse_spec is not None and pse_spec.form == "alibi"
+                          and max(shapes.seq_kv, default=0) >= ALIBI_PER_SEQUENCE_MIN_KV)
     runs = []
-    for b0, count in mask_runs(seq_masks, one_per_sequence=uses_explicit and tnd):
+    for b0, count in mask_runs(seq_masks, one_per_sequence=(uses_explicit and tnd) or alibi_per_sequence):
         base = seq_masks[b0]
         sq, skv = base.seq_q, base.seq_kv
         explicit = None
