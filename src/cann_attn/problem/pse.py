@@ -88,6 +88,11 @@ class SequencePse:
         neg_slopes = (-self.slopes.to(device=device, dtype=dtype))[:, :, None]
         return torch.maximum(nearest * neg_slopes, farthest * neg_slopes)
 
+    def tile_center_distance(self, i0: int, i1: int, j0: int, j1: int) -> float:
+        """|d| at the centre of the tile, d = (j + kv_start) - (i + q_start): the ALiBi distance that orders
+        tiles nearest the diagonal first."""
+        return abs((j0 + j1) / 2 + self.kv_start - (i0 + i1) / 2 - self.q_start)
+
     def linear_key_features(self, device: torch.device, dtype: torch.dtype = torch.float32) -> torch.Tensor | None:
         """[Skv, 2] key features f_k(j) = (j + kv_start, 1) of the rank-2 form of ALiBi type 2 (else None).
 

@@ -163,9 +163,7 @@ class RunKernel:
         maxima are already high when the far tiles (those that may underflow) are tested."""
         tiles = list(key_tiles(self.run, i0, i1, self.block_k, self.max_width))
         if self.underflow_bound:
-            pse = self.run.pse
-            diagonal = (i0 + i1) / 2 + pse.q_start - pse.kv_start
-            tiles.sort(key=lambda t: abs((t[0] + t[1]) / 2 - diagonal))
+            tiles.sort(key=lambda t: self.run.pse.tile_center_distance(i0, i1, t[0], t[1]))
         return tiles
 
     def entries(self, i0: int, i1: int, j0: int, j1: int, row_max: torch.Tensor) -> slice | None:
