@@ -109,6 +109,6 @@ def _accumulator(target: torch.Tensor, shape: tuple[int, int, int], dtype: torch
 
 
 def _store(target: torch.Tensor, acc: torch.Tensor) -> None:
-    """Copy a finished accumulator into its output view, unless it is that view."""
-    if acc.data_ptr() != target.data_ptr() or acc.dtype != target.dtype:
+    """Copy a finished accumulator into its output view, unless it is that view (`_accumulator`)."""
+    if acc.data_ptr() != target.data_ptr():
         target.copy_(acc.view(target.shape))

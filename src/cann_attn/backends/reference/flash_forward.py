@@ -201,11 +201,10 @@ class RunKernel:
         return slice(entries.start * group, entries.stop * group)
 
     def scores(self, q_tile: torch.Tensor, i0: int, i1: int, j0: int, j1: int, state: TileState,
-               entries: slice | None = None) -> torch.Tensor:
-        """Masked logits S = scale * Q K^T + bias of the tile for the GEMM batch `entries` (default: all), as
+               entries: slice) -> torch.Tensor:
+        """Masked logits S = scale * Q K^T + bias of the tile for the GEMM batch `entries` (from `entries()`), as
         [c, heads, rows, cols] (a view of the buffer); masked entries are -inf."""
         problem, run = self.problem, self.run
-        entries = entries or slice(0, q_tile.shape[0])
         heads = self.heads(entries)
         q_tile = q_tile[entries]
         c, n_heads, rows, cols = run.count, heads.stop - heads.start, i1 - i0, j1 - j0
