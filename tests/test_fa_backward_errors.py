@@ -180,10 +180,17 @@ def test_bsh_hidden_not_divisible_by_head_num():
 
 
 # ---------------------------------------------------------------------------------------------- layouts
-@pytest.mark.parametrize("layout", ["BHSD", "bsnd", "", "BNSD_BSND", None])
+@pytest.mark.parametrize("layout", ["BHSD", "bsnd", "", "BNSD_BSND"])
 def test_unsupported_layout(base, layout):
     args, _ = base
     _raises(_with(args, 5, layout), {}, "input_layout")
+
+
+@pytest.mark.parametrize(("index", "param"), [(5, "input_layout"), (4, "head_num")])
+def test_missing_required_attribute_is_a_null_pointer(base, index, param):
+    """A required attribute passed as None is a null pointer, 161001 (seed: 必选输入，输出或者必选属性，且是空指针)."""
+    args, _ = base
+    _raises(_with(args, index, None), {}, param, ParamNullptrError)
 
 
 @pytest.mark.parametrize("layout", ["BSH", "SBH", "TND"])

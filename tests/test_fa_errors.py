@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import re
 
+import numpy as np
 import pytest
 import torch
 
@@ -207,6 +208,38 @@ def test_head_num_mismatch(layout, head_num):
 @pytest.mark.parametrize("head_num", [-2, 2.0, "2"])
 def test_head_num_not_a_positive_int(head_num):
     expect_error(r"\bhead_num\b", call, base("BSND", n1=2), head_num=head_num)
+
+
+@pytest.mark.parametrize("param", ["head_num", "input_layout"])
+def test_missing_required_attribute_is_a_null_pointer(param):
+    """A required attribute passed as None is a null pointer, 161001 (seed: 必选输入，输出或者必选属性，且是空指针)."""
+    expect_error(rf"\b{param}\b", call, base("BSND", n1=2), nullptr=True, **{param: None})
+
+
+def test_numpy_scalars_are_accepted_like_python_numbers():
+    """head_num, scale_value and keep_prob given as NumPy scalars act as the Python numbers (errors.require_int /
+    require_real), like the other integer parameters."""
+    args = base("BSND", n1=2)
+    drop = torch.full(((cann_attn.drop_mask_numel(2, batch=2, seq_q=8, seq_kv=8) + 7) // 8,), 0x5A, dtype=torch.uint8)
+    ref = call(args, scale_value=0.25, keep_prob=0.5, drop_mask=drop)
+    got = call(args, head_num=np.int64(2), scale_value=np.float32(0.25), keep_prob=np.float64(0.5), drop_mask=drop)
+    for a, b in zip(got, ref, strict=True):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("scale", [True, "0.5", None, torch.tensor(0.5)])
+def test_scale_value_must_be_a_number(scale):
+    expect_error(r"\bscale_value\b", call, base("BSND"), scale_value=scale)
+
+
+@pytest.mark.parametrize("layout", ["BSND", "BNSD"])
+def test_sequence_length_at_most_1m(layout):
+    """S: 1..1M for the dense layouts too (seed FlashAttentionVarLenScore.md:135), checked before any work."""
+    args = base(layout, b=1, n1=1, sq=1, skv=1, d=1)
+    dims = {"BSND": (1, (1 << 20) + 1, 1, 1), "BNSD": (1, 1, (1 << 20) + 1, 1)}[layout]
+    long_kv = torch.zeros(dims).expand(*dims)
+    expect_error(r"\bkey\b.*S in 1\.\.1048576", call, args, key=long_kv, value=long_kv)
+    expect_error(r"\bquery\b.*S in 1\.\.1048576", call, args, query=long_kv)
 
 
 @pytest.mark.parametrize("layout", ["BSND", "BNSD", "TND"])

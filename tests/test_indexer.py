@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import re
 
+import numpy as np
 import pytest
 import torch
 from hypothesis import given, settings
@@ -509,6 +510,13 @@ def test_li_sparse_mode(mode):
 @pytest.mark.parametrize("count", [0, -1, 2.0, True, None])
 def test_li_sparse_count(count):
     expect_error("sparse_count", li_call, sparse_count=count)
+
+
+def test_li_sparse_count_accepts_a_numpy_integer():
+    """Like the other integer parameters, a NumPy integer is an int (errors.require_int)."""
+    ref = li_call(sparse_count=3)
+    res = li_call(sparse_count=np.int64(3))
+    assert torch.equal(res.sparse_indices, ref.sparse_indices)
 
 
 def test_li_rank():

@@ -260,6 +260,14 @@ def test_key_head_dim_must_match_query(fn, make):
 
 
 @BOTH
+def test_value_head_dim_may_not_exceed_key(fn, make):
+    """kD >= vD (SEMANTICS.md 1): value's head dim may be smaller than key's (tested with the oracle), not larger."""
+    args = make()
+    wide = torch.cat([args["value"], args["value"][..., :8]], dim=-1)
+    expect_error(r"value: expected head dim <= the key's 16", fn, args, value=wide)
+
+
+@BOTH
 def test_value_tokens_must_match_key(fn, make):
     args = make()
     expect_error("value", fn, args, value=args["value"][:, :-1])

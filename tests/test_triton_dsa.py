@@ -93,6 +93,50 @@ def test_sparse_grad_deterministic_is_bitwise_repeatable(layout, rng):
     case.check_grads(runs[0])
 
 
+@pytest.mark.parametrize("dtype", [F16, F32], ids=DT_IDS.get)
+def test_sparse_grad_outputs_are_separate_tensors(dtype, rng):
+    """d_key, d_key_rope and d_value come out of one accumulator; each must own its memory, also in fp32 where a
+    plain .to() returns a view: torch.library refuses a custom op whose outputs alias one another."""
+    case = SFACase("BSND", gen=rng, s1=6, s2=14, k=4, n1=4, d=16, dtype=dtype, style="random")
+    fwd = case.forward(backend="triton")
+    grads = case.check_grads(case.grad(fwd, backend="triton"))
+    storages = {g.untyped_storage().data_ptr() for g in (grads.d_key, grads.d_key_rope, grads.d_value)}
+    assert len(storages) == 3
+    assert all(g.is_contiguous() for g in (grads.d_key, grads.d_key_rope, grads.d_value))
+    i = case.inputs
+    kw = {k: v for k, v in case.kw.items() if k != "scale_value"}
+    library_grads = cann_attn.library.sparse_flash_attention_grad(
+        i["query"], i["key"], i["value"], i["sparse_indices"], case.d_out, fwd.attention_out, fwd.softmax_max,
+        fwd.softmax_sum, case.kw["scale_value"], query_rope=i["query_rope"], key_rope=i["key_rope"],
+        backend="triton", **kw)
+    for n in GRAD_NAMES:
+        _assert_same(getattr(library_grads, n), getattr(grads, n), n, exact=True)
+
+
+def test_global_deterministic_setting_reaches_the_kernels(rng, monkeypatch):
+    """`deterministic` follows torch.use_deterministic_algorithms (the seeds: "与整网确定性参数
+    use_deterministic_algorithms保持一致"), so backwards reached through autograd, which pass the default False,
+    are deterministic when the user asked for it globally."""
+    from cann_attn.backends.triton import indexer as triton_indexer
+    from cann_attn.backends.triton import sparse_attention as triton_sfa
+
+    seen = []
+    real_sfa, real_kl = triton_sfa.sparse_backward, triton_indexer.kl_loss_backward
+    monkeypatch.setattr(triton_sfa, "sparse_backward", lambda *a: seen.append(("sfa", a[-1])) or real_sfa(*a))
+    monkeypatch.setattr(triton_indexer, "kl_loss_backward", lambda *a: seen.append(("kl", a[-1])) or real_kl(*a))
+    sfa = SFACase("BSND", gen=rng, s1=5, s2=12, k=3, n1=4, d=16, style="random")
+    kl = IndexerCase("BSND", gen=rng, s1=4, s2=6).kl_inputs(3, style="topk")
+    previous = torch.are_deterministic_algorithms_enabled()
+    try:
+        for enabled in (False, True):
+            torch.use_deterministic_algorithms(enabled)
+            sfa.grad(sfa.forward(backend="triton"), backend="triton")
+            kl.kl(backend="triton")
+    finally:
+        torch.use_deterministic_algorithms(previous)
+    assert seen == [("sfa", False), ("kl", False), ("sfa", True), ("kl", True)]
+
+
 def test_sparse_rows_without_keys(rng):
     """Rows with nothing selected: output 0, softmax_max -2e38, softmax_sum 0, zero gradients (SEMANTICS.md 3)."""
     case = SFACase("BSND", gen=rng, s1=10, s2=6, k=3, style="topk", mode=3)

@@ -51,6 +51,14 @@ def require_int(value: Any, param: str) -> int:
     return int(value)
 
 
+def require_real(value: Any, param: str) -> float:
+    """`value` must be a real number, a Python int or float or a NumPy real scalar (bool is rejected); returned as
+    a Python float."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise ParamInvalidError(f"{param}: expected a float, got {value!r}")
+    return float(value)
+
+
 def require(condition: bool, param: str, expected: str, given: Any) -> None:
     """Raise ParamInvalidError naming `param` unless `condition` holds."""
     if not condition:

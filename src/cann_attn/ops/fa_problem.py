@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..errors import ParamInvalidError, ParamNullptrError, describe, require, require_int
+from ..errors import ParamInvalidError, ParamNullptrError, describe, require, require_int, require_real
 from ..problem import dropout as drop
 from ..problem import layout as layouts
 from ..problem import mask as masks
@@ -26,7 +26,8 @@ MAX_BATCH_TND = 2048
 MAX_BATCH_DENSE = 2 * 1024 * 1024
 MAX_BATCH_WITH_PREFIX_TND = 1024
 MAX_BATCH_WITH_PREFIX_DENSE = 2048
-# TND token count T of query and of key/value: 1..1M (seed FlashAttentionVarLenScore.md:132).
+# TND token count T, and S of the other layouts, of query and of key/value: 1..1M (seed
+# FlashAttentionVarLenScore.md:132 and :135).
 MAX_TOKENS = 1 << 20
 # From this key length on, sequences with generated ALiBi get a run each (see _make_runs): shorter ones have no
 # key tile far enough from the diagonal to underflow (the reference tiles are 256-512 wide), and batching them
@@ -64,9 +65,14 @@ def validate_shapes(
         require(t.dtype in FLOAT_DTYPES, name, "dtype float16, bfloat16 or float32", t)
     require(key.dtype == query.dtype, "key", f"the query's dtype {query.dtype}", key)
     require(value.dtype == query.dtype, "value", f"the query's dtype {query.dtype}", value)
+    # Missing required attributes are null pointers (161001), like missing required tensors (SEMANTICS.md 10).
+    for name, attribute in (("input_layout", input_layout), ("head_num", head_num)):
+        if attribute is None:
+            raise ParamNullptrError(f"{name}: a required attribute, got None")
     layouts.check_layout(input_layout, layouts.FA_LAYOUTS)
-    if isinstance(head_num, bool) or not isinstance(head_num, int) or head_num <= 0:
+    if require_int(head_num, "head_num") <= 0:
         raise ParamInvalidError(f"head_num: expected a positive int, got {head_num!r}")
+    head_num = int(head_num)
     q = layouts.read_dims(query, input_layout, head_num, "query")
     if input_layout in ("BSH", "SBH"):
         hk, hv = key.shape[-1], value.shape[-1]
@@ -112,6 +118,9 @@ def validate_shapes(
                 )
         batch = len(seq_q)
     else:
+        # S: 1..1M (seed FlashAttentionVarLenScore.md:135, aclnnFlashAttentionScoreGradV2.md:488).
+        require(q.seq <= MAX_TOKENS, "query", f"S in 1..{MAX_TOKENS}", query)
+        require(k.seq <= MAX_TOKENS, "key", f"S in 1..{MAX_TOKENS}", key)
         require(q.batch == k.batch, "key", f"batch B={q.batch} like the query", key)
         batch = q.batch
         seq_q, seq_kv = [q.seq] * batch, [k.seq] * batch
@@ -148,9 +157,8 @@ def build_problem(
         raise ParamInvalidError(f"sparse_mode: mode {sparse_mode} is only supported with input_layout TND")
     if sparse_mode == 5 and tnd:
         raise ParamInvalidError("sparse_mode: mode 5 (prefix, full mask) is not supported with input_layout TND")
-    if not isinstance(scale_value, (int, float)) or isinstance(scale_value, bool):
-        raise ParamInvalidError(f"scale_value: expected a float, got {scale_value!r}")
-    if not isinstance(keep_prob, (int, float)) or not 0.0 < float(keep_prob) <= 1.0:
+    require_real(scale_value, "scale_value")
+    if not 0.0 < require_real(keep_prob, "keep_prob") <= 1.0:
         raise ParamInvalidError(f"keep_prob: expected a value in (0, 1], got {keep_prob!r}")
 
     has_mask = atten_mask is not None

@@ -14,7 +14,14 @@ from ..errors import ParamInvalidError, require, require_int
 from ..problem.sparse import indexer_selection
 from ..problem.stats import accumulation_dtype
 from ..traceable import traced_as_custom_op
-from .sparse_flash_attention import FLOAT_DTYPES, INT64_MAX, _check_tensor, _deterministic_guard, sequence_spans
+from .sparse_flash_attention import (
+    FLOAT_DTYPES,
+    INT64_MAX,
+    _check_tensor,
+    _deterministic_guard,
+    resolve_deterministic,
+    sequence_spans,
+)
 
 
 class LightningIndexerResult(NamedTuple):
@@ -81,7 +88,8 @@ def lightning_indexer(
     (-inf in -1 slots). BSND rows beyond the actual query length are all -1.
     """
     _check_common(query_index, key_index, weights, layout, sparse_mode, (0, 3))
-    if isinstance(sparse_count, bool) or not isinstance(sparse_count, int) or sparse_count < 1:
+    sparse_count = require_int(sparse_count, "sparse_count")  # a NumPy integer too, like the other int parameters
+    if sparse_count < 1:
         raise ParamInvalidError(f"sparse_count: expected a positive int, got {sparse_count!r}")
     problem = sequence_spans(layout, query_index, key_index, actual_seq_lengths_query, actual_seq_lengths_key,
                              "actual_seq_lengths_key", "key_index")
@@ -141,6 +149,8 @@ def sparse_lightning_indexer_grad_kl_loss(
     (SFA statistics), indexer distribution q = softmax(I[t, idx]); loss = sum over all tokens of
     sum_j p'_j (log p'_j - log q'_j) with p', q' clamped at 1e-8 (fp32, shape [1]). Gradients: dI = q - p,
     dW, d_query_index, and d_key_index scatter-added (SEMANTICS.md 9). No gradient flows to query/key/rope.
+    `deterministic=True` or torch.use_deterministic_algorithms(True) makes GPU scatter-adds deterministic (the CPU
+    reference always is).
     """
     _check_common(query_index, key_index, weights, layout, sparse_mode, (3,))
     for name, t in (("query", query), ("key", key)):
@@ -178,6 +188,7 @@ def sparse_lightning_indexer_grad_kl_loss(
         raise ParamInvalidError(f"scale_value: expected a float, got {scale_value!r}")
     problem = sequence_spans(layout, query_index, key_index, actual_seq_lengths_query, actual_seq_lengths_key,
                              "actual_seq_lengths_key", "key_index")
+    deterministic = resolve_deterministic(deterministic)
     if select_backend(backend, query.device, op="sparse_lightning_indexer_grad_kl_loss",
                       unsupported=lambda: indexer_unsupported(query_index, weights, query, query_rope)) == "triton":
         from ..backends.triton import indexer as triton_kernel

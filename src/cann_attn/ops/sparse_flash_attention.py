@@ -123,6 +123,10 @@ def validate_sparse(query, key, value, sparse_indices, scale_value, *, query_rop
     require(heads <= MAX_HEADS and (heads >= 1 or query.numel() == 0), "query", f"N1 in 1..{MAX_HEADS}", query)
     require(key.shape[-1] == query.shape[-1], "key", f"head dim {query.shape[-1]} like the query", key)
     require(value.shape[:-1] == key.shape[:-1], "value", f"key's leading dims {list(key.shape[:-1])}", value)
+    # kD >= vD (SEMANTICS.md 1): value's head dim may be smaller than key's, never larger. An empty query (D = 0
+    # included) returns directly (SEMANTICS.md 10).
+    require(query.numel() == 0 or value.shape[-1] <= key.shape[-1], "value",
+            f"head dim <= the key's {key.shape[-1]} (kD >= vD)", value)
     require(sparse_indices.shape[:-2] == query.shape[:-2] and sparse_indices.shape[-2] == 1, "sparse_indices",
             f"shape {[*query.shape[:-2], 1, 'K']}", sparse_indices)
     require(sparse_indices.shape[-1] >= 1, "sparse_indices", "K >= 1 entries per row", sparse_indices)
@@ -289,8 +293,8 @@ def sparse_flash_attention_grad(
     P = exp(z - softmax_max) / softmax_sum from the given statistics; dQ = scale dS K (split into d_query and
     d_query_rope), dK = scale dS^T Q and dV = P^T dO scattered (added) into the selected keys, fp32 accumulation.
     Rows with nothing selected and rows beyond the actual query length get zero gradients. The CPU reference is
-    deterministic in any case; `deterministic=True` also forces deterministic scatter-adds on GPUs. An empty query
-    returns zero gradients directly.
+    deterministic in any case; `deterministic=True` (or torch.use_deterministic_algorithms(True)) also forces
+    deterministic scatter-adds on GPUs. An empty query returns zero gradients directly.
     """
     problem = validate_sparse(query, key, value, sparse_indices, scale_value, query_rope=query_rope,
                               key_rope=key_rope, actual_seq_lengths_query=actual_seq_lengths_query,
@@ -309,6 +313,7 @@ def sparse_flash_attention_grad(
     if query.numel() == 0:
         # Empty query: "直接返回" (seed :560, SEMANTICS.md 10); no row selects anything, so all gradients are 0.
         return SparseFlashAttentionGradResult(*_zero_grads(query, key, value, query_rope, key_rope))
+    deterministic = resolve_deterministic(deterministic)
     if select_backend(backend, query.device, op="sparse_flash_attention_grad",
                       unsupported=lambda: sparse_unsupported(query, key, value, query_rope)) == "triton":
         from ..backends.triton import sparse_attention as triton_kernel
@@ -343,6 +348,14 @@ def sparse_flash_attention_grad(
 
 def _zero_grads(*tensors: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
     return tuple(None if t is None else torch.zeros_like(t) for t in tensors)
+
+
+def resolve_deterministic(deterministic: bool) -> bool:
+    """The `deterministic` the grad ops run with: the flag, or PyTorch's global setting. The seeds document it as
+    "与整网确定性参数use_deterministic_algorithms保持一致" (consistent with the network-wide
+    use_deterministic_algorithms), so `torch.use_deterministic_algorithms(True)` also makes the backwards reached
+    through autograd (which pass the default False) deterministic."""
+    return bool(deterministic) or torch.are_deterministic_algorithms_enabled()
 
 
 @contextlib.contextmanager

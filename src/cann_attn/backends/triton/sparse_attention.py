@@ -388,10 +388,17 @@ def sparse_backward(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                          deterministic, dq, dq_rope, acc, n1, d, dr, dv)
     d_query = dq.to(query.dtype).view(query.shape)
     d_query_rope = dq_rope.to(query.dtype).view(query_rope.shape) if has_rope else None
-    d_key = acc[:, :d].to(key.dtype).view(key.shape)
-    d_key_rope = acc[:, d : d + dr].to(key.dtype).view(key_rope.shape) if has_rope else None
-    d_value = acc[:, d + dr :].to(value.dtype).view(value.shape)
+    d_key = _owned(acc[:, :d], key)
+    d_key_rope = _owned(acc[:, d : d + dr], key_rope) if has_rope else None
+    d_value = _owned(acc[:, d + dr :], value)
     return d_query, d_key, d_value, d_query_rope, d_key_rope
+
+
+def _owned(columns: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """`columns` of the shared [dK | dK_rope | dV] accumulator as a tensor of its own, in `like`'s dtype and shape.
+    A plain .to() returns a view when the dtype is already fp32, and outputs that alias one another break the
+    custom op (torch.library forbids it) and surprise callers who write into one gradient."""
+    return torch.empty(columns.shape, dtype=like.dtype, device=columns.device).copy_(columns).view(like.shape)
 
 
 def _launch_backward(q3, k2, v2, kr2, indices, do3, o3, softmax_max, softmax_sum, qr3, tables, scale, block_size,
