@@ -86,6 +86,12 @@ def _tqp(gen):
     return OPS.trans_quant_param.default, (torch.rand(4, generator=gen), torch.tensor([1.0, -2.0, 3.0, 0.0])), {}
 
 
+def _tqp_rounded_broadcast(gen):
+    """round_mode 1, and a per-tensor scale with per-channel offsets: the output takes the offsets' shape."""
+    return (OPS.trans_quant_param.default, (torch.rand(1, generator=gen), torch.tensor([1.0, -2.0, 3.0, 0.0])),
+            {"round_mode": 1})
+
+
 def _sfa_case(gen, layout):
     if layout == "TND":
         return SFACase("TND", gen=gen, s1=4, s2=6, n1=2, d=8, d_rope=None, k=3)
@@ -165,6 +171,7 @@ CASES = {
     "pfa_fp32_bnsd_bsnd": _pfa_fp32,
     "pfa_int8_fp16_out": _pfa_int8,
     "trans_quant_param": _tqp,
+    "trans_quant_param_rounded_broadcast": _tqp_rounded_broadcast,
     "sfa_bsnd_rope": _sfa,
     "sfa_tnd_norope": _sfa_tnd,
     "sfa_grad_bsnd_rope": _sfa_grad,

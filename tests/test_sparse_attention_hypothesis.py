@@ -44,10 +44,13 @@ def sfa_configs(draw, dtypes=(F32, F64)):
     indices = torch.tensor(entries, dtype=torch.int64).reshape(*lead, 1, k) if rows else torch.zeros(
         *lead, 1, k, dtype=torch.int64)
     value_is_key = draw(st.booleans())
+    d = draw(st.sampled_from([4, 8]))
     return dict(
         layout=layout, b=b, s1=s1, s2=s2, q_lens=q_lens, kv_lens=kv_lens, block_size=bs, mode=mode, k=k,
-        n1=draw(st.sampled_from([1, 2, 4])), d=draw(st.sampled_from([4, 8])),
-        d_rope=draw(st.sampled_from([None, 4])), d_v=None if value_is_key else draw(st.sampled_from([4, 6])),
+        n1=draw(st.sampled_from([1, 2, 4])), d=d,
+        # kD >= vD (SEMANTICS.md 1): value's head dim up to the key's.
+        d_rope=draw(st.sampled_from([None, 4])),
+        d_v=None if value_is_key else draw(st.sampled_from([dv for dv in (2, 4, 6) if dv <= d])),
         value_is_key=value_is_key, dtype=draw(st.sampled_from(dtypes)),
         index_dtype=draw(st.sampled_from([torch.int32, torch.int64])), indices=indices,
         nan_beyond_kv=layout == "BSND" and kv_lens is not None, seed=draw(st.integers(0, 2**31 - 1)),

@@ -248,8 +248,12 @@ def test_prompt_flash_attention_and_trans_quant_param(rng):
     assert torch.equal(out, ref)
     scale = torch.tensor([0.5, 3.0])
     assert torch.equal(torch_npu.npu_trans_quant_param(scale), cann_attn.trans_quant_param(scale))
+    # round_mode 1 (R_INT), as the torch_npu documentation's example calls it: rounded, not truncated
+    offset = torch.tensor([1.0, -3.0])
+    assert torch.equal(torch_npu.npu_trans_quant_param(scale, offset, 1),
+                       cann_attn.trans_quant_param(scale, offset, round_mode=1))
     with pytest.raises(cann_attn.ParamInvalidError, match="round_mode"):
-        torch_npu.npu_trans_quant_param(scale, round_mode=1)
+        torch_npu.npu_trans_quant_param(scale, round_mode=2)
     # torch_npu declares `int? round_mode=0`: None means the default
     assert torch.equal(torch_npu.npu_trans_quant_param(scale, round_mode=None), cann_attn.trans_quant_param(scale))
 

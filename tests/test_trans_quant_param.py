@@ -111,6 +111,58 @@ def test_decode_round_trip_is_truncation(rng):
         assert abs(decoded - s) <= abs(s) * 2.0**-10
 
 
+def _from_bits(bits: int) -> float:
+    return struct.unpack("<f", struct.pack("<I", bits))[0]
+
+
+# (fp32 bits in, high-19-bit pattern out) under round_mode 1: to nearest, ties to even on the 10 kept mantissa bits.
+ROUNDED = {
+    "exact": (0x3F800000, 0x3F800000),
+    "below_half": (0x3F800FFF, 0x3F800000),
+    "above_half": (0x3F801001, 0x3F802000),
+    "tie_to_even_down": (0x3F801000, 0x3F800000),
+    "tie_to_even_up": (0x3F803000, 0x3F804000),
+    "negative": (0xBF801800, 0xBF802000),
+    "carry_into_exponent": (0x3FFFFFFF, 0x40000000),
+    "largest_finite_to_inf": (0x7F7FFFFF, 0x7F800000),
+    "subnormal_to_zero": (0x00000FFF | 0x00400000, 0x00000000),
+    "negative_subnormal": (0x80400001, 0x80000000),
+    "inf": (0xFF800000, 0xFF800000),
+    "nan_truncated": (0x7FC01FFF, 0x7FC00000),
+}
+
+
+@pytest.mark.parametrize("name", list(ROUNDED))
+def test_round_mode_1_rounds_to_nearest_even(name):
+    """round_mode 1 (TransQuantParamV2 "R_INT"): the op and the oracle against hand-worked bit patterns."""
+    bits_in, high19 = ROUNDED[name]
+    scale = torch.tensor([_from_bits(bits_in)], dtype=torch.float32)
+    expected = high19 | (1 << 46)
+    assert int(cann_attn.trans_quant_param(scale, round_mode=1)[0]) == expected
+    assert int(trans_quant_param_oracle(scale, round_mode=1)[0]) == expected
+
+
+def test_round_mode_1_random_scales_and_offsets_bit_exact(rng):
+    """Random scales over many binades, with offsets; the oracle rounds the value, the op the bits."""
+    scale = (torch.randn(4096, generator=rng) * torch.exp(torch.randn(4096, generator=rng) * 8)).to(torch.float32)
+    offset = ((torch.rand(4096, generator=rng) - 0.5) * 600).to(torch.float32)
+    for off in (None, offset):
+        out = cann_attn.trans_quant_param(scale, off, round_mode=1)
+        assert out.tolist() == trans_quant_param_oracle(scale, off, round_mode=1).tolist()
+    rounded = cann_attn.trans_quant_param(scale, round_mode=1)
+    truncated = cann_attn.trans_quant_param(scale)
+    assert bool((rounded != truncated).any()), "rounding must differ from truncation somewhere"
+    decoded = torch.tensor([decode_deq_scale(w.reshape(1)) for w in rounded[:512]], dtype=torch.float64)
+    exact = scale[:512].double()
+    assert bool(((decoded - exact).abs() <= exact.abs() * 2.0**-11).all()), "within half a kept ulp"
+
+
+@pytest.mark.parametrize("round_mode", [2, -1, 1.0, True, "1"])
+def test_round_mode_must_be_0_or_1(round_mode):
+    with pytest.raises(cann_attn.ParamInvalidError, match="round_mode"):
+        cann_attn.trans_quant_param(torch.tensor([1.0]), round_mode=round_mode)
+
+
 def test_rejects_non_float32_scale():
     with pytest.raises(cann_attn.AclnnError) as info:
         cann_attn.trans_quant_param(torch.tensor([1.0], dtype=torch.float16))

@@ -419,24 +419,25 @@ def prompt_flash_attention(
 
 
 @torch.library.custom_op("cann_attn::trans_quant_param", mutates_args=())
-def _tqp_op(scale: Tensor, offset: Tensor | None = None) -> Tensor:
+def _tqp_op(scale: Tensor, offset: Tensor | None = None, round_mode: int = 0) -> Tensor:
     """UINT64 deq-scale words of float32 `scale` (and `offset`) as an int64 tensor of scale's shape."""
-    return _eager_trans_quant_param(scale, offset)
+    return _eager_trans_quant_param(scale, offset, round_mode)
 
 
 @_tqp_op.register_fake
-def _(scale, offset=None):
-    return scale.new_empty(scale.shape, dtype=torch.int64)
+def _(scale, offset=None, round_mode=0):
+    shape = scale.shape if offset is None else torch.broadcast_shapes(scale.shape, offset.shape)
+    return scale.new_empty(shape, dtype=torch.int64)
 
 
-def trans_quant_param(scale, offset=None) -> Tensor:
+def trans_quant_param(scale, offset=None, round_mode: int = 0) -> Tensor:
     """``cann_attn.trans_quant_param`` through the ``cann_attn::trans_quant_param`` custom op (Python numbers are
     turned into float32 tensors first)."""
     if not isinstance(scale, Tensor):
         scale = torch.tensor(scale, dtype=torch.float32)
     if offset is not None and not isinstance(offset, Tensor):
         offset = torch.tensor(offset, dtype=torch.float32)
-    return torch.ops.cann_attn.trans_quant_param(scale, offset)
+    return torch.ops.cann_attn.trans_quant_param(scale, offset, round_mode)
 
 
 # ================================================================================ SparseFlashAttention (+ Grad)

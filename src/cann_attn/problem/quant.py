@@ -8,11 +8,13 @@ from __future__ import annotations
 
 import torch
 
-from ..errors import ParamInvalidError, describe
+from ..errors import ParamInvalidError, describe, require_int
 
 INT8_MIN, INT8_MAX = -128, 127
 _MANTISSA_KEEP = 0xFFFFE000
 _UINT64_FLAG = 1 << 46
+# trans_quant_param's round_mode: 0 truncates the scale to its high 19 bits, 1 rounds it (R_INT).
+ROUND_MODES = (0, 1)
 
 
 def round_to_int8(x: torch.Tensor) -> torch.Tensor:
@@ -30,17 +32,22 @@ def round_to_fp16(x: torch.Tensor) -> torch.Tensor:
     return (torch.round(x / spacing) * spacing).to(torch.float16)
 
 
-def trans_quant_param(scale: torch.Tensor, offset: torch.Tensor | None = None) -> torch.Tensor:
+def trans_quant_param(scale: torch.Tensor, offset: torch.Tensor | None = None, round_mode: int = 0) -> torch.Tensor:
     """Encode fp32 scales as Ascend's UINT64 deq-scale words, returned as an int64 tensor of scale's shape.
 
-    word = (fp32 bits of scale AND 0xFFFFE000) OR (1 << 46); with `offset`, its value rounded to an int9 is
-    placed in bits 37..45 (the quantization offset field of the same word)."""
+    word = (the scale's high 19 bits: sign, exponent, 10 mantissa bits, in place) OR (1 << 46); with `offset`, its
+    value rounded to an int9 is placed in bits 37..45 (the quantization offset field of the same word).
+    round_mode 0 (default) truncates the 13 low mantissa bits (fp32 bits AND 0xFFFFE000, SEMANTICS.md 7);
+    round_mode 1 ("R_INT", TransQuantParamV2 / torch_npu's npu_trans_quant_param) rounds them instead:
+    `_fp19_rounded`."""
     if not isinstance(scale, torch.Tensor):
         scale = torch.tensor(scale, dtype=torch.float32)
     if scale.dtype != torch.float32:
         raise ParamInvalidError(f"scale: expected a float32 tensor, got {describe(scale)}")
-    bits = scale.contiguous().view(torch.int32).to(torch.int64) & _MANTISSA_KEEP
-    words = bits | _UINT64_FLAG
+    if require_int(round_mode, "round_mode") not in ROUND_MODES:
+        raise ParamInvalidError(f"round_mode: expected 0 (truncate) or 1 (round), got {round_mode!r}")
+    bits = scale.contiguous().view(torch.int32).to(torch.int64) & 0xFFFFFFFF
+    words = (bits & _MANTISSA_KEEP if round_mode == 0 else _fp19_rounded(bits)) | _UINT64_FLAG
     if offset is not None:
         if not isinstance(offset, torch.Tensor):
             offset = torch.tensor(offset, dtype=torch.float32)
@@ -50,6 +57,22 @@ def trans_quant_param(scale: torch.Tensor, offset: torch.Tensor | None = None) -
         words, off = torch.broadcast_tensors(words, off)
         words = words | (off << 37)
     return words
+
+
+def _fp19_rounded(bits: torch.Tensor) -> torch.Tensor:
+    """round_mode 1: fp32 bit patterns (int64 in [0, 2**32)) rounded to their high 19 bits, in place (bits 13..31).
+
+    Rounding is to nearest, ties to even, on the 10 kept mantissa bits. The ops-nn TransQuantParamV2 kernel also
+    sends zeros and subnormals (exponent 0) to a signed zero, keeps inf/NaN (exponent 255) truncated, and lets a
+    rounding carry run into the exponent (the largest finite values round up to inf)."""
+    sign = bits & 0x80000000
+    exponent = (bits >> 23) & 0xFF
+    kept = (bits & 0x7FFFFFFF) >> 13  # exponent and 10 mantissa bits: one field, so a carry bumps the exponent
+    dropped = bits & 0x1FFF
+    halfway = 0x1000
+    up = (dropped > halfway) | ((dropped == halfway) & (kept & 1 == 1))
+    rounded = sign | ((kept + up.to(torch.int64)) << 13)
+    return torch.where(exponent == 0, sign, torch.where(exponent == 0xFF, bits & _MANTISSA_KEEP, rounded))
 
 
 def decode_deq_scale(scale: torch.Tensor, param: str) -> float:

@@ -78,12 +78,31 @@ def decode_deq_scale(scale: torch.Tensor) -> float:
     return float(scale.reshape(-1)[0].to(torch.float32).item())
 
 
-def trans_quant_param_oracle(scale, offset=None) -> torch.Tensor:
+def _scale_high_19_bits(s: float, round_mode: int) -> int:
+    """The fp32 scale's sign, exponent and 10 mantissa bits, in place (bits 13..31). round_mode 0 truncates.
+    round_mode 1 (TransQuantParamV2 "R_INT") takes the nearest value with 11 significant bits, ties to even, worked
+    out on the value (not the bits): zeros and subnormals give a signed zero, inf/NaN stay as truncated, and a
+    value that rounds past the largest fp32 becomes inf."""
+    bits = _fp32_bits(s)
+    if round_mode == 0 or math.isinf(s) or math.isnan(s):
+        return bits & 0xFFFFE000
+    if (bits >> 23) & 0xFF == 0:
+        return bits & 0x80000000
+    _, exponent = math.frexp(s)  # |s| = m * 2**exponent, m in [0.5, 1)
+    spacing = 2.0 ** (exponent - 11)
+    rounded = round(s / spacing) * spacing  # exact quotient; Python's round() is half to even
+    if abs(rounded) >= 2.0**128:
+        rounded = math.copysign(math.inf, s)
+    return _fp32_bits(rounded)
+
+
+def trans_quant_param_oracle(scale, offset=None, round_mode: int = 0) -> torch.Tensor:
     """Ascend's UINT64 quant-parameter words, element by element with Python ints, as an int64 tensor.
 
-    word = (fp32 bits of scale & 0xFFFFE000) | (1 << 46); with offset: o = clamp(round(offset), -256, 255) and
-    word |= (o & 0x1FF) << 37. Offsets are rounded half to even (callers avoid exact .5 ties: the Ascend docs do
-    not say which rounding). A 1-D scale and offset broadcast to the longer of the two."""
+    word = (the scale's high 19 bits, `_scale_high_19_bits`) | (1 << 46); with offset:
+    o = clamp(round(offset), -256, 255) and word |= (o & 0x1FF) << 37. Offsets are rounded half to even (callers
+    avoid exact .5 ties: the Ascend docs do not say which rounding). A 1-D scale and offset broadcast to the longer
+    of the two."""
     scale_t = torch.as_tensor(scale, dtype=torch.float32)
     scales = [float(v) for v in scale_t.reshape(-1).tolist()]
     shape = list(scale_t.shape)
@@ -101,7 +120,7 @@ def trans_quant_param_oracle(scale, offset=None) -> torch.Tensor:
                 raise ValueError("scale and offset sizes do not broadcast")
     words = []
     for k, s in enumerate(scales):
-        word = (_fp32_bits(s) & 0xFFFFE000) | (1 << 46)
+        word = _scale_high_19_bits(s, round_mode) | (1 << 46)
         if offsets is not None:
             o = max(-256, min(255, round(offsets[k])))  # Python round: half to even
             word |= (o & 0x1FF) << 37
