@@ -137,6 +137,29 @@ def test_module_under_torch_compile(layout, mode):
             torch.testing.assert_close(b, a, rtol=1e-6, atol=1e-6)
 
 
+def test_tnd_trailing_zero_lengths_leave_batches_out():
+    """torch_npu's documented form for batches left out at the end of a TND call: lengths [2, 3, 4] plus two
+    batches out are passed as [2, 5, 9, 0, 0]. Forward (dropout included), statistics and gradients equal the
+    empty-sequence form [2, 5, 9, 9, 9]."""
+    gen = torch.Generator().manual_seed(8)
+    q, k, v = (torch.randn(9, 2, 8, generator=gen).requires_grad_() for _ in range(3))
+    dy = torch.randn(9, 2, 8, generator=gen)
+    results = []
+    for q_ends, kv_ends in (([2, 5, 9, 0, 0], [2, 5, 9, 0, 0]), ([2, 5, 9, 9, 9], [2, 5, 9, 9, 9])):
+        torch_npu.manual_seed(5)
+        out, smax, ssum, _, seed, offset, numels = torch_npu.npu_fusion_attention(
+            q, k, v, 2, "TND", scale=0.3, keep_prob=0.8, actual_seq_qlen=q_ends, actual_seq_kvlen=kv_ends,
+            sparse_mode=0)
+        grads = torch_npu.npu_fusion_attention_grad(
+            q, k, v, dy, 2, "TND", softmax_max=smax, softmax_sum=ssum, attention_in=out.detach(), scale_value=0.3,
+            keep_prob=0.8, actual_seq_qlen=q_ends, actual_seq_kvlen=kv_ends, seed=seed, offset=offset,
+            numels=numels)
+        results.append((out.detach(), smax, ssum, numels, *grads[:3]))
+    assert results[0][3] == results[1][3] == 2 * (2 * 2 + 3 * 3 + 4 * 4)
+    for a, b in zip(*results, strict=True):
+        assert a == b if isinstance(a, int) else torch.equal(a, b)
+
+
 def _attention_inputs(layout: str, gen: torch.Generator):
     if layout == "TND":
         shape, lens = (8, 2, 8), {"actual_seq_qlen": [5, 8], "actual_seq_kvlen": [5, 8]}

@@ -92,6 +92,22 @@ def _ints(value, name: str) -> list[int] | None:
     return to_int_list(value, name)
 
 
+def _tnd_ends(value, name: str) -> list[int] | None:
+    """Cumulative TND ends, with torch_npu's form for batches left out at the end: "TND格式下，支持尾部部分Batch不参与
+    计算，此时actual_seq_q_len和actual_seq_kv_len尾部传入对应个数个0即可" (npu_fusion_attention constraints; lengths
+    [2, 3, 4] plus two batches left out are passed as [2, 5, 9, 0, 0]). Those trailing zeros become empty
+    sequences, [2, 5, 9, 9, 9], the form the operators take (SEMANTICS.md 1)."""
+    ends = _ints(value, name)
+    if not ends:
+        return ends
+    kept = len(ends)
+    while kept > 0 and ends[kept - 1] == 0:
+        kept -= 1
+    if kept in (0, len(ends)):
+        return ends
+    return ends[:kept] + [ends[kept - 1]] * (len(ends) - kept)
+
+
 def _mask_numel(query: Tensor, key: Tensor, head_num: int, layout: str, q_ends, kv_ends) -> int:
     """Elements of the logical keep mask: B*N1*Sq*Skv, TND N1*sum(Sq_b*Skv_b) (SEMANTICS.md 5)."""
     if layout == "TND":
@@ -185,8 +201,8 @@ def _check_sink(sink) -> None:
 def _fusion_attention(query, key, value, head_num, input_layout, *, pse, padding_mask, atten_mask, scale, keep_prob,
                       pre_tokens, next_tokens, inner_precise, prefix, actual_seq_qlen, actual_seq_kvlen, sparse_mode,
                       pse_type, q_start_idx, kv_start_idx, softmax_layout):
-    q_ends = _ints(actual_seq_qlen, "actual_seq_qlen")
-    kv_ends = _ints(actual_seq_kvlen, "actual_seq_kvlen")
+    q_ends = _tnd_ends(actual_seq_qlen, "actual_seq_qlen")
+    kv_ends = _tnd_ends(actual_seq_kvlen, "actual_seq_kvlen")
     drop_mask, numels = None, None
     if _uses_dropout(keep_prob):
         numels = _mask_numel(query, key, head_num, input_layout, q_ends, kv_ends)
@@ -255,8 +271,8 @@ def _fusion_attention_grad(query, key, value, dy, head_num, input_layout, *, pse
                            softmax_max, softmax_sum, softmax_in, attention_in, scale_value, keep_prob, pre_tokens,
                            next_tokens, inner_precise, seed, offset, numels, prefix, actual_seq_qlen,
                            actual_seq_kvlen, sparse_mode, pse_type, q_start_idx, kv_start_idx, softmax_layout):
-    q_ends = _ints(actual_seq_qlen, "actual_seq_qlen")
-    kv_ends = _ints(actual_seq_kvlen, "actual_seq_kvlen")
+    q_ends = _tnd_ends(actual_seq_qlen, "actual_seq_qlen")
+    kv_ends = _tnd_ends(actual_seq_kvlen, "actual_seq_kvlen")
     drop_mask = _regenerate_drop_mask(query, key, head_num, input_layout, keep_prob, seed, offset, numels, q_ends,
                                       kv_ends)
     dq, dk, dv, dpse = torch.ops.cann_attn.flash_attention_score_grad(
