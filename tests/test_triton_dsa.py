@@ -196,6 +196,23 @@ def test_indexer_matches_reference(layout, mode, rng):
     assert dispatch_counts[("lightning_indexer", "triton")] == before + 3
 
 
+def test_indexer_kernels_read_non_contiguous_weights(rng):
+    """weights as a transposed view (head stride > 1, e.g. the output of a projection's .t()): the kernels read a
+    row's heads at unit stride, so the launcher must hand them contiguous weights."""
+    g = torch.Generator().manual_seed(0)
+    qi = torch.randint(-3, 4, (1, 6, 3, 4), generator=g).float()
+    ki = torch.randint(-3, 4, (1, 15, 1, 4), generator=g).float()
+    w = torch.randint(-3, 4, (1, 6, 3), generator=g).float().permute(0, 2, 1).contiguous().permute(0, 2, 1)
+    assert not w.is_contiguous()
+    got = cann_attn.lightning_indexer(qi, ki, w, sparse_count=4, return_value=True, backend="triton")
+    ref = cann_attn.lightning_indexer(qi, ki, w, sparse_count=4, return_value=True, backend="reference")
+    assert torch.equal(got.sparse_indices, ref.sparse_indices) and torch.equal(got.sparse_values, ref.sparse_values)
+    case = IndexerCase("BSND", gen=rng, s1=6, s2=15, dtype=F32, n_idx=3, d_idx=4).kl_inputs(3, style="topk")
+    case.weights = case.weights.permute(0, 2, 1).contiguous().permute(0, 2, 1)
+    for a, b in zip(case.kl(backend="triton"), case.kl(backend="reference"), strict=True):
+        _assert_same(a, b, "kl")
+
+
 @pytest.mark.parametrize("dtype", [F16, F32], ids=DT_IDS.get)
 def test_indexer_bsnd_lengths(dtype, rng):
     case = IndexerCase("BSND", gen=rng, b=3, s1=8, s2=14, q_lens=[5, 0, 8], kv_lens=[11, 6, 14], dtype=dtype,

@@ -77,11 +77,15 @@ def flash_attention_score_grad(
         inner_precise=inner_precise, sparse_mode=sparse_mode, pse_type=pse_type,
         softmax_layout=softmax_layout, allowed_modes=GRAD_MODES,
     )
-    qkv = {"q": query, "k": key, "v": value}
-    backend = select_backend(backend, query.device, op="flash_attention_score_grad",
-                             unsupported=lambda: dense_unsupported(problem, query.dtype, tensors=qkv))
     out_shape = layouts.output_shape(input_layout, shapes.batch, shapes.total_q, shapes.heads_q, shapes.dim_v)
     _check_like(dy, "dy", out_shape, query.dtype)
+    if attention_in is not None:
+        _check_like(attention_in, "attention_in", out_shape, query.dtype)
+    # dy and attention_in too: the kernels' int32 in-sequence offsets must fit for every tensor they index.
+    kernel_tensors = {"q": query, "k": key, "v": value, "dy": dy,
+                      **({} if attention_in is None else {"o": attention_in})}
+    backend = select_backend(backend, query.device, op="flash_attention_score_grad",
+                             unsupported=lambda: dense_unsupported(problem, query.dtype, tensors=kernel_tensors))
     stat_shape = stats.stats_shape(problem.tnd, shapes.batch, shapes.heads_q, shapes.total_q)
     if (softmax_max is None) != (softmax_sum is None):
         raise ParamInvalidError("softmax_max/softmax_sum: give both forward statistics or neither")
@@ -98,9 +102,6 @@ def flash_attention_score_grad(
             if memory_layout:
                 require(t.is_contiguous(), name, "a contiguous tensor with TND and softmax_layout '' (its memory "
                         "holds per-sequence [N1, Sq, 8] blocks)", t)
-    if attention_in is not None:
-        _check_like(attention_in, "attention_in", out_shape, query.dtype)
-
     if softmax_max is None or attention_in is None:
         recomputed_out = torch.zeros(out_shape, dtype=query.dtype, device=query.device)
         new_max, new_sum = stats.allocate(stat_shape, stat_dtype, query.device, keyless_rows=problem.has_keyless_rows)

@@ -127,9 +127,14 @@ def prompt_flash_attention(
         softmax_layout="", runs=_runs(atten_mask, explicit_views, sparse_mode, act_q, act_kv, pre_tokens,
                                       next_tokens, pse_shift, float(scale_value)),
     )
+    q_bnsd = layouts.as_bnsd(query, input_layout, num_heads)
+    k_bnsd = layouts.as_bnsd(key, kv_layout, heads_kv)
+    v_bnsd = layouts.as_bnsd(value, kv_layout, heads_kv)
+    # With the tensors, the check also covers the kernels' int32 in-sequence offsets (PFA has no limit on S).
     backend = select_backend(
         backend, query.device, op="prompt_flash_attention",
-        unsupported=lambda: dense_unsupported(problem, query.dtype, output_dtype=plan.output_dtype),
+        unsupported=lambda: dense_unsupported(problem, query.dtype, output_dtype=plan.output_dtype,
+                                              tensors={"q": q_bnsd, "k": k_bnsd, "v": v_bnsd}),
     )
 
     out_layout = "BSND" if input_layout == "BNSD_BSND" else input_layout
@@ -138,9 +143,6 @@ def prompt_flash_attention(
     if query.numel() == 0:
         return out
     out_bnsd = layouts.as_bnsd(out, out_layout, num_heads)
-    q_bnsd = layouts.as_bnsd(query, input_layout, num_heads)
-    k_bnsd = layouts.as_bnsd(key, kv_layout, heads_kv)
-    v_bnsd = layouts.as_bnsd(value, kv_layout, heads_kv)
     if query.dtype == torch.int8:
         quant_attention.forward(problem, q_bnsd, k_bnsd, v_bnsd, out_bnsd, plan)
     elif plan.output_dtype == torch.int8:

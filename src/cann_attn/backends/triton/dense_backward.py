@@ -174,12 +174,14 @@ def _dkdv_kernel(
             m2, inv_l, delta = _row_stats(SMAX, SSUM, DELTA, row, h, offs_m, seq_q, stat_rs)
             st = tl.dot(k, tl.trans(q), input_precision=PRECISION) * qk_scale
             if PSE_KIND != 0:
-                st += tiles.bias_log2(PSE, pse_row + h * pse_hs, SLOPES, slope_row + h * slope_hs, i2, j2, seq_q,
-                                      seq_kv, comp, pse_rs, pse_cs, q_start, kv_start, pse_mul, PSE_KIND, COMPRESSED)
+                st += tiles.bias_log2(PSE, pse_row + h.to(tl.int64) * pse_hs, SLOPES, slope_row + h * slope_hs, i2,
+                                      j2, seq_q, seq_kv, comp, pse_rs, pse_cs, q_start, kv_start, pse_mul, PSE_KIND,
+                                      COMPRESSED)
             pt = tl.math.exp2(st - m2[None, :]) * inv_l[None, :]
             if HAS_MASK:
                 vis = tiles.visible(i2, j2, seq_q, seq_kv, lower, upper, prefix)
-                vis &= tiles.explicit_visible(MASK, mask_row + h * mask_hs, i2, j2, seq_q, seq_kv, mask_rs, mask_cs)
+                vis &= tiles.explicit_visible(MASK, mask_row + h.to(tl.int64) * mask_hs, i2, j2, seq_q, seq_kv,
+                                              mask_rs, mask_cs)
                 pt = tl.where(vis, pt, 0.0)
             elif not (cols_full & (i0 + BLOCK_M <= seq_q) & (i0 <= full_hi) & (i0 >= full_lo)):
                 pt = tl.where(tiles.visible(i2, j2, seq_q, seq_kv, lower, upper, prefix), pt, 0.0)
@@ -244,16 +246,16 @@ def _dq_kernel(
     v_base = V + tiles.tensor_offset(row, C_V, OFF_ALIGN) + kvh * svh
     mask_base = 0
     if HAS_MASK:
-        mask_base = tl.load(row + C_MASK) + h * mask_hs
+        mask_base = tl.load(row + C_MASK) + h.to(tl.int64) * mask_hs
     pse_base = 0
     dpse_base = 0
     comp = 0
     slope_addr = 0
     if PSE_KIND == 1:
-        pse_base = tl.load(row + C_PSE) + h * pse_hs
+        pse_base = tl.load(row + C_PSE) + h.to(tl.int64) * pse_hs
         comp = tl.load(row + C_PSE_COMP)
         if WRITE_DPSE:
-            dpse_base = tl.load(row + C_DPSE) + h * dpse_hs
+            dpse_base = tl.load(row + C_DPSE) + h.to(tl.int64) * dpse_hs
     if PSE_KIND >= 2:
         slope_addr = tl.load(row + C_SLOPE) + h * slope_hs
     drop_base = 0

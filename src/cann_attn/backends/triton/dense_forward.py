@@ -79,12 +79,12 @@ def _forward_kernel(
     v_base = V + tiles.tensor_offset(row, C_V, OFF_ALIGN) + kvh * svh
     mask_base = 0
     if HAS_MASK:
-        mask_base = tl.load(row + C_MASK) + h * mask_hs
+        mask_base = tl.load(row + C_MASK) + h.to(tl.int64) * mask_hs
     pse_base = 0
     comp = 0
     slope_addr = 0
     if PSE_KIND == 1:
-        pse_base = tl.load(row + C_PSE) + h * pse_hs
+        pse_base = tl.load(row + C_PSE) + h.to(tl.int64) * pse_hs
         comp = tl.load(row + C_PSE_COMP)
     if PSE_KIND >= 2:
         slope_addr = tl.load(row + C_SLOPE) + h * slope_hs

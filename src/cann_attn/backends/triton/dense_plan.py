@@ -187,8 +187,10 @@ def build_plan(problem: AttentionProblem, tensors: dict[str, torch.Tensor], *,
     for row, (run, _, _, _, _) in zip(rows, seqs, strict=True):
         m = run.mask
         row[COL["seq_q"]], row[COL["seq_kv"]] = run.seq_q, run.seq_kv
-        row[COL["lower"]] = NO_LOWER if m.lower is None else max(m.lower, NO_LOWER)
-        row[COL["upper"]] = NO_UPPER if m.upper is None else min(m.upper, NO_UPPER)
+        # Both sides clamped: the kernels read the bounds as int32, and beyond +-2**30 a bound hides or shows every
+        # key of any sequence alike.
+        row[COL["lower"]] = NO_LOWER if m.lower is None else min(max(m.lower, NO_LOWER), NO_UPPER)
+        row[COL["upper"]] = NO_UPPER if m.upper is None else min(max(m.upper, NO_LOWER), NO_UPPER)
         row[COL["prefix"]] = 0 if m.prefix is None else m.prefix
         row[COL["delta"]] = delta
         delta += problem.heads_q * run.seq_q

@@ -141,7 +141,8 @@ def visible(i2, j2, seq_q, seq_kv, lower, upper, prefix):
 def explicit_visible(MASK, mask_base, i2, j2, seq_q, seq_kv, mask_rs, mask_cs):
     """Not hidden by the explicit mask (True/nonzero = masked; outside the sequence counts as masked)."""
     inb = (i2 < seq_q) & (j2 < seq_kv)
-    m = tl.load(MASK + mask_base + i2 * mask_rs + j2 * mask_cs, mask=inb, other=1)
+    # int64: a full [Sq, Skv] mask passes 2**31 elements from S = 46341 on.
+    m = tl.load(MASK + mask_base + i2.to(tl.int64) * mask_rs + j2.to(tl.int64) * mask_cs, mask=inb, other=1)
     return m == 0
 
 
@@ -160,7 +161,8 @@ def pse_element_offsets(i2, j2, seq_q, seq_kv, compressed, pse_rs, pse_cs, COMPR
     else:
         row = i2
         col = j2
-    return row * pse_rs + col * pse_cs
+    # int64: a full pse (or PFA pse_shift) passes 2**31 elements from Sq * Skv = 2**31 on.
+    return row.to(tl.int64) * pse_rs + col.to(tl.int64) * pse_cs
 
 
 @device_function

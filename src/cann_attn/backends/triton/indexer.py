@@ -37,6 +37,7 @@ KL_CLAMP = tl.constexpr(1e-8)
 INT64_MIN = tl.constexpr(-(2**63))
 LOW_WORD = tl.constexpr(0xFFFFFFFF)
 TOPK_KEY_BYTES = 1 << 30  # sort-key buffer per slab of query rows
+MAX_GRID_Y = 65535  # CUDA's limit on grid axes y and z
 
 
 @device_function
@@ -70,7 +71,7 @@ def _index_keys_kernel(QI, KI, W, KV_START, THR, KEYS, row0, width,
         h_ok = heads < H
         offs_d = tl.arange(0, BLOCK_D)
         d_ok = offs_d < DI
-        q = tl.load(QI + r * stride_qt + heads[:, None] * stride_qh + offs_d[None, :],
+        q = tl.load(QI + r * stride_qt + heads[:, None].to(tl.int64) * stride_qh + offs_d[None, :],
                     mask=h_ok[:, None] & d_ok[None, :], other=0.0)
         w = tl.load(W + r * stride_wt + heads, mask=h_ok, other=0.0).to(tl.float32)
         kv0 = tl.load(KV_START + r)
@@ -105,13 +106,15 @@ def lightning_top_k(query_index: torch.Tensor, key_index: torch.Tensor, weights:
     work = torch.float32 if interp else query_index.dtype
     qi = _rows3(query_index, rows, work)
     ki = _rows2(key_index, work)
-    w = weights.reshape(rows, weights.shape[-1]).float()  # tiny; fp32 in-kernel anyway
+    # Tiny; fp32 in-kernel anyway. Contiguous: the kernels read a row's heads at unit stride.
+    w = weights.reshape(rows, weights.shape[-1]).float().contiguous()
     heads, di = qi.shape[1], qi.shape[2]
     block_h = _next_pow2(heads, 1 if interp else 16)
     block_d = _next_pow2(di, 1 if interp else 16)
     block_n = min(_next_pow2(width, 1), 256) if interp else 64
     k = min(sparse_count, width)
-    slab = max(1, min(rows, TOPK_KEY_BYTES // (width * 8)))
+    # Rows go on grid axis y, which allows at most 65535 programs.
+    slab = max(1, min(rows, TOPK_KEY_BYTES // (width * 8), MAX_GRID_Y))
     for row0 in range(0, rows, slab):
         n = min(slab, rows - row0)
         keys = torch.empty((n, width), dtype=torch.int64, device=qi.device)
@@ -154,7 +157,7 @@ def _kl_prepare_kernel(Q, QR, K, KR, MAX, SUM, QI, KI, W, IDX, KV_START, THR, P,
     hi_ok = heads_i < H
     offs_di = tl.arange(0, BLOCK_DI)
     di_ok = offs_di < DI
-    qi = tl.load(QI + r * stride_qit + heads_i[:, None] * stride_qih + offs_di[None, :],
+    qi = tl.load(QI + r * stride_qit + heads_i[:, None].to(tl.int64) * stride_qih + offs_di[None, :],
                  mask=hi_ok[:, None] & di_ok[None, :], other=0.0)
     w = tl.load(W + r * stride_wt + heads_i, mask=hi_ok, other=0.0).to(tl.float32)
     # Online max / sum of exp of the index scores, per lane (merged after the loop).
@@ -172,11 +175,11 @@ def _kl_prepare_kernel(Q, QR, K, KR, MAX, SUM, QI, KI, W, IDX, KV_START, THR, P,
         for h0 in range(0, N1, BLOCK_HM):
             heads = h0 + tl.arange(0, BLOCK_HM)
             h_ok = heads < N1
-            q = tl.load(Q + r * stride_qt + heads[:, None] * stride_qh + offs_d[None, :],
+            q = tl.load(Q + r * stride_qt + heads[:, None].to(tl.int64) * stride_qh + offs_d[None, :],
                         mask=h_ok[:, None] & d_ok[None, :], other=0.0)
             z = tl.dot(q, tl.trans(k), input_precision=PRECISION)
             if HAS_ROPE:
-                qr = tl.load(QR + r * stride_qrt + heads[:, None] * stride_qrh + offs_r[None, :],
+                qr = tl.load(QR + r * stride_qrt + heads[:, None].to(tl.int64) * stride_qrh + offs_r[None, :],
                              mask=h_ok[:, None] & r_ok[None, :], other=0.0)
                 z += tl.dot(qr, tl.trans(kr), input_precision=PRECISION)
             m = tl.load(MAX + r * N1 + heads, mask=h_ok, other=0.0)
@@ -220,7 +223,7 @@ def _kl_grad_kernel(QI, KI, W, IDX, KV_START, THR, P, S, STATS, DQI, DW, DKI, KE
     h_ok = heads < H
     offs_d = tl.arange(0, BLOCK_DI)
     d_ok = offs_d < DI
-    qi = tl.load(QI + r * stride_qit + heads[:, None] * stride_qih + offs_d[None, :],
+    qi = tl.load(QI + r * stride_qit + heads[:, None].to(tl.int64) * stride_qih + offs_d[None, :],
                  mask=h_ok[:, None] & d_ok[None, :], other=0.0)
     w = tl.load(W + r * stride_wt + heads, mask=h_ok, other=0.0).to(tl.float32)
     dq = tl.zeros([BLOCK_H, BLOCK_DI], tl.float32)
@@ -250,8 +253,8 @@ def _kl_grad_kernel(QI, KI, W, IDX, KV_START, THR, P, S, STATS, DQI, DW, DKI, KE
         else:
             tl.atomic_add(DKI + key_row[:, None] * stride_dki + offs_d[None, :], dk_part,
                           mask=valid[:, None] & d_ok[None, :], sem="relaxed")
-    tl.store(DQI + r * stride_dqt + heads[:, None] * stride_dqh + offs_d[None, :], dq.to(DQI.dtype.element_ty),
-             mask=h_ok[:, None] & d_ok[None, :])
+    tl.store(DQI + r * stride_dqt + heads[:, None].to(tl.int64) * stride_dqh + offs_d[None, :],
+             dq.to(DQI.dtype.element_ty), mask=h_ok[:, None] & d_ok[None, :])
     tl.store(DW + r * stride_dwt + heads, dw.to(DW.dtype.element_ty), mask=h_ok)
     tl.store(LOSS + r, tl.sum(loss, 0))
 
@@ -273,7 +276,7 @@ def kl_loss_backward(query: torch.Tensor, key: torch.Tensor, query_index: torch.
     ki = _rows2(key_index, work)
     d_key_index = torch.zeros((ki.shape[0], di), dtype=torch.float32, device=dev)
     d_query_index = torch.zeros((rows, heads, di), dtype=work, device=dev)
-    w = weights.reshape(rows, heads).float()
+    w = weights.reshape(rows, heads).float().contiguous()  # the kernel reads a row's heads at unit stride
     d_weights = torch.zeros((rows, heads), dtype=torch.float32, device=dev)
     loss_rows = torch.zeros(rows, dtype=torch.float32, device=dev)
     width = min(indices.shape[-1], tables.max_positions)  # entries any row examines

@@ -114,18 +114,22 @@ def _sfa_fwd_kernel(
     BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DR: tl.constexpr, BLOCK_DV: tl.constexpr,
     BLOCK_N: tl.constexpr,
 ):
-    # Head groups vary fastest: the programs of one token run together and share its gathered rows in L2.
-    heads = tl.program_id(0) * BLOCK_H + tl.arange(0, BLOCK_H)
-    r = tl.program_id(1).to(tl.int64)
+    # One flat grid axis (x allows 2**31 - 1 programs; y and z only 65535, fewer than the rows of a long sequence),
+    # head groups varying fastest: the programs of one token run together and share its gathered rows in L2.
+    groups = tl.cdiv(N1, BLOCK_H)
+    heads = (tl.program_id(0) % groups) * BLOCK_H + tl.arange(0, BLOCK_H)
+    r = (tl.program_id(0) // groups).to(tl.int64)
     h_ok = heads < N1
     offs_d = tl.arange(0, BLOCK_D)
     d_ok = offs_d < D
-    q = tl.load(Q + r * stride_qt + heads[:, None] * stride_qh + offs_d[None, :],
+    # Head offsets in int64: head-major views (an einsum's output) have head strides of T * D, and heads * stride
+    # passes 2**31 once T * N1 * D does.
+    q = tl.load(Q + r * stride_qt + heads[:, None].to(tl.int64) * stride_qh + offs_d[None, :],
                 mask=h_ok[:, None] & d_ok[None, :], other=0.0)
     offs_r = tl.arange(0, BLOCK_DR)
     r_ok = offs_r < DR
     if HAS_ROPE:
-        qr = tl.load(QR + r * stride_qrt + heads[:, None] * stride_qrh + offs_r[None, :],
+        qr = tl.load(QR + r * stride_qrt + heads[:, None].to(tl.int64) * stride_qrh + offs_r[None, :],
                      mask=h_ok[:, None] & r_ok[None, :], other=0.0)
     offs_v = tl.arange(0, BLOCK_DV)
     v_ok = offs_v < DV
@@ -161,8 +165,8 @@ def _sfa_fwd_kernel(
         m_i = m_new
     has = m_i > float("-inf")
     out = acc / tl.where(has, l_i, 1.0)[:, None]
-    tl.store(OUT + r * stride_ot + heads[:, None] * stride_oh + offs_v[None, :], out.to(OUT.dtype.element_ty),
-             mask=h_ok[:, None] & v_ok[None, :])
+    tl.store(OUT + r * stride_ot + heads[:, None].to(tl.int64) * stride_oh + offs_v[None, :],
+             out.to(OUT.dtype.element_ty), mask=h_ok[:, None] & v_ok[None, :])
     stat = r * N1 + heads
     tl.store(MAX + stat, tl.where(has, m_i, INVALID_MAX), mask=h_ok)
     tl.store(SUM + stat, tl.where(has, l_i, 0.0), mask=h_ok)
@@ -205,7 +209,7 @@ def sparse_forward(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, 
             v2.stride(0), indices.stride(0), out3.stride(0), out3.stride(1), n1, d, dr, dv)
     meta = dict(BS=block_size, HAS_ROPE=has_rope, V_IS_K=v_is_k, PRECISION=_precision(work), BLOCK_H=dims.block_h,
                 BLOCK_D=dims.block_d, BLOCK_DR=dims.block_dr, BLOCK_DV=dims.block_dv)
-    grid = (triton.cdiv(n1, dims.block_h), rows)
+    grid = (triton.cdiv(n1, dims.block_h) * rows,)
     if dims.block_n is not None:
         _sfa_fwd_kernel[grid](*args, **meta, BLOCK_N=dims.block_n)
     else:
@@ -234,9 +238,11 @@ def _sfa_bwd_kernel(
     """DKV holds [dK | dK_rope | dV] columns (D + DR + DV). Atomic mode: fp32 [R2, *] accumulators.
     DETERMINISTIC: an [items, *] workspace of the slab starting at query row `row0`, item = ((r - row0) * groups
     + group) * width + position, and KEYS [items] receives each item's flat key row (-1: not selected)."""
-    group = tl.program_id(0)
+    # One flat grid axis, head groups fastest (see the forward).
+    groups = tl.cdiv(N1, BLOCK_H)
+    group = tl.program_id(0) % groups
     heads = group * BLOCK_H + tl.arange(0, BLOCK_H)
-    r = row0 + tl.program_id(1).to(tl.int64)
+    r = row0 + (tl.program_id(0) // groups).to(tl.int64)
     h_ok = heads < N1
     offs_d = tl.arange(0, BLOCK_D)
     d_ok = offs_d < D
@@ -245,13 +251,13 @@ def _sfa_bwd_kernel(
     offs_v = tl.arange(0, BLOCK_DV)
     v_ok = offs_v < DV
     hd = h_ok[:, None] & d_ok[None, :]
-    q = tl.load(Q + r * stride_qt + heads[:, None] * stride_qh + offs_d[None, :], mask=hd, other=0.0)
+    q = tl.load(Q + r * stride_qt + heads[:, None].to(tl.int64) * stride_qh + offs_d[None, :], mask=hd, other=0.0)
     if HAS_ROPE:
-        qr = tl.load(QR + r * stride_qrt + heads[:, None] * stride_qrh + offs_r[None, :],
+        qr = tl.load(QR + r * stride_qrt + heads[:, None].to(tl.int64) * stride_qrh + offs_r[None, :],
                      mask=h_ok[:, None] & r_ok[None, :], other=0.0)
     hv = h_ok[:, None] & v_ok[None, :]
-    do = tl.load(DO + r * stride_dot + heads[:, None] * stride_doh + offs_v[None, :], mask=hv, other=0.0)
-    o = tl.load(O + r * stride_ot + heads[:, None] * stride_oh + offs_v[None, :], mask=hv, other=0.0)
+    do = tl.load(DO + r * stride_dot + heads[:, None].to(tl.int64) * stride_doh + offs_v[None, :], mask=hv, other=0.0)
+    o = tl.load(O + r * stride_ot + heads[:, None].to(tl.int64) * stride_oh + offs_v[None, :], mask=hv, other=0.0)
     delta = tl.sum(do.to(tl.float32) * o.to(tl.float32), 1)  # Dl = rowsum(dO * O)
     stat = r * N1 + heads
     m = tl.load(MAX + stat, mask=h_ok, other=0.0)
@@ -262,7 +268,7 @@ def _sfa_bwd_kernel(
     nblk = (thr + BS - 1) // BS
     dq = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
     dqr = tl.zeros([BLOCK_H, BLOCK_DR], tl.float32)
-    item0 = ((r - row0) * tl.num_programs(0) + group) * width
+    item0 = ((r - row0) * groups + group) * width
     for start in range(0, npos, BLOCK_N):
         pos, valid, key_row = selected_keys(IDX + r * stride_it, start, npos, nblk, thr, kv0, BS, BLOCK_N)
         kd = valid[:, None] & d_ok[None, :]
@@ -306,10 +312,10 @@ def _sfa_bwd_kernel(
             if HAS_ROPE:
                 tl.atomic_add(dst + D + offs_r[None, :], dkr_part, mask=valid[:, None] & r_ok[None, :],
                               sem="relaxed")
-    tl.store(DQ + r * stride_dqt + heads[:, None] * stride_dqh + offs_d[None, :], dq.to(DQ.dtype.element_ty),
-             mask=hd)
+    tl.store(DQ + r * stride_dqt + heads[:, None].to(tl.int64) * stride_dqh + offs_d[None, :],
+             dq.to(DQ.dtype.element_ty), mask=hd)
     if HAS_ROPE:
-        tl.store(DQR + r * stride_dqrt + heads[:, None] * stride_dqrh + offs_r[None, :],
+        tl.store(DQR + r * stride_dqrt + heads[:, None].to(tl.int64) * stride_dqrh + offs_r[None, :],
                  dqr.to(DQR.dtype.element_ty), mask=h_ok[:, None] & r_ok[None, :])
 
 
@@ -421,7 +427,7 @@ def _launch_backward(q3, k2, v2, kr2, indices, do3, o3, softmax_max, softmax_sum
                 q3.stride(0), q3.stride(1), qr3.stride(0), qr3.stride(1), k2.stride(0), kr2.stride(0), v2.stride(0),
                 indices.stride(0), do3.stride(0), do3.stride(1), o3.stride(0), o3.stride(1), dq3.stride(0),
                 dq3.stride(1), dqr3.stride(0), dqr3.stride(1), dkv.stride(0), n1, d, dr, dv)
-        grid = (groups, grid_rows)
+        grid = (groups * grid_rows,)
         if dims.block_n is not None:
             _sfa_bwd_kernel[grid](*args, **common, DETERMINISTIC=det, BLOCK_N=dims.block_n)
         elif det:
