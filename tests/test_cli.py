@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import os
 import shutil
 import subprocess
@@ -52,6 +53,32 @@ def test_verify_quick_flash_attention_score():
     proc = _run("verify", "--quick", "--op", "flash_attention_score", timeout=60)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     assert "flash_attention_score" in proc.stdout and "OK" in proc.stdout
+
+
+@pytest.mark.parametrize("fault", ["bf16_statistics", "one_nan"])
+def test_verify_fails_undocumented_dtypes_and_nans(fault, monkeypatch, capsys):
+    """An operator returning its softmax statistics in bf16 (documented: fp32), or one NaN in an output, fails
+    verify, though the Ascend rule alone (golden cast to the actual's dtype; t * numel allowance) would pass it."""
+    import cann_attn
+    from cann_attn.cli import main as cli_main
+
+    real = cann_attn.flash_attention_score
+
+    @functools.wraps(real)  # the CLI reads (and caches) the operator's signature
+    def faulty(*args, **kwargs):
+        out, smax, ssum, soft = real(*args, **kwargs)
+        if fault == "bf16_statistics":
+            return type(real(*args, **kwargs))(out, smax.bfloat16(), ssum.bfloat16(), soft)
+        out = out.clone()
+        out.view(-1)[0] = float("nan")
+        return type(real(*args, **kwargs))(out, smax, ssum, soft)
+
+    monkeypatch.setattr(cann_attn, "flash_attention_score", faulty)
+    monkeypatch.setenv("COLUMNS", "250")  # the whole note in the table
+    rc = cli_main.main(["verify", "--quick", "--op", "flash_attention_score", "--case", "bsnd"])
+    out = capsys.readouterr().out
+    assert rc == 1
+    assert ("dtype bfloat16 != expected float32" if fault == "bf16_statistics" else "NaN/inf values") in out
 
 
 def test_verify_names_the_backend_of_each_case():

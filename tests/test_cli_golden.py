@@ -160,12 +160,52 @@ def test_compare_files_npy_and_bin(small_golden, capsys):
         rc, out, err = _main(capsys, "compare", actual / f"attention_out.{a}", golden / f"attention_out.{g}")
         assert rc == 0, (a, g, out, err)
         assert "bfloat16" in out  # thresholds of the manifest's dtype, not of the float32 .npy carrier
-    # The bf16 .bin read as fp16 is garbage: the Ascend rule fails.
+    # The bf16 .bin read as fp16 is not the golden's dtype: it fails before any metric.
     rc, out, _ = _main(capsys, "compare", actual / "attention_out.bin", golden / "attention_out.npy", "--dtype", "fp16")
-    assert rc == 1 and "Ascend rule" in out
+    assert rc == 1 and "dtype float16 != expected bfloat16" in out
     # Wrong size for the dtype: bad input.
     rc, _, err = _main(capsys, "compare", actual / "attention_out.bin", golden / "attention_out.npy", "--dtype", "fp32")
     assert rc == 2 and "bytes, expected" in err and len(err.strip().splitlines()) == 1
+
+
+def test_compare_fails_an_actual_of_another_dtype(small_golden, tmp_path, capsys):
+    """A lower-precision (or integer-truncated) actual is not measured against a golden rounded to its dtype: the
+    dtypes must agree (torch_npu's assertRtolEqual fails on differing dtypes too)."""
+    golden = small_golden / "golden" / "softmax_sum.npy"
+    g = np.load(golden)
+    np.save(tmp_path / "fp16.npy", g.astype(np.float16))
+    rc, out, _ = _main(capsys, "compare", tmp_path / "fp16.npy", golden)
+    assert rc == 1 and "dtype float16 != expected float32" in out
+    rc, out, _ = _main(capsys, "compare", tmp_path / "fp16.npy", golden, "--json", tmp_path / "r.json")
+    assert rc == 1 and not json.loads((tmp_path / "r.json").read_text())["passed"]
+    np.save(tmp_path / "same.npy", g)
+    assert _main(capsys, "compare", tmp_path / "same.npy", golden)[0] == 0
+
+
+def test_compare_fails_nan_and_inf_the_golden_lacks(small_golden, tmp_path, capsys):
+    """One NaN (or inf) among thousands of elements is far below the rule's t * numel allowance, yet fails:
+    SEMANTICS.md 3 promises finite outputs and assertRtolEqual rejects mismatching NaN positions."""
+    golden = small_golden / "golden" / "softmax_max.npy"
+    g = np.load(golden)
+    for bad in (np.nan, np.inf):
+        a = g.copy()
+        a.reshape(-1)[3] = bad
+        np.save(tmp_path / "bad.npy", a)
+        rc, out, _ = _main(capsys, "compare", tmp_path / "bad.npy", golden, "--json", tmp_path / "r.json")
+        assert rc == 1 and "1 NaN/inf values where the golden holds other values" in out, out
+        text = (tmp_path / "r.json").read_text()
+        report = json.loads(text, parse_constant=lambda c: pytest.fail(f"non-standard JSON constant {c}"))
+        assert report["tensors"][0]["max_abs"] == "Infinity"  # strict JSON: no bare Infinity / NaN
+
+
+def test_compare_mere_mare_undefined_without_golden_elements_above_the_cut(tmp_path, capsys):
+    """MERE / MARE average over |golden| >= the cut: with no such element there is nothing to average (null, "-"),
+    not a perfect 0."""
+    np.save(tmp_path / "g.npy", np.zeros(64, dtype=np.float32))
+    np.save(tmp_path / "a.npy", np.full(64, 1e-6, dtype=np.float32))
+    rc, _, _ = _main(capsys, "compare", tmp_path / "a.npy", tmp_path / "g.npy", "--json", tmp_path / "r.json")
+    tensor = json.loads((tmp_path / "r.json").read_text())["tensors"][0]
+    assert rc == 0 and tensor["mere"] is None and tensor["mare"] is None
 
 
 def test_compare_dir_with_bin_only_actual_and_json(small_golden, tmp_path, capsys):

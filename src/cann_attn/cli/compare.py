@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 from pathlib import Path
 from typing import Any
@@ -32,7 +33,7 @@ from rich.markup import escape
 from rich.table import Table
 
 from . import UsageError
-from .metrics import TensorMetrics, dtype_name, measure
+from .metrics import TensorMetrics, dtype_name, dtype_problem, measure
 from .tensorio import (
     MANIFEST,
     check_output,
@@ -92,6 +93,16 @@ def _load_actual(path: Path, golden: torch.Tensor, dtype: torch.dtype | None) ->
     raise UsageError(f"{path}: expected a .npy or .bin file")
 
 
+def _measure(name: str, actual: torch.Tensor, golden: torch.Tensor) -> TensorMetrics:
+    """`measure` with the golden's dtype's thresholds, after checking that the actual has that dtype: a golden
+    rounded to a lower-precision actual's dtype would hide the rounding (torch_npu's assertRtolEqual also fails on
+    differing dtypes)."""
+    problem = dtype_problem(actual, golden.dtype)
+    if problem:
+        return _problem(name, golden, f"{problem} (the golden's)")
+    return measure(name, actual, golden, golden.dtype)
+
+
 def _golden_file(path: Path, dtype_option: torch.dtype | None) -> tuple[str, torch.Tensor]:
     entry = find_entry(read_manifest(path.parent), file=path.name)
     if path.suffix == ".bin":
@@ -132,7 +143,7 @@ def _from_actual_manifest(actual_path: Path, entry, name: str, golden: torch.Ten
     if absent:
         return _problem(name, golden, f"missing: {', '.join(absent)} (listed in {where}) not found")
     tensors = {kind: read_file_of_entry(path, kind, entry) for kind, path in files.items()}
-    measured = {kind: measure(name, t, golden, golden.dtype) for kind, t in tensors.items()}
+    measured = {kind: _measure(name, t, golden) for kind, t in tensors.items()}
     first, *others = tensors
     differ = {kind: _differ(tensors[first], tensors[kind]) for kind in others}
     if not any(differ.values()):
@@ -165,7 +176,7 @@ def collect(args: argparse.Namespace) -> tuple[list[TensorMetrics], dict[str, An
         name, golden = _golden_file(golden_path, dtype_option)
         actual = _load_actual(actual_path, golden, dtype_option)
         info = {"op": (read_manifest(golden_path.parent) or {}).get("op")}
-        return [measure(name, actual, golden, golden.dtype)], info
+        return [_measure(name, actual, golden)], info
 
     manifest = read_manifest(golden_path)
     if manifest is None:
@@ -187,7 +198,7 @@ def collect(args: argparse.Namespace) -> tuple[list[TensorMetrics], dict[str, An
         if found is None:
             results.append(_problem(name, golden, f"missing: no {name}.npy or {name}.bin in {actual_path}"))
             continue
-        results.append(measure(name, _load_actual(found, golden, dtype_option), golden, golden.dtype))
+        results.append(_measure(name, _load_actual(found, golden, dtype_option), golden))
     return results, {"op": manifest.get("op"), "seed": manifest.get("seed")}
 
 
@@ -236,6 +247,18 @@ def _check_json_option(path: str) -> None:
     check_output(target.parent, "--json", shown=target)
 
 
+def _finite_json(value: Any) -> Any:
+    """`value` with NaN / infinite floats as the strings "NaN", "Infinity", "-Infinity": strict JSON (RFC 8259)
+    has no such numbers, and parsers other than Python's reject them."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return "NaN" if math.isnan(value) else ("Infinity" if value > 0 else "-Infinity")
+    if isinstance(value, dict):
+        return {k: _finite_json(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_finite_json(v) for v in value]
+    return value
+
+
 def run(args: argparse.Namespace) -> int:
     if args.json:
         _check_json_option(args.json)
@@ -261,7 +284,7 @@ def run(args: argparse.Namespace) -> int:
             "tensors": [m.to_json(args.strict) for m in results],
         }
         try:
-            Path(args.json).write_text(json.dumps(report, indent=2) + "\n")
+            Path(args.json).write_text(json.dumps(_finite_json(report), indent=2, allow_nan=False) + "\n")
         except OSError as exc:
             raise UsageError(f"--json: cannot write {args.json} ({exc.strerror or exc})") from exc
     if not failed:

@@ -1,6 +1,6 @@
 """``cann-attn``: the command-line entry point (argparse subcommands).
 
-    cann-attn verify [--op OP] [--quick] [--device DEV] [--seed N]   operators vs float64 oracle
+    cann-attn verify [--op OP] [--quick] [--device DEV] [--seed N]   operators vs float64 oracle (alias: demo)
     cann-attn golden [--op OP] --case CASE.json --out DIR [--inputs PATH...] [--actual DIR]   golden data files
     cann-attn compare ACTUAL GOLDEN [--dtype DT] [--strict]   SEMANTICS.md 11 metrics, exit 1 on failure
     cann-attn bench [--suite fa_forward|all] [--device cpu|cuda] [--quick]   benchmarks/ vs PyTorch
@@ -48,7 +48,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         args = parser.parse_args(argv)
         if args.command is None:
-            raise UsageError("a command is required (verify, golden, compare, bench); see cann-attn --help")
+            raise UsageError("a command is required (verify or demo, golden, compare, bench); see cann-attn --help")
         return int(args.func(args) or 0)
     except UsageError as exc:
         print(f"{PROG}: error: {exc}", file=sys.stderr)

@@ -10,6 +10,12 @@ Floating-point tensors (threshold dtype = the output's dtype, or the one asked f
   a gate only with ``strict``. Non-finite values equal on both sides (the -inf of empty top-k slots) count as
   exact, as in the Ascend rule.
 
+A non-finite actual value where the golden holds another value (a NaN, or an infinity the golden lacks) fails
+the tensor whatever the counts: torch_npu's assertRtolEqual rejects mismatching NaN positions, and SEMANTICS.md
+3 promises no NaN outputs. An actual whose dtype differs from the golden's fails too (``dtype_problem``): the
+rule's thresholds are those of the golden's dtype, and a lower-precision actual would otherwise be measured
+against a golden rounded to its own dtype.
+
 Integer tensors: int8 (quantized outputs) pass when every element is within one int8 step of the golden
 (SEMANTICS.md 7: the NPU may round an intermediate value to fp16 and land one step away); with ``strict`` at
 most 0.1% of the elements (at least one) may be one step off. Other integer and bool tensors (indices) must
@@ -24,9 +30,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..testing.precision import _MERE_T, ascend_rule, mere_mare
+from ..testing.precision import _MERE_SMALL, _MERE_T, ascend_rule, mere_mare
 
-__all__ = ["TensorMetrics", "dtype_name", "measure"]
+__all__ = ["TensorMetrics", "dtype_name", "dtype_problem", "measure", "nonfinite_mismatches"]
 
 INT8_STRICT_FRACTION = 1e-3
 
@@ -56,11 +62,13 @@ class TensorMetrics:
     mare: float | None = None
     mere_limit: float | None = None
     n_mismatch: int = 0  # integer tensors: elements that differ
+    n_nonfinite: int = 0  # float tensors: non-finite actual values where the golden holds another value
     problem: str = ""  # could not be compared (missing, shape mismatch): always a failure
     notes: list[str] = field(default_factory=list)
 
     @property
     def mere_pass(self) -> bool:
+        # None: no golden element reaches the small-value cut, so there is no mean to judge.
         return self.mere is None or self.mere < self.mere_limit
 
     @property
@@ -73,6 +81,8 @@ class TensorMetrics:
             return [self.problem]
         out = []
         if self.kind == "float":
+            if self.n_nonfinite:
+                out.append(f"{self.n_nonfinite} NaN/inf values where the golden holds other values")
             if not self.ascend_pass:
                 out.append(
                     f"Ascend rule: {self.n_rel_fail} elements with rel err > {self.threshold:g} and "
@@ -110,6 +120,21 @@ class TensorMetrics:
         return out
 
 
+def nonfinite_mismatches(actual: torch.Tensor, golden: torch.Tensor) -> int:
+    """Non-finite actual values where the golden (cast to the actual's dtype) holds a different value."""
+    a = actual.detach().to("cpu")
+    g = golden.detach().to("cpu").to(a.dtype)
+    same = (a == g) | (torch.isnan(a) & torch.isnan(g))
+    return int((~torch.isfinite(a) & ~same).sum())
+
+
+def dtype_problem(actual: torch.Tensor, expected: torch.dtype) -> str:
+    """'' when `actual` has the `expected` dtype, else the failure line naming both."""
+    if actual.dtype == expected:
+        return ""
+    return f"dtype {dtype_name(actual.dtype)} != expected {dtype_name(expected)}"
+
+
 def _same_non_finite_to_zero(actual: torch.Tensor, golden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Elements holding the same non-finite value on both sides (-inf score slots, ...) set to 0 on both sides, so
     that MERE/MARE skip them (|g| = 0 is below the small-value cut) as the Ascend rule counts them as exact."""
@@ -138,7 +163,9 @@ def measure(name: str, actual: torch.Tensor, golden: torch.Tensor, dtype: torch.
         if not actual.dtype.is_floating_point:
             actual = actual.to(dtype)
         ok, details = ascend_rule(actual, golden, dtype)
-        mere, mare, _ = mere_mare(*_same_non_finite_to_zero(actual, golden), dtype)
+        mere, mare = None, None
+        if bool((golden.detach().to("cpu").to(actual.dtype).abs() >= _MERE_SMALL[dtype]).any()):
+            mere, mare, _ = mere_mare(*_same_non_finite_to_zero(actual, golden), dtype)
         return TensorMetrics(
             name,
             dtype_name(dtype),
@@ -155,6 +182,7 @@ def measure(name: str, actual: torch.Tensor, golden: torch.Tensor, dtype: torch.
             mere=mere,
             mare=mare,
             mere_limit=_MERE_T[dtype],
+            n_nonfinite=nonfinite_mismatches(actual, golden),
         )
     a = actual.detach().to("cpu").to(torch.int64)
     g = golden.detach().to("cpu").to(torch.int64)

@@ -63,9 +63,11 @@ class Row:
 
 
 def add_parser(subparsers) -> None:
+    # `demo` (DESIGN.md's CLI list) is the main job under its own name: what `make demo` runs.
     p = subparsers.add_parser(
         "verify",
-        help="check every implemented operator against its float64 oracle (Ascend precision rule)",
+        aliases=["demo"],
+        help="check every implemented operator against its float64 oracle (Ascend precision rule); alias: demo",
         description="Run every implemented operator on the built-in cases and judge each output against "
         "the float64 oracle with the Ascend precision rule (SEMANTICS.md section 11). Exit status 1 on any "
         "failure.",
@@ -122,6 +124,12 @@ def _select(args: argparse.Namespace) -> list[registry.Case]:
     return selected
 
 
+def _documented_dtypes(case: registry.Case, call: registry.Call) -> dict[str, torch.dtype]:
+    """The documented dtype of each output of the case's call (empty for an operator without that record)."""
+    op = registry.OPERATORS.get(case.op)
+    return {} if op is None else op.output_dtypes(registry.by_name(case.op, call))
+
+
 def case_generator(case: registry.Case, seed: int) -> torch.Generator:
     """The case's own CPU generator: the same inputs whatever other cases run (seed + crc32 of op/name)."""
     return torch.Generator().manual_seed(seed + zlib.crc32(f"{case.op}/{case.name}".encode()))
@@ -135,7 +143,7 @@ def _sync(device: torch.device) -> None:
 def run_case(case: registry.Case, device: torch.device, seed: int) -> list[Row]:
     """Build, run (timed), compute the oracle and judge every output of one case."""
     from ..testing.precision import ascend_rule, flash_attn_rule
-    from .metrics import measure
+    from .metrics import dtype_problem, measure, nonfinite_mismatches
 
     dtype = _DTYPE_NAMES.get(case.dtype, str(case.dtype))
     base = {"op": case.op, "case": case.name, "dtype": dtype, "shape": case.shape}
@@ -150,6 +158,7 @@ def run_case(case: registry.Case, device: torch.device, seed: int) -> list[Row]:
         elapsed_ms = (time.perf_counter() - start) * 1e3
         base["backend"] = _backends_used(before)
         golden = case.oracle(call)
+        documented = _documented_dtypes(case, call)
         rows, naive = [], None
         for name, expected in golden.items():
             actual = outputs.get(name)
@@ -160,6 +169,12 @@ def run_case(case: registry.Case, device: torch.device, seed: int) -> list[Row]:
                 note = f"shape {tuple(actual.shape)} != expected {tuple(expected.shape)}"
                 rows.append(Row(**base, output=name, time_ms=elapsed_ms, note=note))
                 continue
+            # The documented output dtype first: the rule casts the golden to the actual's dtype, so a lower
+            # precision than documented would otherwise go unnoticed.
+            problem = dtype_problem(actual, documented[name]) if name in documented else ""
+            if problem:
+                rows.append(Row(**base, output=name, time_ms=elapsed_ms, note=problem))
+                continue
             if not actual.dtype.is_floating_point:  # int8 outputs, indices: see metrics.py
                 m = measure(name, actual, expected)
                 note = "; ".join(m.failures()) or (f"{m.n_mismatch} one step off" if m.n_mismatch else "exact")
@@ -168,15 +183,19 @@ def run_case(case: registry.Case, device: torch.device, seed: int) -> list[Row]:
                 )
                 continue
             ok, details = ascend_rule(actual, expected)
+            # NaN / inf where the golden has other values fail outright (metrics.py), whatever the counts.
+            n_nonfinite = nonfinite_mismatches(actual, expected)
             row = Row(
                 **base,
                 output=name,
-                ascend=ok,
+                ascend=ok and not n_nonfinite,
                 max_abs=details["max_abs_err"],
                 max_rel=details["max_rel_err"],
                 time_ms=elapsed_ms,
             )
-            if not ok:
+            if n_nonfinite:
+                row.note = f"{n_nonfinite} NaN/inf values where the golden holds other values"
+            elif not ok:
                 row.note = f"{details['n_rel_fail']} rel / {details['n_abs_fail']} abs > t"
                 if case.naive is not None:
                     naive = case.naive(call) if naive is None else naive
