@@ -29,7 +29,8 @@ COMPRESSED_PSE_ROWS = tl.constexpr(1024)  # a constexpr global: kernels may only
 def interpreter_speed() -> Iterator[None]:
     """Around the dense kernel launches: under the interpreter, skip its int32 overflow sanitizer, which
     re-does every 32-bit integer add/mul in int64 plus an assert (~40% of interpreted run time). The plan
-    bounds every in-sequence offset below 2^31 (`dense_unsupported`), and test shapes are tiny. Set
+    bounds the in-sequence offsets of every tensor the caller passes (q, k, v, and dy / o for the grad) below 2^31
+    (`dense_unsupported`), mask and pse offsets are formed in int64, and test shapes are tiny. Set
     CANN_ATTN_TRITON_SANITIZE=1 to keep the sanitizer. No effect on a GPU."""
     if not INTERPRET or os.environ.get("CANN_ATTN_TRITON_SANITIZE") == "1":
         yield
