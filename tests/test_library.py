@@ -184,6 +184,40 @@ CASES = {
 }
 
 
+def test_count_tokens_is_float32_whatever_the_default_dtype(rng):
+    """The op's fake promises a float32 0-d tensor; eager must agree also under a float64 default dtype (common in
+    gradcheck set-ups)."""
+    op, args, kwargs = _count_tokens(rng)
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    try:
+        assert op(*args, **kwargs).dtype == torch.float32
+    finally:
+        torch.set_default_dtype(previous)
+
+
+def test_operators_accept_inputs_that_require_grad(rng):
+    """The operators are not differentiable themselves (the autograd layer pairs them): given inputs that require
+    grad, they compute as usual and return plain tensors (no in-place-into-out= error from a kernel)."""
+    case = SFACase("BSND", gen=rng, b=1, s1=5, s2=12, k=3, n1=4, d=16, style="random")
+    i = {k: v.detach().clone().requires_grad_() if v is not None and v.is_floating_point() else v
+         for k, v in case.inputs.items()}
+    kw = {k: v for k, v in case.kw.items() if k != "scale_value"}
+    scale = case.kw["scale_value"]
+    fwd = cann_attn.sparse_flash_attention(i["query"], i["key"], i["value"], i["sparse_indices"], scale,
+                                           query_rope=i["query_rope"], key_rope=i["key_rope"], **kw)
+    grads = cann_attn.sparse_flash_attention_grad(
+        i["query"], i["key"], i["value"], i["sparse_indices"], case.d_out, fwd.attention_out, fwd.softmax_max,
+        fwd.softmax_sum, scale, query_rope=i["query_rope"], key_rope=i["key_rope"], **kw)
+    qi, ki, w = _rand(rng, 1, 5, 2, 8, grad=True), _rand(rng, 1, 12, 1, 8, grad=True), _rand(rng, 1, 5, 2, grad=True)
+    li = cann_attn.lightning_indexer(qi, ki, w, sparse_count=3, return_value=True)
+    kl = cann_attn.sparse_lightning_indexer_grad_kl_loss(
+        i["query"], i["key"], qi, ki, w, li.sparse_indices, fwd.softmax_max, fwd.softmax_sum, scale,
+        query_rope=i["query_rope"], key_rope=i["key_rope"])
+    for result in (fwd, grads, li, kl):
+        assert not any(t.requires_grad for t in result if isinstance(t, torch.Tensor))
+
+
 @pytest.mark.parametrize("case", list(CASES))
 def test_opcheck(case, rng):
     """All four opcheck utilities (schema, autograd registration, FakeTensor, AOT dispatch with dynamic shapes)."""

@@ -113,6 +113,31 @@ def test_sparse_grad_outputs_are_separate_tensors(dtype, rng):
         _assert_same(getattr(library_grads, n), getattr(grads, n), n, exact=True)
 
 
+def test_gradients_are_laid_out_like_their_inputs(rng):
+    """Gradients have their input's strides (torch.empty_like), as the reference backend and the custom ops' fakes
+    do: a compiled graph reads them with the fake's strides. opcheck compares real and fake, permuted inputs
+    included (a query made by .transpose(1, 2) is dense but not contiguous)."""
+    q = torch.randn(1, 2, 3, 8, generator=rng).transpose(1, 2)
+    qr = torch.randn(1, 2, 3, 4, generator=rng).transpose(1, 2)
+    k = torch.randn(1, 5, 1, 8, generator=rng)
+    kr = torch.randn(1, 5, 1, 4, generator=rng)
+    idx = torch.tensor([[0, 1], [2, -1], [1, 3]], dtype=torch.int32).view(1, 3, 1, 2)
+    out, m, s = torch.ops.cann_attn.sparse_flash_attention(q, k, k, idx, 0.3, qr, kr, backend="triton")
+    args = (q, k, k.clone(), idx, torch.randn(out.shape, generator=rng), out, m, s, 0.3, 1, qr, kr)
+    result = torch.library.opcheck(torch.ops.cann_attn.sparse_flash_attention_grad.default, args,
+                                   {"backend": "triton"})
+    assert all(v == "SUCCESS" for v in result.values()), result
+    grads = torch.ops.cann_attn.sparse_flash_attention_grad(*args, backend="triton")
+    assert grads[0].stride() == torch.empty_like(q).stride() and grads[3].stride() == torch.empty_like(qr).stride()
+    qi = torch.randn(1, 2, 3, 8, generator=rng).transpose(1, 2)
+    w = torch.randn(1, 2, 3, generator=rng).transpose(1, 2)
+    ki = torch.randn(1, 5, 1, 8, generator=rng)
+    kl_args = (q, k, qi, ki, w, idx, m, s, 0.3, qr, kr)
+    result = torch.library.opcheck(torch.ops.cann_attn.sparse_lightning_indexer_grad_kl_loss.default, kl_args,
+                                   {"backend": "triton"})
+    assert all(v == "SUCCESS" for v in result.values()), result
+
+
 def test_global_deterministic_setting_reaches_the_kernels(rng, monkeypatch):
     """`deterministic` follows torch.use_deterministic_algorithms (the seeds: "与整网确定性参数
     use_deterministic_algorithms保持一致"), so backwards reached through autograd, which pass the default False,

@@ -660,9 +660,10 @@ def _count_op(
 ) -> Tensor:
     """max(1, query tokens with a valid selected key) as a 0-d fp32 CPU tensor: the divisor of
     ``cann_attn.indexer_kl_loss(reduction="mean")``, a tensor so that compiled code needs no data-dependent int."""
+    # float32 whatever torch's default dtype (the fake's promise).
     return torch.tensor(float(max(1, _eager_count_tokens_with_keys(
         query_index, key_index, sparse_indices, layout, sparse_mode, actual_seq_lengths_query,
-        actual_seq_lengths_key))))
+        actual_seq_lengths_key))), dtype=torch.float32)
 
 
 @_count_op.register_fake

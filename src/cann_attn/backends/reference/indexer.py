@@ -48,6 +48,7 @@ def index_scores(q_idx: torch.Tensor, k_idx: torch.Tensor, weights: torch.Tensor
     return torch.bmm(weights.unsqueeze(1), relu).squeeze(1)
 
 
+@torch.no_grad()  # kernels fill preallocated outputs; autograd pairs the ops one level up
 def top_k_sequence(q_idx, k_idx, weights, *, sparse_mode: int, seq_q: int, seq_kv: int, k: int,
                    indices_out: torch.Tensor, values_out: torch.Tensor | None) -> None:
     """Fill indices_out [Sq, K] (int32, -1 padded) and values_out [Sq, K] for one sequence."""
@@ -102,6 +103,7 @@ def _target_distribution(q_main: torch.Tensor, q_rope: torch.Tensor | None, k_ma
     return p.mul_(1.0 / heads)
 
 
+@torch.no_grad()  # kernels fill preallocated outputs; autograd pairs the ops one level up
 def kl_loss_sequence(seq_q: int, seq_kv: int, *, q_main, q_rope, k_main, q_idx, k_idx, weights, indices, row_max,
                      row_sum, scale: float, sparse_mode: int, dq_idx, dk_idx, dw) -> torch.Tensor:
     """Loss (summed over the sequence's rows) and gradients of one sequence.

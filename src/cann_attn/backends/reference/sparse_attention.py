@@ -233,6 +233,7 @@ def _weighted_values(tk: _TileKeys, p: torch.Tensor, out: torch.Tensor) -> torch
     return torch.mm(_to_union(tk, p).view(rows * heads, -1), tk.values, out=out.view(rows * heads, -1)).view_as(out)
 
 
+@torch.no_grad()  # kernels fill preallocated outputs; autograd pairs the ops one level up
 def forward_sequence(seq: SparseSequence, scale: float, sparse_mode: int, block_size: int, dtype: torch.dtype,
                      out: torch.Tensor, row_max: torch.Tensor, row_sum: torch.Tensor) -> None:
     """Fill out [Sq, N1, Dv] (any dtype; written per tile), row_max / row_sum [Sq, N1] of one sequence."""
@@ -269,6 +270,7 @@ def forward_sequence(seq: SparseSequence, scale: float, sparse_mode: int, block_
         row_sum[t0:t1] = total
 
 
+@torch.no_grad()  # kernels fill preallocated outputs; autograd pairs the ops one level up
 def backward_sequence(seq: SparseSequence, d_out: torch.Tensor, out: torch.Tensor, row_max: torch.Tensor,
                       row_sum: torch.Tensor, scale: float, sparse_mode: int, block_size: int, dtype: torch.dtype,
                       dq: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor) -> None:

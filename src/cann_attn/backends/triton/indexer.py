@@ -29,6 +29,7 @@ from .sparse_attention import (
     _rows2,
     _rows3,
     deterministic_scatter_add,
+    laid_out_like,
 )
 from .sparse_plan import RowTables, interpreting
 
@@ -326,6 +327,5 @@ def kl_loss_backward(query: torch.Tensor, key: torch.Tensor, query_index: torch.
                 launch(n, row0, det_width, work_buf, keys, True)
                 deterministic_scatter_add(keys, work_buf, d_key_index)
     loss = loss_rows.double().sum().float().view(1)  # summed over all tokens (fixed order)
-    return (d_query_index.to(query_index.dtype).view(query_index.shape),
-            d_key_index.to(key_index.dtype).view(key_index.shape),
-            d_weights.to(weights.dtype).view(weights.shape), loss)
+    return (laid_out_like(d_query_index, query_index), laid_out_like(d_key_index, key_index),
+            laid_out_like(d_weights, weights), loss)

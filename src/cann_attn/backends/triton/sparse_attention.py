@@ -392,8 +392,8 @@ def sparse_backward(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                          _rows3(out, rows, work), softmax_max, softmax_sum,
                          _rows3(query_rope, rows, work) if has_rope else None, tables, scale, block_size,
                          deterministic, dq, dq_rope, acc, n1, d, dr, dv)
-    d_query = dq.to(query.dtype).view(query.shape)
-    d_query_rope = dq_rope.to(query.dtype).view(query_rope.shape) if has_rope else None
+    d_query = laid_out_like(dq, query)
+    d_query_rope = laid_out_like(dq_rope, query_rope) if has_rope else None
     d_key = _owned(acc[:, :d], key)
     d_key_rope = _owned(acc[:, d : d + dr], key_rope) if has_rope else None
     d_value = _owned(acc[:, d + dr :], value)
@@ -401,10 +401,19 @@ def sparse_backward(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
 
 
 def _owned(columns: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
-    """`columns` of the shared [dK | dK_rope | dV] accumulator as a tensor of its own, in `like`'s dtype and shape.
-    A plain .to() returns a view when the dtype is already fp32, and outputs that alias one another break the
-    custom op (torch.library forbids it) and surprise callers who write into one gradient."""
-    return torch.empty(columns.shape, dtype=like.dtype, device=columns.device).copy_(columns).view(like.shape)
+    """`columns` of the shared [dK | dK_rope | dV] accumulator as a tensor of its own, laid out like `like`. A plain
+    .to() returns a view when the dtype is already fp32, and outputs that alias one another break the custom op
+    (torch.library forbids it) and surprise callers who write into one gradient."""
+    return torch.empty_like(like).copy_(columns.view(like.shape))
+
+
+def laid_out_like(values: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """A gradient computed in a contiguous work buffer, returned in `like`'s dtype, shape and strides (those of
+    torch.empty_like(like), which the reference backend and the custom ops' fake twins give): a buffer that already
+    matches is returned as it is, anything else is copied."""
+    if like.is_contiguous() and values.dtype == like.dtype:
+        return values.view(like.shape)
+    return torch.empty_like(like).copy_(values.view(like.shape))
 
 
 def _launch_backward(q3, k2, v2, kr2, indices, do3, o3, softmax_max, softmax_sum, qr3, tables, scale, block_size,
