@@ -203,3 +203,20 @@ def test_alibi_with_skipped_tiles_matches_the_oracle(monkeypatch) -> None:
     result = cann_attn.flash_attention_score(q, k, v, 4, "BSND", backend="reference", **kwargs)
     assert kernels and kernels[0].skipped_head_tiles > 0
     check_fa_result(result, q, k, v, 4, "BSND", **kwargs)
+
+
+@pytest.mark.parametrize("start", [0, 2**17, 2**20])
+def test_alibi_folded_into_the_gemm_keeps_fp32_precision_at_large_positions(start: int) -> None:
+    """ALiBi type 2 folded into the Q K^T GEMM (tiles that do not straddle the diagonal) with large q/kv start
+    indices, as context-parallel attention passes them: the fold works with positions relative to kv_start, so the
+    error does not grow with the absolute position (it reached 5.8e-4 at start 2^17 with absolute positions; the
+    oracle check's fp32 threshold is 1e-4)."""
+    import cann_attn
+    from oracle import check_fa_result
+
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 768, 3, 16, generator=gen) for _ in range(3))
+    kwargs = dict(pse=torch.tensor([2**-8, 2**-5, 2**-2]), pse_type=2, q_start_idx=[start], kv_start_idx=[start],
+                  scale_value=0.25, atten_mask=cann_attn.compressed_mask(3), sparse_mode=3)
+    result = cann_attn.flash_attention_score(q, k, v, 3, "BSND", backend="reference", **kwargs)
+    check_fa_result(result, q, k, v, 3, "BSND", **kwargs)

@@ -94,14 +94,18 @@ class SequencePse:
         return abs((j0 + j1) / 2 + self.kv_start - (i0 + i1) / 2 - self.q_start)
 
     def linear_key_features(self, device: torch.device, dtype: torch.dtype = torch.float32) -> torch.Tensor | None:
-        """[Skv, 2] key features f_k(j) = (j + kv_start, 1) of the rank-2 form of ALiBi type 2 (else None).
+        """[Skv, 2] key features f_k(j) = (j, 1) of the rank-2 form of ALiBi type 2 (else None).
 
-        Where the signed distance d = (j + kv_start) - (i + q_start) has one sign over a whole tile, the bias
-        -slope * |d| equals f_q(i) . f_k(j) with f_q from `linear_query_features`; kernels fold it into the
-        Q K^T product by appending these two columns to K, so such tiles cost no elementwise pass."""
+        Where the signed distance d = (j + kv_start) - (i + q_start) = j - (i + q_start - kv_start) has one sign
+        over a whole tile, the bias -slope * |d| equals f_q(i) . f_k(j) with f_q from `linear_query_features`;
+        kernels fold it into the Q K^T product by appending these two columns to K, so such tiles cost no
+        elementwise pass. The positions are taken relative to kv_start: the fold subtracts two products of a slope
+        and a position, whose fp32 rounding is that of the larger product, so absolute positions (q_start =
+        kv_start = 131072 in context-parallel attention) would cost ~1e-3 in the logits; relative ones stay within
+        Skv and the q/kv offset."""
         if self.pse_type != 2:
             return None
-        cols = torch.arange(self.seq_kv, device=device, dtype=dtype) + self.kv_start
+        cols = torch.arange(self.seq_kv, device=device, dtype=dtype)
         return torch.stack([cols, torch.ones_like(cols)], dim=1)
 
     def linear_query_features(
@@ -119,8 +123,10 @@ class SequencePse:
         else:
             return None
         slopes = self.slopes.to(device=device, dtype=dtype)[:, :, None]
-        rows = (torch.arange(i0, i1, device=device, dtype=dtype) + self.q_start)[None, None, :]
-        # -slope*sign*((j + kv_start) - (i + q_start)) = (-sign*slope)*(j + kv_start) + (sign*slope*(i + q_start))*1
+        # Exact in float64 before the one rounding: i + q_start - kv_start.
+        offsets = torch.arange(i0, i1, device=device, dtype=torch.float64) + float(self.q_start - self.kv_start)
+        rows = offsets.to(dtype)[None, None, :]
+        # -slope*sign*(j - (i + q_start - kv_start)) = (-sign*slope)*j + (sign*slope*(i + q_start - kv_start))*1
         return torch.stack([(-sign * slopes).expand(-1, -1, rows.shape[-1]), sign * slopes * rows], dim=-1)
 
     def accumulate_grad(self, grad_source: torch.Tensor, i0: int, i1: int, j0: int, j1: int, ds: torch.Tensor) -> None:
