@@ -329,6 +329,14 @@ def test_scale_value_must_be_a_number(fn, make, scale):
     expect_error("scale_value", fn, make(), scale_value=scale)
 
 
+@BOTH
+def test_scale_value_may_be_a_numpy_scalar(fn, make):
+    """One rule for real parameters (errors.require_real), as in the FA ops: a NumPy float acts as the Python one."""
+    args = make()
+    for a, b in zip(fn(args, scale_value=np.float64(args["scale_value"])), fn(args), strict=True):
+        assert (a is None and b is None) or torch.equal(a, b)
+
+
 # ------------------------------------------------------------------------------------------------------ TND lengths
 @BOTH
 @pytest.mark.parametrize("name", ["actual_seq_lengths_query", "actual_seq_lengths_kv"])

@@ -10,7 +10,7 @@ import torch
 from ..backends import select_backend
 from ..backends.reference import indexer as kernel
 from ..backends.triton.sparse_plan import index_rows, indexer_tables, indexer_unsupported
-from ..errors import ParamInvalidError, require, require_int
+from ..errors import ParamInvalidError, require, require_int, require_real
 from ..problem.sparse import indexer_selection
 from ..problem.stats import accumulation_dtype
 from ..traceable import traced_as_custom_op
@@ -184,8 +184,7 @@ def sparse_lightning_indexer_grad_kl_loss(
         _check_tensor(t, name)
         require(t.dtype in (torch.float32, torch.float64) and tuple(t.shape) == stat_shape, name,
                 f"float32 of shape {list(stat_shape)}", t)
-    if not isinstance(scale_value, (int, float)) or isinstance(scale_value, bool):
-        raise ParamInvalidError(f"scale_value: expected a float, got {scale_value!r}")
+    require_real(scale_value, "scale_value")
     problem = sequence_spans(layout, query_index, key_index, actual_seq_lengths_query, actual_seq_lengths_key,
                              "actual_seq_lengths_key", "key_index")
     deterministic = resolve_deterministic(deterministic)

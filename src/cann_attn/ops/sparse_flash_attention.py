@@ -11,7 +11,7 @@ import torch
 from ..backends import select_backend
 from ..backends.reference import sparse_attention as kernel
 from ..backends.triton.sparse_plan import index_rows, sfa_tables, sparse_unsupported
-from ..errors import ParamInvalidError, ParamNullptrError, require, require_int
+from ..errors import ParamInvalidError, ParamNullptrError, require, require_int, require_real
 from ..problem.lengths import cumulative_lengths, per_batch_lengths, starts_of
 from ..problem.sparse import SPARSE_BLOCK_SIZES
 from ..problem.stats import accumulation_dtype
@@ -101,8 +101,7 @@ def validate_sparse(query, key, value, sparse_indices, scale_value, *, query_rop
         if require_int(bound, name) not in SFA_WINDOW_VALUES:
             raise ParamInvalidError(f"{name}: expected an int equal to 2147483647 or 2**63-1 (the only supported "
                                     f"value: no sliding window), got {bound!r}")
-    if not isinstance(scale_value, (int, float)) or isinstance(scale_value, bool):
-        raise ParamInvalidError(f"scale_value: expected a float, got {scale_value!r}")
+    require_real(scale_value, "scale_value")
     rank = 4 if layout == "BSND" else 3
     for name, t in (("query", query), ("key", key), ("value", value), ("sparse_indices", sparse_indices)):
         require(t.dim() == rank, name, f"a {rank}-D tensor for layout {layout}", t)
