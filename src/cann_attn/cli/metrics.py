@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..testing.precision import _MERE_SMALL, _MERE_T, ascend_rule, mere_mare
+from ..testing.precision import _MERE_T, ascend_rule, mere_mare
 
 __all__ = ["TensorMetrics", "dtype_name", "dtype_problem", "measure", "nonfinite_mismatches"]
 
@@ -120,11 +120,17 @@ class TensorMetrics:
         return out
 
 
-def nonfinite_mismatches(actual: torch.Tensor, golden: torch.Tensor) -> int:
-    """Non-finite actual values where the golden (cast to the actual's dtype) holds a different value."""
+def _same_values(actual: torch.Tensor, golden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(a, g, same): both on the CPU, the golden cast to the actual's dtype, and where they hold the same value
+    (NaN counting as equal to NaN)."""
     a = actual.detach().to("cpu")
     g = golden.detach().to("cpu").to(a.dtype)
-    same = (a == g) | (torch.isnan(a) & torch.isnan(g))
+    return a, g, (a == g) | (torch.isnan(a) & torch.isnan(g))
+
+
+def nonfinite_mismatches(actual: torch.Tensor, golden: torch.Tensor) -> int:
+    """Non-finite actual values where the golden (cast to the actual's dtype) holds a different value."""
+    a, _, same = _same_values(actual, golden)
     return int((~torch.isfinite(a) & ~same).sum())
 
 
@@ -138,9 +144,8 @@ def dtype_problem(actual: torch.Tensor, expected: torch.dtype) -> str:
 def _same_non_finite_to_zero(actual: torch.Tensor, golden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Elements holding the same non-finite value on both sides (-inf score slots, ...) set to 0 on both sides, so
     that MERE/MARE skip them (|g| = 0 is below the small-value cut) as the Ascend rule counts them as exact."""
-    a = actual.detach().to("cpu")
-    g = golden.detach().to("cpu").to(a.dtype)
-    same = ~torch.isfinite(a) & ((a == g) | (torch.isnan(a) & torch.isnan(g)))
+    a, g, same = _same_values(actual, golden)
+    same &= ~torch.isfinite(a)
     if not bool(same.any()):
         return actual, golden
     return a.masked_fill(same, 0), g.masked_fill(same, 0)
@@ -163,9 +168,7 @@ def measure(name: str, actual: torch.Tensor, golden: torch.Tensor, dtype: torch.
         if not actual.dtype.is_floating_point:
             actual = actual.to(dtype)
         ok, details = ascend_rule(actual, golden, dtype)
-        mere, mare = None, None
-        if bool((golden.detach().to("cpu").to(actual.dtype).abs() >= _MERE_SMALL[dtype]).any()):
-            mere, mare, _ = mere_mare(*_same_non_finite_to_zero(actual, golden), dtype)
+        mere, mare, _ = mere_mare(*_same_non_finite_to_zero(actual, golden), dtype)
         return TensorMetrics(
             name,
             dtype_name(dtype),

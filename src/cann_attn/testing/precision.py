@@ -114,13 +114,14 @@ def flash_attn_rule(actual: torch.Tensor, naive: torch.Tensor, golden: torch.Ten
 def mere_mare(actual: torch.Tensor, golden: torch.Tensor, dtype: torch.dtype | None = None):
     """Mean / max relative error over the elements with |golden| >= the dtype's small-value cut.
 
-    Returns ``(mere, mare, passed)`` with passed = mere < T and mare < 10 T.
+    Returns ``(mere, mare, passed)`` with passed = mere < T and mare < 10 T. With no element at or above the cut
+    the means are undefined: ``(None, None, True)``.
     """
     dtype = actual.dtype if dtype is None else dtype
     a, g = _pair(actual, golden)
     keep = g.abs() >= _MERE_SMALL[dtype]
     if not bool(keep.any()):
-        return 0.0, 0.0, True
+        return None, None, True
     rel = (a[keep] - g[keep]).abs() / (g[keep].abs() + 1e-7)
     rel = torch.where(torch.isnan(rel), torch.full_like(rel, float("inf")), rel)
     mere, mare = float(rel.mean()), float(rel.max())

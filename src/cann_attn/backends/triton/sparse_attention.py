@@ -394,24 +394,19 @@ def sparse_backward(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                          deterministic, dq, dq_rope, acc, n1, d, dr, dv)
     d_query = laid_out_like(dq, query)
     d_query_rope = laid_out_like(dq_rope, query_rope) if has_rope else None
-    d_key = _owned(acc[:, :d], key)
-    d_key_rope = _owned(acc[:, d : d + dr], key_rope) if has_rope else None
-    d_value = _owned(acc[:, d + dr :], value)
+    d_key = laid_out_like(acc[:, :d], key, owned=True)
+    d_key_rope = laid_out_like(acc[:, d : d + dr], key_rope, owned=True) if has_rope else None
+    d_value = laid_out_like(acc[:, d + dr :], value, owned=True)
     return d_query, d_key, d_value, d_query_rope, d_key_rope
 
 
-def _owned(columns: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
-    """`columns` of the shared [dK | dK_rope | dV] accumulator as a tensor of its own, laid out like `like`. A plain
-    .to() returns a view when the dtype is already fp32, and outputs that alias one another break the custom op
-    (torch.library forbids it) and surprise callers who write into one gradient."""
-    return torch.empty_like(like).copy_(columns.view(like.shape))
-
-
-def laid_out_like(values: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
-    """A gradient computed in a contiguous work buffer, returned in `like`'s dtype, shape and strides (those of
+def laid_out_like(values: torch.Tensor, like: torch.Tensor, *, owned: bool = False) -> torch.Tensor:
+    """A gradient computed in a work buffer, returned in `like`'s dtype, shape and strides (those of
     torch.empty_like(like), which the reference backend and the custom ops' fake twins give): a buffer that already
-    matches is returned as it is, anything else is copied."""
-    if like.is_contiguous() and values.dtype == like.dtype:
+    matches is returned as it is, anything else is copied. `owned` always copies: the columns of the shared
+    [dK | dK_rope | dV] accumulator must not come back as views of one buffer, since outputs that alias one another
+    break the custom op (torch.library forbids it) and surprise callers who write into one gradient."""
+    if not owned and like.is_contiguous() and values.dtype == like.dtype:
         return values.view(like.shape)
     return torch.empty_like(like).copy_(values.view(like.shape))
 
