@@ -3,6 +3,11 @@
 Each is one small torch.autograd.Function over the operators of `cann_attn.ops`. While torch.compile traces,
 those operators route to their custom ops (`traceable.py`), so `torch.compile(fullgraph=True)` traces a model that
 calls these functions without a graph break.
+
+The grad operators are first derivatives only: every backward is `once_differentiable`, so differentiating a
+gradient (create_graph=True, gradient penalties) raises instead of silently dropping the second-order terms.
+Whatever the backward reads again is fixed at the forward: tensors through `save_for_backward` (an in-place change
+raises autograd's version error), lengths / prefix / start indices as copies.
 """
 
 from __future__ import annotations
@@ -12,7 +17,9 @@ from itertools import accumulate
 import torch
 
 from . import library
-from .errors import ParamInvalidError
+from .backends import resolve_backend
+from .backends.triton.dense_plan import dense_unsupported
+from .errors import ParamInvalidError, require, require_bool, require_real
 from .ops.fa_problem import build_problem
 from .ops.flash_attention_score import FORWARD_MODES, INT_MAX, flash_attention_score
 from .ops.flash_attention_score_grad import flash_attention_score_grad
@@ -34,6 +41,16 @@ def _restored(tensors, aliases: tuple[int, ...]) -> list:
     return [tensors[j] if j >= 0 else t for t, j in zip(tensors, aliases, strict=True)]
 
 
+def _frozen(value):
+    """A copy of a length / prefix / start-index argument that the backward reads again: changing the caller's list
+    or tensor in place after the forward must not change the backward's problem."""
+    if isinstance(value, torch.Tensor):
+        return value.detach().clone()
+    if isinstance(value, (list, tuple)):
+        return type(value)(value)
+    return value
+
+
 def _folded(grads, aliases: tuple[int, ...]) -> list:
     """Gradients per distinct input: a repeated input's gradients are summed into its first occurrence, as autograd
     sums them for a tensor passed twice."""
@@ -50,23 +67,25 @@ class _FlashAttentionFunction(torch.autograd.Function):
     """Saves exactly what FlashAttentionScoreGradV2 consumes: inputs, output, softmax statistics, drop mask."""
 
     @staticmethod
-    def forward(ctx, query, key, value, pse, drop_mask, options: dict, aliases: tuple[int, ...]):
+    def forward(ctx, query, key, value, pse, drop_mask, atten_mask, options: dict, aliases: tuple[int, ...]):
         query, key, value, pse = _restored((query, key, value, pse), aliases)
-        result = flash_attention_score(query, key, value, pse=pse, drop_mask=drop_mask, **options)
-        ctx.save_for_backward(query, key, value, pse, drop_mask, result.attention_out, result.softmax_max,
-                              result.softmax_sum)
+        result = flash_attention_score(query, key, value, pse=pse, drop_mask=drop_mask, atten_mask=atten_mask,
+                                       **options)
+        ctx.save_for_backward(query, key, value, pse, drop_mask, atten_mask, result.attention_out,
+                              result.softmax_max, result.softmax_sum)
         ctx.options, ctx.aliases = options, aliases
         return result.attention_out
 
     @staticmethod
+    @torch.autograd.function.once_differentiable
     def backward(ctx, dy):
-        query, key, value, pse, drop_mask, out, softmax_max, softmax_sum = ctx.saved_tensors
+        query, key, value, pse, drop_mask, atten_mask, out, softmax_max, softmax_sum = ctx.saved_tensors
         grads = flash_attention_score_grad(
-            query, key, value, dy.contiguous(), pse=pse, drop_mask=drop_mask, softmax_max=softmax_max,
-            softmax_sum=softmax_sum, attention_in=out, **ctx.options,
+            query, key, value, dy.contiguous(), pse=pse, drop_mask=drop_mask, atten_mask=atten_mask,
+            softmax_max=softmax_max, softmax_sum=softmax_sum, attention_in=out, **ctx.options,
         )
         dpse = grads.dpse if pse is not None and ctx.needs_input_grad[3] else None
-        return *_folded((grads.dq, grads.dk, grads.dv, dpse), ctx.aliases), None, None, None
+        return *_folded((grads.dq, grads.dk, grads.dv, dpse), ctx.aliases), None, None, None, None
 
 
 def flash_attention(
@@ -100,33 +119,48 @@ def flash_attention(
     type 0/1 pse tensor through FlashAttentionScoreGradV2.
 
     Takes `flash_attention_score`'s parameters except `drop_mask`: with `keep_prob < 1` (or `dropout_p =
-    1 - keep_prob`) a bit-packed mask is drawn from `generator` (SEMANTICS.md 5), saved and reused by the
-    backward, so a seeded generator makes forward and backward reproducible.
+    1 - keep_prob`, given instead of keep_prob, not with it) a bit-packed mask is drawn from `generator`
+    (SEMANTICS.md 5), saved and reused by the backward, so a seeded generator makes forward and backward
+    reproducible. Every argument is checked before the mask is drawn: a call that raises leaves the generator as
+    it was.
     """
+    keep_prob = require_real(keep_prob, "keep_prob")
     if dropout_p is not None:
-        keep_prob = 1.0 - float(dropout_p)
+        dropout_p = require_real(dropout_p, "dropout_p")
+        require(0.0 <= dropout_p < 1.0, "dropout_p", "a float in [0, 1)", dropout_p)
+        if keep_prob != 1.0:
+            raise ParamInvalidError(f"dropout_p: give dropout_p or keep_prob, not both (dropout_p={dropout_p!r}, "
+                                    f"keep_prob={keep_prob!r})")
+        keep_prob = 1.0 - dropout_p
+    require(generator is None or isinstance(generator, torch.Generator), "generator", "a torch.Generator or None",
+            generator)
+    prefix, actual_seq_qlen, actual_seq_kvlen, q_start_idx, kv_start_idx = (
+        _frozen(v) for v in (prefix, actual_seq_qlen, actual_seq_kvlen, q_start_idx, kv_start_idx))
     drop_mask = None
     if 0.0 < keep_prob < 1.0:
         # Validated first, so that bad input raises the operator's own errors (SEMANTICS.md 10) as it does without
         # dropout; the per-sequence lengths then size the mask for every layout (dense: B equal sequences).
-        _, shapes = build_problem(
+        problem, shapes = build_problem(
             query, key, value, head_num, input_layout, pse=pse, drop_mask=None, atten_mask=atten_mask, prefix=prefix,
             actual_seq_qlen=actual_seq_qlen, actual_seq_kvlen=actual_seq_kvlen, q_start_idx=q_start_idx,
             kv_start_idx=kv_start_idx, scale_value=scale_value, keep_prob=1.0, pre_tokens=pre_tokens,
             next_tokens=next_tokens, inner_precise=inner_precise, sparse_mode=sparse_mode, pse_type=pse_type,
             softmax_layout=softmax_layout, allowed_modes=FORWARD_MODES)
+        resolve_backend(backend, query.device, "flash_attention_score", warn=False,
+                        unsupported=lambda: dense_unsupported(problem, query.dtype,
+                                                              tensors={"q": query, "k": key, "v": value}))
         numel = drop_mask_numel(head_num, actual_seq_qlen=list(accumulate(shapes.seq_q)),
                                 actual_seq_kvlen=list(accumulate(shapes.seq_kv)))
         drop_mask = gen_drop_mask(numel, keep_prob, generator=generator, device=query.device)
     options = dict(
-        head_num=head_num, input_layout=input_layout, padding_mask=padding_mask, atten_mask=atten_mask,
-        prefix=prefix, actual_seq_qlen=actual_seq_qlen, actual_seq_kvlen=actual_seq_kvlen,
+        head_num=head_num, input_layout=input_layout, padding_mask=padding_mask, prefix=prefix,
+        actual_seq_qlen=actual_seq_qlen, actual_seq_kvlen=actual_seq_kvlen,
         q_start_idx=q_start_idx, kv_start_idx=kv_start_idx, scale_value=scale_value, keep_prob=keep_prob,
         pre_tokens=pre_tokens, next_tokens=next_tokens, inner_precise=inner_precise, sparse_mode=sparse_mode,
         pse_type=pse_type, softmax_layout=softmax_layout, backend=backend,
     )
     inputs, aliases = _distinct(query, key, value, pse)
-    return _FlashAttentionFunction.apply(*inputs, drop_mask, options, aliases)
+    return _FlashAttentionFunction.apply(*inputs, drop_mask, atten_mask, options, aliases)
 
 
 class _SparseAttentionFunction(torch.autograd.Function):
@@ -145,6 +179,7 @@ class _SparseAttentionFunction(torch.autograd.Function):
         return result.attention_out
 
     @staticmethod
+    @torch.autograd.function.once_differentiable
     def backward(ctx, d_out):
         query, key, value, query_rope, key_rope, sparse_indices, out, softmax_max, softmax_sum = ctx.saved_tensors
         grads = sparse_flash_attention_grad(
@@ -178,11 +213,11 @@ def sparse_attention(
     value, query_rope and key_rope through SparseFlashAttentionGrad. DSA passes the same latent as key and value;
     autograd then adds both gradients. `deterministic` is forwarded to the grad op."""
     options = dict(
-        actual_seq_lengths_query=actual_seq_lengths_query, actual_seq_lengths_kv=actual_seq_lengths_kv,
-        sparse_block_size=sparse_block_size, layout=layout, sparse_mode=sparse_mode, pre_tokens=pre_tokens,
-        next_tokens=next_tokens, backend=backend,
+        actual_seq_lengths_query=_frozen(actual_seq_lengths_query),
+        actual_seq_lengths_kv=_frozen(actual_seq_lengths_kv), sparse_block_size=sparse_block_size, layout=layout,
+        sparse_mode=sparse_mode, pre_tokens=pre_tokens, next_tokens=next_tokens, backend=backend,
     )
-    options["deterministic"] = deterministic
+    options["deterministic"] = require_bool(deterministic, "deterministic")  # checked now, used by the backward
     inputs, aliases = _distinct(query, key, value, query_rope, key_rope)
     return _SparseAttentionFunction.apply(*inputs, sparse_indices, scale_value, options, aliases)
 
@@ -205,6 +240,7 @@ class _IndexerKLLossFunction(torch.autograd.Function):
         return loss if divisor is None else loss / divisor.to(device=loss.device, dtype=loss.dtype)
 
     @staticmethod
+    @torch.autograd.function.once_differentiable
     def backward(ctx, grad_loss):
         d_qi, d_ki, d_w, divisor = ctx.saved_tensors
         factor = grad_loss if divisor is None else grad_loss / divisor.to(device=grad_loss.device,
@@ -244,7 +280,8 @@ def indexer_kl_loss(
     options = dict(query_rope=query_rope, key_rope=key_rope, actual_seq_lengths_query=actual_seq_lengths_query,
                    actual_seq_lengths_key=actual_seq_lengths_key, layout=layout, sparse_mode=sparse_mode,
                    pre_tokens=pre_tokens, next_tokens=next_tokens, deterministic=deterministic, backend=backend)
-    # query/key get no gradient (detached); None passes through for the op to report.
-    query, key = (t.detach() if isinstance(t, torch.Tensor) else t for t in (query, key))
+    # query/key and the statistics get no gradient (detached); None passes through for the op to report.
+    query, key, softmax_max, softmax_sum = (t.detach() if isinstance(t, torch.Tensor) else t
+                                            for t in (query, key, softmax_max, softmax_sum))
     return _IndexerKLLossFunction.apply(query_index, key_index, weights, query, key, sparse_indices, softmax_max,
                                         softmax_sum, scale_value, options, reduction == "mean")

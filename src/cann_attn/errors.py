@@ -9,7 +9,10 @@ from __future__ import annotations
 import numbers
 from typing import Any
 
-__all__ = ["AclnnError", "ParamInvalidError", "ParamNullptrError", "describe", "require", "require_int"]
+import numpy as np
+
+__all__ = ["AclnnError", "ParamInvalidError", "ParamNullptrError", "describe", "require", "require_bool", "require_int",
+           "require_real"]
 
 
 class AclnnError(ValueError):
@@ -57,6 +60,14 @@ def require_real(value: Any, param: str) -> float:
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
         raise ParamInvalidError(f"{param}: expected a float, got {value!r}")
     return float(value)
+
+
+def require_bool(value: Any, param: str) -> bool:
+    """`value` must be a flag, a Python bool or a NumPy bool scalar (not 0/1, None or a string such as "no", whose
+    truth value would be taken silently); returned as a Python bool."""
+    if not isinstance(value, (bool, np.bool_)):
+        raise ParamInvalidError(f"{param}: expected a bool, got {value!r}")
+    return bool(value)
 
 
 def require(condition: bool, param: str, expected: str, given: Any) -> None:

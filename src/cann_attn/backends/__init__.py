@@ -63,28 +63,42 @@ def select_backend(
     op: str = "",
     unsupported: Callable[[], str | None] | None = None,
 ) -> str:
-    """Resolve `backend` to "reference" or "triton" for one call of `op` on `device`.
+    """Resolve `backend` to "reference" or "triton" for one call of `op` on `device` (`resolve_backend`), and count
+    the dispatch.
 
     `unsupported` returns why the Triton kernels cannot compute this particular case (None when they can);
     it is only evaluated when Triton is a candidate.
     """
+    return _count(op, resolve_backend(backend, device, op, unsupported))
+
+
+def resolve_backend(
+    backend: str,
+    device: torch.device,
+    op: str = "",
+    unsupported: Callable[[], str | None] | None = None,
+    warn: bool = True,
+) -> str:
+    """"reference" or "triton" for one call of `op` on `device`, or ParamInvalidError; nothing counted. With
+    `warn=False` a fallback under "auto" is silent: a caller checking ahead (before drawing a dropout mask from the
+    user's generator) leaves the warning to the op's own call."""
     if backend not in BACKENDS:
         raise ParamInvalidError(f"backend: expected one of {list(BACKENDS)}, got {backend!r}")
     if backend == "reference":
-        return _count(op, "reference")
+        return "reference"
     if backend == "auto":
         preference = _preference()
         if preference == "reference" or (device.type != "cuda" and preference != "triton"):
-            return _count(op, "reference")
+            return "reference"
     reason = _triton_reason(device, unsupported)
     if reason is None:
-        return _count(op, "triton")
+        return "triton"
     if backend == "triton":
         raise ParamInvalidError(f"backend: 'triton' cannot compute this {op or 'call'}: {reason}")
-    if device.type == "cuda":
+    if warn and device.type == "cuda":
         warnings.warn(f"cann_attn.{op or 'op'} runs on the reference backend: {reason}",
-                      BackendFallbackWarning, stacklevel=3)
-    return _count(op, "reference")
+                      BackendFallbackWarning, stacklevel=4)
+    return "reference"
 
 
 def _triton_reason(device: torch.device, unsupported: Callable[[], str | None] | None) -> str | None:

@@ -11,7 +11,7 @@ import torch
 from ..backends import select_backend
 from ..backends.reference import sparse_attention as kernel
 from ..backends.triton.sparse_plan import index_rows, sfa_tables, sparse_unsupported
-from ..errors import ParamInvalidError, ParamNullptrError, require, require_int, require_real
+from ..errors import ParamInvalidError, ParamNullptrError, require, require_bool, require_int, require_real
 from ..problem.lengths import cumulative_lengths, per_batch_lengths, starts_of
 from ..problem.sparse import SPARSE_BLOCK_SIZES
 from ..problem.stats import accumulation_dtype
@@ -309,10 +309,10 @@ def sparse_flash_attention_grad(
         _check_tensor(t, name)
         require(t.dtype in (torch.float32, torch.float64) and tuple(t.shape) == stat_shape, name,
                 f"float32 of shape {list(stat_shape)}", t)
+    deterministic = resolve_deterministic(deterministic)
     if query.numel() == 0:
         # Empty query: "直接返回" (seed :560, SEMANTICS.md 10); no row selects anything, so all gradients are 0.
         return SparseFlashAttentionGradResult(*_zero_grads(query, key, value, query_rope, key_rope))
-    deterministic = resolve_deterministic(deterministic)
     if select_backend(backend, query.device, op="sparse_flash_attention_grad",
                       unsupported=lambda: sparse_unsupported(query, key, value, query_rope)) == "triton":
         from ..backends.triton import sparse_attention as triton_kernel
@@ -353,8 +353,8 @@ def resolve_deterministic(deterministic: bool) -> bool:
     """The `deterministic` the grad ops run with: the flag, or PyTorch's global setting. The seeds document it as
     "与整网确定性参数use_deterministic_algorithms保持一致" (consistent with the network-wide
     use_deterministic_algorithms), so `torch.use_deterministic_algorithms(True)` also makes the backwards reached
-    through autograd (which pass the default False) deterministic."""
-    return bool(deterministic) or torch.are_deterministic_algorithms_enabled()
+    through autograd (which pass the default False) deterministic. The flag itself must be a bool."""
+    return require_bool(deterministic, "deterministic") or torch.are_deterministic_algorithms_enabled()
 
 
 @contextlib.contextmanager
