@@ -87,15 +87,13 @@ def _fa_inputs(requires_grad: bool = True):
     return [t.requires_grad_(requires_grad) for t in (q, k, v)]
 
 
-def _sfa_call(query):
+def _sfa_inputs():
+    """(query [1, 3, N, D] requiring grad, latent [1, 6, 1, D] used as key and value, indices selecting all 6 keys)."""
     gen = torch.Generator().manual_seed(3)
+    query = torch.randn(1, 3, N, D, generator=gen, dtype=torch.float64, requires_grad=True)
     latent = torch.randn(1, 6, 1, D, generator=gen, dtype=torch.float64)
     indices = torch.arange(6, dtype=torch.int32).view(1, 1, 1, 6).expand(1, 3, 1, 6).contiguous()
-    return cann_attn.sparse_attention(query, latent, latent, indices, 0.5, sparse_mode=0)
-
-
-def _kl_loss(kw):
-    return cann_attn.indexer_kl_loss(**kw) ** 2  # a non-constant upstream gradient
+    return query, latent, indices
 
 
 @pytest.mark.parametrize("wrapper", ["flash_attention", "sparse_attention", "indexer_kl_loss"])
@@ -106,12 +104,12 @@ def test_differentiating_a_gradient_raises(wrapper):
         q, k, v = _fa_inputs()
         x, out = q, cann_attn.flash_attention(q, k, v, N, "BSND", scale_value=0.5)
     elif wrapper == "sparse_attention":
-        x = torch.randn(1, 3, N, D, dtype=torch.float64, requires_grad=True)
-        out = _sfa_call(x)
+        x, latent, indices = _sfa_inputs()
+        out = cann_attn.sparse_attention(x, latent, latent, indices, 0.5, sparse_mode=0)
     else:
         kw = _kl_inputs()
         x = kw["query_index"].requires_grad_()
-        out = _kl_loss(kw)
+        out = cann_attn.indexer_kl_loss(**kw) ** 2  # a non-constant upstream gradient
     (grad,) = torch.autograd.grad(out.pow(2).sum(), x, create_graph=True)
     with pytest.raises(RuntimeError, match=r"once_differentiable|not have been used in the graph"):
         torch.autograd.grad(grad.pow(2).sum(), x)
@@ -182,9 +180,7 @@ def test_wrapper_arguments_are_checked_before_the_generator_is_used(case, monkey
 
 @pytest.mark.parametrize("flag", ["no", None, 1])
 def test_deterministic_must_be_a_bool(flag):
-    x = torch.randn(1, 3, N, D, dtype=torch.float64, requires_grad=True)
-    latent = torch.randn(1, 6, 1, D, dtype=torch.float64)
-    indices = torch.arange(6, dtype=torch.int32).view(1, 1, 1, 6).expand(1, 3, 1, 6).contiguous()
+    x, latent, indices = _sfa_inputs()
     with pytest.raises(ParamInvalidError, match="deterministic"):
         cann_attn.sparse_attention(x, latent, latent, indices, 0.5, sparse_mode=0, deterministic=flag)
     out = cann_attn.sparse_flash_attention(x.detach(), latent, latent, indices, 0.5, sparse_mode=0)

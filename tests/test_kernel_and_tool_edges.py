@@ -12,7 +12,11 @@ import torch
 
 import cann_attn
 import cann_attn.torch_npu as torch_npu
-from cann_attn.testing.precision import mere_mare
+from cann_attn.cli.metrics import measure
+from cann_attn.cli.verify import Row
+from cann_attn.testing.precision import ascend_rule, mere_mare
+from dsa_utils import SFACase
+from oracle import check_fa_result
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -24,7 +28,6 @@ def test_alibi_far_tile_with_a_large_logit_is_not_skipped(scale: float) -> None:
     the row's maximum. The underflow skip may only drop a tile when even |scale| |q| |k| + bias is below the
     running maximum: dropping the |q| |k| term, or using scale instead of |scale| (negative scale), skips that
     tile and loses the row's dominant key."""
-    from oracle import check_fa_result
 
     gen = torch.Generator().manual_seed(11)
     sq = skv = 1024
@@ -52,7 +55,6 @@ def test_row_masked_over_several_key_tiles_stays_zero_and_finite() -> None:
     """Explicit mask, Skv = 800 (four 256-wide key tiles): row 3 is fully masked (an invalid row: output 0,
     sentinel statistics) and row 5 sees only column 790 (last tile). The online-softmax correction of a row whose
     running maximum is still -inf must be 0, not exp(-inf - -inf) = NaN."""
-    from oracle import check_fa_result
 
     gen = torch.Generator().manual_seed(5)
     sq, skv = 32, 800
@@ -77,7 +79,6 @@ def test_row_masked_over_several_key_tiles_stays_zero_and_finite() -> None:
 def test_small_but_normal_softmax_terms_are_not_flushed() -> None:
     """Logits [0, -40 ln 2] (pse_type 0 bias, zero query): the second key's term is 2^-40, far above fp32's
     2^-126 flush floor; with value 2^40 it contributes 1 to the output."""
-    from oracle import check_fa_result
 
     q = torch.zeros(1, 1, 1, 8)
     k = torch.randn(1, 2, 1, 8, generator=torch.Generator().manual_seed(0))
@@ -97,7 +98,6 @@ def test_sfa_row_selecting_a_nan_key_has_nan_max_not_the_sentinel() -> None:
     """Row t > 0 selects token t only, row 0 nothing (so the tile is not all valid); key 5 is NaN. Row 5 has a valid
     selected key, so its softmax_max is NaN like the oracle's, not -2e38 (SEMANTICS.md 3 keeps the sentinel for
     rows with nothing selected)."""
-    from dsa_utils import SFACase
 
     case = SFACase("BSND", gen=torch.Generator().manual_seed(2), b=1, s1=8, s2=12, n1=2, d=8, d_rope=4, k=4,
                    mode=3)
@@ -136,7 +136,6 @@ def test_mere_mare_cut_is_inclusive_at_the_documented_value(dtype: torch.dtype, 
 @pytest.mark.parametrize("numel,off,strict_pass", [(2000, 2, True), (2000, 3, False), (500, 1, True),
                                                    (500, 2, False)])
 def test_int8_strict_allowance(numel: int, off: int, strict_pass: bool) -> None:
-    from cann_attn.cli.metrics import measure
 
     golden = torch.zeros(numel, dtype=torch.int8)
     actual = golden.clone()
@@ -200,7 +199,6 @@ def test_fusion_attention_numels_per_layout(layout: str, shape: tuple[int, ...],
 def test_measure_mere_averages_over_equal_elements_too() -> None:
     """Only elements holding the same NON-finite value on both sides are dropped from MERE; exactly equal finite
     elements count with rel 0 (three of four exact: MERE = rel / 4)."""
-    from cann_attn.cli.metrics import measure
 
     golden = torch.ones(4)
     actual = torch.tensor([1.0, 1.0, 1.0, 1.0 + 2.0**-10])
@@ -237,7 +235,6 @@ def test_float64_indexer_ties_with_many_keys(s2: int) -> None:
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_ascend_rule_casts_the_golden_to_the_actual_dtype(dtype: torch.dtype) -> None:
     """An actual equal to the float64 golden rounded to its own dtype has no error at all (SEMANTICS.md 11)."""
-    from cann_attn.testing.precision import ascend_rule
 
     golden = torch.randn(1000, generator=torch.Generator().manual_seed(3), dtype=torch.float64)
     golden[:10] = 1e-9  # rounds to 0 in fp16
@@ -252,7 +249,6 @@ def test_ascend_rule_casts_the_golden_to_the_actual_dtype(dtype: torch.dtype) ->
 # verify: an output that fails the Ascend rule but passes the flash-attn rule passes (mutant M53)
 # ----------------------------------------------------------------------------------------------------------
 def test_verify_row_passes_by_the_flash_attn_rule() -> None:
-    from cann_attn.cli.verify import Row
 
     base = dict(op="flash_attention_score", case="c", dtype="fp16", shape="s", output="attention_out")
     assert Row(**base, ascend=False, fa_rule=True).passed
