@@ -10,7 +10,8 @@ import torch
 
 from ...problem.sparse import allowed_keys, indexer_selection
 from ...problem.stats import accumulation_dtype
-from .softmax_exp import LOG2E, exp2_flushed_
+from . import native
+from .softmax_exp import EXP2_FLOOR, LOG2E, exp2_flushed_
 from .sparse_attention import query_with_rope
 from .workspace import Workspace
 
@@ -78,10 +79,11 @@ def top_k_sequence(q_idx, k_idx, weights, *, sparse_mode: int, seq_q: int, seq_k
 
 
 def _target_distribution(q_main: torch.Tensor, q_rope: torch.Tensor | None, k_main: torch.Tensor,
-                         tokens: torch.Tensor, row_max: torch.Tensor, row_sum: torch.Tensor, scale: float,
-                         ws: Workspace) -> torch.Tensor:
+                         tokens: torch.Tensor, valid: torch.Tensor, all_valid: bool, row_max: torch.Tensor,
+                         row_sum: torch.Tensor, scale: float, ws: Workspace) -> torch.Tensor:
     """p [rows, W]: the main-attention probabilities of each row's selected keys `tokens` [rows, W], averaged over
-    the N1 heads (SEMANTICS.md 9), from q_main [rows, N1, D] (+ q_rope [rows, N1, Dr]) and k_main [Skv, D + Dr].
+    the N1 heads (SEMANTICS.md 9), from q_main [rows, N1, D] (+ q_rope [rows, N1, Dr]) and k_main [Skv, D + Dr];
+    exactly 0 on invalid entries (`valid` False).
 
     exp(z - m) / l is taken as 2^(z' - (m + ln l) log2 e) with z' = (scale log2 e q) . k: the shift rides in the
     GEMM (baddbmm), leaving one threshold and one exp2 pass. Rows go in TARGET_ROW_TILE sub-tiles so the gathered
@@ -93,6 +95,11 @@ def _target_distribution(q_main: torch.Tensor, q_rope: torch.Tensor | None, k_ma
     # (m + ln l) log2 e per row and head; l = 0 gives -inf and an infinite target, as the formula does.
     shift = row_sum.to(dtype).log().add_(row_max.to(dtype)).mul_(LOG2E).unsqueeze(-1)
     p = ws.take("p", (rows, width), dtype)
+    if native.usable(query, k_main):
+        # The native loop reads each valid entry's key row in place (no gather) and skips invalid entries.
+        native.kl_target(query[:, :heads], k_main, tokens, None if all_valid else valid, shift.squeeze(-1).contiguous(),
+                         EXP2_FLOOR, p)
+        return p
     for r0 in range(0, rows, TARGET_ROW_TILE):
         r1 = min(r0 + TARGET_ROW_TILE, rows)
         keys = ws.gather_rows("k_main", k_main, tokens[r0:r1])
@@ -100,7 +107,8 @@ def _target_distribution(q_main: torch.Tensor, q_rope: torch.Tensor | None, k_ma
                           out=ws.take("z", (r1 - r0, heads, width), dtype))
         exp2_flushed_(z)
         torch.sum(z, 1, out=p[r0:r1])
-    return p.mul_(1.0 / heads)
+    p.mul_(1.0 / heads)
+    return p if all_valid else p.masked_fill_(~valid, 0.0)
 
 
 @torch.no_grad()  # kernels fill preallocated outputs; autograd pairs the ops one level up
@@ -122,9 +130,7 @@ def kl_loss_sequence(seq_q: int, seq_kv: int, *, q_main, q_rope, k_main, q_idx, 
         tokens, valid = indexer_selection(indices[t0:t1], rows, sparse_mode=sparse_mode, seq_q=seq_q, seq_kv=seq_kv)
         all_valid = bool(valid.all())
         p = _target_distribution(q_main[t0:t1], None if q_rope is None else q_rope[t0:t1], k_main_all, tokens,
-                                 row_max[t0:t1], row_sum[t0:t1], scale, ws)
-        if not all_valid:
-            p.masked_fill_(~valid, 0.0)
+                                 valid, all_valid, row_max[t0:t1], row_sum[t0:t1], scale, ws)
         # Indexer distribution over the same entries.
         k_sel = ws.gather_rows("k_idx", k_idx_all, tokens)
         q_t = q_idx[t0:t1].to(dtype)

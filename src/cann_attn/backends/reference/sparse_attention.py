@@ -26,7 +26,8 @@ from dataclasses import dataclass
 import torch
 
 from ...problem.sparse import RowSelection, row_selection
-from .softmax_exp import exp_shifted_
+from . import native
+from .softmax_exp import EXP2_FLOOR, LOG2E, exp_shifted_
 from .workspace import Workspace
 
 # Rows per forward tile. Token selections (block size 1) are gathered: 8 rows keep the gathered keys
@@ -38,6 +39,10 @@ GATHER_ROW_TILE = 8
 ROW_TILE = 32
 # The backward also writes [rows, T, D] per-entry dK/dV tiles: 32 rows measured faster than 16 (fewer, larger ops).
 BACKWARD_ROW_TILE = 32
+# Rows per call of the native loops (`native`, block size 1): the per-call Python work (query assembly, selection
+# views, statistics) is amortised over many rows while the backward's per-entry P and dS buffers stay small
+# ([rows, N1, K] fp32: 4 MB each at 128 rows of DeepSeek-V3.2 shapes).
+NATIVE_ROW_TILE = 128
 # Cost of gathering one fp32 element, in multiply-adds: memory traffic versus GEMM throughput on a CPU.
 GATHER_COST = 8.0
 INVALID_MAX = -2e38
@@ -100,6 +105,12 @@ class SparseSequence:
         if self.value_is_key:
             return keys, keys[..., : self.v.shape[-1]]
         return keys, ws.gather_rows("values", self.v, tokens)
+
+    @property
+    def values(self) -> torch.Tensor:
+        """V for loops that read rows in place: K's first Dv columns when V is the key latent (one array in cache
+        instead of two copies of the same data)."""
+        return self.k[:, : self.v.shape[-1]] if self.value_is_key else self.v
 
     def keys_values_finite(self) -> bool:
         """Whether K (key ++ key_rope) and V hold only finite values: the fast paths' masking needs it."""
@@ -233,12 +244,61 @@ def _weighted_values(tk: _TileKeys, p: torch.Tensor, out: torch.Tensor) -> torch
     return torch.mm(_to_union(tk, p).view(rows * heads, -1), tk.values, out=out.view(rows * heads, -1)).view_as(out)
 
 
+def _use_native(seq: SparseSequence, block_size: int, dtype: torch.dtype) -> bool:
+    """The native loops take token selections (block size 1: scattered keys, where the gather path's copies and
+    M = N1 GEMMs are slowest) in fp32 on the CPU. Block selections keep the union path's dense GEMMs."""
+    return block_size == 1 and dtype == torch.float32 and native.usable(seq.k, seq.v)
+
+
+def _normalise_rows(o: torch.Tensor, m: torch.Tensor, total: torch.Tensor, all_valid: bool,
+                    row_max: torch.Tensor, row_sum: torch.Tensor) -> None:
+    """out = o / total, softmax_max / softmax_sum of a tile from its largest logits m and totals.
+
+    With every entry valid, m is finite and the total >= 1 (the maximum's term is exactly 1). Otherwise a row
+    without a valid entry has max -inf and all-zero terms: total 0, output 0, max INVALID_MAX. total != 0 rather
+    than > 0: a row that selected a non-finite key has a NaN total (and max), and keeps it rather than passing for a
+    row with nothing selected."""
+    if all_valid:
+        o.div_(total.unsqueeze(-1))
+        row_max.copy_(m)
+    else:
+        has_keys = total != 0
+        o.div_(torch.where(has_keys, total, 1.0).unsqueeze(-1))
+        row_max.copy_(torch.where(has_keys, m, INVALID_MAX))
+    row_sum.copy_(total)
+
+
+def _forward_native(seq: SparseSequence, selection: RowSelection, scale: float, out: torch.Tensor,
+                    row_max: torch.Tensor, row_sum: torch.Tensor) -> None:
+    """forward_sequence through the native loops: each row reads only its valid entries' K / V rows (so no
+    isolation pass is needed for non-finite keys), and its sums are formed in a fixed order."""
+    ws = Workspace(seq.k.device)
+    heads, dim_v = seq.q.shape[1], seq.v.shape[-1]
+    direct = out.dtype == torch.float32 and out.is_contiguous()
+    for t0 in range(0, seq.seq_q, NATIVE_ROW_TILE):
+        t1 = min(t0 + NATIVE_ROW_TILE, seq.seq_q)
+        sel = selection.rows(t0, t1)
+        all_valid = bool(sel.valid.all())
+        q_tile = seq.query_tile(ws, t0, t1, torch.float32, scale)
+        o_tile = out[t0:t1] if direct else ws.take("pv", (t1 - t0, heads, dim_v), torch.float32)
+        m = ws.take("m", (t1 - t0, heads), torch.float32)
+        total = ws.take("total", (t1 - t0, heads), torch.float32)
+        native.sfa_forward(q_tile, seq.k, seq.values, sel.tokens, None if all_valid else sel.valid, LOG2E, EXP2_FLOOR,
+                           o_tile, m, total)
+        _normalise_rows(o_tile, m, total, all_valid, row_max[t0:t1], row_sum[t0:t1])
+        if not direct:
+            out[t0:t1] = o_tile
+
+
 @torch.no_grad()  # kernels fill preallocated outputs; autograd pairs the ops one level up
 def forward_sequence(seq: SparseSequence, scale: float, sparse_mode: int, block_size: int, dtype: torch.dtype,
                      out: torch.Tensor, row_max: torch.Tensor, row_sum: torch.Tensor) -> None:
     """Fill out [Sq, N1, Dv] (any dtype; written per tile), row_max / row_sum [Sq, N1] of one sequence."""
-    ws = Workspace(seq.k.device)
     selection = _sequence_selection(seq, sparse_mode, block_size)
+    if _use_native(seq, block_size, dtype):
+        _forward_native(seq, selection, scale, out, row_max, row_sum)
+        return
+    ws = Workspace(seq.k.device)
     row_tile = GATHER_ROW_TILE if block_size == 1 else ROW_TILE
     isolate = not seq.keys_values_finite()
     union_counts = _tile_union_counts(selection, row_tile, seq, block_size, isolate)
@@ -250,24 +310,33 @@ def forward_sequence(seq: SparseSequence, scale: float, sparse_mode: int, block_
         tk = _tile_keys(seq, q_tile, q_tile.shape[1], selection.rows(t0, t1), ws, union_counts[tile], isolate)
         m = tk.z.amax(-1)
         o_tile = out[t0:t1] if direct else ws.take("pv", (t1 - t0, *out.shape[1:]), dtype)
-        # With every entry valid, m is finite and the total >= 1 (the maximum's term is exactly 1). Otherwise a
-        # row without a valid entry has max -inf and all-zero terms: shift by 0, total 0, output 0.
+        # A row without a valid entry has max -inf: shift by 0 (its terms are all 0).
         shift = m if tk.all_valid else torch.where(m == float("-inf"), 0.0, m)
         p = exp_shifted_(tk.z, shift.unsqueeze(-1))
         total = p.sum(-1)
-        o = _weighted_values(tk, p, o_tile)
-        if tk.all_valid:
-            o.div_(total.unsqueeze(-1))
-            row_max[t0:t1] = m
-        else:
-            # total != 0 rather than > 0: a row that selected a non-finite key has a NaN total (and max), and
-            # keeps it rather than passing for a row with nothing selected.
-            has_keys = total != 0
-            o.div_(torch.where(has_keys, total, 1.0).unsqueeze(-1))
-            row_max[t0:t1] = torch.where(has_keys, m, INVALID_MAX)
+        _normalise_rows(_weighted_values(tk, p, o_tile), m, total, tk.all_valid, row_max[t0:t1], row_sum[t0:t1])
         if not direct:
             out[t0:t1] = o_tile
-        row_sum[t0:t1] = total
+
+
+def _backward_native(seq: SparseSequence, selection: RowSelection, d_out: torch.Tensor, out: torch.Tensor,
+                     row_max: torch.Tensor, row_sum: torch.Tensor, scale: float, dq: torch.Tensor, dk: torch.Tensor,
+                     dv: torch.Tensor) -> None:
+    """backward_sequence through the native loops: only valid entries are read or written, in row then entry
+    order, so the result is deterministic and independent of the thread count."""
+    ws = Workspace(seq.k.device)
+    for t0 in range(0, seq.seq_q, NATIVE_ROW_TILE):
+        t1 = min(t0 + NATIVE_ROW_TILE, seq.seq_q)
+        sel = selection.rows(t0, t1)
+        all_valid = bool(sel.valid.all())
+        q_tile = seq.query_tile(ws, t0, t1, torch.float32, scale)
+        do = d_out[t0:t1].to(torch.float32).contiguous()
+        d_sum = (do * out[t0:t1].to(torch.float32)).sum(-1)
+        has_keys = sel.row_has_keys.unsqueeze(-1)
+        shift = torch.where(has_keys, row_max[t0:t1].to(torch.float32), 0.0).contiguous()
+        inv_sum = torch.where(has_keys, 1.0 / row_sum[t0:t1].to(torch.float32), 0.0).contiguous()
+        native.sfa_backward(q_tile, do, d_sum, shift, inv_sum, seq.k, seq.values, sel.tokens,
+                            None if all_valid else sel.valid, LOG2E, EXP2_FLOOR, scale, dq[t0:t1], dk, dv)
 
 
 @torch.no_grad()  # kernels fill preallocated outputs; autograd pairs the ops one level up
@@ -276,8 +345,11 @@ def backward_sequence(seq: SparseSequence, d_out: torch.Tensor, out: torch.Tenso
                       dq: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor) -> None:
     """dq [Sq, N1, Dq] written; dk [Skv, Dq] and dv [Skv, Dv] (fp32, zero-initialised, this sequence's only
     contributions) accumulated, in a fixed order."""
-    ws = Workspace(seq.k.device)
     selection = _sequence_selection(seq, sparse_mode, block_size)
+    if _use_native(seq, block_size, dtype):
+        _backward_native(seq, selection, d_out, out, row_max, row_sum, scale, dq, dk, dv)
+        return
+    ws = Workspace(seq.k.device)
     isolate = not (seq.keys_values_finite() and seq.rows_finite(d_out, out))
     union_counts = _tile_union_counts(selection, BACKWARD_ROW_TILE, seq, block_size, isolate)
     for tile, t0 in enumerate(range(0, seq.seq_q, BACKWARD_ROW_TILE)):

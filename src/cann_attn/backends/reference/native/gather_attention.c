@@ -1,0 +1,447 @@
+/* Fused gather-attention loops for the CPU reference backend (AVX2 + FMA, fp32).
+ *
+ * Why this exists: DSA attention at block size 1 selects scattered tokens, so every query row reads its own K rows.
+ * In PyTorch that takes a gather (a copy of [rows, K, D] through memory) and batched GEMMs whose M is the head count
+ * (16): both far from the machine's GEMM rate. Here each row's scores, softmax numerators and weighted values are
+ * formed straight from the K/V rows it selected, which stay in cache between the products that read them.
+ *
+ * Semantics stay in Python: which entries are valid (SEMANTICS.md 8, 9), the statistics' conventions and the final
+ * normalisation. These loops only compute sums over the entries they are told are valid, in a fixed order: the
+ * result does not depend on the number of threads (rows and column ranges are independent).
+ *
+ * Layouts: every per-row tensor is contiguous, row r at r * (H * D); K and V rows have a row stride (ldk, ldv) and
+ * unit column stride. Entries: tok [R, W] int64 token positions, valid [R, W] bytes (NULL: all valid).
+ */
+#include <immintrin.h>
+#include <omp.h>
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+int cann_attn_cpu_supported(void) {
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+}
+
+/* Lanes [0, n) of a vector (n in 0..8) for the last partial vector of a row. */
+static inline __m256i lane_mask(int64_t n) {
+    const __m256i lanes = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+    return _mm256_cmpgt_epi32(_mm256_set1_epi32((int)n), lanes);
+}
+
+static inline __m256 load_part(const float *p, int64_t n, __m256i mask) {
+    return n >= 8 ? _mm256_loadu_ps(p) : _mm256_maskload_ps(p, mask);
+}
+
+static inline void store_part(float *p, __m256 x, int64_t n, __m256i mask) {
+    if (n >= 8)
+        _mm256_storeu_ps(p, x);
+    else
+        _mm256_maskstore_ps(p, mask, x);
+}
+
+static inline float hsum(__m256 v) {
+    __m128 x = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    x = _mm_add_ps(x, _mm_movehl_ps(x, x));
+    x = _mm_add_ss(x, _mm_shuffle_ps(x, x, 1));
+    return _mm_cvtss_f32(x);
+}
+
+/* 2^x, exactly 0 at or below `floor2` (>= -126; -inf included), NaN kept: the rule of softmax_exp.exp2_flushed_.
+ * 2^x = 2^n * 2^f with n = round(x), |f| <= 1/2; 2^f by its Taylor series to degree 7 (relative error < 5e-9).
+ * 2^n is applied in two halves so that every n in [-126, 129] gives normal factors and x >= 128 overflows to inf
+ * in the product, as exp2 does. */
+static inline __m256 exp2_flushed(__m256 x, __m256 floor2) {
+    __m256 keep = _mm256_cmp_ps(x, floor2, _CMP_NLE_UQ);
+    x = _mm256_max_ps(_mm256_set1_ps(-126.0f), x); /* NaN stays: it is the second operand */
+    x = _mm256_min_ps(_mm256_set1_ps(129.0f), x);
+    __m256 n = _mm256_round_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m256 f = _mm256_sub_ps(x, n);
+    __m256 p = _mm256_set1_ps(1.5252733804059841e-5f);
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.5403530393381606e-4f));
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.3333558146428443e-3f));
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(9.6181291076284772e-3f));
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(5.5504108664821580e-2f));
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(2.4022650695910071e-1f));
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(6.9314718055994531e-1f));
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.0f));
+    const __m256i bias = _mm256_set1_epi32(127);
+    __m256i n_all = _mm256_cvtps_epi32(n), n_low = _mm256_srai_epi32(n_all, 1);
+    __m256 low = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(n_low, bias), 23));
+    __m256 high = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(_mm256_sub_epi32(n_all, n_low), bias), 23));
+    return _mm256_and_ps(_mm256_mul_ps(_mm256_mul_ps(p, low), high), keep);
+}
+
+/* The valid entries of one row, in order: their tokens into `out`; returns their count. */
+static int64_t compact_row(const int64_t *tok, const uint8_t *valid, int64_t w, int64_t *out) {
+    if (!valid) {
+        memcpy(out, tok, sizeof(int64_t) * w);
+        return w;
+    }
+    int64_t n = 0;
+    for (int64_t j = 0; j < w; ++j)
+        if (valid[j]) out[n++] = tok[j];
+    return n;
+}
+
+/* One step of row_dots: 4 head rows against 3 key rows, columns [d, d + 8) loaded by LOAD. */
+#define DOT_STEP(LOAD)                                                                                               \
+    do {                                                                                                             \
+        __m256 x0 = LOAD(b0 + d), x1 = LOAD(b1 + d), x2 = LOAD(b2 + d), y;                                           \
+        y = LOAD(a0 + d);                                                                                            \
+        c00 = _mm256_fmadd_ps(y, x0, c00); c01 = _mm256_fmadd_ps(y, x1, c01); c02 = _mm256_fmadd_ps(y, x2, c02);     \
+        y = LOAD(a1 + d);                                                                                            \
+        c10 = _mm256_fmadd_ps(y, x0, c10); c11 = _mm256_fmadd_ps(y, x1, c11); c12 = _mm256_fmadd_ps(y, x2, c12);     \
+        y = LOAD(a2 + d);                                                                                            \
+        c20 = _mm256_fmadd_ps(y, x0, c20); c21 = _mm256_fmadd_ps(y, x1, c21); c22 = _mm256_fmadd_ps(y, x2, c22);     \
+        y = LOAD(a3 + d);                                                                                            \
+        c30 = _mm256_fmadd_ps(y, x0, c30); c31 = _mm256_fmadd_ps(y, x1, c31); c32 = _mm256_fmadd_ps(y, x2, c32);     \
+    } while (0)
+#define LOAD_FULL(p) _mm256_loadu_ps(p)
+#define LOAD_TAIL(p) _mm256_maskload_ps((p), tail)
+
+/* s[h * ts + j] = a[h] . b[tok[j]] over d < dim, for h < heads, j < n. Blocks of 4 heads x 3 keys keep 12 sums in
+ * registers (named: arrays of vectors measured 2x slower); the 3 key rows are reused from L1 by every head block. */
+static void row_dots(const float *a, int64_t heads, int64_t dim, const float *b, int64_t ldb, const int64_t *tok,
+                     int64_t n, float *s, int64_t ts) {
+    const int64_t full = dim / 8 * 8;
+    const __m256i tail = lane_mask(dim - full);
+    for (int64_t j0 = 0; j0 < n; j0 += 3) {
+        const int64_t nj = n - j0 < 3 ? n - j0 : 3;
+        const float *b0 = b + tok[j0] * ldb;
+        const float *b1 = nj > 1 ? b + tok[j0 + 1] * ldb : b0;
+        const float *b2 = nj > 2 ? b + tok[j0 + 2] * ldb : b0;
+        /* The key rows two blocks ahead are scattered in memory: start fetching them now. */
+        for (int64_t j = j0 + 6; j < j0 + 9 && j < n; ++j)
+            for (int64_t d = 0; d < dim; d += 16)
+                _mm_prefetch((const char *)(b + tok[j] * ldb + d), _MM_HINT_T0);
+        for (int64_t h0 = 0; h0 < heads; h0 += 4) {
+            const int64_t nh = heads - h0 < 4 ? heads - h0 : 4;
+            const float *a0 = a + h0 * dim;
+            const float *a1 = nh > 1 ? a0 + dim : a0;
+            const float *a2 = nh > 2 ? a0 + 2 * dim : a0;
+            const float *a3 = nh > 3 ? a0 + 3 * dim : a0;
+            __m256 c00 = _mm256_setzero_ps(), c01 = c00, c02 = c00, c10 = c00, c11 = c00, c12 = c00;
+            __m256 c20 = c00, c21 = c00, c22 = c00, c30 = c00, c31 = c00, c32 = c00;
+            int64_t d = 0;
+            for (; d < full; d += 8)
+                DOT_STEP(LOAD_FULL);
+            if (d < dim)
+                DOT_STEP(LOAD_TAIL);
+            const float sums[4][3] = {{hsum(c00), hsum(c01), hsum(c02)}, {hsum(c10), hsum(c11), hsum(c12)},
+                                      {hsum(c20), hsum(c21), hsum(c22)}, {hsum(c30), hsum(c31), hsum(c32)}};
+            for (int64_t i = 0; i < nh; ++i)
+                for (int64_t j = 0; j < nj; ++j)
+                    s[(h0 + i) * ts + j0 + j] = sums[i][j];
+        }
+    }
+}
+
+/* One step of row_combine: entry j's weights for 4 heads times columns [d, d + 24) of its row, loaded by LOAD
+ * (LOAD_PART covers a last block of 1..24 columns). */
+#define COMBINE_STEP(LOAD)                                                                                           \
+    do {                                                                                                             \
+        const float *bj = b + tok[j] * ldb + d;                                                                      \
+        __m256 x0 = LOAD(bj, 0), x1 = LOAD(bj, 1), x2 = LOAD(bj, 2), y;                                              \
+        y = _mm256_broadcast_ss(w0 + j);                                                                             \
+        c00 = _mm256_fmadd_ps(y, x0, c00); c01 = _mm256_fmadd_ps(y, x1, c01); c02 = _mm256_fmadd_ps(y, x2, c02);     \
+        y = _mm256_broadcast_ss(w1 + j);                                                                             \
+        c10 = _mm256_fmadd_ps(y, x0, c10); c11 = _mm256_fmadd_ps(y, x1, c11); c12 = _mm256_fmadd_ps(y, x2, c12);     \
+        y = _mm256_broadcast_ss(w2 + j);                                                                             \
+        c20 = _mm256_fmadd_ps(y, x0, c20); c21 = _mm256_fmadd_ps(y, x1, c21); c22 = _mm256_fmadd_ps(y, x2, c22);     \
+        y = _mm256_broadcast_ss(w3 + j);                                                                             \
+        c30 = _mm256_fmadd_ps(y, x0, c30); c31 = _mm256_fmadd_ps(y, x1, c31); c32 = _mm256_fmadd_ps(y, x2, c32);     \
+    } while (0)
+#define LOAD_BLOCK(p, v) _mm256_loadu_ps((p) + 8 * (v))
+#define LOAD_PART(p, v) (8 * (v) < cols ? load_part((p) + 8 * (v), cols - 8 * (v), tail) : _mm256_setzero_ps())
+
+/* out[h * dim + d] = alpha * sum_j w[h * ts + j] * b[tok[j]][d] over j < n, plus keep[h] * out[h * dim + d] when
+ * `keep` is given (the rescaled sum of earlier key chunks). Blocks of 4 heads x 24 columns; the
+ * column block is the outer loop so the 4 head blocks re-read the same n x 24 slice of the selected rows from L2. */
+static void row_combine(const float *w, int64_t ts, int64_t heads, int64_t n, const float *b, int64_t ldb,
+                        const int64_t *tok, int64_t dim, float alpha, const float *keep, float *out) {
+    const __m256 scale = _mm256_set1_ps(alpha);
+    for (int64_t d = 0; d < dim; d += 24) {
+        const int64_t cols = dim - d < 24 ? dim - d : 24;
+        const int64_t nv = (cols + 7) / 8;
+        const __m256i tail = lane_mask(cols - (nv - 1) * 8);
+        for (int64_t h0 = 0; h0 < heads; h0 += 4) {
+            const int64_t nh = heads - h0 < 4 ? heads - h0 : 4;
+            const float *w0 = w + h0 * ts;
+            const float *w1 = nh > 1 ? w0 + ts : w0;
+            const float *w2 = nh > 2 ? w0 + 2 * ts : w0;
+            const float *w3 = nh > 3 ? w0 + 3 * ts : w0;
+            __m256 c00 = _mm256_setzero_ps(), c01 = c00, c02 = c00, c10 = c00, c11 = c00, c12 = c00;
+            __m256 c20 = c00, c21 = c00, c22 = c00, c30 = c00, c31 = c00, c32 = c00;
+            if (cols == 24)
+                for (int64_t j = 0; j < n; ++j)
+                    COMBINE_STEP(LOAD_BLOCK);
+            else
+                for (int64_t j = 0; j < n; ++j)
+                    COMBINE_STEP(LOAD_PART);
+            const __m256 sums[4][3] = {{c00, c01, c02}, {c10, c11, c12}, {c20, c21, c22}, {c30, c31, c32}};
+            for (int64_t i = 0; i < nh; ++i) {
+                float *oi = out + (h0 + i) * dim + d;
+                for (int64_t v = 0; v < nv; ++v) {
+                    __m256 x = _mm256_mul_ps(sums[i][v], scale);
+                    if (keep)
+                        x = _mm256_fmadd_ps(load_part(oi + 8 * v, cols - 8 * v, tail), _mm256_set1_ps(keep[h0 + i]), x);
+                    store_part(oi + 8 * v, x, cols - 8 * v, tail);
+                }
+            }
+        }
+    }
+}
+
+/* Largest of s[0..n) with NaN propagated (as torch.amax); -inf when n == 0. */
+static float row_max(const float *s, int64_t n) {
+    __m256 mx = _mm256_set1_ps(-INFINITY), nan = _mm256_setzero_ps();
+    int64_t j = 0;
+    for (; j + 8 <= n; j += 8) {
+        __m256 x = _mm256_loadu_ps(s + j);
+        mx = _mm256_max_ps(mx, x);
+        nan = _mm256_or_ps(nan, _mm256_cmp_ps(x, x, _CMP_UNORD_Q));
+    }
+    float lanes[8];
+    _mm256_storeu_ps(lanes, mx);
+    float best = lanes[0];
+    int any_nan = _mm256_movemask_ps(nan) != 0;
+    for (int i = 1; i < 8; ++i)
+        best = lanes[i] > best ? lanes[i] : best;
+    for (; j < n; ++j) {
+        any_nan |= isnan(s[j]);
+        best = s[j] > best ? s[j] : best;
+    }
+    return any_nan ? NAN : best;
+}
+
+/* s[0..n) <- 2^((s - shift) * log2e) * factor (flushed at floor2); returns the sum of the exponentials (before
+ * `factor`). */
+static float row_exp(float *s, int64_t n, float shift, float log2e, float floor2, float factor) {
+    const __m256 sv = _mm256_set1_ps(shift), lv = _mm256_set1_ps(log2e), fl = _mm256_set1_ps(floor2);
+    const __m256 fv = _mm256_set1_ps(factor);
+    __m256 acc = _mm256_setzero_ps();
+    for (int64_t j = 0; j < n; j += 8) {
+        const __m256i mask = lane_mask(n - j);
+        __m256 e = exp2_flushed(_mm256_mul_ps(_mm256_sub_ps(load_part(s + j, n - j, mask), sv), lv), fl);
+        e = _mm256_and_ps(e, _mm256_castsi256_ps(mask)); /* lanes beyond n add nothing */
+        acc = _mm256_add_ps(acc, e);
+        store_part(s + j, _mm256_mul_ps(e, fv), n - j, mask);
+    }
+    return hsum(acc);
+}
+
+static int64_t round8(int64_t n) { return (n + 7) / 8 * 8; }
+
+/* Keys per chunk of the forward: a chunk's K rows (which hold V's columns when V is K's first columns) stay in L2
+ * between the dot products and the weighted sum that read them; a whole row's 512 keys would come from L3 twice. */
+#define KEY_CHUNK 128
+
+static inline float max_nan(float a, float b) { return isnan(a) || isnan(b) ? NAN : (a > b ? a : b); }
+
+/* Forward, rows [r0, r1): o [R, H, Dv] = sum_j 2^((s_j - m) log2e) V_j (unnormalised), m [R, H] the largest logit
+ * (-inf for a row without valid entries, NaN propagated), l [R, H] the sum of the exponentials. q carries the
+ * softmax scale. Keys go in chunks with the running maximum (online softmax): earlier chunks' sums are rescaled by
+ * 2^((m_old - m_new) log2e) when the maximum grows, which changes only their rounding. */
+static void forward_range(const float *q, int64_t heads, int64_t dqk, const float *k, int64_t ldk, const float *v,
+                      int64_t ldv, int64_t dv, const int64_t *tok, const uint8_t *valid, int64_t w, int64_t r0,
+                      int64_t r1, float log2e, float floor2, float *o, float *m, float *l) {
+    const int64_t ts = round8(KEY_CHUNK);
+    float *s = malloc(sizeof(float) * heads * ts);
+    float *keep = malloc(sizeof(float) * heads);
+    int64_t *sel = malloc(sizeof(int64_t) * (w > 0 ? w : 1));
+    for (int64_t r = r0; r < r1; ++r) {
+        const int64_t n = compact_row(tok + r * w, valid ? valid + r * w : NULL, w, sel);
+        float *mr = m + r * heads, *lr = l + r * heads, *orow = o + r * heads * dv;
+        for (int64_t h = 0; h < heads; ++h) {
+            mr[h] = -INFINITY;
+            lr[h] = 0.0f;
+        }
+        if (n == 0)
+            memset(orow, 0, sizeof(float) * heads * dv);
+        for (int64_t c0 = 0; c0 < n; c0 += KEY_CHUNK) {
+            const int64_t nc = n - c0 < KEY_CHUNK ? n - c0 : KEY_CHUNK;
+            row_dots(q + r * heads * dqk, heads, dqk, k, ldk, sel + c0, nc, s, ts);
+            for (int64_t h = 0; h < heads; ++h) {
+                const float m_new = max_nan(mr[h], row_max(s + h * ts, nc));
+                const float shift = m_new == -INFINITY ? 0.0f : m_new;
+                /* The first chunk has nothing to rescale (and -inf - -inf would be NaN). */
+                keep[h] = c0 == 0 ? 0.0f : exp2f((mr[h] - shift) * log2e);
+                lr[h] = lr[h] * keep[h] + row_exp(s + h * ts, nc, shift, log2e, floor2, 1.0f);
+                mr[h] = m_new;
+            }
+            row_combine(s, ts, heads, nc, v, ldv, sel + c0, dv, 1.0f, c0 == 0 ? NULL : keep, orow);
+        }
+    }
+    free(sel);
+    free(keep);
+    free(s);
+}
+
+/* Backward, rows [r0, r1). P = 2^((s - shift) log2e) * inv_l, dP = dO . V, dS = P (dP - dsum) over each row's valid
+ * entries; dq [R, H, Dqk] = scale * dS K. The valid entries are left for sfa_scatter: count [R], sel [R, W] (their
+ * tokens), p_out / ds_out [R, H, W] (entry j of row r, head h at (r * H + h) * W + j). q carries the scale. */
+static void backward_range(const float *q, const float *dout, const float *dsum, const float *shift, const float *inv_l,
+                       int64_t heads, int64_t dqk, int64_t dv, const float *k, int64_t ldk, const float *v,
+                       int64_t ldv, const int64_t *tok, const uint8_t *valid, int64_t w, int64_t r0, int64_t r1,
+                       float log2e, float floor2, float scale, float *dq, int64_t *count, int64_t *sel,
+                       float *p_out, float *ds_out) {
+    const int64_t ts = round8(w);
+    float *dp = malloc(sizeof(float) * heads * ts);
+    for (int64_t r = r0; r < r1; ++r) {
+        int64_t *rsel = sel + r * w;
+        const int64_t n = compact_row(tok + r * w, valid ? valid + r * w : NULL, w, rsel);
+        count[r] = n;
+        float *p = p_out + r * heads * w, *ds = ds_out + r * heads * w;
+        row_dots(q + r * heads * dqk, heads, dqk, k, ldk, rsel, n, p, w);
+        row_dots(dout + r * heads * dv, heads, dv, v, ldv, rsel, n, dp, ts);
+        for (int64_t h = 0; h < heads; ++h) {
+            float *ph = p + h * w, *dph = dp + h * ts, *dsh = ds + h * w;
+            row_exp(ph, n, shift[r * heads + h], log2e, floor2, inv_l[r * heads + h]);
+            const float d0 = dsum[r * heads + h];
+            for (int64_t j = 0; j < n; ++j)
+                dsh[j] = ph[j] * (dph[j] - d0);
+        }
+        row_combine(ds, w, heads, n, k, ldk, rsel, dqk, scale, NULL, dq + r * heads * dqk);
+    }
+    free(dp);
+}
+
+/* c[sel[r, j]][d0:d1] += sum_h wt[r, h, j] * a[r, h][d0:d1] for rows r < rows, entries j < count[r], in row then
+ * entry order (duplicated tokens add up). Blocks of 3 entries x 32 columns keep 12 sums in registers; each block is
+ * added to its rows one entry after the other, so two equal tokens in a block both land. Threads take disjoint
+ * column ranges, so no two write the same element and no sum depends on the thread count. */
+static void scatter_columns(const float *wt, const float *a, int64_t heads, int64_t dim, int64_t w, const int64_t *count,
+                 const int64_t *sel, int64_t rows, float *c, int64_t ldc, int64_t d0, int64_t d1) {
+    for (int64_t r = 0; r < rows; ++r) {
+        const float *wr = wt + r * heads * w, *ar = a + r * heads * dim;
+        const int64_t *rsel = sel + r * w;
+        for (int64_t j0 = 0; j0 < count[r]; j0 += 3) {
+            const int64_t nj = count[r] - j0 < 3 ? count[r] - j0 : 3;
+            for (int64_t d = d0; d < d1; d += 32) {
+                const int64_t cols = d1 - d < 32 ? d1 - d : 32;
+                const int64_t nv = (cols + 7) / 8;
+                const __m256i tail = lane_mask(cols - (nv - 1) * 8);
+                __m256 acc[3][4];
+                for (int i = 0; i < 3; ++i)
+                    acc[i][0] = acc[i][1] = acc[i][2] = acc[i][3] = _mm256_setzero_ps();
+                for (int64_t h = 0; h < heads; ++h) {
+                    const float *ah = ar + h * dim + d, *wh = wr + h * w + j0;
+                    __m256 x[4];
+                    for (int64_t v = 0; v < nv; ++v)
+                        x[v] = v == nv - 1 ? load_part(ah + 8 * v, cols - 8 * v, tail) : _mm256_loadu_ps(ah + 8 * v);
+                    for (int64_t i = 0; i < nj; ++i) {
+                        __m256 y = _mm256_broadcast_ss(wh + i);
+                        for (int64_t v = 0; v < nv; ++v)
+                            acc[i][v] = _mm256_fmadd_ps(y, x[v], acc[i][v]);
+                    }
+                }
+                for (int64_t i = 0; i < nj; ++i) {
+                    float *ci = c + rsel[j0 + i] * ldc + d;
+                    for (int64_t v = 0; v < nv; ++v) {
+                        const int64_t m = cols - 8 * v;
+                        store_part(ci + 8 * v, _mm256_add_ps(load_part(ci + 8 * v, m, tail), acc[i][v]), m, tail);
+                    }
+                }
+            }
+        }
+    }
+}
+
+/* KL target, rows [r0, r1): p [R, W] = inv_heads * sum_h 2^(q_h . K_j - shift_h) (flushed at floor2) for valid
+ * entries, exactly 0 for the others. q carries scale * log2e and shift = (max + ln sum) * log2e per head [R, H]. */
+static void kl_target_range(const float *q, int64_t heads, int64_t dqk, const float *k, int64_t ldk, const int64_t *tok,
+                    const uint8_t *valid, int64_t w, const float *shift, int64_t r0, int64_t r1, float floor2,
+                    float inv_heads, float *p) {
+    const int64_t ts = round8(w);
+    float *s = malloc(sizeof(float) * heads * ts);
+    int64_t *sel = malloc(sizeof(int64_t) * (w > 0 ? w : 1));
+    for (int64_t r = r0; r < r1; ++r) {
+        const uint8_t *vr = valid ? valid + r * w : NULL;
+        const int64_t n = compact_row(tok + r * w, vr, w, sel);
+        row_dots(q + r * heads * dqk, heads, dqk, k, ldk, sel, n, s, ts);
+        float *pr = p + r * w;
+        memset(pr, 0, sizeof(float) * w);
+        for (int64_t h = 0; h < heads; ++h)
+            row_exp(s + h * ts, n, shift[r * heads + h], 1.0f, floor2, 1.0f);
+        /* Head sums in a fixed order, then spread back to the entries' positions. */
+        for (int64_t j = 0, e = 0; j < w; ++j) {
+            if (vr && !vr[j])
+                continue;
+            float total = 0.0f;
+            for (int64_t h = 0; h < heads; ++h)
+                total += s[h * ts + e];
+            pr[j] = total * inv_heads;
+            ++e;
+        }
+    }
+    free(sel);
+    free(s);
+}
+
+/* Exported entry points. Each splits its rows (or, for the scatter, the columns of dK and dV) into one contiguous
+ * range per OpenMP thread. The library links the libgomp that PyTorch has loaded, so these regions reuse PyTorch's
+ * threads rather than competing with them (Python threads did: PyTorch's idle OpenMP workers spin between ops). */
+
+/* [0, n) split into `parts` ranges whose inner bounds are multiples of `align`: range `i`. */
+static void part_range(int64_t n, int64_t parts, int64_t i, int64_t align, int64_t *lo, int64_t *hi) {
+    *lo = i == 0 ? 0 : (n * i / parts) / align * align;
+    *hi = i == parts - 1 ? n : (n * (i + 1) / parts) / align * align;
+}
+
+void sfa_forward_rows(const float *q, int64_t heads, int64_t dqk, const float *k, int64_t ldk, const float *v,
+                      int64_t ldv, int64_t dv, const int64_t *tok, const uint8_t *valid, int64_t w, int64_t r0,
+                      int64_t r1, float log2e, float floor2, float *o, float *m, float *l) {
+#pragma omp parallel
+    {
+        int64_t lo, hi;
+        part_range(r1 - r0, omp_get_num_threads(), omp_get_thread_num(), 1, &lo, &hi);
+        if (hi > lo)
+            forward_range(q, heads, dqk, k, ldk, v, ldv, dv, tok, valid, w, r0 + lo, r0 + hi, log2e, floor2, o, m, l);
+    }
+}
+
+void sfa_backward_rows(const float *q, const float *dout, const float *dsum, const float *shift, const float *inv_l,
+                       int64_t heads, int64_t dqk, int64_t dv, const float *k, int64_t ldk, const float *v,
+                       int64_t ldv, const int64_t *tok, const uint8_t *valid, int64_t w, int64_t r0, int64_t r1,
+                       float log2e, float floor2, float scale, float *dq, int64_t *count, int64_t *sel,
+                       float *p_out, float *ds_out) {
+#pragma omp parallel
+    {
+        int64_t lo, hi;
+        part_range(r1 - r0, omp_get_num_threads(), omp_get_thread_num(), 1, &lo, &hi);
+        if (hi > lo)
+            backward_range(q, dout, dsum, shift, inv_l, heads, dqk, dv, k, ldk, v, ldv, tok, valid, w, r0 + lo, r0 + hi,
+                           log2e, floor2, scale, dq, count, sel, p_out, ds_out);
+    }
+}
+
+/* dK += dS^T Q and dV += P^T dO over the entries left by sfa_backward_rows (see scatter_columns). */
+void sfa_scatter(const float *ds, const float *q, int64_t dqk, float *dk, int64_t lddk, const float *p,
+                 const float *dout, int64_t dv, float *dvt, int64_t lddv, int64_t heads, int64_t w,
+                 const int64_t *count, const int64_t *sel, int64_t rows) {
+#pragma omp parallel
+    {
+        const int64_t parts = omp_get_num_threads(), i = omp_get_thread_num();
+        int64_t lo, hi;
+        part_range(dqk, parts, i, 8, &lo, &hi);
+        if (hi > lo)
+            scatter_columns(ds, q, heads, dqk, w, count, sel, rows, dk, lddk, lo, hi);
+        part_range(dv, parts, i, 8, &lo, &hi);
+        if (hi > lo)
+            scatter_columns(p, dout, heads, dv, w, count, sel, rows, dvt, lddv, lo, hi);
+    }
+}
+
+void kl_target_rows(const float *q, int64_t heads, int64_t dqk, const float *k, int64_t ldk, const int64_t *tok,
+                    const uint8_t *valid, int64_t w, const float *shift, int64_t r0, int64_t r1, float floor2,
+                    float inv_heads, float *p) {
+#pragma omp parallel
+    {
+        int64_t lo, hi;
+        part_range(r1 - r0, omp_get_num_threads(), omp_get_thread_num(), 1, &lo, &hi);
+        if (hi > lo)
+            kl_target_range(q, heads, dqk, k, ldk, tok, valid, w, shift, r0 + lo, r0 + hi, floor2, inv_heads, p);
+    }
+}
