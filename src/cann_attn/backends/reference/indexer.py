@@ -20,6 +20,9 @@ ROW_TILE = 64
 # 8..64 at DeepSeek-V3.2 shapes on a 2-core EPYC; processing the indexer part per 8 rows (more, smaller ops)
 # measured slower.
 KL_ROW_TILE = 32
+# With the native loops (no gathered [rows, W, D] copies) the per-tile PyTorch work is small and larger tiles
+# amortise it: 128 rows measured 252 ms against 324 (32 rows), 287 (64) and 262 (256) at the same shapes.
+NATIVE_KL_ROW_TILE = 128
 # Rows per main-attention target sub-tile: 8 rows' gathered keys (8 x 512 x 576 fp32, 9.4 MB) stay in a 32 MB
 # last-level cache between the gather and the GEMM. Against gathering all 32 rows at once: ~20% faster in most
 # alternating A/B runs, none better in a spell of low memory bandwidth; 4 and 8 rows measured alike.
@@ -124,18 +127,25 @@ def kl_loss_sequence(seq_q: int, seq_kv: int, *, q_main, q_rope, k_main, q_idx, 
     k_idx_all = k_idx.to(dtype)
     k_main_all = k_main.to(dtype)
     ws = Workspace(q_idx.device)
-    for t0 in range(0, seq_q, KL_ROW_TILE):
-        t1 = min(t0 + KL_ROW_TILE, seq_q)
+    row_tile = NATIVE_KL_ROW_TILE if native.usable(k_idx_all, k_main_all) else KL_ROW_TILE
+    for t0 in range(0, seq_q, row_tile):
+        t1 = min(t0 + row_tile, seq_q)
         rows = torch.arange(t0, t1, device=q_idx.device)
         tokens, valid = indexer_selection(indices[t0:t1], rows, sparse_mode=sparse_mode, seq_q=seq_q, seq_kv=seq_kv)
         all_valid = bool(valid.all())
         p = _target_distribution(q_main[t0:t1], None if q_rope is None else q_rope[t0:t1], k_main_all, tokens,
                                  valid, all_valid, row_max[t0:t1], row_sum[t0:t1], scale, ws)
-        # Indexer distribution over the same entries.
-        k_sel = ws.gather_rows("k_idx", k_idx_all, tokens)
-        q_t = q_idx[t0:t1].to(dtype)
+        # Indexer distribution over the same entries. The native loops read the selected key rows in place; the
+        # PyTorch path gathers them ([rows, W, D]) for batched GEMMs.
+        q_t = q_idx[t0:t1].to(dtype).contiguous()
         w_t = weights[t0:t1].to(dtype)
-        relu = torch.relu_(torch.bmm(q_t, k_sel.transpose(1, 2)))  # [rows, H, W]
+        use_native = native.usable(q_t, k_idx_all)
+        if use_native:
+            relu = native.rows_dot(q_t, k_idx_all, tokens, ws.take("relu", (*q_t.shape[:2], tokens.shape[1]), dtype))
+        else:
+            k_sel = ws.gather_rows("k_idx", k_idx_all, tokens)
+            relu = torch.bmm(q_t, k_sel.transpose(1, 2))
+        relu.relu_()  # [rows, H, W]
         scores = torch.bmm(w_t.unsqueeze(1), relu).squeeze(1)
         if all_valid:
             q_dist = torch.softmax(scores, dim=-1)
@@ -152,7 +162,16 @@ def kl_loss_sequence(seq_q: int, seq_kv: int, *, q_main, q_rope, k_main, q_idx, 
         dw[t0:t1] = torch.bmm(relu, d_scores.unsqueeze(-1)).squeeze(-1)
         # dI/d(q.k) = w * [q.k > 0]: relu > 0 exactly where q.k > 0.
         ds = relu.sign_().mul_(w_t.unsqueeze(-1)).mul_(d_scores.unsqueeze(1))
-        torch.bmm(ds, k_sel, out=dq_idx[t0:t1])
-        dk_sel = torch.bmm(ds.transpose(1, 2), q_t, out=ws.take("dk_sel", (*tokens.shape, q_t.shape[-1]), dtype))
-        dk_idx.index_add_(0, tokens.reshape(-1), dk_sel.flatten(0, 1))
+        # Invalid entries have ds = 0 (both distributions are 0 there): they add exact zeros to token 0.
+        if use_native:
+            dq_rows = dq_idx[t0:t1]
+            if dq_rows.is_contiguous():
+                native.rows_combine(ds, k_idx_all, tokens, dq_rows)
+            else:
+                dq_rows.copy_(native.rows_combine(ds, k_idx_all, tokens, torch.empty_like(q_t)))
+            native.rows_scatter(ds, q_t, tokens, dk_idx)
+        else:
+            torch.bmm(ds, k_sel, out=dq_idx[t0:t1])
+            dk_sel = torch.bmm(ds.transpose(1, 2), q_t, out=ws.take("dk_sel", (*tokens.shape, q_t.shape[-1]), dtype))
+            dk_idx.index_add_(0, tokens.reshape(-1), dk_sel.flatten(0, 1))
     return loss

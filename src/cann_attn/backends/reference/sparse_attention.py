@@ -16,7 +16,12 @@ their logits/gradients set (not added) to -inf/0, so that only the selected keys
 only the keys it selected (SEMANTICS.md 8: P is the softmax over the selected set). The checks cost one pass over
 K and V (and the query-side tensors) per sequence; the all-finite fast paths are unchanged.
 
-The query tile carries the softmax scale; exponentials come from `softmax_exp.exp_shifted_`.
+Token selections (block size 1) in fp32 on the CPU take the native loops instead (`native`, C): each row's logits,
+exponentials and weighted sums are formed from its valid entries' K/V rows read in place, which needs neither the
+gather nor the isolation pass; the selection, the statistics' conventions and the normalisation stay here.
+
+The query tile carries the softmax scale; exponentials come from `softmax_exp.exp_shifted_` (the native loops use
+the same base-2 rule and flush floor).
 """
 
 from __future__ import annotations

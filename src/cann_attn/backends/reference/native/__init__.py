@@ -42,6 +42,10 @@ _SIGNATURES = {
                           _P, _P, _P],
     "sfa_scatter": [_P, _P, _I, _P, _I, _P, _P, _I, _P, _I, _I, _I, _P, _P, _I],
     "kl_target_rows": [_P, _I, _I, _P, _I, _P, _P, _I, _P, _I, _I, _F, _F, _P],
+    "cann_attn_exp2_flushed": [_P, _P, _I, _F],
+    "rows_dot": [_P, _I, _I, _P, _I, _P, _I, _I, _P],
+    "rows_combine": [_P, _I, _I, _P, _I, _P, _I, _I, _F, _P],
+    "rows_scatter": [_P, _P, _I, _I, _I, _P, _I, _P, _I],
 }
 
 _lock = threading.Lock()
@@ -199,3 +203,48 @@ def kl_target(q: torch.Tensor, k: torch.Tensor, tokens: torch.Tensor, valid: tor
 
     lib.kl_target_rows(q.data_ptr(), heads, dqk, kp, ldk, tokens.data_ptr(), _ptr(valid_bytes), width,
                        shift.data_ptr(), 0, rows, floor2, 1.0 / heads, out.data_ptr())
+
+
+def rows_dot(a: torch.Tensor, b: torch.Tensor, tokens: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """out [R, H, W] = a[r, h] . b[tokens[r, j]] for a [R, H, D], b [S, D], every entry (tokens must be in range)."""
+    lib = library()
+    _check_rows(a, out)
+    rows, heads, dim = a.shape
+    tokens, _ = _entries(tokens, None)
+    b = _unit_columns(b)
+    lib.rows_dot(a.data_ptr(), heads, dim, *_rows(b), tokens.data_ptr(), tokens.shape[1], rows, out.data_ptr())
+    return out
+
+
+def rows_combine(weights: torch.Tensor, b: torch.Tensor, tokens: torch.Tensor, out: torch.Tensor,
+                 alpha: float = 1.0) -> torch.Tensor:
+    """out [R, H, D] = alpha * sum_j weights[r, h, j] b[tokens[r, j]] for weights [R, H, W], b [S, D]."""
+    lib = library()
+    _check_rows(weights, out)
+    rows, heads, width = weights.shape
+    tokens, _ = _entries(tokens, None)
+    b = _unit_columns(b)
+    lib.rows_combine(weights.data_ptr(), heads, width, *_rows(b), tokens.data_ptr(), out.shape[-1], rows, alpha,
+                     out.data_ptr())
+    return out
+
+
+def rows_scatter(weights: torch.Tensor, a: torch.Tensor, tokens: torch.Tensor, target: torch.Tensor) -> None:
+    """target[tokens[r, j]] += sum_h weights[r, h, j] a[r, h] for weights [R, H, W], a [R, H, D], target [S, D]
+    (rows, then entries, in order: duplicated tokens add up, deterministically)."""
+    lib = library()
+    _check_rows(weights, a)
+    rows, heads, width = weights.shape
+    tokens, _ = _entries(tokens, None)
+    assert target.dtype == torch.float32 and target.stride(-1) == 1
+    lib.rows_scatter(weights.data_ptr(), a.data_ptr(), heads, a.shape[-1], width, tokens.data_ptr(), rows,
+                     *_rows(target))
+
+
+def exp2_flushed(x: torch.Tensor, floor2: float) -> torch.Tensor:
+    """The loops' 2^x (0 at or below floor2) on a float32 tensor: for tests against softmax_exp.exp2_flushed_."""
+    lib = library()
+    x = x.contiguous()
+    out = torch.empty_like(x)
+    lib.cann_attn_exp2_flushed(x.data_ptr(), out.data_ptr(), x.numel(), floor2)
+    return out

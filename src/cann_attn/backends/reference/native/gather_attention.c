@@ -287,28 +287,39 @@ static void backward_range(const float *q, const float *dout, const float *dsum,
                        int64_t ldv, const int64_t *tok, const uint8_t *valid, int64_t w, int64_t r0, int64_t r1,
                        float log2e, float floor2, float scale, float *dq, int64_t *count, int64_t *sel,
                        float *p_out, float *ds_out) {
-    const int64_t ts = round8(w);
+    const int64_t ts = round8(KEY_CHUNK);
     float *dp = malloc(sizeof(float) * heads * ts);
+    float *ones = malloc(sizeof(float) * heads);
+    for (int64_t h = 0; h < heads; ++h)
+        ones[h] = 1.0f;
     for (int64_t r = r0; r < r1; ++r) {
         int64_t *rsel = sel + r * w;
         const int64_t n = compact_row(tok + r * w, valid ? valid + r * w : NULL, w, rsel);
         count[r] = n;
-        float *p = p_out + r * heads * w, *ds = ds_out + r * heads * w;
-        row_dots(q + r * heads * dqk, heads, dqk, k, ldk, rsel, n, p, w);
-        row_dots(dout + r * heads * dv, heads, dv, v, ldv, rsel, n, dp, ts);
-        for (int64_t h = 0; h < heads; ++h) {
-            float *ph = p + h * w, *dph = dp + h * ts, *dsh = ds + h * w;
-            row_exp(ph, n, shift[r * heads + h], log2e, floor2, inv_l[r * heads + h]);
-            const float d0 = dsum[r * heads + h];
-            for (int64_t j = 0; j < n; ++j)
-                dsh[j] = ph[j] * (dph[j] - d0);
+        float *p = p_out + r * heads * w, *ds = ds_out + r * heads * w, *dqr = dq + r * heads * dqk;
+        if (n == 0)
+            memset(dqr, 0, sizeof(float) * heads * dqk);
+        /* Key chunks, as in the forward: a chunk's K rows stay in L2 for the three products that read them. */
+        for (int64_t c0 = 0; c0 < n; c0 += KEY_CHUNK) {
+            const int64_t nc = n - c0 < KEY_CHUNK ? n - c0 : KEY_CHUNK;
+            row_dots(q + r * heads * dqk, heads, dqk, k, ldk, rsel + c0, nc, p + c0, w);
+            row_dots(dout + r * heads * dv, heads, dv, v, ldv, rsel + c0, nc, dp, ts);
+            for (int64_t h = 0; h < heads; ++h) {
+                float *ph = p + h * w + c0, *dph = dp + h * ts, *dsh = ds + h * w + c0;
+                row_exp(ph, nc, shift[r * heads + h], log2e, floor2, inv_l[r * heads + h]);
+                const float d0 = dsum[r * heads + h];
+                for (int64_t j = 0; j < nc; ++j)
+                    dsh[j] = ph[j] * (dph[j] - d0);
+            }
+            row_combine(ds + c0, w, heads, nc, k, ldk, rsel + c0, dqk, scale, c0 == 0 ? NULL : ones, dqr);
         }
-        row_combine(ds, w, heads, n, k, ldk, rsel, dqk, scale, NULL, dq + r * heads * dqk);
     }
+    free(ones);
     free(dp);
 }
 
-/* c[sel[r, j]][d0:d1] += sum_h wt[r, h, j] * a[r, h][d0:d1] for rows r < rows, entries j < count[r], in row then
+/* c[sel[r, j]][d0:d1] += sum_h wt[r, h, j] * a[r, h][d0:d1] for rows r < rows, entries j < count[r] (count NULL:
+ * all w), in row then
  * entry order (duplicated tokens add up). Blocks of 3 entries x 32 columns keep 12 sums in registers; each block is
  * added to its rows one entry after the other, so two equal tokens in a block both land. Threads take disjoint
  * column ranges, so no two write the same element and no sum depends on the thread count. */
@@ -316,9 +327,13 @@ static void scatter_columns(const float *wt, const float *a, int64_t heads, int6
                  const int64_t *sel, int64_t rows, float *c, int64_t ldc, int64_t d0, int64_t d1) {
     for (int64_t r = 0; r < rows; ++r) {
         const float *wr = wt + r * heads * w, *ar = a + r * heads * dim;
-        const int64_t *rsel = sel + r * w;
-        for (int64_t j0 = 0; j0 < count[r]; j0 += 3) {
-            const int64_t nj = count[r] - j0 < 3 ? count[r] - j0 : 3;
+        const int64_t *rsel = sel + r * w, n = count ? count[r] : w;
+        for (int64_t j0 = 0; j0 < n; j0 += 3) {
+            const int64_t nj = n - j0 < 3 ? n - j0 : 3;
+            /* The next block's target rows are scattered: start fetching them now. */
+            for (int64_t j = j0 + 3; j < j0 + 6 && j < n; ++j)
+                for (int64_t d = d0; d < d1; d += 16)
+                    _mm_prefetch((const char *)(c + rsel[j] * ldc + d), _MM_HINT_T0);
             for (int64_t d = d0; d < d1; d += 32) {
                 const int64_t cols = d1 - d < 32 ? d1 - d : 32;
                 const int64_t nv = (cols + 7) / 8;
@@ -443,5 +458,50 @@ void kl_target_rows(const float *q, int64_t heads, int64_t dqk, const float *k, 
         part_range(r1 - r0, omp_get_num_threads(), omp_get_thread_num(), 1, &lo, &hi);
         if (hi > lo)
             kl_target_range(q, heads, dqk, k, ldk, tok, valid, w, shift, r0 + lo, r0 + hi, floor2, inv_heads, p);
+    }
+}
+
+/* Plain gathered products over every entry of every row (the caller masks invalid entries, whose tokens it clamps
+ * to a real row): out [R, H, W] = a[r, h] . b[tok[r, j]]; out [R, H, D] = alpha * sum_j wt[r, h, j] b[tok[r, j]];
+ * c[tok[r, j]] += sum_h wt[r, h, j] a[r, h] (columns split over threads, rows and entries in order). */
+void rows_dot(const float *a, int64_t heads, int64_t dim, const float *b, int64_t ldb, const int64_t *tok, int64_t w,
+              int64_t rows, float *out) {
+#pragma omp parallel
+    {
+        int64_t lo, hi;
+        part_range(rows, omp_get_num_threads(), omp_get_thread_num(), 1, &lo, &hi);
+        for (int64_t r = lo; r < hi; ++r)
+            row_dots(a + r * heads * dim, heads, dim, b, ldb, tok + r * w, w, out + r * heads * w, w);
+    }
+}
+
+void rows_combine(const float *wt, int64_t heads, int64_t w, const float *b, int64_t ldb, const int64_t *tok,
+                  int64_t dim, int64_t rows, float alpha, float *out) {
+#pragma omp parallel
+    {
+        int64_t lo, hi;
+        part_range(rows, omp_get_num_threads(), omp_get_thread_num(), 1, &lo, &hi);
+        for (int64_t r = lo; r < hi; ++r)
+            row_combine(wt + r * heads * w, w, heads, w, b, ldb, tok + r * w, dim, alpha, NULL, out + r * heads * dim);
+    }
+}
+
+void rows_scatter(const float *wt, const float *a, int64_t heads, int64_t dim, int64_t w, const int64_t *tok,
+                  int64_t rows, float *c, int64_t ldc) {
+#pragma omp parallel
+    {
+        int64_t lo, hi;
+        part_range(dim, omp_get_num_threads(), omp_get_thread_num(), 8, &lo, &hi);
+        if (hi > lo)
+            scatter_columns(wt, a, heads, dim, w, NULL, tok, rows, c, ldc, lo, hi);
+    }
+}
+
+/* out[i] = exp2_flushed(x[i]): the loops' exponential on its own, for tests against softmax_exp.exp2_flushed_. */
+void cann_attn_exp2_flushed(const float *x, float *out, int64_t n, float floor2) {
+    const __m256 fl = _mm256_set1_ps(floor2);
+    for (int64_t i = 0; i < n; i += 8) {
+        const __m256i mask = lane_mask(n - i);
+        store_part(out + i, exp2_flushed(load_part(x + i, n - i, mask), fl), n - i, mask);
     }
 }

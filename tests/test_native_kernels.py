@@ -1,0 +1,293 @@
+"""The native CPU loops (`backends/reference/native`): each entry point against a float64 computation written here
+from its contract, independence from the thread count, the exponential against softmax_exp, the operators with the
+loops on and off, and the fallback when the library cannot be built."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+import cann_attn
+from cann_attn.backends.reference import native
+from cann_attn.backends.reference.softmax_exp import EXP2_FLOOR, LOG2E, exp2_flushed_
+
+pytestmark = pytest.mark.skipif(native.library() is None, reason="native loops unavailable (no compiler or no AVX2)")
+
+
+def _entries(gen: torch.Generator, rows: int, width: int, n_keys: int, invalid: float):
+    """Token lists with duplicates, a valid mask with about `invalid` of the entries off, one row with none."""
+    tokens = torch.randint(0, n_keys, (rows, width), generator=gen)
+    tokens[:, -1] = tokens[:, 0]  # a duplicated token in every row, far apart and (below) within one block of 3
+    if width > 2:
+        tokens[:, 2] = tokens[:, 1]
+    valid = torch.rand(rows, width, generator=gen) >= invalid
+    if invalid > 0 and rows > 1:
+        valid[1] = False
+    return tokens, valid
+
+
+def _assert_close(got: torch.Tensor, want: torch.Tensor) -> None:
+    """fp32 sums of hundreds of terms against float64: within 3e-5 of the tensor's largest magnitude."""
+    torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=3e-5 * max(want.abs().max().item(), 1e-30))
+
+
+def _rows64(q, k, v, tokens, valid):
+    """Per row: logits [H, n] over the valid entries, their tokens, in float64."""
+    out = []
+    for r in range(q.shape[0]):
+        sel = tokens[r][valid[r]] if valid is not None else tokens[r]
+        out.append((q[r].double() @ k[sel].double().T, sel))
+    return out
+
+
+SHAPES = [  # heads, dqk, dv, width, n_keys
+    (1, 8, 8, 1, 5),
+    (5, 13, 3, 7, 11),
+    (16, 576, 512, 130, 300),
+    (3, 40, 24, 64, 64),
+]
+
+
+@pytest.mark.parametrize("invalid", [0.0, 0.3])
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
+def test_forward_rows(shape, invalid):
+    heads, dqk, dv, width, n_keys = shape
+    gen = torch.Generator().manual_seed(sum(shape))
+    rows = 6
+    q = torch.randn(rows, heads, dqk, generator=gen) * dqk**-0.5
+    k = torch.randn(n_keys, dqk, generator=gen)
+    v = torch.randn(n_keys, dv, generator=gen)
+    tokens, valid = _entries(gen, rows, width, n_keys, invalid)
+    o, m, l = torch.empty(rows, heads, dv), torch.empty(rows, heads), torch.empty(rows, heads)
+    native.sfa_forward(q, k, v, tokens, valid if invalid else None, LOG2E, EXP2_FLOOR, o, m, l)
+    for r, (s, sel) in enumerate(_rows64(q, k, v, tokens, valid if invalid else None)):
+        if sel.numel() == 0:
+            assert torch.all(m[r] == -math.inf) and torch.all(l[r] == 0) and torch.all(o[r] == 0)
+            continue
+        mx = s.amax(-1, keepdim=True)
+        e = torch.exp(s - mx)
+        torch.testing.assert_close(m[r].double(), mx.squeeze(-1), rtol=1e-6, atol=1e-6)
+        torch.testing.assert_close(l[r].double(), e.sum(-1), rtol=1e-5, atol=0)
+        _assert_close(o[r], e @ v[sel].double())
+
+
+@pytest.mark.parametrize("invalid", [0.0, 0.3])
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
+def test_backward_rows(shape, invalid):
+    heads, dqk, dv, width, n_keys = shape
+    gen = torch.Generator().manual_seed(7 + sum(shape))
+    rows, scale = 5, 0.37
+    q = torch.randn(rows, heads, dqk, generator=gen) * dqk**-0.5
+    k = torch.randn(n_keys, dqk, generator=gen)
+    v = torch.randn(n_keys, dv, generator=gen)
+    d_out = torch.randn(rows, heads, dv, generator=gen)
+    d_sum = torch.randn(rows, heads, generator=gen)
+    shift = torch.randn(rows, heads, generator=gen)
+    inv_sum = torch.rand(rows, heads, generator=gen) + 0.1
+    tokens, valid = _entries(gen, rows, width, n_keys, invalid)
+    dq = torch.empty(rows, heads, dqk)
+    dk, dvv = torch.zeros(n_keys, dqk), torch.zeros(n_keys, dv)
+    native.sfa_backward(q, d_out, d_sum, shift, inv_sum, k, v, tokens, valid if invalid else None, LOG2E, EXP2_FLOOR,
+                        scale, dq, dk, dvv)
+    dk64, dv64 = torch.zeros(n_keys, dqk, dtype=torch.float64), torch.zeros(n_keys, dv, dtype=torch.float64)
+    for r, (s, sel) in enumerate(_rows64(q, k, v, tokens, valid if invalid else None)):
+        p = torch.exp(s - shift[r].double().unsqueeze(-1)) * inv_sum[r].double().unsqueeze(-1)
+        dp = d_out[r].double() @ v[sel].double().T
+        ds = p * (dp - d_sum[r].double().unsqueeze(-1))
+        _assert_close(dq[r], scale * ds @ k[sel].double())
+        dk64.index_add_(0, sel, ds.T @ q[r].double())
+        dv64.index_add_(0, sel, p.T @ d_out[r].double())
+    _assert_close(dk, dk64)
+    _assert_close(dvv, dv64)
+
+
+@pytest.mark.parametrize("invalid", [0.0, 0.3])
+def test_kl_target_rows(invalid):
+    gen = torch.Generator().manual_seed(3)
+    rows, heads, dqk, width, n_keys = 4, 6, 21, 37, 50
+    q = torch.randn(rows, heads, dqk, generator=gen) * 0.3
+    k = torch.randn(n_keys, dqk, generator=gen)
+    shift = torch.randn(rows, heads, generator=gen) + 3.0
+    tokens, valid = _entries(gen, rows, width, n_keys, invalid)
+    out = torch.full((rows, width), 7.0)
+    native.kl_target(q, k, tokens, valid if invalid else None, shift, EXP2_FLOOR, out)
+    s = torch.einsum("rhd,rjd->rhj", q.double(), k[tokens].double())
+    want = torch.exp2(s - shift.double().unsqueeze(-1)).mean(1)
+    if invalid:
+        want = want.masked_fill(~valid, 0.0)
+        assert torch.all(out[~valid] == 0)
+    torch.testing.assert_close(out.double(), want, rtol=1e-5, atol=1e-7)
+
+
+def test_results_do_not_depend_on_the_thread_count():
+    gen = torch.Generator().manual_seed(11)
+    rows, heads, dqk, dv, width, n_keys = 37, 16, 72, 64, 96, 200
+    q = torch.randn(rows, heads, dqk, generator=gen) * 0.1
+    k = torch.randn(n_keys, dqk, generator=gen)
+    tokens, valid = _entries(gen, rows, width, n_keys, 0.2)
+    d_out = torch.randn(rows, heads, dv, generator=gen)
+
+    def run():
+        o, m, l = torch.empty(rows, heads, dv), torch.empty(rows, heads), torch.empty(rows, heads)
+        native.sfa_forward(q, k, k[:, :dv], tokens, valid, LOG2E, EXP2_FLOOR, o, m, l)
+        dq, dk, dv_ = torch.empty(rows, heads, dqk), torch.zeros(n_keys, dqk), torch.zeros(n_keys, dv)
+        native.sfa_backward(q, d_out, m.nan_to_num(0.0), m.clamp_min(0.0), torch.ones(rows, heads), k, k[:, :dv],
+                            tokens, valid, LOG2E, EXP2_FLOOR, 0.5, dq, dk, dv_)
+        return o, m, l, dq, dk, dv_
+
+    previous = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = run()
+        torch.set_num_threads(2)
+        two = run()
+        again = run()
+    finally:
+        torch.set_num_threads(previous)
+    for a, b, c in zip(one, two, again, strict=True):
+        assert torch.equal(a, b) and torch.equal(b, c)
+
+
+def test_exp2_matches_softmax_exp():
+    """Within 2 ulp of PyTorch's exp2 on (floor, 128), exactly 0 at or below the floor (the flush boundary
+    included), inf from 128 on, NaN kept."""
+    x = torch.cat([torch.linspace(-130.0, 130.0, 200_001), torch.tensor([EXP2_FLOOR, -126.0 + 2**-17, 127.99, 128.0,
+                                                                          -math.inf, math.inf, math.nan, 0.0])])
+    got = native.exp2_flushed(x, EXP2_FLOOR)
+    want = exp2_flushed_(x.clone())
+    assert torch.equal(got == 0, want == 0)
+    assert torch.equal(torch.isinf(got), torch.isinf(want)) and torch.equal(torch.isnan(got), torch.isnan(want))
+    finite = torch.isfinite(want) & (want != 0)
+    rel = ((got[finite].double() - want[finite].double()) / want[finite].double()).abs().max().item()
+    assert rel <= 2 * 2**-23, rel
+
+
+def _sfa_inputs(gen, s1=40, s2=90, n1=4, d=24, dr=8, k=20):
+    q = torch.randn(1, s1, n1, d, generator=gen)
+    latent = torch.randn(1, s2, 1, d, generator=gen)
+    q_rope, k_rope = torch.randn(1, s1, n1, dr, generator=gen), torch.randn(1, s2, 1, dr, generator=gen)
+    idx = torch.randint(-1, s2, (1, s1, 1, k), generator=gen, dtype=torch.int32)
+    return q, latent, q_rope, k_rope, idx
+
+
+def _sfa_run(q, key, value, q_rope, k_rope, idx, d_out):
+    fwd = cann_attn.sparse_flash_attention(q, key, value, idx, 0.2, query_rope=q_rope, key_rope=k_rope)
+    grads = cann_attn.sparse_flash_attention_grad(q, key, value, idx, d_out, fwd.attention_out, fwd.softmax_max,
+                                                  fwd.softmax_sum, 0.2, query_rope=q_rope, key_rope=k_rope)
+    return (*fwd, *grads)
+
+
+@pytest.fixture
+def loops_off(monkeypatch):
+    """Run the operators with the native loops switched off (CANN_ATTN_NATIVE=0): the PyTorch path."""
+
+    def switch(off: bool):
+        if off:
+            monkeypatch.setenv(native.ENV_SWITCH, "0")
+        else:
+            monkeypatch.delenv(native.ENV_SWITCH, raising=False)
+
+    return switch
+
+
+@pytest.mark.parametrize("value_is_key", [True, False])
+@pytest.mark.parametrize("poison", [None, "nan_key", "inf_value"])
+def test_operators_agree_with_the_pytorch_path(loops_off, value_is_key, poison):
+    """SFA forward and grad with the loops on and off, including a non-finite key or value that no row selects
+    (it must not reach any row) and padding (-1) entries."""
+    gen = torch.Generator().manual_seed(5)
+    q, latent, q_rope, k_rope, idx = _sfa_inputs(gen)
+    value = latent if value_is_key else torch.randn(latent.shape, generator=gen)
+    if poison is not None:
+        never = 89  # a key no row selects
+        idx = torch.where(idx == never, 0, idx)
+        (latent if poison == "nan_key" else value)[0, never, 0, 3] = math.nan if poison == "nan_key" else math.inf
+    d_out = torch.randn(*q.shape[:-1], value.shape[-1], generator=gen)
+    loops_off(False)
+    on = _sfa_run(q, latent, value, q_rope, k_rope, idx, d_out)
+    loops_off(True)
+    assert native.library() is None
+    off = _sfa_run(q, latent, value, q_rope, k_rope, idx, d_out)
+    for a, b in zip(on, off, strict=True):
+        if a is None:
+            assert b is None
+            continue
+        assert torch.isfinite(a).all()
+        torch.testing.assert_close(a, b, rtol=2e-5, atol=2e-5)
+
+
+def test_kl_loss_agrees_with_the_pytorch_path(loops_off):
+    gen = torch.Generator().manual_seed(9)
+    q, latent, q_rope, k_rope, idx = _sfa_inputs(gen)
+    idx[..., 0] = 0  # every row keeps a valid entry (padding elsewhere): finite SFA statistics, finite gradients
+    q_idx, k_idx = torch.randn(1, 40, 3, 16, generator=gen), torch.randn(1, 90, 1, 16, generator=gen)
+    weights = torch.randn(1, 40, 3, generator=gen)
+    stats = cann_attn.sparse_flash_attention(q, latent, latent, idx, 0.2, query_rope=q_rope, key_rope=k_rope)
+
+    def run():
+        return cann_attn.sparse_lightning_indexer_grad_kl_loss(
+            q, latent, q_idx, k_idx, weights, idx, stats.softmax_max, stats.softmax_sum, 0.2, query_rope=q_rope,
+            key_rope=k_rope)
+
+    loops_off(False)
+    on = run()
+    loops_off(True)
+    off = run()
+    for a, b in zip(on, off, strict=True):
+        assert torch.isfinite(a).all()
+        torch.testing.assert_close(a, b, rtol=2e-5, atol=2e-5)
+
+
+def test_strided_key_columns():
+    """K with a non-unit column stride is copied to unit stride, not read wrongly."""
+    gen = torch.Generator().manual_seed(2)
+    q = torch.randn(3, 2, 8, generator=gen)
+    k = torch.randn(8, 10, generator=gen).T  # [10, 8], column stride 10
+    tokens = torch.randint(0, 10, (3, 4), generator=gen)
+    o, m, l = torch.empty(3, 2, 8), torch.empty(3, 2), torch.empty(3, 2)
+    native.sfa_forward(q, k, k, tokens, None, LOG2E, EXP2_FLOOR, o, m, l)
+    o2, m2, l2 = torch.empty(3, 2, 8), torch.empty(3, 2), torch.empty(3, 2)
+    native.sfa_forward(q, k.contiguous(), k.contiguous(), tokens, None, LOG2E, EXP2_FLOOR, o2, m2, l2)
+    assert torch.equal(o, o2) and torch.equal(m, m2) and torch.equal(l, l2)
+
+
+def test_switch_and_build_failure(monkeypatch, tmp_path):
+    """CANN_ATTN_NATIVE=0 switches the loops off; a failing compiler gives one RuntimeWarning naming the switch and
+    the operators still run (PyTorch path)."""
+    monkeypatch.setenv(native.ENV_SWITCH, "0")
+    assert native.library() is None
+    monkeypatch.delenv(native.ENV_SWITCH)
+    monkeypatch.setattr(native, "_state", {})
+    monkeypatch.setenv("CANN_ATTN_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv("CC", "false")
+    with pytest.warns(RuntimeWarning, match=native.ENV_SWITCH):
+        assert native.library() is None
+    assert native.library() is None  # remembered: no second attempt, no second warning
+    assert not list(tmp_path.glob("*.so"))
+    gen = torch.Generator().manual_seed(1)
+    q, latent, q_rope, k_rope, idx = _sfa_inputs(gen, s1=5, s2=9, k=4)
+    out = cann_attn.sparse_flash_attention(q, latent, latent, idx, 0.2, query_rope=q_rope, key_rope=k_rope)
+    assert torch.isfinite(out.attention_out).all()
+
+
+@pytest.mark.parametrize("shape", [(1, 8, 1, 4), (8, 128, 37, 60), (5, 13, 7, 9)], ids=lambda s: "x".join(map(str, s)))
+def test_plain_row_products(shape):
+    """rows_dot / rows_combine / rows_scatter (the KL op's indexer products) over every entry, duplicates included."""
+    heads, dim, width, n_keys = shape
+    gen = torch.Generator().manual_seed(sum(shape))
+    rows = 5
+    a = torch.randn(rows, heads, dim, generator=gen)
+    b = torch.randn(n_keys, dim, generator=gen)
+    wt = torch.randn(rows, heads, width, generator=gen)
+    tokens, _ = _entries(gen, rows, width, n_keys, 0.0)
+    got = native.rows_dot(a, b, tokens, torch.empty(rows, heads, width))
+    _assert_close(got, torch.einsum("rhd,rjd->rhj", a.double(), b[tokens].double()))
+    got = native.rows_combine(wt, b, tokens, torch.empty(rows, heads, dim))
+    _assert_close(got, torch.einsum("rhj,rjd->rhd", wt.double(), b[tokens].double()))
+    target = torch.randn(n_keys, dim, generator=gen)
+    want = target.double().index_add(0, tokens.reshape(-1),
+                                     torch.einsum("rhj,rhd->rjd", wt.double(), a.double()).reshape(-1, dim))
+    native.rows_scatter(wt, a, tokens, target)
+    _assert_close(target, want)
