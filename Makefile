@@ -25,8 +25,9 @@ TRITON_MATRIX := tests/test_fa_forward.py tests/test_fa_backward.py tests/test_p
 test: $(STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/python -m pytest -n 2 -q
-	# The DSA operators again with the native CPU loops switched off: their PyTorch path stays tested.
-	CANN_ATTN_NATIVE=0 $(BIN)/python -m pytest -n 2 -q tests/test_sparse_attention.py tests/test_indexer.py
+	# The operators that use the native CPU loops, again with the loops switched off: the PyTorch path stays tested.
+	CANN_ATTN_NATIVE=0 $(BIN)/python -m pytest -n 2 -q tests/test_sparse_attention.py tests/test_indexer.py \
+		tests/test_fa_forward.py tests/test_fa_backward.py
 	CANN_ATTN_BACKEND=triton TRITON_INTERPRET=1 $(BIN)/python -m pytest -n 2 -q $(TRITON_MATRIX)
 
 lint: $(STAMP)

@@ -291,3 +291,64 @@ def test_plain_row_products(shape):
                                      torch.einsum("rhj,rhd->rjd", wt.double(), a.double()).reshape(-1, dim))
     native.rows_scatter(wt, a, tokens, target)
     _assert_close(target, want)
+
+
+def test_dense_softmax_step_matches_the_pytorch_rule():
+    """fa_softmax_step against the flash forward's PyTorch ops: rows that have seen only -inf so far (max stays
+    -inf, shift 0, correction 0), a row whose max grows, a NaN logit (propagated), fully masked tiles."""
+    gen = torch.Generator().manual_seed(4)
+    rows, cols = 7, 45
+    s = torch.randn(rows, cols, generator=gen) * 30
+    s[0] = -math.inf
+    s[1, :10] = -math.inf
+    s[2, 3] = math.nan
+    old_max = torch.tensor([-math.inf, -math.inf, 1.0, 100.0, -5.0, 2.0, -math.inf])
+    old_sum = torch.tensor([0.0, 0.0, 3.0, 2.0, 1.5, 1.0, 0.0])
+    m, l, corr = old_max.clone(), old_sum.clone(), torch.empty(rows)
+    got = s.clone()
+    native.fa_softmax_step(got, m, l, corr, LOG2E, EXP2_FLOOR)
+    new_max = torch.maximum(old_max, s.amax(-1))
+    shift = torch.where(new_max == -math.inf, 0.0, new_max)
+    want = exp2_flushed_((s - shift.unsqueeze(-1)) * LOG2E)
+    want_corr = torch.exp(old_max - shift)
+    torch.testing.assert_close(got, want, rtol=4e-7, atol=0, equal_nan=True)
+    torch.testing.assert_close(m, new_max, rtol=0, atol=0, equal_nan=True)
+    torch.testing.assert_close(corr, want_corr, rtol=2e-7, atol=0, equal_nan=True)
+    torch.testing.assert_close(l, old_sum * want_corr + want.sum(-1), rtol=2e-6, atol=0, equal_nan=True)
+    assert m[0] == -math.inf and corr[0] == 0 and l[0] == 0 and torch.all(got[0] == 0)
+
+
+def test_dense_backward_rows():
+    gen = torch.Generator().manual_seed(6)
+    s = torch.randn(3, 4, 37, generator=gen) * 5
+    shift, factor = s.amax(-1) + 0.5, torch.rand(3, 4, generator=gen) + 0.2
+    got = s.clone()
+    native.fa_exp_rows(got, shift, factor, LOG2E, EXP2_FLOOR)
+    torch.testing.assert_close(got, exp2_flushed_((s - shift.unsqueeze(-1)) * LOG2E) * factor.unsqueeze(-1),
+                               rtol=4e-7, atol=0)
+    dp, d_sum = torch.randn(3, 4, 37, generator=gen), torch.randn(3, 4, generator=gen)
+    want = (dp - d_sum.unsqueeze(-1)) * got
+    torch.testing.assert_close(native.fa_ds_rows(dp, got, d_sum), want, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("mode", [0, 2, 3])
+def test_dense_operators_agree_with_the_pytorch_path(loops_off, mode):
+    """flash_attention_score and its grad with the loops on and off (forward statistics included)."""
+    gen = torch.Generator().manual_seed(8)
+    q, k, v = (torch.randn(2, 3, 70, 16, generator=gen) for _ in range(3))
+    dy = torch.randn(2, 3, 70, 16, generator=gen)
+    mask = None if mode == 0 else torch.ones(2048, 2048, dtype=torch.bool).triu(1)
+
+    def run():
+        fwd = cann_attn.flash_attention_score(q, k, v, 3, "BNSD", scale_value=0.25, sparse_mode=mode, atten_mask=mask)
+        grads = cann_attn.flash_attention_score_grad(q, k, v, dy, 3, "BNSD", scale_value=0.25, sparse_mode=mode,
+                                                     atten_mask=mask, softmax_max=fwd.softmax_max,
+                                                     softmax_sum=fwd.softmax_sum, attention_in=fwd.attention_out)
+        return [t for t in (*fwd, *grads) if isinstance(t, torch.Tensor)]
+
+    loops_off(False)
+    on = run()
+    loops_off(True)
+    off = run()
+    for a, b in zip(on, off, strict=True):
+        torch.testing.assert_close(a, b, rtol=2e-5, atol=2e-5)

@@ -13,8 +13,9 @@ from __future__ import annotations
 import torch
 
 from ...problem.attention import AttentionProblem, Run
+from . import native
 from .flash_forward import RunKernel, group_rows, key_tiles
-from .softmax_exp import exp_shifted_
+from .softmax_exp import EXP2_FLOOR, LOG2E, exp_shifted_
 
 
 @torch.no_grad()  # kernels fill preallocated outputs; autograd pairs the ops one level up
@@ -73,7 +74,7 @@ def _backward_run(kernel: RunKernel, problem: AttentionProblem, run: Run, dy, at
             heads = kernel.heads(entries)
             n_entries, cols = entries.stop - entries.start, j1 - j0
             p = kernel.scores(q_tile, i0, i1, j0, j1, state, entries)
-            exp_shifted_(p, row_max[:, heads]).mul_(inv_sum[:, heads])
+            _probabilities(p, row_max[:, heads], inv_sum[:, heads])
             p_g = p.view(n_entries, -1, cols)
             dy_e = dy_g[entries]
             dp = torch.bmm(dy_e, kernel.v[entries, j0:j1].transpose(1, 2), out=kernel.scratch(p_g.shape))
@@ -84,7 +85,10 @@ def _backward_run(kernel: RunKernel, problem: AttentionProblem, run: Run, dy, at
                 dp.mul_(keep)
             else:
                 dv_acc[entries, j0:j1].baddbmm_(p_g.transpose(1, 2), dy_e)
-            ds = dp.sub_(d_sum[:, heads].unsqueeze(-1)).mul_(p)
+            if native.usable(dp, p) and dp.is_contiguous() and p.is_contiguous():
+                ds = native.fa_ds_rows(dp, p, d_sum[:, heads].contiguous())
+            else:
+                ds = dp.sub_(d_sum[:, heads].unsqueeze(-1)).mul_(p)
             ds_g = ds.view(n_entries, -1, cols)
             dq_acc[entries].baddbmm_(ds_g, kernel.k[entries, j0:j1, :d_qk])
             dk_acc[entries, j0:j1].baddbmm_(ds_g.transpose(1, 2), q_tile[entries, :, :d_qk])
@@ -94,6 +98,15 @@ def _backward_run(kernel: RunKernel, problem: AttentionProblem, run: Run, dy, at
         _store(dq_view[:, :, i0:i1], dq_acc)
     _store(dk_view, dk_acc)
     _store(dv_view, dv_acc)
+
+
+def _probabilities(s: torch.Tensor, row_max: torch.Tensor, inv_sum: torch.Tensor) -> None:
+    """s [c, heads, rows, cols] logits -> P = exp(s - softmax_max) / softmax_sum in place (row_max / inv_sum
+    [c, heads, rows, 1]): the native loop in one pass per row (fp32 on the CPU), else the same rule in PyTorch."""
+    if native.usable(s) and s.is_contiguous():
+        native.fa_exp_rows(s, row_max.contiguous(), inv_sum.contiguous(), LOG2E, EXP2_FLOOR)
+    else:
+        exp_shifted_(s, row_max).mul_(inv_sum)
 
 
 def _accumulator(target: torch.Tensor, shape: tuple[int, int, int], dtype: torch.dtype) -> torch.Tensor:

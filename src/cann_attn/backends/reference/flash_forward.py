@@ -20,6 +20,7 @@ from ...problem.attention import AttentionProblem, Run
 from ...problem.mask import TileState
 from ...problem.pse import ALIBI_TYPES
 from ...problem.stats import FLT_MAX, accumulation_dtype
+from . import native
 from .softmax_exp import EXP2_FLOOR, LOG2E, exp_shifted_
 
 # Score-tile budget in elements (16 MB fp32): it bounds memory whatever the batch and head counts.
@@ -242,6 +243,26 @@ class RunKernel:
                 self._mask_biases[key] = bias
         return bias
 
+    def _softmax_step(self, s: torch.Tensor, row_max: torch.Tensor, row_sum: torch.Tensor) -> torch.Tensor:
+        """Online softmax over one score tile s [c, heads, rows, cols] in place (s becomes the exponentials),
+        updating the views row_max / row_sum [c, heads, rows]; returns the correction e^(old max - new shift) for the
+        accumulated output. A row that has seen nothing visible yet keeps max -inf and is shifted by 0 (no
+        inf - inf). The native loop does it in one pass per row (fp32 on the CPU); the PyTorch ops are the same
+        rule in six passes over the tile."""
+        if native.usable(s, row_max, row_sum) and s.is_contiguous() and row_max.is_contiguous() \
+                and row_sum.is_contiguous():
+            correction = torch.empty_like(row_max)
+            native.fa_softmax_step(s, row_max, row_sum, correction, LOG2E, EXP2_FLOOR)
+            return correction
+        old_max = row_max.clone()
+        new_max = torch.maximum(old_max, s.amax(-1))
+        shift = torch.where(new_max == float("-inf"), 0.0, new_max)
+        exp_shifted_(s, shift.unsqueeze(-1))
+        correction = torch.exp(old_max - shift)
+        row_sum.mul_(correction).add_(s.sum(-1))
+        row_max.copy_(new_max)
+        return correction
+
     def forward(self, out_view, max_view, sum_view) -> None:
         problem, run = self.problem, self.run
         c, n2 = run.count, problem.heads_kv
@@ -260,14 +281,7 @@ class RunKernel:
                     continue
                 heads = self.heads(entries)
                 s = self.scores(q_tile, i0, i1, j0, j1, state, entries)
-                old_max = row_max[:, heads]
-                new_max = torch.maximum(old_max, s.amax(-1))
-                # A row that has seen nothing visible yet keeps max -inf; shift it by 0 to avoid inf - inf.
-                shift = torch.where(new_max == float("-inf"), 0.0, new_max)
-                exp_shifted_(s, shift.unsqueeze(-1))
-                correction = torch.exp(old_max - shift)
-                row_sum[:, heads].mul_(correction).add_(s.sum(-1))
-                row_max[:, heads] = new_max
+                correction = self._softmax_step(s, row_max[:, heads], row_sum[:, heads])
                 if run.dropout is not None:
                     s.mul_(run.dropout.keep_tile(i0, i1, j0, j1, s.device)[:, heads])
                 n_entries = entries.stop - entries.start

@@ -1,4 +1,5 @@
-"""Optional compiled loops for the CPU reference backend: gathered (DSA) attention rows (`gather_attention.c`).
+"""Optional compiled loops for the CPU reference backend (`attention_loops.c`): gathered (DSA) attention rows and
+the dense forward's online-softmax step.
 
 At DeepSeek-V3.2 shapes (block size 1, 512 scattered keys per row, 16 heads) the PyTorch formulation gathers every
 row's keys through memory and runs batched GEMMs with M = 16; the fused C loops read the selected rows in place and
@@ -30,7 +31,7 @@ from pathlib import Path
 
 import torch
 
-SOURCE = Path(__file__).with_name("gather_attention.c")
+SOURCE = Path(__file__).with_name("attention_loops.c")
 FLAGS = ("-O3", "-mavx2", "-mfma", "-fopenmp", "-fPIC", "-shared", "-fno-math-errno")
 ENV_SWITCH = "CANN_ATTN_NATIVE"
 
@@ -46,6 +47,9 @@ _SIGNATURES = {
     "rows_dot": [_P, _I, _I, _P, _I, _P, _I, _I, _P],
     "rows_combine": [_P, _I, _I, _P, _I, _P, _I, _I, _F, _P],
     "rows_scatter": [_P, _P, _I, _I, _I, _P, _I, _P, _I],
+    "fa_softmax_step": [_P, _I, _I, _I, _P, _P, _P, _F, _F],
+    "fa_exp_rows": [_P, _I, _I, _P, _P, _F, _F],
+    "fa_ds_rows": [_P, _P, _I, _I, _P],
 }
 
 _lock = threading.Lock()
@@ -86,7 +90,7 @@ def _load() -> ctypes.CDLL | None:
     if platform.machine().lower() not in ("x86_64", "amd64"):
         return None
     digest = hashlib.sha256(SOURCE.read_bytes() + " ".join((_compiler(), *FLAGS)).encode()).hexdigest()[:16]
-    target = cache_dir() / f"gather_attention-{digest}.so"
+    target = cache_dir() / f"attention_loops-{digest}.so"
     try:
         if not target.exists():
             _build(target)
@@ -148,7 +152,7 @@ def sfa_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tokens: torch
                 log2e: float, floor2: float, out: torch.Tensor, row_max: torch.Tensor,
                 row_sum: torch.Tensor) -> None:
     """Unnormalised out [R, H, Dv], the largest logit row_max [R, H] and row_sum [R, H] of the exponentials, from
-    the scaled queries q [R, H, Dqk] over each row's valid entries (see gather_attention.c)."""
+    the scaled queries q [R, H, Dqk] over each row's valid entries (see attention_loops.c)."""
     lib = library()
     _check_rows(q, out, row_max, row_sum)
     rows, heads, dqk = q.shape
@@ -239,6 +243,41 @@ def rows_scatter(weights: torch.Tensor, a: torch.Tensor, tokens: torch.Tensor, t
     assert target.dtype == torch.float32 and target.stride(-1) == 1
     lib.rows_scatter(weights.data_ptr(), a.data_ptr(), heads, a.shape[-1], width, tokens.data_ptr(), rows,
                      *_rows(target))
+
+
+def fa_softmax_step(s: torch.Tensor, row_max: torch.Tensor, row_sum: torch.Tensor, correction: torch.Tensor,
+                    log2e: float, floor2: float) -> None:
+    """One online-softmax step over score rows s [..., cols] (contiguous) in place: s becomes the flushed
+    exponentials, row_max / row_sum [...] (contiguous) are updated, correction [...] receives e^(old max - shift)."""
+    lib = library()
+    _check_rows(s, row_max, row_sum, correction)
+    cols = s.shape[-1]
+    rows = s.numel() // max(cols, 1)
+    assert row_max.numel() == rows == row_sum.numel() == correction.numel()
+    lib.fa_softmax_step(s.data_ptr(), rows, cols, cols, row_max.data_ptr(), row_sum.data_ptr(), correction.data_ptr(),
+                        log2e, floor2)
+
+
+def fa_exp_rows(s: torch.Tensor, shift: torch.Tensor, factor: torch.Tensor, log2e: float, floor2: float) -> None:
+    """s [..., cols] (contiguous) <- 2^((s - shift) log2e) * factor per row, flushed at floor2; shift and factor
+    [...] contiguous."""
+    lib = library()
+    _check_rows(s, shift, factor)
+    cols = s.shape[-1]
+    rows = s.numel() // max(cols, 1)
+    assert shift.numel() == rows == factor.numel()
+    lib.fa_exp_rows(s.data_ptr(), rows, cols, shift.data_ptr(), factor.data_ptr(), log2e, floor2)
+
+
+def fa_ds_rows(dp: torch.Tensor, p: torch.Tensor, d_sum: torch.Tensor) -> torch.Tensor:
+    """dp [..., cols] <- p * (dp - d_sum) per row, in place (all contiguous, d_sum [...])."""
+    lib = library()
+    _check_rows(dp, p, d_sum)
+    cols = dp.shape[-1]
+    rows = dp.numel() // max(cols, 1)
+    assert p.numel() == dp.numel() and d_sum.numel() == rows
+    lib.fa_ds_rows(dp.data_ptr(), p.data_ptr(), rows, cols, d_sum.data_ptr())
+    return dp
 
 
 def exp2_flushed(x: torch.Tensor, floor2: float) -> torch.Tensor:
