@@ -342,6 +342,32 @@ static void scatter_columns(const float *wt, const float *a, int64_t heads, int6
                 __m256 acc[3][4];
                 for (int i = 0; i < 3; ++i)
                     acc[i][0] = acc[i][1] = acc[i][2] = acc[i][3] = _mm256_setzero_ps();
+                if (nj == 3 && cols == 32) {
+                    /* The full block with named registers: the generic loop's runtime bounds keep acc in memory. */
+                    __m256 c00 = acc[0][0], c01 = c00, c02 = c00, c03 = c00, c10 = c00, c11 = c00, c12 = c00;
+                    __m256 c13 = c00, c20 = c00, c21 = c00, c22 = c00, c23 = c00;
+                    for (int64_t h = 0; h < heads; ++h) {
+                        const float *ah = ar + h * dim + d, *wh = wr + h * w + j0;
+                        const __m256 x0 = _mm256_loadu_ps(ah), x1 = _mm256_loadu_ps(ah + 8);
+                        const __m256 x2 = _mm256_loadu_ps(ah + 16), x3 = _mm256_loadu_ps(ah + 24);
+                        __m256 y = _mm256_broadcast_ss(wh);
+                        c00 = _mm256_fmadd_ps(y, x0, c00); c01 = _mm256_fmadd_ps(y, x1, c01);
+                        c02 = _mm256_fmadd_ps(y, x2, c02); c03 = _mm256_fmadd_ps(y, x3, c03);
+                        y = _mm256_broadcast_ss(wh + 1);
+                        c10 = _mm256_fmadd_ps(y, x0, c10); c11 = _mm256_fmadd_ps(y, x1, c11);
+                        c12 = _mm256_fmadd_ps(y, x2, c12); c13 = _mm256_fmadd_ps(y, x3, c13);
+                        y = _mm256_broadcast_ss(wh + 2);
+                        c20 = _mm256_fmadd_ps(y, x0, c20); c21 = _mm256_fmadd_ps(y, x1, c21);
+                        c22 = _mm256_fmadd_ps(y, x2, c22); c23 = _mm256_fmadd_ps(y, x3, c23);
+                    }
+                    const __m256 rows3[3][4] = {{c00, c01, c02, c03}, {c10, c11, c12, c13}, {c20, c21, c22, c23}};
+                    for (int i = 0; i < 3; ++i) {
+                        float *ci = c + rsel[j0 + i] * ldc + d;
+                        for (int v = 0; v < 4; ++v)
+                            _mm256_storeu_ps(ci + 8 * v, _mm256_add_ps(_mm256_loadu_ps(ci + 8 * v), rows3[i][v]));
+                    }
+                    continue;
+                }
                 for (int64_t h = 0; h < heads; ++h) {
                     const float *ah = ar + h * dim + d, *wh = wr + h * w + j0;
                     __m256 x[4];
