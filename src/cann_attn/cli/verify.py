@@ -27,6 +27,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from ..backends import PREFERENCE_ENV, dispatch_counts
+from ..backends.reference import native
 from . import UsageError
 from . import cases as registry
 
@@ -300,7 +301,11 @@ def run(args: argparse.Namespace) -> int:
             rows.extend(run_case(case, device, args.seed))
             progress.advance(task)
     failed_cases = sorted({(r.op, r.case) for r in rows if not r.passed})
-    title = f"cann-attn verify ({device}, backend {args.backend}, seed {args.seed}{', quick' if args.quick else ''})"
+    loops = ""
+    if device.type == "cpu":
+        loops = f", native CPU loops {'on' if native.library() is not None else 'off'}"
+    title = (f"cann-attn verify ({device}, backend {args.backend}, seed {args.seed}{loops}"
+             f"{', quick' if args.quick else ''})")
     render(rows, console, title)
     elapsed = time.perf_counter() - start
     by_fa_rule = sum(1 for r in rows if r.passed and not r.ascend)
