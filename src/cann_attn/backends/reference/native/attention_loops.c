@@ -86,18 +86,22 @@ static int64_t compact_row(const int64_t *tok, const uint8_t *valid, int64_t w, 
     return n;
 }
 
+/* Row i of the 4 x 3 register block of row_dots / row_combine: c_i0..c_i2 += y * (x0, x1, x2). */
+#define FMA_ROW(i, y)                                                                                                \
+    do {                                                                                                             \
+        c##i##0 = _mm256_fmadd_ps(y, x0, c##i##0);                                                                   \
+        c##i##1 = _mm256_fmadd_ps(y, x1, c##i##1);                                                                   \
+        c##i##2 = _mm256_fmadd_ps(y, x2, c##i##2);                                                                   \
+    } while (0)
+
 /* One step of row_dots: 4 head rows against 3 key rows, columns [d, d + 8) loaded by LOAD. */
 #define DOT_STEP(LOAD)                                                                                               \
     do {                                                                                                             \
-        __m256 x0 = LOAD(b0 + d), x1 = LOAD(b1 + d), x2 = LOAD(b2 + d), y;                                           \
-        y = LOAD(a0 + d);                                                                                            \
-        c00 = _mm256_fmadd_ps(y, x0, c00); c01 = _mm256_fmadd_ps(y, x1, c01); c02 = _mm256_fmadd_ps(y, x2, c02);     \
-        y = LOAD(a1 + d);                                                                                            \
-        c10 = _mm256_fmadd_ps(y, x0, c10); c11 = _mm256_fmadd_ps(y, x1, c11); c12 = _mm256_fmadd_ps(y, x2, c12);     \
-        y = LOAD(a2 + d);                                                                                            \
-        c20 = _mm256_fmadd_ps(y, x0, c20); c21 = _mm256_fmadd_ps(y, x1, c21); c22 = _mm256_fmadd_ps(y, x2, c22);     \
-        y = LOAD(a3 + d);                                                                                            \
-        c30 = _mm256_fmadd_ps(y, x0, c30); c31 = _mm256_fmadd_ps(y, x1, c31); c32 = _mm256_fmadd_ps(y, x2, c32);     \
+        const __m256 x0 = LOAD(b0 + d), x1 = LOAD(b1 + d), x2 = LOAD(b2 + d);                                        \
+        FMA_ROW(0, LOAD(a0 + d));                                                                                    \
+        FMA_ROW(1, LOAD(a1 + d));                                                                                    \
+        FMA_ROW(2, LOAD(a2 + d));                                                                                    \
+        FMA_ROW(3, LOAD(a3 + d));                                                                                    \
     } while (0)
 #define LOAD_FULL(p) _mm256_loadu_ps(p)
 #define LOAD_TAIL(p) _mm256_maskload_ps((p), tail)
@@ -144,15 +148,11 @@ static void row_dots(const float *a, int64_t heads, int64_t dim, const float *b,
 #define COMBINE_STEP(LOAD)                                                                                           \
     do {                                                                                                             \
         const float *bj = b + tok[j] * ldb + d;                                                                      \
-        __m256 x0 = LOAD(bj, 0), x1 = LOAD(bj, 1), x2 = LOAD(bj, 2), y;                                              \
-        y = _mm256_broadcast_ss(w0 + j);                                                                             \
-        c00 = _mm256_fmadd_ps(y, x0, c00); c01 = _mm256_fmadd_ps(y, x1, c01); c02 = _mm256_fmadd_ps(y, x2, c02);     \
-        y = _mm256_broadcast_ss(w1 + j);                                                                             \
-        c10 = _mm256_fmadd_ps(y, x0, c10); c11 = _mm256_fmadd_ps(y, x1, c11); c12 = _mm256_fmadd_ps(y, x2, c12);     \
-        y = _mm256_broadcast_ss(w2 + j);                                                                             \
-        c20 = _mm256_fmadd_ps(y, x0, c20); c21 = _mm256_fmadd_ps(y, x1, c21); c22 = _mm256_fmadd_ps(y, x2, c22);     \
-        y = _mm256_broadcast_ss(w3 + j);                                                                             \
-        c30 = _mm256_fmadd_ps(y, x0, c30); c31 = _mm256_fmadd_ps(y, x1, c31); c32 = _mm256_fmadd_ps(y, x2, c32);     \
+        const __m256 x0 = LOAD(bj, 0), x1 = LOAD(bj, 1), x2 = LOAD(bj, 2);                                           \
+        FMA_ROW(0, _mm256_broadcast_ss(w0 + j));                                                                     \
+        FMA_ROW(1, _mm256_broadcast_ss(w1 + j));                                                                     \
+        FMA_ROW(2, _mm256_broadcast_ss(w2 + j));                                                                     \
+        FMA_ROW(3, _mm256_broadcast_ss(w3 + j));                                                                     \
     } while (0)
 #define LOAD_BLOCK(p, v) _mm256_loadu_ps((p) + 8 * (v))
 #define LOAD_PART(p, v) (8 * (v) < cols ? load_part((p) + 8 * (v), cols - 8 * (v), tail) : _mm256_setzero_ps())
