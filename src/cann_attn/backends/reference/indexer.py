@@ -100,7 +100,7 @@ def _target_distribution(q_main: torch.Tensor, q_rope: torch.Tensor | None, k_ma
     p = ws.take("p", (rows, width), dtype)
     if native.usable(query, k_main):
         # The native loop reads each valid entry's key row in place (no gather) and skips invalid entries.
-        native.kl_target(query[:, :heads], k_main, tokens, None if all_valid else valid, shift.squeeze(-1).contiguous(),
+        native.kl_target(query, k_main, tokens, None if all_valid else valid, shift.squeeze(-1).contiguous(),
                          EXP2_FLOOR, p)
         return p
     for r0 in range(0, rows, TARGET_ROW_TILE):

@@ -86,6 +86,19 @@ static int64_t compact_row(const int64_t *tok, const uint8_t *valid, int64_t w, 
     return n;
 }
 
+/* Rows P0..P3 of a block of up to 4 rows starting at BASE, STRIDE apart; rows past `nh` repeat the first (their
+ * results are computed but never stored). */
+#define BLOCK_ROWS(P, BASE, STRIDE)                                                                                  \
+    const float *P##0 = (BASE);                                                                                      \
+    const float *P##1 = nh > 1 ? P##0 + (STRIDE) : P##0;                                                             \
+    const float *P##2 = nh > 2 ? P##0 + 2 * (STRIDE) : P##0;                                                         \
+    const float *P##3 = nh > 3 ? P##0 + 3 * (STRIDE) : P##0
+
+/* The 12 accumulators c00..c32 of the 4 x 3 register block, zeroed. */
+#define ZERO_BLOCK                                                                                                   \
+    __m256 c00 = _mm256_setzero_ps(), c01 = c00, c02 = c00, c10 = c00, c11 = c00, c12 = c00;                         \
+    __m256 c20 = c00, c21 = c00, c22 = c00, c30 = c00, c31 = c00, c32 = c00
+
 /* Row i of the 4 x 3 register block of row_dots / row_combine: c_i0..c_i2 += y * (x0, x1, x2). */
 #define FMA_ROW(i, y)                                                                                                \
     do {                                                                                                             \
@@ -123,12 +136,8 @@ static void row_dots(const float *a, int64_t heads, int64_t dim, const float *b,
                 _mm_prefetch((const char *)(b + tok[j] * ldb + d), _MM_HINT_T0);
         for (int64_t h0 = 0; h0 < heads; h0 += 4) {
             const int64_t nh = heads - h0 < 4 ? heads - h0 : 4;
-            const float *a0 = a + h0 * dim;
-            const float *a1 = nh > 1 ? a0 + dim : a0;
-            const float *a2 = nh > 2 ? a0 + 2 * dim : a0;
-            const float *a3 = nh > 3 ? a0 + 3 * dim : a0;
-            __m256 c00 = _mm256_setzero_ps(), c01 = c00, c02 = c00, c10 = c00, c11 = c00, c12 = c00;
-            __m256 c20 = c00, c21 = c00, c22 = c00, c30 = c00, c31 = c00, c32 = c00;
+            BLOCK_ROWS(a, a + h0 * dim, dim);
+            ZERO_BLOCK;
             int64_t d = 0;
             for (; d < full; d += 8)
                 DOT_STEP(LOAD_FULL);
@@ -169,12 +178,8 @@ static void row_combine(const float *w, int64_t ts, int64_t heads, int64_t n, co
         const __m256i tail = lane_mask(cols - (nv - 1) * 8);
         for (int64_t h0 = 0; h0 < heads; h0 += 4) {
             const int64_t nh = heads - h0 < 4 ? heads - h0 : 4;
-            const float *w0 = w + h0 * ts;
-            const float *w1 = nh > 1 ? w0 + ts : w0;
-            const float *w2 = nh > 2 ? w0 + 2 * ts : w0;
-            const float *w3 = nh > 3 ? w0 + 3 * ts : w0;
-            __m256 c00 = _mm256_setzero_ps(), c01 = c00, c02 = c00, c10 = c00, c11 = c00, c12 = c00;
-            __m256 c20 = c00, c21 = c00, c22 = c00, c30 = c00, c31 = c00, c32 = c00;
+            BLOCK_ROWS(w, w + h0 * ts, ts);
+            ZERO_BLOCK;
             if (cols == 24)
                 for (int64_t j = 0; j < n; ++j)
                     COMBINE_STEP(LOAD_BLOCK);
@@ -339,12 +344,9 @@ static void scatter_columns(const float *wt, const float *a, int64_t heads, int6
                 const int64_t cols = d1 - d < 32 ? d1 - d : 32;
                 const int64_t nv = (cols + 7) / 8;
                 const __m256i tail = lane_mask(cols - (nv - 1) * 8);
-                __m256 acc[3][4];
-                for (int i = 0; i < 3; ++i)
-                    acc[i][0] = acc[i][1] = acc[i][2] = acc[i][3] = _mm256_setzero_ps();
                 if (nj == 3 && cols == 32) {
                     /* The full block with named registers: the generic loop's runtime bounds keep acc in memory. */
-                    __m256 c00 = acc[0][0], c01 = c00, c02 = c00, c03 = c00, c10 = c00, c11 = c00, c12 = c00;
+                    __m256 c00 = _mm256_setzero_ps(), c01 = c00, c02 = c00, c03 = c00, c10 = c00, c11 = c00, c12 = c00;
                     __m256 c13 = c00, c20 = c00, c21 = c00, c22 = c00, c23 = c00;
                     for (int64_t h = 0; h < heads; ++h) {
                         const float *ah = ar + h * dim + d, *wh = wr + h * w + j0;
@@ -368,6 +370,9 @@ static void scatter_columns(const float *wt, const float *a, int64_t heads, int6
                     }
                     continue;
                 }
+                __m256 acc[3][4];
+                for (int i = 0; i < 3; ++i)
+                    acc[i][0] = acc[i][1] = acc[i][2] = acc[i][3] = _mm256_setzero_ps();
                 for (int64_t h = 0; h < heads; ++h) {
                     const float *ah = ar + h * dim + d, *wh = wr + h * w + j0;
                     __m256 x[4];
