@@ -352,3 +352,126 @@ def test_dense_operators_agree_with_the_pytorch_path(loops_off, mode):
     off = run()
     for a, b in zip(on, off, strict=True):
         torch.testing.assert_close(a, b, rtol=2e-5, atol=2e-5)
+
+
+def _blocks64(q, k, v, tiles, biases, head_rows):
+    """float64 row_max, row_sum and unnormalised output of q [E, R, Dk] over the key tiles (keys outside every tile
+    are not seen), with each tile's [head_rows, width] additive mask shared by the entries and read at row r %
+    head_rows."""
+    r = q.shape[1]
+    cols = torch.cat([torch.arange(j0, j1) for j0, j1 in tiles])
+    s = torch.einsum("erd,ejd->erj", q.double(), k[:, cols].double())
+    rows = torch.arange(r) % head_rows
+    s += torch.cat([torch.zeros(head_rows, j1 - j0, dtype=torch.float64) if b is None else b.double()
+                    for b, (j0, j1) in zip(biases, tiles, strict=True)], dim=1)[rows]
+    m = s.amax(-1)
+    p = torch.exp(s - torch.where(m == -math.inf, 0.0, m).unsqueeze(-1))
+    return m, p.sum(-1), torch.einsum("erj,ejd->erd", p, v[:, cols].double())
+
+
+FUSED_CASES = [  # entries, group, head_rows, dk, dv, n_keys, tiles, block_rows, sub_cols
+    (3, 1, 37, 16, 16, 90, [(0, 90)], 256, 512),
+    (2, 4, 13, 40, 24, 130, [(0, 64), (64, 100), (110, 130)], 7, 16),
+    (1, 2, 70, 130, 8, 300, [(256, 300), (0, 256)], 64, 100),
+]
+
+
+@pytest.mark.parametrize("case", FUSED_CASES, ids=lambda c: f"E{c[0]}G{c[1]}r{c[2]}d{c[3]}")
+def test_fused_dense_forward_blocks(case):
+    """fa_forward_blocks against float64: tiles in any order with gaps between them, mask tiles that hide whole rows
+    of one tile or of every tile, GQA rows reading the mask at r % head_rows, row blocks and column pieces that do
+    not divide the rows and tiles, keys and values strided as in a BSND tensor, and no dependence on the thread
+    count."""
+    entries, group, head_rows, dk, dv, n_keys, tiles, block_rows, sub_cols = case
+    gen = torch.Generator().manual_seed(12)
+    rows = group * head_rows
+    q = torch.randn(entries, rows, dk, generator=gen) * 0.3
+    kv = torch.randn(n_keys, entries, dk + dv, generator=gen)
+    k, v = kv[..., :dk].transpose(0, 1), kv[..., dk:].transpose(0, 1)
+    biases = []
+    for t, (j0, j1) in enumerate(tiles):
+        if t == 1:
+            biases.append(None)
+            continue
+        hidden = torch.rand(head_rows, j1 - j0, generator=gen) < 0.4
+        hidden[0] = True  # row 0 sees no key in any tile but the unmasked one
+        hidden[1, : (j1 - j0) // 2] = True
+        biases.append(torch.zeros(head_rows, j1 - j0).masked_fill_(hidden, -math.inf))
+    if len(tiles) == 1:
+        biases[0][0] = -math.inf  # ... and with a single tile, nothing at all
+
+    def run():
+        m, l, acc = torch.empty(entries, rows), torch.empty(entries, rows), torch.empty(entries, rows, dv)
+        native.fa_forward_blocks(q, k, v, tiles, biases, head_rows, block_rows, sub_cols, LOG2E, EXP2_FLOOR, m, l,
+                                 acc)
+        return m, l, acc
+
+    previous = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = run()
+        torch.set_num_threads(2)
+        two = run()
+    finally:
+        torch.set_num_threads(previous)
+    for a, b in zip(one, two, strict=True):
+        assert torch.equal(a, b)
+    m, l, acc = two
+    want_m, want_l, want_acc = _blocks64(q, k, v, tiles, biases, head_rows)
+    torch.testing.assert_close(m.double(), want_m, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(l.double(), want_l, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(acc.double(), want_acc, rtol=1e-5, atol=1e-5)
+    blind = want_m == -math.inf
+    if len(tiles) == 1:
+        assert blind[:, 0].all()
+    assert torch.all(m[blind] == -math.inf) and torch.all(l[blind] == 0) and torch.all(acc[blind] == 0)
+
+
+def test_fused_dense_forward_propagates_nan():
+    """A NaN logit makes its row's statistics and output NaN, as in the PyTorch loop; other rows are untouched."""
+    gen = torch.Generator().manual_seed(13)
+    q, k, v = torch.randn(1, 5, 8, generator=gen), torch.randn(1, 20, 8, generator=gen), torch.randn(1, 20, 8)
+    q[0, 2, 3] = math.nan
+    m, l, acc = torch.empty(1, 5), torch.empty(1, 5), torch.empty(1, 5, 8)
+    native.fa_forward_blocks(q, k, v, [(0, 20)], [None], 5, 256, 512, LOG2E, EXP2_FLOOR, m, l, acc)
+    assert m[0, 2].isnan() and l[0, 2].isnan() and acc[0, 2].isnan().all()
+    assert torch.isfinite(acc[0, [0, 1, 3, 4]]).all()
+
+
+@pytest.mark.parametrize("kind", ["plain", "causal", "gqa_tnd", "explicit_batch", "alibi", "dropout"])
+def test_dense_forward_takes_the_fused_loop_where_it_applies(monkeypatch, kind):
+    """The fused loop runs for fp32 problems without pse and dropout whose mask tiles are shared by the run (and
+    only there), and gives what the PyTorch loop gives with sgemm unavailable."""
+    gen = torch.Generator().manual_seed(14)
+    kw: dict = {}
+    layout, n1, n2, b, s = "BNSD", 4, 4, 2, 150
+    if kind == "causal":
+        kw = dict(sparse_mode=3, atten_mask=torch.ones(2048, 2048, dtype=torch.bool).triu(1))
+    elif kind == "explicit_batch":
+        kw = dict(sparse_mode=0, atten_mask=torch.rand(b, 1, s, s, generator=gen) < 0.3)
+    elif kind == "alibi":
+        kw = dict(pse=torch.rand(n1, generator=gen), pse_type=2)
+    elif kind == "dropout":
+        kw = dict(keep_prob=0.8, drop_mask=torch.randint(0, 256, (b, n1, s, s // 8 + 1), generator=gen,
+                                                         dtype=torch.uint8))
+    if kind == "gqa_tnd":
+        layout, n2 = "TND", 2
+        kw = dict(actual_seq_qlen=[70, 150], actual_seq_kvlen=[60, 150], sparse_mode=3,
+                  atten_mask=torch.ones(2048, 2048, dtype=torch.bool).triu(1))
+        q = torch.randn(s, n1, 32, generator=gen)
+        k, v = torch.randn(s, n2, 32, generator=gen), torch.randn(s, n2, 32, generator=gen)
+    else:
+        q, k, v = (torch.randn(b, n, s, 32, generator=gen) for n in (n1, n2, n2))
+
+    calls = []
+    real = native.fa_forward_blocks
+    monkeypatch.setattr(native, "fa_forward_blocks", lambda *a, **k2: calls.append(1) or real(*a, **k2))
+    fused = cann_attn.flash_attention_score(q, k, v, n1, layout, scale_value=0.2, **kw)
+    assert bool(calls) == (kind in ("plain", "causal", "gqa_tnd")), (kind, len(calls))
+    monkeypatch.setattr(native, "has_sgemm", lambda: False)
+    calls.clear()
+    plain = cann_attn.flash_attention_score(q, k, v, n1, layout, scale_value=0.2, **kw)
+    assert not calls
+    for a, c in zip(fused, plain, strict=True):
+        if isinstance(a, torch.Tensor):
+            torch.testing.assert_close(a, c, rtol=2e-5, atol=2e-6)

@@ -7,6 +7,11 @@ by stacking the group's query rows into one GEMM ([count * N2, G * rows, D]). Th
 query tile (one small pass per query tile; K is read in place, transposed by the GEMM, so no key-sized copy is
 made per call) and ALiBi (pse_type 2) on extra GEMM columns wherever `problem.pse` allows it.
 
+On the CPU in fp32 with a BLAS sgemm available, problems without pse and dropout run each query tile in one call
+of the fused native loop (`native.fa_forward_blocks`): every thread takes whole (kv head, 256-row) blocks through
+QK^T, the mask tile, the online softmax and PV, instead of every GEMM being split over the threads (B=1 N=8
+S=2048 D=128: 0.78 -> 0.89 of SDPA's throughput). The tiling, the mask tiles and the normalisation stay here.
+
 Exponentials come from `softmax_exp.exp_shifted_` (exp2-based, natural-unit logits, denormals flushed to 0).
 """
 
@@ -35,6 +40,11 @@ MASKED_TILE = (256, 256)
 MERGED_WIDTH = 1024
 MIN_TILE_ROWS = 16
 LINEAR_PSE_WIDTH = 512
+# The fused native forward (`native.fa_forward_blocks`): rows per work item and key columns per score block. A
+# 256 x 512 fp32 score block (512 KB) is the one L2-sized buffer per thread; smaller row blocks re-pack the key
+# panel more often (128 rows measured 5% slower, 64 rows 20%), narrower column blocks make more BLAS calls.
+FUSED_BLOCK_ROWS = 256
+FUSED_SUB_COLS = 512
 # Slack (natural-log units) on the bound of an ALiBi tile's logits before it is skipped as underflowing: covers
 # the fp32 rounding of the GEMM, of the ALiBi columns and of the exponent's argument many times over.
 UNDERFLOW_SLACK = 1.0
@@ -263,6 +273,27 @@ class RunKernel:
         row_max.copy_(new_max)
         return correction
 
+    def fused_tiles(self, i0: int, i1: int) -> tuple[list[tuple[int, int]], list[torch.Tensor | None]] | None:
+        """The key tiles of query rows [i0, i1) and their mask tiles for `native.fa_forward_blocks`, or None where
+        the fused loop does not apply: it takes fp32 compute on the CPU with a BLAS sgemm, no pse and no dropout
+        (those stay in `scores` and the PyTorch loop), and masks shared by every sequence and head of the run."""
+        run = self.run
+        if run.pse is not None or run.dropout is not None or self.k.stride(-1) != 1 or self.v.stride(-1) != 1 \
+                or not native.usable(self.k, self.v) or not native.has_sgemm():
+            return None
+        tiles, biases = [], []
+        rows = i1 - i0
+        for j0, j1, state in self.key_tiles(i0, i1):
+            bias = None
+            if state is TileState.PARTIAL:
+                bias = self._mask_bias(i0, i1, j0, j1)
+                if bias.numel() != rows * (j1 - j0):
+                    return None
+                bias = bias.reshape(rows, j1 - j0)
+            tiles.append((j0, j1))
+            biases.append(bias)
+        return tiles, biases
+
     def forward(self, out_view, max_view, sum_view) -> None:
         problem, run = self.problem, self.run
         c, n2 = run.count, problem.heads_kv
@@ -275,7 +306,12 @@ class RunKernel:
             row_sum = torch.zeros_like(row_max)
             acc = torch.empty((c * n2, q_tile.shape[1], dv), dtype=self.dtype, device=self.device)
             first = True
-            for j0, j1, state in self.key_tiles(i0, i1):
+            fused = self.fused_tiles(i0, i1)
+            if fused is not None:
+                native.fa_forward_blocks(q_tile, self.k, self.v, *fused, rows, FUSED_BLOCK_ROWS, FUSED_SUB_COLS,
+                                         LOG2E, EXP2_FLOOR, row_max, row_sum, acc)
+                first = False
+            for j0, j1, state in self.key_tiles(i0, i1) if fused is None else ():
                 entries = self.entries(i0, i1, j0, j1, row_max)
                 if entries is None:
                     continue
@@ -293,7 +329,7 @@ class RunKernel:
                         acc.zero_()
                     acc[entries].mul_(correction.view(n_entries, -1, 1)).baddbmm_(p, self.v[entries, j0:j1])
                 first = False
-            if first:
+            if first:  # no tile was visible: every row's output is 0
                 acc.zero_()
             # Rows without a visible key have row_sum 0 and acc 0 (their terms are all exactly 0): output 0.
             valid = row_sum > 0

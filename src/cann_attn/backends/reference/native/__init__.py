@@ -1,5 +1,5 @@
-"""Optional compiled loops for the CPU reference backend (`attention_loops.c`): gathered (DSA) attention rows and
-the dense forward's online-softmax step.
+"""Optional compiled loops for the CPU reference backend (`attention_loops.c`): gathered (DSA) attention rows,
+the dense forward's online-softmax step, and the fused dense forward (`fa_forward_blocks`).
 
 At DeepSeek-V3.2 shapes (block size 1, 512 scattered keys per row, 16 heads) the PyTorch formulation gathers every
 row's keys through memory and runs batched GEMMs with M = 16; the fused C loops read the selected rows in place and
@@ -11,6 +11,10 @@ The C file is compiled on first use with the system C compiler (`$CC`, else `cc`
 and flags, and loaded with ctypes: no build step at install time and no dependency beyond a compiler. Without a
 compiler, on a CPU without AVX2/FMA, or with `CANN_ATTN_NATIVE=0`, `library()` is None (with one warning when a
 compile or load failed) and the kernels take their PyTorch path, which gives the same results up to rounding.
+
+The fused dense forward calls the BLAS sgemm inside PyTorch's own CPU library (MKL in the x86 wheels; found by
+name, never bundled) on each thread for whole row blocks; where none is found it is off and the forward runs its
+PyTorch loop of torch.bmm calls.
 
 The loops split rows (or, for the scatters, disjoint column ranges) over OpenMP threads. The library is linked
 with -fopenmp and so needs libgomp.so.1, which resolves to the libgomp PyTorch has already loaded: the loops run on
@@ -50,6 +54,10 @@ _SIGNATURES = {
     "fa_softmax_step": [_P, _I, _I, _I, _P, _P, _P, _F, _F],
     "fa_exp_rows": [_P, _I, _I, _P, _P, _F, _F],
     "fa_ds_rows": [_P, _P, _I, _I, _P],
+    "cann_attn_set_sgemm": [_P],
+    "cann_attn_has_sgemm": [],
+    "fa_forward_blocks": [_P, _I, _I, _I, _P, _I, _I, _P, _I, _I, _I, _I, _P, _P, _P, _I, _I, _I, _F, _F, _P, _P,
+                          _P],
 }
 
 _lock = threading.Lock()
@@ -104,8 +112,33 @@ def _load() -> ctypes.CDLL | None:
     for name, argtypes in _SIGNATURES.items():
         fn = getattr(lib, name)
         fn.argtypes = argtypes
-        fn.restype = ctypes.c_int if name == "cann_attn_cpu_supported" else None
-    return lib if lib.cann_attn_cpu_supported() else None
+        fn.restype = ctypes.c_int if name in ("cann_attn_cpu_supported", "cann_attn_has_sgemm") else None
+    if not lib.cann_attn_cpu_supported():
+        return None
+    sgemm = _torch_sgemm()
+    if sgemm is not None:
+        lib.cann_attn_set_sgemm(sgemm)
+    return lib
+
+
+# Fortran-interface sgemm names, LP64 (32-bit integers): OpenBLAS and reference BLAS export `sgemm_`; the MKL that
+# PyTorch's x86 wheels link statically exports `SGEMM`.
+SGEMM_NAMES = ("sgemm_", "SGEMM")
+
+
+def _torch_sgemm() -> int | None:
+    """The address of the sgemm inside PyTorch's CPU library (the BLAS torch.mm itself uses), or None."""
+    lib_dir = Path(torch.__file__).resolve().parent / "lib"
+    for candidate in sorted(lib_dir.glob("libtorch_cpu*")):
+        try:
+            torch_cpu = ctypes.CDLL(str(candidate))
+        except OSError:
+            continue
+        for name in SGEMM_NAMES:
+            fn = getattr(torch_cpu, name, None)
+            if fn is not None:
+                return ctypes.cast(fn, ctypes.c_void_p).value
+    return None
 
 
 def library() -> ctypes.CDLL | None:
@@ -287,3 +320,32 @@ def exp2_flushed(x: torch.Tensor, floor2: float) -> torch.Tensor:
     out = torch.empty_like(x)
     lib.cann_attn_exp2_flushed(x.data_ptr(), out.data_ptr(), x.numel(), floor2)
     return out
+
+
+def has_sgemm() -> bool:
+    """Whether the fused dense forward (`fa_forward_blocks`) can run: library loaded and a BLAS sgemm found."""
+    lib = library()
+    return lib is not None and bool(lib.cann_attn_has_sgemm())
+
+
+def fa_forward_blocks(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tiles: list[tuple[int, int]],
+                      biases: list[torch.Tensor | None], head_rows: int, block_rows: int, sub_cols: int,
+                      log2e: float, floor2: float, row_max: torch.Tensor, row_sum: torch.Tensor,
+                      acc: torch.Tensor) -> None:
+    """Online softmax of q [E, R, Dk] (contiguous, scaled) over the key tiles `tiles` of k [E, Skv, Dk] and v [E, Skv,
+    Dv] (unit column stride), each with an optional additive mask tile [head_rows, width] (contiguous) shared by
+    every entry: row_max / row_sum [E, R] and the unnormalised acc [E, R, Dv] are written."""
+    lib = library()
+    _check_rows(q, row_max, row_sum, acc)
+    for t in (k, v):
+        assert t.dtype == torch.float32 and t.stride(-1) == 1
+    entries, rows, dk = q.shape
+    tj0 = torch.tensor([t[0] for t in tiles], dtype=torch.int64)
+    tj1 = torch.tensor([t[1] for t in tiles], dtype=torch.int64)
+    for b, (j0, j1) in zip(biases, tiles, strict=True):
+        assert b is None or (b.is_contiguous() and b.dtype == torch.float32 and b.numel() == head_rows * (j1 - j0))
+    bias = torch.tensor([0 if b is None else b.data_ptr() for b in biases], dtype=torch.int64)
+    lib.fa_forward_blocks(q.data_ptr(), entries, rows, dk, k.data_ptr(), k.stride(0), k.stride(1), v.data_ptr(),
+                          v.stride(0), v.stride(1), v.shape[-1], len(tiles), tj0.data_ptr(), tj1.data_ptr(),
+                          bias.data_ptr(), head_rows, block_rows, sub_cols, log2e, floor2, row_max.data_ptr(),
+                          row_sum.data_ptr(), acc.data_ptr())
