@@ -439,9 +439,9 @@ def test_fused_dense_forward_propagates_nan():
 
 
 @pytest.mark.parametrize("kind", ["plain", "causal", "gqa_tnd", "explicit_batch", "alibi", "dropout"])
-def test_dense_forward_takes_the_fused_loop_where_it_applies(monkeypatch, kind):
-    """The fused loop runs for fp32 problems without pse and dropout whose mask tiles are shared by the run (and
-    only there), and gives what the PyTorch loop gives with sgemm unavailable."""
+def test_dense_operators_take_the_fused_loops_where_they_apply(monkeypatch, kind):
+    """The fused forward and backward run for fp32 problems without pse and dropout whose mask tiles are shared by
+    the run (and only there), and give what the PyTorch loops give with sgemm unavailable."""
     gen = torch.Generator().manual_seed(14)
     kw: dict = {}
     layout, n1, n2, b, s = "BNSD", 4, 4, 2, 150
@@ -458,20 +458,97 @@ def test_dense_forward_takes_the_fused_loop_where_it_applies(monkeypatch, kind):
         layout, n2 = "TND", 2
         kw = dict(actual_seq_qlen=[70, 150], actual_seq_kvlen=[60, 150], sparse_mode=3,
                   atten_mask=torch.ones(2048, 2048, dtype=torch.bool).triu(1))
-        q = torch.randn(s, n1, 32, generator=gen)
+        q, dy = torch.randn(s, n1, 32, generator=gen), torch.randn(s, n1, 32, generator=gen)
         k, v = torch.randn(s, n2, 32, generator=gen), torch.randn(s, n2, 32, generator=gen)
     else:
-        q, k, v = (torch.randn(b, n, s, 32, generator=gen) for n in (n1, n2, n2))
+        q, k, v, dy = (torch.randn(b, n, s, 32, generator=gen) for n in (n1, n2, n2, n1))
 
-    calls = []
-    real = native.fa_forward_blocks
-    monkeypatch.setattr(native, "fa_forward_blocks", lambda *a, **k2: calls.append(1) or real(*a, **k2))
-    fused = cann_attn.flash_attention_score(q, k, v, n1, layout, scale_value=0.2, **kw)
-    assert bool(calls) == (kind in ("plain", "causal", "gqa_tnd")), (kind, len(calls))
+    calls: list[str] = []
+    def counting(name: str):
+        real = getattr(native, name)
+
+        def counted(*args):
+            calls.append(name)
+            return real(*args)
+
+        return counted
+
+    for name in ("fa_forward_blocks", "fa_backward_blocks"):
+        monkeypatch.setattr(native, name, counting(name))
+
+    def run():
+        fwd = cann_attn.flash_attention_score(q, k, v, n1, layout, scale_value=0.2, **kw)
+        grads = cann_attn.flash_attention_score_grad(q, k, v, dy, n1, layout, scale_value=0.2,
+                                                     softmax_max=fwd.softmax_max, softmax_sum=fwd.softmax_sum,
+                                                     attention_in=fwd.attention_out, **kw)
+        return [t for t in (*fwd, *grads) if isinstance(t, torch.Tensor)]
+
+    fused = run()
+    applies = kind in ("plain", "causal", "gqa_tnd")
+    assert set(calls) == ({"fa_forward_blocks", "fa_backward_blocks"} if applies else set()), (kind, calls)
     monkeypatch.setattr(native, "has_sgemm", lambda: False)
     calls.clear()
-    plain = cann_attn.flash_attention_score(q, k, v, n1, layout, scale_value=0.2, **kw)
+    plain = run()
     assert not calls
     for a, c in zip(fused, plain, strict=True):
-        if isinstance(a, torch.Tensor):
-            torch.testing.assert_close(a, c, rtol=2e-5, atol=2e-6)
+        torch.testing.assert_close(a, c, rtol=2e-5, atol=2e-6)
+
+
+def _backward64(q, k, v, dy, d_sum, shift, factor, tiles, biases, head_rows):
+    """float64 dq, dk, dv of the fused backward's contract (keys outside every tile get no gradient)."""
+    cols = torch.cat([torch.arange(j0, j1) for j0, j1 in tiles])
+    rows = torch.arange(q.shape[1]) % head_rows
+    s = torch.einsum("erd,ejd->erj", q.double(), k[:, cols].double())
+    s += torch.cat([torch.zeros(head_rows, j1 - j0, dtype=torch.float64) if b is None else b.double()
+                    for b, (j0, j1) in zip(biases, tiles, strict=True)], dim=1)[rows]
+    p = torch.exp(s - shift.double().unsqueeze(-1)) * factor.double().unsqueeze(-1)
+    dp = torch.einsum("erd,ejd->erj", dy.double(), v[:, cols].double())
+    ds = p * (dp - d_sum.double().unsqueeze(-1))
+    dk, dv = torch.zeros(k.shape, dtype=torch.float64), torch.zeros(v.shape, dtype=torch.float64)
+    dk[:, cols] = torch.einsum("erj,erd->ejd", ds, q.double())
+    dv[:, cols] = torch.einsum("erj,erd->ejd", p, dy.double())
+    return torch.einsum("erj,ejd->erd", ds, k[:, cols].double()), dk, dv
+
+
+@pytest.mark.parametrize("min_items", [1, 8])
+@pytest.mark.parametrize("case", FUSED_CASES, ids=lambda c: f"E{c[0]}G{c[1]}r{c[2]}d{c[3]}")
+def test_fused_dense_backward_blocks(case, min_items):
+    """fa_backward_blocks against float64, accumulating into strided gradients that already hold values, with one
+    work item per entry (dQ written in place) and with an entry's key pieces split over several items (dQ through
+    private buffers); bitwise equal for 1 and 2 threads."""
+    entries, group, head_rows, dk, dv, n_keys, tiles, block_rows, sub_cols = case
+    gen = torch.Generator().manual_seed(15)
+    rows = group * head_rows
+    q = torch.randn(entries, rows, dk, generator=gen) * 0.3
+    kv = torch.randn(n_keys, entries, dk + dv, generator=gen)
+    k, v = kv[..., :dk].transpose(0, 1), kv[..., dk:].transpose(0, 1)
+    dy = torch.randn(entries, rows, dv, generator=gen)
+    biases = [None if t == 1 else torch.zeros(head_rows, j1 - j0).masked_fill_(
+        torch.rand(head_rows, j1 - j0, generator=gen) < 0.4, -math.inf) for t, (j0, j1) in enumerate(tiles)]
+    # The statistics the forward gives (rows without a visible key get -FLT_MAX / FLT_MAX), perturbed a little.
+    m, total, _ = _blocks64(q, k, v, tiles, biases, head_rows)
+    blind = m == -math.inf
+    shift = torch.where(blind, -3.4e38, m).float() + 0.1 * torch.rand(entries, rows, generator=gen)
+    factor = torch.where(blind, 1 / 3.4e38, 1 / total.clamp_min(1e-30)).float()
+    d_sum = torch.randn(entries, rows, generator=gen)
+    start = [torch.randn(*shape, generator=gen) for shape in ((rows, entries, dk), (n_keys, entries, dk),
+                                                              (n_keys, entries, dv))]
+
+    def run():
+        dq, dk_, dv_ = (t.clone().transpose(0, 1) for t in start)  # strided: [E, R, D] views of [R, E, D]
+        native.fa_backward_blocks(q, dy, d_sum, shift, factor, k, v, tiles, biases, head_rows, block_rows, sub_cols,
+                                  min_items, LOG2E, EXP2_FLOOR, dq, dk_, dv_)
+        return dq, dk_, dv_
+
+    previous = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = run()
+        torch.set_num_threads(2)
+        two = run()
+    finally:
+        torch.set_num_threads(previous)
+    want = _backward64(q, k, v, dy, d_sum, shift, factor, tiles, biases, head_rows)
+    for a, b, w, s0 in zip(one, two, want, start, strict=True):
+        assert torch.equal(a, b)
+        torch.testing.assert_close(a.double(), w + s0.transpose(0, 1).double(), rtol=1e-4, atol=5e-5)

@@ -58,6 +58,8 @@ _SIGNATURES = {
     "cann_attn_has_sgemm": [],
     "fa_forward_blocks": [_P, _I, _I, _I, _P, _I, _I, _P, _I, _I, _I, _I, _P, _P, _P, _I, _I, _I, _F, _F, _P, _P,
                           _P],
+    "fa_backward_blocks": [_P, _P, _P, _P, _P, _I, _I, _I, _I, _P, _I, _I, _P, _I, _I, _I, _P, _P, _P, _I, _I, _I,
+                           _I, _F, _F, _P, _I, _I, _P, _I, _I, _P, _I, _I],
 }
 
 _lock = threading.Lock()
@@ -337,15 +339,47 @@ def fa_forward_blocks(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tiles: 
     every entry: row_max / row_sum [E, R] and the unnormalised acc [E, R, Dv] are written."""
     lib = library()
     _check_rows(q, row_max, row_sum, acc)
-    for t in (k, v):
-        assert t.dtype == torch.float32 and t.stride(-1) == 1
+    _unit_rows(k, v)
     entries, rows, dk = q.shape
-    tj0 = torch.tensor([t[0] for t in tiles], dtype=torch.int64)
-    tj1 = torch.tensor([t[1] for t in tiles], dtype=torch.int64)
-    for b, (j0, j1) in zip(biases, tiles, strict=True):
-        assert b is None or (b.is_contiguous() and b.dtype == torch.float32 and b.numel() == head_rows * (j1 - j0))
-    bias = torch.tensor([0 if b is None else b.data_ptr() for b in biases], dtype=torch.int64)
+    tj0, tj1, bias = _tile_arrays(tiles, biases, head_rows)
     lib.fa_forward_blocks(q.data_ptr(), entries, rows, dk, k.data_ptr(), k.stride(0), k.stride(1), v.data_ptr(),
                           v.stride(0), v.stride(1), v.shape[-1], len(tiles), tj0.data_ptr(), tj1.data_ptr(),
                           bias.data_ptr(), head_rows, block_rows, sub_cols, log2e, floor2, row_max.data_ptr(),
                           row_sum.data_ptr(), acc.data_ptr())
+
+
+def _tile_arrays(tiles: list[tuple[int, int]], biases: list[torch.Tensor | None],
+                 head_rows: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(first columns, end columns, mask tile addresses or 0) of the key tiles, as int64 arrays for the C loops."""
+    for b, (j0, j1) in zip(biases, tiles, strict=True):
+        assert b is None or (b.is_contiguous() and b.dtype == torch.float32 and b.numel() == head_rows * (j1 - j0))
+    return (torch.tensor([t[0] for t in tiles], dtype=torch.int64),
+            torch.tensor([t[1] for t in tiles], dtype=torch.int64),
+            torch.tensor([0 if b is None else b.data_ptr() for b in biases], dtype=torch.int64))
+
+
+def _unit_rows(*tensors: torch.Tensor) -> None:
+    for t in tensors:
+        assert t.dtype == torch.float32 and t.dim() == 3 and t.stride(-1) == 1, (t.shape, t.stride(), t.dtype)
+
+
+def fa_backward_blocks(q: torch.Tensor, dy: torch.Tensor, d_sum: torch.Tensor, shift: torch.Tensor,
+                       factor: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tiles: list[tuple[int, int]],
+                       biases: list[torch.Tensor | None], head_rows: int, block_rows: int, sub_cols: int,
+                       min_items: int, log2e: float, floor2: float, dq: torch.Tensor, dk: torch.Tensor,
+                       dv: torch.Tensor) -> None:
+    """Backward of one query tile: q [E, R, Dk] (scaled) and dy [E, R, Dv], d_sum / shift / factor [E, R] (all
+    contiguous), k / v [E, Skv, D] and dq [E, R, Dk], dk / dv [E, Skv, D] (unit column stride); dq, dk and dv are
+    accumulated into. Each entry's key pieces are split into ceil(min_items / E) work items (see
+    attention_loops.c)."""
+    lib = library()
+    _check_rows(q, dy, d_sum, shift, factor)
+    _unit_rows(k, v, dq, dk, dv)
+    entries, rows, d_qk = q.shape
+    tj0, tj1, bias = _tile_arrays(tiles, biases, head_rows)
+    lib.fa_backward_blocks(q.data_ptr(), dy.data_ptr(), d_sum.data_ptr(), shift.data_ptr(), factor.data_ptr(), entries,
+                           rows, d_qk, dy.shape[-1], k.data_ptr(), k.stride(0), k.stride(1), v.data_ptr(),
+                           v.stride(0), v.stride(1), len(tiles), tj0.data_ptr(), tj1.data_ptr(), bias.data_ptr(),
+                           head_rows, block_rows, sub_cols, min_items, log2e, floor2, dq.data_ptr(), dq.stride(0),
+                           dq.stride(1), dk.data_ptr(), dk.stride(0), dk.stride(1), dv.data_ptr(), dv.stride(0),
+                           dv.stride(1))

@@ -670,3 +670,124 @@ void fa_forward_blocks(const float *q, int64_t entries, int64_t rows, int64_t dk
         free(s);
     }
 }
+
+/* Row-major C[m, n] (ldc) += A[kk, m]^T (lda) B[kk, n] (ldb): column-major C^T = B^T A. */
+static void gemm_tn_acc(int m, int n, int kk, const float *a, int lda, const float *b, int ldb, float *c, int ldc) {
+    const float one = 1.0f;
+    blas_sgemm("N", "T", &n, &m, &kk, &one, b, &ldb, a, &lda, &one, c, &ldc);
+}
+
+/* Adds the mask tile's rows to the score block s [n, w] (lds): row i reads bias row (r0 + i) % head_rows, columns
+ * from `col` of a tile `tile_w` wide. */
+static void add_mask_rows(float *s, int64_t n, int64_t w, int64_t lds, const float *bias, int64_t r0,
+                          int64_t head_rows, int64_t tile_w, int64_t col) {
+    for (int64_t i = 0; i < n; ++i) {
+        const float *bi = bias + ((r0 + i) % head_rows) * tile_w + col;
+        float *si = s + i * lds;
+        for (int64_t j = 0; j < w; ++j)
+            si[j] += bi[j];
+    }
+}
+
+/* The key tiles cut into pieces at most `sub_cols` wide: piece p covers [pj0[p], pj1[p]) of tile ptile[p]. Returns
+ * the number of pieces (the arrays hold n_cols / 1 + n_tiles entries at most, allocated by the caller). */
+static int64_t key_pieces(int64_t n_tiles, const int64_t *tj0, const int64_t *tj1, int64_t sub_cols, int64_t *pj0,
+                          int64_t *pj1, int64_t *ptile) {
+    int64_t n = 0;
+    for (int64_t t = 0; t < n_tiles; ++t)
+        for (int64_t c0 = tj0[t]; c0 < tj1[t]; c0 += sub_cols) {
+            pj0[n] = c0;
+            pj1[n] = tj1[t] - c0 < sub_cols ? tj1[t] : c0 + sub_cols;
+            ptile[n++] = t;
+        }
+    return n;
+}
+
+/* Dense backward of one query tile (SEMANTICS.md 5), fused: for `entries` GEMM batch entries with `rows` query rows
+ * q [E, rows, dk] (contiguous, scaled), dy [E, rows, dv], d_sum = rowsum(dY * O), shift = softmax_max and factor =
+ * 1 / softmax_sum [E, rows] (all contiguous), keys k and values v (entry stride, row stride) and the key tiles with
+ * their optional mask tiles (as fa_forward_blocks):
+ *   P = 2^((Q K^T + mask - shift) log2e) * factor (flushed), dV += P^T dY, dP = dY V^T, dS = P (dP - d_sum),
+ *   dK += dS^T Q, dQ += dS K,
+ * accumulating into dq, dk and dv (entry stride, row stride). A work item owns one entry's run of consecutive key
+ * pieces (at most `sub_cols` wide), so it alone writes their dK / dV rows. Each entry's pieces are split into
+ * ceil(min_items / entries) runs (a number that does not depend on the thread count): with one run per entry the
+ * item owns its dQ rows too; with several, each run's dQ terms go to a private buffer and the buffers are added to
+ * dq afterwards in run order. Query rows go in blocks of `block_rows`. No result depends on the thread count. */
+void fa_backward_blocks(const float *q, const float *dy, const float *d_sum, const float *shift, const float *factor,
+                        int64_t entries, int64_t rows, int64_t dk, int64_t dv, const float *k, int64_t ske,
+                        int64_t ldk, const float *v, int64_t sve, int64_t ldv, int64_t n_tiles, const int64_t *tj0,
+                        const int64_t *tj1, const int64_t *bias, int64_t head_rows, int64_t block_rows,
+                        int64_t sub_cols, int64_t min_items, float log2e, float floor2, float *dq, int64_t sdq,
+                        int64_t lddq, float *dk_acc, int64_t sdk, int64_t lddk, float *dv_acc, int64_t sdv,
+                        int64_t lddv) {
+    int64_t max_pieces = n_tiles;
+    for (int64_t t = 0; t < n_tiles; ++t)
+        max_pieces += (tj1[t] - tj0[t]) / sub_cols;
+    int64_t *pj0 = malloc(sizeof(int64_t) * 3 * (max_pieces + 1));
+    int64_t *pj1 = pj0 + max_pieces + 1, *ptile = pj1 + max_pieces + 1;
+    const int64_t pieces = key_pieces(n_tiles, tj0, tj1, sub_cols, pj0, pj1, ptile);
+    int64_t runs = (min_items + entries - 1) / entries;
+    runs = runs < pieces ? runs : pieces;
+    runs = runs > 1 ? runs : 1;
+    float *dq_part = runs > 1 ? calloc((size_t)(entries * runs * rows * dk), sizeof(float)) : NULL;
+    const int64_t br = block_rows < rows ? block_rows : rows;
+#pragma omp parallel
+    {
+        float *s = aligned_alloc(64, sizeof(float) * round8(br) * round8(sub_cols));
+        float *dp = aligned_alloc(64, sizeof(float) * round8(br) * round8(sub_cols));
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t item = 0; item < entries * runs; ++item) {
+            const int64_t e = item / runs, run = item % runs;
+            float *dq_rows = dq_part ? dq_part + item * rows * dk : dq + e * sdq;
+            const int64_t ld_rows = dq_part ? dk : lddq;
+            for (int64_t p = run * pieces / runs; p < (run + 1) * pieces / runs; ++p) {
+                const int64_t c0 = pj0[p], w = pj1[p] - c0, t = ptile[p], lds = round8(w);
+                const float *kp = k + e * ske + c0 * ldk, *vp = v + e * sve + c0 * ldv;
+                float *dkp = dk_acc + e * sdk + c0 * lddk, *dvp = dv_acc + e * sdv + c0 * lddv;
+                const float *bt = (const float *)(intptr_t)bias[t];
+                for (int64_t r0 = 0; r0 < rows; r0 += br) {
+                    const int64_t n = rows - r0 < br ? rows - r0 : br;
+                    const int64_t row = e * rows + r0;
+                    gemm_nt((int)n, (int)w, (int)dk, q + row * dk, (int)dk, kp, (int)ldk, 0.0f, s, (int)lds);
+                    if (bt)
+                        add_mask_rows(s, n, w, lds, bt, r0, head_rows, tj1[t] - tj0[t], c0 - tj0[t]);
+                    for (int64_t i = 0; i < n; ++i)
+                        row_exp(s + i * lds, w, shift[row + i], log2e, floor2, factor[row + i]);
+                    gemm_tn_acc((int)w, (int)dv, (int)n, s, (int)lds, dy + row * dv, (int)dv, dvp, (int)lddv);
+                    gemm_nt((int)n, (int)w, (int)dv, dy + row * dv, (int)dv, vp, (int)ldv, 0.0f, dp, (int)lds);
+                    for (int64_t i = 0; i < n; ++i) {
+                        float *di = dp + i * lds;
+                        const float *pi = s + i * lds;
+                        const __m256 dsum = _mm256_set1_ps(d_sum[row + i]);
+                        int64_t j = 0;
+                        for (; j + 8 <= w; j += 8)
+                            _mm256_storeu_ps(di + j, _mm256_mul_ps(_mm256_sub_ps(_mm256_loadu_ps(di + j), dsum),
+                                                                   _mm256_loadu_ps(pi + j)));
+                        for (; j < w; ++j)
+                            di[j] = (di[j] - d_sum[row + i]) * pi[j];
+                    }
+                    gemm_tn_acc((int)w, (int)dk, (int)n, dp, (int)lds, q + row * dk, (int)dk, dkp, (int)lddk);
+                    gemm_nn((int)n, (int)dk, (int)w, dp, (int)lds, kp, (int)ldk, 1.0f, dq_rows + r0 * ld_rows,
+                            (int)ld_rows);
+                }
+            }
+        }
+        free(s);
+        free(dp);
+        if (dq_part) {
+#pragma omp for schedule(static)
+            for (int64_t er = 0; er < entries * rows; ++er) {
+                const int64_t e = er / rows, r = er % rows;
+                float *out = dq + e * sdq + r * lddq;
+                for (int64_t run = 0; run < runs; ++run) {
+                    const float *part = dq_part + ((e * runs + run) * rows + r) * dk;
+                    for (int64_t d = 0; d < dk; ++d)
+                        out[d] += part[d];
+                }
+            }
+        }
+    }
+    free(dq_part);
+    free(pj0);
+}
