@@ -28,6 +28,8 @@ test: $(STAMP)
 	# The operators that use the native CPU loops, again with the loops switched off: the PyTorch path stays tested.
 	CANN_ATTN_NATIVE=0 $(BIN)/python -m pytest -n 2 -q tests/test_sparse_attention.py tests/test_indexer.py \
 		tests/test_fa_forward.py tests/test_fa_backward.py
+	# ... and with the native loops on but the fused dense loops (which call PyTorch's BLAS) off.
+	CANN_ATTN_NATIVE_BLAS=0 $(BIN)/python -m pytest -n 2 -q tests/test_fa_forward.py tests/test_fa_backward.py
 	CANN_ATTN_BACKEND=triton TRITON_INTERPRET=1 $(BIN)/python -m pytest -n 2 -q $(TRITON_MATRIX)
 
 lint: $(STAMP)

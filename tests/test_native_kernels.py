@@ -402,8 +402,8 @@ def test_fused_dense_forward_blocks(case):
 
     def run():
         m, l, acc = torch.empty(entries, rows), torch.empty(entries, rows), torch.empty(entries, rows, dv)
-        native.fa_forward_blocks(q, k, v, tiles, biases, head_rows, block_rows, sub_cols, LOG2E, EXP2_FLOOR, m, l,
-                                 acc)
+        native.fa_forward_blocks(q, k, v, tiles, native.BiasTiles(biases, head_rows), block_rows, sub_cols, LOG2E,
+                                 EXP2_FLOOR, m, l, acc)
         return m, l, acc
 
     previous = torch.get_num_threads()
@@ -433,15 +433,15 @@ def test_fused_dense_forward_propagates_nan():
     q, k, v = torch.randn(1, 5, 8, generator=gen), torch.randn(1, 20, 8, generator=gen), torch.randn(1, 20, 8)
     q[0, 2, 3] = math.nan
     m, l, acc = torch.empty(1, 5), torch.empty(1, 5), torch.empty(1, 5, 8)
-    native.fa_forward_blocks(q, k, v, [(0, 20)], [None], 5, 256, 512, LOG2E, EXP2_FLOOR, m, l, acc)
+    native.fa_forward_blocks(q, k, v, [(0, 20)], native.BiasTiles([None], 5), 256, 512, LOG2E, EXP2_FLOOR, m, l, acc)
     assert m[0, 2].isnan() and l[0, 2].isnan() and acc[0, 2].isnan().all()
     assert torch.isfinite(acc[0, [0, 1, 3, 4]]).all()
 
 
 @pytest.mark.parametrize("kind", ["plain", "causal", "gqa_tnd", "explicit_batch", "alibi", "dropout"])
 def test_dense_operators_take_the_fused_loops_where_they_apply(monkeypatch, kind):
-    """The fused forward and backward run for fp32 problems without pse and dropout whose mask tiles are shared by
-    the run (and only there), and give what the PyTorch loops give with sgemm unavailable."""
+    """The fused forward and backward run for fp32 problems without dropout (masks shared by the run or not, pse,
+    GQA, varlen) and give what the PyTorch loops give with sgemm unavailable."""
     gen = torch.Generator().manual_seed(14)
     kw: dict = {}
     layout, n1, n2, b, s = "BNSD", 4, 4, 2, 150
@@ -467,9 +467,9 @@ def test_dense_operators_take_the_fused_loops_where_they_apply(monkeypatch, kind
     def counting(name: str):
         real = getattr(native, name)
 
-        def counted(*args):
+        def counted(*args, **kwargs):
             calls.append(name)
-            return real(*args)
+            return real(*args, **kwargs)
 
         return counted
 
@@ -484,7 +484,7 @@ def test_dense_operators_take_the_fused_loops_where_they_apply(monkeypatch, kind
         return [t for t in (*fwd, *grads) if isinstance(t, torch.Tensor)]
 
     fused = run()
-    applies = kind in ("plain", "causal", "gqa_tnd")
+    applies = kind != "dropout"
     assert set(calls) == ({"fa_forward_blocks", "fa_backward_blocks"} if applies else set()), (kind, calls)
     monkeypatch.setattr(native, "has_sgemm", lambda: False)
     calls.clear()
@@ -536,8 +536,8 @@ def test_fused_dense_backward_blocks(case, min_items):
 
     def run():
         dq, dk_, dv_ = (t.clone().transpose(0, 1) for t in start)  # strided: [E, R, D] views of [R, E, D]
-        native.fa_backward_blocks(q, dy, d_sum, shift, factor, k, v, tiles, biases, head_rows, block_rows, sub_cols,
-                                  min_items, LOG2E, EXP2_FLOOR, dq, dk_, dv_)
+        native.fa_backward_blocks(q, dy, d_sum, shift, factor, k, v, tiles, native.BiasTiles(biases, head_rows),
+                                  block_rows, sub_cols, min_items, LOG2E, EXP2_FLOOR, dq, dk_, dv_)
         return dq, dk_, dv_
 
     previous = torch.get_num_threads()
@@ -552,3 +552,50 @@ def test_fused_dense_backward_blocks(case, min_items):
     for a, b, w, s0 in zip(one, two, want, start, strict=True):
         assert torch.equal(a, b)
         torch.testing.assert_close(a.double(), w + s0.transpose(0, 1).double(), rtol=1e-4, atol=5e-5)
+
+
+def test_fused_loops_with_per_entry_bias_continuation_and_feature_columns():
+    """Per-tile calls as the pse path makes them: a bias block per entry (entry stride = its size), the forward
+    continued over a second call (init=False), and q / k with two trailing feature columns that enter the scores
+    but not dq / dk."""
+    gen = torch.Generator().manual_seed(16)
+    entries, rows, dg, dv, n_keys = 2, 30, 8, 6, 70
+    tiles = [(0, 40), (40, 70)]
+    q = torch.randn(entries, rows, dg + 2, generator=gen)
+    k, v = torch.randn(entries, n_keys, dg + 2, generator=gen), torch.randn(entries, n_keys, dv, generator=gen)
+    biases = [torch.randn(entries, rows, j1 - j0, generator=gen).masked_fill_(
+        torch.rand(entries, rows, j1 - j0, generator=gen) < 0.3, -math.inf) for j0, j1 in tiles]
+    cols = torch.arange(n_keys)
+    s = torch.einsum("erd,ejd->erj", q.double(), k.double()) + torch.cat(biases, dim=2).double()
+    m = s.amax(-1)
+    p = torch.exp(s - m.unsqueeze(-1))
+    want_l, want_acc = p.sum(-1), torch.einsum("erj,ejd->erd", p, v.double())
+
+    m_got, l_got, acc = torch.empty(entries, rows), torch.empty(entries, rows), torch.empty(entries, rows, dv)
+    for t, tile in enumerate(tiles):
+        native.fa_forward_blocks(q, k, v, [tile], native.BiasTiles([biases[t]], rows, rows * (tile[1] - tile[0])), 8,
+                                 16, LOG2E, EXP2_FLOOR, m_got, l_got, acc, init=t == 0)
+    torch.testing.assert_close(m_got.double(), m, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(l_got.double(), want_l, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(acc.double(), want_acc, rtol=1e-5, atol=1e-5)
+
+    dy, d_sum = torch.randn(entries, rows, dv, generator=gen), torch.randn(entries, rows, generator=gen)
+    factor = (1 / want_l).float()
+    prob = p * factor.double().unsqueeze(-1)
+    ds = prob * (torch.einsum("erd,ejd->erj", dy.double(), v.double()) - d_sum.double().unsqueeze(-1))
+    dq, dk, dv_ = torch.zeros(entries, rows, dg), torch.zeros(entries, n_keys, dg), torch.zeros(entries, n_keys, dv)
+    for t, tile in enumerate(tiles):
+        native.fa_backward_blocks(q, dy, d_sum, m_got, factor, k, v, [tile],
+                                  native.BiasTiles([biases[t]], rows, rows * (tile[1] - tile[0])), 8, 16, 4, LOG2E,
+                                  EXP2_FLOOR, dq, dk, dv_)
+    torch.testing.assert_close(dq.double(), torch.einsum("erj,ejd->erd", ds, k[..., :dg].double()), rtol=1e-4,
+                               atol=1e-5)
+    torch.testing.assert_close(dk.double(), torch.einsum("erj,erd->ejd", ds, q[..., :dg].double())[:, cols],
+                               rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(dv_.double(), torch.einsum("erj,erd->ejd", prob, dy.double()), rtol=1e-4, atol=1e-5)
+
+
+def test_blas_switch(monkeypatch):
+    assert native.has_sgemm()
+    monkeypatch.setenv(native.BLAS_SWITCH, "0")
+    assert not native.has_sgemm()

@@ -7,10 +7,10 @@ dS = P * (dP * keep / keep_prob - rowsum(dY * O)), dQ += scale dS K, dK += dS^T 
 dQ/dK/dV accumulate in fp32: straight in the outputs when they are fp32 and their layout gives the GEMMs'
 [count * N2, rows, D] view, else in buffers. No [Sq, Skv] matrix is ever formed.
 
-Where the fused forward applies (fp32 on the CPU with a BLAS sgemm, no pse, no dropout, mask tiles shared by the run),
-each query tile goes to `native.fa_backward_blocks` in one call: a thread takes one kv head's run of key pieces
-through all five products for every row of the tile, so it alone writes those dK / dV rows (B=1 N=8 S=2048 D=128,
-backward alone: 421 -> 345 ms).
+Where the fused forward applies (fp32 on the CPU with a BLAS sgemm, no dropout) and no dpse is asked for, each query
+tile goes to `native.fa_backward_blocks` (one call, or one per key tile as in the forward): a thread takes one kv
+head's run of key pieces through all five products for every row of the tile, so it alone writes those dK / dV rows
+(B=1 N=8 S=2048 D=128, backward alone: 421 -> 345 ms).
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ import torch
 
 from ...problem.attention import AttentionProblem, Run
 from . import native
-from .flash_forward import RunKernel, group_rows, key_tiles
+from .flash_forward import RunKernel, fused_block_rows, group_rows, key_tiles
 from .softmax_exp import EXP2_FLOOR, LOG2E, exp_shifted_
 
 # The fused native backward (`native.fa_backward_blocks`, same conditions as the fused forward): query rows per block,
@@ -80,14 +80,9 @@ def _backward_run(kernel: RunKernel, problem: AttentionProblem, run: Run, dy, at
         row_max = max_all[:, :, i0:i1].to(dtype).unsqueeze(-1)
         inv_sum = 1.0 / sum_all[:, :, i0:i1].to(dtype).unsqueeze(-1)
         dq_acc = _accumulator(dq_view[:, :, i0:i1], (c * n2, q_tile.shape[1], d_qk), dtype)
-        fused = kernel.fused_tiles(i0, i1)
-        if fused is not None and all(t.stride(-1) == 1 for t in (dq_acc, dk_acc, dv_acc)):
-            native.fa_backward_blocks(q_tile, dy_g.contiguous(), d_sum.contiguous(), row_max.contiguous(),
-                                      inv_sum.contiguous(), kernel.k, kernel.v, *fused, i1 - i0, FUSED_BLOCK_ROWS,
-                                      FUSED_SUB_COLS, FUSED_MIN_ITEMS, LOG2E, EXP2_FLOOR, dq_acc, dk_acc, dv_acc)
-            fused_done = True
-        else:
-            fused_done = False
+        fused_done = kernel.fused and pse_grad is None and all(t.stride(-1) == 1 for t in (dq_acc, dk_acc, dv_acc)) \
+            and _fused_backward(kernel, q_tile, i0, i1, dy_g.contiguous(), d_sum.contiguous(), row_max, inv_sum,
+                                dq_acc, dk_acc, dv_acc)
         for j0, j1, state in () if fused_done else key_tiles(run, i0, i1, kernel.block_k, kernel.max_width):
             entries = kernel.entries(i0, i1, j0, j1, row_max)
             if entries is None:
@@ -119,6 +114,38 @@ def _backward_run(kernel: RunKernel, problem: AttentionProblem, run: Run, dy, at
         _store(dq_view[:, :, i0:i1], dq_acc)
     _store(dk_view, dk_acc)
     _store(dv_view, dv_acc)
+
+
+def _fused_backward(kernel: RunKernel, q_tile, i0: int, i1: int, dy_g, d_sum, row_max, inv_sum, dq_acc, dk_acc,
+                    dv_acc) -> bool:
+    """The query tile through the fused native backward: one call for all key tiles where `fused_tiles` allows, else
+    one call per tile for the GEMM batch entries `entries` keeps (as the PyTorch loop). Returns False, having done
+    nothing, where per-tile calls would run on one thread (a run with one kv head: a work item owns a whole entry's
+    key piece, and a per-tile call has one piece); that depends on the run alone, never on which entries a tile
+    skips, so skipping changes no bit."""
+    entries_all = dq_acc.shape[0]
+    whole = kernel.fused_tiles(i0, i1)
+    if whole is None and entries_all < 2:
+        return False
+    shift = row_max.reshape(entries_all, -1).contiguous()
+    factor = inv_sum.reshape(entries_all, -1).contiguous()
+    d_sum = d_sum.view(entries_all, -1)
+    if whole is not None:
+        native.fa_backward_blocks(q_tile, dy_g, d_sum, shift, factor, kernel.k, kernel.v, *whole, FUSED_BLOCK_ROWS,
+                                  FUSED_SUB_COLS, FUSED_MIN_ITEMS, LOG2E, EXP2_FLOOR, dq_acc, dk_acc, dv_acc)
+        return True
+    for j0, j1, state in kernel.key_tiles(i0, i1):
+        entries = kernel.entries(i0, i1, j0, j1, row_max)
+        if entries is None:
+            continue
+        bias = kernel.fused_bias(q_tile, i0, i1, j0, j1, state, entries)
+        n_entries = entries.stop - entries.start
+        # min_items scaled by the call's entries: an entry's pieces split into the same runs whichever entries come.
+        native.fa_backward_blocks(q_tile[entries], dy_g[entries], d_sum[entries], shift[entries], factor[entries],
+                                  kernel.k[entries], kernel.v[entries], [(j0, j1)], bias,
+                                  fused_block_rows(q_tile.shape[1]), FUSED_SUB_COLS, FUSED_MIN_ITEMS * n_entries,
+                                  LOG2E, EXP2_FLOOR, dq_acc[entries], dk_acc[entries], dv_acc[entries])
+    return True
 
 
 def _probabilities(s: torch.Tensor, row_max: torch.Tensor, inv_sum: torch.Tensor) -> None:

@@ -7,10 +7,12 @@ by stacking the group's query rows into one GEMM ([count * N2, G * rows, D]). Th
 query tile (one small pass per query tile; K is read in place, transposed by the GEMM, so no key-sized copy is
 made per call) and ALiBi (pse_type 2) on extra GEMM columns wherever `problem.pse` allows it.
 
-On the CPU in fp32 with a BLAS sgemm available, problems without pse and dropout run each query tile in one call
-of the fused native loop (`native.fa_forward_blocks`): every thread takes whole (kv head, 256-row) blocks through
-QK^T, the mask tile, the online softmax and PV, instead of every GEMM being split over the threads (B=1 N=8
-S=2048 D=128: 0.78 -> 0.89 of SDPA's throughput). The tiling, the mask tiles and the normalisation stay here.
+On the CPU in fp32 with a BLAS sgemm available, problems without dropout run through the fused native loop
+(`native.fa_forward_blocks`): every thread takes whole (kv head, row block) items through QK^T, the bias tile, the
+online softmax and PV, instead of every GEMM being split over the threads (B=1 N=8 S=2048 D=128: 0.78 -> 0.89 of
+SDPA's throughput). Without pse, and with a mask shared by the run, a query tile is one call; with pse (ALiBi's
+feature columns or a per-head bias tile) or per-sequence masks, one call per key tile after the same entry skipping.
+The tiling, the bias tiles, the skipping and the normalisation stay here.
 
 Exponentials come from `softmax_exp.exp_shifted_` (exp2-based, natural-unit logits, denormals flushed to 0).
 """
@@ -144,6 +146,10 @@ class RunKernel:
         self._buffer = torch.empty(rows, dtype=self.dtype, device=self.device)
         self._scratch: torch.Tensor | None = None
         self._mask_biases: dict[tuple[int, int, int], torch.Tensor] = {}
+        # The fused native loops: fp32 compute on the CPU with a BLAS sgemm, and no dropout (its keep tiles stay
+        # with the PyTorch loop).
+        self.fused = run.dropout is None and self.k.stride(-1) == 1 and self.v.stride(-1) == 1 \
+            and native.usable(self.k, self.v) and native.has_sgemm()
 
     def scratch(self, shape: torch.Size) -> torch.Tensor:
         """A second reusable tile-sized buffer (the backward's dP), allocated on first use."""
@@ -273,26 +279,50 @@ class RunKernel:
         row_max.copy_(new_max)
         return correction
 
-    def fused_tiles(self, i0: int, i1: int) -> tuple[list[tuple[int, int]], list[torch.Tensor | None]] | None:
-        """The key tiles of query rows [i0, i1) and their mask tiles for `native.fa_forward_blocks`, or None where
-        the fused loop does not apply: it takes fp32 compute on the CPU with a BLAS sgemm, no pse and no dropout
-        (those stay in `scores` and the PyTorch loop), and masks shared by every sequence and head of the run."""
-        run = self.run
-        if run.pse is not None or run.dropout is not None or self.k.stride(-1) != 1 or self.v.stride(-1) != 1 \
-                or not native.usable(self.k, self.v) or not native.has_sgemm():
+    def fused_tiles(self, i0: int, i1: int) -> tuple[list[tuple[int, int]], native.BiasTiles] | None:
+        """Every key tile of query rows [i0, i1) with its mask tile, for one call of the fused loops, or None where
+        the tiles need per-tile calls (`fused_bias`): with pse (per-tile q features, per-head bias, skipped entries)
+        or a mask that differs between the run's sequences or heads."""
+        if self.run.pse is not None:
             return None
-        tiles, biases = [], []
+        tiles, masks = [], []
         rows = i1 - i0
         for j0, j1, state in self.key_tiles(i0, i1):
-            bias = None
+            mask = None
             if state is TileState.PARTIAL:
-                bias = self._mask_bias(i0, i1, j0, j1)
-                if bias.numel() != rows * (j1 - j0):
+                mask = self._mask_bias(i0, i1, j0, j1)
+                if mask.numel() != rows * (j1 - j0):
                     return None
-                bias = bias.reshape(rows, j1 - j0)
+                mask = mask.reshape(rows, j1 - j0)
             tiles.append((j0, j1))
-            biases.append(bias)
-        return tiles, biases
+            masks.append(mask)
+        return tiles, native.BiasTiles(masks, rows)
+
+    def fused_bias(self, q_tile: torch.Tensor, i0: int, i1: int, j0: int, j1: int, state: TileState,
+                   entries: slice) -> native.BiasTiles:
+        """The additive bias of one tile for the fused loops (the GEMM batch `entries` only), as `scores` forms it:
+        ALiBi's rank-2 form goes into q_tile's feature columns (no bias), else the pse tile plus the mask is
+        materialised per head; a mask alone, shared by the run, stays one [rows, cols] tile."""
+        run, rows, cols = self.run, i1 - i0, j1 - j0
+        heads = self.heads(entries)
+        n_entries, n_heads = entries.stop - entries.start, heads.stop - heads.start
+        pse_tile = None
+        if run.pse is not None:
+            q_e = q_tile[entries]
+            if (feats := self._linear_query_features(i0, i1, j0, j1)) is not None:
+                feats = feats.expand(run.count, self.problem.heads_q, rows, 2)[:, heads]
+                q_e[:, :, -2:] = feats.reshape(n_entries, -1, 2)
+            else:
+                if self.linear_pse:
+                    q_e[:, :, -2:] = 0.0
+                pse_tile = run.pse.tile(i0, i1, j0, j1, self.device, self.dtype)[:, heads]
+        mask = self._mask_bias(i0, i1, j0, j1) if state is TileState.PARTIAL else None
+        if pse_tile is None and (mask is None or mask.numel() == rows * cols):
+            return native.BiasTiles([None if mask is None else mask.reshape(rows, cols)], rows)
+        total = pse_tile if mask is None else mask if pse_tile is None else pse_tile + mask
+        total = total.expand(run.count, n_heads, rows, cols).contiguous()
+        entry_rows = self.problem.heads_q // self.problem.heads_kv * rows
+        return native.BiasTiles([total], entry_rows, entry_rows * cols)
 
     def forward(self, out_view, max_view, sum_view) -> None:
         problem, run = self.problem, self.run
@@ -305,32 +335,10 @@ class RunKernel:
             row_max = torch.full((c, problem.heads_q, rows), float("-inf"), dtype=self.dtype, device=self.device)
             row_sum = torch.zeros_like(row_max)
             acc = torch.empty((c * n2, q_tile.shape[1], dv), dtype=self.dtype, device=self.device)
-            first = True
-            fused = self.fused_tiles(i0, i1)
-            if fused is not None:
-                native.fa_forward_blocks(q_tile, self.k, self.v, *fused, rows, FUSED_BLOCK_ROWS, FUSED_SUB_COLS,
-                                         LOG2E, EXP2_FLOOR, row_max, row_sum, acc)
-                first = False
-            for j0, j1, state in self.key_tiles(i0, i1) if fused is None else ():
-                entries = self.entries(i0, i1, j0, j1, row_max)
-                if entries is None:
-                    continue
-                heads = self.heads(entries)
-                s = self.scores(q_tile, i0, i1, j0, j1, state, entries)
-                correction = self._softmax_step(s, row_max[:, heads], row_sum[:, heads])
-                if run.dropout is not None:
-                    s.mul_(run.dropout.keep_tile(i0, i1, j0, j1, s.device)[:, heads])
-                n_entries = entries.stop - entries.start
-                p = s.view(n_entries, -1, j1 - j0)
-                if first and n_entries == c * n2:
-                    torch.bmm(p, self.v[:, j0:j1], out=acc)
-                else:
-                    if first:  # the first tile skipped some entries: theirs must start from 0
-                        acc.zero_()
-                    acc[entries].mul_(correction.view(n_entries, -1, 1)).baddbmm_(p, self.v[entries, j0:j1])
-                first = False
-            if first:  # no tile was visible: every row's output is 0
-                acc.zero_()
+            if self.fused:
+                self._fused_forward(q_tile, i0, i1, row_max, row_sum, acc)
+            else:
+                self._forward_tiles(q_tile, i0, i1, row_max, row_sum, acc)
             # Rows without a visible key have row_sum 0 and acc 0 (their terms are all exactly 0): output 0.
             valid = row_sum > 0
             denom = torch.where(valid, row_sum * problem.keep_prob, 1.0).view(c * n2, -1, 1)
@@ -338,6 +346,58 @@ class RunKernel:
             if max_view is not None:
                 write_stat(max_view[:, :, i0:i1], torch.where(valid, row_max, -FLT_MAX))
                 write_stat(sum_view[:, :, i0:i1], torch.where(valid, row_sum, FLT_MAX))
+
+    def _fused_forward(self, q_tile, i0: int, i1: int, row_max, row_sum, acc) -> None:
+        """The query tile through the fused native loop: one call for all key tiles where `fused_tiles` allows,
+        else one call per tile (after the same entry skipping as the PyTorch loop)."""
+        whole = self.fused_tiles(i0, i1)
+        if whole is not None:
+            native.fa_forward_blocks(q_tile, self.k, self.v, *whole, FUSED_BLOCK_ROWS, FUSED_SUB_COLS, LOG2E,
+                                     EXP2_FLOOR, row_max, row_sum, acc)
+            return
+        acc.zero_()
+        max_rows, sum_rows = row_max.view(acc.shape[0], -1), row_sum.view(acc.shape[0], -1)
+        for j0, j1, state in self.key_tiles(i0, i1):
+            entries = self.entries(i0, i1, j0, j1, row_max)
+            if entries is None:
+                continue
+            bias = self.fused_bias(q_tile, i0, i1, j0, j1, state, entries)
+            native.fa_forward_blocks(q_tile[entries], self.k[entries], self.v[entries], [(j0, j1)], bias,
+                                     fused_block_rows(q_tile.shape[1]), FUSED_SUB_COLS, LOG2E, EXP2_FLOOR,
+                                     max_rows[entries], sum_rows[entries], acc[entries], init=False)
+
+    def _forward_tiles(self, q_tile, i0: int, i1: int, row_max, row_sum, acc) -> None:
+        """The query tile through PyTorch ops, one key tile at a time."""
+        run, c, n2 = self.run, self.run.count, self.problem.heads_kv
+        first = True
+        for j0, j1, state in self.key_tiles(i0, i1):
+            entries = self.entries(i0, i1, j0, j1, row_max)
+            if entries is None:
+                continue
+            heads = self.heads(entries)
+            s = self.scores(q_tile, i0, i1, j0, j1, state, entries)
+            correction = self._softmax_step(s, row_max[:, heads], row_sum[:, heads])
+            if run.dropout is not None:
+                s.mul_(run.dropout.keep_tile(i0, i1, j0, j1, s.device)[:, heads])
+            n_entries = entries.stop - entries.start
+            p = s.view(n_entries, -1, j1 - j0)
+            if first and n_entries == c * n2:
+                torch.bmm(p, self.v[:, j0:j1], out=acc)
+            else:
+                if first:  # the first tile skipped some entries: theirs must start from 0
+                    acc.zero_()
+                acc[entries].mul_(correction.view(n_entries, -1, 1)).baddbmm_(p, self.v[entries, j0:j1])
+            first = False
+        if first:  # no tile was visible: every row's output is 0
+            acc.zero_()
+
+
+def fused_block_rows(rows: int) -> int:
+    """Query rows per work item of a per-tile fused call over entries with `rows` rows each: half of them (within
+    [32, FUSED_BLOCK_ROWS]), so that a tile only one entry needs still occupies two threads. It must not depend on
+    how many entries the call takes: the row blocks shape the GEMMs, whose rounding then would depend on which
+    entries skipped the tile."""
+    return max(32, min(FUSED_BLOCK_ROWS, -(-rows // 2)))
 
 
 def write_stat(view: torch.Tensor, values: torch.Tensor) -> None:

@@ -38,6 +38,7 @@ import torch
 SOURCE = Path(__file__).with_name("attention_loops.c")
 FLAGS = ("-O3", "-mavx2", "-mfma", "-fopenmp", "-fPIC", "-shared", "-fno-math-errno")
 ENV_SWITCH = "CANN_ATTN_NATIVE"
+BLAS_SWITCH = "CANN_ATTN_NATIVE_BLAS"
 
 _P, _I, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
 _SIGNATURES = {
@@ -56,10 +57,10 @@ _SIGNATURES = {
     "fa_ds_rows": [_P, _P, _I, _I, _P],
     "cann_attn_set_sgemm": [_P],
     "cann_attn_has_sgemm": [],
-    "fa_forward_blocks": [_P, _I, _I, _I, _P, _I, _I, _P, _I, _I, _I, _I, _P, _P, _P, _I, _I, _I, _F, _F, _P, _P,
-                          _P],
-    "fa_backward_blocks": [_P, _P, _P, _P, _P, _I, _I, _I, _I, _P, _I, _I, _P, _I, _I, _I, _P, _P, _P, _I, _I, _I,
-                           _I, _F, _F, _P, _I, _I, _P, _I, _I, _P, _I, _I],
+    "fa_forward_blocks": [_P, _I, _I, _I, _P, _I, _I, _P, _I, _I, _I, _I, _P, _P, _P, _I, _I, _I, _I, _I, _F, _F,
+                          _P, _P, _P],
+    "fa_backward_blocks": [_P, _P, _P, _P, _P, _I, _I, _I, _I, _I, _P, _I, _I, _P, _I, _I, _I, _P, _P, _P, _I, _I, _I,
+                           _I, _I, _F, _F, _P, _I, _I, _P, _I, _I, _P, _I, _I],
 }
 
 _lock = threading.Lock()
@@ -325,37 +326,52 @@ def exp2_flushed(x: torch.Tensor, floor2: float) -> torch.Tensor:
 
 
 def has_sgemm() -> bool:
-    """Whether the fused dense forward (`fa_forward_blocks`) can run: library loaded and a BLAS sgemm found."""
+    """Whether the fused dense loops (`fa_forward_blocks`, `fa_backward_blocks`) can run: library loaded, a BLAS
+    sgemm found, and not switched off with CANN_ATTN_NATIVE_BLAS=0 (the dense kernels then run their PyTorch loops
+    with the native softmax passes)."""
+    if os.environ.get(BLAS_SWITCH, "1").strip().lower() in ("0", "false", "off", "no"):
+        return False
     lib = library()
     return lib is not None and bool(lib.cann_attn_has_sgemm())
 
 
+class BiasTiles:
+    """The additive bias of each key tile for the fused dense loops, or None: tile t's bias is a row-major block
+    [.., width] read at row r % `rows` of entry e's block at offset e * `entry_stride` (a mask shared by the entries
+    and heads: rows = one head's query rows, stride 0; a per-head tile: rows = an entry's rows, stride = its size)."""
+
+    def __init__(self, tiles: list[torch.Tensor | None], rows: int, entry_stride: int = 0) -> None:
+        self.tiles, self.rows, self.entry_stride = tiles, rows, entry_stride
+
+
 def fa_forward_blocks(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tiles: list[tuple[int, int]],
-                      biases: list[torch.Tensor | None], head_rows: int, block_rows: int, sub_cols: int,
-                      log2e: float, floor2: float, row_max: torch.Tensor, row_sum: torch.Tensor,
-                      acc: torch.Tensor) -> None:
+                      bias: BiasTiles, block_rows: int, sub_cols: int, log2e: float, floor2: float,
+                      row_max: torch.Tensor, row_sum: torch.Tensor, acc: torch.Tensor, init: bool = True) -> None:
     """Online softmax of q [E, R, Dk] (contiguous, scaled) over the key tiles `tiles` of k [E, Skv, Dk] and v [E, Skv,
-    Dv] (unit column stride), each with an optional additive mask tile [head_rows, width] (contiguous) shared by
-    every entry: row_max / row_sum [E, R] and the unnormalised acc [E, R, Dv] are written."""
+    Dv] (unit column stride), each with its optional additive bias tile (`BiasTiles`): row_max / row_sum [E, R] and the
+    unnormalised acc [E, R, Dv] are updated, after being reset when `init` is set."""
     lib = library()
     _check_rows(q, row_max, row_sum, acc)
     _unit_rows(k, v)
     entries, rows, dk = q.shape
-    tj0, tj1, bias = _tile_arrays(tiles, biases, head_rows)
+    tj0, tj1, pointers = _tile_arrays(tiles, bias, entries)
     lib.fa_forward_blocks(q.data_ptr(), entries, rows, dk, k.data_ptr(), k.stride(0), k.stride(1), v.data_ptr(),
                           v.stride(0), v.stride(1), v.shape[-1], len(tiles), tj0.data_ptr(), tj1.data_ptr(),
-                          bias.data_ptr(), head_rows, block_rows, sub_cols, log2e, floor2, row_max.data_ptr(),
-                          row_sum.data_ptr(), acc.data_ptr())
+                          pointers.data_ptr(), bias.rows, bias.entry_stride, block_rows, sub_cols, int(init), log2e,
+                          floor2, row_max.data_ptr(), row_sum.data_ptr(), acc.data_ptr())
 
 
-def _tile_arrays(tiles: list[tuple[int, int]], biases: list[torch.Tensor | None],
-                 head_rows: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(first columns, end columns, mask tile addresses or 0) of the key tiles, as int64 arrays for the C loops."""
-    for b, (j0, j1) in zip(biases, tiles, strict=True):
-        assert b is None or (b.is_contiguous() and b.dtype == torch.float32 and b.numel() == head_rows * (j1 - j0))
+def _tile_arrays(tiles: list[tuple[int, int]], bias: BiasTiles,
+                 entries: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(first columns, end columns, bias tile addresses or 0) of the key tiles, as int64 arrays for the C loops."""
+    for b, (j0, j1) in zip(bias.tiles, tiles, strict=True):
+        blocks = 1 if bias.entry_stride == 0 else entries
+        assert b is None or (b.is_contiguous() and b.dtype == torch.float32
+                             and b.numel() == bias.rows * (j1 - j0) * blocks
+                             and bias.entry_stride in (0, bias.rows * (j1 - j0))), (b.shape, bias.rows, j1 - j0)
     return (torch.tensor([t[0] for t in tiles], dtype=torch.int64),
             torch.tensor([t[1] for t in tiles], dtype=torch.int64),
-            torch.tensor([0 if b is None else b.data_ptr() for b in biases], dtype=torch.int64))
+            torch.tensor([0 if b is None else b.data_ptr() for b in bias.tiles], dtype=torch.int64))
 
 
 def _unit_rows(*tensors: torch.Tensor) -> None:
@@ -365,21 +381,21 @@ def _unit_rows(*tensors: torch.Tensor) -> None:
 
 def fa_backward_blocks(q: torch.Tensor, dy: torch.Tensor, d_sum: torch.Tensor, shift: torch.Tensor,
                        factor: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tiles: list[tuple[int, int]],
-                       biases: list[torch.Tensor | None], head_rows: int, block_rows: int, sub_cols: int,
-                       min_items: int, log2e: float, floor2: float, dq: torch.Tensor, dk: torch.Tensor,
-                       dv: torch.Tensor) -> None:
+                       bias: BiasTiles, block_rows: int, sub_cols: int, min_items: int, log2e: float, floor2: float,
+                       dq: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor) -> None:
     """Backward of one query tile: q [E, R, Dk] (scaled) and dy [E, R, Dv], d_sum / shift / factor [E, R] (all
-    contiguous), k / v [E, Skv, D] and dq [E, R, Dk], dk / dv [E, Skv, D] (unit column stride); dq, dk and dv are
-    accumulated into. Each entry's key pieces are split into ceil(min_items / E) work items (see
-    attention_loops.c)."""
+    contiguous), k / v [E, Skv, D] and dq [E, R, Dg], dk [E, Skv, Dg], dv [E, Skv, Dv] (unit column stride), Dg <= Dk
+    (q's and k's further columns enter only the scores); dq, dk and dv are accumulated into. Each entry's key pieces
+    are split into ceil(min_items / E) work items (see attention_loops.c)."""
     lib = library()
     _check_rows(q, dy, d_sum, shift, factor)
     _unit_rows(k, v, dq, dk, dv)
     entries, rows, d_qk = q.shape
-    tj0, tj1, bias = _tile_arrays(tiles, biases, head_rows)
+    tj0, tj1, pointers = _tile_arrays(tiles, bias, entries)
     lib.fa_backward_blocks(q.data_ptr(), dy.data_ptr(), d_sum.data_ptr(), shift.data_ptr(), factor.data_ptr(), entries,
-                           rows, d_qk, dy.shape[-1], k.data_ptr(), k.stride(0), k.stride(1), v.data_ptr(),
-                           v.stride(0), v.stride(1), len(tiles), tj0.data_ptr(), tj1.data_ptr(), bias.data_ptr(),
-                           head_rows, block_rows, sub_cols, min_items, log2e, floor2, dq.data_ptr(), dq.stride(0),
+                           rows, d_qk, dq.shape[-1], dy.shape[-1], k.data_ptr(), k.stride(0), k.stride(1), v.data_ptr(),
+                           v.stride(0), v.stride(1), len(tiles), tj0.data_ptr(), tj1.data_ptr(), pointers.data_ptr(),
+                           bias.rows, bias.entry_stride, block_rows, sub_cols, min_items, log2e, floor2,
+                           dq.data_ptr(), dq.stride(0),
                            dq.stride(1), dk.data_ptr(), dk.stride(0), dk.stride(1), dv.data_ptr(), dv.stride(0),
                            dv.stride(1))

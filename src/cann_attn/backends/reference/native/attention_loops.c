@@ -610,18 +610,38 @@ static void gemm_nn(int m, int n, int kk, const float *a, int lda, const float *
     blas_sgemm("N", "N", &n, &m, &kk, &one, b, &ldb, a, &lda, &beta, c, &ldc);
 }
 
+/* Row-major C[m, n] (ldc) += A[kk, m]^T (lda) B[kk, n] (ldb): column-major C^T = B^T A. */
+static void gemm_tn_acc(int m, int n, int kk, const float *a, int lda, const float *b, int ldb, float *c, int ldc) {
+    const float one = 1.0f;
+    blas_sgemm("N", "T", &n, &m, &kk, &one, b, &ldb, a, &lda, &one, c, &ldc);
+}
+
+/* Adds a bias tile's rows to the score block s [n, w] (lds): row i reads bias row (r0 + i) % bias_rows, columns
+ * from `col` of a tile `tile_w` wide. */
+static void add_mask_rows(float *s, int64_t n, int64_t w, int64_t lds, const float *bias, int64_t r0,
+                          int64_t bias_rows, int64_t tile_w, int64_t col) {
+    for (int64_t i = 0; i < n; ++i) {
+        const float *bi = bias + ((r0 + i) % bias_rows) * tile_w + col;
+        float *si = s + i * lds;
+        for (int64_t j = 0; j < w; ++j)
+            si[j] += bi[j];
+    }
+}
+
 /* For `entries` GEMM batch entries (a kv head with its group's query rows), each with `rows` query rows q [E, rows,
  * dk] (contiguous, scaled), keys k (entry stride ske, row stride ldk) and values v (sve, ldv): run the online
- * softmax over the key tiles [tj0[t], tj1[t]) in order, each with an optional additive mask tile bias[t] ([head_rows,
- * tile width] row-major, shared by every entry and head; row r of an entry reads bias row r % head_rows) or 0 (none).
- * Writes row_max / row_sum [E, rows] (fa_softmax_step's conventions) and the unnormalised acc [E, rows, dv].
+ * softmax over the key tiles [tj0[t], tj1[t]) in order, each with an optional additive tile bias[t] (row-major, tile
+ * width columns; 0: none): row r of entry e reads row r % bias_rows of the block at bias[t] + e * bias_stride (a mask
+ * shared by every entry and head: bias_rows = rows of one head, stride 0; a pse tile: bias_rows = rows, stride =
+ * rows * width). Updates row_max / row_sum [E, rows] (fa_softmax_step's conventions) and the unnormalised acc [E,
+ * rows, dv], which are first reset (max -inf, sum 0, acc 0) when `init` is set.
  * Work items are (entry, block of `block_rows` rows); each walks the key tiles in `sub_cols`-wide pieces so that its
  * score block stays in L2. No result depends on the thread count. */
 void fa_forward_blocks(const float *q, int64_t entries, int64_t rows, int64_t dk, const float *k, int64_t ske,
                        int64_t ldk, const float *v, int64_t sve, int64_t ldv, int64_t dv, int64_t n_tiles,
-                       const int64_t *tj0, const int64_t *tj1, const int64_t *bias, int64_t head_rows,
-                       int64_t block_rows, int64_t sub_cols, float log2e, float floor2, float *row_max_out,
-                       float *row_sum_out, float *acc) {
+                       const int64_t *tj0, const int64_t *tj1, const int64_t *bias, int64_t bias_rows,
+                       int64_t bias_stride, int64_t block_rows, int64_t sub_cols, int64_t init, float log2e,
+                       float floor2, float *row_max_out, float *row_sum_out, float *acc) {
     const int64_t blocks = (rows + block_rows - 1) / block_rows;
 #pragma omp parallel
     {
@@ -633,24 +653,24 @@ void fa_forward_blocks(const float *q, int64_t entries, int64_t rows, int64_t dk
             const float *qe = q + (e * rows + r0) * dk;
             float *m = row_max_out + e * rows + r0, *l = row_sum_out + e * rows + r0;
             float *o = acc + (e * rows + r0) * dv;
-            for (int64_t i = 0; i < n; ++i) {
-                m[i] = -INFINITY;
-                l[i] = 0.0f;
+            if (init) {
+                for (int64_t i = 0; i < n; ++i) {
+                    m[i] = -INFINITY;
+                    l[i] = 0.0f;
+                }
+                memset(o, 0, sizeof(float) * n * dv);
             }
-            memset(o, 0, sizeof(float) * n * dv);
             for (int64_t t = 0; t < n_tiles; ++t) {
                 for (int64_t c0 = tj0[t]; c0 < tj1[t]; c0 += sub_cols) {
                     const int64_t w = tj1[t] - c0 < sub_cols ? tj1[t] - c0 : sub_cols;
                     const int64_t lds = round8(w);
                     gemm_nt((int)n, (int)w, (int)dk, qe, (int)dk, k + e * ske + c0 * ldk, (int)ldk, 0.0f, s, (int)lds);
                     const float *bt = (const float *)(intptr_t)bias[t];
+                    if (bt)
+                        add_mask_rows(s, n, w, lds, bt + e * bias_stride, r0, bias_rows, tj1[t] - tj0[t],
+                                      c0 - tj0[t]);
                     for (int64_t i = 0; i < n; ++i) {
                         float *si = s + i * lds;
-                        if (bt) {
-                            const float *bi = bt + ((r0 + i) % head_rows) * (tj1[t] - tj0[t]) + (c0 - tj0[t]);
-                            for (int64_t j = 0; j < w; ++j)
-                                si[j] += bi[j];
-                        }
                         const float m_new = max_nan(m[i], row_max(si, w));
                         const float shift = m_new == -INFINITY ? 0.0f : m_new;
                         const float total = row_exp(si, w, shift, log2e, floor2, 1.0f);
@@ -671,24 +691,6 @@ void fa_forward_blocks(const float *q, int64_t entries, int64_t rows, int64_t dk
     }
 }
 
-/* Row-major C[m, n] (ldc) += A[kk, m]^T (lda) B[kk, n] (ldb): column-major C^T = B^T A. */
-static void gemm_tn_acc(int m, int n, int kk, const float *a, int lda, const float *b, int ldb, float *c, int ldc) {
-    const float one = 1.0f;
-    blas_sgemm("N", "T", &n, &m, &kk, &one, b, &ldb, a, &lda, &one, c, &ldc);
-}
-
-/* Adds the mask tile's rows to the score block s [n, w] (lds): row i reads bias row (r0 + i) % head_rows, columns
- * from `col` of a tile `tile_w` wide. */
-static void add_mask_rows(float *s, int64_t n, int64_t w, int64_t lds, const float *bias, int64_t r0,
-                          int64_t head_rows, int64_t tile_w, int64_t col) {
-    for (int64_t i = 0; i < n; ++i) {
-        const float *bi = bias + ((r0 + i) % head_rows) * tile_w + col;
-        float *si = s + i * lds;
-        for (int64_t j = 0; j < w; ++j)
-            si[j] += bi[j];
-    }
-}
-
 /* The key tiles cut into pieces at most `sub_cols` wide: piece p covers [pj0[p], pj1[p]) of tile ptile[p]. Returns
  * the number of pieces (the arrays hold n_cols / 1 + n_tiles entries at most, allocated by the caller). */
 static int64_t key_pieces(int64_t n_tiles, const int64_t *tj0, const int64_t *tj1, int64_t sub_cols, int64_t *pj0,
@@ -706,19 +708,21 @@ static int64_t key_pieces(int64_t n_tiles, const int64_t *tj0, const int64_t *tj
 /* Dense backward of one query tile (SEMANTICS.md 5), fused: for `entries` GEMM batch entries with `rows` query rows
  * q [E, rows, dk] (contiguous, scaled), dy [E, rows, dv], d_sum = rowsum(dY * O), shift = softmax_max and factor =
  * 1 / softmax_sum [E, rows] (all contiguous), keys k and values v (entry stride, row stride) and the key tiles with
- * their optional mask tiles (as fa_forward_blocks):
+ * their optional bias tiles (as fa_forward_blocks):
  *   P = 2^((Q K^T + mask - shift) log2e) * factor (flushed), dV += P^T dY, dP = dY V^T, dS = P (dP - d_sum),
  *   dK += dS^T Q, dQ += dS K,
- * accumulating into dq, dk and dv (entry stride, row stride). A work item owns one entry's run of consecutive key
+ * accumulating into dq, dk and dv (entry stride, row stride). The gradients take the first dg <= dk columns of Q and
+ * K (the rest are ALiBi's rank-2 feature columns, which only enter S). A work item owns one entry's run of consecutive key
  * pieces (at most `sub_cols` wide), so it alone writes their dK / dV rows. Each entry's pieces are split into
  * ceil(min_items / entries) runs (a number that does not depend on the thread count): with one run per entry the
  * item owns its dQ rows too; with several, each run's dQ terms go to a private buffer and the buffers are added to
  * dq afterwards in run order. Query rows go in blocks of `block_rows`. No result depends on the thread count. */
 void fa_backward_blocks(const float *q, const float *dy, const float *d_sum, const float *shift, const float *factor,
-                        int64_t entries, int64_t rows, int64_t dk, int64_t dv, const float *k, int64_t ske,
+                        int64_t entries, int64_t rows, int64_t dk, int64_t dg, int64_t dv, const float *k, int64_t ske,
                         int64_t ldk, const float *v, int64_t sve, int64_t ldv, int64_t n_tiles, const int64_t *tj0,
-                        const int64_t *tj1, const int64_t *bias, int64_t head_rows, int64_t block_rows,
-                        int64_t sub_cols, int64_t min_items, float log2e, float floor2, float *dq, int64_t sdq,
+                        const int64_t *tj1, const int64_t *bias, int64_t bias_rows, int64_t bias_stride,
+                        int64_t block_rows, int64_t sub_cols, int64_t min_items, float log2e, float floor2, float *dq,
+                        int64_t sdq,
                         int64_t lddq, float *dk_acc, int64_t sdk, int64_t lddk, float *dv_acc, int64_t sdv,
                         int64_t lddv) {
     int64_t max_pieces = n_tiles;
@@ -730,7 +734,7 @@ void fa_backward_blocks(const float *q, const float *dy, const float *d_sum, con
     int64_t runs = (min_items + entries - 1) / entries;
     runs = runs < pieces ? runs : pieces;
     runs = runs > 1 ? runs : 1;
-    float *dq_part = runs > 1 ? calloc((size_t)(entries * runs * rows * dk), sizeof(float)) : NULL;
+    float *dq_part = runs > 1 ? calloc((size_t)(entries * runs * rows * dg), sizeof(float)) : NULL;
     const int64_t br = block_rows < rows ? block_rows : rows;
 #pragma omp parallel
     {
@@ -739,8 +743,8 @@ void fa_backward_blocks(const float *q, const float *dy, const float *d_sum, con
 #pragma omp for schedule(dynamic, 1)
         for (int64_t item = 0; item < entries * runs; ++item) {
             const int64_t e = item / runs, run = item % runs;
-            float *dq_rows = dq_part ? dq_part + item * rows * dk : dq + e * sdq;
-            const int64_t ld_rows = dq_part ? dk : lddq;
+            float *dq_rows = dq_part ? dq_part + item * rows * dg : dq + e * sdq;
+            const int64_t ld_rows = dq_part ? dg : lddq;
             for (int64_t p = run * pieces / runs; p < (run + 1) * pieces / runs; ++p) {
                 const int64_t c0 = pj0[p], w = pj1[p] - c0, t = ptile[p], lds = round8(w);
                 const float *kp = k + e * ske + c0 * ldk, *vp = v + e * sve + c0 * ldv;
@@ -751,7 +755,8 @@ void fa_backward_blocks(const float *q, const float *dy, const float *d_sum, con
                     const int64_t row = e * rows + r0;
                     gemm_nt((int)n, (int)w, (int)dk, q + row * dk, (int)dk, kp, (int)ldk, 0.0f, s, (int)lds);
                     if (bt)
-                        add_mask_rows(s, n, w, lds, bt, r0, head_rows, tj1[t] - tj0[t], c0 - tj0[t]);
+                        add_mask_rows(s, n, w, lds, bt + e * bias_stride, r0, bias_rows, tj1[t] - tj0[t],
+                                      c0 - tj0[t]);
                     for (int64_t i = 0; i < n; ++i)
                         row_exp(s + i * lds, w, shift[row + i], log2e, floor2, factor[row + i]);
                     gemm_tn_acc((int)w, (int)dv, (int)n, s, (int)lds, dy + row * dv, (int)dv, dvp, (int)lddv);
@@ -767,8 +772,8 @@ void fa_backward_blocks(const float *q, const float *dy, const float *d_sum, con
                         for (; j < w; ++j)
                             di[j] = (di[j] - d_sum[row + i]) * pi[j];
                     }
-                    gemm_tn_acc((int)w, (int)dk, (int)n, dp, (int)lds, q + row * dk, (int)dk, dkp, (int)lddk);
-                    gemm_nn((int)n, (int)dk, (int)w, dp, (int)lds, kp, (int)ldk, 1.0f, dq_rows + r0 * ld_rows,
+                    gemm_tn_acc((int)w, (int)dg, (int)n, dp, (int)lds, q + row * dk, (int)dk, dkp, (int)lddk);
+                    gemm_nn((int)n, (int)dg, (int)w, dp, (int)lds, kp, (int)ldk, 1.0f, dq_rows + r0 * ld_rows,
                             (int)ld_rows);
                 }
             }
@@ -781,8 +786,8 @@ void fa_backward_blocks(const float *q, const float *dy, const float *d_sum, con
                 const int64_t e = er / rows, r = er % rows;
                 float *out = dq + e * sdq + r * lddq;
                 for (int64_t run = 0; run < runs; ++run) {
-                    const float *part = dq_part + ((e * runs + run) * rows + r) * dk;
-                    for (int64_t d = 0; d < dk; ++d)
+                    const float *part = dq_part + ((e * runs + run) * rows + r) * dg;
+                    for (int64_t d = 0; d < dg; ++d)
                         out[d] += part[d];
                 }
             }
