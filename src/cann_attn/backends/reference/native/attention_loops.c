@@ -735,6 +735,8 @@ void fa_backward_blocks(const float *q, const float *dy, const float *d_sum, con
     runs = runs < pieces ? runs : pieces;
     runs = runs > 1 ? runs : 1;
     float *dq_part = runs > 1 ? calloc((size_t)(entries * runs * rows * dg), sizeof(float)) : NULL;
+    if (!dq_part)
+        runs = 1; /* also where the buffers could not be had: one item per entry, which owns its dQ rows */
     const int64_t br = block_rows < rows ? block_rows : rows;
 #pragma omp parallel
     {
