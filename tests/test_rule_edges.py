@@ -3,6 +3,7 @@ shared pse elements, bit order. Each test here was written against a mutant of t
 `cann_attn/problem/` or the ops' validation) that the rest of the suite let pass."""
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
@@ -92,3 +93,21 @@ def test_prefix_reaches_key_tiles_beyond_band(rng):
     kw = dict(sparse_mode=6, atten_mask=make_compressed_mask(6), prefix=[580], scale_value=8**-0.5)
     result = cann_attn.flash_attention_score(q, k, v, n, "BNSD", **kw)
     oracle.check_fa_result(result, q, k, v, n, "BNSD", **kw)
+
+
+@pytest.mark.parametrize("seq_kv", [16, 24, 13])
+@pytest.mark.parametrize("base", [0, 5, 8])
+@pytest.mark.parametrize("cols", [(0, 16), (3, 11), (8, 9)])
+def test_keep_tile_reads_lsb_first_bits(seq_kv, base, cols):
+    """keep_tile against NumPy's little-endian unpacking of the whole mask, on both of its paths (whole bytes where
+    every row starts at the same bit, element indices where it does not) and at bit offsets within a byte."""
+    from cann_attn.problem.dropout import SequenceDropout
+
+    count, heads, seq_q = 2, 3, 5
+    mask = torch.randint(0, 256, (200,), dtype=torch.uint8, generator=torch.Generator().manual_seed(seq_kv + base))
+    dropout = SequenceDropout(mask=mask, keep_prob=0.5, base=base, count=count, heads=heads, seq_q=seq_q,
+                              seq_kv=seq_kv)
+    bits = torch.from_numpy(np.unpackbits(mask.numpy(), bitorder="little"))
+    j0, j1 = cols[0], min(cols[1], seq_kv)
+    want = bits[base : base + count * heads * seq_q * seq_kv].view(count, heads, seq_q, seq_kv)[:, :, 1:4, j0:j1]
+    torch.testing.assert_close(dropout.keep_tile(1, 4, j0, j1, torch.device("cpu")), want.bool())
