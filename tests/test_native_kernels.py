@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import pytest
 import torch
 
@@ -440,8 +441,8 @@ def test_fused_dense_forward_propagates_nan():
 
 @pytest.mark.parametrize("kind", ["plain", "causal", "gqa_tnd", "explicit_batch", "alibi", "dropout"])
 def test_dense_operators_take_the_fused_loops_where_they_apply(monkeypatch, kind):
-    """The fused forward and backward run for fp32 problems without dropout (masks shared by the run or not, pse,
-    GQA, varlen) and give what the PyTorch loops give with sgemm unavailable."""
+    """The fused forward and backward run for every fp32 problem (masks shared by the run or not, pse, dropout, GQA,
+    varlen) and give what the PyTorch loops give with sgemm unavailable."""
     gen = torch.Generator().manual_seed(14)
     kw: dict = {}
     layout, n1, n2, b, s = "BNSD", 4, 4, 2, 150
@@ -484,8 +485,7 @@ def test_dense_operators_take_the_fused_loops_where_they_apply(monkeypatch, kind
         return [t for t in (*fwd, *grads) if isinstance(t, torch.Tensor)]
 
     fused = run()
-    applies = kind != "dropout"
-    assert set(calls) == ({"fa_forward_blocks", "fa_backward_blocks"} if applies else set()), (kind, calls)
+    assert set(calls) == {"fa_forward_blocks", "fa_backward_blocks"}, (kind, calls)
     monkeypatch.setattr(native, "has_sgemm", lambda: False)
     calls.clear()
     plain = run()
@@ -599,3 +599,46 @@ def test_blas_switch(monkeypatch):
     assert native.has_sgemm()
     monkeypatch.setenv(native.BLAS_SWITCH, "0")
     assert not native.has_sgemm()
+
+
+@pytest.mark.parametrize("sub_cols", [16, 512])
+def test_fused_loops_read_dropout_bits_in_place(sub_cols):
+    """KeepBits: each row's keep bits start at its own bit (any offset within a byte) and run on through the tile, in
+    the forward (dropped terms count in the sum, not in the output) and the backward (dV from P keep / keep_prob, dP
+    scaled the same), with column pieces narrower than the tile."""
+    gen = torch.Generator().manual_seed(17)
+    entries, rows, d, n_keys, keep_prob = 2, 12, 8, 50, 0.7
+    tile = (3, 50)
+    width = tile[1] - tile[0]
+    q, k, v = (torch.randn(entries, n, d, generator=gen) for n in (rows, n_keys, n_keys))
+    mask = torch.randint(0, 256, (200,), dtype=torch.uint8, generator=gen)
+    first = torch.randint(0, 8 * 200 - width, (entries, rows), generator=gen)
+    bits = torch.from_numpy(np.unpackbits(mask.numpy(), bitorder="little")).double()
+    keep = bits[first.unsqueeze(-1) + torch.arange(width)]  # [E, R, width]
+    s = torch.einsum("erd,ejd->erj", q.double(), k[:, tile[0] : tile[1]].double())
+    m = s.amax(-1, keepdim=True)
+    p = torch.exp(s - m)
+    m_got, l_got, acc = torch.empty(entries, rows), torch.empty(entries, rows), torch.empty(entries, rows, d)
+    no_bias = native.BiasTiles([None], rows)
+    native.fa_forward_blocks(q, k, v, [tile], no_bias, 8, sub_cols, LOG2E, EXP2_FLOOR, m_got, l_got, acc,
+                             keep=native.KeepBits(mask, first))
+    torch.testing.assert_close(l_got.double(), p.sum(-1), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(acc.double(), torch.einsum("erj,ejd->erd", p * keep, v[:, tile[0] : tile[1]].double()),
+                               rtol=1e-5, atol=1e-5)
+
+    dy, d_sum = torch.randn(entries, rows, d, generator=gen), torch.randn(entries, rows, generator=gen)
+    factor = (1 / p.sum(-1)).float()
+    prob = p * factor.double().unsqueeze(-1)
+    dp = torch.einsum("erd,ejd->erj", dy.double(), v[:, tile[0] : tile[1]].double()) * keep / keep_prob
+    ds = prob * (dp - d_sum.double().unsqueeze(-1))
+    dq, dk, dv = torch.zeros(entries, rows, d), torch.zeros(entries, n_keys, d), torch.zeros(entries, n_keys, d)
+    native.fa_backward_blocks(q, dy, d_sum, m_got, factor, k, v, [tile], no_bias, 8, sub_cols, 4, LOG2E, EXP2_FLOOR,
+                              dq, dk, dv, keep=native.KeepBits(mask, first), keep_prob=keep_prob)
+    torch.testing.assert_close(dq.double(), torch.einsum("erj,ejd->erd", ds, k[:, tile[0] : tile[1]].double()),
+                               rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(dk[:, tile[0] : tile[1]].double(), torch.einsum("erj,erd->ejd", ds, q.double()),
+                               rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(dv[:, tile[0] : tile[1]].double(),
+                               torch.einsum("erj,erd->ejd", prob * keep / keep_prob, dy.double()), rtol=1e-4,
+                               atol=1e-5)
+    assert torch.all(dk[:, : tile[0]] == 0) and torch.all(dv[:, : tile[0]] == 0)

@@ -102,18 +102,24 @@ class SequenceDropout:
     seq_q: int
     seq_kv: int
 
+    def row_starts(self, i0: int, i1: int, j0: int) -> torch.Tensor:
+        """[count, N1, i1 - i0] int64 (on the mask's device): the element index of (row i, column j0) of every
+        sequence and head; a row's next columns are the next elements (bits)."""
+        plane = self.seq_q * self.seq_kv
+        idx_dev = self.mask.device
+        seq = torch.arange(self.count, device=idx_dev, dtype=torch.int64).view(-1, 1, 1) * (self.heads * plane)
+        head = torch.arange(self.heads, device=idx_dev, dtype=torch.int64).view(1, -1, 1) * plane
+        rows = torch.arange(i0, i1, device=idx_dev, dtype=torch.int64).view(1, 1, -1) * self.seq_kv
+        return self.base + seq + head + rows + j0
+
     def keep_tile(self, i0: int, i1: int, j0: int, j1: int, device: torch.device) -> torch.Tensor:
         """Boolean keep tile [count, N1, i1 - i0, j1 - j0]: element e's bit is bit e % 8 (LSB first) of byte e // 8.
 
         A row's bits are consecutive. Where every row of the tile starts at the same bit within its byte (Skv, the
         base and j0 multiples of 8, as in most shapes), whole bytes are gathered and unpacked (8x fewer indices;
         ~15x faster at 8 x 256 x 1024); else each element is indexed."""
-        plane = self.seq_q * self.seq_kv
         idx_dev = self.mask.device
-        seq = torch.arange(self.count, device=idx_dev, dtype=torch.int64).view(-1, 1, 1, 1) * (self.heads * plane)
-        head = torch.arange(self.heads, device=idx_dev, dtype=torch.int64).view(1, -1, 1, 1) * plane
-        rows = torch.arange(i0, i1, device=idx_dev, dtype=torch.int64).view(1, 1, -1, 1) * self.seq_kv
-        starts = self.base + seq + head + rows + j0  # [count, N1, rows, 1]: each row's first element
+        starts = self.row_starts(i0, i1, j0).unsqueeze(-1)  # [count, N1, rows, 1]
         cols = j1 - j0
         shift = (self.base + j0) % 8
         if self.seq_kv % 8 == 0:  # then Sq * Skv is too: every row starts `shift` bits into a byte

@@ -7,7 +7,7 @@ dS = P * (dP * keep / keep_prob - rowsum(dY * O)), dQ += scale dS K, dK += dS^T 
 dQ/dK/dV accumulate in fp32: straight in the outputs when they are fp32 and their layout gives the GEMMs'
 [count * N2, rows, D] view, else in buffers. No [Sq, Skv] matrix is ever formed.
 
-Where the fused forward applies (fp32 on the CPU with a BLAS sgemm, no dropout) and no dpse is asked for, each query
+Where the fused forward applies (fp32 on the CPU with a BLAS sgemm) and no dpse is asked for, each query
 tile goes to `native.fa_backward_blocks` (one call, or one per key tile as in the forward): a thread takes one kv
 head's run of key pieces through all five products for every row of the tile, so it alone writes those dK / dV rows
 (B=1 N=8 S=2048 D=128, backward alone: 421 -> 345 ms).
@@ -144,7 +144,8 @@ def _fused_backward(kernel: RunKernel, q_tile, i0: int, i1: int, dy_g, d_sum, ro
         native.fa_backward_blocks(q_tile[entries], dy_g[entries], d_sum[entries], shift[entries], factor[entries],
                                   kernel.k[entries], kernel.v[entries], [(j0, j1)], bias,
                                   fused_block_rows(q_tile.shape[1]), FUSED_SUB_COLS, FUSED_MIN_ITEMS * n_entries,
-                                  LOG2E, EXP2_FLOOR, dq_acc[entries], dk_acc[entries], dv_acc[entries])
+                                  LOG2E, EXP2_FLOOR, dq_acc[entries], dk_acc[entries], dv_acc[entries],
+                                  keep=kernel.fused_keep(i0, i1, j0, entries), keep_prob=kernel.problem.keep_prob)
     return True
 
 

@@ -7,12 +7,13 @@ by stacking the group's query rows into one GEMM ([count * N2, G * rows, D]). Th
 query tile (one small pass per query tile; K is read in place, transposed by the GEMM, so no key-sized copy is
 made per call) and ALiBi (pse_type 2) on extra GEMM columns wherever `problem.pse` allows it.
 
-On the CPU in fp32 with a BLAS sgemm available, problems without dropout run through the fused native loop
+On the CPU in fp32 with a BLAS sgemm available, problems run through the fused native loop
 (`native.fa_forward_blocks`): every thread takes whole (kv head, row block) items through QK^T, the bias tile, the
-online softmax and PV, instead of every GEMM being split over the threads (B=1 N=8 S=2048 D=128: 0.78 -> 0.89 of
-SDPA's throughput). Without pse, and with a mask shared by the run, a query tile is one call; with pse (ALiBi's
-feature columns or a per-head bias tile) or per-sequence masks, one call per key tile after the same entry skipping.
-The tiling, the bias tiles, the skipping and the normalisation stay here.
+online softmax, the dropout bits and PV, instead of every GEMM being split over the threads (B=1 N=8 S=2048 D=128:
+0.78 -> 0.89 of SDPA's throughput). Without pse and dropout, and with a mask shared by the run, a query tile is one
+call; otherwise (ALiBi's feature columns or a per-head bias tile, keep bits read in place from the packed mask,
+per-sequence masks) one call per key tile, after the same entry skipping. The tiling, the bias tiles, the skipping,
+the keep-bit addresses and the normalisation stay here and in `problem/`.
 
 Exponentials come from `softmax_exp.exp_shifted_` (exp2-based, natural-unit logits, denormals flushed to 0).
 """
@@ -146,10 +147,10 @@ class RunKernel:
         self._buffer = torch.empty(rows, dtype=self.dtype, device=self.device)
         self._scratch: torch.Tensor | None = None
         self._mask_biases: dict[tuple[int, int, int], torch.Tensor] = {}
-        # The fused native loops: fp32 compute on the CPU with a BLAS sgemm, and no dropout (its keep tiles stay
-        # with the PyTorch loop).
-        self.fused = run.dropout is None and self.k.stride(-1) == 1 and self.v.stride(-1) == 1 \
-            and native.usable(self.k, self.v) and native.has_sgemm()
+        # The fused native loops: fp32 compute on the CPU with a BLAS sgemm (and a CPU keep mask, read in place).
+        self.fused = self.k.stride(-1) == 1 and self.v.stride(-1) == 1 and native.usable(self.k, self.v) \
+            and native.has_sgemm() and (run.dropout is None or (run.dropout.mask.device.type == "cpu"
+                                                                and run.dropout.mask.is_contiguous()))
 
     def scratch(self, shape: torch.Size) -> torch.Tensor:
         """A second reusable tile-sized buffer (the backward's dP), allocated on first use."""
@@ -281,9 +282,9 @@ class RunKernel:
 
     def fused_tiles(self, i0: int, i1: int) -> tuple[list[tuple[int, int]], native.BiasTiles] | None:
         """Every key tile of query rows [i0, i1) with its mask tile, for one call of the fused loops, or None where
-        the tiles need per-tile calls (`fused_bias`): with pse (per-tile q features, per-head bias, skipped entries)
-        or a mask that differs between the run's sequences or heads."""
-        if self.run.pse is not None:
+        the tiles need per-tile calls (`fused_bias`): with pse (per-tile q features, per-head bias, skipped entries),
+        dropout (per-tile keep tiles) or a mask that differs between the run's sequences or heads."""
+        if self.run.pse is not None or self.run.dropout is not None:
             return None
         tiles, masks = [], []
         rows = i1 - i0
@@ -323,6 +324,15 @@ class RunKernel:
         total = total.expand(run.count, n_heads, rows, cols).contiguous()
         entry_rows = self.problem.heads_q // self.problem.heads_kv * rows
         return native.BiasTiles([total], entry_rows, entry_rows * cols)
+
+    def fused_keep(self, i0: int, i1: int, j0: int, entries: slice) -> native.KeepBits | None:
+        """The dropout of a tile starting at column j0 for the GEMM batch `entries`: the packed mask and the first bit
+        of each of their rows, [entries, G * rows] (the layout rule stays in `SequenceDropout.row_starts`)."""
+        dropout = self.run.dropout
+        if dropout is None:
+            return None
+        first = dropout.row_starts(i0, i1, j0)[:, self.heads(entries)]
+        return native.KeepBits(dropout.mask, first.reshape(entries.stop - entries.start, -1))
 
     def forward(self, out_view, max_view, sum_view) -> None:
         problem, run = self.problem, self.run
@@ -364,7 +374,8 @@ class RunKernel:
             bias = self.fused_bias(q_tile, i0, i1, j0, j1, state, entries)
             native.fa_forward_blocks(q_tile[entries], self.k[entries], self.v[entries], [(j0, j1)], bias,
                                      fused_block_rows(q_tile.shape[1]), FUSED_SUB_COLS, LOG2E, EXP2_FLOOR,
-                                     max_rows[entries], sum_rows[entries], acc[entries], init=False)
+                                     max_rows[entries], sum_rows[entries], acc[entries], init=False,
+                                     keep=self.fused_keep(i0, i1, j0, entries))
 
     def _forward_tiles(self, q_tile, i0: int, i1: int, row_max, row_sum, acc) -> None:
         """The query tile through PyTorch ops, one key tile at a time."""

@@ -57,10 +57,10 @@ _SIGNATURES = {
     "fa_ds_rows": [_P, _P, _I, _I, _P],
     "cann_attn_set_sgemm": [_P],
     "cann_attn_has_sgemm": [],
-    "fa_forward_blocks": [_P, _I, _I, _I, _P, _I, _I, _P, _I, _I, _I, _I, _P, _P, _P, _I, _I, _I, _I, _I, _F, _F,
-                          _P, _P, _P],
-    "fa_backward_blocks": [_P, _P, _P, _P, _P, _I, _I, _I, _I, _I, _P, _I, _I, _P, _I, _I, _I, _P, _P, _P, _I, _I, _I,
-                           _I, _I, _F, _F, _P, _I, _I, _P, _I, _I, _P, _I, _I],
+    "fa_forward_blocks": [_P, _I, _I, _I, _P, _I, _I, _P, _I, _I, _I, _I, _P, _P, _P, _I, _I, _P, _P, _I, _I, _I,
+                          _F, _F, _P, _P, _P],
+    "fa_backward_blocks": [_P, _P, _P, _P, _P, _I, _I, _I, _I, _I, _P, _I, _I, _P, _I, _I, _I, _P, _P, _P, _I, _I, _P,
+                           _P, _F, _I, _I, _I, _F, _F, _P, _I, _I, _P, _I, _I, _P, _I, _I],
 }
 
 _lock = threading.Lock()
@@ -346,19 +346,42 @@ class BiasTiles:
 
 def fa_forward_blocks(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tiles: list[tuple[int, int]],
                       bias: BiasTiles, block_rows: int, sub_cols: int, log2e: float, floor2: float,
-                      row_max: torch.Tensor, row_sum: torch.Tensor, acc: torch.Tensor, init: bool = True) -> None:
+                      row_max: torch.Tensor, row_sum: torch.Tensor, acc: torch.Tensor, init: bool = True,
+                      keep: KeepBits | None = None) -> None:
     """Online softmax of q [E, R, Dk] (contiguous, scaled) over the key tiles `tiles` of k [E, Skv, Dk] and v [E, Skv,
     Dv] (unit column stride), each with its optional additive bias tile (`BiasTiles`): row_max / row_sum [E, R] and the
-    unnormalised acc [E, R, Dv] are updated, after being reset when `init` is set."""
+    unnormalised acc [E, R, Dv] are updated, after being reset when `init` is set. `keep`: the dropout of a single key
+    tile (`KeepBits`); dropped terms count in row_sum but not in acc."""
     lib = library()
     _check_rows(q, row_max, row_sum, acc)
     _unit_rows(k, v)
     entries, rows, dk = q.shape
     tj0, tj1, pointers = _tile_arrays(tiles, bias, entries)
+    keep_mask, keep_first = _keep_pointers(keep, tiles, entries, rows)
     lib.fa_forward_blocks(q.data_ptr(), entries, rows, dk, k.data_ptr(), k.stride(0), k.stride(1), v.data_ptr(),
                           v.stride(0), v.stride(1), v.shape[-1], len(tiles), tj0.data_ptr(), tj1.data_ptr(),
-                          pointers.data_ptr(), bias.rows, bias.entry_stride, block_rows, sub_cols, int(init), log2e,
-                          floor2, row_max.data_ptr(), row_sum.data_ptr(), acc.data_ptr())
+                          pointers.data_ptr(), bias.rows, bias.entry_stride, keep_mask, keep_first, block_rows,
+                          sub_cols,
+                          int(init), log2e, floor2, row_max.data_ptr(), row_sum.data_ptr(), acc.data_ptr())
+
+
+class KeepBits:
+    """Dropout for a fused call with one key tile: the bit-packed keep mask (flat uint8, LSB first) and, for every row
+    of the call, the index of the bit of its first column (int64 [E, R]); a row's next columns are the next bits."""
+
+    def __init__(self, mask: torch.Tensor, first: torch.Tensor) -> None:
+        assert mask.dtype == torch.uint8 and mask.is_contiguous() and mask.device.type == "cpu"
+        self.mask, self.first = mask, first.to(torch.int64).contiguous()
+
+
+def _keep_pointers(keep: KeepBits | None, tiles: list[tuple[int, int]], entries: int,
+                   rows: int) -> tuple[int | None, int | None]:
+    if keep is None:
+        return None, None
+    assert len(tiles) == 1 and keep.first.shape == (entries, rows), keep.first.shape
+    last_bit = int(keep.first.max()) + tiles[0][1] - tiles[0][0] - 1
+    assert int(keep.first.min()) >= 0 and last_bit < 8 * keep.mask.numel(), "keep bits beyond the mask"
+    return keep.mask.data_ptr(), keep.first.data_ptr()
 
 
 def _tile_arrays(tiles: list[tuple[int, int]], bias: BiasTiles,
@@ -382,20 +405,24 @@ def _unit_rows(*tensors: torch.Tensor) -> None:
 def fa_backward_blocks(q: torch.Tensor, dy: torch.Tensor, d_sum: torch.Tensor, shift: torch.Tensor,
                        factor: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tiles: list[tuple[int, int]],
                        bias: BiasTiles, block_rows: int, sub_cols: int, min_items: int, log2e: float, floor2: float,
-                       dq: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor) -> None:
+                       dq: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor, keep: KeepBits | None = None,
+                       keep_prob: float = 1.0) -> None:
     """Backward of one query tile: q [E, R, Dk] (scaled) and dy [E, R, Dv], d_sum / shift / factor [E, R] (all
     contiguous), k / v [E, Skv, D] and dq [E, R, Dg], dk [E, Skv, Dg], dv [E, Skv, Dv] (unit column stride), Dg <= Dk
     (q's and k's further columns enter only the scores); dq, dk and dv are accumulated into. Each entry's key pieces
-    are split into ceil(min_items / E) work items (see attention_loops.c)."""
+    are split into ceil(min_items / E) work items (see attention_loops.c). `keep`: the dropout of a single key tile
+    (`KeepBits`), applied with 1 / keep_prob."""
     lib = library()
     _check_rows(q, dy, d_sum, shift, factor)
     _unit_rows(k, v, dq, dk, dv)
     entries, rows, d_qk = q.shape
     tj0, tj1, pointers = _tile_arrays(tiles, bias, entries)
+    keep_mask, keep_first = _keep_pointers(keep, tiles, entries, rows)
     lib.fa_backward_blocks(q.data_ptr(), dy.data_ptr(), d_sum.data_ptr(), shift.data_ptr(), factor.data_ptr(), entries,
                            rows, d_qk, dq.shape[-1], dy.shape[-1], k.data_ptr(), k.stride(0), k.stride(1), v.data_ptr(),
                            v.stride(0), v.stride(1), len(tiles), tj0.data_ptr(), tj1.data_ptr(), pointers.data_ptr(),
-                           bias.rows, bias.entry_stride, block_rows, sub_cols, min_items, log2e, floor2,
+                           bias.rows, bias.entry_stride, keep_mask, keep_first, 1.0 / keep_prob, block_rows, sub_cols,
+                           min_items, log2e, floor2,
                            dq.data_ptr(), dq.stride(0),
                            dq.stride(1), dk.data_ptr(), dk.stride(0), dk.stride(1), dv.data_ptr(), dv.stride(0),
                            dv.stride(1))

@@ -628,20 +628,32 @@ static void add_mask_rows(float *s, int64_t n, int64_t w, int64_t lds, const flo
     }
 }
 
+/* s[0..w) *= factor where keep bit `first` + j of the bit-packed mask is set (bit b: bit b % 8 of byte b / 8, LSB
+ * first), else 0: the dropout of one row. */
+static void keep_row(float *s, const uint8_t *bits, int64_t first, int64_t w, float factor) {
+    for (int64_t j = 0; j < w; ++j) {
+        const int64_t b = first + j;
+        s[j] = (bits[b >> 3] >> (b & 7)) & 1 ? s[j] * factor : 0.0f;
+    }
+}
+
 /* For `entries` GEMM batch entries (a kv head with its group's query rows), each with `rows` query rows q [E, rows,
  * dk] (contiguous, scaled), keys k (entry stride ske, row stride ldk) and values v (sve, ldv): run the online
  * softmax over the key tiles [tj0[t], tj1[t]) in order, each with an optional additive tile bias[t] (row-major, tile
  * width columns; 0: none): row r of entry e reads row r % bias_rows of the block at bias[t] + e * bias_stride (a mask
  * shared by every entry and head: bias_rows = rows of one head, stride 0; a pse tile: bias_rows = rows, stride =
  * rows * width). Updates row_max / row_sum [E, rows] (fa_softmax_step's conventions) and the unnormalised acc [E,
- * rows, dv], which are first reset (max -inf, sum 0, acc 0) when `init` is set.
+ * rows, dv], which are first reset (max -inf, sum 0, acc 0) when `init` is set. With dropout (a single tile), `keep` is
+ * the bit-packed keep mask and keep_first [E, rows] the bit of each row's column tj0[0] (keep_row): dropped terms
+ * count in the row sum but not in acc.
  * Work items are (entry, block of `block_rows` rows); each walks the key tiles in `sub_cols`-wide pieces so that its
  * score block stays in L2. No result depends on the thread count. */
 void fa_forward_blocks(const float *q, int64_t entries, int64_t rows, int64_t dk, const float *k, int64_t ske,
                        int64_t ldk, const float *v, int64_t sve, int64_t ldv, int64_t dv, int64_t n_tiles,
                        const int64_t *tj0, const int64_t *tj1, const int64_t *bias, int64_t bias_rows,
-                       int64_t bias_stride, int64_t block_rows, int64_t sub_cols, int64_t init, float log2e,
-                       float floor2, float *row_max_out, float *row_sum_out, float *acc) {
+                       int64_t bias_stride, const uint8_t *keep, const int64_t *keep_first, int64_t block_rows,
+                       int64_t sub_cols,
+                       int64_t init, float log2e, float floor2, float *row_max_out, float *row_sum_out, float *acc) {
     const int64_t blocks = (rows + block_rows - 1) / block_rows;
 #pragma omp parallel
     {
@@ -674,6 +686,8 @@ void fa_forward_blocks(const float *q, int64_t entries, int64_t rows, int64_t dk
                         const float m_new = max_nan(m[i], row_max(si, w));
                         const float shift = m_new == -INFINITY ? 0.0f : m_new;
                         const float total = row_exp(si, w, shift, log2e, floor2, 1.0f);
+                        if (keep)
+                            keep_row(si, keep, keep_first[e * rows + r0 + i] + c0 - tj0[t], w, 1.0f);
                         const float corr = expf(m[i] - shift);
                         l[i] = l[i] * corr + total;
                         m[i] = m_new;
@@ -711,6 +725,8 @@ static int64_t key_pieces(int64_t n_tiles, const int64_t *tj0, const int64_t *tj
  * their optional bias tiles (as fa_forward_blocks):
  *   P = 2^((Q K^T + mask - shift) log2e) * factor (flushed), dV += P^T dY, dP = dY V^T, dS = P (dP - d_sum),
  *   dK += dS^T Q, dQ += dS K,
+ * with dropout (a single tile; `keep` and keep_first as in fa_forward_blocks) dV += (P keep inv_keep)^T dY and
+ * dP = (dY V^T) keep inv_keep,
  * accumulating into dq, dk and dv (entry stride, row stride). The gradients take the first dg <= dk columns of Q and
  * K (the rest are ALiBi's rank-2 feature columns, which only enter S). A work item owns one entry's run of consecutive key
  * pieces (at most `sub_cols` wide), so it alone writes their dK / dV rows. Each entry's pieces are split into
@@ -721,7 +737,7 @@ void fa_backward_blocks(const float *q, const float *dy, const float *d_sum, con
                         int64_t entries, int64_t rows, int64_t dk, int64_t dg, int64_t dv, const float *k, int64_t ske,
                         int64_t ldk, const float *v, int64_t sve, int64_t ldv, int64_t n_tiles, const int64_t *tj0,
                         const int64_t *tj1, const int64_t *bias, int64_t bias_rows, int64_t bias_stride,
-                        int64_t block_rows, int64_t sub_cols, int64_t min_items, float log2e, float floor2, float *dq,
+                        const uint8_t *keep, const int64_t *keep_first, float inv_keep, int64_t block_rows, int64_t sub_cols, int64_t min_items, float log2e, float floor2, float *dq,
                         int64_t sdq,
                         int64_t lddq, float *dk_acc, int64_t sdk, int64_t lddk, float *dv_acc, int64_t sdv,
                         int64_t lddv) {
@@ -761,8 +777,18 @@ void fa_backward_blocks(const float *q, const float *dy, const float *d_sum, con
                                       c0 - tj0[t]);
                     for (int64_t i = 0; i < n; ++i)
                         row_exp(s + i * lds, w, shift[row + i], log2e, floor2, factor[row + i]);
-                    gemm_tn_acc((int)w, (int)dv, (int)n, s, (int)lds, dy + row * dv, (int)dv, dvp, (int)lddv);
+                    if (keep) { /* dV takes the dropped probabilities P * keep / keep_prob, formed in dp first */
+                        for (int64_t i = 0; i < n; ++i) {
+                            memcpy(dp + i * lds, s + i * lds, sizeof(float) * w);
+                            keep_row(dp + i * lds, keep, keep_first[row + i] + c0 - tj0[t], w, inv_keep);
+                        }
+                    }
+                    gemm_tn_acc((int)w, (int)dv, (int)n, keep ? dp : s, (int)lds, dy + row * dv, (int)dv, dvp,
+                                (int)lddv);
                     gemm_nt((int)n, (int)w, (int)dv, dy + row * dv, (int)dv, vp, (int)ldv, 0.0f, dp, (int)lds);
+                    if (keep)
+                        for (int64_t i = 0; i < n; ++i)
+                            keep_row(dp + i * lds, keep, keep_first[row + i] + c0 - tj0[t], w, inv_keep);
                     for (int64_t i = 0; i < n; ++i) {
                         float *di = dp + i * lds;
                         const float *pi = s + i * lds;
