@@ -122,6 +122,18 @@ def test_kl_target_rows(invalid):
     torch.testing.assert_close(out.double(), want, rtol=1e-5, atol=1e-7)
 
 
+def _on_one_and_two_threads(run):
+    """run() with torch's thread pool at 1 and then 2 threads (restored afterwards): (first result, second result)."""
+    previous = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = run()
+        torch.set_num_threads(2)
+        return one, run()
+    finally:
+        torch.set_num_threads(previous)
+
+
 def test_results_do_not_depend_on_the_thread_count():
     gen = torch.Generator().manual_seed(11)
     rows, heads, dqk, dv, width, n_keys = 37, 16, 72, 64, 96, 200
@@ -138,15 +150,8 @@ def test_results_do_not_depend_on_the_thread_count():
                             tokens, valid, LOG2E, EXP2_FLOOR, 0.5, dq, dk, dv_)
         return o, m, l, dq, dk, dv_
 
-    previous = torch.get_num_threads()
-    try:
-        torch.set_num_threads(1)
-        one = run()
-        torch.set_num_threads(2)
-        two = run()
-        again = run()
-    finally:
-        torch.set_num_threads(previous)
+    one, two = _on_one_and_two_threads(run)
+    again = run()
     for a, b, c in zip(one, two, again, strict=True):
         assert torch.equal(a, b) and torch.equal(b, c)
 
@@ -407,14 +412,7 @@ def test_fused_dense_forward_blocks(case):
                                  EXP2_FLOOR, m, l, acc)
         return m, l, acc
 
-    previous = torch.get_num_threads()
-    try:
-        torch.set_num_threads(1)
-        one = run()
-        torch.set_num_threads(2)
-        two = run()
-    finally:
-        torch.set_num_threads(previous)
+    one, two = _on_one_and_two_threads(run)
     for a, b in zip(one, two, strict=True):
         assert torch.equal(a, b)
     m, l, acc = two
@@ -540,14 +538,7 @@ def test_fused_dense_backward_blocks(case, min_items):
                                   block_rows, sub_cols, min_items, LOG2E, EXP2_FLOOR, dq, dk_, dv_)
         return dq, dk_, dv_
 
-    previous = torch.get_num_threads()
-    try:
-        torch.set_num_threads(1)
-        one = run()
-        torch.set_num_threads(2)
-        two = run()
-    finally:
-        torch.set_num_threads(previous)
+    one, two = _on_one_and_two_threads(run)
     want = _backward64(q, k, v, dy, d_sum, shift, factor, tiles, biases, head_rows)
     for a, b, w, s0 in zip(one, two, want, start, strict=True):
         assert torch.equal(a, b)

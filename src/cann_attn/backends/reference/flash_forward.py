@@ -222,30 +222,38 @@ class RunKernel:
                entries: slice) -> torch.Tensor:
         """Masked logits S = scale * Q K^T + bias of the tile for the GEMM batch `entries` (from `entries()`), as
         [c, heads, rows, cols] (a view of the buffer); masked entries are -inf."""
-        problem, run = self.problem, self.run
+        run = self.run
         heads = self.heads(entries)
-        q_tile = q_tile[entries]
         c, n_heads, rows, cols = run.count, heads.stop - heads.start, i1 - i0, j1 - j0
-        out = self._buffer[: c * n_heads * rows * cols].view(q_tile.shape[0], -1, cols)
+        out = self._buffer[: c * n_heads * rows * cols].view(entries.stop - entries.start, -1, cols)
         kt = self.k[entries, j0:j1].transpose(1, 2)
-        pse = run.pse
-        if pse is None:
-            torch.bmm(q_tile, kt, out=out)
-        elif (feats := self._linear_query_features(i0, i1, j0, j1)) is not None:
-            d = q_tile.shape[-1]
-            feats = feats.expand(c, problem.heads_q, rows, 2)[:, heads]
-            q_tile[:, :, d - 2 :] = feats.reshape(q_tile.shape[0], -1, 2)
-            torch.bmm(q_tile, kt, out=out)
+        bias = self.pse_tile(q_tile, i0, i1, j0, j1, entries)
+        if bias is None:
+            torch.bmm(q_tile[entries], kt, out=out)
         else:
-            if self.linear_pse:
-                q_tile[:, :, -2:] = 0.0
-            bias = pse.tile(i0, i1, j0, j1, self.device, self.dtype)[:, heads]
             out.view(c, n_heads, rows, cols).copy_(bias.expand(c, n_heads, rows, cols))
-            out.baddbmm_(q_tile, kt)
+            out.baddbmm_(q_tile[entries], kt)
         s = out.view(c, n_heads, rows, cols)
         if state is TileState.PARTIAL:
             s.add_(self._mask_bias(i0, i1, j0, j1))
         return s
+
+    def pse_tile(self, q_tile: torch.Tensor, i0: int, i1: int, j0: int, j1: int, entries: slice) -> torch.Tensor | None:
+        """The pse of the tile for the GEMM batch `entries`: None where there is none or where ALiBi's rank-2 form
+        applies (then written into the feature columns of q_tile's `entries`, which otherwise are zeroed), else the
+        bias [nb or 1, heads, rows, cols] to add."""
+        pse = self.run.pse
+        if pse is None:
+            return None
+        heads = self.heads(entries)
+        q_e = q_tile[entries]
+        if (feats := self._linear_query_features(i0, i1, j0, j1)) is not None:
+            feats = feats.expand(self.run.count, self.problem.heads_q, i1 - i0, 2)[:, heads]
+            q_e[:, :, -2:] = feats.reshape(q_e.shape[0], -1, 2)
+            return None
+        if self.linear_pse:
+            q_e[:, :, -2:] = 0.0
+        return pse.tile(i0, i1, j0, j1, self.device, self.dtype)[:, heads]
 
     def _mask_bias(self, i0: int, i1: int, j0: int, j1: int) -> torch.Tensor:
         """The tile's mask as a 0 / -inf additive tile (adding it is ~10x faster than masked_fill_ with a mask
@@ -283,7 +291,7 @@ class RunKernel:
     def fused_tiles(self, i0: int, i1: int) -> tuple[list[tuple[int, int]], native.BiasTiles] | None:
         """Every key tile of query rows [i0, i1) with its mask tile, for one call of the fused loops, or None where
         the tiles need per-tile calls (`fused_bias`): with pse (per-tile q features, per-head bias, skipped entries),
-        dropout (per-tile keep tiles) or a mask that differs between the run's sequences or heads."""
+        dropout (per-tile keep bits) or a mask that differs between the run's sequences or heads."""
         if self.run.pse is not None or self.run.dropout is not None:
             return None
         tiles, masks = [], []
@@ -306,22 +314,12 @@ class RunKernel:
         materialised per head; a mask alone, shared by the run, stays one [rows, cols] tile."""
         run, rows, cols = self.run, i1 - i0, j1 - j0
         heads = self.heads(entries)
-        n_entries, n_heads = entries.stop - entries.start, heads.stop - heads.start
-        pse_tile = None
-        if run.pse is not None:
-            q_e = q_tile[entries]
-            if (feats := self._linear_query_features(i0, i1, j0, j1)) is not None:
-                feats = feats.expand(run.count, self.problem.heads_q, rows, 2)[:, heads]
-                q_e[:, :, -2:] = feats.reshape(n_entries, -1, 2)
-            else:
-                if self.linear_pse:
-                    q_e[:, :, -2:] = 0.0
-                pse_tile = run.pse.tile(i0, i1, j0, j1, self.device, self.dtype)[:, heads]
+        pse_tile = self.pse_tile(q_tile, i0, i1, j0, j1, entries)
         mask = self._mask_bias(i0, i1, j0, j1) if state is TileState.PARTIAL else None
         if pse_tile is None and (mask is None or mask.numel() == rows * cols):
             return native.BiasTiles([None if mask is None else mask.reshape(rows, cols)], rows)
         total = pse_tile if mask is None else mask if pse_tile is None else pse_tile + mask
-        total = total.expand(run.count, n_heads, rows, cols).contiguous()
+        total = total.expand(run.count, heads.stop - heads.start, rows, cols).contiguous()
         entry_rows = self.problem.heads_q // self.problem.heads_kv * rows
         return native.BiasTiles([total], entry_rows, entry_rows * cols)
 
