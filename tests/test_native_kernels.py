@@ -382,18 +382,25 @@ FUSED_CASES = [  # entries, group, head_rows, dk, dv, n_keys, tiles, block_rows,
 ]
 
 
+def _fused_inputs(case, seed: int):
+    """(generator, rows, q [E, R, Dk], k [E, Skv, Dk], v [E, Skv, Dv]) of a FUSED_CASES case, k and v strided as the
+    heads of a BSND tensor."""
+    entries, group, head_rows, dk, dv, n_keys = case[:6]
+    gen = torch.Generator().manual_seed(seed)
+    rows = group * head_rows
+    q = torch.randn(entries, rows, dk, generator=gen) * 0.3
+    kv = torch.randn(n_keys, entries, dk + dv, generator=gen)
+    return gen, rows, q, kv[..., :dk].transpose(0, 1), kv[..., dk:].transpose(0, 1)
+
+
 @pytest.mark.parametrize("case", FUSED_CASES, ids=lambda c: f"E{c[0]}G{c[1]}r{c[2]}d{c[3]}")
 def test_fused_dense_forward_blocks(case):
     """fa_forward_blocks against float64: tiles in any order with gaps between them, mask tiles that hide whole rows
     of one tile or of every tile, GQA rows reading the mask at r % head_rows, row blocks and column pieces that do
     not divide the rows and tiles, keys and values strided as in a BSND tensor, and no dependence on the thread
     count."""
-    entries, group, head_rows, dk, dv, n_keys, tiles, block_rows, sub_cols = case
-    gen = torch.Generator().manual_seed(12)
-    rows = group * head_rows
-    q = torch.randn(entries, rows, dk, generator=gen) * 0.3
-    kv = torch.randn(n_keys, entries, dk + dv, generator=gen)
-    k, v = kv[..., :dk].transpose(0, 1), kv[..., dk:].transpose(0, 1)
+    entries, _, head_rows, _, dv, _, tiles, block_rows, sub_cols = case
+    gen, rows, q, k, v = _fused_inputs(case, seed=12)
     biases = []
     for t, (j0, j1) in enumerate(tiles):
         if t == 1:
@@ -514,12 +521,8 @@ def test_fused_dense_backward_blocks(case, min_items):
     """fa_backward_blocks against float64, accumulating into strided gradients that already hold values, with one
     work item per entry (dQ written in place) and with an entry's key pieces split over several items (dQ through
     private buffers); bitwise equal for 1 and 2 threads."""
-    entries, group, head_rows, dk, dv, n_keys, tiles, block_rows, sub_cols = case
-    gen = torch.Generator().manual_seed(15)
-    rows = group * head_rows
-    q = torch.randn(entries, rows, dk, generator=gen) * 0.3
-    kv = torch.randn(n_keys, entries, dk + dv, generator=gen)
-    k, v = kv[..., :dk].transpose(0, 1), kv[..., dk:].transpose(0, 1)
+    entries, _, head_rows, dk, dv, n_keys, tiles, block_rows, sub_cols = case
+    gen, rows, q, k, v = _fused_inputs(case, seed=15)
     dy = torch.randn(entries, rows, dv, generator=gen)
     biases = [None if t == 1 else torch.zeros(head_rows, j1 - j0).masked_fill_(
         torch.rand(head_rows, j1 - j0, generator=gen) < 0.4, -math.inf) for t, (j0, j1) in enumerate(tiles)]
