@@ -636,3 +636,53 @@ def test_fused_loops_read_dropout_bits_in_place(sub_cols):
                                torch.einsum("erj,erd->ejd", prob * keep / keep_prob, dy.double()), rtol=1e-4,
                                atol=1e-5)
     assert torch.all(dk[:, : tile[0]] == 0) and torch.all(dv[:, : tile[0]] == 0)
+
+
+def _structured_mask(pattern: str, rows: int, cols: int) -> torch.Tensor:
+    """[rows, cols] 0 / -inf masks whose hidden part covers whole 64-row sub-blocks' column ranges: causal (j > i
+    hidden), a band of +-40 around the diagonal, columns >= 100 hidden from every row below 130, and causal with the
+    first 64 rows seeing no column at all."""
+    i, j = torch.arange(rows).view(-1, 1), torch.arange(cols).view(1, -1)
+    hidden = {"causal": j > i, "band": (j - i).abs() > 40, "left": (j >= 100) & (i < 130),
+              "late": (j > i) | (i < 64)}[pattern]
+    return torch.zeros(rows, cols).masked_fill_(hidden, -math.inf)
+
+
+@pytest.mark.parametrize("pattern", ["causal", "band", "left", "late"])
+def test_fused_loops_never_form_columns_no_row_of_a_sub_block_sees(pattern):
+    """Where a mask tile hides columns from every row of a 64-row sub-block, the fused loops do not compute them
+    (live_columns): results match float64, and a NaN key and a NaN value in column 203 leave finite and exact every
+    row whose 64-row sub-block cannot see that column (a row that cannot see it but shares a sub-block with one
+    that can still takes 0 x NaN there, as the dense kernels do anywhere)."""
+    entries, rows, n_keys, dk, dv = 2, 256, 300, 24, 16
+    gen = torch.Generator().manual_seed(21)
+    q = torch.randn(entries, rows, dk, generator=gen) * 0.3
+    k, v = torch.randn(entries, n_keys, dk, generator=gen), torch.randn(entries, n_keys, dv, generator=gen)
+    tiles = [(0, 256), (256, 300)]
+    biases = [_structured_mask(pattern, rows, 256), None]
+    poisoned_k, poisoned_v = k.clone(), v.clone()
+    poisoned_k[:, 203, 5] = math.nan
+    poisoned_v[:, 203, 3] = math.nan
+    sees = (biases[0][:, 203] == 0).view(-1, 64).any(dim=1).repeat_interleave(64)  # per row: its sub-block sees 203
+    want_m, want_l, want_acc = _blocks64(q, k, v, tiles, biases, rows)
+    m, l, acc = torch.empty(entries, rows), torch.empty(entries, rows), torch.empty(entries, rows, dv)
+    native.fa_forward_blocks(q, poisoned_k, poisoned_v, tiles, native.BiasTiles(biases, rows), 256, 512, LOG2E,
+                             EXP2_FLOOR, m, l, acc)
+    assert (~sees).sum() >= 64, "no sub-block is blind to the poisoned column: the case does not test the skipping"
+    torch.testing.assert_close(m[:, ~sees].double(), want_m[:, ~sees], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(l[:, ~sees].double(), want_l[:, ~sees], rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(acc[:, ~sees].double(), want_acc[:, ~sees], rtol=1e-5, atol=1e-5)
+    assert acc[:, sees].isnan().any(), "rows that see the NaN value must show it"
+
+    shift, factor = want_m.float(), (1 / want_l).float()
+    dy = torch.randn(entries, rows, dv, generator=gen)
+    d_sum = torch.randn(entries, rows, generator=gen)
+    want_dq, want_dk, want_dv = _backward64(q, k, v, dy, d_sum, shift, factor, tiles, biases, rows)
+    dq, dk_, dv_ = torch.zeros(entries, rows, dk), torch.zeros(k.shape), torch.zeros(v.shape)
+    native.fa_backward_blocks(q, dy, d_sum, shift, factor, poisoned_k, poisoned_v, tiles,
+                              native.BiasTiles(biases, rows), 128, 512, 1, LOG2E, EXP2_FLOOR, dq, dk_, dv_)
+    torch.testing.assert_close(dq[:, ~sees].double(), want_dq[:, ~sees], rtol=1e-4, atol=5e-5)
+    assert dq[:, sees].isnan().any()
+    clean = torch.arange(n_keys) != 203  # only the poisoned key's own gradients take its NaN
+    torch.testing.assert_close(dk_[:, clean].double(), want_dk[:, clean], rtol=1e-4, atol=5e-5)
+    torch.testing.assert_close(dv_[:, clean].double(), want_dv[:, clean], rtol=1e-4, atol=5e-5)

@@ -637,6 +637,89 @@ static void keep_row(float *s, const uint8_t *bits, int64_t first, int64_t w, fl
     }
 }
 
+/* Rows per sub-block where a piece's bias can hide columns, at most MAX_SUB_BLOCKS sub-blocks per row block: each
+ * sub-block then computes only the columns some row of it can see, so a causal or band diagonal tile skips most of
+ * its hidden part instead of multiplying it by zero. */
+#define MASKED_SUB_ROWS 64
+#define MAX_SUB_BLOCKS 16
+
+/* [*lo, *hi): the columns of a piece (w columns from column `col` of a bias tile `tile_w` wide) that some row of the
+ * block [r0, r0 + n) can see; outside it every row's bias is -inf, so every term there is exactly 0 (and its logit is
+ * never formed). Rounded out to multiples of 8 from the piece's start: the 8-lane row sums then add the same nonzero
+ * terms in the same lanes as over the whole piece. lo >= hi: no row sees any column. */
+static void live_columns(const float *bias, int64_t r0, int64_t n, int64_t bias_rows, int64_t tile_w, int64_t col,
+                         int64_t w, int64_t *lo, int64_t *hi) {
+    int64_t a = w, b = 0;
+    for (int64_t i = 0; i < n; ++i) {
+        const float *bi = bias + ((r0 + i) % bias_rows) * tile_w + col;
+        int64_t j = 0;
+        while (j < a && bi[j] == -INFINITY)
+            ++j;
+        a = j;
+        int64_t g = w;
+        while (g > b && bi[g - 1] == -INFINITY)
+            --g;
+        b = g;
+    }
+    *lo = a / 8 * 8;
+    *hi = round8(b) < w ? round8(b) : w;
+}
+
+/* How a row block [r0, r0 + n) goes through one piece: returns the sub-block height and writes each sub-block's live
+ * columns to ranges[2 b], ranges[2 b + 1] (live_columns). Without a bias, or where every sub-block sees the whole
+ * piece, it is one sub-block of n rows over [0, w), so that unmasked tiles keep their full-height GEMMs. */
+static int64_t live_blocks(const float *bias, int64_t r0, int64_t n, int64_t bias_rows, int64_t tile_w, int64_t col,
+                           int64_t w, int64_t *ranges) {
+    ranges[0] = 0;
+    ranges[1] = w;
+    if (!bias)
+        return n;
+    int64_t step = MASKED_SUB_ROWS;
+    if ((n + step - 1) / step > MAX_SUB_BLOCKS)
+        step = (n + MAX_SUB_BLOCKS - 1) / MAX_SUB_BLOCKS;
+    int whole = 1;
+    for (int64_t s0 = 0, b = 0; s0 < n; s0 += step, ++b) {
+        live_columns(bias, r0 + s0, n - s0 < step ? n - s0 : step, bias_rows, tile_w, col, w, ranges + 2 * b,
+                     ranges + 2 * b + 1);
+        whole = whole && ranges[2 * b] == 0 && ranges[2 * b + 1] == w;
+    }
+    if (!whole)
+        return step;
+    ranges[0] = 0;
+    ranges[1] = w;
+    return n;
+}
+
+/* One online-softmax step of n rows (q rows qr [n, dk], state m / l [n], unnormalised o [n, dv]) over w key columns
+ * (kc, vc: their first rows), with the bias rows from bias_r0 at column bias_col of a tile_w-wide bias (NULL: none)
+ * and the keep bits from keep_first[i] + keep_col (keep NULL: no dropout). s: an [n, round8(w)] scratch block. */
+static void forward_piece(const float *qr, int64_t n, int64_t dk, const float *kc, int64_t ldk, const float *vc,
+                          int64_t ldv, int64_t dv, int64_t w, const float *bias, int64_t bias_r0, int64_t bias_rows,
+                          int64_t tile_w, int64_t bias_col, const uint8_t *keep, const int64_t *keep_first,
+                          int64_t keep_col, float log2e, float floor2, float *s, float *m, float *l, float *o) {
+    const int64_t lds = round8(w);
+    gemm_nt((int)n, (int)w, (int)dk, qr, (int)dk, kc, (int)ldk, 0.0f, s, (int)lds);
+    if (bias)
+        add_mask_rows(s, n, w, lds, bias, bias_r0, bias_rows, tile_w, bias_col);
+    for (int64_t i = 0; i < n; ++i) {
+        float *si = s + i * lds;
+        const float m_new = max_nan(m[i], row_max(si, w));
+        const float shift = m_new == -INFINITY ? 0.0f : m_new;
+        const float total = row_exp(si, w, shift, log2e, floor2, 1.0f);
+        if (keep)
+            keep_row(si, keep, keep_first[i] + keep_col, w, 1.0f);
+        const float corr = expf(m[i] - shift);
+        l[i] = l[i] * corr + total;
+        m[i] = m_new;
+        if (corr != 1.0f) {
+            float *oi = o + i * dv;
+            for (int64_t d = 0; d < dv; ++d)
+                oi[d] *= corr;
+        }
+    }
+    gemm_nn((int)n, (int)dv, (int)w, s, (int)lds, vc, (int)ldv, 1.0f, o, (int)dv);
+}
+
 /* For `entries` GEMM batch entries (a kv head with its group's query rows), each with `rows` query rows q [E, rows,
  * dk] (contiguous, scaled), keys k (entry stride ske, row stride ldk) and values v (sve, ldv): run the online
  * softmax over the key tiles [tj0[t], tj1[t]) in order, each with an optional additive tile bias[t] (row-major, tile
@@ -647,7 +730,8 @@ static void keep_row(float *s, const uint8_t *bits, int64_t first, int64_t w, fl
  * the bit-packed keep mask and keep_first [E, rows] the bit of each row's column tj0[0] (keep_row): dropped terms
  * count in the row sum but not in acc.
  * Work items are (entry, block of `block_rows` rows); each walks the key tiles in `sub_cols`-wide pieces so that its
- * score block stays in L2. No result depends on the thread count. */
+ * score block stays in L2, and where a piece's bias hides columns from every row of a 64-row sub-block, that
+ * sub-block skips them (live_blocks). No result depends on the thread count. */
 void fa_forward_blocks(const float *q, int64_t entries, int64_t rows, int64_t dk, const float *k, int64_t ske,
                        int64_t ldk, const float *v, int64_t sve, int64_t ldv, int64_t dv, int64_t n_tiles,
                        const int64_t *tj0, const int64_t *tj1, const int64_t *bias, int64_t bias_rows,
@@ -658,6 +742,7 @@ void fa_forward_blocks(const float *q, int64_t entries, int64_t rows, int64_t dk
 #pragma omp parallel
     {
         float *s = aligned_alloc(64, sizeof(float) * round8(block_rows) * round8(sub_cols));
+        int64_t ranges[2 * MAX_SUB_BLOCKS];
 #pragma omp for schedule(dynamic, 1)
         for (int64_t item = 0; item < entries * blocks; ++item) {
             const int64_t e = item / blocks, r0 = (item % blocks) * block_rows;
@@ -673,31 +758,20 @@ void fa_forward_blocks(const float *q, int64_t entries, int64_t rows, int64_t dk
                 memset(o, 0, sizeof(float) * n * dv);
             }
             for (int64_t t = 0; t < n_tiles; ++t) {
+                const float *bt = bias[t] ? (const float *)(intptr_t)bias[t] + e * bias_stride : NULL;
+                const int64_t tile_w = tj1[t] - tj0[t];
                 for (int64_t c0 = tj0[t]; c0 < tj1[t]; c0 += sub_cols) {
-                    const int64_t w = tj1[t] - c0 < sub_cols ? tj1[t] - c0 : sub_cols;
-                    const int64_t lds = round8(w);
-                    gemm_nt((int)n, (int)w, (int)dk, qe, (int)dk, k + e * ske + c0 * ldk, (int)ldk, 0.0f, s, (int)lds);
-                    const float *bt = (const float *)(intptr_t)bias[t];
-                    if (bt)
-                        add_mask_rows(s, n, w, lds, bt + e * bias_stride, r0, bias_rows, tj1[t] - tj0[t],
-                                      c0 - tj0[t]);
-                    for (int64_t i = 0; i < n; ++i) {
-                        float *si = s + i * lds;
-                        const float m_new = max_nan(m[i], row_max(si, w));
-                        const float shift = m_new == -INFINITY ? 0.0f : m_new;
-                        const float total = row_exp(si, w, shift, log2e, floor2, 1.0f);
-                        if (keep)
-                            keep_row(si, keep, keep_first[e * rows + r0 + i] + c0 - tj0[t], w, 1.0f);
-                        const float corr = expf(m[i] - shift);
-                        l[i] = l[i] * corr + total;
-                        m[i] = m_new;
-                        if (corr != 1.0f) {
-                            float *oi = o + i * dv;
-                            for (int64_t d = 0; d < dv; ++d)
-                                oi[d] *= corr;
-                        }
+                    const int64_t w = tj1[t] - c0 < sub_cols ? tj1[t] - c0 : sub_cols, col = c0 - tj0[t];
+                    const int64_t step = live_blocks(bt, r0, n, bias_rows, tile_w, col, w, ranges);
+                    for (int64_t s0 = 0, b = 0; s0 < n; s0 += step, ++b) {
+                        const int64_t lo = ranges[2 * b], hi = ranges[2 * b + 1];
+                        if (lo >= hi)
+                            continue; /* every term 0: the row state would not change */
+                        forward_piece(qe + s0 * dk, n - s0 < step ? n - s0 : step, dk, k + e * ske + (c0 + lo) * ldk,
+                                      ldk, v + e * sve + (c0 + lo) * ldv, ldv, dv, hi - lo, bt, r0 + s0, bias_rows,
+                                      tile_w, col + lo, keep, keep ? keep_first + e * rows + r0 + s0 : NULL,
+                                      col + lo, log2e, floor2, s, m + s0, l + s0, o + s0 * dv);
                     }
-                    gemm_nn((int)n, (int)dv, (int)w, s, (int)lds, v + e * sve + c0 * ldv, (int)ldv, 1.0f, o, (int)dv);
                 }
             }
         }
@@ -719,6 +793,56 @@ static int64_t key_pieces(int64_t n_tiles, const int64_t *tj0, const int64_t *tj
     return n;
 }
 
+/* The per-row inputs of a fused backward call, shared by its pieces (fa_backward_blocks documents them). */
+struct backward_rows {
+    const float *q, *dy, *d_sum, *shift, *factor;
+    int64_t dk, dg, dv, ldk, ldv, bias_rows;
+    const uint8_t *keep;
+    const int64_t *keep_first;
+    float inv_keep, log2e, floor2;
+    int64_t lddk, lddv;
+};
+
+/* The backward terms of n query rows (`row`: their index over all entries; `r0`: within the entry, for the bias)
+ * against w key columns (kp, vp, dkp, dvp: their first rows; `col`: their column in the tile's bias and keep bits),
+ * as fa_backward_blocks describes; s and dp are [n, round8(w)] scratch blocks, dq_rows the rows' dQ (ld_rows). */
+static void backward_piece(int64_t n, int64_t row, int64_t r0, int64_t col, int64_t w, const struct backward_rows *a,
+                           const float *kp, const float *vp, const float *bt, int64_t tile_w, float *s,
+                           float *dp, float *dq_rows, int64_t ld_rows, float *dkp, float *dvp) {
+    const int64_t lds = round8(w);
+    gemm_nt((int)n, (int)w, (int)a->dk, a->q + row * a->dk, (int)a->dk, kp, (int)a->ldk, 0.0f, s, (int)lds);
+    if (bt)
+        add_mask_rows(s, n, w, lds, bt, r0, a->bias_rows, tile_w, col);
+    for (int64_t i = 0; i < n; ++i)
+        row_exp(s + i * lds, w, a->shift[row + i], a->log2e, a->floor2, a->factor[row + i]);
+    if (a->keep) { /* dV takes the dropped probabilities P * keep / keep_prob, formed in dp first */
+        for (int64_t i = 0; i < n; ++i) {
+            memcpy(dp + i * lds, s + i * lds, sizeof(float) * w);
+            keep_row(dp + i * lds, a->keep, a->keep_first[row + i] + col, w, a->inv_keep);
+        }
+    }
+    gemm_tn_acc((int)w, (int)a->dv, (int)n, a->keep ? dp : s, (int)lds, a->dy + row * a->dv, (int)a->dv, dvp,
+                (int)a->lddv);
+    gemm_nt((int)n, (int)w, (int)a->dv, a->dy + row * a->dv, (int)a->dv, vp, (int)a->ldv, 0.0f, dp, (int)lds);
+    if (a->keep)
+        for (int64_t i = 0; i < n; ++i)
+            keep_row(dp + i * lds, a->keep, a->keep_first[row + i] + col, w, a->inv_keep);
+    for (int64_t i = 0; i < n; ++i) {
+        float *di = dp + i * lds;
+        const float *pi = s + i * lds;
+        const float d_i = a->d_sum[row + i];
+        const __m256 dsum = _mm256_set1_ps(d_i);
+        int64_t j = 0;
+        for (; j + 8 <= w; j += 8)
+            _mm256_storeu_ps(di + j, _mm256_mul_ps(_mm256_sub_ps(_mm256_loadu_ps(di + j), dsum),
+                                                   _mm256_loadu_ps(pi + j)));
+        for (; j < w; ++j)
+            di[j] = (di[j] - d_i) * pi[j];
+    }
+    gemm_tn_acc((int)w, (int)a->dg, (int)n, dp, (int)lds, a->q + row * a->dk, (int)a->dk, dkp, (int)a->lddk);
+    gemm_nn((int)n, (int)a->dg, (int)w, dp, (int)lds, kp, (int)a->ldk, 1.0f, dq_rows, (int)ld_rows);
+}
+
 /* Dense backward of one query tile (SEMANTICS.md 5), fused: for `entries` GEMM batch entries with `rows` query rows
  * q [E, rows, dk] (contiguous, scaled), dy [E, rows, dv], d_sum = rowsum(dY * O), shift = softmax_max and factor =
  * 1 / softmax_sum [E, rows] (all contiguous), keys k and values v (entry stride, row stride) and the key tiles with
@@ -732,7 +856,8 @@ static int64_t key_pieces(int64_t n_tiles, const int64_t *tj0, const int64_t *tj
  * pieces (at most `sub_cols` wide), so it alone writes their dK / dV rows. Each entry's pieces are split into
  * ceil(min_items / entries) runs (a number that does not depend on the thread count): with one run per entry the
  * item owns its dQ rows too; with several, each run's dQ terms go to a private buffer and the buffers are added to
- * dq afterwards in run order. Query rows go in blocks of `block_rows`. No result depends on the thread count. */
+ * dq afterwards in run order. Query rows go in blocks of `block_rows`, split where a bias hides columns as in
+ * fa_forward_blocks. No result depends on the thread count. */
 void fa_backward_blocks(const float *q, const float *dy, const float *d_sum, const float *shift, const float *factor,
                         int64_t entries, int64_t rows, int64_t dk, int64_t dg, int64_t dv, const float *k, int64_t ske,
                         int64_t ldk, const float *v, int64_t sve, int64_t ldv, int64_t n_tiles, const int64_t *tj0,
@@ -754,55 +879,35 @@ void fa_backward_blocks(const float *q, const float *dy, const float *d_sum, con
     if (!dq_part)
         runs = 1; /* also where the buffers could not be had: one item per entry, which owns its dQ rows */
     const int64_t br = block_rows < rows ? block_rows : rows;
+    const struct backward_rows args = {q, dy, d_sum, shift, factor, dk, dg, dv, ldk, ldv, bias_rows, keep,
+                                       keep_first, inv_keep, log2e, floor2, lddk, lddv};
 #pragma omp parallel
     {
         float *s = aligned_alloc(64, sizeof(float) * round8(br) * round8(sub_cols));
         float *dp = aligned_alloc(64, sizeof(float) * round8(br) * round8(sub_cols));
+        int64_t ranges[2 * MAX_SUB_BLOCKS];
 #pragma omp for schedule(dynamic, 1)
         for (int64_t item = 0; item < entries * runs; ++item) {
             const int64_t e = item / runs, run = item % runs;
             float *dq_rows = dq_part ? dq_part + item * rows * dg : dq + e * sdq;
             const int64_t ld_rows = dq_part ? dg : lddq;
             for (int64_t p = run * pieces / runs; p < (run + 1) * pieces / runs; ++p) {
-                const int64_t c0 = pj0[p], w = pj1[p] - c0, t = ptile[p], lds = round8(w);
+                const int64_t c0 = pj0[p], w = pj1[p] - c0, t = ptile[p];
                 const float *kp = k + e * ske + c0 * ldk, *vp = v + e * sve + c0 * ldv;
                 float *dkp = dk_acc + e * sdk + c0 * lddk, *dvp = dv_acc + e * sdv + c0 * lddv;
-                const float *bt = (const float *)(intptr_t)bias[t];
+                const float *bt = bias[t] ? (const float *)(intptr_t)bias[t] + e * bias_stride : NULL;
+                const int64_t tile_w = tj1[t] - tj0[t];
                 for (int64_t r0 = 0; r0 < rows; r0 += br) {
                     const int64_t n = rows - r0 < br ? rows - r0 : br;
-                    const int64_t row = e * rows + r0;
-                    gemm_nt((int)n, (int)w, (int)dk, q + row * dk, (int)dk, kp, (int)ldk, 0.0f, s, (int)lds);
-                    if (bt)
-                        add_mask_rows(s, n, w, lds, bt + e * bias_stride, r0, bias_rows, tj1[t] - tj0[t],
-                                      c0 - tj0[t]);
-                    for (int64_t i = 0; i < n; ++i)
-                        row_exp(s + i * lds, w, shift[row + i], log2e, floor2, factor[row + i]);
-                    if (keep) { /* dV takes the dropped probabilities P * keep / keep_prob, formed in dp first */
-                        for (int64_t i = 0; i < n; ++i) {
-                            memcpy(dp + i * lds, s + i * lds, sizeof(float) * w);
-                            keep_row(dp + i * lds, keep, keep_first[row + i] + c0 - tj0[t], w, inv_keep);
-                        }
+                    const int64_t step = live_blocks(bt, r0, n, bias_rows, tile_w, c0 - tj0[t], w, ranges);
+                    for (int64_t s0 = 0, b = 0; s0 < n; s0 += step, ++b) {
+                        const int64_t lo = ranges[2 * b], hi = ranges[2 * b + 1], row = e * rows + r0 + s0;
+                        if (lo >= hi)
+                            continue; /* every P there is 0: no gradient term */
+                        backward_piece(n - s0 < step ? n - s0 : step, row, r0 + s0, c0 - tj0[t] + lo, hi - lo,
+                                       &args, kp + lo * ldk, vp + lo * ldv, bt, tile_w, s, dp,
+                                       dq_rows + (r0 + s0) * ld_rows, ld_rows, dkp + lo * lddk, dvp + lo * lddv);
                     }
-                    gemm_tn_acc((int)w, (int)dv, (int)n, keep ? dp : s, (int)lds, dy + row * dv, (int)dv, dvp,
-                                (int)lddv);
-                    gemm_nt((int)n, (int)w, (int)dv, dy + row * dv, (int)dv, vp, (int)ldv, 0.0f, dp, (int)lds);
-                    if (keep)
-                        for (int64_t i = 0; i < n; ++i)
-                            keep_row(dp + i * lds, keep, keep_first[row + i] + c0 - tj0[t], w, inv_keep);
-                    for (int64_t i = 0; i < n; ++i) {
-                        float *di = dp + i * lds;
-                        const float *pi = s + i * lds;
-                        const __m256 dsum = _mm256_set1_ps(d_sum[row + i]);
-                        int64_t j = 0;
-                        for (; j + 8 <= w; j += 8)
-                            _mm256_storeu_ps(di + j, _mm256_mul_ps(_mm256_sub_ps(_mm256_loadu_ps(di + j), dsum),
-                                                                   _mm256_loadu_ps(pi + j)));
-                        for (; j < w; ++j)
-                            di[j] = (di[j] - d_sum[row + i]) * pi[j];
-                    }
-                    gemm_tn_acc((int)w, (int)dg, (int)n, dp, (int)lds, q + row * dk, (int)dk, dkp, (int)lddk);
-                    gemm_nn((int)n, (int)dg, (int)w, dp, (int)lds, kp, (int)ldk, 1.0f, dq_rows + r0 * ld_rows,
-                            (int)ld_rows);
                 }
             }
         }
