@@ -301,6 +301,25 @@ def cpu_model() -> str:
     return platform.processor() or platform.machine()
 
 
+# CPU features that change what PyTorch's own kernels can do: with AVX512-BF16 (or AMX) SDPA's reduced-precision
+# path multiplies in bf16 (P and dS rounded to bf16) and runs several times faster than without, so bf16 ratios
+# against SDPA are only comparable between machines that agree here.
+MATMUL_FEATURES = ("avx2", "fma", "avx512f", "avx512_bf16", "avx512_fp16", "amx_bf16", "amx_tile")
+
+
+def cpu_features() -> list[str]:
+    """Which of MATMUL_FEATURES /proc/cpuinfo lists (empty where unreadable)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    flags = set(line.split(":", 1)[1].split())
+                    return [name for name in MATMUL_FEATURES if name in flags]
+    except OSError:
+        pass
+    return []
+
+
 def load_average() -> list[float] | None:
     """1/5/15-minute load averages (None where unavailable)."""
     try:
@@ -369,6 +388,8 @@ def memory_copy_bandwidth(megabytes: int = 256, repeats: int = 3) -> float:
 def machine_info(device: str = "cpu") -> dict[str, Any]:
     info = {
         "cpu": cpu_model(),
+        "cpu_features": cpu_features(),
+        "torch_cpu_capability": torch.backends.cpu.get_cpu_capability(),
         "logical_cpus": os.cpu_count(),
         "torch": torch.__version__,
         "torch_threads": torch.get_num_threads(),
