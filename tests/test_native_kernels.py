@@ -379,6 +379,7 @@ FUSED_CASES = [  # entries, group, head_rows, dk, dv, n_keys, tiles, block_rows,
     (3, 1, 37, 16, 16, 90, [(0, 90)], 256, 512),
     (2, 4, 13, 40, 24, 130, [(0, 64), (64, 100), (110, 130)], 7, 16),
     (1, 2, 70, 130, 8, 300, [(256, 300), (0, 256)], 64, 100),
+    (2, 1, 20, 13, 7, 40, [(0, 40)], 8, 24),  # odd head dims (the bf16 path's half pair)
 ]
 
 
@@ -388,17 +389,36 @@ def _fused_inputs(case, seed: int):
     entries, group, head_rows, dk, dv, n_keys = case[:6]
     gen = torch.Generator().manual_seed(seed)
     rows = group * head_rows
-    q = torch.randn(entries, rows, dk, generator=gen) * 0.3
-    kv = torch.randn(n_keys, entries, dk + dv, generator=gen)
+    # Values bf16 holds exactly: the float64 reference of the fp32 inputs is then also that of the bf16 score path.
+    q = (torch.randn(entries, rows, dk, generator=gen) * 0.3).bfloat16().float()
+    kv = torch.randn(n_keys, entries, dk + dv, generator=gen).bfloat16().float()
     return gen, rows, q, kv[..., :dk].transpose(0, 1), kv[..., dk:].transpose(0, 1)
 
 
+SCORES = ["fp32", pytest.param("bf16", marks=pytest.mark.skipif(not native.has_bf16_dot(),
+                                                                  reason="no AVX512-BF16 on this CPU"))]
+
+
+def _bf16_scores(scores: str, q, k, v=None, dy=None) -> native.Bf16Scores | None:
+    """For the bf16 score path: the operands in bf16, keys and values with the fp32 ones' strides, the query doubled
+    and the scale 1/2 (both exact), so that the scale is applied."""
+    if scores == "fp32":
+        return None
+
+    def same_strides(t):
+        return None if t is None else torch.empty_strided(t.shape, t.stride(), dtype=torch.bfloat16).copy_(t)
+
+    return native.Bf16Scores((2 * q).bfloat16(), same_strides(k), 0.5, None if dy is None else dy.bfloat16(),
+                             same_strides(v))
+
+
+@pytest.mark.parametrize("scores", SCORES)
 @pytest.mark.parametrize("case", FUSED_CASES, ids=lambda c: f"E{c[0]}G{c[1]}r{c[2]}d{c[3]}")
-def test_fused_dense_forward_blocks(case):
+def test_fused_dense_forward_blocks(case, scores):
     """fa_forward_blocks against float64: tiles in any order with gaps between them, mask tiles that hide whole rows
     of one tile or of every tile, GQA rows reading the mask at r % head_rows, row blocks and column pieces that do
     not divide the rows and tiles, keys and values strided as in a BSND tensor, and no dependence on the thread
-    count."""
+    count; with the scores from fp32 sgemm and from bf16 dot products."""
     entries, _, head_rows, _, dv, _, tiles, block_rows, sub_cols = case
     gen, rows, q, k, v = _fused_inputs(case, seed=12)
     biases = []
@@ -416,8 +436,10 @@ def test_fused_dense_forward_blocks(case):
     def run():
         m, l, acc = torch.empty(entries, rows), torch.empty(entries, rows), torch.empty(entries, rows, dv)
         native.fa_forward_blocks(q, k, v, tiles, native.BiasTiles(biases, head_rows), block_rows, sub_cols, LOG2E,
-                                 EXP2_FLOOR, m, l, acc)
+                                 EXP2_FLOOR, m, l, acc, bf16=bf16)
         return m, l, acc
+
+    bf16 = _bf16_scores(scores, q, k)
 
     one, two = _on_one_and_two_threads(run)
     for a, b in zip(one, two, strict=True):
@@ -515,15 +537,17 @@ def _backward64(q, k, v, dy, d_sum, shift, factor, tiles, biases, head_rows):
     return torch.einsum("erj,ejd->erd", ds, k[:, cols].double()), dk, dv
 
 
+@pytest.mark.parametrize("scores", SCORES)
 @pytest.mark.parametrize("min_items", [1, 8])
 @pytest.mark.parametrize("case", FUSED_CASES, ids=lambda c: f"E{c[0]}G{c[1]}r{c[2]}d{c[3]}")
-def test_fused_dense_backward_blocks(case, min_items):
+def test_fused_dense_backward_blocks(case, min_items, scores):
     """fa_backward_blocks against float64, accumulating into strided gradients that already hold values, with one
     work item per entry (dQ written in place) and with an entry's key pieces split over several items (dQ through
-    private buffers); bitwise equal for 1 and 2 threads."""
+    private buffers); bitwise equal for 1 and 2 threads; with S and dP from fp32 sgemm and from bf16 dot products."""
     entries, _, head_rows, dk, dv, n_keys, tiles, block_rows, sub_cols = case
     gen, rows, q, k, v = _fused_inputs(case, seed=15)
-    dy = torch.randn(entries, rows, dv, generator=gen)
+    dy = torch.randn(entries, rows, dv, generator=gen).bfloat16().float()
+    bf16 = _bf16_scores(scores, q, k, v, dy)
     biases = [None if t == 1 else torch.zeros(head_rows, j1 - j0).masked_fill_(
         torch.rand(head_rows, j1 - j0, generator=gen) < 0.4, -math.inf) for t, (j0, j1) in enumerate(tiles)]
     # The statistics the forward gives (rows without a visible key get -FLT_MAX / FLT_MAX), perturbed a little.
@@ -538,7 +562,7 @@ def test_fused_dense_backward_blocks(case, min_items):
     def run():
         dq, dk_, dv_ = (t.clone().transpose(0, 1) for t in start)  # strided: [E, R, D] views of [R, E, D]
         native.fa_backward_blocks(q, dy, d_sum, shift, factor, k, v, tiles, native.BiasTiles(biases, head_rows),
-                                  block_rows, sub_cols, min_items, LOG2E, EXP2_FLOOR, dq, dk_, dv_)
+                                  block_rows, sub_cols, min_items, LOG2E, EXP2_FLOOR, dq, dk_, dv_, bf16=bf16)
         return dq, dk_, dv_
 
     one, two = _on_one_and_two_threads(run)
@@ -593,6 +617,14 @@ def test_blas_switch(monkeypatch):
     assert native.has_sgemm()
     monkeypatch.setenv(native.BLAS_SWITCH, "0")
     assert not native.has_sgemm()
+    assert not native.has_bf16_dot()  # the bf16 scores live inside the fused loops
+
+
+def test_bf16_switch(monkeypatch):
+    available = bool(native.library().cann_attn_has_bf16_dot())
+    assert native.has_bf16_dot() == available
+    monkeypatch.setenv(native.BF16_SWITCH, "0")
+    assert not native.has_bf16_dot()
 
 
 @pytest.mark.parametrize("sub_cols", [16, 512])
@@ -648,16 +680,17 @@ def _structured_mask(pattern: str, rows: int, cols: int) -> torch.Tensor:
     return torch.zeros(rows, cols).masked_fill_(hidden, -math.inf)
 
 
+@pytest.mark.parametrize("scores", SCORES)
 @pytest.mark.parametrize("pattern", ["causal", "band", "left", "late"])
-def test_fused_loops_never_form_columns_no_row_of_a_sub_block_sees(pattern):
+def test_fused_loops_never_form_columns_no_row_of_a_sub_block_sees(pattern, scores):
     """Where a mask tile hides columns from every row of a 64-row sub-block, the fused loops do not compute them
     (live_columns): results match float64, and a NaN key and a NaN value in column 203 leave finite and exact every
     row whose 64-row sub-block cannot see that column (a row that cannot see it but shares a sub-block with one
     that can still takes 0 x NaN there, as the dense kernels do anywhere)."""
     entries, rows, n_keys, dk, dv = 2, 256, 300, 24, 16
     gen = torch.Generator().manual_seed(21)
-    q = torch.randn(entries, rows, dk, generator=gen) * 0.3
-    k, v = torch.randn(entries, n_keys, dk, generator=gen), torch.randn(entries, n_keys, dv, generator=gen)
+    q = (torch.randn(entries, rows, dk, generator=gen) * 0.3).bfloat16().float()  # bf16 values: both score paths
+    k, v = (torch.randn(entries, n_keys, d, generator=gen).bfloat16().float() for d in (dk, dv))
     tiles = [(0, 256), (256, 300)]
     biases = [_structured_mask(pattern, rows, 256), None]
     poisoned_k, poisoned_v = k.clone(), v.clone()
@@ -667,7 +700,7 @@ def test_fused_loops_never_form_columns_no_row_of_a_sub_block_sees(pattern):
     want_m, want_l, want_acc = _blocks64(q, k, v, tiles, biases, rows)
     m, l, acc = torch.empty(entries, rows), torch.empty(entries, rows), torch.empty(entries, rows, dv)
     native.fa_forward_blocks(q, poisoned_k, poisoned_v, tiles, native.BiasTiles(biases, rows), 256, 512, LOG2E,
-                             EXP2_FLOOR, m, l, acc)
+                             EXP2_FLOOR, m, l, acc, bf16=_bf16_scores(scores, q, poisoned_k))
     assert (~sees).sum() >= 64, "no sub-block is blind to the poisoned column: the case does not test the skipping"
     torch.testing.assert_close(m[:, ~sees].double(), want_m[:, ~sees], rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(l[:, ~sees].double(), want_l[:, ~sees], rtol=1e-5, atol=1e-6)
@@ -675,14 +708,65 @@ def test_fused_loops_never_form_columns_no_row_of_a_sub_block_sees(pattern):
     assert acc[:, sees].isnan().any(), "rows that see the NaN value must show it"
 
     shift, factor = want_m.float(), (1 / want_l).float()
-    dy = torch.randn(entries, rows, dv, generator=gen)
+    dy = torch.randn(entries, rows, dv, generator=gen).bfloat16().float()
     d_sum = torch.randn(entries, rows, generator=gen)
     want_dq, want_dk, want_dv = _backward64(q, k, v, dy, d_sum, shift, factor, tiles, biases, rows)
     dq, dk_, dv_ = torch.zeros(entries, rows, dk), torch.zeros(k.shape), torch.zeros(v.shape)
     native.fa_backward_blocks(q, dy, d_sum, shift, factor, poisoned_k, poisoned_v, tiles,
-                              native.BiasTiles(biases, rows), 128, 512, 1, LOG2E, EXP2_FLOOR, dq, dk_, dv_)
+                              native.BiasTiles(biases, rows), 128, 512, 1, LOG2E, EXP2_FLOOR, dq, dk_, dv_,
+                              bf16=_bf16_scores(scores, q, poisoned_k, poisoned_v, dy))
     torch.testing.assert_close(dq[:, ~sees].double(), want_dq[:, ~sees], rtol=1e-4, atol=5e-5)
     assert dq[:, sees].isnan().any()
     clean = torch.arange(n_keys) != 203  # only the poisoned key's own gradients take its NaN
     torch.testing.assert_close(dk_[:, clean].double(), want_dk[:, clean], rtol=1e-4, atol=5e-5)
     torch.testing.assert_close(dv_[:, clean].double(), want_dv[:, clean], rtol=1e-4, atol=5e-5)
+
+
+@pytest.mark.skipif(not native.has_bf16_dot(), reason="no AVX512-BF16 on this CPU")
+@pytest.mark.parametrize("kind", ["plain", "causal_gqa", "pse_dropout", "alibi"])
+def test_bf16_operators_form_scores_with_bf16_dot_products(monkeypatch, kind):
+    """bf16 FA forward and backward take the bf16 score path wherever the fused loops run without ALiBi's fp32
+    feature columns (which keep the fp32 path), and agree with the fp32 score path (CANN_ATTN_NATIVE_BF16=0) to fp32
+    rounding of the scores: the products are exact either way, only the order of the sums differs."""
+    gen = torch.Generator().manual_seed(23)
+    b, n1, n2, s, d = 2, 4, 4, 140, 40
+    kw: dict = {}
+    if kind == "causal_gqa":
+        n2 = 2
+        kw = dict(sparse_mode=3, atten_mask=torch.ones(2048, 2048, dtype=torch.bool).triu(1))
+    elif kind == "pse_dropout":
+        kw = dict(pse=torch.randn(b, n1, s, s, generator=gen).bfloat16(), pse_type=1, keep_prob=0.8,
+                  drop_mask=torch.randint(0, 256, (b, n1, s, s // 8 + 1), generator=gen, dtype=torch.uint8))
+    elif kind == "alibi":
+        kw = dict(pse=torch.rand(n1, generator=gen), pse_type=2)
+    q, k, v, dy = (torch.randn(b, n, s, d, generator=gen).bfloat16() for n in (n1, n2, n2, n1))
+    seen: list[bool] = []
+
+    def spying(name: str):
+        real = getattr(native, name)
+
+        def spy(*args, bf16=None, **kwargs):
+            seen.append(bf16 is not None)
+            return real(*args, bf16=bf16, **kwargs)
+
+        return spy
+
+    for name in ("fa_forward_blocks", "fa_backward_blocks"):
+        monkeypatch.setattr(native, name, spying(name))
+
+    def run():
+        fwd = cann_attn.flash_attention_score(q, k, v, n1, "BNSD", scale_value=0.3, **kw)
+        grads = cann_attn.flash_attention_score_grad(q, k, v, dy, n1, "BNSD", scale_value=0.3,
+                                                     softmax_max=fwd.softmax_max, softmax_sum=fwd.softmax_sum,
+                                                     attention_in=fwd.attention_out, **kw)
+        return [t.float() for t in (*fwd, *grads) if isinstance(t, torch.Tensor)]
+
+    dots = run()
+    expected = kind != "alibi"
+    assert seen and all(took == expected for took in seen), (kind, seen)
+    monkeypatch.setenv(native.BF16_SWITCH, "0")
+    seen.clear()
+    sgemm = run()
+    assert seen and not any(seen)
+    for a, c in zip(dots, sgemm, strict=True):
+        torch.testing.assert_close(a, c, rtol=1e-2, atol=1e-2)  # bf16 outputs: one bf16 ulp apart at most

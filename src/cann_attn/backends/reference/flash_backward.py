@@ -82,7 +82,7 @@ def _backward_run(kernel: RunKernel, problem: AttentionProblem, run: Run, dy, at
         dq_acc = _accumulator(dq_view[:, :, i0:i1], (c * n2, q_tile.shape[1], d_qk), dtype)
         fused_done = kernel.fused and pse_grad is None and all(t.stride(-1) == 1 for t in (dq_acc, dk_acc, dv_acc)) \
             and _fused_backward(kernel, q_tile, i0, i1, dy_g.contiguous(), d_sum.contiguous(), row_max, inv_sum,
-                                dq_acc, dk_acc, dv_acc)
+                                dq_acc, dk_acc, dv_acc, kernel.bf16_scores(i0, i1, dy_all))
         for j0, j1, state in () if fused_done else key_tiles(run, i0, i1, kernel.block_k, kernel.max_width):
             entries = kernel.entries(i0, i1, j0, j1, row_max)
             if entries is None:
@@ -117,7 +117,7 @@ def _backward_run(kernel: RunKernel, problem: AttentionProblem, run: Run, dy, at
 
 
 def _fused_backward(kernel: RunKernel, q_tile, i0: int, i1: int, dy_g, d_sum, row_max, inv_sum, dq_acc, dk_acc,
-                    dv_acc) -> bool:
+                    dv_acc, bf16: native.Bf16Scores | None) -> bool:
     """The query tile through the fused native backward: one call for all key tiles where `fused_tiles` allows, else
     one call per tile for the GEMM batch entries `entries` keeps (as the PyTorch loop). Returns False, having done
     nothing, where per-tile calls would run on one thread (a run with one kv head: a work item owns a whole entry's
@@ -132,7 +132,8 @@ def _fused_backward(kernel: RunKernel, q_tile, i0: int, i1: int, dy_g, d_sum, ro
     d_sum = d_sum.view(entries_all, -1)
     if whole is not None:
         native.fa_backward_blocks(q_tile, dy_g, d_sum, shift, factor, kernel.k, kernel.v, *whole, FUSED_BLOCK_ROWS,
-                                  FUSED_SUB_COLS, FUSED_MIN_ITEMS, LOG2E, EXP2_FLOOR, dq_acc, dk_acc, dv_acc)
+                                  FUSED_SUB_COLS, FUSED_MIN_ITEMS, LOG2E, EXP2_FLOOR, dq_acc, dk_acc, dv_acc,
+                                  bf16=bf16)
         return True
     for j0, j1, state in kernel.key_tiles(i0, i1):
         entries = kernel.entries(i0, i1, j0, j1, row_max)
@@ -145,7 +146,8 @@ def _fused_backward(kernel: RunKernel, q_tile, i0: int, i1: int, dy_g, d_sum, ro
                                   kernel.k[entries], kernel.v[entries], [(j0, j1)], bias,
                                   fused_block_rows(q_tile.shape[1]), FUSED_SUB_COLS, FUSED_MIN_ITEMS * n_entries,
                                   LOG2E, EXP2_FLOOR, dq_acc[entries], dk_acc[entries], dv_acc[entries],
-                                  keep=kernel.fused_keep(i0, i1, j0, entries), keep_prob=kernel.problem.keep_prob)
+                                  keep=kernel.fused_keep(i0, i1, j0, entries), keep_prob=kernel.problem.keep_prob,
+                                  bf16=None if bf16 is None else bf16.take(entries))
     return True
 
 

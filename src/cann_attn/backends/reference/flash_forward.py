@@ -151,6 +151,15 @@ class RunKernel:
         self.fused = self.k.stride(-1) == 1 and self.v.stride(-1) == 1 and native.usable(self.k, self.v) \
             and native.has_sgemm() and (run.dropout is None or (run.dropout.mask.device.type == "cpu"
                                                                 and run.dropout.mask.is_contiguous()))
+        # bf16 inputs: the score products from the inputs themselves with AVX512-BF16 dot products (exact products,
+        # fp32 sums: the fp32 GEMM of the upcast inputs up to summation order). Not with ALiBi's fp32 feature columns.
+        self.k16 = self.v16 = None
+        if self.fused and not self.linear_pse and query.dtype == key.dtype == value.dtype == torch.bfloat16 \
+                and native.has_bf16_dot():
+            k16 = problem.kv_view(key, run).reshape(c * n2, run.seq_kv, -1)
+            v16 = problem.kv_view(value, run).reshape(c * n2, run.seq_kv, -1)
+            if k16.stride(-1) == 1 and v16.stride(-1) == 1:
+                self.k16, self.v16 = k16, v16
 
     def scratch(self, shape: torch.Size) -> torch.Tensor:
         """A second reusable tile-sized buffer (the backward's dP), allocated on first use."""
@@ -170,6 +179,17 @@ class RunKernel:
         q[..., :d_qk].mul_(self.problem.scale)
         q[..., d_qk:] = 0.0
         return group_rows(q, self.problem.heads_kv)
+
+    def bf16_scores(self, i0: int, i1: int, dy: torch.Tensor | None = None) -> native.Bf16Scores | None:
+        """The bf16 operands of the fused loops' score products for query rows [i0, i1) (the unscaled query rows
+        grouped like `query_tile`; with `dy`, the backward's dY rows [c, N1, Sq, Dv] too), or None where the scores
+        take the fp32 path."""
+        if self.k16 is None or (dy is not None and dy.dtype != torch.bfloat16):
+            return None
+        n2 = self.problem.heads_kv
+        q16 = group_rows(self.q_all[:, :, i0:i1], n2).contiguous()
+        dy16 = None if dy is None else group_rows(dy[:, :, i0:i1], n2).contiguous()
+        return native.Bf16Scores(q16, self.k16, self.problem.scale, dy16, None if dy is None else self.v16)
 
     def _linear_query_features(self, i0: int, i1: int, j0: int, j1: int) -> torch.Tensor | None:
         if not self.linear_pse:
@@ -359,9 +379,10 @@ class RunKernel:
         """The query tile through the fused native loop: one call for all key tiles where `fused_tiles` allows,
         else one call per tile (after the same entry skipping as the PyTorch loop)."""
         whole = self.fused_tiles(i0, i1)
+        bf16 = self.bf16_scores(i0, i1)
         if whole is not None:
             native.fa_forward_blocks(q_tile, self.k, self.v, *whole, FUSED_BLOCK_ROWS, FUSED_SUB_COLS, LOG2E,
-                                     EXP2_FLOOR, row_max, row_sum, acc)
+                                     EXP2_FLOOR, row_max, row_sum, acc, bf16=bf16)
             return
         acc.zero_()
         max_rows, sum_rows = row_max.view(acc.shape[0], -1), row_sum.view(acc.shape[0], -1)
@@ -373,7 +394,8 @@ class RunKernel:
             native.fa_forward_blocks(q_tile[entries], self.k[entries], self.v[entries], [(j0, j1)], bias,
                                      fused_block_rows(q_tile.shape[1]), FUSED_SUB_COLS, LOG2E, EXP2_FLOOR,
                                      max_rows[entries], sum_rows[entries], acc[entries], init=False,
-                                     keep=self.fused_keep(i0, i1, j0, entries))
+                                     keep=self.fused_keep(i0, i1, j0, entries),
+                                     bf16=None if bf16 is None else bf16.take(entries))
 
     def _forward_tiles(self, q_tile, i0: int, i1: int, row_max, row_sum, acc) -> None:
         """The query tile through PyTorch ops, one key tile at a time."""

@@ -14,7 +14,8 @@ compile or load failed) and the kernels take their PyTorch path, which gives the
 
 The fused dense forward calls the BLAS sgemm inside PyTorch's own CPU library (MKL in the x86 wheels; found by
 name, never bundled) on each thread for whole row blocks; where none is found it is off and the forward runs its
-PyTorch loop of torch.bmm calls.
+PyTorch loop of torch.bmm calls. With bf16 inputs on a CPU with AVX512-BF16 the products of two inputs (the scores
+QK^T and the backward's dO V^T) use AVX512-BF16 dot products instead (`Bf16Scores`; exact products, fp32 sums).
 
 The loops split rows (or, for the scatters, disjoint column ranges) over OpenMP threads. The library is linked
 with -fopenmp and so needs libgomp.so.1, which resolves to the libgomp PyTorch has already loaded: the loops run on
@@ -39,6 +40,7 @@ SOURCE = Path(__file__).with_name("attention_loops.c")
 FLAGS = ("-O3", "-mavx2", "-mfma", "-fopenmp", "-fPIC", "-shared", "-fno-math-errno")
 ENV_SWITCH = "CANN_ATTN_NATIVE"
 BLAS_SWITCH = "CANN_ATTN_NATIVE_BLAS"
+BF16_SWITCH = "CANN_ATTN_NATIVE_BF16"
 
 _P, _I, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
 _SIGNATURES = {
@@ -58,10 +60,12 @@ _SIGNATURES = {
     "cann_attn_set_sgemm": [_P],
     "cann_attn_has_sgemm": [],
     "fa_forward_blocks": [_P, _I, _I, _I, _P, _I, _I, _P, _I, _I, _I, _I, _P, _P, _P, _I, _I, _P, _P, _I, _I, _I,
-                          _F, _F, _P, _P, _P],
+                          _F, _F, _P, _P, _P, _P],
     "fa_backward_blocks": [_P, _P, _P, _P, _P, _I, _I, _I, _I, _I, _P, _I, _I, _P, _I, _I, _I, _P, _P, _P, _I, _I, _P,
-                           _P, _F, _I, _I, _I, _F, _F, _P, _I, _I, _P, _I, _I, _P, _I, _I],
+                           _P, _F, _I, _I, _I, _F, _F, _P, _P, _I, _I, _P, _I, _I, _P, _I, _I],
+    "cann_attn_has_bf16_dot": [],
 }
+_INT_RESULTS = ("cann_attn_cpu_supported", "cann_attn_has_sgemm", "cann_attn_has_bf16_dot")
 
 _lock = threading.Lock()
 _state: dict[str, object] = {}
@@ -115,7 +119,7 @@ def _load() -> ctypes.CDLL | None:
     for name, argtypes in _SIGNATURES.items():
         fn = getattr(lib, name)
         fn.argtypes = argtypes
-        fn.restype = ctypes.c_int if name in ("cann_attn_cpu_supported", "cann_attn_has_sgemm") else None
+        fn.restype = ctypes.c_int if name in _INT_RESULTS else None
     if not lib.cann_attn_cpu_supported():
         return None
     sgemm = _torch_sgemm()
@@ -329,10 +333,64 @@ def has_sgemm() -> bool:
     """Whether the fused dense loops (`fa_forward_blocks`, `fa_backward_blocks`) can run: library loaded, a BLAS
     sgemm found, and not switched off with CANN_ATTN_NATIVE_BLAS=0 (the dense kernels then run their PyTorch loops
     with the native softmax passes)."""
-    if os.environ.get(BLAS_SWITCH, "1").strip().lower() in ("0", "false", "off", "no"):
+    if _switched_off(BLAS_SWITCH):
         return False
     lib = library()
     return lib is not None and bool(lib.cann_attn_has_sgemm())
+
+
+def _switched_off(name: str) -> bool:
+    return os.environ.get(name, "1").strip().lower() in ("0", "false", "off", "no")
+
+
+def has_bf16_dot() -> bool:
+    """Whether the fused dense loops can form the scores of bf16 inputs with AVX512-BF16 dot products (exact products,
+    fp32 sums; `Bf16Scores`): has_sgemm(), a CPU with AVX512-BF16, and not switched off with CANN_ATTN_NATIVE_BF16=0."""
+    if _switched_off(BF16_SWITCH) or not has_sgemm():
+        return False
+    return bool(library().cann_attn_has_bf16_dot())
+
+
+class _Bf16Struct(ctypes.Structure):
+    _fields_ = [("q", _P), ("k", _P), ("dy", _P), ("v", _P), ("ske", _I), ("ldk", _I), ("sve", _I), ("ldv", _I),
+                ("scale", _F)]
+
+
+class Bf16Scores:
+    """bf16 operands of the fused loops' score products (attention_loops.c, struct bf16_scores): S = scale * q k^T
+    from the query rows q [E, R, Dk] (unscaled, contiguous) and keys k [E, Skv, Dk] (unit column stride), and for the
+    backward dP = dy v^T from dy [E, R, Dv] (contiguous) and values v [E, Skv, Dv]. The fp32 operands the call also
+    takes (scaled q, k, v, dy) still feed every other product."""
+
+    def __init__(self, q: torch.Tensor, k: torch.Tensor, scale: float, dy: torch.Tensor | None = None,
+                 v: torch.Tensor | None = None) -> None:
+        for t in (q, k, dy, v):
+            assert t is None or (t.dtype == torch.bfloat16 and t.dim() == 3 and t.stride(-1) == 1), t
+        assert q.is_contiguous() and (dy is None or dy.is_contiguous())
+        self.q, self.k, self.dy, self.v, self.scale = q, k, dy, v, scale
+
+    def take(self, entries: slice) -> Bf16Scores:
+        """The operands of the GEMM batch entries `entries` (a per-tile call)."""
+        return Bf16Scores(self.q[entries], self.k[entries], self.scale,
+                          None if self.dy is None else self.dy[entries], None if self.v is None else self.v[entries])
+
+    def struct(self) -> _Bf16Struct:
+        dy, v = self.dy, self.v
+        return _Bf16Struct(self.q.data_ptr(), self.k.data_ptr(), 0 if dy is None else dy.data_ptr(),
+                           0 if v is None else v.data_ptr(), self.k.stride(0), self.k.stride(1),
+                           0 if v is None else v.stride(0), 0 if v is None else v.stride(1), self.scale)
+
+
+def _bf16_pointer(bf16: Bf16Scores | None, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor | None = None,
+                  dy: torch.Tensor | None = None) -> tuple[_Bf16Struct | None, int]:
+    """The C struct (kept alive by the caller) and its address, or (None, 0): the operands must match the call's."""
+    if bf16 is None:
+        return None, 0
+    assert bf16.q.shape == q.shape and bf16.k.shape == k.shape, (bf16.q.shape, q.shape, bf16.k.shape, k.shape)
+    if dy is not None:
+        assert bf16.dy is not None and bf16.dy.shape == dy.shape and bf16.v.shape == v.shape
+    struct = bf16.struct()
+    return struct, ctypes.addressof(struct)
 
 
 class BiasTiles:
@@ -347,22 +405,24 @@ class BiasTiles:
 def fa_forward_blocks(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tiles: list[tuple[int, int]],
                       bias: BiasTiles, block_rows: int, sub_cols: int, log2e: float, floor2: float,
                       row_max: torch.Tensor, row_sum: torch.Tensor, acc: torch.Tensor, init: bool = True,
-                      keep: KeepBits | None = None) -> None:
+                      keep: KeepBits | None = None, bf16: Bf16Scores | None = None) -> None:
     """Online softmax of q [E, R, Dk] (contiguous, scaled) over the key tiles `tiles` of k [E, Skv, Dk] and v [E, Skv,
     Dv] (unit column stride), each with its optional additive bias tile (`BiasTiles`): row_max / row_sum [E, R] and the
     unnormalised acc [E, R, Dv] are updated, after being reset when `init` is set. `keep`: the dropout of a single key
-    tile (`KeepBits`); dropped terms count in row_sum but not in acc."""
+    tile (`KeepBits`); dropped terms count in row_sum but not in acc. `bf16`: the scores from bf16 operands instead
+    (`Bf16Scores`; q and k still give the shapes)."""
     lib = library()
     _check_rows(q, row_max, row_sum, acc)
     _unit_rows(k, v)
     entries, rows, dk = q.shape
     tj0, tj1, pointers = _tile_arrays(tiles, bias, entries)
     keep_mask, keep_first = _keep_pointers(keep, tiles, entries, rows)
+    _struct, bf16_address = _bf16_pointer(bf16, q, k)
     lib.fa_forward_blocks(q.data_ptr(), entries, rows, dk, k.data_ptr(), k.stride(0), k.stride(1), v.data_ptr(),
                           v.stride(0), v.stride(1), v.shape[-1], len(tiles), tj0.data_ptr(), tj1.data_ptr(),
                           pointers.data_ptr(), bias.rows, bias.entry_stride, keep_mask, keep_first, block_rows,
-                          sub_cols,
-                          int(init), log2e, floor2, row_max.data_ptr(), row_sum.data_ptr(), acc.data_ptr())
+                          sub_cols, int(init), log2e, floor2, bf16_address, row_max.data_ptr(), row_sum.data_ptr(),
+                          acc.data_ptr())
 
 
 class KeepBits:
@@ -406,23 +466,23 @@ def fa_backward_blocks(q: torch.Tensor, dy: torch.Tensor, d_sum: torch.Tensor, s
                        factor: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tiles: list[tuple[int, int]],
                        bias: BiasTiles, block_rows: int, sub_cols: int, min_items: int, log2e: float, floor2: float,
                        dq: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor, keep: KeepBits | None = None,
-                       keep_prob: float = 1.0) -> None:
+                       keep_prob: float = 1.0, bf16: Bf16Scores | None = None) -> None:
     """Backward of one query tile: q [E, R, Dk] (scaled) and dy [E, R, Dv], d_sum / shift / factor [E, R] (all
     contiguous), k / v [E, Skv, D] and dq [E, R, Dg], dk [E, Skv, Dg], dv [E, Skv, Dv] (unit column stride), Dg <= Dk
     (q's and k's further columns enter only the scores); dq, dk and dv are accumulated into. Each entry's key pieces
     are split into ceil(min_items / E) work items (see attention_loops.c). `keep`: the dropout of a single key tile
-    (`KeepBits`), applied with 1 / keep_prob."""
+    (`KeepBits`), applied with 1 / keep_prob. `bf16`: S and dP from bf16 operands (`Bf16Scores`, with dy and v)."""
     lib = library()
     _check_rows(q, dy, d_sum, shift, factor)
     _unit_rows(k, v, dq, dk, dv)
     entries, rows, d_qk = q.shape
     tj0, tj1, pointers = _tile_arrays(tiles, bias, entries)
     keep_mask, keep_first = _keep_pointers(keep, tiles, entries, rows)
+    _struct, bf16_address = _bf16_pointer(bf16, q, k, v, dy)
     lib.fa_backward_blocks(q.data_ptr(), dy.data_ptr(), d_sum.data_ptr(), shift.data_ptr(), factor.data_ptr(), entries,
                            rows, d_qk, dq.shape[-1], dy.shape[-1], k.data_ptr(), k.stride(0), k.stride(1), v.data_ptr(),
                            v.stride(0), v.stride(1), len(tiles), tj0.data_ptr(), tj1.data_ptr(), pointers.data_ptr(),
                            bias.rows, bias.entry_stride, keep_mask, keep_first, 1.0 / keep_prob, block_rows, sub_cols,
-                           min_items, log2e, floor2,
-                           dq.data_ptr(), dq.stride(0),
+                           min_items, log2e, floor2, bf16_address, dq.data_ptr(), dq.stride(0),
                            dq.stride(1), dk.data_ptr(), dk.stride(0), dk.stride(1), dv.data_ptr(), dv.stride(0),
                            dv.stride(1))

@@ -616,6 +616,140 @@ static void gemm_tn_acc(int m, int n, int kk, const float *a, int lda, const flo
     blas_sgemm("N", "T", &n, &m, &kk, &one, b, &ldb, a, &lda, &one, c, &ldc);
 }
 
+/* ---- Scores of bf16 inputs: AVX512-BF16 dot products, fp32 accumulation ----
+ * A product of two bf16 numbers is exact in fp32, so S = Q K^T from bf16 Q and K with fp32 sums is the fp32 GEMM of
+ * the upcast inputs up to the order of the additions (VDPBF16PS adds each pair's products into the fp32 lane, round to
+ * nearest even). The one difference: the instruction treats bf16 subnormal inputs (below 2^-126) as 0 and flushes
+ * subnormal results. Only the score products S = Q K^T and dP = dO V^T use it (both operands are inputs); P and dS
+ * stay fp32 (SEMANTICS.md: fp32 accumulation everywhere), so their GEMMs stay sgemm. */
+#if defined(__clang__) ? __clang_major__ >= 9 : (defined(__GNUC__) && __GNUC__ >= 10)
+#define HAVE_BF16_DOT 1
+#endif
+
+int cann_attn_has_bf16_dot(void) {
+#ifdef HAVE_BF16_DOT
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bf16");
+#else
+    return 0;
+#endif
+}
+
+/* Operands of the bf16 score GEMMs of a fused call: the query rows (unscaled, [E, rows, dk] contiguous) and keys
+ * (entry stride, row stride) for S = scale Q K^T, and in the backward dY ([E, rows, dv] contiguous) and the values
+ * for dP = dY V^T. q == NULL: the scores take the fp32 sgemm path. */
+struct bf16_scores {
+    const uint16_t *q, *k, *dy, *v;
+    int64_t ske, ldk, sve, ldv;
+    float scale;
+};
+
+/* Rows per register block of the bf16 score kernel (4 x 32 columns: 8 accumulators; measured faster than 6, 8 or 12
+ * on a 2-core EPYC, ~190 GFLOP/s on one core against ~93 for sgemm). */
+#define BF16_ROWS 4
+
+#ifdef HAVE_BF16_DOT
+/* B [w, kk] (row-major bf16, row stride ldb) in the pair layout VDPBF16PS reads: 32-bit word j of pair row p holds
+ * B[j, 2p] (low half) and B[j, 2p + 1] (high half; 0 past kk); pair rows are round16(w) + 32 words, zero-padded
+ * (a 32-column block that starts inside the piece never reads past its pair row). */
+static void pack_pairs(const uint16_t *b, int64_t ldb, int64_t w, int64_t kk, uint32_t *packed) {
+    const int64_t wp = (w + 15) / 16 * 16 + 32;
+    for (int64_t p = 0; p < (kk + 1) / 2; ++p) {
+        uint32_t *row = packed + p * wp;
+        for (int64_t j = 0; j < w; ++j) {
+            const uint16_t *bj = b + j * ldb + 2 * p;
+            row[j] = (uint32_t)bj[0] | (2 * p + 1 < kk ? (uint32_t)bj[1] << 16 : 0u);
+        }
+        for (int64_t j = w; j < wp; ++j)
+            row[j] = 0;
+    }
+}
+
+/* The pair of A's row `a` at pair p: two bf16 halves, the high one 0 past kk. */
+static inline uint32_t row_pair(const uint16_t *a, int64_t p, int64_t kk) {
+    uint32_t pair;
+    if (2 * p + 1 < kk)
+        memcpy(&pair, a + 2 * p, sizeof pair);
+    else
+        pair = a[2 * p];
+    return pair;
+}
+
+/* C rows [0, BF16_ROWS) x the 32 columns of `packed` (masks m0 / m1 for the two halves) = alpha A B^T: BF16_ROWS x 2
+ * accumulators, each pair of B's columns loaded once for all the rows. */
+__attribute__((target("avx512f,avx512bf16"))) static void bf16_rows_block(const uint16_t *a, int64_t lda,
+                                                                          const uint32_t *packed, int64_t wp,
+                                                                          int64_t kk, float alpha, float *c,
+                                                                          int64_t ldc, __mmask16 m0, __mmask16 m1) {
+    __m512 acc0[BF16_ROWS], acc1[BF16_ROWS];
+    for (int r = 0; r < BF16_ROWS; ++r)
+        acc0[r] = acc1[r] = _mm512_setzero_ps();
+    for (int64_t p = 0; p < (kk + 1) / 2; ++p) {
+        const __m512bh b0 = (__m512bh)_mm512_loadu_si512(packed + p * wp);
+        const __m512bh b1 = (__m512bh)_mm512_loadu_si512(packed + p * wp + 16);
+        for (int r = 0; r < BF16_ROWS; ++r) {
+            const __m512bh av = (__m512bh)_mm512_set1_epi32((int)row_pair(a + r * lda, p, kk));
+            acc0[r] = _mm512_dpbf16_ps(acc0[r], av, b0);
+            acc1[r] = _mm512_dpbf16_ps(acc1[r], av, b1);
+        }
+    }
+    const __m512 al = _mm512_set1_ps(alpha);
+    for (int r = 0; r < BF16_ROWS; ++r) {
+        _mm512_mask_storeu_ps(c + r * ldc, m0, _mm512_mul_ps(acc0[r], al));
+        _mm512_mask_storeu_ps(c + r * ldc + 16, m1, _mm512_mul_ps(acc1[r], al));
+    }
+}
+
+/* One row of C over the 32 columns of `packed` (the rows that do not fill a bf16_rows_block). */
+__attribute__((target("avx512f,avx512bf16"))) static void bf16_row(const uint16_t *a, const uint32_t *packed,
+                                                                   int64_t wp, int64_t kk, float alpha, float *c,
+                                                                   __mmask16 m0, __mmask16 m1) {
+    __m512 acc0 = _mm512_setzero_ps(), acc1 = _mm512_setzero_ps();
+    for (int64_t p = 0; p < (kk + 1) / 2; ++p) {
+        const __m512bh av = (__m512bh)_mm512_set1_epi32((int)row_pair(a, p, kk));
+        acc0 = _mm512_dpbf16_ps(acc0, av, (__m512bh)_mm512_loadu_si512(packed + p * wp));
+        acc1 = _mm512_dpbf16_ps(acc1, av, (__m512bh)_mm512_loadu_si512(packed + p * wp + 16));
+    }
+    const __m512 al = _mm512_set1_ps(alpha);
+    _mm512_mask_storeu_ps(c, m0, _mm512_mul_ps(acc0, al));
+    _mm512_mask_storeu_ps(c + 16, m1, _mm512_mul_ps(acc1, al));
+}
+#endif
+
+/* Packs the w keys (or values) of a piece for gemm_nt_bf16, once for every row block that reads them. */
+static void pack_piece(const uint16_t *b, int64_t ldb, int64_t w, int64_t kk, uint32_t *packed) {
+#ifdef HAVE_BF16_DOT
+    pack_pairs(b, ldb, w, kk, packed);
+#else
+    (void)b, (void)ldb, (void)w, (void)kk, (void)packed;
+#endif
+}
+
+/* Row-major C[m, n] (ldc) = alpha A[m, kk] (lda) B[n, kk]^T, A bf16 and B columns [col, col + n) of a piece packed by
+ * pack_piece (`width` keys wide), fp32 sums. */
+static void gemm_nt_bf16(int64_t m, int64_t n, int64_t kk, const uint16_t *a, int64_t lda, const uint32_t *packed,
+                         int64_t width, int64_t col, float alpha, float *c, int64_t ldc) {
+#ifdef HAVE_BF16_DOT
+    const int64_t wp = (width + 15) / 16 * 16 + 32;
+    for (int64_t j0 = 0; j0 < n; j0 += 32) {
+        const int64_t nc = n - j0 < 32 ? n - j0 : 32;
+        const __mmask16 m0 = nc >= 16 ? 0xFFFF : (__mmask16)((1u << nc) - 1);
+        const __mmask16 m1 = nc >= 32 ? 0xFFFF : nc <= 16 ? 0 : (__mmask16)((1u << (nc - 16)) - 1);
+        int64_t i0 = 0;
+        for (; i0 + BF16_ROWS <= m; i0 += BF16_ROWS)
+            bf16_rows_block(a + i0 * lda, lda, packed + col + j0, wp, kk, alpha, c + i0 * ldc + j0, ldc, m0, m1);
+        for (; i0 < m; ++i0)
+            bf16_row(a + i0 * lda, packed + col + j0, wp, kk, alpha, c + i0 * ldc + j0, m0, m1);
+    }
+#else
+    (void)m, (void)n, (void)kk, (void)a, (void)lda, (void)packed, (void)width, (void)col, (void)alpha, (void)c,
+        (void)ldc;
+#endif
+}
+
+/* Words of pair-packing scratch a thread needs for pieces up to sub_cols wide with depth up to kk. */
+static int64_t packed_words(int64_t sub_cols, int64_t kk) { return (kk + 1) / 2 * ((sub_cols + 15) / 16 * 16 + 32); }
+
 /* Adds a bias tile's rows to the score block s [n, w] (lds): row i reads bias row (r0 + i) % bias_rows, columns
  * from `col` of a tile `tile_w` wide. */
 static void add_mask_rows(float *s, int64_t n, int64_t w, int64_t lds, const float *bias, int64_t r0,
@@ -692,13 +826,20 @@ static int64_t live_blocks(const float *bias, int64_t r0, int64_t n, int64_t bia
 
 /* One online-softmax step of n rows (q rows qr [n, dk], state m / l [n], unnormalised o [n, dv]) over w key columns
  * (kc, vc: their first rows), with the bias rows from bias_r0 at column bias_col of a tile_w-wide bias (NULL: none)
- * and the keep bits from keep_first[i] + keep_col (keep NULL: no dropout). s: an [n, round8(w)] scratch block. */
+ * and the keep bits from keep_first[i] + keep_col (keep NULL: no dropout). With q16 (the rows' bf16 queries, unscaled)
+ * the scores are scale * q16 K^T from the piece's keys packed by pack_piece (packed_w wide; these columns start at
+ * packed_col). s: an [n, round8(w)] scratch block. */
 static void forward_piece(const float *qr, int64_t n, int64_t dk, const float *kc, int64_t ldk, const float *vc,
                           int64_t ldv, int64_t dv, int64_t w, const float *bias, int64_t bias_r0, int64_t bias_rows,
                           int64_t tile_w, int64_t bias_col, const uint8_t *keep, const int64_t *keep_first,
-                          int64_t keep_col, float log2e, float floor2, float *s, float *m, float *l, float *o) {
+                          int64_t keep_col, float log2e, float floor2, const uint16_t *q16,
+                          const uint32_t *packed, int64_t packed_w, int64_t packed_col, float scale, float *s,
+                          float *m, float *l, float *o) {
     const int64_t lds = round8(w);
-    gemm_nt((int)n, (int)w, (int)dk, qr, (int)dk, kc, (int)ldk, 0.0f, s, (int)lds);
+    if (q16)
+        gemm_nt_bf16(n, w, dk, q16, dk, packed, packed_w, packed_col, scale, s, lds);
+    else
+        gemm_nt((int)n, (int)w, (int)dk, qr, (int)dk, kc, (int)ldk, 0.0f, s, (int)lds);
     if (bias)
         add_mask_rows(s, n, w, lds, bias, bias_r0, bias_rows, tile_w, bias_col);
     for (int64_t i = 0; i < n; ++i) {
@@ -736,12 +877,14 @@ void fa_forward_blocks(const float *q, int64_t entries, int64_t rows, int64_t dk
                        int64_t ldk, const float *v, int64_t sve, int64_t ldv, int64_t dv, int64_t n_tiles,
                        const int64_t *tj0, const int64_t *tj1, const int64_t *bias, int64_t bias_rows,
                        int64_t bias_stride, const uint8_t *keep, const int64_t *keep_first, int64_t block_rows,
-                       int64_t sub_cols,
-                       int64_t init, float log2e, float floor2, float *row_max_out, float *row_sum_out, float *acc) {
+                       int64_t sub_cols, int64_t init, float log2e, float floor2, const struct bf16_scores *bf,
+                       float *row_max_out, float *row_sum_out, float *acc) {
     const int64_t blocks = (rows + block_rows - 1) / block_rows;
+    const uint16_t *q16 = bf ? bf->q : NULL;
 #pragma omp parallel
     {
         float *s = aligned_alloc(64, sizeof(float) * round8(block_rows) * round8(sub_cols));
+        uint32_t *packed = q16 ? malloc(sizeof(uint32_t) * packed_words(sub_cols, dk)) : NULL;
         int64_t ranges[2 * MAX_SUB_BLOCKS];
 #pragma omp for schedule(dynamic, 1)
         for (int64_t item = 0; item < entries * blocks; ++item) {
@@ -763,6 +906,8 @@ void fa_forward_blocks(const float *q, int64_t entries, int64_t rows, int64_t dk
                 for (int64_t c0 = tj0[t]; c0 < tj1[t]; c0 += sub_cols) {
                     const int64_t w = tj1[t] - c0 < sub_cols ? tj1[t] - c0 : sub_cols, col = c0 - tj0[t];
                     const int64_t step = live_blocks(bt, r0, n, bias_rows, tile_w, col, w, ranges);
+                    if (q16)
+                        pack_piece(bf->k + e * bf->ske + c0 * bf->ldk, bf->ldk, w, dk, packed);
                     for (int64_t s0 = 0, b = 0; s0 < n; s0 += step, ++b) {
                         const int64_t lo = ranges[2 * b], hi = ranges[2 * b + 1];
                         if (lo >= hi)
@@ -770,11 +915,13 @@ void fa_forward_blocks(const float *q, int64_t entries, int64_t rows, int64_t dk
                         forward_piece(qe + s0 * dk, n - s0 < step ? n - s0 : step, dk, k + e * ske + (c0 + lo) * ldk,
                                       ldk, v + e * sve + (c0 + lo) * ldv, ldv, dv, hi - lo, bt, r0 + s0, bias_rows,
                                       tile_w, col + lo, keep, keep ? keep_first + e * rows + r0 + s0 : NULL,
-                                      col + lo, log2e, floor2, s, m + s0, l + s0, o + s0 * dv);
+                                      col + lo, log2e, floor2, q16 ? q16 + (e * rows + r0 + s0) * dk : NULL, packed, w,
+                                      lo, q16 ? bf->scale : 0.0f, s, m + s0, l + s0, o + s0 * dv);
                     }
                 }
             }
         }
+        free(packed);
         free(s);
     }
 }
@@ -801,16 +948,24 @@ struct backward_rows {
     const int64_t *keep_first;
     float inv_keep, log2e, floor2;
     int64_t lddk, lddv;
+    const struct bf16_scores *bf;
 };
 
 /* The backward terms of n query rows (`row`: their index over all entries; `r0`: within the entry, for the bias)
  * against w key columns (kp, vp, dkp, dvp: their first rows; `col`: their column in the tile's bias and keep bits),
- * as fa_backward_blocks describes; s and dp are [n, round8(w)] scratch blocks, dq_rows the rows' dQ (ld_rows). */
+ * as fa_backward_blocks describes; s and dp are [n, round8(w)] scratch blocks, dq_rows the rows' dQ (ld_rows). With
+ * a->bf, S and dP come from the bf16 rows and the piece's keys and values packed by pack_piece (packed_w wide; these
+ * columns start at packed_col). */
 static void backward_piece(int64_t n, int64_t row, int64_t r0, int64_t col, int64_t w, const struct backward_rows *a,
                            const float *kp, const float *vp, const float *bt, int64_t tile_w, float *s,
-                           float *dp, float *dq_rows, int64_t ld_rows, float *dkp, float *dvp) {
+                           float *dp, float *dq_rows, int64_t ld_rows, float *dkp, float *dvp,
+                           const uint32_t *packed_k, const uint32_t *packed_v, int64_t packed_w, int64_t packed_col) {
     const int64_t lds = round8(w);
-    gemm_nt((int)n, (int)w, (int)a->dk, a->q + row * a->dk, (int)a->dk, kp, (int)a->ldk, 0.0f, s, (int)lds);
+    const struct bf16_scores *bf = a->bf;
+    if (bf)
+        gemm_nt_bf16(n, w, a->dk, bf->q + row * a->dk, a->dk, packed_k, packed_w, packed_col, bf->scale, s, lds);
+    else
+        gemm_nt((int)n, (int)w, (int)a->dk, a->q + row * a->dk, (int)a->dk, kp, (int)a->ldk, 0.0f, s, (int)lds);
     if (bt)
         add_mask_rows(s, n, w, lds, bt, r0, a->bias_rows, tile_w, col);
     for (int64_t i = 0; i < n; ++i)
@@ -823,7 +978,10 @@ static void backward_piece(int64_t n, int64_t row, int64_t r0, int64_t col, int6
     }
     gemm_tn_acc((int)w, (int)a->dv, (int)n, a->keep ? dp : s, (int)lds, a->dy + row * a->dv, (int)a->dv, dvp,
                 (int)a->lddv);
-    gemm_nt((int)n, (int)w, (int)a->dv, a->dy + row * a->dv, (int)a->dv, vp, (int)a->ldv, 0.0f, dp, (int)lds);
+    if (bf)
+        gemm_nt_bf16(n, w, a->dv, bf->dy + row * a->dv, a->dv, packed_v, packed_w, packed_col, 1.0f, dp, lds);
+    else
+        gemm_nt((int)n, (int)w, (int)a->dv, a->dy + row * a->dv, (int)a->dv, vp, (int)a->ldv, 0.0f, dp, (int)lds);
     if (a->keep)
         for (int64_t i = 0; i < n; ++i)
             keep_row(dp + i * lds, a->keep, a->keep_first[row + i] + col, w, a->inv_keep);
@@ -862,7 +1020,9 @@ void fa_backward_blocks(const float *q, const float *dy, const float *d_sum, con
                         int64_t entries, int64_t rows, int64_t dk, int64_t dg, int64_t dv, const float *k, int64_t ske,
                         int64_t ldk, const float *v, int64_t sve, int64_t ldv, int64_t n_tiles, const int64_t *tj0,
                         const int64_t *tj1, const int64_t *bias, int64_t bias_rows, int64_t bias_stride,
-                        const uint8_t *keep, const int64_t *keep_first, float inv_keep, int64_t block_rows, int64_t sub_cols, int64_t min_items, float log2e, float floor2, float *dq,
+                        const uint8_t *keep, const int64_t *keep_first, float inv_keep, int64_t block_rows,
+                        int64_t sub_cols, int64_t min_items, float log2e, float floor2, const struct bf16_scores *bf,
+                        float *dq,
                         int64_t sdq,
                         int64_t lddq, float *dk_acc, int64_t sdk, int64_t lddk, float *dv_acc, int64_t sdv,
                         int64_t lddv) {
@@ -880,11 +1040,14 @@ void fa_backward_blocks(const float *q, const float *dy, const float *d_sum, con
         runs = 1; /* also where the buffers could not be had: one item per entry, which owns its dQ rows */
     const int64_t br = block_rows < rows ? block_rows : rows;
     const struct backward_rows args = {q, dy, d_sum, shift, factor, dk, dg, dv, ldk, ldv, bias_rows, keep,
-                                       keep_first, inv_keep, log2e, floor2, lddk, lddv};
+                                       keep_first, inv_keep, log2e, floor2, lddk, lddv,
+                                       bf && bf->q ? bf : NULL};
 #pragma omp parallel
     {
         float *s = aligned_alloc(64, sizeof(float) * round8(br) * round8(sub_cols));
         float *dp = aligned_alloc(64, sizeof(float) * round8(br) * round8(sub_cols));
+        uint32_t *packed_k = args.bf ? malloc(sizeof(uint32_t) * packed_words(sub_cols, dk)) : NULL;
+        uint32_t *packed_v = args.bf ? malloc(sizeof(uint32_t) * packed_words(sub_cols, dv)) : NULL;
         int64_t ranges[2 * MAX_SUB_BLOCKS];
 #pragma omp for schedule(dynamic, 1)
         for (int64_t item = 0; item < entries * runs; ++item) {
@@ -897,6 +1060,10 @@ void fa_backward_blocks(const float *q, const float *dy, const float *d_sum, con
                 float *dkp = dk_acc + e * sdk + c0 * lddk, *dvp = dv_acc + e * sdv + c0 * lddv;
                 const float *bt = bias[t] ? (const float *)(intptr_t)bias[t] + e * bias_stride : NULL;
                 const int64_t tile_w = tj1[t] - tj0[t];
+                if (args.bf) {
+                    pack_piece(bf->k + e * bf->ske + c0 * bf->ldk, bf->ldk, w, dk, packed_k);
+                    pack_piece(bf->v + e * bf->sve + c0 * bf->ldv, bf->ldv, w, dv, packed_v);
+                }
                 for (int64_t r0 = 0; r0 < rows; r0 += br) {
                     const int64_t n = rows - r0 < br ? rows - r0 : br;
                     const int64_t step = live_blocks(bt, r0, n, bias_rows, tile_w, c0 - tj0[t], w, ranges);
@@ -906,11 +1073,14 @@ void fa_backward_blocks(const float *q, const float *dy, const float *d_sum, con
                             continue; /* every P there is 0: no gradient term */
                         backward_piece(n - s0 < step ? n - s0 : step, row, r0 + s0, c0 - tj0[t] + lo, hi - lo,
                                        &args, kp + lo * ldk, vp + lo * ldv, bt, tile_w, s, dp,
-                                       dq_rows + (r0 + s0) * ld_rows, ld_rows, dkp + lo * lddk, dvp + lo * lddv);
+                                       dq_rows + (r0 + s0) * ld_rows, ld_rows, dkp + lo * lddk, dvp + lo * lddv,
+                                       packed_k, packed_v, w, lo);
                     }
                 }
             }
         }
+        free(packed_k);
+        free(packed_v);
         free(s);
         free(dp);
         if (dq_part) {
