@@ -152,10 +152,10 @@ class RunKernel:
             and native.has_sgemm() and (run.dropout is None or (run.dropout.mask.device.type == "cpu"
                                                                 and run.dropout.mask.is_contiguous()))
         # bf16 inputs: the score products from the inputs themselves with AVX512-BF16 dot products (exact products,
-        # fp32 sums: the fp32 GEMM of the upcast inputs up to summation order). Not with ALiBi's fp32 feature columns.
+        # fp32 sums: the fp32 GEMM of the upcast inputs up to summation order); ALiBi's fp32 feature columns are
+        # added after them.
         self.k16 = self.v16 = None
-        if self.fused and not self.linear_pse and query.dtype == key.dtype == value.dtype == torch.bfloat16 \
-                and native.has_bf16_dot():
+        if self.fused and query.dtype == key.dtype == value.dtype == torch.bfloat16 and native.has_bf16_dot():
             k16 = problem.kv_view(key, run).reshape(c * n2, run.seq_kv, -1)
             v16 = problem.kv_view(value, run).reshape(c * n2, run.seq_kv, -1)
             if k16.stride(-1) == 1 and v16.stride(-1) == 1:

@@ -353,14 +353,15 @@ def has_bf16_dot() -> bool:
 
 class _Bf16Struct(ctypes.Structure):
     _fields_ = [("q", _P), ("k", _P), ("dy", _P), ("v", _P), ("ske", _I), ("ldk", _I), ("sve", _I), ("ldv", _I),
-                ("scale", _F)]
+                ("d16", _I), ("scale", _F)]
 
 
 class Bf16Scores:
     """bf16 operands of the fused loops' score products (attention_loops.c, struct bf16_scores): S = scale * q k^T
     from the query rows q [E, R, Dk] (unscaled, contiguous) and keys k [E, Skv, Dk] (unit column stride), and for the
     backward dP = dy v^T from dy [E, R, Dv] (contiguous) and values v [E, Skv, Dv]. The fp32 operands the call also
-    takes (scaled q, k, v, dy) still feed every other product."""
+    takes (scaled q, k, v, dy) still feed every other product; columns of the fp32 q and k past Dk (ALiBi's rank-2
+    features) are added to the scores in fp32."""
 
     def __init__(self, q: torch.Tensor, k: torch.Tensor, scale: float, dy: torch.Tensor | None = None,
                  v: torch.Tensor | None = None) -> None:
@@ -378,7 +379,8 @@ class Bf16Scores:
         dy, v = self.dy, self.v
         return _Bf16Struct(self.q.data_ptr(), self.k.data_ptr(), 0 if dy is None else dy.data_ptr(),
                            0 if v is None else v.data_ptr(), self.k.stride(0), self.k.stride(1),
-                           0 if v is None else v.stride(0), 0 if v is None else v.stride(1), self.scale)
+                           0 if v is None else v.stride(0), 0 if v is None else v.stride(1), self.q.shape[-1],
+                           self.scale)
 
 
 def _bf16_pointer(bf16: Bf16Scores | None, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor | None = None,
@@ -386,7 +388,9 @@ def _bf16_pointer(bf16: Bf16Scores | None, q: torch.Tensor, k: torch.Tensor, v: 
     """The C struct (kept alive by the caller) and its address, or (None, 0): the operands must match the call's."""
     if bf16 is None:
         return None, 0
-    assert bf16.q.shape == q.shape and bf16.k.shape == k.shape, (bf16.q.shape, q.shape, bf16.k.shape, k.shape)
+    features = q.shape[-1] - bf16.q.shape[-1]
+    assert bf16.q.shape[:-1] == q.shape[:-1] and bf16.k.shape[:-1] == k.shape[:-1] and 0 <= features <= 2 \
+        and bf16.k.shape[-1] + features == k.shape[-1], (bf16.q.shape, q.shape, bf16.k.shape, k.shape)
     if dy is not None:
         assert bf16.dy is not None and bf16.dy.shape == dy.shape and bf16.v.shape == v.shape
     struct = bf16.struct()

@@ -635,14 +635,33 @@ int cann_attn_has_bf16_dot(void) {
 #endif
 }
 
-/* Operands of the bf16 score GEMMs of a fused call: the query rows (unscaled, [E, rows, dk] contiguous) and keys
+/* Operands of the bf16 score GEMMs of a fused call: the query rows (unscaled, [E, rows, d16] contiguous) and keys
  * (entry stride, row stride) for S = scale Q K^T, and in the backward dY ([E, rows, dv] contiguous) and the values
- * for dP = dY V^T. q == NULL: the scores take the fp32 sgemm path. */
+ * for dP = dY V^T. The fp32 q and k of the call may hold further columns past d16 (ALiBi's rank-2 features), whose
+ * products add_features adds. q == NULL: the scores take the fp32 sgemm path. */
 struct bf16_scores {
     const uint16_t *q, *k, *dy, *v;
-    int64_t ske, ldk, sve, ldv;
+    int64_t ske, ldk, sve, ldv, d16;
     float scale;
 };
+
+/* s[i, j] += sum_f qf[i, f] kf[j, f] over the nf (<= 2) fp32 feature columns of the query rows (row stride ldq) and
+ * keys (ldk): the ALiBi terms that ride in the fp32 GEMM's extra columns, added after a bf16 score GEMM. The keys'
+ * features are first copied to `scratch` (nf * w floats) so that the row loop reads them contiguously. */
+static void add_features(float *s, int64_t n, int64_t w, int64_t lds, const float *qf, int64_t ldq, const float *kf,
+                         int64_t ldk, int64_t nf, float *scratch) {
+    for (int64_t f = 0; f < nf; ++f)
+        for (int64_t j = 0; j < w; ++j)
+            scratch[f * w + j] = kf[j * ldk + f];
+    for (int64_t i = 0; i < n; ++i) {
+        float *si = s + i * lds;
+        for (int64_t f = 0; f < nf; ++f) {
+            const float qif = qf[i * ldq + f], *kff = scratch + f * w;
+            for (int64_t j = 0; j < w; ++j)
+                si[j] += qif * kff[j];
+        }
+    }
+}
 
 /* Rows per register block of the bf16 score kernel (4 x 32 columns: 8 accumulators; measured faster than 6, 8 or 12
  * on a 2-core EPYC, ~190 GFLOP/s on one core against ~93 for sgemm). */
@@ -832,12 +851,15 @@ static int64_t live_blocks(const float *bias, int64_t r0, int64_t n, int64_t bia
 static void forward_piece(const float *qr, int64_t n, int64_t dk, const float *kc, int64_t ldk, const float *vc,
                           int64_t ldv, int64_t dv, int64_t w, const float *bias, int64_t bias_r0, int64_t bias_rows,
                           int64_t tile_w, int64_t bias_col, const uint8_t *keep, const int64_t *keep_first,
-                          int64_t keep_col, float log2e, float floor2, const uint16_t *q16,
-                          const uint32_t *packed, int64_t packed_w, int64_t packed_col, float scale, float *s,
+                          int64_t keep_col, float log2e, float floor2, const uint16_t *q16, int64_t d16,
+                          const uint32_t *packed, int64_t packed_w, int64_t packed_col, float scale,
+                          float *features, float *s,
                           float *m, float *l, float *o) {
     const int64_t lds = round8(w);
     if (q16)
-        gemm_nt_bf16(n, w, dk, q16, dk, packed, packed_w, packed_col, scale, s, lds);
+        gemm_nt_bf16(n, w, d16, q16, d16, packed, packed_w, packed_col, scale, s, lds);
+    if (q16 && dk > d16)
+        add_features(s, n, w, lds, qr + d16, dk, kc + d16, ldk, dk - d16, features);
     else
         gemm_nt((int)n, (int)w, (int)dk, qr, (int)dk, kc, (int)ldk, 0.0f, s, (int)lds);
     if (bias)
@@ -881,10 +903,12 @@ void fa_forward_blocks(const float *q, int64_t entries, int64_t rows, int64_t dk
                        float *row_max_out, float *row_sum_out, float *acc) {
     const int64_t blocks = (rows + block_rows - 1) / block_rows;
     const uint16_t *q16 = bf ? bf->q : NULL;
+    const int64_t d16 = q16 ? bf->d16 : dk;
 #pragma omp parallel
     {
         float *s = aligned_alloc(64, sizeof(float) * round8(block_rows) * round8(sub_cols));
-        uint32_t *packed = q16 ? malloc(sizeof(uint32_t) * packed_words(sub_cols, dk)) : NULL;
+        uint32_t *packed = q16 ? malloc(sizeof(uint32_t) * packed_words(sub_cols, d16)) : NULL;
+        float *features = q16 && dk > d16 ? malloc(sizeof(float) * (dk - d16) * sub_cols) : NULL;
         int64_t ranges[2 * MAX_SUB_BLOCKS];
 #pragma omp for schedule(dynamic, 1)
         for (int64_t item = 0; item < entries * blocks; ++item) {
@@ -907,7 +931,7 @@ void fa_forward_blocks(const float *q, int64_t entries, int64_t rows, int64_t dk
                     const int64_t w = tj1[t] - c0 < sub_cols ? tj1[t] - c0 : sub_cols, col = c0 - tj0[t];
                     const int64_t step = live_blocks(bt, r0, n, bias_rows, tile_w, col, w, ranges);
                     if (q16)
-                        pack_piece(bf->k + e * bf->ske + c0 * bf->ldk, bf->ldk, w, dk, packed);
+                        pack_piece(bf->k + e * bf->ske + c0 * bf->ldk, bf->ldk, w, d16, packed);
                     for (int64_t s0 = 0, b = 0; s0 < n; s0 += step, ++b) {
                         const int64_t lo = ranges[2 * b], hi = ranges[2 * b + 1];
                         if (lo >= hi)
@@ -915,12 +939,14 @@ void fa_forward_blocks(const float *q, int64_t entries, int64_t rows, int64_t dk
                         forward_piece(qe + s0 * dk, n - s0 < step ? n - s0 : step, dk, k + e * ske + (c0 + lo) * ldk,
                                       ldk, v + e * sve + (c0 + lo) * ldv, ldv, dv, hi - lo, bt, r0 + s0, bias_rows,
                                       tile_w, col + lo, keep, keep ? keep_first + e * rows + r0 + s0 : NULL,
-                                      col + lo, log2e, floor2, q16 ? q16 + (e * rows + r0 + s0) * dk : NULL, packed, w,
-                                      lo, q16 ? bf->scale : 0.0f, s, m + s0, l + s0, o + s0 * dv);
+                                      col + lo, log2e, floor2, q16 ? q16 + (e * rows + r0 + s0) * d16 : NULL, d16,
+                                      packed, w, lo, q16 ? bf->scale : 0.0f, features, s, m + s0, l + s0,
+                                      o + s0 * dv);
                     }
                 }
             }
         }
+        free(features);
         free(packed);
         free(s);
     }
@@ -959,11 +985,15 @@ struct backward_rows {
 static void backward_piece(int64_t n, int64_t row, int64_t r0, int64_t col, int64_t w, const struct backward_rows *a,
                            const float *kp, const float *vp, const float *bt, int64_t tile_w, float *s,
                            float *dp, float *dq_rows, int64_t ld_rows, float *dkp, float *dvp,
-                           const uint32_t *packed_k, const uint32_t *packed_v, int64_t packed_w, int64_t packed_col) {
+                           const uint32_t *packed_k, const uint32_t *packed_v, int64_t packed_w, int64_t packed_col,
+                           float *features) {
     const int64_t lds = round8(w);
     const struct bf16_scores *bf = a->bf;
     if (bf)
-        gemm_nt_bf16(n, w, a->dk, bf->q + row * a->dk, a->dk, packed_k, packed_w, packed_col, bf->scale, s, lds);
+        gemm_nt_bf16(n, w, bf->d16, bf->q + row * bf->d16, bf->d16, packed_k, packed_w, packed_col, bf->scale, s, lds);
+    if (bf && a->dk > bf->d16)
+        add_features(s, n, w, lds, a->q + row * a->dk + bf->d16, a->dk, kp + bf->d16, a->ldk, a->dk - bf->d16,
+                     features);
     else
         gemm_nt((int)n, (int)w, (int)a->dk, a->q + row * a->dk, (int)a->dk, kp, (int)a->ldk, 0.0f, s, (int)lds);
     if (bt)
@@ -1046,8 +1076,9 @@ void fa_backward_blocks(const float *q, const float *dy, const float *d_sum, con
     {
         float *s = aligned_alloc(64, sizeof(float) * round8(br) * round8(sub_cols));
         float *dp = aligned_alloc(64, sizeof(float) * round8(br) * round8(sub_cols));
-        uint32_t *packed_k = args.bf ? malloc(sizeof(uint32_t) * packed_words(sub_cols, dk)) : NULL;
+        uint32_t *packed_k = args.bf ? malloc(sizeof(uint32_t) * packed_words(sub_cols, args.bf->d16)) : NULL;
         uint32_t *packed_v = args.bf ? malloc(sizeof(uint32_t) * packed_words(sub_cols, dv)) : NULL;
+        float *features = args.bf && dk > args.bf->d16 ? malloc(sizeof(float) * (dk - args.bf->d16) * sub_cols) : NULL;
         int64_t ranges[2 * MAX_SUB_BLOCKS];
 #pragma omp for schedule(dynamic, 1)
         for (int64_t item = 0; item < entries * runs; ++item) {
@@ -1061,7 +1092,7 @@ void fa_backward_blocks(const float *q, const float *dy, const float *d_sum, con
                 const float *bt = bias[t] ? (const float *)(intptr_t)bias[t] + e * bias_stride : NULL;
                 const int64_t tile_w = tj1[t] - tj0[t];
                 if (args.bf) {
-                    pack_piece(bf->k + e * bf->ske + c0 * bf->ldk, bf->ldk, w, dk, packed_k);
+                    pack_piece(bf->k + e * bf->ske + c0 * bf->ldk, bf->ldk, w, bf->d16, packed_k);
                     pack_piece(bf->v + e * bf->sve + c0 * bf->ldv, bf->ldv, w, dv, packed_v);
                 }
                 for (int64_t r0 = 0; r0 < rows; r0 += br) {
@@ -1074,11 +1105,12 @@ void fa_backward_blocks(const float *q, const float *dy, const float *d_sum, con
                         backward_piece(n - s0 < step ? n - s0 : step, row, r0 + s0, c0 - tj0[t] + lo, hi - lo,
                                        &args, kp + lo * ldk, vp + lo * ldv, bt, tile_w, s, dp,
                                        dq_rows + (r0 + s0) * ld_rows, ld_rows, dkp + lo * lddk, dvp + lo * lddv,
-                                       packed_k, packed_v, w, lo);
+                                       packed_k, packed_v, w, lo, features);
                     }
                 }
             }
         }
+        free(features);
         free(packed_k);
         free(packed_v);
         free(s);
