@@ -435,8 +435,10 @@ def test_fused_dense_forward_blocks(case, scores):
 
     def run():
         m, l, acc = torch.empty(entries, rows), torch.empty(entries, rows), torch.empty(entries, rows, dv)
-        native.fa_forward_blocks(q, k, v, tiles, native.BiasTiles(biases, head_rows), block_rows, sub_cols, LOG2E,
-                                 EXP2_FLOOR, m, l, acc, bf16=bf16)
+        # With bf16 operands the fp32 q must not be read at all (NaN here): the scores come from the bf16 dots alone.
+        native.fa_forward_blocks(q if bf16 is None else torch.full_like(q, math.nan), k, v, tiles,
+                                 native.BiasTiles(biases, head_rows), block_rows, sub_cols, LOG2E, EXP2_FLOOR, m, l,
+                                 acc, bf16=bf16)
         return m, l, acc
 
     bf16 = _bf16_scores(scores, q, k)
@@ -561,8 +563,10 @@ def test_fused_dense_backward_blocks(case, min_items, scores):
 
     def run():
         dq, dk_, dv_ = (t.clone().transpose(0, 1) for t in start)  # strided: [E, R, D] views of [R, E, D]
-        native.fa_backward_blocks(q, dy, d_sum, shift, factor, k, v, tiles, native.BiasTiles(biases, head_rows),
-                                  block_rows, sub_cols, min_items, LOG2E, EXP2_FLOOR, dq, dk_, dv_, bf16=bf16)
+        # With bf16 operands dP = dY V^T comes from the bf16 dots: the fp32 values must not be read (NaN here).
+        native.fa_backward_blocks(q, dy, d_sum, shift, factor, k, v if bf16 is None else torch.full_like(v, math.nan),
+                                  tiles, native.BiasTiles(biases, head_rows), block_rows, sub_cols, min_items, LOG2E,
+                                  EXP2_FLOOR, dq, dk_, dv_, bf16=bf16)
         return dq, dk_, dv_
 
     one, two = _on_one_and_two_threads(run)

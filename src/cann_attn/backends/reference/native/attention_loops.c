@@ -856,12 +856,13 @@ static void forward_piece(const float *qr, int64_t n, int64_t dk, const float *k
                           float *features, float *s,
                           float *m, float *l, float *o) {
     const int64_t lds = round8(w);
-    if (q16)
-        gemm_nt_bf16(n, w, d16, q16, d16, packed, packed_w, packed_col, scale, s, lds);
-    if (q16 && dk > d16)
-        add_features(s, n, w, lds, qr + d16, dk, kc + d16, ldk, dk - d16, features);
-    else
+    if (!q16) {
         gemm_nt((int)n, (int)w, (int)dk, qr, (int)dk, kc, (int)ldk, 0.0f, s, (int)lds);
+    } else {
+        gemm_nt_bf16(n, w, d16, q16, d16, packed, packed_w, packed_col, scale, s, lds);
+        if (dk > d16)
+            add_features(s, n, w, lds, qr + d16, dk, kc + d16, ldk, dk - d16, features);
+    }
     if (bias)
         add_mask_rows(s, n, w, lds, bias, bias_r0, bias_rows, tile_w, bias_col);
     for (int64_t i = 0; i < n; ++i) {
@@ -989,13 +990,15 @@ static void backward_piece(int64_t n, int64_t row, int64_t r0, int64_t col, int6
                            float *features) {
     const int64_t lds = round8(w);
     const struct bf16_scores *bf = a->bf;
-    if (bf)
-        gemm_nt_bf16(n, w, bf->d16, bf->q + row * bf->d16, bf->d16, packed_k, packed_w, packed_col, bf->scale, s, lds);
-    if (bf && a->dk > bf->d16)
-        add_features(s, n, w, lds, a->q + row * a->dk + bf->d16, a->dk, kp + bf->d16, a->ldk, a->dk - bf->d16,
-                     features);
-    else
+    if (!bf) {
         gemm_nt((int)n, (int)w, (int)a->dk, a->q + row * a->dk, (int)a->dk, kp, (int)a->ldk, 0.0f, s, (int)lds);
+    } else {
+        gemm_nt_bf16(n, w, bf->d16, bf->q + row * bf->d16, bf->d16, packed_k, packed_w, packed_col, bf->scale, s,
+                     lds);
+        if (a->dk > bf->d16)
+            add_features(s, n, w, lds, a->q + row * a->dk + bf->d16, a->dk, kp + bf->d16, a->ldk, a->dk - bf->d16,
+                         features);
+    }
     if (bt)
         add_mask_rows(s, n, w, lds, bt, r0, a->bias_rows, tile_w, col);
     for (int64_t i = 0; i < n; ++i)
