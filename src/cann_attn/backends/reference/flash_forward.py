@@ -20,6 +20,7 @@ Exponentials come from `softmax_exp.exp_shifted_` (exp2-based, natural-unit logi
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -255,8 +256,18 @@ class RunKernel:
             out.baddbmm_(q_tile[entries], kt)
         s = out.view(c, n_heads, rows, cols)
         if state is TileState.PARTIAL:
-            s.add_(self._mask_bias(i0, i1, j0, j1))
+            mask_bias = self._mask_bias(i0, i1, j0, j1)
+            s.add_(mask_bias)
+            if not self.finite_inputs:
+                # A masked element is excluded whatever its logit: NaN + -inf stays NaN, so with a NaN or inf in Q
+                # or K the hidden elements are set to -inf (masked_fill is ~20x slower than the add, hence only here).
+                s.masked_fill_(mask_bias == float("-inf"), float("-inf"))
         return s
+
+    @functools.cached_property
+    def finite_inputs(self) -> bool:
+        """No NaN or inf in the run's query and key rows (then every logit is finite up to fp32 overflow)."""
+        return bool(torch.isfinite(self.q_all).all()) and bool(torch.isfinite(self.k).all())
 
     def pse_tile(self, q_tile: torch.Tensor, i0: int, i1: int, j0: int, j1: int, entries: slice) -> torch.Tensor | None:
         """The pse of the tile for the GEMM batch `entries`: None where there is none or where ALiBi's rank-2 form
@@ -367,8 +378,11 @@ class RunKernel:
                 self._fused_forward(q_tile, i0, i1, row_max, row_sum, acc)
             else:
                 self._forward_tiles(q_tile, i0, i1, row_max, row_sum, acc)
-            # Rows without a visible key have row_sum 0 and acc 0 (their terms are all exactly 0): output 0.
-            valid = row_sum > 0
+            # Rows without a visible key have row_sum 0 and acc 0 (their terms are all exactly 0): output 0. "!= 0",
+            # not "> 0": a row with a NaN logit has a NaN sum and max and keeps them, with a NaN output, as the
+            # formulas give (SEMANTICS.md 3 covers rows without visible keys only); taking it for a row without keys
+            # would pass NaN input off as a fully masked row.
+            valid = row_sum != 0
             denom = torch.where(valid, row_sum * problem.keep_prob, 1.0).view(c * n2, -1, 1)
             out_view[:, :, i0:i1].copy_(acc.div_(denom).view(c, problem.heads_q, rows, dv))
             if max_view is not None:

@@ -133,7 +133,9 @@ def _forward_kernel(
             v = v.to(tl.float32)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
 
-    valid = l_i > 0.0
+    # "!= 0", not "> 0": a row with a NaN logit keeps its NaN sum and gives a NaN output, as in the reference
+    # backend and the formulas; only rows without a visible key (sum exactly 0) are invalid rows (section 3).
+    valid = l_i != 0.0
     denom = tl.where(valid, l_i * keep_prob, 1.0)
     out = tl.where(valid[:, None], acc / denom[:, None], 0.0)
     o_base = O + tiles.tensor_offset(row, C_O, OFF_ALIGN) + h * soh
@@ -143,7 +145,10 @@ def _forward_kernel(
         offs_w = tl.arange(0, 8)
         stat_off = (tl.load(row + C_STAT) + h * tl.load(row + C_STAT_HS)
                     + offs_m[:, None] * stat_rs + offs_w[None, :])
-        row_max = tl.where(valid, m_i * tiles.LN2, -tiles.FLT_MAX)
+        # tl.max may drop a NaN logit on the GPU (max.f32 returns the other operand): a NaN sum marks the row. A
+        # +inf maximum stays +inf (its sum is NaN from inf - inf), as the reference backend writes it.
+        nan_row = (l_i != l_i) & (m_i != float("inf"))
+        row_max = tl.where(valid, tl.where(nan_row, float("nan"), m_i * tiles.LN2), -tiles.FLT_MAX)
         row_sum = tl.where(valid, l_i, tiles.FLT_MAX)
         wmask = row_ok[:, None] & (offs_w[None, :] < 8)
         tl.store(SMAX + stat_off, tl.broadcast_to(row_max[:, None], [BLOCK_M, 8]), mask=wmask)

@@ -770,14 +770,23 @@ static void gemm_nt_bf16(int64_t m, int64_t n, int64_t kk, const uint16_t *a, in
 static int64_t packed_words(int64_t sub_cols, int64_t kk) { return (kk + 1) / 2 * ((sub_cols + 15) / 16 * 16 + 32); }
 
 /* Adds a bias tile's rows to the score block s [n, w] (lds): row i reads bias row (r0 + i) % bias_rows, columns
- * from `col` of a tile `tile_w` wide. */
+ * from `col` of a tile `tile_w` wide. A -inf bias (a masked element) sets -inf rather than adding it: a masked
+ * element is excluded whatever its logit, and NaN + -inf would let a NaN key reach rows that cannot see it (the
+ * compare and blend cost next to nothing beside the add). */
 static void add_mask_rows(float *s, int64_t n, int64_t w, int64_t lds, const float *bias, int64_t r0,
                           int64_t bias_rows, int64_t tile_w, int64_t col) {
     for (int64_t i = 0; i < n; ++i) {
         const float *bi = bias + ((r0 + i) % bias_rows) * tile_w + col;
         float *si = s + i * lds;
-        for (int64_t j = 0; j < w; ++j)
-            si[j] += bi[j];
+        const __m256 minus_inf = _mm256_set1_ps(-INFINITY);
+        int64_t j = 0;
+        for (; j + 8 <= w; j += 8) {
+            const __m256 b = _mm256_loadu_ps(bi + j);
+            const __m256 sum = _mm256_add_ps(_mm256_loadu_ps(si + j), b);
+            _mm256_storeu_ps(si + j, _mm256_blendv_ps(sum, minus_inf, _mm256_cmp_ps(b, minus_inf, _CMP_EQ_OQ)));
+        }
+        for (; j < w; ++j)
+            si[j] = bi[j] == -INFINITY ? -INFINITY : si[j] + bi[j];
     }
 }
 
