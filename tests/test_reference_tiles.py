@@ -159,49 +159,78 @@ def _alibi_inputs(case: str, gen: torch.Generator):
     return q, k, v, kwargs
 
 
+@pytest.fixture(params=["pytorch_loop", "native_loops"])
+def alibi_path(request, monkeypatch) -> str:
+    """Where the ALiBi skipping runs: the PyTorch tile loop (per head and tile, `RunKernel.entries`; the fused loops
+    off) or the fused native loops (per 32-row block and key piece, `alibi_reaches` in attention_loops.c)."""
+    from cann_attn.backends.reference import native
+
+    if request.param == "pytorch_loop":
+        monkeypatch.setenv(native.BLAS_SWITCH, "0")
+    elif not native.has_sgemm():
+        pytest.skip("the fused native loops are not available here")
+    return request.param
+
+
 @pytest.mark.parametrize("case", list(ALIBI_CASES))
-def test_alibi_tiles_that_underflow_are_skipped_without_changing_a_bit(case: str, monkeypatch) -> None:
-    """Skipping a head's tile whose every term exp(s - max) would flush to 0 gives bitwise the outputs and
-    gradients of computing it (the forward visits tiles in the same order either way), and does skip."""
+def test_alibi_tiles_that_underflow_are_skipped_without_changing_a_bit(case: str, alibi_path: str,
+                                                                       monkeypatch) -> None:
+    """Skipping a head's tile (or a row block's key piece) whose every term exp(s - max) would flush to 0 gives
+    bitwise the outputs and gradients of computing it (tiles are visited in the same order either way), and does
+    skip."""
     import cann_attn
-    from cann_attn.backends.reference import flash_forward
+    from cann_attn.backends.reference import flash_forward, native
 
     q, k, v, kwargs = _alibi_inputs(case, torch.Generator().manual_seed(7))
     dy = torch.randn(q.shape, generator=torch.Generator().manual_seed(8))
     skipped = []
-    bounded = flash_forward.RunKernel.entries
+    bounded, generated = flash_forward.RunKernel.entries, flash_forward.RunKernel.alibi_rows
 
     def spy(self, *args):
         entries = bounded(self, *args)
         skipped.append(self.skipped_head_tiles)
         return entries
 
-    def run(entries):
+    def unbounded(self, *args):  # the generated ALiBi without the norms that its skipping needs
+        rows = generated(self, *args)
+        return None if rows is None else native.AlibiRows(rows.slope, rows.pos, rows.sqrt_dist)
+
+    def run(entries, alibi_rows):
         monkeypatch.setattr(flash_forward.RunKernel, "entries", entries)
+        monkeypatch.setattr(flash_forward.RunKernel, "alibi_rows", alibi_rows)
         fwd = cann_attn.flash_attention_score(q, k, v, 4, "BSND", backend="reference", **kwargs)
         grad = cann_attn.flash_attention_score_grad(
             q, k, v, dy, 4, "BSND", softmax_max=fwd.softmax_max, softmax_sum=fwd.softmax_sum,
             attention_in=fwd.attention_out, backend="reference", **kwargs)
         return [*fwd[:3], *grad[:3]]
 
-    skipping = run(spy)
-    assert max(skipped) > 0, "no head tile was skipped: the case does not exercise the bound"
-    computing = run(lambda self, *args: slice(0, self.run.count * self.problem.heads_kv))
+    native.alibi_skipped_terms()
+    skipping = run(spy, generated)
+    if alibi_path == "pytorch_loop":
+        assert max(skipped) > 0, "no head tile was skipped: the case does not exercise the bound"
+    else:
+        assert native.alibi_skipped_terms() > 0, "no block was skipped: the case does not exercise the bound"
+    computing = run(lambda self, *args: slice(0, self.run.count * self.problem.heads_kv), unbounded)
+    assert native.alibi_skipped_terms() == 0
     for got, want in zip(skipping, computing, strict=True):
         assert torch.equal(got, want)
 
 
-def test_alibi_with_skipped_tiles_matches_the_oracle(monkeypatch) -> None:
+def test_alibi_with_skipped_tiles_matches_the_oracle(alibi_path: str, monkeypatch) -> None:
     import cann_attn
-    from cann_attn.backends.reference import flash_forward
+    from cann_attn.backends.reference import flash_forward, native
     from oracle import check_fa_result
 
     kernels = []
     monkeypatch.setattr(flash_forward.RunKernel, "forward",
                         lambda self, *a, _f=flash_forward.RunKernel.forward: (kernels.append(self), _f(self, *a)))
     q, k, v, kwargs = _alibi_inputs("type3_gqa_offsets", torch.Generator().manual_seed(3))
+    native.alibi_skipped_terms()
     result = cann_attn.flash_attention_score(q, k, v, 4, "BSND", backend="reference", **kwargs)
-    assert kernels and kernels[0].skipped_head_tiles > 0
+    if alibi_path == "pytorch_loop":
+        assert kernels and kernels[0].skipped_head_tiles > 0
+    else:
+        assert native.alibi_skipped_terms() > 0
     check_fa_result(result, q, k, v, 4, "BSND", **kwargs)
 
 

@@ -127,13 +127,14 @@ def _fused_backward(kernel: RunKernel, q_tile, i0: int, i1: int, dy_g, d_sum, ro
     whole = kernel.fused_tiles(i0, i1)
     if whole is None and entries_all < 2:
         return False
+    alibi = kernel.alibi_rows(q_tile, i0, i1)
     shift = row_max.reshape(entries_all, -1).contiguous()
     factor = inv_sum.reshape(entries_all, -1).contiguous()
     d_sum = d_sum.view(entries_all, -1)
     if whole is not None:
         native.fa_backward_blocks(q_tile, dy_g, d_sum, shift, factor, kernel.k, kernel.v, *whole, FUSED_BLOCK_ROWS,
                                   FUSED_SUB_COLS, FUSED_MIN_ITEMS, LOG2E, EXP2_FLOOR, dq_acc, dk_acc, dv_acc,
-                                  bf16=bf16)
+                                  bf16=bf16, alibi=alibi)
         return True
     for j0, j1, state in kernel.key_tiles(i0, i1):
         entries = kernel.entries(i0, i1, j0, j1, row_max)
@@ -147,7 +148,8 @@ def _fused_backward(kernel: RunKernel, q_tile, i0: int, i1: int, dy_g, d_sum, ro
                                   fused_block_rows(q_tile.shape[1]), FUSED_SUB_COLS, FUSED_MIN_ITEMS * n_entries,
                                   LOG2E, EXP2_FLOOR, dq_acc[entries], dk_acc[entries], dv_acc[entries],
                                   keep=kernel.fused_keep(i0, i1, j0, entries), keep_prob=kernel.problem.keep_prob,
-                                  bf16=None if bf16 is None else bf16.take(entries))
+                                  bf16=None if bf16 is None else bf16.take(entries),
+                                  alibi=None if alibi is None else alibi.take(entries))
     return True
 
 

@@ -56,9 +56,9 @@ UNDERFLOW_SLACK = 1.0
 
 def tile_shape(heads: int, seq_q: int, seq_kv: int, dense: bool, linear_pse: bool = False) -> tuple[int, int, int]:
     """(query rows, key columns, merged key columns) of the score tiles of a run with `heads` = count * N1
-    score matrices, shrunk to stay within TILE_ELEMENTS. With ALiBi folded into GEMM columns (`linear_pse`),
-    key tiles stay LINEAR_PSE_WIDTH wide and unmerged: wide tiles straddle the diagonal more often, where the
-    bias has to be materialised."""
+    score matrices, shrunk to stay within TILE_ELEMENTS. With ALiBi (`linear_pse`), key tiles stay LINEAR_PSE_WIDTH
+    wide and unmerged: they go nearest the diagonal first, for the underflow skipping, and where ALiBi is folded into
+    GEMM columns, wide tiles straddle the diagonal more often, where the bias has to be materialised."""
     width = MERGED_WIDTH
     while width > 128 and heads * MIN_TILE_ROWS * width > TILE_ELEMENTS:
         width //= 2
@@ -127,7 +127,16 @@ class RunKernel:
         self.q_all = problem.q_view(query, run)
         k = problem.kv_view(key, run).to(self.dtype).reshape(c * n2, run.seq_kv, -1)
         self.v = problem.kv_view(value, run).to(self.dtype).reshape(c * n2, run.seq_kv, -1)
-        feats = None if run.pse is None else run.pse.linear_key_features(self.device, self.dtype)
+        # The fused native loops: fp32 compute on the CPU with a BLAS sgemm (and a CPU keep mask, read in place).
+        alibi = run.pse is not None and run.pse.pse_type in ALIBI_TYPES
+        fusable = self.v.stride(-1) == 1 and native.usable(k, self.v) and native.has_sgemm() \
+            and (run.dropout is None or (run.dropout.mask.device.type == "cpu" and run.dropout.mask.is_contiguous()))
+        if fusable and alibi and k.stride(-1) != 1:
+            k = k.contiguous()
+        self.fused = fusable and k.stride(-1) == 1
+        # There ALiBi (types 2/3) is generated per score block (`alibi_rows`): no feature columns, no bias tiles.
+        self.native_alibi = self.fused and alibi
+        feats = None if run.pse is None or self.native_alibi else run.pse.linear_key_features(self.device, self.dtype)
         self.linear_pse = feats is not None
         if feats is not None:
             k = torch.cat([k, feats.expand(c * n2, -1, -1)], dim=-1)
@@ -136,22 +145,20 @@ class RunKernel:
         # per call; without it fwd+bwd ran 2-14% faster (alternating A/B, B=1 N=8 S=2048 and N=1 S=8192).
         self.k = k
         # ALiBi (types 2/3) of a single sequence: per-head tile skipping, from |logit| <= |scale| |q| |k| + bias.
-        self.underflow_bound = run.pse is not None and run.pse.pse_type in ALIBI_TYPES and c == 1
+        # The native loops skip row blocks too (`alibi_rows`), for runs of several sequences as well.
+        self.underflow_bound = alibi and c == 1
         if self.underflow_bound:
             self.q_norm = self.q_all.to(self.dtype).norm(dim=-1)[0].mul_(abs(problem.scale))  # [N1, Sq]
-            self.k_norm = k[..., : problem.dim_qk].norm(dim=-1)  # [N2, Skv]
+        if alibi:
+            self.k_norm = k[..., : problem.dim_qk].norm(dim=-1)  # [c * N2, Skv]
         self.skipped_head_tiles = 0
         dense = run.mask.lower is None and run.mask.upper is None and run.mask.explicit is None
         self.block_q, self.block_k, self.max_width = tile_shape(c * problem.heads_q, run.seq_q, run.seq_kv, dense,
-                                                                self.linear_pse)
+                                                                alibi)
         rows = c * problem.heads_q * self.block_q * self.max_width
         self._buffer = torch.empty(rows, dtype=self.dtype, device=self.device)
         self._scratch: torch.Tensor | None = None
         self._mask_biases: dict[tuple[int, int, int], torch.Tensor] = {}
-        # The fused native loops: fp32 compute on the CPU with a BLAS sgemm (and a CPU keep mask, read in place).
-        self.fused = self.k.stride(-1) == 1 and self.v.stride(-1) == 1 and native.usable(self.k, self.v) \
-            and native.has_sgemm() and (run.dropout is None or (run.dropout.mask.device.type == "cpu"
-                                                                and run.dropout.mask.is_contiguous()))
         # bf16 inputs: the score products from the inputs themselves with AVX512-BF16 dot products (exact products,
         # fp32 sums: the fp32 GEMM of the upcast inputs up to summation order); ALiBi's fp32 feature columns are
         # added after them.
@@ -201,7 +208,7 @@ class RunKernel:
         """`key_tiles` of the run; with per-head tile skipping nearest the diagonal first, so that the running row
         maxima are already high when the far tiles (those that may underflow) are tested."""
         tiles = list(key_tiles(self.run, i0, i1, self.block_k, self.max_width))
-        if self.underflow_bound:
+        if self.underflow_bound or self.native_alibi:
             tiles.sort(key=lambda t: self.run.pse.tile_center_distance(i0, i1, t[0], t[1]))
         return tiles
 
@@ -322,8 +329,9 @@ class RunKernel:
     def fused_tiles(self, i0: int, i1: int) -> tuple[list[tuple[int, int]], native.BiasTiles] | None:
         """Every key tile of query rows [i0, i1) with its mask tile, for one call of the fused loops, or None where
         the tiles need per-tile calls (`fused_bias`): with pse (per-tile q features, per-head bias, skipped entries),
-        dropout (per-tile keep bits) or a mask that differs between the run's sequences or heads."""
-        if self.run.pse is not None or self.run.dropout is not None:
+        dropout (per-tile keep bits) or a mask that differs between the run's sequences or heads. Generated ALiBi
+        (`native_alibi`) rides along in `alibi_rows`."""
+        if (self.run.pse is not None and not self.native_alibi) or self.run.dropout is not None:
             return None
         tiles, masks = [], []
         rows = i1 - i0
@@ -342,10 +350,11 @@ class RunKernel:
                    entries: slice) -> native.BiasTiles:
         """The additive bias of one tile for the fused loops (the GEMM batch `entries` only), as `scores` forms it:
         ALiBi's rank-2 form goes into q_tile's feature columns (no bias), else the pse tile plus the mask is
-        materialised per head; a mask alone, shared by the run, stays one [rows, cols] tile."""
+        materialised per head; a mask alone, shared by the run, stays one [rows, cols] tile. Generated ALiBi
+        (`alibi_rows`) is no bias tile."""
         run, rows, cols = self.run, i1 - i0, j1 - j0
         heads = self.heads(entries)
-        pse_tile = self.pse_tile(q_tile, i0, i1, j0, j1, entries)
+        pse_tile = None if self.native_alibi else self.pse_tile(q_tile, i0, i1, j0, j1, entries)
         mask = self._mask_bias(i0, i1, j0, j1) if state is TileState.PARTIAL else None
         if pse_tile is None and (mask is None or mask.numel() == rows * cols):
             return native.BiasTiles([None if mask is None else mask.reshape(rows, cols)], rows)
@@ -362,6 +371,22 @@ class RunKernel:
             return None
         first = dropout.row_starts(i0, i1, j0)[:, self.heads(entries)]
         return native.KeepBits(dropout.mask, first.reshape(entries.stop - entries.start, -1))
+
+    def alibi_rows(self, q_tile: torch.Tensor, i0: int, i1: int) -> native.AlibiRows | None:
+        """The generated ALiBi of query rows [i0, i1) for the fused loops, grouped like `query_tile` (q_tile, scaled,
+        gives the norms of the underflow skipping), or None without `native_alibi`."""
+        if not self.native_alibi:
+            return None
+        pse, problem, c = self.run.pse, self.problem, self.run.count
+        rows, entries = i1 - i0, q_tile.shape[0]
+        slope = pse.slopes.to(device=self.device, dtype=torch.float32).expand(c, problem.heads_q)
+        slope = slope[:, :, None].expand(c, problem.heads_q, rows).reshape(entries, -1).contiguous()
+        # Exact in float64 before the one rounding: i + q_start - kv_start (an integer).
+        pos = torch.arange(i0, i1, dtype=torch.float64, device=self.device) + float(pse.q_start - pse.kv_start)
+        pos = pos.to(torch.float32).expand(entries * (problem.heads_q // problem.heads_kv), rows)
+        q_norm = q_tile[..., : problem.dim_qk].norm(dim=-1)
+        return native.AlibiRows(slope, pos.reshape(entries, -1).contiguous(), pse.pse_type == 3, q_norm,
+                                self.k_norm, UNDERFLOW_SLACK)
 
     def forward(self, out_view, max_view, sum_view) -> None:
         problem, run = self.problem, self.run
@@ -394,9 +419,10 @@ class RunKernel:
         else one call per tile (after the same entry skipping as the PyTorch loop)."""
         whole = self.fused_tiles(i0, i1)
         bf16 = self.bf16_scores(i0, i1)
+        alibi = self.alibi_rows(q_tile, i0, i1)
         if whole is not None:
             native.fa_forward_blocks(q_tile, self.k, self.v, *whole, FUSED_BLOCK_ROWS, FUSED_SUB_COLS, LOG2E,
-                                     EXP2_FLOOR, row_max, row_sum, acc, bf16=bf16)
+                                     EXP2_FLOOR, row_max, row_sum, acc, bf16=bf16, alibi=alibi)
             return
         acc.zero_()
         max_rows, sum_rows = row_max.view(acc.shape[0], -1), row_sum.view(acc.shape[0], -1)
@@ -409,7 +435,8 @@ class RunKernel:
                                      fused_block_rows(q_tile.shape[1]), FUSED_SUB_COLS, LOG2E, EXP2_FLOOR,
                                      max_rows[entries], sum_rows[entries], acc[entries], init=False,
                                      keep=self.fused_keep(i0, i1, j0, entries),
-                                     bf16=None if bf16 is None else bf16.take(entries))
+                                     bf16=None if bf16 is None else bf16.take(entries),
+                                     alibi=None if alibi is None else alibi.take(entries))
 
     def _forward_tiles(self, q_tile, i0: int, i1: int, row_max, row_sum, acc) -> None:
         """The query tile through PyTorch ops, one key tile at a time."""

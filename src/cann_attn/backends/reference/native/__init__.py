@@ -60,12 +60,14 @@ _SIGNATURES = {
     "cann_attn_set_sgemm": [_P],
     "cann_attn_has_sgemm": [],
     "fa_forward_blocks": [_P, _I, _I, _I, _P, _I, _I, _P, _I, _I, _I, _I, _P, _P, _P, _I, _I, _P, _P, _I, _I, _I,
-                          _F, _F, _P, _P, _P, _P],
+                          _F, _F, _P, _P, _P, _P, _P],
     "fa_backward_blocks": [_P, _P, _P, _P, _P, _I, _I, _I, _I, _I, _P, _I, _I, _P, _I, _I, _I, _P, _P, _P, _I, _I, _P,
-                           _P, _F, _I, _I, _I, _F, _F, _P, _P, _I, _I, _P, _I, _I, _P, _I, _I],
+                           _P, _F, _I, _I, _I, _F, _F, _P, _P, _P, _I, _I, _P, _I, _I, _P, _I, _I],
     "cann_attn_has_bf16_dot": [],
+    "cann_attn_alibi_skipped_terms": [],
 }
 _INT_RESULTS = ("cann_attn_cpu_supported", "cann_attn_has_sgemm", "cann_attn_has_bf16_dot")
+_INT64_RESULTS = ("cann_attn_alibi_skipped_terms",)
 
 _lock = threading.Lock()
 _state: dict[str, object] = {}
@@ -119,7 +121,7 @@ def _load() -> ctypes.CDLL | None:
     for name, argtypes in _SIGNATURES.items():
         fn = getattr(lib, name)
         fn.argtypes = argtypes
-        fn.restype = ctypes.c_int if name in _INT_RESULTS else None
+        fn.restype = ctypes.c_int if name in _INT_RESULTS else ctypes.c_int64 if name in _INT64_RESULTS else None
     if not lib.cann_attn_cpu_supported():
         return None
     sgemm = _torch_sgemm()
@@ -406,15 +408,69 @@ class BiasTiles:
         self.tiles, self.rows, self.entry_stride = tiles, rows, entry_stride
 
 
+class _AlibiStruct(ctypes.Structure):
+    _fields_ = [("slope", _P), ("pos", _P), ("q_norm", _P), ("k_norm", _P), ("sqrt_dist", _I), ("sk_norm", _I),
+                ("slack", _F)]
+
+
+class AlibiRows:
+    """Generated ALiBi for the fused dense loops (attention_loops.c, struct alibi_rows). For every query row of a call,
+    [E, R] like its q: `slope` and `pos` (its query index plus q_start - kv_start), giving the bias
+    -slope * f(|j - pos|) at key column j, f the identity or (`sqrt_dist`) sqrt. With `q_norm` [E, R] (|scale| |q|)
+    and `k_norm` [E, Skv] (|k| per key, unit column stride), row blocks skip the pieces whose every term provably
+    flushes to 0 (`slack`: the margin, natural-log units)."""
+
+    def __init__(self, slope: torch.Tensor, pos: torch.Tensor, sqrt_dist: bool, q_norm: torch.Tensor | None = None,
+                 k_norm: torch.Tensor | None = None, slack: float = 1.0) -> None:
+        for t in (slope, pos, q_norm):
+            assert t is None or (t.dtype == torch.float32 and t.is_contiguous() and t.shape == slope.shape), t
+        assert (q_norm is None) == (k_norm is None)
+        assert k_norm is None or (k_norm.dtype == torch.float32 and k_norm.stride(-1) == 1), k_norm
+        self.slope, self.pos, self.sqrt_dist, self.q_norm, self.k_norm, self.slack = \
+            slope, pos, sqrt_dist, q_norm, k_norm, slack
+
+    def take(self, entries: slice) -> AlibiRows:
+        """The rows of the GEMM batch entries `entries` (a per-tile call)."""
+        q_norm, k_norm = self.q_norm, self.k_norm
+        return AlibiRows(self.slope[entries], self.pos[entries], self.sqrt_dist,
+                         None if q_norm is None else q_norm[entries], None if k_norm is None else k_norm[entries],
+                         self.slack)
+
+    def struct(self, q: torch.Tensor, k: torch.Tensor) -> _AlibiStruct:
+        assert self.slope.shape == q.shape[:2], (self.slope.shape, q.shape)
+        kn = self.k_norm
+        assert kn is None or kn.shape == k.shape[:2], (kn.shape, k.shape)
+        return _AlibiStruct(self.slope.data_ptr(), self.pos.data_ptr(),
+                            0 if self.q_norm is None else self.q_norm.data_ptr(), 0 if kn is None else kn.data_ptr(),
+                            int(self.sqrt_dist), 0 if kn is None else kn.stride(0), self.slack)
+
+
+def alibi_skipped_terms() -> int:
+    """Score terms (rows x key columns) the fused loops skipped as provably flushing to 0 under generated ALiBi since
+    the last call (0 without the library)."""
+    lib = library()
+    return 0 if lib is None else int(lib.cann_attn_alibi_skipped_terms())
+
+
+def _alibi_pointer(alibi: AlibiRows | None, q: torch.Tensor, k: torch.Tensor) -> tuple[_AlibiStruct | None, int]:
+    """The C struct (kept alive by the caller) and its address, or (None, 0)."""
+    if alibi is None:
+        return None, 0
+    struct = alibi.struct(q, k)
+    return struct, ctypes.addressof(struct)
+
+
 def fa_forward_blocks(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tiles: list[tuple[int, int]],
                       bias: BiasTiles, block_rows: int, sub_cols: int, log2e: float, floor2: float,
                       row_max: torch.Tensor, row_sum: torch.Tensor, acc: torch.Tensor, init: bool = True,
-                      keep: KeepBits | None = None, bf16: Bf16Scores | None = None) -> None:
+                      keep: KeepBits | None = None, bf16: Bf16Scores | None = None,
+                      alibi: AlibiRows | None = None) -> None:
     """Online softmax of q [E, R, Dk] (contiguous, scaled) over the key tiles `tiles` of k [E, Skv, Dk] and v [E, Skv,
     Dv] (unit column stride), each with its optional additive bias tile (`BiasTiles`): row_max / row_sum [E, R] and the
     unnormalised acc [E, R, Dv] are updated, after being reset when `init` is set. `keep`: the dropout of a single key
     tile (`KeepBits`); dropped terms count in row_sum but not in acc. `bf16`: the scores from bf16 operands instead
-    (`Bf16Scores`; q and k still give the shapes)."""
+    (`Bf16Scores`; q and k still give the shapes). `alibi`: generated ALiBi added to the scores (`AlibiRows`), with
+    its tile skipping; the tiles then go nearest the diagonal first."""
     lib = library()
     _check_rows(q, row_max, row_sum, acc)
     _unit_rows(k, v)
@@ -422,11 +478,12 @@ def fa_forward_blocks(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tiles: 
     tj0, tj1, pointers = _tile_arrays(tiles, bias, entries)
     keep_mask, keep_first = _keep_pointers(keep, tiles, entries, rows)
     _struct, bf16_address = _bf16_pointer(bf16, q, k)
+    _alibi, alibi_address = _alibi_pointer(alibi, q, k)
     lib.fa_forward_blocks(q.data_ptr(), entries, rows, dk, k.data_ptr(), k.stride(0), k.stride(1), v.data_ptr(),
                           v.stride(0), v.stride(1), v.shape[-1], len(tiles), tj0.data_ptr(), tj1.data_ptr(),
                           pointers.data_ptr(), bias.rows, bias.entry_stride, keep_mask, keep_first, block_rows,
-                          sub_cols, int(init), log2e, floor2, bf16_address, row_max.data_ptr(), row_sum.data_ptr(),
-                          acc.data_ptr())
+                          sub_cols, int(init), log2e, floor2, bf16_address, alibi_address, row_max.data_ptr(),
+                          row_sum.data_ptr(), acc.data_ptr())
 
 
 class KeepBits:
@@ -470,12 +527,14 @@ def fa_backward_blocks(q: torch.Tensor, dy: torch.Tensor, d_sum: torch.Tensor, s
                        factor: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tiles: list[tuple[int, int]],
                        bias: BiasTiles, block_rows: int, sub_cols: int, min_items: int, log2e: float, floor2: float,
                        dq: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor, keep: KeepBits | None = None,
-                       keep_prob: float = 1.0, bf16: Bf16Scores | None = None) -> None:
+                       keep_prob: float = 1.0, bf16: Bf16Scores | None = None,
+                       alibi: AlibiRows | None = None) -> None:
     """Backward of one query tile: q [E, R, Dk] (scaled) and dy [E, R, Dv], d_sum / shift / factor [E, R] (all
     contiguous), k / v [E, Skv, D] and dq [E, R, Dg], dk [E, Skv, Dg], dv [E, Skv, Dv] (unit column stride), Dg <= Dk
     (q's and k's further columns enter only the scores); dq, dk and dv are accumulated into. Each entry's key pieces
     are split into ceil(min_items / E) work items (see attention_loops.c). `keep`: the dropout of a single key tile
-    (`KeepBits`), applied with 1 / keep_prob. `bf16`: S and dP from bf16 operands (`Bf16Scores`, with dy and v)."""
+    (`KeepBits`), applied with 1 / keep_prob. `bf16`: S and dP from bf16 operands (`Bf16Scores`, with dy and v).
+    `alibi`: generated ALiBi in S (`AlibiRows`), skipping where every P flushes to 0 against `shift`."""
     lib = library()
     _check_rows(q, dy, d_sum, shift, factor)
     _unit_rows(k, v, dq, dk, dv)
@@ -483,10 +542,11 @@ def fa_backward_blocks(q: torch.Tensor, dy: torch.Tensor, d_sum: torch.Tensor, s
     tj0, tj1, pointers = _tile_arrays(tiles, bias, entries)
     keep_mask, keep_first = _keep_pointers(keep, tiles, entries, rows)
     _struct, bf16_address = _bf16_pointer(bf16, q, k, v, dy)
+    _alibi, alibi_address = _alibi_pointer(alibi, q, k)
     lib.fa_backward_blocks(q.data_ptr(), dy.data_ptr(), d_sum.data_ptr(), shift.data_ptr(), factor.data_ptr(), entries,
                            rows, d_qk, dq.shape[-1], dy.shape[-1], k.data_ptr(), k.stride(0), k.stride(1), v.data_ptr(),
                            v.stride(0), v.stride(1), len(tiles), tj0.data_ptr(), tj1.data_ptr(), pointers.data_ptr(),
                            bias.rows, bias.entry_stride, keep_mask, keep_first, 1.0 / keep_prob, block_rows, sub_cols,
-                           min_items, log2e, floor2, bf16_address, dq.data_ptr(), dq.stride(0),
+                           min_items, log2e, floor2, bf16_address, alibi_address, dq.data_ptr(), dq.stride(0),
                            dq.stride(1), dk.data_ptr(), dk.stride(0), dk.stride(1), dv.data_ptr(), dv.stride(0),
                            dv.stride(1))

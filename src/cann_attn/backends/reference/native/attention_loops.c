@@ -790,6 +790,125 @@ static void add_mask_rows(float *s, int64_t n, int64_t w, int64_t lds, const flo
     }
 }
 
+/* Generated ALiBi (pse_type 2 / 3, SEMANTICS.md 4) for the rows of a fused call, indexed over all its entries' rows:
+ * row r's bias at key column j is -slope[r] * f(|j - pos[r]|), f the identity (type 2) or sqrt (type 3), where pos[r]
+ * is the row's query index plus q_start - kv_start. Positions and distances are integers, exact in fp32 below 2^24,
+ * so the bias is the one rounding of f(d) * -slope, as the PyTorch path forms it. With q_norm (|scale| |q_r| per
+ * row; NULL: no skipping) and k_norm (|k_j| per key column, entry stride sk_norm), alibi_reaches skips the blocks of
+ * a piece whose every term provably flushes to exactly 0. */
+struct alibi_rows {
+    const float *slope, *pos, *q_norm, *k_norm;
+    int64_t sqrt_dist, sk_norm;
+    float slack;
+};
+
+/* Rows whose ALiBi skipping is decided together: a skipped block costs no GEMM, reaching ones are merged into one. */
+#define ALIBI_SUB_ROWS 32
+
+/* s[i, j] += the ALiBi bias of row i (slope[i], pos[i]) at key column j0 + j, for the n x w score block s (lds). */
+static void add_alibi_rows(float *s, int64_t n, int64_t w, int64_t lds, const float *slope, const float *pos,
+                           int64_t sqrt_dist, int64_t j0) {
+    const __m256 iota = _mm256_setr_ps(0.0f, 1.0f, 2.0f, 3.0f, 4.0f, 5.0f, 6.0f, 7.0f);
+    const __m256 sign = _mm256_set1_ps(-0.0f);
+    for (int64_t i = 0; i < n; ++i) {
+        float *si = s + i * lds;
+        const float neg = -slope[i];
+        const __m256 neg_slope = _mm256_set1_ps(neg);
+        int64_t j = 0;
+        for (; j + 8 <= w; j += 8) {
+            __m256 d = _mm256_andnot_ps(sign, _mm256_add_ps(_mm256_set1_ps((float)(j0 + j) - pos[i]), iota));
+            if (sqrt_dist)
+                d = _mm256_sqrt_ps(d);
+            _mm256_storeu_ps(si + j, _mm256_add_ps(_mm256_loadu_ps(si + j), _mm256_mul_ps(d, neg_slope)));
+        }
+        for (; j < w; ++j) {
+            const float d = fabsf((float)(j0 + j) - pos[i]);
+            si[j] += (sqrt_dist ? sqrtf(d) : d) * neg;
+        }
+    }
+}
+
+/* Whether a term of rows [r, r + n) (indices over all entries' rows; shift: those rows' maxima) at key columns
+ * [c0, c0 + w) of entry e may survive the flush to 0: s <= |scale| |q| max|k| + the largest bias over the columns
+ * (at the nearest or the farthest distance: -slope f(|d|) is monotone in |d|), with a margin for the fp32 rounding
+ * of the GEMM and of the bias (2^-12 relative, plus `slack`), is tested against (s - shift) log2e <= floor2. A NaN
+ * norm, slope or shift counts as reaching. */
+static int alibi_reaches(const struct alibi_rows *a, int64_t e, int64_t r, int64_t n, int64_t c0, int64_t w,
+                         const float *shift, float log2e, float floor2) {
+    if (!a->q_norm)
+        return 1;
+    const float *kn = a->k_norm + e * a->sk_norm + c0;
+    float k_max = 0.0f;
+    for (int64_t j = 0; j < w; ++j) {
+        if (kn[j] != kn[j])
+            return 1;
+        k_max = kn[j] > k_max ? kn[j] : k_max;
+    }
+    const float margin = 1.0f / 4096.0f;
+    for (int64_t i = 0; i < n; ++i) {
+        const float p = a->pos[r + i], neg = -a->slope[r + i];
+        const float lo = (float)c0 - p, hi = (float)(c0 + w - 1) - p;
+        float nearest = lo > 0.0f ? lo : hi < 0.0f ? -hi : 0.0f;
+        float farthest = fabsf(lo) > fabsf(hi) ? fabsf(lo) : fabsf(hi);
+        if (a->sqrt_dist) {
+            nearest = sqrtf(nearest);
+            farthest = sqrtf(farthest);
+        }
+        const float b_near = nearest * neg, b_far = farthest * neg;
+        const float qk = a->q_norm[r + i] * k_max;
+        const float bound = qk * (1.0f + margin) + (b_near > b_far ? b_near : b_far)
+                            + margin * (fabsf(b_near) > fabsf(b_far) ? fabsf(b_near) : fabsf(b_far)) + a->slack;
+        if (!((bound - shift[i]) * log2e <= floor2))
+            return 1;
+    }
+    return 0;
+}
+
+/* The end of the run of ALiBi blocks from row a0 (< end) that reach the columns (alibi_reaches, ALIBI_SUB_ROWS rows
+ * at a time), or a0 itself where the first block does not; without ALiBi skipping, `end`. */
+static int64_t alibi_run(const struct alibi_rows *a, int64_t e, int64_t row0, int64_t a0, int64_t end, int64_t c0,
+                         int64_t w, const float *shift, float log2e, float floor2) {
+    if (!a || !a->q_norm)
+        return end;
+    int64_t b = a0;
+    while (b < end) {
+        const int64_t n = end - b < ALIBI_SUB_ROWS ? end - b : ALIBI_SUB_ROWS;
+        if (!alibi_reaches(a, e, row0 + b, n, c0, w, shift + b, log2e, floor2))
+            break;
+        b += n;
+    }
+    return b;
+}
+
+/* Rows times key columns skipped by alibi_reaches since the last read (tests check that a case exercises it). */
+static int64_t alibi_skipped_terms = 0;
+
+int64_t cann_attn_alibi_skipped_terms(void) {
+    int64_t n;
+#pragma omp atomic capture
+    {
+        n = alibi_skipped_terms;
+        alibi_skipped_terms = 0;
+    }
+    return n;
+}
+
+/* The next row from a0 (< end) whose ALiBi block reaches the columns, or `end`: the blocks before it are skipped. */
+static int64_t alibi_next(const struct alibi_rows *a, int64_t e, int64_t row0, int64_t a0, int64_t end, int64_t c0,
+                          int64_t w, const float *shift, float log2e, float floor2) {
+    if (!a || !a->q_norm)
+        return a0;
+    while (a0 < end) {
+        const int64_t n = end - a0 < ALIBI_SUB_ROWS ? end - a0 : ALIBI_SUB_ROWS;
+        if (alibi_reaches(a, e, row0 + a0, n, c0, w, shift + a0, log2e, floor2))
+            return a0;
+#pragma omp atomic
+        alibi_skipped_terms += n * w;
+        a0 += n;
+    }
+    return end;
+}
+
 /* s[0..w) *= factor where keep bit `first` + j of the bit-packed mask is set (bit b: bit b % 8 of byte b / 8, LSB
  * first), else 0: the dropout of one row. */
 static void keep_row(float *s, const uint8_t *bits, int64_t first, int64_t w, float factor) {
@@ -856,13 +975,14 @@ static int64_t live_blocks(const float *bias, int64_t r0, int64_t n, int64_t bia
  * (kc, vc: their first rows), with the bias rows from bias_r0 at column bias_col of a tile_w-wide bias (NULL: none)
  * and the keep bits from keep_first[i] + keep_col (keep NULL: no dropout). With q16 (the rows' bf16 queries, unscaled)
  * the scores are scale * q16 K^T from the piece's keys packed by pack_piece (packed_w wide; these columns start at
- * packed_col). s: an [n, round8(w)] scratch block. */
+ * packed_col). With `al`, the rows' generated ALiBi (their first row is arow over all entries; these columns start at
+ * key column j_abs) is added before the mask. s: an [n, round8(w)] scratch block. */
 static void forward_piece(const float *qr, int64_t n, int64_t dk, const float *kc, int64_t ldk, const float *vc,
                           int64_t ldv, int64_t dv, int64_t w, const float *bias, int64_t bias_r0, int64_t bias_rows,
                           int64_t tile_w, int64_t bias_col, const uint8_t *keep, const int64_t *keep_first,
                           int64_t keep_col, float log2e, float floor2, const uint16_t *q16, int64_t d16,
                           const uint32_t *packed, int64_t packed_w, int64_t packed_col, float scale,
-                          float *features, float *s,
+                          float *features, const struct alibi_rows *al, int64_t arow, int64_t j_abs, float *s,
                           float *m, float *l, float *o) {
     const int64_t lds = round8(w);
     if (!q16) {
@@ -872,6 +992,8 @@ static void forward_piece(const float *qr, int64_t n, int64_t dk, const float *k
         if (dk > d16)
             add_features(s, n, w, lds, qr + d16, dk, kc + d16, ldk, dk - d16, features);
     }
+    if (al)
+        add_alibi_rows(s, n, w, lds, al->slope + arow, al->pos + arow, al->sqrt_dist, j_abs);
     if (bias)
         add_mask_rows(s, n, w, lds, bias, bias_r0, bias_rows, tile_w, bias_col);
     for (int64_t i = 0; i < n; ++i) {
@@ -904,13 +1026,16 @@ static void forward_piece(const float *qr, int64_t n, int64_t dk, const float *k
  * count in the row sum but not in acc.
  * Work items are (entry, block of `block_rows` rows); each walks the key tiles in `sub_cols`-wide pieces so that its
  * score block stays in L2, and where a piece's bias hides columns from every row of a 64-row sub-block, that
- * sub-block skips them (live_blocks). No result depends on the thread count. */
+ * sub-block skips them (live_blocks). With `al` (NULL: none), the rows' generated ALiBi is added to the scores before
+ * the mask, and blocks of ALIBI_SUB_ROWS rows whose terms in a piece all flush to 0 skip it (alibi_reaches, against
+ * the running maxima: the caller orders the tiles nearest the diagonal first). No result depends on the thread
+ * count. */
 void fa_forward_blocks(const float *q, int64_t entries, int64_t rows, int64_t dk, const float *k, int64_t ske,
                        int64_t ldk, const float *v, int64_t sve, int64_t ldv, int64_t dv, int64_t n_tiles,
                        const int64_t *tj0, const int64_t *tj1, const int64_t *bias, int64_t bias_rows,
                        int64_t bias_stride, const uint8_t *keep, const int64_t *keep_first, int64_t block_rows,
                        int64_t sub_cols, int64_t init, float log2e, float floor2, const struct bf16_scores *bf,
-                       float *row_max_out, float *row_sum_out, float *acc) {
+                       const struct alibi_rows *al, float *row_max_out, float *row_sum_out, float *acc) {
     const int64_t blocks = (rows + block_rows - 1) / block_rows;
     const uint16_t *q16 = bf ? bf->q : NULL;
     const int64_t d16 = q16 ? bf->d16 : dk;
@@ -946,12 +1071,21 @@ void fa_forward_blocks(const float *q, int64_t entries, int64_t rows, int64_t dk
                         const int64_t lo = ranges[2 * b], hi = ranges[2 * b + 1];
                         if (lo >= hi)
                             continue; /* every term 0: the row state would not change */
-                        forward_piece(qe + s0 * dk, n - s0 < step ? n - s0 : step, dk, k + e * ske + (c0 + lo) * ldk,
-                                      ldk, v + e * sve + (c0 + lo) * ldv, ldv, dv, hi - lo, bt, r0 + s0, bias_rows,
-                                      tile_w, col + lo, keep, keep ? keep_first + e * rows + r0 + s0 : NULL,
-                                      col + lo, log2e, floor2, q16 ? q16 + (e * rows + r0 + s0) * d16 : NULL, d16,
-                                      packed, w, lo, q16 ? bf->scale : 0.0f, features, s, m + s0, l + s0,
-                                      o + s0 * dv);
+                        const int64_t end = s0 + (n - s0 < step ? n - s0 : step), row0 = e * rows + r0;
+                        /* Runs of rows whose ALiBi terms may reach these columns; the others' terms are all 0. */
+                        for (int64_t a0 = s0; a0 < end;) {
+                            a0 = alibi_next(al, e, row0, a0, end, c0 + lo, hi - lo, m, log2e, floor2);
+                            if (a0 >= end)
+                                break;
+                            const int64_t a1 = alibi_run(al, e, row0, a0, end, c0 + lo, hi - lo, m, log2e, floor2);
+                            forward_piece(qe + a0 * dk, a1 - a0, dk, k + e * ske + (c0 + lo) * ldk, ldk,
+                                          v + e * sve + (c0 + lo) * ldv, ldv, dv, hi - lo, bt, r0 + a0, bias_rows,
+                                          tile_w, col + lo, keep, keep ? keep_first + e * rows + r0 + a0 : NULL,
+                                          col + lo, log2e, floor2, q16 ? q16 + (e * rows + r0 + a0) * d16 : NULL,
+                                          d16, packed, w, lo, q16 ? bf->scale : 0.0f, features, al, row0 + a0,
+                                          c0 + lo, s, m + a0, l + a0, o + a0 * dv);
+                            a0 = a1;
+                        }
                     }
                 }
             }
@@ -985,18 +1119,19 @@ struct backward_rows {
     float inv_keep, log2e, floor2;
     int64_t lddk, lddv;
     const struct bf16_scores *bf;
+    const struct alibi_rows *al;
 };
 
 /* The backward terms of n query rows (`row`: their index over all entries; `r0`: within the entry, for the bias)
  * against w key columns (kp, vp, dkp, dvp: their first rows; `col`: their column in the tile's bias and keep bits),
  * as fa_backward_blocks describes; s and dp are [n, round8(w)] scratch blocks, dq_rows the rows' dQ (ld_rows). With
  * a->bf, S and dP come from the bf16 rows and the piece's keys and values packed by pack_piece (packed_w wide; these
- * columns start at packed_col). */
+ * columns start at packed_col). a->al: the rows' generated ALiBi, these columns starting at key column j_abs. */
 static void backward_piece(int64_t n, int64_t row, int64_t r0, int64_t col, int64_t w, const struct backward_rows *a,
                            const float *kp, const float *vp, const float *bt, int64_t tile_w, float *s,
                            float *dp, float *dq_rows, int64_t ld_rows, float *dkp, float *dvp,
                            const uint32_t *packed_k, const uint32_t *packed_v, int64_t packed_w, int64_t packed_col,
-                           float *features) {
+                           float *features, int64_t j_abs) {
     const int64_t lds = round8(w);
     const struct bf16_scores *bf = a->bf;
     if (!bf) {
@@ -1008,6 +1143,8 @@ static void backward_piece(int64_t n, int64_t row, int64_t r0, int64_t col, int6
             add_features(s, n, w, lds, a->q + row * a->dk + bf->d16, a->dk, kp + bf->d16, a->ldk, a->dk - bf->d16,
                          features);
     }
+    if (a->al)
+        add_alibi_rows(s, n, w, lds, a->al->slope + row, a->al->pos + row, a->al->sqrt_dist, j_abs);
     if (bt)
         add_mask_rows(s, n, w, lds, bt, r0, a->bias_rows, tile_w, col);
     for (int64_t i = 0; i < n; ++i)
@@ -1057,14 +1194,15 @@ static void backward_piece(int64_t n, int64_t row, int64_t r0, int64_t col, int6
  * ceil(min_items / entries) runs (a number that does not depend on the thread count): with one run per entry the
  * item owns its dQ rows too; with several, each run's dQ terms go to a private buffer and the buffers are added to
  * dq afterwards in run order. Query rows go in blocks of `block_rows`, split where a bias hides columns as in
- * fa_forward_blocks. No result depends on the thread count. */
+ * fa_forward_blocks; with `al`, the generated ALiBi enters S and row blocks skip the pieces where every P flushes to 0
+ * (alibi_reaches against `shift`). No result depends on the thread count. */
 void fa_backward_blocks(const float *q, const float *dy, const float *d_sum, const float *shift, const float *factor,
                         int64_t entries, int64_t rows, int64_t dk, int64_t dg, int64_t dv, const float *k, int64_t ske,
                         int64_t ldk, const float *v, int64_t sve, int64_t ldv, int64_t n_tiles, const int64_t *tj0,
                         const int64_t *tj1, const int64_t *bias, int64_t bias_rows, int64_t bias_stride,
                         const uint8_t *keep, const int64_t *keep_first, float inv_keep, int64_t block_rows,
                         int64_t sub_cols, int64_t min_items, float log2e, float floor2, const struct bf16_scores *bf,
-                        float *dq,
+                        const struct alibi_rows *al, float *dq,
                         int64_t sdq,
                         int64_t lddq, float *dk_acc, int64_t sdk, int64_t lddk, float *dv_acc, int64_t sdv,
                         int64_t lddv) {
@@ -1083,7 +1221,7 @@ void fa_backward_blocks(const float *q, const float *dy, const float *d_sum, con
     const int64_t br = block_rows < rows ? block_rows : rows;
     const struct backward_rows args = {q, dy, d_sum, shift, factor, dk, dg, dv, ldk, ldv, bias_rows, keep,
                                        keep_first, inv_keep, log2e, floor2, lddk, lddv,
-                                       bf && bf->q ? bf : NULL};
+                                       bf && bf->q ? bf : NULL, al};
 #pragma omp parallel
     {
         float *s = aligned_alloc(64, sizeof(float) * round8(br) * round8(sub_cols));
@@ -1111,13 +1249,23 @@ void fa_backward_blocks(const float *q, const float *dy, const float *d_sum, con
                     const int64_t n = rows - r0 < br ? rows - r0 : br;
                     const int64_t step = live_blocks(bt, r0, n, bias_rows, tile_w, c0 - tj0[t], w, ranges);
                     for (int64_t s0 = 0, b = 0; s0 < n; s0 += step, ++b) {
-                        const int64_t lo = ranges[2 * b], hi = ranges[2 * b + 1], row = e * rows + r0 + s0;
+                        const int64_t lo = ranges[2 * b], hi = ranges[2 * b + 1];
                         if (lo >= hi)
                             continue; /* every P there is 0: no gradient term */
-                        backward_piece(n - s0 < step ? n - s0 : step, row, r0 + s0, c0 - tj0[t] + lo, hi - lo,
-                                       &args, kp + lo * ldk, vp + lo * ldv, bt, tile_w, s, dp,
-                                       dq_rows + (r0 + s0) * ld_rows, ld_rows, dkp + lo * lddk, dvp + lo * lddv,
-                                       packed_k, packed_v, w, lo, features);
+                        const int64_t end = s0 + (n - s0 < step ? n - s0 : step), row0 = e * rows + r0;
+                        const float *row_shift = shift + row0;
+                        for (int64_t a0 = s0; a0 < end;) { /* runs of rows whose ALiBi terms may reach the columns */
+                            a0 = alibi_next(al, e, row0, a0, end, c0 + lo, hi - lo, row_shift, log2e, floor2);
+                            if (a0 >= end)
+                                break;
+                            const int64_t a1 = alibi_run(al, e, row0, a0, end, c0 + lo, hi - lo, row_shift, log2e,
+                                                         floor2);
+                            backward_piece(a1 - a0, row0 + a0, r0 + a0, c0 - tj0[t] + lo, hi - lo, &args,
+                                           kp + lo * ldk, vp + lo * ldv, bt, tile_w, s, dp,
+                                           dq_rows + (r0 + a0) * ld_rows, ld_rows, dkp + lo * lddk, dvp + lo * lddv,
+                                           packed_k, packed_v, w, lo, features, c0 + lo);
+                            a0 = a1;
+                        }
                     }
                 }
             }
