@@ -5,15 +5,16 @@ tile exists, and its buffer is reused (fresh multi-megabyte allocations cost pag
 Tiles the mask structure hides are skipped; fully visible tiles skip the mask. GQA shares K/V across a group
 by stacking the group's query rows into one GEMM ([count * N2, G * rows, D]). The softmax scale rides on the
 query tile (one small pass per query tile; K is read in place, transposed by the GEMM, so no key-sized copy is
-made per call) and ALiBi (pse_type 2) on extra GEMM columns wherever `problem.pse` allows it.
+made per call) and, in this PyTorch loop, ALiBi (pse_type 2) on extra GEMM columns wherever `problem.pse` allows it.
 
 On the CPU in fp32 with a BLAS sgemm available, problems run through the fused native loop
 (`native.fa_forward_blocks`): every thread takes whole (kv head, row block) items through QK^T, the bias tile, the
 online softmax, the dropout bits and PV, instead of every GEMM being split over the threads (B=1 N=8 S=2048 D=128:
-0.78 -> 0.89 of SDPA's throughput). Without pse and dropout, and with a mask shared by the run, a query tile is one
-call; otherwise (ALiBi's feature columns or a per-head bias tile, keep bits read in place from the packed mask,
-per-sequence masks) one call per key tile, after the same entry skipping. The tiling, the bias tiles, the skipping,
-the keep-bit addresses and the normalisation stay here and in `problem/`.
+0.78 -> 0.89 of SDPA's throughput). ALiBi (types 2/3) is generated there per score block from each row's slope and
+position (`alibi_rows`), which also lets 32-row blocks skip key pieces whose terms all flush to 0. Without a pse tensor
+and dropout, and with a mask shared by the run, a query tile is one call; otherwise (a per-head bias tile, keep bits
+read in place from the packed mask, per-sequence masks) one call per key tile, after the same entry skipping. The
+tiling, the bias tiles, the skipping, the keep-bit addresses and the normalisation stay here and in `problem/`.
 
 Exponentials come from `softmax_exp.exp_shifted_` (exp2-based, natural-unit logits, denormals flushed to 0).
 """
