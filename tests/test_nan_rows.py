@@ -39,6 +39,8 @@ def backend(request, monkeypatch) -> str:
     return "reference"
 
 
+# Triton's interpreter reduces a row of NaN logits with NumPy, which warns; the NaN is the expected result.
+@pytest.mark.filterwarnings("ignore:All-NaN slice encountered:RuntimeWarning")
 @pytest.mark.parametrize("poison", ["query_row", "key_column"])
 @pytest.mark.parametrize("variant", ["dense", "causal", "alibi"])
 def test_nan_logits_give_nan_rows_and_leave_the_others_alone(backend: str, poison: str, variant: str) -> None:
