@@ -108,6 +108,14 @@ class SequencePse:
         cols = torch.arange(self.seq_kv, device=device, dtype=dtype)
         return torch.stack([cols, torch.ones_like(cols)], dim=1)
 
+    def relative_row_positions(self, i0: int, i1: int, device: torch.device,
+                               dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """[i1 - i0] positions i + q_start - kv_start of query rows [i0, i1) in key-column coordinates: the ALiBi
+        distance of (i, j) is |j - position|. Exact in float64 before the one rounding to `dtype` (integers, exact in
+        fp32 below 2^24)."""
+        offsets = torch.arange(i0, i1, device=device, dtype=torch.float64) + float(self.q_start - self.kv_start)
+        return offsets.to(dtype)
+
     def linear_query_features(
         self, i0: int, i1: int, j0: int, j1: int, device: torch.device, dtype: torch.dtype = torch.float32
     ) -> torch.Tensor | None:
@@ -123,9 +131,7 @@ class SequencePse:
         else:
             return None
         slopes = self.slopes.to(device=device, dtype=dtype)[:, :, None]
-        # Exact in float64 before the one rounding: i + q_start - kv_start.
-        offsets = torch.arange(i0, i1, device=device, dtype=torch.float64) + float(self.q_start - self.kv_start)
-        rows = offsets.to(dtype)[None, None, :]
+        rows = self.relative_row_positions(i0, i1, device, dtype)[None, None, :]
         # -slope*sign*(j - (i + q_start - kv_start)) = (-sign*slope)*j + (sign*slope*(i + q_start - kv_start))*1
         return torch.stack([(-sign * slopes).expand(-1, -1, rows.shape[-1]), sign * slopes * rows], dim=-1)
 

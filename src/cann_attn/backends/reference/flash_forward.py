@@ -44,7 +44,7 @@ DENSE_ROWS = (256, 2048)
 MASKED_TILE = (256, 256)
 MERGED_WIDTH = 1024
 MIN_TILE_ROWS = 16
-LINEAR_PSE_WIDTH = 512
+ALIBI_TILE_WIDTH = 512
 # The fused native forward (`native.fa_forward_blocks`): rows per work item and key columns per score block. A
 # 256 x 512 fp32 score block (512 KB) is the one L2-sized buffer per thread; smaller row blocks re-pack the key
 # panel more often (128 rows measured 5% slower, 64 rows 20%), narrower column blocks make more BLAS calls.
@@ -55,9 +55,9 @@ FUSED_SUB_COLS = 512
 UNDERFLOW_SLACK = 1.0
 
 
-def tile_shape(heads: int, seq_q: int, seq_kv: int, dense: bool, linear_pse: bool = False) -> tuple[int, int, int]:
+def tile_shape(heads: int, seq_q: int, seq_kv: int, dense: bool, alibi: bool = False) -> tuple[int, int, int]:
     """(query rows, key columns, merged key columns) of the score tiles of a run with `heads` = count * N1
-    score matrices, shrunk to stay within TILE_ELEMENTS. With ALiBi (`linear_pse`), key tiles stay LINEAR_PSE_WIDTH
+    score matrices, shrunk to stay within TILE_ELEMENTS. With ALiBi (`alibi`), key tiles stay ALIBI_TILE_WIDTH
     wide and unmerged: they go nearest the diagonal first, for the underflow skipping, and where ALiBi is folded into
     GEMM columns, wide tiles straddle the diagonal more often, where the bias has to be materialised."""
     width = MERGED_WIDTH
@@ -70,8 +70,8 @@ def tile_shape(heads: int, seq_q: int, seq_kv: int, dense: bool, linear_pse: boo
     block_k = min(block_k, width, seq_kv)
     width = min(width, max(block_k, seq_kv))
     rows = max(MIN_TILE_ROWS, TILE_ELEMENTS // (heads * width))
-    if linear_pse:
-        block_k = width = min(block_k, LINEAR_PSE_WIDTH)
+    if alibi:
+        block_k = width = min(block_k, ALIBI_TILE_WIDTH)
     return min(block_q, seq_q, rows), block_k, width
 
 
@@ -161,8 +161,7 @@ class RunKernel:
         self._scratch: torch.Tensor | None = None
         self._mask_biases: dict[tuple[int, int, int], torch.Tensor] = {}
         # bf16 inputs: the score products from the inputs themselves with AVX512-BF16 dot products (exact products,
-        # fp32 sums: the fp32 GEMM of the upcast inputs up to summation order); ALiBi's fp32 feature columns are
-        # added after them.
+        # fp32 sums: the fp32 GEMM of the upcast inputs up to summation order); generated ALiBi is added after them.
         self.k16 = self.v16 = None
         if self.fused and query.dtype == key.dtype == value.dtype == torch.bfloat16 and native.has_bf16_dot():
             k16 = problem.kv_view(key, run).reshape(c * n2, run.seq_kv, -1)
@@ -382,9 +381,8 @@ class RunKernel:
         rows, entries = i1 - i0, q_tile.shape[0]
         slope = pse.slopes.to(device=self.device, dtype=torch.float32).expand(c, problem.heads_q)
         slope = slope[:, :, None].expand(c, problem.heads_q, rows).reshape(entries, -1).contiguous()
-        # Exact in float64 before the one rounding: i + q_start - kv_start (an integer).
-        pos = torch.arange(i0, i1, dtype=torch.float64, device=self.device) + float(pse.q_start - pse.kv_start)
-        pos = pos.to(torch.float32).expand(entries * (problem.heads_q // problem.heads_kv), rows)
+        pos = pse.relative_row_positions(i0, i1, self.device).expand(entries * (problem.heads_q // problem.heads_kv),
+                                                                      rows)
         q_norm = q_tile[..., : problem.dim_qk].norm(dim=-1)
         return native.AlibiRows(slope, pos.reshape(entries, -1).contiguous(), pse.pse_type == 3, q_norm,
                                 self.k_norm, UNDERFLOW_SLACK)

@@ -864,22 +864,6 @@ static int alibi_reaches(const struct alibi_rows *a, int64_t e, int64_t r, int64
     return 0;
 }
 
-/* The end of the run of ALiBi blocks from row a0 (< end) that reach the columns (alibi_reaches, ALIBI_SUB_ROWS rows
- * at a time), or a0 itself where the first block does not; without ALiBi skipping, `end`. */
-static int64_t alibi_run(const struct alibi_rows *a, int64_t e, int64_t row0, int64_t a0, int64_t end, int64_t c0,
-                         int64_t w, const float *shift, float log2e, float floor2) {
-    if (!a || !a->q_norm)
-        return end;
-    int64_t b = a0;
-    while (b < end) {
-        const int64_t n = end - b < ALIBI_SUB_ROWS ? end - b : ALIBI_SUB_ROWS;
-        if (!alibi_reaches(a, e, row0 + b, n, c0, w, shift + b, log2e, floor2))
-            break;
-        b += n;
-    }
-    return b;
-}
-
 /* Rows times key columns skipped by alibi_reaches since the last read (tests check that a case exercises it). */
 static int64_t alibi_skipped_terms = 0;
 
@@ -893,20 +877,29 @@ int64_t cann_attn_alibi_skipped_terms(void) {
     return n;
 }
 
-/* The next row from a0 (< end) whose ALiBi block reaches the columns, or `end`: the blocks before it are skipped. */
-static int64_t alibi_next(const struct alibi_rows *a, int64_t e, int64_t row0, int64_t a0, int64_t end, int64_t c0,
-                          int64_t w, const float *shift, float log2e, float floor2) {
+/* The next run of rows in [*a0, end) (row indices from row0; shift: those rows' maxima) whose ALiBi blocks of
+ * ALIBI_SUB_ROWS rows may reach the key columns [c0, c0 + w) of entry e: *a0 moves past the blocks that do not (every
+ * term there flushes to 0), and the run's end is returned (*a0 == end: none left). Without ALiBi skipping the run is
+ * the whole range. */
+static int64_t alibi_live_run(const struct alibi_rows *a, int64_t e, int64_t row0, int64_t *a0, int64_t end,
+                              int64_t c0, int64_t w, const float *shift, float log2e, float floor2) {
     if (!a || !a->q_norm)
-        return a0;
-    while (a0 < end) {
-        const int64_t n = end - a0 < ALIBI_SUB_ROWS ? end - a0 : ALIBI_SUB_ROWS;
-        if (alibi_reaches(a, e, row0 + a0, n, c0, w, shift + a0, log2e, floor2))
-            return a0;
+        return end;
+    int64_t b = *a0;
+    for (int live = 0; b < end;) {
+        const int64_t n = end - b < ALIBI_SUB_ROWS ? end - b : ALIBI_SUB_ROWS;
+        if (alibi_reaches(a, e, row0 + b, n, c0, w, shift + b, log2e, floor2)) {
+            live = 1;
+        } else if (live) {
+            break;
+        } else {
 #pragma omp atomic
-        alibi_skipped_terms += n * w;
-        a0 += n;
+            alibi_skipped_terms += n * w;
+            *a0 = b + n;
+        }
+        b += n;
     }
-    return end;
+    return b;
 }
 
 /* s[0..w) *= factor where keep bit `first` + j of the bit-packed mask is set (bit b: bit b % 8 of byte b / 8, LSB
@@ -1074,10 +1067,10 @@ void fa_forward_blocks(const float *q, int64_t entries, int64_t rows, int64_t dk
                         const int64_t end = s0 + (n - s0 < step ? n - s0 : step), row0 = e * rows + r0;
                         /* Runs of rows whose ALiBi terms may reach these columns; the others' terms are all 0. */
                         for (int64_t a0 = s0; a0 < end;) {
-                            a0 = alibi_next(al, e, row0, a0, end, c0 + lo, hi - lo, m, log2e, floor2);
+                            const int64_t a1 = alibi_live_run(al, e, row0, &a0, end, c0 + lo, hi - lo, m, log2e,
+                                                              floor2);
                             if (a0 >= end)
                                 break;
-                            const int64_t a1 = alibi_run(al, e, row0, a0, end, c0 + lo, hi - lo, m, log2e, floor2);
                             forward_piece(qe + a0 * dk, a1 - a0, dk, k + e * ske + (c0 + lo) * ldk, ldk,
                                           v + e * sve + (c0 + lo) * ldv, ldv, dv, hi - lo, bt, r0 + a0, bias_rows,
                                           tile_w, col + lo, keep, keep ? keep_first + e * rows + r0 + a0 : NULL,
@@ -1255,11 +1248,10 @@ void fa_backward_blocks(const float *q, const float *dy, const float *d_sum, con
                         const int64_t end = s0 + (n - s0 < step ? n - s0 : step), row0 = e * rows + r0;
                         const float *row_shift = shift + row0;
                         for (int64_t a0 = s0; a0 < end;) { /* runs of rows whose ALiBi terms may reach the columns */
-                            a0 = alibi_next(al, e, row0, a0, end, c0 + lo, hi - lo, row_shift, log2e, floor2);
+                            const int64_t a1 = alibi_live_run(al, e, row0, &a0, end, c0 + lo, hi - lo, row_shift,
+                                                              log2e, floor2);
                             if (a0 >= end)
                                 break;
-                            const int64_t a1 = alibi_run(al, e, row0, a0, end, c0 + lo, hi - lo, row_shift, log2e,
-                                                         floor2);
                             backward_piece(a1 - a0, row0 + a0, r0 + a0, c0 - tj0[t] + lo, hi - lo, &args,
                                            kp + lo * ldk, vp + lo * ldv, bt, tile_w, s, dp,
                                            dq_rows + (r0 + a0) * ld_rows, ld_rows, dkp + lo * lddk, dvp + lo * lddv,
