@@ -1,0 +1,94 @@
+"""torch_npu's DSA spellings: sparse flash attention (+grad), lightning indexer and its KL-loss grad."""
+
+import torch
+from torch import Tensor
+
+from ..errors import ParamInvalidError
+from ._common import INT64_MAX, _ints
+
+
+def _check_no_page_attention(block_table, layout_query: str, layout_kv: str) -> None:
+    if block_table is not None or layout_kv == "PA_BSND":
+        raise ParamInvalidError("block_table/layout_kv: PageAttention (PA_BSND) is not supported by cann_attn")
+    if layout_kv != layout_query:
+        raise ParamInvalidError(f"layout_kv: expected the query's layout {layout_query!r}, got {layout_kv!r}")
+
+
+def _check_attention_mode(attention_mode: int) -> None:
+    if attention_mode not in (0, 2):
+        raise ParamInvalidError(f"attention_mode: expected 0 or 2 (MLA-absorb), got {attention_mode!r}")
+
+
+def npu_sparse_flash_attention(
+    query: Tensor, key: Tensor, value: Tensor, sparse_indices: Tensor, scale_value: float, *,
+    block_table: Tensor | None = None, actual_seq_lengths_query=None, actual_seq_lengths_kv=None,
+    query_rope: Tensor | None = None, key_rope: Tensor | None = None, sparse_block_size: int = 1,
+    layout_query: str = "BSND", layout_kv: str = "BSND", sparse_mode: int = 3, pre_tokens: int = INT64_MAX,
+    next_tokens: int = INT64_MAX, attention_mode: int = 0, return_softmax_lse: bool = False,
+):
+    """torch_npu.npu_sparse_flash_attention -> ``(attention_out, softmax_max, softmax_sum)``.
+
+    The statistics ([B, N2, S1, G] / [N2, T1, G], fp32) are returned with ``return_softmax_lse=True``, else empty
+    (0,) tensors. Differentiable w.r.t. query, key, value, query_rope and key_rope (SparseFlashAttentionGrad).
+    """
+    _check_no_page_attention(block_table, layout_query, layout_kv)
+    _check_attention_mode(attention_mode)
+    out, softmax_max, softmax_sum = torch.ops.cann_attn.sparse_flash_attention(
+        query, key, value, sparse_indices, float(scale_value), query_rope, key_rope,
+        _ints(actual_seq_lengths_query, "actual_seq_lengths_query"),
+        _ints(actual_seq_lengths_kv, "actual_seq_lengths_kv"), sparse_block_size, layout_query, sparse_mode,
+        pre_tokens, next_tokens,
+    )
+    if not return_softmax_lse:
+        softmax_max = softmax_max.new_empty((0,))
+        softmax_sum = softmax_sum.new_empty((0,))
+    return out, softmax_max, softmax_sum
+
+
+def npu_sparse_flash_attention_grad(
+    query: Tensor, key: Tensor, value: Tensor, sparse_indices: Tensor, d_out: Tensor, out: Tensor,
+    softmax_max: Tensor, softmax_sum: Tensor, scale_value: float, sparse_block_size: int = 1, *,
+    query_rope: Tensor | None = None, key_rope: Tensor | None = None, actual_seq_qlen=None, actual_seq_kvlen=None,
+    layout: str = "BSND", sparse_mode: int = 3, pre_tokens: int = INT64_MAX, next_tokens: int = INT64_MAX,
+    attention_mode: int = 0,
+):
+    """torch_npu.npu_sparse_flash_attention_grad -> ``(d_query, d_key, d_value, d_query_rope, d_key_rope)``;
+    like torch_npu the rope gradients are empty (0,) tensors without rope inputs, and the result is deterministic.
+    """
+    _check_attention_mode(attention_mode)
+    return torch.ops.cann_attn.sparse_flash_attention_grad(
+        query, key, value, sparse_indices, d_out, out, softmax_max, softmax_sum, float(scale_value),
+        sparse_block_size, query_rope, key_rope, _ints(actual_seq_qlen, "actual_seq_qlen"),
+        _ints(actual_seq_kvlen, "actual_seq_kvlen"), layout, sparse_mode, pre_tokens, next_tokens, True,
+    )
+
+
+def npu_lightning_indexer(
+    query: Tensor, key: Tensor, weights: Tensor, *, actual_seq_lengths_query=None, actual_seq_lengths_key=None,
+    block_table: Tensor | None = None, layout_query: str = "BSND", layout_key: str = "BSND",
+    sparse_count: int = 2048, sparse_mode: int = 3, pre_tokens: int = INT64_MAX, next_tokens: int = INT64_MAX,
+    return_value: bool = False,
+):
+    """torch_npu.npu_lightning_indexer -> ``(sparse_indices, sparse_values)``; int32 indices [B, S1, 1, K] /
+    [T1, 1, K]; sparse_values is an empty (0,) tensor unless ``return_value``."""
+    _check_no_page_attention(block_table, layout_query, layout_key)
+    return torch.ops.cann_attn.lightning_indexer(
+        query, key, weights, _ints(actual_seq_lengths_query, "actual_seq_lengths_query"),
+        _ints(actual_seq_lengths_key, "actual_seq_lengths_key"), layout_query, sparse_count, sparse_mode,
+        return_value,
+    )
+
+
+def npu_sparse_lightning_indexer_grad_kl_loss(
+    query: Tensor, key: Tensor, query_index: Tensor, key_index: Tensor, weights: Tensor, sparse_indices: Tensor,
+    softmax_max: Tensor, softmax_sum: Tensor, scale_value: float, *, query_rope: Tensor | None = None,
+    key_rope: Tensor | None = None, actual_seq_qlen=None, actual_seq_klen=None, layout: str = "BSND",
+    sparse_mode: int = 3, pre_tokens: int = INT64_MAX, next_tokens: int = INT64_MAX,
+):
+    """torch_npu.npu_sparse_lightning_indexer_grad_kl_loss -> ``(d_query_index, d_key_index, d_weights, loss)``
+    (loss: fp32 [1], summed over all tokens; SEMANTICS.md 9)."""
+    return torch.ops.cann_attn.sparse_lightning_indexer_grad_kl_loss(
+        query, key, query_index, key_index, weights, sparse_indices, softmax_max, softmax_sum, float(scale_value),
+        query_rope, key_rope, _ints(actual_seq_qlen, "actual_seq_qlen"), _ints(actual_seq_klen, "actual_seq_klen"),
+        layout, sparse_mode, pre_tokens, next_tokens, True,
+    )
