@@ -119,7 +119,8 @@ class Indexer(nn.Module):
         k = self.k_norm(self.wk(h)).view(b, s, 1, self.dim)
         q = torch.cat((apply_rope(q[..., :half], cos, sin), q[..., half:]), dim=-1)
         k = torch.cat((apply_rope(k[..., :half], cos, sin), k[..., half:]), dim=-1)
-        w = self.ww(h) * (self.heads**-0.5 * self.dim**-0.5)  # scale folded into the weights (SEMANTICS.md 9)
+        # scale folded into the weights (docs/operators/lightning_indexer.md)
+        w = self.ww(h) * (self.heads**-0.5 * self.dim**-0.5)
         return q, k, w
 
 
@@ -173,7 +174,8 @@ class Block(nn.Module):
             out, kl = sparse_mla(query, query_rope, latent, key_rope, q_idx, k_idx, w_idx, scale, self.cfg.top_k)
         else:
             # Dense causal MQA: Q = [query ; query_rope], K = [latent ; key_rope], V = latent: the same logits as the
-            # sparse op's (SEMANTICS.md 8), over every causal key instead of the selected ones.
+            # sparse op's (docs/operators/sparse_flash_attention.md), over every causal key instead of the selected
+            # ones.
             out = cann_attn.flash_attention(
                 torch.cat((query, query_rope), dim=-1), torch.cat((latent, key_rope), dim=-1), latent,
                 self.cfg.n_heads, "BSND", atten_mask=causal_mask(query.device), sparse_mode=3, scale_value=scale,
@@ -201,7 +203,8 @@ def sparse_mla(query, query_rope, latent, key_rope, q_idx, k_idx, w_idx, scale: 
 def dense_indexer_kl(query, query_rope, latent, key_rope, q_idx, k_idx, w_idx, scale: float) -> torch.Tensor:
     """Dense warm-up target: KL(p || softmax(I)) over all causal keys, p = head-averaged main attention.
 
-    Same clamping and per-token mean as `indexer_kl_loss` (SEMANTICS.md 9), so the phases' curves compare."""
+    Same clamping and per-token mean as `indexer_kl_loss` (docs/operators/lightning_indexer.md), so the phases' curves
+    compare."""
     s = query.shape[1]
     causal = torch.ones(s, s, dtype=torch.bool, device=query.device).tril()
     with torch.no_grad():

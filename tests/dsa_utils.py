@@ -1,6 +1,6 @@
 """Helpers of the DSA tests (SparseFlashAttention(Grad), LightningIndexer, SparseLightningIndexerGradKLLoss):
 random cases, sparse index patterns, and goldens through the float64 oracle of ``cann_attn.testing.dsa_oracle``
-(SEMANTICS.md 8, 9 and 11)."""
+(docs/operators/sparse_flash_attention.md, docs/operators/lightning_indexer.md, docs/semantics/precision.md)."""
 
 from __future__ import annotations
 
@@ -157,7 +157,8 @@ class SFACase:
 
     def grad(self, fwd=None, **kw):
         fwd = self.forward() if fwd is None else fwd
-        self.given_out = fwd.attention_out  # what the grad's Dl = rowsum(dO * out) reads (SEMANTICS.md 8)
+        # what the grad's Dl = rowsum(dO * out) reads (docs/operators/sparse_flash_attention.md)
+        self.given_out = fwd.attention_out
         i = self.inputs
         kw = {**self.kw, **kw}
         scale = kw.pop("scale_value")
@@ -179,7 +180,8 @@ class SFACase:
 
     def oracle_grads(self, compute_dtype=F64, given_out: torch.Tensor | None = None) -> dict:
         """Gradients by autograd through the oracle. With `given_out` (the attention_out handed to the grad op),
-        the golden of the grad as SEMANTICS.md 8 defines it: Dl = rowsum(dO * given_out), not the exact
+        the golden of the grad as docs/operators/sparse_flash_attention.md defines it: Dl = rowsum(dO * given_out), not
+        the exact
         forward's. A loss term c * lse with c = rowsum(dO * (O_exact - given_out)) (a constant) moves
         dS = P (dP - Dl) by exactly P * c, since d lse / dz = P."""
         leaves, (out, _, _, lse) = self.oracle(compute_dtype, requires_grad=True, return_lse=True)
@@ -327,7 +329,8 @@ class IndexerCase:
         return self
 
     def kl_compacted(self, indices: torch.Tensor) -> torch.Tensor:
-        """The entries the KL rule uses (SEMANTICS.md 9: -1 / out-of-range skipped, no early stop) moved to the
+        """The entries the KL rule uses (docs/operators/lightning_indexer.md: -1 / out-of-range skipped, no early stop)
+        moved to the
         front, then -1: the SFA forward over these gives statistics with sum_j p_j = 1 over the KL selection."""
         out = torch.full_like(indices, -1)
         for span in self.spans:

@@ -1,5 +1,6 @@
 """Helpers of the FlashAttentionScoreGradV2 tests: random cases, masks of every sparse mode, and the golden
-gradients (torch.autograd through the float64 oracle; SEMANTICS.md sections 5, 6 and 11)."""
+gradients (torch.autograd through the float64 oracle; docs/semantics/dropout.md, docs/semantics/softmax-stats.md,
+docs/semantics/precision.md)."""
 
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ _OP_ONLY = ("padding_mask", "inner_precise")
 
 
 def valid_grad_modes(layout: str) -> tuple[int, ...]:
-    """GradV2 supports 0..8; 5 (prefix, full mask) not in TND, 7/8 only in TND (SEMANTICS.md section 2)."""
+    """GradV2 supports 0..8; 5 (prefix, full mask) not in TND, 7/8 only in TND (docs/semantics/masks.md)."""
     return (0, 1, 2, 3, 4, 6, 7, 8) if layout == "TND" else (0, 1, 2, 3, 4, 5, 6)
 
 
@@ -193,7 +194,7 @@ def oracle_grads(query, key, value, dy, head_num, layout, *, same_dtype: bool = 
 
 
 def compare_grads(res, golden: dict, naive: dict | None, pse, pse_type: int, tag: str = "") -> None:
-    """SEMANTICS.md section 11 on each gradient; dtypes, shapes and finiteness checked first."""
+    """docs/semantics/precision.md on each gradient; dtypes, shapes and finiteness checked first."""
     for name, inp_golden in (("dq", golden["dq"]), ("dk", golden["dk"]), ("dv", golden["dv"])):
         actual = getattr(res, name)
         assert tuple(actual.shape) == tuple(inp_golden.shape), f"{name} ({tag}): shape {tuple(actual.shape)}"

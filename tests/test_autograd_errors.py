@@ -1,4 +1,5 @@
-"""The differentiable wrappers report bad input with the operators' own errors (SEMANTICS.md 10), also on the paths
+"""The differentiable wrappers report bad input with the operators' own errors (docs/semantics/errors.md), also on the
+paths
 that size something before calling the operator: the dropout mask of `flash_attention` and the token count of
 `indexer_kl_loss(reduction="mean")`."""
 

@@ -1,4 +1,4 @@
-"""`select_backend`: which backend computes a call, and why it falls back (DESIGN.md "Public API")."""
+"""`select_backend`: which backend computes a call, and why it falls back (docs/design.md "Public API")."""
 
 from __future__ import annotations
 

@@ -184,7 +184,7 @@ def test_compare_fails_an_actual_of_another_dtype(small_golden, tmp_path, capsys
 
 def test_compare_fails_nan_and_inf_the_golden_lacks(small_golden, tmp_path, capsys):
     """One NaN (or inf) among thousands of elements is far below the rule's t * numel allowance, yet fails:
-    SEMANTICS.md 3 promises finite outputs and assertRtolEqual rejects mismatching NaN positions."""
+    docs/semantics/invalid-rows.md promises finite outputs and assertRtolEqual rejects mismatching NaN positions."""
     golden = small_golden / "golden" / "softmax_max.npy"
     g = np.load(golden)
     for bad in (np.nan, np.inf):

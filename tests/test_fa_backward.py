@@ -1,7 +1,7 @@
 """flash_attention_score_grad (FlashAttentionScoreGradV2) and the differentiable flash_attention.
 
 The golden is torch.autograd through the independent float64 oracle (on the same, possibly rounded, inputs);
-dq, dk, dv and dpse are compared with the SEMANTICS.md section 11 rules (Ascend rule, else the flash-attn rule
+dq, dk, dv and dpse are compared with the docs/semantics/precision.md rules (Ascend rule, else the flash-attn rule
 against autograd through the oracle's code run in the input dtype). Every grad call runs twice: with the
 forward's softmax_max / softmax_sum / attention_out, and without them (the recomputation path).
 """
@@ -49,7 +49,7 @@ def test_layouts_and_dtypes_causal(rng, layout, dtype):
 @pytest.mark.parametrize("mode", [None, 3, 8])
 @pytest.mark.parametrize("softmax_layout", ["", "TND"], ids=["sl_default", "sl_TND"])
 def test_tnd_softmax_layouts(rng, softmax_layout, mode):
-    """The grad reads the statistics in the layout they were produced with (SEMANTICS.md section 6)."""
+    """The grad reads the statistics in the layout they were produced with (docs/semantics/softmax-stats.md)."""
     case = GradCase("TND", rng, q_lens=[9, 4, 13, 1], kv_lens=[11, 4, 13, 6])
     kw = {} if mode is None else {**case.mode_kwargs(mode), "sparse_mode": mode}
     case.check(softmax_layout=softmax_layout, **kw)
@@ -319,7 +319,8 @@ def test_invalid_rows_tnd_mode3_sq_gt_skv(rng, softmax_layout):
 
 # ---------------------------------------------------------------------------------- statistics semantics
 def test_grad_uses_given_statistics_without_renormalisation(rng):
-    """P = exp(S - max) / sum from the given statistics (SEMANTICS.md 6): doubling sum halves dV exactly."""
+    """P = exp(S - max) / sum from the given statistics (docs/semantics/softmax-stats.md): doubling sum halves dV
+    exactly."""
     case = GradCase("BNSD", rng, b=1, n1=2, sq=8, skv=8)
     fwd = case.forward()
     dy = case.randn(*fwd.attention_out.shape)
@@ -377,7 +378,8 @@ def test_empty_query_gives_empty_dq_and_zero_dkdv(rng):
 @pytest.mark.parametrize("with_pse", [False, True])
 @pytest.mark.parametrize("layout", ["BSH", "BNSD"])
 def test_empty_key_gives_zero_gradients(rng, layout, with_pse):
-    """Dense Skv = 0 with Sq > 0: the forward's invalid-row statistics (SEMANTICS.md 3) and the recomputation path
+    """Dense Skv = 0 with Sq > 0: the forward's invalid-row statistics (docs/semantics/invalid-rows.md) and the
+    recomputation path
     both give dq = 0 (and an all-zero dpse), with no NaN from the -FLT_MAX / +FLT_MAX statistics."""
     case = GradCase(layout, rng, b=2, n1=2, sq=6, skv=0)
     kw = {**case.kw}

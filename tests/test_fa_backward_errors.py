@@ -1,5 +1,6 @@
 """One test per documented constraint of FlashAttentionScoreGradV2 (seed aclnnFlashAttentionScoreGradV2.md,
-约束说明 and the parameter table; SEMANTICS.md sections 1-6 and 10).
+约束说明 and the parameter table; docs/semantics/layouts.md, docs/semantics/masks.md, docs/semantics/invalid-rows.md,
+docs/semantics/pse.md, docs/semantics/dropout.md, docs/semantics/softmax-stats.md, docs/semantics/errors.md).
 
 Each bad call must raise ParamInvalidError (status 161002) or, for a missing required input, ParamNullptrError
 (161001), with a message that names the offending parameter.
@@ -246,7 +247,7 @@ def test_statistic_non_contiguous_accepted(base, name):
 @pytest.mark.parametrize("name", ["softmax_max", "softmax_sum"])
 def test_tnd_default_softmax_layout_statistic_non_contiguous(name):
     """TND with softmax_layout "": the [T, N1, 8] tensor's memory holds per-sequence [N1, Sq_b, 8] blocks
-    (SEMANTICS.md 6), so only its memory order means anything and a strided view is refused."""
+    (docs/semantics/softmax-stats.md), so only its memory order means anything and a strided view is refused."""
     q = _t(2 * S, N, D)
     lens = {"actual_seq_qlen": [S, 2 * S], "actual_seq_kvlen": [S, 2 * S]}
     fwd = cann_attn.flash_attention_score(q, q, q, N, "TND", **lens)
@@ -354,7 +355,7 @@ def test_atten_mask_shape(base, shape):
 
 
 def test_mode5_mask_batch_must_be_b(base):
-    """Mode 5 takes [B,N,Sq,Skv] or [B,1,Sq,Skv] (SEMANTICS.md 2): [1,1,Sq,Skv] with B = 2 is refused."""
+    """Mode 5 takes [B,N,Sq,Skv] or [B,1,Sq,Skv] (docs/semantics/masks.md): [1,1,Sq,Skv] with B = 2 is refused."""
     args, kw = base
     mask = {"sparse_mode": 5, "prefix": [4, 4], "atten_mask": torch.zeros(1, 1, S, S, dtype=torch.bool)}
     _raises(args, {**kw, **mask}, "atten_mask")

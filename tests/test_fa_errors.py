@@ -1,6 +1,8 @@
 """One test per documented FlashAttentionScore / FlashAttentionVarLenScore constraint.
 
-Sources: SEMANTICS.md sections 1-6 and 10, and the 约束说明 of FlashAttentionVarLenScore.md.
+Sources: docs/semantics/layouts.md, docs/semantics/masks.md, docs/semantics/invalid-rows.md, docs/semantics/pse.md,
+docs/semantics/dropout.md, docs/semantics/softmax-stats.md, docs/semantics/errors.md, and the 约束说明 of
+FlashAttentionVarLenScore.md.
 Each test checks the error type, its aclnn status code and a message naming the Python parameter.
 """
 
@@ -505,7 +507,7 @@ def test_atten_mask_shape(mode, shape):
 
 @pytest.mark.parametrize("shape", [(8, 12), (1, 8, 12), (2, 2, 8, 13), (3, 1, 8, 12), (1, 1, 8, 12)], ids=str)
 def test_mode5_atten_mask_shape(shape):
-    """Mode 5 takes [B,N,Sq,Skv] or [B,1,Sq,Skv] (SEMANTICS.md 2), here with B = 2: a batch-shared mask cannot
+    """Mode 5 takes [B,N,Sq,Skv] or [B,1,Sq,Skv] (docs/semantics/masks.md), here with B = 2: a batch-shared mask cannot
     carry the per-batch prefix."""
     args = base("BNSD", sq=8, skv=12)
     expect_error(

@@ -1,7 +1,7 @@
 """flash_attention_score / flash_attention_var_len_score against the independent float64 oracle.
 
 Every test compares attention_out, softmax_max and softmax_sum with ``oracle.fa_forward_oracle`` through the
-SEMANTICS.md section 11 rules (Ascend rule, else the flash-attn rule against a naive same-dtype run).
+docs/semantics/precision.md rules (Ascend rule, else the flash-attn rule against a naive same-dtype run).
 """
 
 from __future__ import annotations
@@ -573,7 +573,7 @@ def test_empty_query_gives_empty_output(rng, layout):
 @pytest.mark.parametrize("layout", NON_TND)
 def test_empty_key_gives_zero_output_and_invalid_row_stats(rng, layout):
     """Dense Skv = 0 with Sq > 0: every row sees no column, so out = 0, softmax_max = -FLT_MAX and softmax_sum =
-    +FLT_MAX (SEMANTICS.md 3: never garbage), whichever backend computed it."""
+    +FLT_MAX (docs/semantics/invalid-rows.md: never garbage), whichever backend computed it."""
     case = Case(layout, rng, b=2, n1=2, sq=5, skv=0)
     out, smax, ssum, _ = cann_attn.flash_attention_score(case.q, case.k, case.v, case.n1, layout, **case.kw)
     assert out.shape == case.q.shape and torch.all(out == 0)

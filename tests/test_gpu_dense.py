@@ -1,5 +1,7 @@
 """Real-size fp16/bf16 dense FlashAttention on a CUDA GPU: the Triton kernels against an fp32 golden
-(SEMANTICS.md 2-6, 11). Run with `pytest -m gpu tests/test_gpu_dense.py`; skipped without CUDA.
+(docs/semantics/masks.md, docs/semantics/invalid-rows.md, docs/semantics/pse.md, docs/semantics/dropout.md,
+docs/semantics/softmax-stats.md, docs/semantics/precision.md). Run with `pytest -m gpu tests/test_gpu_dense.py`; skipped
+without CUDA.
 
 Golden: the reference backend on the same (rounded) inputs upcast to fp32. Naive (flash-attn rule): plain
 PyTorch in the input dtype, materialising the score matrix, with autograd for the gradients.

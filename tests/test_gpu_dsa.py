@@ -1,4 +1,5 @@
-"""Real-size bf16 DSA kernels on a CUDA GPU against the reference backend (SEMANTICS.md 8, 9, 11). Run with
+"""Real-size bf16 DSA kernels on a CUDA GPU against the reference backend (docs/operators/sparse_flash_attention.md,
+docs/operators/lightning_indexer.md, docs/semantics/precision.md). Run with
 `pytest -m gpu tests/test_gpu_dsa.py`; skipped without CUDA."""
 
 from __future__ import annotations

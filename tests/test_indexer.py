@@ -1,5 +1,6 @@
 """LightningIndexer (top-k of the index scores) and SparseLightningIndexerGradKLLoss / `indexer_kl_loss` against
-the independent float64 oracle (SEMANTICS.md 1, 9, 10 and 11), hypothesis fuzzing, and one error test per
+the independent float64 oracle (docs/semantics/layouts.md, docs/operators/lightning_indexer.md,
+docs/semantics/errors.md, docs/semantics/precision.md), hypothesis fuzzing, and one error test per
 documented constraint of both operators."""
 
 from __future__ import annotations
@@ -104,7 +105,8 @@ def test_ties_go_to_the_smaller_index(layout, dtype, rng):
 def test_ties_between_identical_keys(dtype, mode, s2, rng):
     """Realistic head dims (D = 128, Nidx1 = 16): key s is a copy of key s % 8, so the keys of a group score
     exactly alike and the group's selected members must be its smallest allowed indices in increasing order, with
-    bitwise-equal values (SEMANTICS.md 9, "ties to the smaller index"). Key counts that are no multiple of 8 once
+    bitwise-equal values (docs/operators/lightning_indexer.md, "ties to the smaller index"). Key counts that are no
+    multiple of 8 once
     made copies score 1 ulp apart by column position."""
     s1, n_idx, d, groups, k = 70, 16, 128, 8, 64
     qi = torch.randn(1, s1, n_idx, d, generator=rng).to(dtype)
@@ -307,7 +309,8 @@ def test_kl_selection_rule_first_k_entries(rng):
 
 
 def test_kl_gradient_is_the_documented_one(rng):
-    """dI = Softmax(I) - p (SEMANTICS.md 9), not the autograd of the clamped loss: with large index scores some
+    """dI = Softmax(I) - p (docs/operators/lightning_indexer.md), not the autograd of the clamped loss: with large
+    index scores some
     q_j < 1e-8, where the two differ. The op must match the documented gradient."""
     case = IndexerCase("BSND", gen=rng, b=1, s1=6, s2=10, n_idx=4, dtype=F64).kl_inputs(6, style="topk")
     case.weights = case.weights * 40  # float64: large scores are ill-conditioned in fp32
@@ -433,7 +436,7 @@ def test_kl_random_configs(cfg, data):
 
 
 # ==========================================================================================================
-# Errors (SEMANTICS.md 10; 参数说明 / 约束说明 of aclnnSparseLightningIndexerGradKLLoss.md)
+# Errors (docs/semantics/errors.md; 参数说明 / 约束说明 of aclnnSparseLightningIndexerGradKLLoss.md)
 # ==========================================================================================================
 def expect_error(param_pattern: str, fn, *, nullptr: bool = False, **overrides):
     exc_type = cann_attn.ParamNullptrError if nullptr else cann_attn.ParamInvalidError
@@ -629,7 +632,7 @@ def test_kl_heads_at_least_one(layout):
 @pytest.mark.parametrize("layout", ["BSND", "TND"])
 def test_empty_query_gives_empty_results(layout, heads):
     """A query without tokens returns empty indices, zero loss and empty gradients, whatever its head count
-    (SEMANTICS.md 10)."""
+    (docs/semantics/errors.md)."""
     n1, n_idx = heads
     lead, stats = ((1, 0), (1, 1, 0, n1)) if layout == "BSND" else ((0,), (1, 0, n1))
     kv_lead = (1, 6) if layout == "BSND" else (6,)
@@ -675,7 +678,8 @@ def test_kl_rope_leading_dims():
 
 @pytest.mark.parametrize("dims", [(1, 8), (8, 1), (2, 8)], ids=lambda d: f"q{d[0]}-k{d[1]}")
 def test_kl_rope_dims_must_match(dims):
-    """query_rope and key_rope share Dr (Q = [query ; query_rope], K = [key ; key_rope], SEMANTICS.md 9); Dr 1 vs 8
+    """query_rope and key_rope share Dr (Q = [query ; query_rope], K = [key ; key_rope],
+    docs/operators/lightning_indexer.md); Dr 1 vs 8
     used to broadcast into a wrong loss, other pairs to crash."""
     a = kl_args()
     assert a["query_rope"].shape[-1] == a["key_rope"].shape[-1] == 8
@@ -706,12 +710,12 @@ def test_kl_tnd_lengths(name, value):
 
 
 def test_li_tnd_query_without_keys_rejected():
-    """Sq_b > 0 with Skv_b = 0 is rejected (SEMANTICS.md 1)."""
+    """Sq_b > 0 with Skv_b = 0 is rejected (docs/semantics/layouts.md)."""
     expect_error("actual_seq_lengths", li_call, _layout="TND", actual_seq_lengths_key=[9, 9])
 
 
 def test_kl_tnd_query_without_keys_rejected():
-    """Sq_b > 0 with Skv_b = 0 is rejected (SEMANTICS.md 1)."""
+    """Sq_b > 0 with Skv_b = 0 is rejected (docs/semantics/layouts.md)."""
     expect_error("actual_seq_lengths", kl_call, _layout="TND", actual_seq_lengths_key=[9, 9])
 
 

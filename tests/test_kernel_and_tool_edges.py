@@ -96,7 +96,8 @@ def test_small_but_normal_softmax_terms_are_not_flushed() -> None:
 # ----------------------------------------------------------------------------------------------------------
 def test_sfa_row_selecting_a_nan_key_has_nan_max_not_the_sentinel() -> None:
     """Row t > 0 selects token t only, row 0 nothing (so the tile is not all valid); key 5 is NaN. Row 5 has a valid
-    selected key, so its softmax_max is NaN like the oracle's, not -2e38 (SEMANTICS.md 3 keeps the sentinel for
+    selected key, so its softmax_max is NaN like the oracle's, not -2e38 (docs/semantics/invalid-rows.md keeps the
+    sentinel for
     rows with nothing selected)."""
 
     case = SFACase("BSND", gen=torch.Generator().manual_seed(2), b=1, s1=8, s2=12, n1=2, d=8, d_rope=4, k=4,
@@ -170,7 +171,7 @@ def test_tnd_trailing_zero_lengths_keep_the_batch_count() -> None:
 
 def test_npu_prompt_flash_attention_default_next_tokens_is_zero() -> None:
     """torch_npu's npu_prompt_flash_attention defaults next_tokens to 0: with an all-zero mode-0 mask only
-    j <= i is visible (SEMANTICS.md 2)."""
+    j <= i is visible (docs/semantics/masks.md)."""
     gen = torch.Generator().manual_seed(6)
     q, k, v = (torch.randn(1, 6, 16, generator=gen) for _ in range(3))
     mask = torch.zeros(6, 6, dtype=torch.bool)
@@ -234,7 +235,8 @@ def test_float64_indexer_ties_with_many_keys(s2: int) -> None:
 # ----------------------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_ascend_rule_casts_the_golden_to_the_actual_dtype(dtype: torch.dtype) -> None:
-    """An actual equal to the float64 golden rounded to its own dtype has no error at all (SEMANTICS.md 11)."""
+    """An actual equal to the float64 golden rounded to its own dtype has no error at all
+    (docs/semantics/precision.md)."""
 
     golden = torch.randn(1000, generator=torch.Generator().manual_seed(3), dtype=torch.float64)
     golden[:10] = 1e-9  # rounds to 0 in fp16

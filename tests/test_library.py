@@ -75,7 +75,7 @@ def _pfa_fp32(gen):
 
 
 def _pfa_int8(gen):
-    """int8 in, float16 out (SEMANTICS.md 7)."""
+    """int8 in, float16 out (docs/operators/prompt_flash_attention.md)."""
     q, k, v = (torch.randint(-20, 21, (1, 3, 8), generator=gen, dtype=torch.int8) for _ in range(3))
     one = torch.tensor([0.01], dtype=F32)
     kwargs = dict(deq_scale1=one, quant_scale1=torch.tensor([100.0]), deq_scale2=one, num_heads=2)

@@ -2,7 +2,8 @@
 
 Layouts, GQA/MQA, actual lengths, sparse modes 0..4 with every mask dtype and shape, pse_shift, fp16/bf16 in with
 fp16/bf16/int8 out (per-tensor and per-channel quant_scale2/quant_offset2), int8 in with fp16/int8 out and deq
-scales as FLOAT32 or trans_quant_param words, invalid rows, empty inputs. SEMANTICS.md sections 1-4 and 7.
+scales as FLOAT32 or trans_quant_param words, invalid rows, empty inputs. docs/semantics/layouts.md,
+docs/semantics/masks.md, docs/semantics/invalid-rows.md, docs/semantics/pse.md and 7.
 """
 
 from __future__ import annotations
@@ -224,7 +225,7 @@ def test_full_mask_shapes_and_dtypes(mode, shape_kind, mask_dtype, rng):
         "1SS": (1, sq, skv),
         "B1SS": (b, 1, sq, skv),
         "11SS": (1, 1, sq, skv),
-        "BNSS": (b, 2, sq, skv),  # SEMANTICS.md 2: per-head masks broadcast too
+        "BNSS": (b, 2, sq, skv),  # docs/semantics/masks.md: per-head masks broadcast too
     }[shape_kind]
     q, k, v = make_qkv("BNSD", rng, b=b, n=2, sq=sq, skv=skv, d=8)
     mask = random_mask(rng, shape, mask_dtype, p=0.3)
@@ -247,7 +248,7 @@ def test_mask_per_batch_content_differs(rng):
 
 def test_mask_padded_kv_columns(rng):
     """The seed recommends padding atten_mask's KV_S to a multiple of 32 with ones: only the top-left block is
-    used (SEMANTICS.md 2: top-left [actQ, actKv] block)."""
+    used (docs/semantics/masks.md: top-left [actQ, actKv] block)."""
     q, k, v = make_qkv("BNSD", rng, b=1, n=2, sq=10, skv=20, d=8)
     mask = torch.ones(10, 32, dtype=torch.bool)
     mask[:, :20] = random_mask(rng, (10, 20), p=0.3)
@@ -467,7 +468,8 @@ def test_int8_out_saturates(rng):
 
 
 def test_int8_out_rows_beyond_actual_length_are_zero_with_offset(rng):
-    """Rows beyond actQ are 0 in every output dtype, not quant(0) + offset (SEMANTICS.md 7)."""
+    """Rows beyond actQ are 0 in every output dtype, not quant(0) + offset
+    (docs/operators/prompt_flash_attention.md)."""
     q, k, v = make_qkv("BSND", rng, b=2, n=2, sq=10, skv=10, d=8, dtype=torch.float16)
     out = check_pfa(
         q,
@@ -484,7 +486,7 @@ def test_int8_out_rows_beyond_actual_length_are_zero_with_offset(rng):
 
 @pytest.mark.parametrize("dtype", FLOAT_DTYPES, ids=_ids(FLOAT_DTYPES))
 def test_float_in_int8_out_fully_masked_row_is_zero_with_offset(dtype, rng):
-    """A row with no visible key outputs 0 (SEMANTICS.md 3), also for int8 output with a nonzero offset.
+    """A row with no visible key outputs 0 (docs/semantics/invalid-rows.md), also for int8 output with a nonzero offset.
 
     Mode 1 is never intercepted for a nonzero quant_offset2 (seed 约束说明), so this configuration is valid."""
     q, k, v = make_qkv("BNSD", rng, b=1, n=2, sq=4, skv=6, d=8, dtype=dtype)
@@ -505,7 +507,8 @@ def test_float_in_int8_out_fully_masked_row_is_zero_with_offset(dtype, rng):
 
 
 def test_float_in_int8_out_zero_kv_length_is_zero_with_offset(rng):
-    """actual_seq_lengths_kv = 0 for a batch: that batch's output is all zero (SEMANTICS.md 3), also for int8
+    """actual_seq_lengths_kv = 0 for a batch: that batch's output is all zero (docs/semantics/invalid-rows.md), also
+    for int8
     output with a nonzero offset (mode 0 without a mask is never intercepted)."""
     q, k, v = make_qkv("BSH", rng, b=2, n=2, sq=4, skv=6, d=8, dtype=torch.float16)
     out = check_pfa(
@@ -634,7 +637,7 @@ def test_int8_deq_uint64_word_ignores_offset_bits(rng):
 
 
 def test_int8_score_dequant_rounds_once_to_fp16():
-    """s = fp16(s32 * deq1) is ONE rounding of the exact product (SEMANTICS.md 7).
+    """s = fp16(s32 * deq1) is ONE rounding of the exact product (docs/operators/prompt_flash_attention.md).
 
     s32 = 1109 and deq1 = 968680 * 2^-30 give s32 * deq1 = 1 + 2^-11 + 8 * 2^-30, just above the fp16 tie
     between 1 and 1 + 2^-10: one rounding gives 1 + 2^-10. Rounding first to fp32 (1 + 2^-11 exactly, a tie) and

@@ -1,4 +1,5 @@
-"""prompt_flash_attention: one test per documented constraint (seed 参数说明 / 约束说明, SEMANTICS.md 1, 2, 7, 10).
+"""prompt_flash_attention: one test per documented constraint (seed 参数说明 / 约束说明, docs/semantics/layouts.md,
+docs/semantics/masks.md, docs/operators/prompt_flash_attention.md, docs/semantics/errors.md).
 
 Each checks the error class, its aclnn status code and that the message names the parameter.
 """
@@ -304,7 +305,7 @@ def test_mode4_empty_band():
 
 
 def test_mode0_mask_empty_band():
-    """SEMANTICS.md 2: negative pre/next are legal while the band is non-empty; an empty band is an error."""
+    """docs/semantics/masks.md: negative pre/next are legal while the band is non-empty; an empty band is an error."""
     q, k, v = fp16_bnsd()
     expect(
         ParamInvalidError,
@@ -344,7 +345,7 @@ def test_pse_shift_dtype_differs_from_fp16_query(dtype):
 
 
 # ---------------------------------------------------------------------------------------------------------
-# Quantization combinations (seed 约束说明; SEMANTICS.md 7)
+# Quantization combinations (seed 约束说明; docs/operators/prompt_flash_attention.md)
 # ---------------------------------------------------------------------------------------------------------
 INT8_REQUIRED = ("deq_scale1", "quant_scale1", "deq_scale2")
 
@@ -503,7 +504,8 @@ def test_quant_scale1_bad(bad):
     expect(ParamInvalidError, "quant_scale1", pfa(q, k, v, num_heads=2, input_layout="BNSD", **kw))
 
 
-# Nonzero quant_offset2 with configurations that can produce invalid rows (seed 约束说明; SEMANTICS.md 7)
+# Nonzero quant_offset2 with configurations that can produce invalid rows (seed 约束说明;
+# docs/operators/prompt_flash_attention.md)
 INVALID_ROW_CASES = [
     # (mode, sq, skv, pre, next, lens_q, lens_kv)
     pytest.param(0, 16, 8, 4, 0, None, None, id="mode0_q-kv-pre>0"),

@@ -3,7 +3,8 @@
 Drawn: layout, B, GQA (N2, G), Sq/Skv, D, input dtype (fp16 / bf16 / int8), actual-length lists (None, one value,
 B values, more than B), sparse mode 0..4 with a mask of any documented shape and dtype, pre/next (non-empty band),
 pse_shift (batch 1 or B, larger than needed), scale, output quantization (per-tensor or per-channel, fp32 or bf16
-scales, with a zero or nonzero offset where the interception rule of SEMANTICS.md 7 allows), deq scales as FLOAT32
+scales, with a zero or nonzero offset where the interception rule of docs/operators/prompt_flash_attention.md allows),
+deq scales as FLOAT32
 or trans_quant_param words.
 """
 
@@ -33,7 +34,7 @@ def _used(lengths, b, s):
 
 
 def _has_interceptable_rows(mode, has_mask, act_q, act_kv, pre, nxt) -> bool:
-    """SEMANTICS.md 7: configurations where a nonzero quant_offset2 is rejected."""
+    """docs/operators/prompt_flash_attention.md: configurations where a nonzero quant_offset2 is rejected."""
     for sq, skv in zip(act_q, act_kv, strict=True):
         if mode == 0 and has_mask and (sq - skv - pre > 0 or nxt < 0):
             return True

@@ -1,5 +1,6 @@
 """SparseFlashAttention forward / SparseFlashAttentionGrad and the differentiable `sparse_attention` against the
-independent float64 oracle (SEMANTICS.md 1, 3, 8 and 11)."""
+independent float64 oracle (docs/semantics/layouts.md, docs/semantics/invalid-rows.md,
+docs/operators/sparse_flash_attention.md, docs/semantics/precision.md)."""
 
 from __future__ import annotations
 
@@ -75,7 +76,8 @@ def test_block_causal_pattern(layout, bs, rng):
 @pytest.mark.parametrize("dtype", [F16, BF16, F32], ids=DT_IDS.get)
 @pytest.mark.parametrize("layout", ["BSND", "TND"])
 def test_dtypes(layout, dtype, value_is_key, style, rng):
-    """fp16/bf16/fp32 inputs: outputs in the input dtype, statistics fp32, precision rule of SEMANTICS.md 11."""
+    """fp16/bf16/fp32 inputs: outputs in the input dtype, statistics fp32, precision rule of
+    docs/semantics/precision.md."""
     case = SFACase(layout, gen=rng, s1=9, s2=20, block_size=8 if style == "middle" else 1, k=5, n1=4, d=16,
                    d_rope=8, d_v=12, value_is_key=value_is_key, dtype=dtype, style=style)
     case.check()
@@ -238,7 +240,7 @@ def test_entries_beyond_threshold_skipped(layout, mode, rng):
 @pytest.mark.parametrize("layout", ["BSND", "TND"])
 def test_rows_without_valid_keys(layout, rng):
     """Rows whose first entry is -1, whose entries all lie beyond thr, or with thr <= 0 output exactly 0, with
-    softmax_max = -2e38, softmax_sum = 0 and zero gradients (SEMANTICS.md 3)."""
+    softmax_max = -2e38, softmax_sum = 0 and zero gradients (docs/semantics/invalid-rows.md)."""
     case = SFACase(layout, gen=rng, s1=10, s2=6, q_lens=[10, 4] if layout == "TND" else None,
                    kv_lens=[6, 5] if layout == "TND" else None, k=3, style="topk", mode=3)
     idx = case.inputs["sparse_indices"]
@@ -280,7 +282,7 @@ def test_all_rows_without_keys_give_zero_gradients(layout, rng):
 @pytest.mark.parametrize("layout", ["BSND", "TND"])
 def test_huge_indices_are_skipped(layout, bs, idx_dtype, huge, rng):
     """Entries so large that idx * bs overflows int64 start beyond thr like any other: skipped, the scan goes on
-    (SEMANTICS.md 8)."""
+    (docs/operators/sparse_flash_attention.md)."""
     case = SFACase(layout, gen=rng, s1=6, s2=2 * bs + 3, block_size=bs, k=4, mode=0, style="topk",
                    index_dtype=idx_dtype)
     idx = case.inputs["sparse_indices"]
@@ -296,7 +298,8 @@ def test_huge_indices_are_skipped(layout, bs, idx_dtype, huge, rng):
 
 
 # ----------------------------------------------------------------------------------------------------------
-# Non-finite keys / values: only the selected ones reach a row (SEMANTICS.md 8: P is the softmax over the
+# Non-finite keys / values: only the selected ones reach a row (docs/operators/sparse_flash_attention.md: P is the
+# softmax over the
 # selected set)
 # ----------------------------------------------------------------------------------------------------------
 NONFINITE_TARGETS = {"key": "key", "value": "value", "key_rope": "key_rope", "latent": "key"}
@@ -449,7 +452,7 @@ def test_bsnd_actual_lengths(mode, bs, value_is_key, rng):
 
 
 def test_bsnd_actual_length_forms(rng):
-    """One value applies to every batch; tensors are accepted like lists (SEMANTICS.md 1)."""
+    """One value applies to every batch; tensors are accepted like lists (docs/semantics/layouts.md)."""
     case = SFACase("BSND", gen=rng, b=2, s1=6, s2=12, k=4, style="random")
     ref = case.forward(actual_seq_lengths_query=[4, 4], actual_seq_lengths_kv=[9, 9])
     for q_l, kv_l in (([4], [9]), (torch.tensor([4, 4]), torch.tensor([9, 9])), (4, 9)):
@@ -461,7 +464,7 @@ def test_bsnd_actual_length_forms(rng):
 
 
 def test_tnd_zero_length_sequences(rng):
-    """Sequences with Sq_b = 0 and trailing empty sequences are allowed (SEMANTICS.md 1)."""
+    """Sequences with Sq_b = 0 and trailing empty sequences are allowed (docs/semantics/layouts.md)."""
     SFACase("TND", gen=rng, q_lens=[4, 0, 6, 0, 0], kv_lens=[7, 3, 9, 0, 0], k=4, style="random").check()
 
 
@@ -469,7 +472,7 @@ def test_tnd_zero_length_sequences(rng):
 @pytest.mark.parametrize("layout", ["BSND", "TND"])
 def test_empty_query(layout, empty):
     """Empty query (no tokens, N1 = 0 or D = 0): outputs of the documented shapes (0 / -2e38 / 0), zero
-    gradients, no error (SEMANTICS.md 10; "query为空Tensor：直接返回", seed :560)."""
+    gradients, no error (docs/semantics/errors.md; "query为空Tensor：直接返回", seed :560)."""
     s1, n1, d = {"tokens": (0, 2, 8), "heads": (3, 0, 8), "head_dim": (3, 2, 0)}[empty]
     if layout == "TND":
         q, idx = torch.zeros(s1, n1, d), torch.zeros(s1, 1, 3, dtype=torch.int32)
@@ -661,7 +664,8 @@ def test_tnd_bsnd_agree(rng):
 
 @pytest.mark.parametrize("mode", [0, 3])
 def test_bsnd_zero_kv_length(mode, rng):
-    """BSND batch with Lk_b = 0 and Lq_b > 0: every row has thr <= 0, so (SEMANTICS.md 8) the rows output 0 with
+    """BSND batch with Lk_b = 0 and Lq_b > 0: every row has thr <= 0, so (docs/operators/sparse_flash_attention.md) the
+    rows output 0 with
     softmax_max = -2e38 / softmax_sum = 0 -- or the call is rejected as a documented ParamInvalidError naming
     actual_seq_lengths_kv. Any other exception (IndexError...) is a bug."""
     case = SFACase("BSND", gen=rng, b=2, s1=4, s2=6, q_lens=[4, 3], kv_lens=[0, 6], k=3, mode=mode, style="random")

@@ -48,7 +48,7 @@ def sfa_configs(draw, dtypes=(F32, F64)):
     return dict(
         layout=layout, b=b, s1=s1, s2=s2, q_lens=q_lens, kv_lens=kv_lens, block_size=bs, mode=mode, k=k,
         n1=draw(st.sampled_from([1, 2, 4])), d=d,
-        # kD >= vD (SEMANTICS.md 1): value's head dim up to the key's.
+        # kD >= vD (docs/semantics/layouts.md): value's head dim up to the key's.
         d_rope=draw(st.sampled_from([None, 4])),
         d_v=None if value_is_key else draw(st.sampled_from([dv for dv in (2, 4, 6) if dv <= d])),
         value_is_key=value_is_key, dtype=draw(st.sampled_from(dtypes)),
@@ -74,7 +74,8 @@ def test_sparse_attention_random_configs(cfg):
 @settings(max_examples=50, deadline=None)
 @given(sfa_configs(dtypes=(F16, BF16)))
 def test_sparse_attention_random_configs_half(cfg):
-    # The grad's Dl = rowsum(dO * out) uses the given fp16/bf16 `out` (SEMANTICS.md 8); the golden does the same
+    # The grad's Dl = rowsum(dO * out) uses the given fp16/bf16 `out` (docs/operators/sparse_flash_attention.md); the
+    # golden does the same
     # (dsa_utils.oracle_grads). Against the exact forward's gradient instead, rows where dS = P (dP - Dl) nearly
     # cancels (duplicated selections, or a single selected block) failed by several bf16 ulps.
     _run(cfg)

@@ -1,4 +1,5 @@
-"""One test per documented SparseFlashAttention / SparseFlashAttentionGrad constraint (SEMANTICS.md 1, 8, 10 and the
+"""One test per documented SparseFlashAttention / SparseFlashAttentionGrad constraint (docs/semantics/layouts.md,
+docs/operators/sparse_flash_attention.md, docs/semantics/errors.md and the
 参数说明 / 约束说明 of aclnnSparseFlashAttentionGrad.md): error type, aclnn status code, and a message naming the
 Python parameter."""
 
@@ -148,7 +149,8 @@ def test_unsupported_sparse_block_size(fn, make, bs):
 @BOTH
 @pytest.mark.parametrize("bs", [8.0, 1.0, "8", torch.tensor(8), None, True], ids=repr)
 def test_sparse_block_size_must_be_an_int(fn, make, bs):
-    """8.0 equals 8 but is no block size: the index arithmetic needs an int (SEMANTICS.md 8)."""
+    """8.0 equals 8 but is no block size: the index arithmetic needs an int
+    (docs/operators/sparse_flash_attention.md)."""
     expect_error("sparse_block_size", fn, make(), sparse_block_size=bs)
 
 
@@ -166,7 +168,7 @@ def test_numpy_integer_block_size_is_accepted(fn, make):
 @pytest.mark.parametrize("value", [0, 5, -3, 2147483646, 2**62, 2147483647.0, "2147483647", None, True], ids=repr)
 def test_window_bounds_only_the_documented_value(fn, make, name, value):
     """preTokens / nextTokens: "仅支持取值：2147483647" (aclnnSparseFlashAttentionGrad.md:364, :379); this API's
-    default 2**63-1 (DESIGN.md) means the same. Anything else is rejected, not ignored."""
+    default 2**63-1 (docs/design.md) means the same. Anything else is rejected, not ignored."""
     expect_error(name, fn, make(), **{name: value})
 
 
@@ -261,7 +263,8 @@ def test_key_head_dim_must_match_query(fn, make):
 
 @BOTH
 def test_value_head_dim_may_not_exceed_key(fn, make):
-    """kD >= vD (SEMANTICS.md 1): value's head dim may be smaller than key's (tested with the oracle), not larger."""
+    """kD >= vD (docs/semantics/layouts.md): value's head dim may be smaller than key's (tested with the oracle), not
+    larger."""
     args = make()
     wide = torch.cat([args["value"], args["value"][..., :8]], dim=-1)
     expect_error(r"value: expected head dim <= the key's 16", fn, args, value=wide)
@@ -362,7 +365,7 @@ def test_tnd_sequence_counts_must_agree(fn, make):
 
 @BOTH
 def test_tnd_query_without_keys_rejected(fn, make):
-    """Sq_b > 0 with Skv_b = 0 is rejected (SEMANTICS.md 1)."""
+    """Sq_b > 0 with Skv_b = 0 is rejected (docs/semantics/layouts.md)."""
     expect_error("actual_seq_lengths", fn, make("TND"), actual_seq_lengths_kv=[13, 13])
 
 

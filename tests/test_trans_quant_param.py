@@ -1,4 +1,5 @@
-"""trans_quant_param: bit-level checks against the independent oracle (SEMANTICS.md 7; TransQuantParamV2 doc).
+"""trans_quant_param: bit-level checks against the independent oracle (docs/operators/prompt_flash_attention.md;
+TransQuantParamV2 doc).
 
 word = (fp32 bits of scale & 0xFFFFE000) | (1 << 46); with offset o = clamp(round(offset), -256, 255) stored as
 (o & 0x1FF) << 37. Offsets here avoid exact .5 ties: the documents do not say which way those round.

@@ -85,7 +85,7 @@ def test_low_precision(rng, dtype):
 
 
 def test_invalid_rows_are_zero_with_flt_max_statistics(rng):
-    """Rows with nothing visible (SEMANTICS.md 3): out 0, max -FLT_MAX, sum +FLT_MAX, zero gradients."""
+    """Rows with nothing visible (docs/semantics/invalid-rows.md): out 0, max -FLT_MAX, sum +FLT_MAX, zero gradients."""
     case = GradCase("BNSD", rng, b=1, n1=2, sq=17, skv=9)
     mask = oracle.full_mask((17, 9), gen=rng)
     mask[3] = True

@@ -1,5 +1,6 @@
 """The Triton DSA kernels (sparse attention forward/backward, lightning indexer, indexer KL-loss backward) with an
-explicit backend="triton", against the reference backend and the float64 oracle (SEMANTICS.md 3, 8, 9, 11). On a
+explicit backend="triton", against the reference backend and the float64 oracle (docs/semantics/invalid-rows.md,
+docs/operators/sparse_flash_attention.md, docs/operators/lightning_indexer.md, docs/semantics/precision.md). On a
 machine without CUDA they run in Triton's interpreter (conftest sets TRITON_INTERPRET=1)."""
 
 from __future__ import annotations
@@ -163,7 +164,8 @@ def test_global_deterministic_setting_reaches_the_kernels(rng, monkeypatch):
 
 
 def test_sparse_rows_without_keys(rng):
-    """Rows with nothing selected: output 0, softmax_max -2e38, softmax_sum 0, zero gradients (SEMANTICS.md 3)."""
+    """Rows with nothing selected: output 0, softmax_max -2e38, softmax_sum 0, zero gradients
+    (docs/semantics/invalid-rows.md)."""
     case = SFACase("BSND", gen=rng, s1=10, s2=6, k=3, style="topk", mode=3)
     case.inputs["sparse_indices"][0, ::2] = -1
     fwd = case.check_forward(case.forward(backend="triton"))

@@ -1,4 +1,4 @@
-"""Differentiable entry points pairing each forward operator with its grad operator (DESIGN.md).
+"""Differentiable entry points pairing each forward operator with its grad operator (docs/design.md).
 
 Each is one small torch.autograd.Function over the operators of `cann_attn.ops`. While torch.compile traces,
 those operators route to their custom ops (`traceable.py`), so `torch.compile(fullgraph=True)` traces a model that
@@ -120,7 +120,7 @@ def flash_attention(
 
     Takes `flash_attention_score`'s parameters except `drop_mask`: with `keep_prob < 1` (or `dropout_p =
     1 - keep_prob`, given instead of keep_prob, not with it) a bit-packed mask is drawn from `generator`
-    (SEMANTICS.md 5), saved and reused by the backward, so a seeded generator makes forward and backward
+    (docs/semantics/dropout.md), saved and reused by the backward, so a seeded generator makes forward and backward
     reproducible. Every argument is checked before the mask is drawn: a call that raises leaves the generator as
     it was.
     """
@@ -138,7 +138,8 @@ def flash_attention(
         _frozen(v) for v in (prefix, actual_seq_qlen, actual_seq_kvlen, q_start_idx, kv_start_idx))
     drop_mask = None
     if 0.0 < keep_prob < 1.0:
-        # Validated first, so that bad input raises the operator's own errors (SEMANTICS.md 10) as it does without
+        # Validated first, so that bad input raises the operator's own errors (docs/semantics/errors.md) as it does
+        # without
         # dropout; the per-sequence lengths then size the mask for every layout (dense: B equal sequences).
         problem, shapes = build_problem(
             query, key, value, head_num, input_layout, pse=pse, drop_mask=None, atten_mask=atten_mask, prefix=prefix,
@@ -209,7 +210,8 @@ def sparse_attention(
     deterministic: bool = False,
     backend: str = "auto",
 ) -> torch.Tensor:
-    """Differentiable DSA sparse attention (SEMANTICS.md 8): returns attention_out; gradients flow to query, key,
+    """Differentiable DSA sparse attention (docs/operators/sparse_flash_attention.md): returns attention_out; gradients
+    flow to query, key,
     value, query_rope and key_rope through SparseFlashAttentionGrad. DSA passes the same latent as key and value;
     autograd then adds both gradients. `deterministic` is forwarded to the grad op."""
     options = dict(
@@ -272,7 +274,8 @@ def indexer_kl_loss(
     reduction: str = "sum",
     backend: str = "auto",
 ) -> torch.Tensor:
-    """Differentiable indexer KL loss (SEMANTICS.md 9): a scalar; gradients flow to query_index, key_index and
+    """Differentiable indexer KL loss (docs/operators/lightning_indexer.md): a scalar; gradients flow to query_index,
+    key_index and
     weights (the op's documented gradients: dI = q - p). `reduction="mean"` divides the summed loss by the number
     of query tokens with at least one valid selected key. query/key/rope and the statistics get no gradient."""
     if reduction not in ("sum", "mean"):

@@ -1,4 +1,4 @@
-"""Errors carrying Ascend aclnn status codes (SEMANTICS.md section 10).
+"""Errors carrying Ascend aclnn status codes (docs/semantics/errors.md).
 
 Every validation failure names the parameter (as spelled in the Python API), what was expected and what
 was given, so a user can fix the call without reading the operator documentation.

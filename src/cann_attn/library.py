@@ -1,5 +1,5 @@
 """Every cann_attn operator as a ``torch.library`` custom op, so ``torch.compile(fullgraph=True)`` traces models
-that call them without graph breaks (DESIGN.md; the style of flash-attention's ``flash_attn_interface.py``).
+that call them without graph breaks (docs/design.md; the style of flash-attention's ``flash_attn_interface.py``).
 
 Layering, once per operator:
 
@@ -8,7 +8,8 @@ Layering, once per operator:
   scales, ``int`` for modes and token counts, ``str`` for layouts.
 * A ``register_fake`` twin that computes output shapes and dtypes only (no data): used by FakeTensor tracing,
   ``torch.compile`` and ``torch.export``. TND outputs keep the query's token count; the PromptFlashAttention output
-  dtype is int8 with ``quant_scale2``, else float16 for int8 inputs, else the query dtype (SEMANTICS.md 7).
+  dtype is int8 with ``quant_scale2``, else float16 for int8 inputs, else the query dtype
+  (docs/operators/prompt_flash_attention.md).
 * ``register_autograd`` for the forward ops: ``flash_attention_score`` / ``flash_attention_var_len_score``
   backpropagate through the ``flash_attention_score_grad`` custom op (gradients to query, key, value and a type
   0/1 ``pse`` tensor; the drop mask the forward used is saved and reused), ``sparse_flash_attention`` through
@@ -122,7 +123,7 @@ def _mask_bytes(numel) -> int:
 
 @torch.library.custom_op("cann_attn::dropout_mask", mutates_args=())
 def _dropout_mask_op(rng_state: Tensor, numel: int, keep_prob: float, device: torch.device | None = None) -> Tensor:
-    """ceil(numel/8) bytes of LSB-first keep bits (SEMANTICS.md 5) drawn at (rng_state[0], rng_state[1])."""
+    """ceil(numel/8) bytes of LSB-first keep bits (docs/semantics/dropout.md) drawn at (rng_state[0], rng_state[1])."""
     if rng_state.numel() != 2 or rng_state.dtype not in (torch.int64, torch.int32):
         raise ParamInvalidError(f"rng_state: expected an int64 tensor [seed, offset], got {rng_state!r}")
     seed, offset = (int(v) for v in rng_state.reshape(-1).tolist())
@@ -212,7 +213,7 @@ def _fa_varlen_op(
 
 
 def _fa_out_shape(query: Tensor, key: Tensor, value: Tensor, head_num: int, layout: str) -> tuple:
-    """attention_out: the query's layout with value's head dim (SEMANTICS.md 1)."""
+    """attention_out: the query's layout with value's head dim (docs/semantics/layouts.md)."""
     if layout in ("BSH", "SBH"):
         head_dim = query.shape[2] // head_num
         heads_kv = key.shape[2] // head_dim
@@ -223,7 +224,7 @@ def _fa_out_shape(query: Tensor, key: Tensor, value: Tensor, head_num: int, layo
 
 
 def _fa_stat_shape(query: Tensor, head_num: int, layout: str) -> tuple:
-    """softmax_max / softmax_sum: [B, N1, Sq, 8], TND [T, N1, 8] (SEMANTICS.md 6)."""
+    """softmax_max / softmax_sum: [B, N1, Sq, 8], TND [T, N1, 8] (docs/semantics/softmax-stats.md)."""
     if layout == "TND":
         return (query.shape[0], head_num, 8)
     batch, seq = {"BSH": (0, 1), "SBH": (1, 0), "BSND": (0, 1), "BNSD": (0, 2)}[layout]
@@ -384,7 +385,8 @@ def _pfa_op(
 
 
 def _pfa_output_dtype(query_dtype: torch.dtype, quant_scale2) -> torch.dtype:
-    """int8 with quant_scale2, else float16 for int8 inputs, else the query dtype (SEMANTICS.md 7)."""
+    """int8 with quant_scale2, else float16 for int8 inputs, else the query dtype
+    (docs/operators/prompt_flash_attention.md)."""
     if quant_scale2 is not None:
         return torch.int8
     return torch.float16 if query_dtype == torch.int8 else query_dtype
@@ -467,7 +469,7 @@ def _sfa_op(
 
 
 def _dsa_stat_shape(query: Tensor, layout: str) -> tuple:
-    """[B, N2=1, S1, G=N1] or [N2=1, T1, G] (SEMANTICS.md 8)."""
+    """[B, N2=1, S1, G=N1] or [N2=1, T1, G] (docs/operators/sparse_flash_attention.md)."""
     if layout == "TND":
         return (1, query.shape[0], query.shape[1])
     return (query.shape[0], 1, query.shape[1], query.shape[2])

@@ -1,4 +1,4 @@
-"""Operators that torch.compile can trace (DESIGN.md: kernels wrapped once as torch.library custom ops).
+"""Operators that torch.compile can trace (docs/design.md: kernels wrapped once as torch.library custom ops).
 
 The eager operators validate their arguments with data-dependent Python (tensor values, `.tolist()`), which a
 tracer cannot follow. While torch.compile (or torch.export) traces, `traced_as_custom_op` routes a call to the

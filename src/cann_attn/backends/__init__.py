@@ -1,4 +1,4 @@
-"""Compute backends. Each implements the same small interface over canonical problems (DESIGN.md).
+"""Compute backends. Each implements the same small interface over canonical problems (docs/design.md).
 
 `select_backend` decides, per call, which backend computes it:
 

@@ -9,12 +9,12 @@ A case is a small `Case` record:
   (``verify`` moves the tensors to ``--device`` for the operator and keeps the CPU copy for the oracle);
 - ``run(call) -> {output name: tensor}``: the operator call (timed by ``verify``);
 - ``oracle(call) -> {output name: tensor}``: the golden outputs (float64); every output the oracle returns is
-  compared with the operator's output of the same name by the Ascend rule of SEMANTICS.md section 11, with the
+  compared with the operator's output of the same name by the Ascend rule of docs/semantics/precision.md, with the
   threshold of the operator output's dtype;
 - ``quick``: whether ``verify --quick`` runs it (keep quick cases small: the oracles materialise S x S);
 - ``naive(call) -> {output name: tensor}`` (optional): the same computation in the input dtype; an output the
   Ascend rule rejects still passes when the flash-attn rule accepts it against this reference (the secondary
-  rule of SEMANTICS.md section 11, as in the tests). Only computed when needed.
+  rule of docs/semantics/precision.md, as in the tests). Only computed when needed.
 
 Adding cases for a new operator (grad, PFA, DSA) takes one function and one ``register`` call::
 
@@ -996,7 +996,8 @@ def random_sparse_indices(
     dtype: torch.dtype = torch.int32,
 ) -> torch.Tensor:
     """sparse_indices [B, S1, 1, K] / [T1, 1, K] as a top-k producer writes them: for each row, up to K distinct
-    blocks it may see (SEMANTICS.md 8), in random order, then -1; rows beyond the actual query length all -1."""
+    blocks it may see (docs/operators/sparse_flash_attention.md), in random order, then -1; rows beyond the actual
+    query length all -1."""
     from ..testing.dsa_oracle import sequence_spans
 
     spans = sequence_spans(layout, query_shape, key_shape, actual_seq_lengths_query, actual_seq_lengths_kv)
@@ -1053,7 +1054,8 @@ def sfa_grad_state(named: Mapping[str, Any]) -> dict[str, torch.Tensor]:
 
 
 def _sfa_grad_golden(call: Call, naive: bool = False) -> Outputs:
-    """d_query .. d_key_rope: autograd of (out * d_out).sum() through the oracle (SEMANTICS.md 8)."""
+    """d_query .. d_key_rope: autograd of (out * d_out).sum() through the oracle
+    (docs/operators/sparse_flash_attention.md)."""
     named = by_name("sparse_flash_attention_grad", call)
     compute = _naive_dtype(named, naive)
     if compute is None:
@@ -1115,7 +1117,7 @@ def kl_state(named: Mapping[str, Any]) -> dict[str, torch.Tensor]:
 
 
 def _kl_golden(call: Call) -> Outputs:
-    """loss (the oracle's float64 sum, shape [1]) and its documented gradients (SEMANTICS.md 9)."""
+    """loss (the oracle's float64 sum, shape [1]) and its documented gradients (docs/operators/lightning_indexer.md)."""
     from ..testing.dsa_oracle import indexer_kl_loss_oracle
 
     named = by_name("sparse_lightning_indexer_grad_kl_loss", call)

@@ -1,4 +1,5 @@
-"""``cann-attn compare ACTUAL GOLDEN``: actual outputs against a golden, with the metrics of SEMANTICS.md 11.
+"""``cann-attn compare ACTUAL GOLDEN``: actual outputs against a golden, with the metrics of
+docs/semantics/precision.md.
 
 ACTUAL and GOLDEN are both files or both directories:
 
@@ -53,7 +54,7 @@ def add_parser(subparsers) -> None:
         "compare",
         help="compare actual outputs with a golden (max abs/rel, Ascend double-thousandth, MERE/MARE)",
         description="Compare actual tensors with golden ones (files, or directories matched by the golden's "
-        "manifest) using the precision metrics of SEMANTICS.md section 11. Exit status 0: every tensor "
+        "manifest) using the precision metrics of docs/semantics/precision.md. Exit status 0: every tensor "
         "passes; 1: a tensor fails or is missing; 2: bad usage or unreadable input.",
     )
     p.add_argument("actual", metavar="ACTUAL", help="a .npy / .bin file, or a directory of them")

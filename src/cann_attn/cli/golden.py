@@ -41,7 +41,7 @@ FILES_NOTE = (
     "little-endian elements, no header (bfloat16: the raw 16-bit pattern; bool: one byte 0/1)"
 )
 GOLDEN_NOTE = (
-    "float64 oracle of SEMANTICS.md (cann_attn.testing), cast to each output's dtype; gradients of grad "
+    "float64 oracle of docs/semantics/index.md(cann_attn.testing), cast to each output's dtype; gradients of grad "
     "operators by torch.autograd through the forward oracle (SparseLightningIndexerGradKLLoss: the documented "
     "gradient dI = q - p)"
 )

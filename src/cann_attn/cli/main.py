@@ -2,7 +2,7 @@
 
     cann-attn verify [--op OP] [--quick] [--device DEV] [--seed N]   operators vs float64 oracle (alias: demo)
     cann-attn golden [--op OP] --case CASE.json --out DIR [--inputs PATH...] [--actual DIR]   golden data files
-    cann-attn compare ACTUAL GOLDEN [--dtype DT] [--strict]   SEMANTICS.md 11 metrics, exit 1 on failure
+    cann-attn compare ACTUAL GOLDEN [--dtype DT] [--strict]   docs/semantics/precision.md metrics, exit 1 on failure
     cann-attn bench [--suite fa_forward|all] [--device cpu|cuda] [--quick]   benchmarks/ vs PyTorch
 
 Bad usage prints one line (``cann-attn: error: ...``) to stderr and exits with status 2.

@@ -1,4 +1,4 @@
-"""Per-tensor precision metrics of SEMANTICS.md section 11, as ``cann-attn compare`` and ``verify`` report them.
+"""Per-tensor precision metrics of docs/semantics/precision.md, as ``cann-attn compare`` and ``verify`` report them.
 
 Floating-point tensors (threshold dtype = the output's dtype, or the one asked for):
 
@@ -11,13 +11,15 @@ Floating-point tensors (threshold dtype = the output's dtype, or the one asked f
   exact, as in the Ascend rule.
 
 A non-finite actual value where the golden holds another value (a NaN, or an infinity the golden lacks) fails
-the tensor whatever the counts: torch_npu's assertRtolEqual rejects mismatching NaN positions, and SEMANTICS.md
+the tensor whatever the counts: torch_npu's assertRtolEqual rejects mismatching NaN positions, and
+docs/semantics/index.md
 3 promises no NaN outputs. An actual whose dtype differs from the golden's fails too (``dtype_problem``): the
 rule's thresholds are those of the golden's dtype, and a lower-precision actual would otherwise be measured
 against a golden rounded to its own dtype.
 
 Integer tensors: int8 (quantized outputs) pass when every element is within one int8 step of the golden
-(SEMANTICS.md 7: the NPU may round an intermediate value to fp16 and land one step away); with ``strict`` at
+(docs/operators/prompt_flash_attention.md: the NPU may round an intermediate value to fp16 and land one step away);
+with ``strict`` at
 most 0.1% of the elements (at least one) may be one step off. Other integer and bool tensors (indices) must
 match exactly.
 
@@ -153,7 +155,7 @@ def _same_non_finite_to_zero(actual: torch.Tensor, golden: torch.Tensor) -> tupl
 
 def measure(name: str, actual: torch.Tensor, golden: torch.Tensor, dtype: torch.dtype | None = None) -> TensorMetrics:
     """Metrics of `actual` against `golden`. `dtype` picks the thresholds (default: the actual's dtype); the
-    golden is cast to the actual's dtype before comparing (SEMANTICS.md 11)."""
+    golden is cast to the actual's dtype before comparing (docs/semantics/precision.md)."""
     dtype = actual.dtype if dtype is None else dtype
     shape = tuple(actual.shape)
     if tuple(golden.shape) != shape:

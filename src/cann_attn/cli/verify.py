@@ -2,7 +2,7 @@
 
 For each case (``cases.py``) and each output tensor the table shows the max absolute error, the max relative
 error (Ascend's rel = |a - g| / max(|a|, |g|)), the verdict of the Ascend "double thousandth" rule of
-SEMANTICS.md section 11 (threshold of the output's dtype) and the operator's wall time; integer outputs (int8
+docs/semantics/precision.md (threshold of the output's dtype) and the operator's wall time; integer outputs (int8
 quantized results, top-k indices) are judged as ``compare`` judges them (metrics.py). As in the test suite,
 an output the Ascend rule rejects still passes when its case has a same-dtype naive reference and the
 flash-attn rule (max error <= 2 x the naive computation's max error + 1e-5) accepts it; the "fa rule" column
@@ -64,13 +64,13 @@ class Row:
 
 
 def add_parser(subparsers) -> None:
-    # `demo` (DESIGN.md's CLI list) is the main job under its own name: what `make demo` runs.
+    # `demo` (docs/design.md's CLI list) is the main job under its own name: what `make demo` runs.
     p = subparsers.add_parser(
         "verify",
         aliases=["demo"],
         help="check every implemented operator against its float64 oracle (Ascend precision rule); alias: demo",
         description="Run every implemented operator on the built-in cases and judge each output against "
-        "the float64 oracle with the Ascend precision rule (SEMANTICS.md section 11). Exit status 1 on any "
+        "the float64 oracle with the Ascend precision rule (docs/semantics/precision.md). Exit status 1 on any "
         "failure.",
     )
     p.add_argument("--op", help="only this operator (default: every operator with cases)")

@@ -1,6 +1,7 @@
 """Validation of the FA-family parameters (FlashAttentionScore, FlashAttentionVarLenScore, GradV2) and
 construction of the canonical `AttentionProblem`. Shared by the forward and the grad operator so both accept
-exactly the same inputs (SEMANTICS.md sections 1-6, 10)."""
+exactly the same inputs (docs/semantics/layouts.md, docs/semantics/masks.md, docs/semantics/invalid-rows.md,
+docs/semantics/pse.md, docs/semantics/dropout.md, docs/semantics/softmax-stats.md, docs/semantics/errors.md)."""
 
 from __future__ import annotations
 
@@ -65,7 +66,7 @@ def validate_shapes(
         require(t.dtype in FLOAT_DTYPES, name, "dtype float16, bfloat16 or float32", t)
     require(key.dtype == query.dtype, "key", f"the query's dtype {query.dtype}", key)
     require(value.dtype == query.dtype, "value", f"the query's dtype {query.dtype}", value)
-    # Missing required attributes are null pointers (161001), like missing required tensors (SEMANTICS.md 10).
+    # Missing required attributes are null pointers (161001), like missing required tensors (docs/semantics/errors.md).
     for name, attribute in (("input_layout", input_layout), ("head_num", head_num)):
         if attribute is None:
             raise ParamNullptrError(f"{name}: a required attribute, got None")
@@ -200,7 +201,7 @@ def _validate_mask(atten_mask, sparse_mode, shapes: FaShapes, tnd, prefix, pre_t
                 )
         else:
             masks.explicit_mask_views(atten_mask, shapes.batch, shapes.heads_q, rows, cols)
-            # SEMANTICS.md 2: mode 5 takes a per-batch full mask (each batch has its own prefix), so its batch
+            # docs/semantics/masks.md: mode 5 takes a per-batch full mask (each batch has its own prefix), so its batch
             # dim is B; [1,1,Sq,Skv] is that shape only when B = 1.
             if sparse_mode == 5 and (atten_mask.dim() != 4 or atten_mask.shape[0] != shapes.batch):
                 raise ParamInvalidError(
@@ -283,7 +284,7 @@ def _validate_pse(pse, pse_type, query, shapes: FaShapes, tnd, sparse_mode, next
 
 def _check_tnd_pse_allowed(shapes: FaShapes, sparse_mode: int, has_mask: bool, pse_type: int) -> None:
     """TND combinations that take no pse. Modes 7/8 only count with a mask: without one the mode is ignored
-    (full attention, SEMANTICS.md 2). The experimental mode-8 start-index rule of :146 is not enforced."""
+    (full attention, docs/semantics/masks.md). The experimental mode-8 start-index rule of :146 is not enforced."""
     empty = [b for b, s in enumerate(shapes.seq_q) if s == 0]
     if empty:  # seed FlashAttentionVarLenScore.md:144
         raise ParamInvalidError(

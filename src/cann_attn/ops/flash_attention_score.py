@@ -55,7 +55,8 @@ def flash_attention_score(
 ) -> FlashAttentionScoreResult:
     """Training forward of FlashAttentionScore: softmax(mask(S)) with dropout, times value.
 
-    Layouts BSH, SBH, BSND, BNSD, TND (SEMANTICS.md 1); masks via sparse_mode 0..8, pre/next_tokens, prefix and
+    Layouts BSH, SBH, BSND, BNSD, TND (docs/semantics/layouts.md); masks via sparse_mode 0..8, pre/next_tokens, prefix
+    and
     atten_mask (2); fully masked rows give 0 with softmax_max = -FLT_MAX, softmax_sum = FLT_MAX (3); pse types
     0..3 with q/kv start indices (4); dropout from the bit-packed `drop_mask` with `keep_prob` (5). Returns
     attention_out (query layout, value's D), softmax_max / softmax_sum ([B,N1,Sq,8]; TND [T,N1,8] laid out as
@@ -93,7 +94,7 @@ def flash_attention_var_len_score(
 ) -> FlashAttentionScoreResult:
     """FlashAttentionVarLenScore: `flash_attention_score` for packed TND sequences only.
 
-    actual_seq_qlen / actual_seq_kvlen are required cumulative ends without a leading 0 (SEMANTICS.md 1);
+    actual_seq_qlen / actual_seq_kvlen are required cumulative ends without a leading 0 (docs/semantics/layouts.md);
     sparse_mode 5 is not supported (2).
     """
     if input_layout != "TND":

@@ -60,7 +60,8 @@ def flash_attention_score_grad(
 ) -> FlashAttentionScoreGradResult:
     """Gradients of the FlashAttentionScore forward w.r.t. query, key, value and a pse tensor.
 
-    Takes every forward parameter (SEMANTICS.md 1-5) plus `dy` (gradient of attention_out) and the forward's
+    Takes every forward parameter (docs/semantics/layouts.md, docs/semantics/masks.md, docs/semantics/invalid-rows.md,
+    docs/semantics/pse.md, docs/semantics/dropout.md) plus `dy` (gradient of attention_out) and the forward's
     softmax_max / softmax_sum (same layout as produced, section 6) and attention_in (its output). P is
     recomputed from the given statistics without renormalisation; when they (or attention_in) are absent they
     are recomputed by the forward. dk / dv of GQA/MQA are summed over each query-head group. `dpse` is the real
@@ -93,7 +94,8 @@ def flash_attention_score_grad(
     if softmax_max is not None:
         # Non-contiguous statistics are supported (GradV2 table, softmaxMax/SumOptional: 非连续Tensor √): the
         # kernels read them through strided views by logical index. Only TND with softmax_layout "" is refused:
-        # there the [T, N1, 8] tensor's memory holds per-sequence [N1, Sq_b, 8] blocks (SEMANTICS.md 6), so its
+        # there the [T, N1, 8] tensor's memory holds per-sequence [N1, Sq_b, 8] blocks
+        # (docs/semantics/softmax-stats.md), so its
         # meaning lies in the memory order, which a strided view does not have.
         memory_layout = problem.tnd and problem.softmax_layout == ""
         for name, t in (("softmax_max", softmax_max), ("softmax_sum", softmax_sum)):

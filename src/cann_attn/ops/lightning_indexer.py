@@ -1,5 +1,5 @@
 """LightningIndexer forward and SparseLightningIndexerGradKLLoss (DSA indexer; seed
-aclnnSparseLightningIndexerGradKLLoss.md, SEMANTICS.md section 9)."""
+aclnnSparseLightningIndexerGradKLLoss.md, docs/operators/lightning_indexer.md)."""
 
 from __future__ import annotations
 
@@ -60,8 +60,9 @@ def _require_heads(t: torch.Tensor, name: str, label: str) -> None:
     """At least one head when the tensor has query tokens. The seed's 约束说明 head counts (N1 in 8..128, Nidx1 in
     8..64, powers of two) are the NPU kernel's tilings, not semantics, so any positive count is accepted. Zero heads
     describe no indexer / attention: every index score would be the empty sum 0 and the 1/N1 head mean of the KL
-    target (SEMANTICS.md 9) is undefined. A query without tokens is an empty problem and returns empty results
-    whatever its head count (SEMANTICS.md 10)."""
+    target (docs/operators/lightning_indexer.md) is undefined. A query without tokens is an empty problem and returns
+    empty results
+    whatever its head count (docs/semantics/errors.md)."""
     if t.shape[:-2].numel() > 0:
         require(t.shape[-2] >= 1, name, f"{label} >= 1 heads", t)
 
@@ -83,7 +84,8 @@ def lightning_indexer(
     """Top-`sparse_count` keys per query row by index score I[t,s] = sum_h w[t,h] ReLU(q_idx[t,h] . k_idx[s]).
 
     Mode 3 allows key s for row t iff s <= Skv - Sq + t (mode 0: every key). Ties go to the smaller index; row t
-    holds min(K, #allowed) indices in descending score order, then -1 (SEMANTICS.md 9). Output int32
+    holds min(K, #allowed) indices in descending score order, then -1 (docs/operators/lightning_indexer.md). Output
+    int32
     [B, S1, 1, K] or [T1, 1, K]; with `return_value` also the scores at those positions in the query's dtype
     (-inf in -1 slots). BSND rows beyond the actual query length are all -1.
     """
@@ -148,7 +150,8 @@ def sparse_lightning_indexer_grad_kl_loss(
     Target p_j = mean_h exp(scale * (q_h.k_j + qr_h.kr_j) - softmax_max[h]) / softmax_sum[h] over the selected keys
     (SFA statistics), indexer distribution q = softmax(I[t, idx]); loss = sum over all tokens of
     sum_j p'_j (log p'_j - log q'_j) with p', q' clamped at 1e-8 (fp32, shape [1]). Gradients: dI = q - p,
-    dW, d_query_index, and d_key_index scatter-added (SEMANTICS.md 9). No gradient flows to query/key/rope.
+    dW, d_query_index, and d_key_index scatter-added (docs/operators/lightning_indexer.md). No gradient flows to
+    query/key/rope.
     `deterministic=True` or torch.use_deterministic_algorithms(True) makes GPU scatter-adds deterministic (the CPU
     reference always is).
     """
@@ -172,7 +175,8 @@ def sparse_lightning_indexer_grad_kl_loss(
         require(query_rope.shape[:-1] == query.shape[:-1], "query_rope", f"leading dims {list(query.shape[:-1])}",
                 query_rope)
         require(key_rope.shape[:-1] == key.shape[:-1], "key_rope", f"leading dims {list(key.shape[:-1])}", key_rope)
-        # Q = [query ; query_rope] and K = [key ; key_rope] (SEMANTICS.md 9): both rope tensors carry the same Dr
+        # Q = [query ; query_rope] and K = [key ; key_rope] (docs/operators/lightning_indexer.md): both rope tensors
+        # carry the same Dr
         # (seed 参数说明, queryRope (B,S1,N1,Dr) / keyRope (B,S2,N2,Dr)); a mismatch would broadcast or crash.
         require(key_rope.shape[-1] == query_rope.shape[-1], "key_rope", f"rope dim Dr = {query_rope.shape[-1]} like "
                 "query_rope", key_rope)

@@ -54,7 +54,7 @@ def prompt_flash_attention(
     Layouts BSH, BSND, BNSD, BNSD_BSND (input BNSD, output BSND); GQA via `num_key_value_heads` (0 = num_heads;
     ratio <= 64). `actual_seq_lengths(_kv)`: None (full S), one value for every batch, or >= B values (the first
     B). sparse_mode 0..4 with each batch's actual lengths; next_tokens defaults to 0; modes 1..4 need the mask
-    (SEMANTICS.md 2). Rows beyond the actual query length and rows with no visible key are 0 (3). pse_shift:
+    (docs/semantics/masks.md). Rows beyond the actual query length and rows with no visible key are 0 (3). pse_shift:
     S = scale * x + pse_shift, its top-left block used (4). int8 (7): int8 inputs need deq_scale1, quant_scale1,
     deq_scale2 (float32 or trans_quant_param words); quant_scale2 (+ quant_offset2) quantize the output to int8.
     Output dtype: int8 with quant_scale2, else float16 for int8 inputs, else the query's dtype.
@@ -93,7 +93,7 @@ def prompt_flash_attention(
     require(v.head_dim == q.head_dim and v.seq == k.seq and v.batch == k.batch and v.heads == k.heads, "value",
             f"the key's shape {list(key.shape)}", value)
     require(k.batch == q.batch, "key", f"batch B={q.batch} like the query", key)
-    # D = 0 makes an empty query, which returns an empty output (SEMANTICS.md 10; seed: "如果是空则直接返回").
+    # D = 0 makes an empty query, which returns an empty output (docs/semantics/errors.md; seed: "如果是空则直接返回").
     require(q.head_dim <= MAX_HEAD_DIM and (q.head_dim >= 1 or query.numel() == 0), "query",
             f"head dim D in 1..{MAX_HEAD_DIM}", query)
     require(num_heads <= MAX_HEADS, "num_heads", f"at most {MAX_HEADS}", num_heads)
@@ -200,7 +200,7 @@ def _validate_pse_shift(pse_shift, query, batch, heads, seq_q, seq_kv) -> None:
 
 
 class QuantPlan:
-    """Which int8 steps run, with their decoded scales (SEMANTICS.md 7)."""
+    """Which int8 steps run, with their decoded scales (docs/operators/prompt_flash_attention.md)."""
 
     def __init__(self, output_dtype, deq1=None, quant1=None, deq2=None, scale2=None, offset2=None):
         self.output_dtype = output_dtype
@@ -257,7 +257,8 @@ def _quant_plan(query, deq_scale1, quant_scale1, deq_scale2, quant_scale2, quant
 
 
 def _reject_offset_with_invalid_rows(has_mask, sparse_mode, act_q, act_kv, pre_tokens, next_tokens) -> None:
-    """A nonzero quant_offset2 would turn rows with no visible key into quant(0) + offset (SEMANTICS.md 7)."""
+    """A nonzero quant_offset2 would turn rows with no visible key into quant(0) + offset
+    (docs/operators/prompt_flash_attention.md)."""
     for b, (sq, skv) in enumerate(zip(act_q, act_kv, strict=True)):
         if sparse_mode == 0 and has_mask:
             bad = sq - skv - pre_tokens > 0 or next_tokens < 0

@@ -19,7 +19,7 @@ from ..traceable import traced_as_custom_op
 
 INT64_MAX = 2**63 - 1
 # The only sliding-window bounds SparseFlashAttention(Grad) supports: the seed's 2147483647 (参数说明 of preTokens /
-# nextTokens, aclnnSparseFlashAttentionGrad.md:364 and :379) and this API's default 2**63-1 (DESIGN.md), which
+# nextTokens, aclnnSparseFlashAttentionGrad.md:364 and :379) and this API's default 2**63-1 (docs/design.md), which
 # mean the same thing here: no window.
 SFA_WINDOW_VALUES = (2147483647, INT64_MAX)
 SFA_MODES = (0, 3)
@@ -80,7 +80,8 @@ def _check_tensor(t, name: str, dtype: torch.dtype | None = None) -> torch.Tenso
 def validate_sparse(query, key, value, sparse_indices, scale_value, *, query_rope, key_rope, actual_seq_lengths_query,
                     actual_seq_lengths_kv, sparse_block_size, layout, sparse_mode, pre_tokens=INT64_MAX,
                     next_tokens=INT64_MAX) -> SparseProblem:
-    """Documented constraints of the SFA family (SEMANTICS.md 1, 8, 10)."""
+    """Documented constraints of the SFA family (docs/semantics/layouts.md, docs/operators/sparse_flash_attention.md,
+    docs/semantics/errors.md)."""
     _check_tensor(query, "query")
     require(query.dtype in FLOAT_DTYPES, "query", "dtype float16 or bfloat16", query)
     for name, t in (("key", key), ("value", value)):
@@ -92,7 +93,8 @@ def validate_sparse(query, key, value, sparse_indices, scale_value, *, query_rop
         raise ParamInvalidError(f"layout: expected 'BSND' or 'TND', got {layout!r}")
     if require_int(sparse_mode, "sparse_mode") not in SFA_MODES:
         raise ParamInvalidError(f"sparse_mode: expected 0 or 3, got {sparse_mode!r}")
-    # An integer first (8.0 would pass `in SPARSE_BLOCK_SIZES` and break the index arithmetic later; SEMANTICS.md 8).
+    # An integer first (8.0 would pass `in SPARSE_BLOCK_SIZES` and break the index arithmetic later;
+    # docs/operators/sparse_flash_attention.md).
     if require_int(sparse_block_size, "sparse_block_size") not in SPARSE_BLOCK_SIZES:
         raise ParamInvalidError(
             f"sparse_block_size: expected an int, one of {list(SPARSE_BLOCK_SIZES)}, got {sparse_block_size!r}"
@@ -118,12 +120,13 @@ def validate_sparse(query, key, value, sparse_indices, scale_value, *, query_rop
     heads, heads_kv = query.shape[-2], key.shape[-2]
     require(heads_kv == 1, "key", "N2 = 1 (MLA-absorbed MQA)", key)
     require(value.shape[-2] == 1, "value", "N2 = 1", value)
-    # N1 = 0 is an empty query, which returns empty outputs without error (SEMANTICS.md 10; seed :560).
+    # N1 = 0 is an empty query, which returns empty outputs without error (docs/semantics/errors.md; seed :560).
     require(heads <= MAX_HEADS and (heads >= 1 or query.numel() == 0), "query", f"N1 in 1..{MAX_HEADS}", query)
     require(key.shape[-1] == query.shape[-1], "key", f"head dim {query.shape[-1]} like the query", key)
     require(value.shape[:-1] == key.shape[:-1], "value", f"key's leading dims {list(key.shape[:-1])}", value)
-    # kD >= vD (SEMANTICS.md 1): value's head dim may be smaller than key's, never larger. An empty query (D = 0
-    # included) returns directly (SEMANTICS.md 10).
+    # kD >= vD (docs/semantics/layouts.md): value's head dim may be smaller than key's, never larger. An empty query (D
+    # = 0
+    # included) returns directly (docs/semantics/errors.md).
     require(query.numel() == 0 or value.shape[-1] <= key.shape[-1], "value",
             f"head dim <= the key's {key.shape[-1]} (kD >= vD)", value)
     require(sparse_indices.shape[:-2] == query.shape[:-2] and sparse_indices.shape[-2] == 1, "sparse_indices",
@@ -222,7 +225,8 @@ def sparse_flash_attention(
     """DSA sparse attention forward: each query row attends to the keys its `sparse_indices` select.
 
     MLA-absorbed MQA (N2 = 1): Q = [query ; query_rope], K = [key ; key_rope], V = value; z = scale * Q.K over the
-    selected blocks of `sparse_block_size` tokens, P = softmax(z), out = P V (SEMANTICS.md 8). Layouts BSND (optional
+    selected blocks of `sparse_block_size` tokens, P = softmax(z), out = P V (docs/operators/sparse_flash_attention.md).
+    Layouts BSND (optional
     per-batch actual lengths) and TND (cumulative ends). sparse_mode 3 (causal, bottom-right) or 0. Returns
     attention_out (query's shape with value's D), softmax_max / softmax_sum ([B, 1, S1, N1] or [1, T1, N1]); rows
     with nothing selected give 0 with max = -2e38, sum = 0. pre_tokens/next_tokens must be 2147483647 or 2**63-1
@@ -234,7 +238,7 @@ def sparse_flash_attention(
                               layout=layout, sparse_mode=sparse_mode, pre_tokens=pre_tokens, next_tokens=next_tokens)
     block_size = int(sparse_block_size)  # a NumPy integer is accepted; the kernels take a Python int
     if query.numel() == 0:
-        # Empty query (B, S1/T1, N1 or D zero): "query为空Tensor：直接返回" (seed :560, SEMANTICS.md 10).
+        # Empty query (B, S1/T1, N1 or D zero): "query为空Tensor：直接返回" (seed :560, docs/semantics/errors.md).
         return SparseFlashAttentionResult(*_initial_outputs(problem, query, value))
     if select_backend(backend, query.device, op="sparse_flash_attention",
                       unsupported=lambda: sparse_unsupported(query, key, value, query_rope)) == "triton":
@@ -255,7 +259,8 @@ def sparse_flash_attention(
 
 
 def _initial_outputs(problem: SparseProblem, query: torch.Tensor, value: torch.Tensor):
-    """(out, softmax_max, softmax_sum) of rows with nothing selected: 0, -2e38, 0 (SEMANTICS.md 3, 8)."""
+    """(out, softmax_max, softmax_sum) of rows with nothing selected: 0, -2e38, 0 (docs/semantics/invalid-rows.md,
+    docs/operators/sparse_flash_attention.md)."""
     dtype = accumulation_dtype(query.dtype)
     out = torch.zeros((*query.shape[:-1], value.shape[-1]), dtype=query.dtype, device=query.device)
     softmax_max = torch.full(_stats_shape(problem, query), kernel.INVALID_MAX, dtype=dtype, device=query.device)
@@ -287,7 +292,7 @@ def sparse_flash_attention_grad(
     deterministic: bool = False,
     backend: str = "auto",
 ) -> SparseFlashAttentionGradResult:
-    """Gradients of `sparse_flash_attention` (SparseFlashAttentionGrad, SEMANTICS.md 8).
+    """Gradients of `sparse_flash_attention` (SparseFlashAttentionGrad, docs/operators/sparse_flash_attention.md).
 
     P = exp(z - softmax_max) / softmax_sum from the given statistics; dQ = scale dS K (split into d_query and
     d_query_rope), dK = scale dS^T Q and dV = P^T dO scattered (added) into the selected keys, fp32 accumulation.
@@ -311,7 +316,8 @@ def sparse_flash_attention_grad(
                 f"float32 of shape {list(stat_shape)}", t)
     deterministic = resolve_deterministic(deterministic)
     if query.numel() == 0:
-        # Empty query: "直接返回" (seed :560, SEMANTICS.md 10); no row selects anything, so all gradients are 0.
+        # Empty query: "直接返回" (seed :560, docs/semantics/errors.md); no row selects anything, so all gradients are
+        # 0.
         return SparseFlashAttentionGradResult(*_zero_grads(query, key, value, query_rope, key_rope))
     if select_backend(backend, query.device, op="sparse_flash_attention_grad",
                       unsupported=lambda: sparse_unsupported(query, key, value, query_rope)) == "triton":

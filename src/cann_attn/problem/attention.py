@@ -1,4 +1,4 @@
-"""The canonical dense-attention problem every FA-family backend computes (DESIGN.md, "Layers").
+"""The canonical dense-attention problem every FA-family backend computes (docs/design.md, "Layers").
 
 A problem is a list of `Run`s: maximal groups of consecutive sequences that share Sq, Skv and mask structure.
 A backend computes one run as a batch ([count, N, S, D] views), so equal-length batches take one batched path

@@ -1,4 +1,4 @@
-"""Dropout masks: LSB-first bit packing, element order, TND blocks, generation (SEMANTICS.md section 5).
+"""Dropout masks: LSB-first bit packing, element order, TND blocks, generation (docs/semantics/dropout.md).
 
 Element e of the logical keep mask is bit (e & 7) of byte (e >> 3); bit 1 = keep. Elements are numbered
 row-major over [B, N1, Sq, Skv]; in TND, sequence b is a contiguous [N1, Sq_b, Skv_b] block and the blocks

@@ -1,4 +1,4 @@
-"""Tensor layouts (SEMANTICS.md section 1): BSH, SBH, BSND, BNSD, TND and PFA's BNSD_BSND.
+"""Tensor layouts (docs/semantics/layouts.md): BSH, SBH, BSND, BNSD, TND and PFA's BNSD_BSND.
 
 Every layout is exposed to backends as [B, N, S, D] (or, for TND, runs of equal-length sequences as
 [n, N, S, D]) strided views of the caller's tensor: no data is copied.

@@ -1,4 +1,4 @@
-"""Actual sequence lengths (SEMANTICS.md section 1).
+"""Actual sequence lengths (docs/semantics/layouts.md).
 
 TND lengths are cumulative ends without a leading 0 ([2, 4, 6] for three sequences of 2); BSND/BNSD
 per-batch lengths (PFA, DSA) are plain lengths. Both Python int sequences and integer tensors are accepted.

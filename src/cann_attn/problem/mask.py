@@ -1,4 +1,4 @@
-"""Attention masks: sparse_mode 0..8, pre/next tokens, prefix, explicit and compressed masks (SEMANTICS.md 2).
+"""Attention masks: sparse_mode 0..8, pre/next tokens, prefix, explicit and compressed masks (docs/semantics/masks.md).
 
 Every mode reduces to one `SequenceMask` per sequence: a diagonal band `lower <= j - i <= upper` (None = no
 bound), optionally widened by a prefix (`j < prefix` is also visible), optionally intersected with an explicit
@@ -197,7 +197,7 @@ def explicit_mask_views(
 
 
 def check_band(pre_tokens: int, next_tokens: int) -> None:
-    """The window i - pre <= j <= i + next (any origin) must be non-empty: pre + next >= 0 (SEMANTICS.md 2).
+    """The window i - pre <= j <= i + next (any origin) must be non-empty: pre + next >= 0 (docs/semantics/masks.md).
     INT_MAX means "no bound", so only finite pairs can fail."""
     if pre_tokens + next_tokens < 0:
         raise ParamInvalidError(
@@ -225,7 +225,7 @@ def sequence_mask(
     prefix: int | None = None,
     is_band_batch: bool = False,
 ) -> SequenceMask:
-    """The mode table of SEMANTICS.md section 2 for one sequence. `explicit` is the user's full mask (modes
+    """The mode table of docs/semantics/masks.md for one sequence. `explicit` is the user's full mask (modes
     0, 1, 5) for this sequence, or None. The caller has already dropped everything when no mask was given."""
     delta = seq_kv - seq_q
     pre = None if pre_tokens >= INT_MAX else pre_tokens
@@ -257,5 +257,5 @@ def sequence_mask(
 
 
 def full_attention(seq_q: int, seq_kv: int) -> SequenceMask:
-    """atten_mask None in the FA family: every mode and pre/next are ignored (SEMANTICS.md section 2)."""
+    """atten_mask None in the FA family: every mode and pre/next are ignored (docs/semantics/masks.md)."""
     return SequenceMask(seq_q=seq_q, seq_kv=seq_kv)

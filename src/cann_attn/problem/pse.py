@@ -1,4 +1,4 @@
-"""Position encodings, pse_type 0..3 (SEMANTICS.md section 4).
+"""Position encodings, pse_type 0..3 (docs/semantics/pse.md).
 
 The logits entering the softmax are `S = scale * x + bias` with x = Q K^T; `SequencePse.tile` gives the bias
 of one tile in fp32 already multiplied as the type requires (type 1 adds pse inside the scale, so its bias is

@@ -1,4 +1,4 @@
-"""Which keys a DSA query row attends to (SEMANTICS.md section 8).
+"""Which keys a DSA query row attends to (docs/operators/sparse_flash_attention.md).
 
 Entry e of row t's `sparse_indices` selects the block [idx*bs, idx*bs + bs) of its sequence's own keys. With
 thr(t) = Skv - Sq + t + 1 (sparse_mode 3) or Skv (mode 0), only the first n = min(K, ceil(thr / bs)) entries
@@ -71,7 +71,8 @@ def row_selection(
     # Only entries up to the largest scan length of the tile can be valid: keep the tile narrow.
     width = max(1, int(scanned.max().item())) if scanned.numel() else 1
     # Clamp before multiplying: int64 entries near 2**63 / bs would overflow idx * bs and wrap into the visible
-    # range. Any entry >= ceil(Skv / bs) starts at or beyond Skv >= thr and is skipped (SEMANTICS.md 8); the
+    # range. Any entry >= ceil(Skv / bs) starts at or beyond Skv >= thr and is skipped
+    # (docs/operators/sparse_flash_attention.md); the
     # clamped value still is, and -1 stays -1.
     idx = idx[:, :width].clamp(max=-(-seq_kv // block_size))
     position = torch.arange(width, device=idx.device).view(1, -1)
@@ -87,7 +88,8 @@ def row_selection(
 def indexer_selection(
     indices: torch.Tensor, rows: torch.Tensor, *, sparse_mode: int, seq_q: int, seq_kv: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """SparseLightningIndexerGradKLLoss rule (SEMANTICS.md 9): of the first k_t = min(K, thr(t)) entries of row t,
+    """SparseLightningIndexerGradKLLoss rule (docs/operators/lightning_indexer.md): of the first k_t = min(K, thr(t))
+    entries of row t,
     those equal to -1 or outside [0, thr) are skipped (no early stop). Returns (tokens [rows, W] clamped to 0
     where invalid, valid [rows, W])."""
     idx = indices.to(torch.int64)

@@ -1,4 +1,4 @@
-"""softmax_max / softmax_sum layouts of the FA family (SEMANTICS.md section 6).
+"""softmax_max / softmax_sum layouts of the FA family (docs/semantics/softmax-stats.md).
 
 Non-TND: [B, N1, Sq, 8], the value repeated 8 times. TND: a [T, N1, 8] tensor whose memory holds per-sequence
 [N1, Sq_b, 8] blocks one after another (softmax_layout "", what Ascend writes) or a true [T, N1, 8]
@@ -31,7 +31,8 @@ def allocate(shape: tuple[int, ...], dtype: torch.dtype, device, *, keyless_rows
              ) -> tuple[torch.Tensor, torch.Tensor]:
     """softmax_max / softmax_sum outputs. Kernels write the rows of every run that has keys; a run without keys
     (dense Skv = 0 with Sq > 0) has rows with no visible column that no kernel visits, so with `keyless_rows`
-    they are prefilled with the invalid-row values (SEMANTICS.md 3: never garbage) for every backend alike."""
+    they are prefilled with the invalid-row values (docs/semantics/invalid-rows.md: never garbage) for every backend
+    alike."""
     if keyless_rows:
         return (torch.full(shape, -FLT_MAX, dtype=dtype, device=device),
                 torch.full(shape, FLT_MAX, dtype=dtype, device=device))

@@ -1,1 +1,1 @@
-"""Test helpers: an independent float64 oracle and the precision rules of SEMANTICS.md section 11."""
+"""Test helpers: an independent float64 oracle and the precision rules of docs/semantics/precision.md."""

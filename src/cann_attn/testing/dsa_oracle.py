@@ -1,12 +1,14 @@
-"""Independent float64 oracles for the DSA operators (SEMANTICS.md sections 1, 3, 8 and 9).
+"""Independent float64 oracles for the DSA operators (docs/semantics/layouts.md, docs/semantics/invalid-rows.md,
+docs/operators/sparse_flash_attention.md, docs/operators/lightning_indexer.md).
 
-Written from SEMANTICS.md only: pure PyTorch, nothing imported from ``cann_attn``. Every rule is stated as a
+Written from docs/semantics/index.mdonly: pure PyTorch, nothing imported from ``cann_attn``. Every rule is stated as a
 literal per-row Python loop over the row's index entries, so that it can serve as the independent truth in tests.
 It validates almost nothing: feed it valid inputs.
 
 - `sparse_attention_oracle`: SparseFlashAttention forward, returning (out, softmax_max, softmax_sum). It is
   differentiable w.r.t. query, key, value, query_rope and key_rope through torch.autograd: the gradients of
-  ``(out * d_out).sum()`` are the goldens of SparseFlashAttentionGrad (SEMANTICS.md 8 states the grad formulas,
+  ``(out * d_out).sum()`` are the goldens of SparseFlashAttentionGrad (docs/operators/sparse_flash_attention.md states
+  the grad formulas,
   which are exactly the derivative of this forward).
 - `lightning_indexer_oracle` / `indexer_score_matrix`: index scores, top-k with ties to the smaller index.
 - `indexer_kl_loss_oracle`: the SparseLightningIndexerGradKLLoss loss, differentiable w.r.t. query_index,
@@ -42,13 +44,13 @@ __all__ = [
     "stats_shape",
 ]
 
-INVALID_MAX = -2e38  # softmax_max of a row with nothing selected (SEMANTICS.md 3); its softmax_sum is 0
-KL_CLAMP = 1e-8  # p' = max(p, 1e-8), q' = max(q, 1e-8) in the KL loss value (SEMANTICS.md 9)
+INVALID_MAX = -2e38  # softmax_max of a row with nothing selected (docs/semantics/invalid-rows.md); its softmax_sum is 0
+KL_CLAMP = 1e-8  # p' = max(p, 1e-8), q' = max(q, 1e-8) in the KL loss value (docs/operators/lightning_indexer.md)
 SPARSE_BLOCK_SIZES = (1, 8, 16, 32, 64, 128)
 
 
 # ----------------------------------------------------------------------------------------------------------
-# Sequences and lengths (SEMANTICS.md 1)
+# Sequences and lengths (docs/semantics/layouts.md)
 # ----------------------------------------------------------------------------------------------------------
 def _int_list(value) -> list[int] | None:
     if value is None:
@@ -146,11 +148,12 @@ def _causal_threshold(sparse_mode: int, seq_q: int, seq_kv: int, t: int) -> int:
 
 
 # ----------------------------------------------------------------------------------------------------------
-# SparseFlashAttention (SEMANTICS.md 8)
+# SparseFlashAttention (docs/operators/sparse_flash_attention.md)
 # ----------------------------------------------------------------------------------------------------------
 def sfa_selected_tokens(row_indices: Sequence[int], t: int, seq_q: int, seq_kv: int, sparse_mode: int,
                         block_size: int) -> list[int]:
-    """Key positions row t attends to, in entry order, duplicates kept (the kernel's rule, SEMANTICS.md 8).
+    """Key positions row t attends to, in entry order, duplicates kept (the kernel's rule,
+    docs/operators/sparse_flash_attention.md).
 
     thr = Skv - Sq + t + 1 (mode 3) or Skv (mode 0); only the first n = min(K, ceil(thr / bs)) entries are
     examined; scanning stops at the first -1; an entry whose block starts at >= thr is skipped; the block
@@ -191,7 +194,8 @@ def sparse_attention_oracle(
     compute_dtype: torch.dtype = torch.float64,
     return_lse: bool = False,
 ) -> tuple[torch.Tensor, ...]:
-    """SparseFlashAttention forward, one query row at a time (SEMANTICS.md 8, 3).
+    """SparseFlashAttention forward, one query row at a time (docs/operators/sparse_flash_attention.md,
+    docs/semantics/invalid-rows.md).
 
     Q = [query ; query_rope], K = [key ; key_rope] (without rope: query, key), V = value, N2 = 1. For row t of a
     sequence, the selected key positions T_t come from `sfa_selected_tokens` (duplicates kept), and per head h:
@@ -259,7 +263,7 @@ def _all_tokens(lead: tuple[int, ...]) -> list[tuple[int, ...]]:
 
 
 # ----------------------------------------------------------------------------------------------------------
-# LightningIndexer (SEMANTICS.md 9)
+# LightningIndexer (docs/operators/lightning_indexer.md)
 # ----------------------------------------------------------------------------------------------------------
 def index_scores_oracle(query_index: torch.Tensor, key_index: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
     """I[t, s] = sum_h w[t, h] * ReLU(q_idx[t, h] . k_idx[s]) in float64 (no scale inside).
@@ -325,7 +329,7 @@ def lightning_indexer_oracle(query_index, key_index, weights, *, actual_seq_leng
 
 
 # ----------------------------------------------------------------------------------------------------------
-# SparseLightningIndexerGradKLLoss (SEMANTICS.md 9)
+# SparseLightningIndexerGradKLLoss (docs/operators/lightning_indexer.md)
 # ----------------------------------------------------------------------------------------------------------
 def kl_selected_entries(row_indices: Sequence[int], t: int, seq_q: int, seq_kv: int, sparse_mode: int = 3
                         ) -> list[int]:
@@ -359,14 +363,16 @@ def indexer_kl_loss_oracle(
     layout: str = "BSND",
     sparse_mode: int = 3,
 ) -> KLOracleResult:
-    """The indexer KL loss of SEMANTICS.md 9, in float64, summed over every token of every sequence.
+    """The indexer KL loss of docs/operators/lightning_indexer.md, in float64, summed over every token of every
+    sequence.
 
     For row t with selected entries j (`kl_selected_entries`):
       p_j = (1/N1) sum_h exp(scale * (q_h.k_j + qr_h.kr_j) - softmax_max[h]) / softmax_sum[h]   (target, no grad)
       I_j = sum_h' w[h'] ReLU(q_idx[h'] . k_idx[j]);   q_j = softmax_j(I)   (over the selected entries)
       value_t = sum_j p'_j (log p'_j - log q'_j),   p' = max(p, 1e-8), q' = max(q, 1e-8).
 
-    Gradient convention. The operator documents dI_j = Softmax(I)_j - p_j (SEMANTICS.md 9), which is NOT the
+    Gradient convention. The operator documents dI_j = Softmax(I)_j - p_j (docs/operators/lightning_indexer.md), which
+    is NOT the
     autograd of the clamped value (that differs wherever q_j < 1e-8, which is common). So the returned loss is
       value.detach() + (g - g.detach())   with the gradient path   g = logsumexp_j(I_j) - sum_j p_j I_j,
     whose value is the clamped KL and whose autograd w.r.t. I is exactly q_j - p_j. When sum_j p_j = 1 (the

@@ -1,6 +1,6 @@
 """Independent float64 oracle for FlashAttentionScore / FlashAttentionVarLenScore (forward).
 
-Written from ``SEMANTICS.md`` (sections 1-6) and nothing else: it imports nothing from ``cann_attn``
+Written from ``docs/semantics/index.md`` (sections 1-6) and nothing else: it imports nothing from ``cann_attn``
 (pure PyTorch), materialises the full score matrix of every sequence, and states each rule as literally as
 possible so that it can serve as the independent truth in tests. It validates almost nothing: feed it valid
 inputs.
@@ -10,7 +10,7 @@ differentiable torch ops are used; masked logits are replaced by a finite very n
 exponential and the probabilities of masked entries are zeroed explicitly, so fully masked rows give zero
 gradients, never NaN).
 
-Conventions (SEMANTICS.md): B batch, N1 query heads, N2 kv heads, G = N1 // N2 (query head n uses kv head
+Conventions (docs/semantics/index.md): B batch, N1 query heads, N2 kv heads, G = N1 // N2 (query head n uses kv head
 n // G), i query row and j key column (0-based inside the sequence), delta = Skv - Sq, "masked" = excluded
 from the softmax.
 """
@@ -136,7 +136,7 @@ def _kv_heads(layout: str, query: torch.Tensor, key: torch.Tensor, head_num: int
 
 
 # ----------------------------------------------------------------------------------------------------
-# Masks (SEMANTICS.md section 2): the set of masked (i, j) of one sequence, as a bool [1 or N1, Sq, Skv]
+# Masks (docs/semantics/masks.md): the set of masked (i, j) of one sequence, as a bool [1 or N1, Sq, Skv]
 # ----------------------------------------------------------------------------------------------------
 def _user_mask(atten_mask: torch.Tensor, b: int, sq: int, skv: int) -> torch.Tensor:
     """The given mask for sequence b (True/nonzero = masked); TND uses the top-left [Sq_b, Skv_b] block."""
@@ -188,7 +188,7 @@ def _masked(
 
 
 # ----------------------------------------------------------------------------------------------------
-# pse (SEMANTICS.md section 4): the bias of one sequence, [N1 or 1, Sq, Skv]
+# pse (docs/semantics/pse.md): the bias of one sequence, [N1 or 1, Sq, Skv]
 # ----------------------------------------------------------------------------------------------------
 def _compressed_pse(p: torch.Tensor, sq: int, skv: int) -> torch.Tensor:
     """p: [N1, 1024, Skv] = last 1024 rows of a Toeplitz pse.
@@ -495,7 +495,7 @@ def naive_same_dtype_forward(
 ):
     """The oracle's code path run in the query dtype (plain PyTorch, no upcast).
 
-    This is the "naive same-dtype" reference of the flash-attn precision rule (SEMANTICS.md section 11).
+    This is the "naive same-dtype" reference of the flash-attn precision rule (docs/semantics/precision.md).
     attention_out has the query dtype; the stats are computed in the query dtype and returned as float32.
     """
     return _forward(

@@ -1,4 +1,4 @@
-"""Independent oracle for PromptFlashAttentionV2, written from SEMANTICS.md (sections 1-4 and 7) only.
+"""Independent oracle for PromptFlashAttentionV2, written from docs/semantics/index.md(sections 1-4 and 7) only.
 
 Pure torch, nothing imported from the rest of cann_attn. Every score matrix is materialised per batch:
 clarity over speed; meant for small shapes.
@@ -184,7 +184,7 @@ def _user_mask(atten_mask: torch.Tensor, b: int) -> torch.Tensor:
 
 
 def visible_matrix(sparse_mode: int, sq: int, skv: int, pre: int, nxt: int, user: torch.Tensor | None):
-    """[Nm, sq, skv] bool: True where query row i may see key column j (SEMANTICS.md section 2, PFA)."""
+    """[Nm, sq, skv] bool: True where query row i may see key column j (docs/semantics/masks.md, PFA)."""
     i = torch.arange(sq, dtype=torch.int64).view(-1, 1)
     j = torch.arange(skv, dtype=torch.int64).view(1, -1)
     delta = skv - sq
@@ -328,7 +328,7 @@ def _float_rows(qb, kb, vb, vis, pse, scale_value, dtype):
 
 
 def _int8_rows(qb, kb, vb, vis, pse, scale_value, deq_scale1, quant_scale1, deq_scale2):
-    """SEMANTICS.md 7 literally; returns (o in fp32 [N, sq, D], valid [N, sq])."""
+    """docs/operators/prompt_flash_attention.md literally; returns (o in fp32 [N, sq, D], valid [N, sq])."""
     deq1 = decode_deq_scale(deq_scale1)
     deq2 = torch.tensor(decode_deq_scale(deq_scale2), dtype=torch.float32)
     quant1 = torch.tensor(float(quant_scale1.reshape(-1)[0].item()), dtype=torch.float32)

@@ -1,4 +1,4 @@
-"""Precision rules of SEMANTICS.md section 11, for tests (independent of the library's own ``compare``).
+"""Precision rules of docs/semantics/precision.md, for tests (independent of the library's own ``compare``).
 
 - Ascend rule (primary gate, torch_npu ``assertRtolEqual`` "double thousandth"): threshold t = 1e-3
   (fp16), 4e-3 (bf16), 1e-4 (fp32 and float64); rel = |a - g| / (max(|a|, |g|) + eps) with eps = ``EPS`` =

@@ -14,7 +14,7 @@ def _tnd_ends(value, name: str) -> list[int] | None:
     """Cumulative TND ends, with torch_npu's form for batches left out at the end: "TND格式下，支持尾部部分Batch不参与
     计算，此时actual_seq_q_len和actual_seq_kv_len尾部传入对应个数个0即可" (npu_fusion_attention constraints; lengths
     [2, 3, 4] plus two batches left out are passed as [2, 5, 9, 0, 0]). Those trailing zeros become empty
-    sequences, [2, 5, 9, 9, 9], the form the operators take (SEMANTICS.md 1)."""
+    sequences, [2, 5, 9, 9, 9], the form the operators take (docs/semantics/layouts.md)."""
     ends = _ints(value, name)
     if not ends:
         return ends
@@ -27,7 +27,7 @@ def _tnd_ends(value, name: str) -> list[int] | None:
 
 
 def _mask_numel(query: Tensor, key: Tensor, head_num: int, layout: str, q_ends, kv_ends) -> int:
-    """Elements of the logical keep mask: B*N1*Sq*Skv, TND N1*sum(Sq_b*Skv_b) (SEMANTICS.md 5)."""
+    """Elements of the logical keep mask: B*N1*Sq*Skv, TND N1*sum(Sq_b*Skv_b) (docs/semantics/dropout.md)."""
     if layout == "TND":
         return drop_mask_numel(head_num, actual_seq_qlen=q_ends, actual_seq_kvlen=kv_ends)
     if layout not in ("BSH", "SBH", "BSND", "BNSD"):
@@ -168,7 +168,7 @@ def npu_fusion_attention_v2(
     sparse_mode: int = 0, gen_mask_parallel: bool = True, sync: bool = False, pse_type: int = 1, q_start_idx=None,
     kv_start_idx=None, softmax_layout: str = "", sink: Tensor | None = None,
 ):
-    """torch_npu.npu_fusion_attention_v2: ``npu_fusion_attention`` with ``pse_type`` (0..3, SEMANTICS.md 4),
+    """torch_npu.npu_fusion_attention_v2: ``npu_fusion_attention`` with ``pse_type`` (0..3, docs/semantics/pse.md),
     ``q_start_idx``/``kv_start_idx`` for ALiBi, and ``query_rope``/``key_rope`` appended to query/key along the head
     dim. Same 7-tuple; differentiable w.r.t. query, key, value, a type 0/1 pse and the rope tensors."""
     input_layout = _layout(input_layout)

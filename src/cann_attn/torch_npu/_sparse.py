@@ -86,7 +86,7 @@ def npu_sparse_lightning_indexer_grad_kl_loss(
     sparse_mode: int = 3, pre_tokens: int = INT64_MAX, next_tokens: int = INT64_MAX,
 ):
     """torch_npu.npu_sparse_lightning_indexer_grad_kl_loss -> ``(d_query_index, d_key_index, d_weights, loss)``
-    (loss: fp32 [1], summed over all tokens; SEMANTICS.md 9)."""
+    (loss: fp32 [1], summed over all tokens; docs/operators/lightning_indexer.md)."""
     return torch.ops.cann_attn.sparse_lightning_indexer_grad_kl_loss(
         query, key, query_index, key_index, weights, sparse_indices, softmax_max, softmax_sum, float(scale_value),
         query_rope, key_rope, _ints(actual_seq_qlen, "actual_seq_qlen"), _ints(actual_seq_klen, "actual_seq_klen"),

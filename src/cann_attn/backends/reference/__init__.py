@@ -1,1 +1,1 @@
-"""Tiled PyTorch reference backend: any device, fp32 accumulation, memory O(tile) (DESIGN.md)."""
+"""Tiled PyTorch reference backend: any device, fp32 accumulation, memory O(tile) (docs/design.md)."""

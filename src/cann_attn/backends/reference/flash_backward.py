@@ -1,4 +1,5 @@
-"""Tiled FlashAttention backward (FlashAttentionScoreGradV2; SEMANTICS.md sections 4-6).
+"""Tiled FlashAttention backward (FlashAttentionScoreGradV2; docs/semantics/pse.md, docs/semantics/dropout.md,
+docs/semantics/softmax-stats.md).
 
 Per query tile and visible key tile, P is recomputed from the given softmax statistics (no renormalisation):
 P = exp(S - max) / sum, P_drop = P * keep / keep_prob, dV += P_drop^T dY, dP = dY V^T,
@@ -74,7 +75,7 @@ def _backward_run(kernel: RunKernel, problem: AttentionProblem, run: Run, dy, at
         i1 = min(i0 + kernel.block_q, run.seq_q)
         q_tile = kernel.query_tile(i0, i1)
         dy_t = dy_all[:, :, i0:i1].to(dtype)
-        # rowsum(dY * O) with O the forward output (after dropout), per SEMANTICS.md section 5.
+        # rowsum(dY * O) with O the forward output (after dropout), per docs/semantics/dropout.md.
         d_sum = (dy_t * o_all[:, :, i0:i1].to(dtype)).sum(-1)
         dy_g = group_rows(dy_t, n2)
         row_max = max_all[:, :, i0:i1].to(dtype).unsqueeze(-1)

@@ -1,4 +1,5 @@
-"""Tiled FlashAttention forward over a canonical `AttentionProblem` (SEMANTICS.md sections 2-6).
+"""Tiled FlashAttention forward over a canonical `AttentionProblem` (docs/semantics/masks.md,
+docs/semantics/invalid-rows.md, docs/semantics/pse.md, docs/semantics/dropout.md, docs/semantics/softmax-stats.md).
 
 Online softmax over key tiles of each query tile: never more than one [count, N1, rows, cols] score
 tile exists, and its buffer is reused (fresh multi-megabyte allocations cost page faults on every tile).
@@ -404,7 +405,8 @@ class RunKernel:
                 self._forward_tiles(q_tile, i0, i1, row_max, row_sum, acc)
             # Rows without a visible key have row_sum 0 and acc 0 (their terms are all exactly 0): output 0. "!= 0",
             # not "> 0": a row with a NaN logit has a NaN sum and max and keeps them, with a NaN output, as the
-            # formulas give (SEMANTICS.md 3 covers rows without visible keys only); taking it for a row without keys
+            # formulas give (docs/semantics/invalid-rows.md covers rows without visible keys only); taking it for a row
+            # without keys
             # would pass NaN input off as a fully masked row.
             valid = row_sum != 0
             denom = torch.where(valid, row_sum * problem.keep_prob, 1.0).view(c * n2, -1, 1)
@@ -472,5 +474,5 @@ def fused_block_rows(rows: int) -> int:
 
 
 def write_stat(view: torch.Tensor, values: torch.Tensor) -> None:
-    """Store a per-row statistic repeated over the 8-wide last dim (SEMANTICS.md section 6)."""
+    """Store a per-row statistic repeated over the 8-wide last dim (docs/semantics/softmax-stats.md)."""
     view.copy_(values.unsqueeze(-1).expand_as(view))

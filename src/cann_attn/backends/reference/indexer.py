@@ -1,4 +1,4 @@
-"""Lightning indexer scores / top-k and the indexer KL loss with its gradients (SEMANTICS.md section 9).
+"""Lightning indexer scores / top-k and the indexer KL loss with its gradients (docs/operators/lightning_indexer.md).
 
 Index score: I[t, s] = sum_h w[t, h] * ReLU(q_idx[t, h] . k_idx[s]) in fp32. Rows are processed in tiles; the
 indexer forward forms a [rows, Skv] score tile (never S1 x S2), the KL op gathers only the selected keys.
@@ -32,7 +32,8 @@ KL_CLAMP = 1e-8
 # of the [rows * H, Skv] ReLU tile starts 64-byte aligned. Measured (MKL, AVX2, 1 or 2 threads): the q.k GEMM is
 # column-invariant, but the weight reduction (the bmm in index_scores) gives a column-position-dependent last bit
 # when the row stride is no multiple of 8 floats (Skv = 257: 94 of 257 columns differ from an identical key's),
-# so identical keys broke the tie rule of SEMANTICS.md 9 ("ties to the smaller index"). 16 fp32 = 64 bytes also
+# so identical keys broke the tie rule of docs/operators/lightning_indexer.md ("ties to the smaller index"). 16 fp32 =
+# 64 bytes also
 # covers AVX-512; the aligned bmm is no slower (at most 15 extra zero keys).
 KEY_ALIGN = 16
 
@@ -85,7 +86,8 @@ def _target_distribution(q_main: torch.Tensor, q_rope: torch.Tensor | None, k_ma
                          tokens: torch.Tensor, valid: torch.Tensor, all_valid: bool, row_max: torch.Tensor,
                          row_sum: torch.Tensor, scale: float, ws: Workspace) -> torch.Tensor:
     """p [rows, W]: the main-attention probabilities of each row's selected keys `tokens` [rows, W], averaged over
-    the N1 heads (SEMANTICS.md 9), from q_main [rows, N1, D] (+ q_rope [rows, N1, Dr]) and k_main [Skv, D + Dr];
+    the N1 heads (docs/operators/lightning_indexer.md), from q_main [rows, N1, D] (+ q_rope [rows, N1, Dr]) and k_main
+    [Skv, D + Dr];
     exactly 0 on invalid entries (`valid` False).
 
     exp(z - m) / l is taken as 2^(z' - (m + ln l) log2 e) with z' = (scale log2 e q) . k: the shift rides in the

@@ -1,4 +1,4 @@
-"""int8 PromptFlashAttention pipeline, applied literally (SEMANTICS.md section 7).
+"""int8 PromptFlashAttention pipeline, applied literally (docs/operators/prompt_flash_attention.md).
 
 s32 = Q_i8 K_i8^T (exact); s = fp16(s32 * deq1); in fp32: s = s * scale (+ pse_shift), mask; m = the exact row
 max, l = sum exp(s - m); p = exp(s - m) unnormalised; p_q = sat_int8(round_half_even(p * quant_scale1));

@@ -1,4 +1,4 @@
-"""The exponential of shifted logits, shared by every reference kernel (SEMANTICS.md section 6 statistics).
+"""The exponential of shifted logits, shared by every reference kernel (docs/semantics/softmax-stats.md statistics).
 
 exp(s - shift) is taken as 2^((s - shift) * log2(e)): PyTorch's CPU exp2 is ~1.9x faster than exp, which pays for
 the multiply. The logits themselves stay in natural units, so softmax_max is exactly the largest logit and a

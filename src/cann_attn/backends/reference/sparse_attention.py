@@ -1,4 +1,4 @@
-"""Sparse (DSA) attention over selected keys: forward and backward (SEMANTICS.md section 8).
+"""Sparse (DSA) attention over selected keys: forward and backward (docs/operators/sparse_flash_attention.md).
 
 Rows of one sequence are processed in tiles; the selection rule comes from `problem.sparse.row_selection`.
 Two ways to form the selected logits, chosen per tile by estimated cost, give identical results:
@@ -13,7 +13,8 @@ tokens beyond thr, the union every block of the tile) and cancel them by masking
 and values: NaN + -inf and 0 * NaN are NaN. A sequence with a non-finite key or value (or, in the backward, a
 non-finite query, d_out or out row) therefore takes the gather path with the rows of invalid entries zeroed and
 their logits/gradients set (not added) to -inf/0, so that only the selected keys reach a row and a row reaches
-only the keys it selected (SEMANTICS.md 8: P is the softmax over the selected set). The checks cost one pass over
+only the keys it selected (docs/operators/sparse_flash_attention.md: P is the softmax over the selected set). The
+checks cost one pass over
 K and V (and the query-side tensors) per sequence; the all-finite fast paths are unchanged.
 
 Token selections (block size 1) in fp32 on the CPU take the native loops instead (`native`, C): each row's logits,
@@ -377,7 +378,8 @@ def backward_sequence(seq: SparseSequence, d_out: torch.Tensor, out: torch.Tenso
             ds = dp.sub_(d_sum).mul_(p)
             if isolate and not tk.all_valid:
                 # Exactly 0 for invalid entries, whatever their row's statistics (a row that selected a NaN key
-                # has NaN ones): their dK rows are added into token 0 (SEMANTICS.md 8: selected keys only).
+                # has NaN ones): their dK rows are added into token 0 (docs/operators/sparse_flash_attention.md:
+                # selected keys only).
                 invalid = ~tk.sel.valid.unsqueeze(1)
                 p.masked_fill_(invalid, 0.0)
                 ds.masked_fill_(invalid, 0.0)

@@ -1,4 +1,5 @@
-"""Triton FlashAttention backward (FlashAttentionScoreGradV2) over a canonical dense problem (SEMANTICS.md 4-6).
+"""Triton FlashAttention backward (FlashAttentionScoreGradV2) over a canonical dense problem (docs/semantics/pse.md,
+docs/semantics/dropout.md, docs/semantics/softmax-stats.md).
 
 Three launches, all driven by the `dense_plan` table (varlen TND in one launch each):
 

@@ -1,4 +1,5 @@
-"""Fused Triton FlashAttention forward over a canonical dense problem (SEMANTICS.md sections 2-6).
+"""Fused Triton FlashAttention forward over a canonical dense problem (docs/semantics/masks.md,
+docs/semantics/invalid-rows.md, docs/semantics/pse.md, docs/semantics/dropout.md, docs/semantics/softmax-stats.md).
 
 One launch covers every sequence of the problem (varlen TND included): the grid is (query blocks of the
 longest sequence, N1 query heads, sequences) and each program reads its sequence's integers from the

@@ -1,16 +1,16 @@
 """Lowering of a canonical dense `AttentionProblem` to the flat integer tables the Triton kernels read.
 
 The kernels never look at sparse_mode, pre/next tokens, pse shapes or dropout arguments: everything they need
-comes from this module, which reads only the canonical problem (`problem/`, DESIGN.md "Layers") and the
+comes from this module, which reads only the canonical problem (`problem/`, docs/design.md "Layers") and the
 caller's tensors. Each `Run` is expanded into its `count` sequences; sequence s owns row s of an int64 table
 (`DensePlan.table`, columns named by `COLUMNS`) holding
 
-- its lengths and mask structure (SEMANTICS.md 2): visible(i, j) = [lower <= j - i] and ([j - i <= upper] or
+- its lengths and mask structure (docs/semantics/masks.md): visible(i, j) = [lower <= j - i] and ([j - i <= upper] or
   [j < prefix]) and not explicit[i, j], with None bounds replaced by the sentinels `NO_LOWER` / `NO_UPPER` and a
   missing prefix by 0 (j < 0 is never true);
 - element offsets of row 0 / head 0 of every tensor it touches (query-like: q, out, dy, dq; key-like: k, v, dk,
   dv); head / sequence / dim strides are per tensor and uniform across sequences (they come from the tensor's
-  layout, SEMANTICS.md 1);
+  layout, docs/semantics/layouts.md);
 - the explicit-mask offset, the pse offset (row0/col0 folded in) and its compressed flag, the ALiBi slope
   offset (4), the dropout base element (5) and the softmax-statistics offset with its per-sequence head stride
   (6: TND softmax_layout "" stores per-sequence [N1, Sq_b, 8] blocks, so the head stride is 8 * Sq_b).
@@ -126,7 +126,9 @@ class _Unsupported(Exception):
 
 def dense_unsupported(problem: AttentionProblem, dtype: torch.dtype, *, output_dtype: torch.dtype | None = None,
                       tensors: dict[str, torch.Tensor] | None = None) -> str | None:
-    """Why the dense Triton kernels cannot compute `problem` (None when they can). SEMANTICS.md 1-6.
+    """Why the dense Triton kernels cannot compute `problem` (None when they can). docs/semantics/layouts.md,
+    docs/semantics/masks.md, docs/semantics/invalid-rows.md, docs/semantics/pse.md, docs/semantics/dropout.md,
+    docs/semantics/softmax-stats.md.
 
     `tensors` (the caller's q/k/v by table name) adds the layout checks: offsets inside one sequence must fit
     in int32 (the kernels index a sequence with 32-bit arithmetic from a 64-bit base), and explicit masks /

@@ -1,4 +1,5 @@
-"""Per-tile building blocks shared by the dense forward and backward kernels (SEMANTICS.md sections 2, 4, 5).
+"""Per-tile building blocks shared by the dense forward and backward kernels (docs/semantics/masks.md,
+docs/semantics/pse.md, docs/semantics/dropout.md).
 
 Each helper takes broadcastable row / column index tensors `i2`, `j2` (a [M, 1] x [1, N] pair, or transposed
 for the backward's key-major tiles), so the same code serves both orientations. They implement the canonical
@@ -117,7 +118,7 @@ def key_span(i0, seq_q, seq_kv, lower, upper, prefix, BLOCK_M: tl.constexpr, BLO
     """The key tiles query rows [i0, i0 + BLOCK_M) visit (forward and dQ kernels): (start, hi, rows_full,
     full_lo, full_hi). Keys [start, hi) cover the band [i0 + lower, i_last + upper] widened to the prefix (a
     superset, start aligned to BLOCK_N). A key tile with full_lo <= j0 and j0 + BLOCK_N <= full_hi is visible
-    for every row of the block when rows_full (SEMANTICS.md 2: d_min >= lower and d_max <= upper or inside the
+    for every row of the block when rows_full (docs/semantics/masks.md: d_min >= lower and d_max <= upper or inside the
     prefix), so it skips the elementwise band mask."""
     i_last = tl.minimum(i0 + BLOCK_M, seq_q) - 1
     upper_c = tl.minimum(upper, seq_kv)  # keeps i + upper inside int32 with the "no bound" sentinel
@@ -132,7 +133,7 @@ def key_span(i0, seq_q, seq_kv, lower, upper, prefix, BLOCK_M: tl.constexpr, BLO
 
 @device_function
 def visible(i2, j2, seq_q, seq_kv, lower, upper, prefix):
-    """SEMANTICS.md 2 in canonical form: lower <= j - i and (j - i <= upper or j < prefix), inside the
+    """docs/semantics/masks.md in canonical form: lower <= j - i and (j - i <= upper or j < prefix), inside the
     sequence (the explicit mask is separate)."""
     d = j2 - i2
     return (d >= lower) & ((d <= upper) | (j2 < prefix)) & (i2 < seq_q) & (j2 < seq_kv)
@@ -149,7 +150,7 @@ def explicit_visible(MASK, mask_base, i2, j2, seq_q, seq_kv, mask_rs, mask_cs):
 
 @device_function
 def pse_element_offsets(i2, j2, seq_q, seq_kv, compressed, pse_rs, pse_cs, COMPRESSED: tl.constexpr):
-    """Offsets of the pse elements a tile reads (SEMANTICS.md 4); with the 1024-row compressed form,
+    """Offsets of the pse elements a tile reads (docs/semantics/pse.md); with the 1024-row compressed form,
     value(i, j) = C[r, j + (Sq - 1024) + r - i], r = i - (Sq - 1024) on the last 1024 rows, else i mod 1024.
     Columns it sends outside [0, Skv) only occur where the mask hides the element (j > i): clamped."""
     if COMPRESSED:
@@ -186,7 +187,8 @@ def bias_log2(PSE, pse_base, SLOPES, slope_addr, i2, j2, seq_q, seq_kv, compress
 
 @device_function
 def keep_bits(DROP, drop_base, h, i2, j2, seq_q, seq_kv):
-    """Dropout keep bits (SEMANTICS.md 5): element e = base + h*Sq*Skv + i*Skv + j, bit (e & 7) of byte e >> 3,
+    """Dropout keep bits (docs/semantics/dropout.md): element e = base + h*Sq*Skv + i*Skv + j, bit (e & 7) of byte e >>
+    3,
     LSB first; 64-bit element indices (masks exceed 2^31 bits at long sequences)."""
     inb = (i2 < seq_q) & (j2 < seq_kv)
     e = drop_base + (h.to(tl.int64) * seq_q + i2.to(tl.int64)) * seq_kv + j2.to(tl.int64)

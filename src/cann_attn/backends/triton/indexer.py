@@ -1,4 +1,5 @@
-"""Triton kernels of LightningIndexer (scores + top-k) and SparseLightningIndexerGradKLLoss (SEMANTICS.md 9).
+"""Triton kernels of LightningIndexer (scores + top-k) and SparseLightningIndexerGradKLLoss
+(docs/operators/lightning_indexer.md).
 
 Scores: I[t, s] = sum_h w[t, h] * ReLU(q_idx[t, h] . k_idx[s]). One program scores one query row against a block of
 BLOCK_N keys, index heads as the M dimension of tl.dot, and writes int64 sort keys (the fp32 score's bits made
@@ -241,7 +242,7 @@ def _kl_grad_kernel(QI, KI, W, IDX, KV_START, THR, P, S, STATS, DQI, DW, DKI, KE
         p_c = tl.maximum(p, KL_CLAMP)
         q_c = tl.maximum(q, KL_CLAMP)
         loss += tl.where(valid, p_c * (tl.log(p_c) - tl.log(q_c)), 0.0)
-        d_s = tl.where(valid, q - p, 0.0)  # dI = q - p (SEMANTICS.md 9)
+        d_s = tl.where(valid, q - p, 0.0)  # dI = q - p (docs/operators/lightning_indexer.md)
         dw += tl.sum(relu * d_s[None, :], 1)
         ds = tl.where(relu > 0, d_s[None, :] * w[:, None], 0.0)
         ds_in = ds.to(ki.dtype)

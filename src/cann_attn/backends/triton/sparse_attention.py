@@ -1,4 +1,5 @@
-"""Triton kernels of SparseFlashAttention (DSA sparse MLA) forward and backward (SEMANTICS.md 3 and 8).
+"""Triton kernels of SparseFlashAttention (DSA sparse MLA) forward and backward (docs/semantics/invalid-rows.md,
+docs/operators/sparse_flash_attention.md).
 
 One program computes one query token for a group of BLOCK_H heads. MLA-absorbed MQA has N2 = 1, so every head of
 a token reads the same selected latent rows: a key chunk ([BLOCK_N, Dqk] latent + [BLOCK_N, Drope]) is gathered
@@ -25,7 +26,7 @@ import triton.language as tl
 from .jit import device_function
 from .sparse_plan import RowTables, interpreting
 
-# softmax_max of a row with nothing selected (SEMANTICS.md 3); constexpr because kernels use it.
+# softmax_max of a row with nothing selected (docs/semantics/invalid-rows.md); constexpr because kernels use it.
 INVALID_MAX = tl.constexpr(-2e38)
 # Deterministic backward workspace per slab of query rows (fp32 contributions of every selected position).
 DETERMINISTIC_WORKSPACE_BYTES = 2 << 30
@@ -56,7 +57,7 @@ def _same_storage(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 def _precision(dtype: torch.dtype) -> str:
     # fp32 operands (fp32 inputs, or anything in the interpreter): exact fp32 products; tf32 would miss the fp32
-    # precision standard of SEMANTICS.md 11. 16-bit operands ignore it.
+    # precision standard of docs/semantics/precision.md. 16-bit operands ignore it.
     return "ieee" if dtype == torch.float32 else "tf32"
 
 
@@ -278,7 +279,7 @@ def _sfa_bwd_kernel(
             kr = tl.load(KR + key_row[:, None] * stride_krt + offs_r[None, :], mask=valid[:, None] & r_ok[None, :],
                          other=0.0)
             s += tl.dot(qr, tl.trans(kr), input_precision=PRECISION)
-        # P from the given statistics (no renormalisation, SEMANTICS.md 8).
+        # P from the given statistics (no renormalisation, docs/operators/sparse_flash_attention.md).
         p = tl.where(valid[None, :] & h_ok[:, None], tl.exp(s * scale - m[:, None]) * inv_l[:, None], 0.0)
         if V_IS_K:
             v = k
@@ -373,7 +374,8 @@ def sparse_backward(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                     d_out: torch.Tensor, out: torch.Tensor, softmax_max: torch.Tensor, softmax_sum: torch.Tensor,
                     query_rope: torch.Tensor | None, key_rope: torch.Tensor | None, tables: RowTables, scale: float,
                     block_size: int, deterministic: bool):
-    """(d_query, d_key, d_value, d_query_rope, d_key_rope) of SparseFlashAttentionGrad (SEMANTICS.md 8)."""
+    """(d_query, d_key, d_value, d_query_rope, d_key_rope) of SparseFlashAttentionGrad
+    (docs/operators/sparse_flash_attention.md)."""
     rows, n1, d = tables.rows, query.shape[-2], query.shape[-1]
     dv = value.shape[-1]
     has_rope = query_rope is not None

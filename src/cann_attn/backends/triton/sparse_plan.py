@@ -1,4 +1,5 @@
-"""Lowering of validated DSA problems into flat per-query-row tables for the Triton kernels (SEMANTICS.md 1, 8, 9),
+"""Lowering of validated DSA problems into flat per-query-row tables for the Triton kernels (docs/semantics/layouts.md,
+docs/operators/sparse_flash_attention.md, docs/operators/lightning_indexer.md),
 and the reasons a case cannot run on them. No triton import here: `select_backend` asks the `*_unsupported`
 functions before any kernel module is loaded.
 

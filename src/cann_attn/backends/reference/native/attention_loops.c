@@ -6,7 +6,7 @@
  * (16): both far from the machine's GEMM rate. Here each row's scores, softmax numerators and weighted values are
  * formed straight from the K/V rows it selected, which stay in cache between the products that read them.
  *
- * Semantics stay in Python: which entries are valid (SEMANTICS.md 8, 9), the statistics' conventions and the final
+ * Semantics stay in Python: which entries are valid (docs/operators/sparse_flash_attention.md, docs/operators/lightning_indexer.md), the statistics' conventions and the final
  * normalisation. These loops only compute sums over the entries they are told are valid, in a fixed order: the
  * result does not depend on the number of threads (rows and column ranges are independent).
  *
@@ -538,7 +538,7 @@ void cann_attn_exp2_flushed(const float *x, float *out, int64_t n, float floor2)
     }
 }
 
-/* Dense flash-attention forward, one online-softmax step over a score tile (SEMANTICS.md 6 statistics), in place:
+/* Dense flash-attention forward, one online-softmax step over a score tile (docs/semantics/softmax-stats.md statistics), in place:
  * for each of `rows` rows of s (row stride lds, `cols` logits), m_new = max(row_max, max(s)) with NaN propagated,
  * shift = m_new (0 while the row has seen only -inf), s <- 2^((s - shift) log2e) flushed at floor2,
  * correction = e^(row_max - shift), row_sum <- row_sum * correction + sum(s), row_max <- m_new. One pass per row:
@@ -621,7 +621,7 @@ static void gemm_tn_acc(int m, int n, int kk, const float *a, int lda, const flo
  * the upcast inputs up to the order of the additions (VDPBF16PS adds each pair's products into the fp32 lane, round to
  * nearest even). The one difference: the instruction treats bf16 subnormal inputs (below 2^-126) as 0 and flushes
  * subnormal results. Only the score products S = Q K^T and dP = dO V^T use it (both operands are inputs); P and dS
- * stay fp32 (SEMANTICS.md: fp32 accumulation everywhere), so their GEMMs stay sgemm. */
+ * stay fp32 (docs/semantics/index.md: fp32 accumulation everywhere), so their GEMMs stay sgemm. */
 #if defined(__clang__) ? __clang_major__ >= 9 : (defined(__GNUC__) && __GNUC__ >= 10)
 #define HAVE_BF16_DOT 1
 #endif
@@ -790,7 +790,7 @@ static void add_mask_rows(float *s, int64_t n, int64_t w, int64_t lds, const flo
     }
 }
 
-/* Generated ALiBi (pse_type 2 / 3, SEMANTICS.md 4) for the rows of a fused call, indexed over all its entries' rows:
+/* Generated ALiBi (pse_type 2 / 3, docs/semantics/pse.md) for the rows of a fused call, indexed over all its entries' rows:
  * row r's bias at key column j is -slope[r] * f(|j - pos[r]|), f the identity (type 2) or sqrt (type 3), where pos[r]
  * is the row's query index plus q_start - kv_start. Positions and distances are integers, exact in fp32 below 2^24,
  * so the bias is the one rounding of f(d) * -slope, as the PyTorch path forms it. With q_norm (|scale| |q_r| per
@@ -1173,7 +1173,7 @@ static void backward_piece(int64_t n, int64_t row, int64_t r0, int64_t col, int6
     gemm_nn((int)n, (int)a->dg, (int)w, dp, (int)lds, kp, (int)a->ldk, 1.0f, dq_rows, (int)ld_rows);
 }
 
-/* Dense backward of one query tile (SEMANTICS.md 5), fused: for `entries` GEMM batch entries with `rows` query rows
+/* Dense backward of one query tile (docs/semantics/dropout.md), fused: for `entries` GEMM batch entries with `rows` query rows
  * q [E, rows, dk] (contiguous, scaled), dy [E, rows, dv], d_sum = rowsum(dY * O), shift = softmax_max and factor =
  * 1 / softmax_sum [E, rows] (all contiguous), keys k and values v (entry stride, row stride) and the key tiles with
  * their optional bias tiles (as fa_forward_blocks):
