@@ -4,13 +4,13 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test lint bench clean
+.PHONY: demo test lint bench docs clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
 	$(BIN)/python -m pip install --quiet torch==2.13.0
-	$(BIN)/python -m pip install --quiet -e ".[dev]"
+	$(BIN)/python -m pip install --quiet -e ".[dev,docs]"
 	touch $(STAMP)
 
 demo: $(STAMP)
@@ -35,8 +35,13 @@ test: $(STAMP)
 lint: $(STAMP)
 	$(BIN)/ruff check .
 
+# The documentation site into site/, every warning (broken link or anchor, page missing from the nav, docstring
+# problem) an error. `make test` builds it too (tests/test_docs.py) and runs every example in README.md and docs/.
+docs: $(STAMP)
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict
+
 bench: $(STAMP)
 	$(BIN)/cann-attn bench
 
 clean:
-	rm -rf $(VENV) build dist src/*.egg-info
+	rm -rf $(VENV) build dist site src/*.egg-info
