@@ -340,7 +340,7 @@ def test_sparse_flash_attention_shims(layout, rng):
                                                              scale, query_rope=i["query_rope"],
                                                              key_rope=i["key_rope"], **lens, **layout_kw)
     assert no_max.shape == (0,) and no_sum.shape == (0,)
-    with pytest.raises(cann_attn.ParamInvalidError, match="PageAttention"):
+    with pytest.raises(cann_attn.ParamInvalidError, match="only with layout_kv"):
         torch_npu.npu_sparse_flash_attention(i["query"], i["key"], i["value"], i["sparse_indices"], scale,
                                              block_table=torch.zeros(1, 1, dtype=torch.int32))
 

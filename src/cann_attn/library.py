@@ -63,6 +63,7 @@ from .ops.sparse_flash_attention import sparse_flash_attention as _eager_sparse_
 from .ops.sparse_flash_attention import sparse_flash_attention_grad as _eager_sparse_flash_attention_grad
 from .problem.dropout import gen_drop_mask
 from .problem.lengths import to_int_list
+from .problem.page_table import PAGED_KV_LAYOUT
 from .problem.quant import trans_quant_param as _eager_trans_quant_param
 from .problem.stats import accumulation_dtype
 
@@ -446,6 +447,7 @@ def trans_quant_param(scale, offset=None, round_mode: int = 0) -> Tensor:
 _SFA_NAMES = (
     "query", "key", "value", "sparse_indices", "scale_value", "query_rope", "key_rope", "actual_seq_lengths_query",
     "actual_seq_lengths_kv", "sparse_block_size", "layout", "sparse_mode", "pre_tokens", "next_tokens", "backend",
+    "block_table", "layout_kv",
 )
 _SFA_SHARED = ("actual_seq_lengths_query", "actual_seq_lengths_kv", "layout", "sparse_mode", "pre_tokens",
                "next_tokens", "backend")
@@ -457,14 +459,15 @@ def _sfa_op(
     query_rope: Tensor | None = None, key_rope: Tensor | None = None,
     actual_seq_lengths_query: list[int] | None = None, actual_seq_lengths_kv: list[int] | None = None,
     sparse_block_size: int = 1, layout: str = "BSND", sparse_mode: int = 3, pre_tokens: int = INT64_MAX,
-    next_tokens: int = INT64_MAX, backend: str = "auto",
+    next_tokens: int = INT64_MAX, backend: str = "auto", block_table: Tensor | None = None, layout_kv: str = "",
 ) -> tuple[Tensor, Tensor, Tensor]:
-    """SparseFlashAttention -> (attention_out, softmax_max, softmax_sum)."""
+    """SparseFlashAttention -> (attention_out, softmax_max, softmax_sum); `block_table` / `layout_kv="PA_BSND"`:
+    a paged key/value cache (docs/semantics/paged-kv.md)."""
     return tuple(_eager_sparse_flash_attention(
         query, key, value, sparse_indices, scale_value, query_rope=query_rope, key_rope=key_rope,
         actual_seq_lengths_query=actual_seq_lengths_query, actual_seq_lengths_kv=actual_seq_lengths_kv,
         sparse_block_size=sparse_block_size, layout=layout, sparse_mode=sparse_mode, pre_tokens=pre_tokens,
-        next_tokens=next_tokens, backend=backend,
+        next_tokens=next_tokens, backend=backend, block_table=block_table, layout_kv=layout_kv or None,
     ))
 
 
@@ -478,7 +481,7 @@ def _dsa_stat_shape(query: Tensor, layout: str) -> tuple:
 @_sfa_op.register_fake
 def _(query, key, value, sparse_indices, scale_value, query_rope=None, key_rope=None, actual_seq_lengths_query=None,
       actual_seq_lengths_kv=None, sparse_block_size=1, layout="BSND", sparse_mode=3, pre_tokens=INT64_MAX,
-      next_tokens=INT64_MAX, backend="auto"):
+      next_tokens=INT64_MAX, backend="auto", block_table=None, layout_kv=""):
     stat_dtype = accumulation_dtype(query.dtype)
     stat_shape = _dsa_stat_shape(query, layout)
     return (query.new_empty((*query.shape[:-1], value.shape[-1])), query.new_empty(stat_shape, dtype=stat_dtype),
@@ -492,10 +495,16 @@ def _sfa_setup_context(ctx, inputs, output):
                           args["key_rope"], attention_out, softmax_max, softmax_sum)
     ctx.scale_value, ctx.sparse_block_size = args["scale_value"], args.get("sparse_block_size", 1)
     ctx.options = {name: args[name] for name in _SFA_SHARED if name in args}
+    ctx.paged = args.get("block_table") is not None or args.get("layout_kv") == PAGED_KV_LAYOUT
     ctx.mark_non_differentiable(softmax_max, softmax_sum)
 
 
 def _sfa_backward(ctx, d_out, d_max, d_sum):
+    if ctx.paged:
+        # SparseFlashAttentionGrad takes contiguous BSND/TND keys only (docs/semantics/paged-kv.md): a paged cache
+        # is an inference input.
+        raise ParamInvalidError("block_table: gradients through a paged (PA_BSND) key/value cache are not "
+                                "supported; SparseFlashAttentionGrad takes BSND or TND keys")
     query, key, value, sparse_indices, query_rope, key_rope, out, softmax_max, softmax_sum = ctx.saved_tensors
     dq, dk, dv, dq_rope, dk_rope = torch.ops.cann_attn.sparse_flash_attention_grad(
         query, key, value, sparse_indices, d_out.contiguous(), out, softmax_max, softmax_sum, ctx.scale_value,
@@ -546,14 +555,16 @@ def sparse_flash_attention(
     query_rope: Tensor | None = None, key_rope: Tensor | None = None, actual_seq_lengths_query=None,
     actual_seq_lengths_kv=None, sparse_block_size: int = 1, layout: str = "BSND", sparse_mode: int = 3,
     pre_tokens: int = INT64_MAX, next_tokens: int = INT64_MAX, backend: str = "auto",
+    block_table: Tensor | None = None, layout_kv: str | None = None,
 ) -> SparseFlashAttentionResult:
     """``cann_attn.sparse_flash_attention`` through the ``cann_attn::sparse_flash_attention`` custom op:
-    traceable and differentiable (gradients to query, key, value, query_rope, key_rope)."""
+    traceable and differentiable (gradients to query, key, value, query_rope, key_rope; not through a paged
+    cache)."""
     return SparseFlashAttentionResult(*torch.ops.cann_attn.sparse_flash_attention(
         query, key, value, sparse_indices, float(scale_value), query_rope, key_rope,
         _ints(actual_seq_lengths_query, "actual_seq_lengths_query"),
         _ints(actual_seq_lengths_kv, "actual_seq_lengths_kv"), sparse_block_size, layout, sparse_mode, pre_tokens,
-        next_tokens, backend,
+        next_tokens, backend, block_table=block_table, layout_kv=layout_kv or "",
     ))
 
 
@@ -580,14 +591,16 @@ def sparse_flash_attention_grad(
 def _li_op(
     query_index: Tensor, key_index: Tensor, weights: Tensor, actual_seq_lengths_query: list[int] | None = None,
     actual_seq_lengths_key: list[int] | None = None, layout: str = "BSND", sparse_count: int = 2048,
-    sparse_mode: int = 3, return_value: bool = False, backend: str = "auto",
+    sparse_mode: int = 3, return_value: bool = False, backend: str = "auto", block_table: Tensor | None = None,
+    layout_key: str = "",
 ) -> tuple[Tensor, Tensor]:
     """LightningIndexer -> (sparse_indices, sparse_values); sparse_values is an empty (0,) tensor unless
-    return_value."""
+    return_value; `block_table` / `layout_key="PA_BSND"`: a paged key cache (docs/semantics/paged-kv.md)."""
     result = _eager_lightning_indexer(
         query_index, key_index, weights, actual_seq_lengths_query=actual_seq_lengths_query,
         actual_seq_lengths_key=actual_seq_lengths_key, layout=layout, sparse_count=sparse_count,
-        sparse_mode=sparse_mode, return_value=return_value, backend=backend,
+        sparse_mode=sparse_mode, return_value=return_value, backend=backend, block_table=block_table,
+        layout_key=layout_key or None,
     )
     values = result.sparse_values if result.sparse_values is not None else _empty_like_none(query_index)
     return result.sparse_indices, values
@@ -595,7 +608,7 @@ def _li_op(
 
 @_li_op.register_fake
 def _(query_index, key_index, weights, actual_seq_lengths_query=None, actual_seq_lengths_key=None, layout="BSND",
-      sparse_count=2048, sparse_mode=3, return_value=False, backend="auto"):
+      sparse_count=2048, sparse_mode=3, return_value=False, backend="auto", block_table=None, layout_key=""):
     shape = (*query_index.shape[:-2], 1, sparse_count)
     indices = query_index.new_empty(shape, dtype=torch.int32)
     values = query_index.new_empty(shape) if return_value else _empty_like_none(query_index)
@@ -605,13 +618,14 @@ def _(query_index, key_index, weights, actual_seq_lengths_query=None, actual_seq
 def lightning_indexer(
     query_index: Tensor, key_index: Tensor, weights: Tensor, *, actual_seq_lengths_query=None,
     actual_seq_lengths_key=None, layout: str = "BSND", sparse_count: int = 2048, sparse_mode: int = 3,
-    return_value: bool = False, backend: str = "auto",
+    return_value: bool = False, backend: str = "auto", block_table: Tensor | None = None,
+    layout_key: str | None = None,
 ) -> LightningIndexerResult:
     """``cann_attn.lightning_indexer`` through the ``cann_attn::lightning_indexer`` custom op."""
     indices, values = torch.ops.cann_attn.lightning_indexer(
         query_index, key_index, weights, _ints(actual_seq_lengths_query, "actual_seq_lengths_query"),
         _ints(actual_seq_lengths_key, "actual_seq_lengths_key"), layout, sparse_count, sparse_mode, return_value,
-        backend,
+        backend, block_table=block_table, layout_key=layout_key or "",
     )
     return LightningIndexerResult(indices, _none_if_placeholder(values, return_value))
 

@@ -11,6 +11,7 @@ from ..backends import select_backend
 from ..backends.reference import indexer as kernel
 from ..backends.triton.sparse_plan import index_rows, indexer_tables, indexer_unsupported
 from ..errors import ParamInvalidError, require, require_int, require_real
+from ..problem.page_table import PAGED_KV_LAYOUT
 from ..problem.sparse import indexer_selection
 from ..problem.stats import accumulation_dtype
 from ..traceable import traced_as_custom_op
@@ -19,6 +20,8 @@ from .sparse_flash_attention import (
     INT64_MAX,
     _check_tensor,
     _deterministic_guard,
+    kv_layout,
+    paged_sequence_spans,
     resolve_deterministic,
     sequence_spans,
 )
@@ -36,7 +39,7 @@ class SparseLightningIndexerGradKLLossResult(NamedTuple):
     loss: torch.Tensor
 
 
-def _check_common(query_index, key_index, weights, layout, sparse_mode, allowed_modes):
+def _check_common(query_index, key_index, weights, layout, sparse_mode, allowed_modes, layout_key=None):
     _check_tensor(query_index, "query_index")
     require(query_index.dtype in FLOAT_DTYPES, "query_index", "dtype float16 or bfloat16", query_index)
     _check_tensor(key_index, "key_index", query_index.dtype)
@@ -48,7 +51,10 @@ def _check_common(query_index, key_index, weights, layout, sparse_mode, allowed_
         raise ParamInvalidError(f"sparse_mode: expected one of {list(allowed_modes)}, got {sparse_mode!r}")
     rank = 4 if layout == "BSND" else 3
     require(query_index.dim() == rank, "query_index", f"a {rank}-D tensor for layout {layout}", query_index)
-    require(key_index.dim() == rank, "key_index", f"a {rank}-D tensor for layout {layout}", key_index)
+    layout_key = layout if layout_key is None else layout_key
+    key_rank = 3 if layout_key == "TND" else 4
+    key_shape = "[block_num, block_size, 1, D]" if layout_key == PAGED_KV_LAYOUT else f"layout {layout_key}"
+    require(key_index.dim() == key_rank, "key_index", f"a {key_rank}-D tensor for {key_shape}", key_index)
     _require_heads(query_index, "query_index", "Nidx1")
     require(key_index.shape[-2] == 1, "key_index", "Nidx2 = 1", key_index)
     require(key_index.shape[-1] == query_index.shape[-1], "key_index", f"head dim {query_index.shape[-1]}", key_index)
@@ -80,6 +86,8 @@ def lightning_indexer(
     sparse_mode: int = 3,
     return_value: bool = False,
     backend: str = "auto",
+    block_table: torch.Tensor | None = None,
+    layout_key: str | None = None,
 ) -> LightningIndexerResult:
     """Top-`sparse_count` keys per query row by index score I[t,s] = sum_h w[t,h] ReLU(q_idx[t,h] . k_idx[s]).
 
@@ -88,13 +96,22 @@ def lightning_indexer(
     int32
     [B, S1, 1, K] or [T1, 1, K]; with `return_value` also the scores at those positions in the query's dtype
     (-inf in -1 slots). BSND rows beyond the actual query length are all -1.
+
+    Paged key cache (`layout_key="PA_BSND"`, implied by a `block_table`): key_index is [block_num, block_size, 1, D],
+    `block_table` int32 [B, >= max blocks per sequence], `actual_seq_lengths_key` (required) plain per-sequence key
+    counts; `layout` describes the query (docs/semantics/paged-kv.md). Indices are logical key positions.
     """
-    _check_common(query_index, key_index, weights, layout, sparse_mode, (0, 3))
+    layout_key = kv_layout(layout, layout_key, block_table, "layout_key")
+    _check_common(query_index, key_index, weights, layout, sparse_mode, (0, 3), layout_key)
     sparse_count = require_int(sparse_count, "sparse_count")  # a NumPy integer too, like the other int parameters
     if sparse_count < 1:
         raise ParamInvalidError(f"sparse_count: expected a positive int, got {sparse_count!r}")
-    problem = sequence_spans(layout, query_index, key_index, actual_seq_lengths_query, actual_seq_lengths_key,
-                             "actual_seq_lengths_key", "key_index")
+    if layout_key == PAGED_KV_LAYOUT:
+        problem = paged_sequence_spans(layout, query_index, key_index, actual_seq_lengths_query,
+                                       actual_seq_lengths_key, block_table, "actual_seq_lengths_key", "key_index")
+    else:
+        problem = sequence_spans(layout, query_index, key_index, actual_seq_lengths_query, actual_seq_lengths_key,
+                                 "actual_seq_lengths_key", "key_index")
     lead = query_index.shape[:-2]
     indices = torch.full((*lead, 1, sparse_count), -1, dtype=torch.int32, device=query_index.device)
     values = None

@@ -13,6 +13,7 @@ from ..backends.reference import sparse_attention as kernel
 from ..backends.triton.sparse_plan import index_rows, sfa_tables, sparse_unsupported
 from ..errors import ParamInvalidError, ParamNullptrError, require, require_bool, require_int, require_real
 from ..problem.lengths import cumulative_lengths, per_batch_lengths, starts_of
+from ..problem.page_table import DSA_BLOCK_SIZES, PAGED_KV_LAYOUT, PageTable, page_table
 from ..problem.sparse import SPARSE_BLOCK_SIZES
 from ..problem.stats import accumulation_dtype
 from ..traceable import traced_as_custom_op
@@ -53,6 +54,7 @@ class SparseProblem:
     seq_kv: list[int]
     q_lengths: list[int]  # actual query rows computed per sequence
     kv_lengths: list[int]
+    pages: PageTable | None = None  # the block table of a paged (PA_BSND) key/value cache
 
     def rows(self, t: torch.Tensor, b: int) -> torch.Tensor:
         """[S_b, ...] view of sequence b of a query-side tensor (all its rows, actual or not)."""
@@ -62,6 +64,10 @@ class SparseProblem:
         return t[b]
 
     def keys(self, t: torch.Tensor, b: int) -> torch.Tensor:
+        """[S_b, ...] keys of sequence b of a key-side tensor; from a paged cache a copy of its L_b tokens only
+        (docs/semantics/paged-kv.md: no other block is read)."""
+        if self.pages is not None:
+            return self.pages.sequence(t, b)
         if self.layout == "TND":
             _, start, length = self.kv_spans[b]
             return t[start : start + length]
@@ -79,9 +85,9 @@ def _check_tensor(t, name: str, dtype: torch.dtype | None = None) -> torch.Tenso
 
 def validate_sparse(query, key, value, sparse_indices, scale_value, *, query_rope, key_rope, actual_seq_lengths_query,
                     actual_seq_lengths_kv, sparse_block_size, layout, sparse_mode, pre_tokens=INT64_MAX,
-                    next_tokens=INT64_MAX) -> SparseProblem:
+                    next_tokens=INT64_MAX, block_table=None, layout_kv=None) -> SparseProblem:
     """Documented constraints of the SFA family (docs/semantics/layouts.md, docs/operators/sparse_flash_attention.md,
-    docs/semantics/errors.md)."""
+    docs/semantics/errors.md; a paged key/value cache: docs/semantics/paged-kv.md)."""
     _check_tensor(query, "query")
     require(query.dtype in FLOAT_DTYPES, "query", "dtype float16 or bfloat16", query)
     for name, t in (("key", key), ("value", value)):
@@ -104,9 +110,14 @@ def validate_sparse(query, key, value, sparse_indices, scale_value, *, query_rop
             raise ParamInvalidError(f"{name}: expected an int equal to 2147483647 or 2**63-1 (the only supported "
                                     f"value: no sliding window), got {bound!r}")
     require_real(scale_value, "scale_value")
+    layout_kv = kv_layout(layout, layout_kv, block_table, "layout_kv")
     rank = 4 if layout == "BSND" else 3
-    for name, t in (("query", query), ("key", key), ("value", value), ("sparse_indices", sparse_indices)):
+    for name, t in (("query", query), ("sparse_indices", sparse_indices)):
         require(t.dim() == rank, name, f"a {rank}-D tensor for layout {layout}", t)
+    kv_rank = 3 if layout_kv == "TND" else 4
+    kv_shape = "[block_num, block_size, 1, D]" if layout_kv == PAGED_KV_LAYOUT else f"layout {layout_kv}"
+    for name, t in (("key", key), ("value", value)):
+        require(t.dim() == kv_rank, name, f"a {kv_rank}-D tensor for {kv_shape}", t)
     if (query_rope is None) != (key_rope is None):
         raise ParamInvalidError("query_rope/key_rope: give both rope tensors or neither")
     if query_rope is not None:
@@ -135,7 +146,58 @@ def validate_sparse(query, key, value, sparse_indices, scale_value, *, query_rop
     if sparse_indices.numel() and int(sparse_indices.min()) < -1:
         raise ParamInvalidError(f"sparse_indices: entries must be >= 0 or the padding value -1, got "
                                 f"min {int(sparse_indices.min())}")
+    if layout_kv == PAGED_KV_LAYOUT:
+        # "支持sparse_block_size整除block_size" (npu_sparse_flash_attention, 约束说明): a sparse block never
+        # straddles two pages.
+        if key.shape[1] % int(sparse_block_size):
+            raise ParamInvalidError(f"sparse_block_size: expected a divisor of the cache's block_size "
+                                    f"{key.shape[1]} (key.shape[1]), got {sparse_block_size}")
+        return paged_sequence_spans(layout, query, key, actual_seq_lengths_query, actual_seq_lengths_kv,
+                                    block_table, "actual_seq_lengths_kv")
     return sequence_spans(layout, query, key, actual_seq_lengths_query, actual_seq_lengths_kv, "actual_seq_lengths_kv")
+
+
+def kv_layout(layout: str, layout_kv: str | None, block_table, param: str) -> str:
+    """The key-side layout: `layout_kv` (None or "" -> "PA_BSND" with a block_table, else the query's layout).
+    A non-paged key layout must equal the query's and takes no block_table; with "PA_BSND" the query may be
+    BSND or TND (torch_npu npu_sparse_flash_attention / npu_lightning_indexer, docs/semantics/paged-kv.md)."""
+    if layout not in ("BSND", "TND"):
+        raise ParamInvalidError(f"layout: expected 'BSND' or 'TND', got {layout!r}")
+    if layout_kv is None or layout_kv == "":
+        layout_kv = PAGED_KV_LAYOUT if block_table is not None else layout
+    if layout_kv not in ("BSND", "TND", PAGED_KV_LAYOUT):
+        raise ParamInvalidError(f"{param}: expected 'BSND', 'TND' or '{PAGED_KV_LAYOUT}', got {layout_kv!r}")
+    if layout_kv != PAGED_KV_LAYOUT:
+        if block_table is not None:
+            raise ParamInvalidError(f"block_table: only with {param}='{PAGED_KV_LAYOUT}' (a paged cache), got a "
+                                    f"block_table with {param}={layout_kv!r}")
+        if layout_kv != layout:
+            raise ParamInvalidError(f"{param}: expected the query's layout {layout!r} (or '{PAGED_KV_LAYOUT}'), "
+                                    f"got {layout_kv!r}")
+    return layout_kv
+
+
+def paged_sequence_spans(layout: str, query: torch.Tensor, cache: torch.Tensor, actual_q, actual_kv, block_table,
+                         kv_param: str, key_param: str = "key") -> SparseProblem:
+    """Per-sequence spans of a DSA problem whose keys live in a paged cache [block_num, block_size, 1, D]: the
+    query's sequences (BSND batch rows or TND cumulative ends) and the page table of their keys
+    (docs/semantics/paged-kv.md). A sequence with no keys is allowed (its rows select nothing)."""
+    heads = query.shape[-2]
+    if layout == "BSND":
+        batch, s1 = query.shape[0], query.shape[1]
+        q_len = per_batch_lengths(actual_q, "actual_seq_lengths_query", batch, s1)
+        q_spans = [(b, 0, s1) for b in range(batch)]
+        seq_q = [s1] * batch
+    else:
+        q_len = cumulative_lengths(actual_q, query.shape[0], "actual_seq_lengths_query")
+        q_spans = [(-1, s, n) for s, n in zip(starts_of(q_len), q_len, strict=True)]
+        seq_q = q_len
+    pages = page_table(block_table, block_size=cache.shape[1], block_count=cache.shape[0], kv_lengths=actual_kv,
+                       batch=len(q_len), rule=DSA_BLOCK_SIZES, lengths_param=kv_param,
+                       block_size_param=f"{key_param} (block_size = {key_param}.shape[1])")
+    kv_len = list(pages.kv_lengths)
+    kv_spans = [(b, 0, n) for b, n in enumerate(kv_len)]
+    return SparseProblem(layout, heads, q_spans, kv_spans, seq_q, kv_len, q_len, kv_len, pages)
 
 
 def sequence_spans(layout: str, query: torch.Tensor, key: torch.Tensor, actual_q, actual_kv,
@@ -178,12 +240,14 @@ def _sequences(problem: SparseProblem, query, key, value, sparse_indices, query_
         if lq == 0 or lk == 0:
             continue
         k = problem.keys(key, b)[:lk, 0].to(dtype)
+        # A paged cache is gathered per sequence: the shared key/value latent only once.
+        v = k if value_is_key and problem.pages is not None else problem.keys(value, b)[:lk, 0].to(dtype)
         q_rope = None
         if query_rope is not None:
             q_rope = problem.rows(query_rope, b)[:lq]
             k = torch.cat([k, problem.keys(key_rope, b)[:lk, 0].to(dtype)], dim=-1)
         yield b, kernel.SparseSequence(
-            q=problem.rows(query, b)[:lq], q_rope=q_rope, k=k, v=problem.keys(value, b)[:lk, 0].to(dtype),
+            q=problem.rows(query, b)[:lq], q_rope=q_rope, k=k, v=v,
             indices=problem.rows(sparse_indices, b)[:lq, 0],
             seq_q=lq, seq_kv=lk, value_is_key=value_is_key,
         )
@@ -221,6 +285,8 @@ def sparse_flash_attention(
     pre_tokens: int = INT64_MAX,
     next_tokens: int = INT64_MAX,
     backend: str = "auto",
+    block_table: torch.Tensor | None = None,
+    layout_kv: str | None = None,
 ) -> SparseFlashAttentionResult:
     """DSA sparse attention forward: each query row attends to the keys its `sparse_indices` select.
 
@@ -231,11 +297,18 @@ def sparse_flash_attention(
     attention_out (query's shape with value's D), softmax_max / softmax_sum ([B, 1, S1, N1] or [1, T1, N1]); rows
     with nothing selected give 0 with max = -2e38, sum = 0. pre_tokens/next_tokens must be 2147483647 or 2**63-1
     (no sliding window, the only supported value). An empty query returns these initial outputs directly.
+
+    Paged key/value cache (`layout_kv="PA_BSND"`, implied by a `block_table`): key, value and key_rope are
+    [block_num, block_size, 1, D] caches, `block_table` [B, >= max blocks per sequence] int32 maps each sequence's
+    logical blocks to physical ones, `actual_seq_lengths_kv` (required) holds plain per-sequence key counts, and
+    `layout` (BSND or TND) describes the query alone (docs/semantics/paged-kv.md). The result equals that of the
+    same keys laid out contiguously.
     """
     problem = validate_sparse(query, key, value, sparse_indices, scale_value, query_rope=query_rope,
                               key_rope=key_rope, actual_seq_lengths_query=actual_seq_lengths_query,
                               actual_seq_lengths_kv=actual_seq_lengths_kv, sparse_block_size=sparse_block_size,
-                              layout=layout, sparse_mode=sparse_mode, pre_tokens=pre_tokens, next_tokens=next_tokens)
+                              layout=layout, sparse_mode=sparse_mode, pre_tokens=pre_tokens, next_tokens=next_tokens,
+                              block_table=block_table, layout_kv=layout_kv)
     block_size = int(sparse_block_size)  # a NumPy integer is accepted; the kernels take a Python int
     if query.numel() == 0:
         # Empty query (B, S1/T1, N1 or D zero): "query为空Tensor：直接返回" (seed :560, docs/semantics/errors.md).

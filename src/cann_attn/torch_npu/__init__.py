@@ -18,7 +18,8 @@ Signatures follow op-plugin's ``op_plugin_functions.yaml`` and the torch_npu API
   (Q K^T + Qr Kr^T)). ``sink`` is not supported.
 * ``npu_prompt_flash_attention``, ``npu_trans_quant_param``, ``npu_sparse_flash_attention`` (with
   ``return_softmax_lse``), ``npu_sparse_flash_attention_grad``, ``npu_lightning_indexer``,
-  ``npu_sparse_lightning_indexer_grad_kl_loss``.
+  ``npu_sparse_lightning_indexer_grad_kl_loss``. The sparse attention and indexer forwards read a paged cache
+  (``layout_kv``/``layout_key='PA_BSND'`` with ``block_table``, docs/semantics/paged-kv.md).
 
 Dropout (``keep_prob < 1``): like torch_npu, the mask is not returned but drawn from (seed, offset) of a generator,
 and the grad functions regenerate it from the ``seed``, ``offset`` and ``numels`` the forward returned. Here the
@@ -34,9 +35,8 @@ are 0; numels is still the mask size, as torch_npu reports it.
 
 Differences from Ascend that remain: masks are not bit-identical to an NPU's (a different random generator; the
 bit layout is the same); ``softmax_out`` is an empty tensor (reserved); ``gen_mask_parallel``, ``sync``,
-``inner_precise`` and ``padding_mask`` are accepted and have no effect; PageAttention (``block_table``,
-``layout_kv='PA_BSND'``) is not supported; length tensors are turned into lists with ``.tolist()`` (a graph break
-under torch.compile: pass Python lists there).
+``inner_precise`` and ``padding_mask`` are accepted and have no effect; length tensors are turned into lists with
+``.tolist()`` (a graph break under torch.compile: pass Python lists there).
 """
 
 

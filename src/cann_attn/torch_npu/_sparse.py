@@ -7,11 +7,11 @@ from ..errors import ParamInvalidError
 from ._common import INT64_MAX, _ints
 
 
-def _check_no_page_attention(block_table, layout_query: str, layout_kv: str) -> None:
-    if block_table is not None or layout_kv == "PA_BSND":
-        raise ParamInvalidError("block_table/layout_kv: PageAttention (PA_BSND) is not supported by cann_attn")
-    if layout_kv != layout_query:
-        raise ParamInvalidError(f"layout_kv: expected the query's layout {layout_query!r}, got {layout_kv!r}")
+def _check_paged_outputs(layout_kv: str, flag: str, value: bool) -> None:
+    """``return_softmax_lse`` / ``return_value`` are "仅在训练且layout_kv不为PA_BSND场景支持" (torch_npu docs):
+    a paged cache (docs/semantics/paged-kv.md) returns the attention output / indices only."""
+    if value and layout_kv == "PA_BSND":
+        raise ParamInvalidError(f"{flag}: expected False with a paged cache (layout_kv='PA_BSND'), got True")
 
 
 def _check_attention_mode(attention_mode: int) -> None:
@@ -30,14 +30,15 @@ def npu_sparse_flash_attention(
 
     The statistics ([B, N2, S1, G] / [N2, T1, G], fp32) are returned with ``return_softmax_lse=True``, else empty
     (0,) tensors. Differentiable w.r.t. query, key, value, query_rope and key_rope (SparseFlashAttentionGrad).
+    ``layout_kv='PA_BSND'`` with ``block_table``: key/value/key_rope are paged caches (docs/semantics/paged-kv.md).
     """
-    _check_no_page_attention(block_table, layout_query, layout_kv)
+    _check_paged_outputs(layout_kv, "return_softmax_lse", return_softmax_lse)
     _check_attention_mode(attention_mode)
     out, softmax_max, softmax_sum = torch.ops.cann_attn.sparse_flash_attention(
         query, key, value, sparse_indices, float(scale_value), query_rope, key_rope,
         _ints(actual_seq_lengths_query, "actual_seq_lengths_query"),
         _ints(actual_seq_lengths_kv, "actual_seq_lengths_kv"), sparse_block_size, layout_query, sparse_mode,
-        pre_tokens, next_tokens,
+        pre_tokens, next_tokens, block_table=block_table, layout_kv=layout_kv,
     )
     if not return_softmax_lse:
         softmax_max = softmax_max.new_empty((0,))
@@ -71,11 +72,11 @@ def npu_lightning_indexer(
 ):
     """torch_npu.npu_lightning_indexer -> ``(sparse_indices, sparse_values)``; int32 indices [B, S1, 1, K] /
     [T1, 1, K]; sparse_values is an empty (0,) tensor unless ``return_value``."""
-    _check_no_page_attention(block_table, layout_query, layout_key)
+    _check_paged_outputs(layout_key, "return_value", return_value)
     return torch.ops.cann_attn.lightning_indexer(
         query, key, weights, _ints(actual_seq_lengths_query, "actual_seq_lengths_query"),
         _ints(actual_seq_lengths_key, "actual_seq_lengths_key"), layout_query, sparse_count, sparse_mode,
-        return_value,
+        return_value, block_table=block_table, layout_key=layout_key,
     )
 
 

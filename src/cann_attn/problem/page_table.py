@@ -1,0 +1,144 @@
+"""Paged KV caches (PageAttention): the one rule shared by every operator that takes a `block_table`
+(docs/semantics/paged-kv.md).
+
+A paged cache holds the keys (values, rope keys) of every sequence of a batch in fixed-size physical blocks of
+`block_size` tokens: [block_num, block_size, N, D] (SFA / LI "PA_BSND", FIA's [block_num, block_size, H]) or
+[block_num, N, block_size, D] (FIA's BnNBsD). Row b of the 2-D int32 `block_table` lists the physical blocks of
+sequence b in logical order, so logical key position p of sequence b lives in block `block_table[b, p // bs]` at
+slot `p % bs` (torch_npu npu_sparse_flash_attention / npu_lightning_indexer / npu_incre_flash_attention docs, and
+the op-plugin CPU goldens that rebuild a contiguous cache block by block in exactly this order).
+
+Sequence b has L_b keys (its actual KV length, required with a paged cache) and uses its first
+ceil(L_b / bs) table entries; those must name existing blocks (0 <= id < block_num). Everything else is never
+read and may hold anything: later table entries (-1, stale or out-of-range ids), the slots of a partially filled
+last block beyond L_b, and blocks no sequence names. Constraints checked here (each a ParamInvalidError naming
+the parameter): block_table int32 and 2-D, one row per sequence, at least max_b ceil(L_b / bs) columns, used
+entries in range, block_num >= the blocks the sequences need together, and the block size rule of the operator.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..errors import ParamInvalidError, ParamNullptrError, describe, require
+from .lengths import IntList, per_batch_lengths
+
+PAGED_KV_LAYOUT = "PA_BSND"
+# Per-batch lengths of a paged cache are bounded by the table, checked separately with a message naming it.
+_NO_LENGTH_BOUND = 2**62
+
+
+@dataclass(frozen=True)
+class BlockSizeRule:
+    """The block sizes an operator accepts: multiples of `multiple` in [minimum, maximum]."""
+
+    multiple: int
+    maximum: int
+    minimum: int = 1
+
+    def check(self, block_size: int, param: str) -> None:
+        if block_size < max(self.minimum, 1) or block_size > self.maximum or block_size % self.multiple:
+            low = max(self.minimum, self.multiple)
+            raise ParamInvalidError(
+                f"{param}: expected a block size that is a multiple of {self.multiple} in [{low}, {self.maximum}], "
+                f"got {block_size}"
+            )
+
+
+# npu_sparse_flash_attention / npu_lightning_indexer (PA_BSND key): "block_size取值为16的倍数，最大支持1024".
+DSA_BLOCK_SIZES = BlockSizeRule(multiple=16, maximum=1024)
+
+
+@dataclass(frozen=True)
+class PageTable:
+    """A validated block table: `table` is the caller's [B, W] tensor (never copied), `kv_lengths` the per-sequence
+    key counts, `block_count` the cache's number of physical blocks."""
+
+    table: torch.Tensor
+    block_size: int
+    block_count: int
+    kv_lengths: tuple[int, ...]
+
+    @property
+    def batch(self) -> int:
+        return len(self.kv_lengths)
+
+    def blocks_used(self, b: int) -> int:
+        """Table entries sequence b reads: ceil(L_b / block_size)."""
+        return -(-self.kv_lengths[b] // self.block_size)
+
+    def blocks_of(self, b: int) -> torch.Tensor:
+        """The physical blocks of sequence b in logical order (int64, on the table's device)."""
+        return self.table[b, : self.blocks_used(b)].to(torch.int64)
+
+    def locate(self, b: int, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(physical block, slot) of logical key positions of sequence b (each in [0, L_b))."""
+        positions = positions.to(device=self.table.device, dtype=torch.int64)
+        return self.blocks_of(b)[positions // self.block_size], positions % self.block_size
+
+    def gather(self, cache: torch.Tensor, b: int, positions: torch.Tensor, token_dim: int = 1) -> torch.Tensor:
+        """cache entries of logical positions of sequence b: [len(positions), *the other non-block dims] for a
+        cache [block_num, block_size, ...] (token_dim=1) or [block_num, N, block_size, D] (token_dim=2, result
+        [len, N, D]). A copy of just those tokens: no other block or slot is read."""
+        blocks, slots = self.locate(b, positions)
+        blocks, slots = blocks.to(cache.device), slots.to(cache.device)
+        if token_dim == 1:
+            return cache[blocks, slots]
+        return cache[blocks, :, slots]
+
+    def sequence(self, cache: torch.Tensor, b: int, token_dim: int = 1) -> torch.Tensor:
+        """The L_b keys of sequence b, [L_b, ...] in logical order: what a contiguous cache would hold."""
+        positions = torch.arange(self.kv_lengths[b], device=self.table.device)
+        return self.gather(cache, b, positions, token_dim)
+
+    def physical_rows(self, b: int) -> torch.Tensor:
+        """Flat row (block * block_size + slot) of each of sequence b's L_b positions in a cache seen as
+        [block_num * block_size, ...] rows (int64)."""
+        blocks, slots = self.locate(b, torch.arange(self.kv_lengths[b], device=self.table.device))
+        return blocks * self.block_size + slots
+
+
+def page_table(block_table, *, block_size: int, block_count: int, kv_lengths: IntList | None, batch: int,
+               rule: BlockSizeRule, lengths_param: str, block_size_param: str = "block_size",
+               table_param: str = "block_table") -> PageTable:
+    """Validate a paged cache's `block_table` and per-sequence key lengths (docs/semantics/paged-kv.md).
+
+    `block_size` and `block_count` come from the cache's shape (or the operator's `block_size` argument, which the
+    caller has checked against it); `kv_lengths` are plain per-sequence lengths (None is an error: a paged cache
+    has no S to default to); `batch` is the query's number of sequences."""
+    rule.check(block_size, block_size_param)
+    if block_table is None:
+        raise ParamNullptrError(f"{table_param}: required with a paged KV cache, got None")
+    require(isinstance(block_table, torch.Tensor), table_param, "an int32 torch.Tensor", block_table)
+    require(block_table.dtype == torch.int32, table_param, "dtype int32", block_table)
+    require(block_table.dim() == 2, table_param, "a 2-D tensor [B, max blocks per sequence]", block_table)
+    require(block_table.shape[0] == batch, table_param, f"one row per sequence (B={batch})", block_table)
+    if kv_lengths is None:
+        raise ParamNullptrError(f"{lengths_param}: required with a paged KV cache (per-sequence key counts), got None")
+    lengths = per_batch_lengths(kv_lengths, lengths_param, batch, _NO_LENGTH_BOUND)
+    needed = [-(-length // block_size) for length in lengths]
+    width = block_table.shape[1]
+    if needed and max(needed) > width:
+        b = needed.index(max(needed))
+        raise ParamInvalidError(
+            f"{table_param}: expected at least {max(needed)} columns (sequence {b} has {lengths[b]} keys in blocks "
+            f"of {block_size}), got {describe(block_table)}"
+        )
+    if sum(needed) > block_count:
+        raise ParamInvalidError(
+            f"key: expected at least {sum(needed)} blocks (the blocks the sequences need together), got "
+            f"block_num={block_count}"
+        )
+    if sum(needed):
+        used = torch.arange(width, device=block_table.device).view(1, -1) < torch.tensor(
+            needed, device=block_table.device).view(-1, 1)
+        entries = block_table[used]
+        low, high = int(entries.min()), int(entries.max())
+        if low < 0 or high >= block_count:
+            bad = low if low < 0 else high
+            raise ParamInvalidError(
+                f"{table_param}: entries a sequence reads must be block ids in [0, {block_count - 1}], got {bad}"
+            )
+    return PageTable(block_table, block_size, block_count, tuple(lengths))
