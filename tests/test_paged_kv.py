@@ -17,6 +17,12 @@ from dsa_utils import BF16, F16, F32, IndexerCase, SFACase, single_thread
 from paged_utils import paginate
 
 pytestmark = pytest.mark.usefixtures(single_thread.__name__)
+
+
+@pytest.fixture(autouse=True)
+def reference_backend(monkeypatch):
+    """These tests state the reference backend's bit-for-bit equality, whatever CANN_ATTN_BACKEND says."""
+    monkeypatch.setenv("CANN_ATTN_BACKEND", "reference")
 # Block sizes of a PA_BSND cache: multiples of 16 up to 1024 (npu_sparse_flash_attention / npu_lightning_indexer).
 BLOCK_SIZES = (16, 48, 128, 1024)
 

@@ -18,6 +18,7 @@ from ..traceable import traced_as_custom_op
 from .sparse_flash_attention import (
     FLOAT_DTYPES,
     INT64_MAX,
+    PAGED_PENDING,
     _check_tensor,
     _deterministic_guard,
     kv_layout,
@@ -119,7 +120,8 @@ def lightning_indexer(
         values = torch.full((*lead, 1, sparse_count), float("-inf"), dtype=query_index.dtype,
                             device=query_index.device)
     if select_backend(backend, query_index.device, op="lightning_indexer",
-                      unsupported=lambda: indexer_unsupported(query_index, weights)) == "triton":
+                      unsupported=lambda: PAGED_PENDING if problem.pages is not None
+                      else indexer_unsupported(query_index, weights)) == "triton":
         from ..backends.triton import indexer as triton_kernel
 
         triton_kernel.lightning_top_k(
