@@ -7,6 +7,7 @@ from . import library  # noqa: F401  (registers the cann_attn::* custom ops)
 from .autograd import flash_attention, indexer_kl_loss, sparse_attention
 from .backends import BackendFallbackWarning
 from .errors import AclnnError, ParamInvalidError, ParamNullptrError
+from .ops.attention_update import AttentionUpdateResult, attention_update
 from .ops.flash_attention_score import (
     FlashAttentionScoreResult,
     flash_attention_score,
@@ -20,6 +21,7 @@ from .ops.lightning_indexer import (
     sparse_lightning_indexer_grad_kl_loss,
 )
 from .ops.prompt_flash_attention import prompt_flash_attention
+from .ops.ring_attention_update import RingAttentionUpdateResult, ring_attention_update
 from .ops.sparse_flash_attention import (
     SparseFlashAttentionGradResult,
     SparseFlashAttentionResult,
@@ -34,16 +36,19 @@ __version__ = "0.1.0"
 
 __all__ = [
     "AclnnError",
+    "AttentionUpdateResult",
     "BackendFallbackWarning",
     "FlashAttentionScoreGradResult",
     "FlashAttentionScoreResult",
     "LightningIndexerResult",
     "ParamInvalidError",
     "ParamNullptrError",
+    "RingAttentionUpdateResult",
     "SparseFlashAttentionGradResult",
     "SparseFlashAttentionResult",
     "SparseLightningIndexerGradKLLossResult",
     "__version__",
+    "attention_update",
     "compressed_mask",
     "drop_mask_numel",
     "flash_attention",
@@ -54,6 +59,7 @@ __all__ = [
     "indexer_kl_loss",
     "lightning_indexer",
     "prompt_flash_attention",
+    "ring_attention_update",
     "sparse_attention",
     "sparse_flash_attention",
     "sparse_flash_attention_grad",

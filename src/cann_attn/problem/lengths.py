@@ -7,6 +7,7 @@ per-batch lengths (PFA, DSA) are plain lengths. Both Python int sequences and in
 from __future__ import annotations
 
 from collections.abc import Sequence
+from itertools import pairwise
 
 import torch
 
@@ -91,3 +92,26 @@ def per_batch_lengths(value: IntList | int | None, param: str, batch: int, seq: 
         if not 0 <= length <= seq:
             raise ParamInvalidError(f"{param}: batch {b} length must be in [0, {seq}] (the tensor's S), got {length}")
     return lengths
+
+
+def zero_based_cumulative_lengths(value: IntList | None, total: int, param: str) -> list[int]:
+    """Per-sequence lengths from cumulative ends WITH a leading 0 ([0, 2, 5] for lengths 2 and 3), the form of
+    RingAttentionUpdate's actual_seq_qlen (docs/operators/ring_attention_update.md): non-decreasing from 0, the
+    last end at most the token count `total` (tokens past it are end-of-document padding). A tensor must be int64
+    (the documented dtype)."""
+    if value is None:
+        raise ParamNullptrError(f"{param}: required for the TND layout (cumulative lengths from 0), got None")
+    if isinstance(value, torch.Tensor) and value.dtype != torch.int64:
+        raise ParamInvalidError(f"{param}: expected an int64 tensor, got {describe(value)}")
+    if isinstance(value, torch.Tensor) and value.dim() > 1:
+        raise ParamInvalidError(f"{param}: expected a 1-D tensor, got {describe(value)}")
+    ends = to_int_list(value, param)
+    if not ends or ends[0] != 0:
+        raise ParamInvalidError(f"{param}: expected cumulative lengths starting at 0 ([0, S_1, S_1 + S_2, ...]), "
+                                f"got {ends}")
+    if any(b < a for a, b in pairwise(ends)):
+        raise ParamInvalidError(f"{param}: cumulative lengths must be non-decreasing, got {ends}")
+    if ends[-1] > total:
+        raise ParamInvalidError(f"{param}: the last cumulative length must be at most the tensor's T={total}, "
+                                f"got {ends}")
+    return [b - a for a, b in pairwise(ends)]

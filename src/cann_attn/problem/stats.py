@@ -56,3 +56,27 @@ def run_view(stats: torch.Tensor, *, tnd: bool, softmax_layout: str, b0: int, co
     flat = stats.view(-1)
     start = token_start * heads * STAT_WIDTH
     return flat[start : start + count * heads * seq_q * STAT_WIDTH].view(count, heads, seq_q, STAT_WIDTH)
+
+
+def tnd_stat_rows(lengths: list[int], tokens: int, heads: int, softmax_layout: str,
+                  device: torch.device | str = "cpu") -> torch.Tensor:
+    """[T, N1] int64: where the statistics of token t, head n sit in a TND softmax tensor viewed as [T * N1, 8].
+
+    "TND": row t * N1 + n. "" (Ascend's default): sequence b (token offset t_b, length S_b) is an [N1, S_b] block
+    at row t_b * N1, so row t_b * N1 + n * S_b + (t - t_b). Tokens past sum(lengths) (end-of-document padding)
+    form one more block of that kind.
+    """
+    if softmax_layout == "TND":
+        return torch.arange(tokens * heads, device=device).view(tokens, heads)
+    spans = list(lengths)
+    if sum(spans) < tokens:
+        spans.append(tokens - sum(spans))
+    blocks, start = [], 0
+    for length in spans:
+        if length:
+            block = torch.arange(length * heads, device=device).view(heads, length).t()
+            blocks.append(block + start * heads)
+        start += length
+    if not blocks:
+        return torch.empty((0, heads), dtype=torch.int64, device=device)
+    return torch.cat(blocks)

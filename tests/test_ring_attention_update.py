@@ -1,0 +1,194 @@
+"""ring_attention_update replaying a context-parallel ring (the call pattern of MindSpeed's ring attention,
+written from what it calls): the sequence is cut into 2P chunks, rank r holds chunks r and 2P-1-r ("zigzag" load
+balance); at step i rank r receives the keys/values of rank j = (r - i) mod P, runs flash_attention_score on them
+and folds the result into its running (attn_out, softmax_max, softmax_sum) with ring_attention_update.
+
+Causal rings use one FA call per step as the ring code does: j == r the causal diagonal (sparse_mode 3), j < r all
+local queries against the first chunk of rank j (no mask), j > r the second local chunk against all keys of rank j
+(no mask; only those rows are updated, the others untouched). Each rank's final result must equal full attention
+over the whole sequence, from the float64 oracle (tests/oracle.py), rows of that rank.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import cann_attn
+import oracle
+
+SCALE = 0.3
+
+
+def assert_ring_close(out, golden, naive, ranks: int, name: str) -> None:
+    """The precision rule (docs/semantics/precision.md), or for a ring of P steps the flash-attn rule with P
+    roundings: the running attn_out is stored in its dtype after each of the P steps (as on Ascend), so its error
+    budget is P times that of one same-dtype computation."""
+    try:
+        oracle.assert_close_to_oracle(out, golden, naive, name=name)
+    except AssertionError:
+        err = (out.double() - golden).abs().max().item()
+        naive_err = (naive.double() - golden).abs().max().item()
+        assert err <= ranks * naive_err + 1e-5, f"{name}: max error {err:.3e} > {ranks} x naive {naive_err:.3e}"
+
+
+def ring_update(acc, cur, backend, **kwargs):
+    return tuple(cann_attn.ring_attention_update(*acc, *cur, backend=backend, **kwargs))
+
+
+def fa(q, k, v, heads, layout, causal=False, **kwargs):
+    mask = dict(atten_mask=cann_attn.compressed_mask(3), sparse_mode=3) if causal else {}
+    result = cann_attn.flash_attention_score(q, k, v, heads, layout, scale_value=SCALE, **mask, **kwargs)
+    return result.attention_out, result.softmax_max, result.softmax_sum
+
+
+def zigzag_positions(start: int, length: int, ranks: int, r: int) -> list[int]:
+    c = length // (2 * ranks)
+    first = list(range(start + r * c, start + (r + 1) * c))
+    second = list(range(start + (2 * ranks - 1 - r) * c, start + (2 * ranks - r) * c))
+    return first + second
+
+
+# ------------------------------------------------------------------------------------------------------------- SBH
+def sbh_ring_rank(q, k, v, heads, ranks, r, causal, backend):
+    s = q.shape[0]
+    local = [zigzag_positions(0, s, ranks, j) for j in range(ranks)]
+    q_r = q[local[r]]
+    half = len(local[r]) // 2
+    acc = None
+    for step in range(ranks):
+        j = (r - step) % ranks
+        k_j, v_j = k[local[j]], v[local[j]]
+        if not causal:
+            cur = fa(q_r, k_j, v_j, heads, "SBH")
+            acc = cur if acc is None else ring_update(acc, cur, backend)
+        elif j == r:
+            acc = fa(q_r, k_j, v_j, heads, "SBH", causal=True)
+        elif j < r:
+            acc = ring_update(acc, fa(q_r, k_j[:half], v_j[:half], heads, "SBH"), backend)
+        else:
+            cur = fa(q_r[half:], k_j, v_j, heads, "SBH")
+            out, mx, sm = acc
+            upd = ring_update((out[half:], mx[:, :, half:], sm[:, :, half:]), cur, backend)
+            acc = (torch.cat([out[:half], upd[0]]), torch.cat([mx[:, :, :half], upd[1]], dim=2),
+                   torch.cat([sm[:, :, :half], upd[2]], dim=2))
+    return acc, local[r]
+
+
+@pytest.mark.parametrize("backend", ["reference", "triton"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("ranks", [2, 4])
+def test_sbh_ring_equals_full_attention(rng, ranks, causal, dtype, backend):
+    b, heads, d = 2, 2, 16
+    s = 2 * ranks * 3
+    q, k, v = (torch.randn(s, b, heads * d, generator=rng).to(dtype) for _ in range(3))
+    mask = dict(atten_mask=cann_attn.compressed_mask(3), sparse_mode=3) if causal else {}
+    golden = oracle.fa_forward_oracle(q, k, v, heads, "SBH", scale_value=SCALE, **mask)
+    naive = oracle.naive_same_dtype_forward(q, k, v, heads, "SBH", scale_value=SCALE, **mask)
+    for r in range(ranks):
+        (out, mx, sm), rows = sbh_ring_rank(q, k, v, heads, ranks, r, causal, backend)
+        assert out.dtype == dtype and mx.dtype == torch.float32 and out.shape == (len(rows), b, heads * d)
+        assert_ring_close(out, golden[0][rows], naive[0][rows], ranks, f"attn_out rank {r}")
+        torch.testing.assert_close(mx.double(), golden[1][:, :, rows], rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(sm.double(), golden[2][:, :, rows], rtol=1e-4, atol=1e-5)
+
+
+# ------------------------------------------------------------------------------------------------------------- TND
+def stat_rows(local_lengths: list[int], heads: int, softmax_layout: str, picks: list[list[int]]) -> list[int]:
+    """Rows of a [T*N, 8] statistics view holding, for each sequence b, heads n and its in-sequence positions
+    picks[b], in the order the sub-problem made of those tokens lays out its own statistics."""
+    rows, start = [], 0
+    if softmax_layout == "TND":
+        for length, pick in zip(local_lengths, picks, strict=True):
+            rows += [(start + i) * heads + n for i in pick for n in range(heads)]
+            start += length
+        return rows
+    for length, pick in zip(local_lengths, picks, strict=True):
+        rows += [start * heads + n * length + i for n in range(heads) for i in pick]
+        start += length
+    return rows
+
+
+def token_major_rows(local_lengths: list[int], heads: int, softmax_layout: str) -> list[int]:
+    """Row of (token t, head n) in a [T*N, 8] statistics view, in (t, n) order."""
+    rows, start = [], 0
+    for length in local_lengths:
+        for i in range(length):
+            for n in range(heads):
+                rows.append((start + i) * heads + n if softmax_layout == "TND" else start * heads + n * length + i)
+        start += length
+    return rows
+
+
+def tnd_ring_rank(q, k, v, heads, lengths, ranks, r, causal, softmax_layout, backend):
+    starts = [sum(lengths[:i]) for i in range(len(lengths))]
+    local = [[p for st, n in zip(starts, lengths, strict=True) for p in zigzag_positions(st, n, ranks, j)]
+             for j in range(ranks)]
+    chunk = [n // (2 * ranks) for n in lengths]
+    local_len = [2 * c for c in chunk]
+    cum_local = oracle.tnd_cum(local_len)
+    seq_q = [0, *cum_local]
+    q_r = q[local[r]]
+    # token indices (inside a rank's local tensor) of each sequence's first / second chunk
+    first = [st + i for st, c in zip(seq_q, chunk, strict=False) for i in range(c)]
+    second = [st + c + i for st, c in zip(seq_q, chunk, strict=False) for i in range(c)]
+    opts = dict(softmax_layout=softmax_layout)
+    acc = None
+    for step in range(ranks):
+        j = (r - step) % ranks
+        k_j, v_j = k[local[j]], v[local[j]]
+        if not causal:
+            cur = fa(q_r, k_j, v_j, heads, "TND", actual_seq_qlen=cum_local, actual_seq_kvlen=cum_local, **opts)
+            acc = cur if acc is None else ring_update(acc, cur, backend, actual_seq_qlen=torch.tensor(seq_q),
+                                                      input_layout="TND", input_softmax_layout=softmax_layout)
+        elif j == r:
+            acc = fa(q_r, k_j, v_j, heads, "TND", causal=True, actual_seq_qlen=cum_local,
+                     actual_seq_kvlen=cum_local, **opts)
+        elif j < r:
+            cur = fa(q_r, k_j[first], v_j[first], heads, "TND", actual_seq_qlen=cum_local,
+                     actual_seq_kvlen=oracle.tnd_cum(chunk), **opts)
+            acc = ring_update(acc, cur, backend, actual_seq_qlen=torch.tensor(seq_q), input_layout="TND",
+                              input_softmax_layout=softmax_layout)
+        else:
+            cur = fa(q_r[second], k_j, v_j, heads, "TND", actual_seq_qlen=oracle.tnd_cum(chunk),
+                     actual_seq_kvlen=cum_local, **opts)
+            out, mx, sm = acc
+            picks = [list(range(c, 2 * c)) for c in chunk]
+            rows = torch.tensor(stat_rows(local_len, heads, softmax_layout, picks))
+            prev = (out[second], mx.view(-1, 8)[rows].view(-1, heads, 8), sm.view(-1, 8)[rows].view(-1, heads, 8))
+            upd = ring_update(prev, cur, backend, actual_seq_qlen=torch.tensor([0, *oracle.tnd_cum(chunk)]),
+                              input_layout="TND", input_softmax_layout=softmax_layout)
+            out, mx, sm = out.clone(), mx.clone(), sm.clone()
+            out[second] = upd[0]
+            mx.view(-1, 8)[rows] = upd[1].view(-1, 8)
+            sm.view(-1, 8)[rows] = upd[2].view(-1, 8)
+            acc = (out, mx, sm)
+    return acc, local[r], local_len
+
+
+@pytest.mark.parametrize("backend", ["reference", "triton"])
+@pytest.mark.parametrize("softmax_layout", ["", "TND"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("ranks", [2, 4])
+def test_tnd_ring_equals_full_attention(rng, ranks, causal, dtype, softmax_layout, backend):
+    heads, d = 2, 64
+    lengths = [2 * ranks * c for c in (2, 1, 3)]
+    total = sum(lengths)
+    q, k, v = (torch.randn(total, heads, d, generator=rng).to(dtype) for _ in range(3))
+    mask = dict(atten_mask=cann_attn.compressed_mask(3), sparse_mode=3) if causal else {}
+    cum = oracle.tnd_cum(lengths)
+    kwargs = dict(actual_seq_qlen=cum, actual_seq_kvlen=cum, scale_value=SCALE, softmax_layout="TND", **mask)
+    golden = oracle.fa_forward_oracle(q, k, v, heads, "TND", **kwargs)
+    naive = oracle.naive_same_dtype_forward(q, k, v, heads, "TND", **kwargs)
+    for r in range(ranks):
+        (out, mx, sm), tokens, local_len = tnd_ring_rank(q, k, v, heads, lengths, ranks, r, causal, softmax_layout,
+                                                         backend)
+        assert out.dtype == dtype and out.shape == (len(tokens), heads, d)
+        assert_ring_close(out, golden[0][tokens], naive[0][tokens], ranks, f"attn_out rank {r}")
+        # statistics back to token-major order
+        order = torch.tensor(token_major_rows(local_len, heads, softmax_layout))
+        for ours, want in ((mx, golden[1]), (sm, golden[2])):
+            token_major = ours.reshape(-1, 8)[order].view(-1, heads, 8)
+            torch.testing.assert_close(token_major.double(), want[tokens], rtol=1e-4, atol=1e-5)
