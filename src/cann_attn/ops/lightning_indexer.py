@@ -18,7 +18,6 @@ from ..traceable import traced_as_custom_op
 from .sparse_flash_attention import (
     FLOAT_DTYPES,
     INT64_MAX,
-    PAGED_PENDING,
     _check_tensor,
     _deterministic_guard,
     kv_layout,
@@ -120,13 +119,13 @@ def lightning_indexer(
         values = torch.full((*lead, 1, sparse_count), float("-inf"), dtype=query_index.dtype,
                             device=query_index.device)
     if select_backend(backend, query_index.device, op="lightning_indexer",
-                      unsupported=lambda: PAGED_PENDING if problem.pages is not None
-                      else indexer_unsupported(query_index, weights)) == "triton":
+                      unsupported=lambda: indexer_unsupported(query_index, weights)) == "triton":
         from ..backends.triton import indexer as triton_kernel
 
+        block_table = None if problem.pages is None else problem.pages.table.to(query_index.device)
         triton_kernel.lightning_top_k(
             query_index, key_index, weights, indexer_tables(problem, sparse_mode, query_index.device), sparse_count,
-            indices.view(-1, sparse_count), None if values is None else values.view(-1, sparse_count))
+            indices.view(-1, sparse_count), None if values is None else values.view(-1, sparse_count), block_table)
         return LightningIndexerResult(indices, values)
     for b in range(len(problem.q_spans)):
         lq, lk = problem.q_lengths[b], problem.kv_lengths[b]

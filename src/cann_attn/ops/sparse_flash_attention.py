@@ -24,7 +24,6 @@ INT64_MAX = 2**63 - 1
 # mean the same thing here: no window.
 SFA_WINDOW_VALUES = (2147483647, INT64_MAX)
 SFA_MODES = (0, 3)
-PAGED_PENDING = "the Triton kernels do not read paged (PA_BSND) caches yet"
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 MAX_HEADS = 128
 
@@ -315,15 +314,15 @@ def sparse_flash_attention(
         # Empty query (B, S1/T1, N1 or D zero): "query为空Tensor：直接返回" (seed :560, docs/semantics/errors.md).
         return SparseFlashAttentionResult(*_initial_outputs(problem, query, value))
     if select_backend(backend, query.device, op="sparse_flash_attention",
-                      unsupported=lambda: PAGED_PENDING if problem.pages is not None
-                      else sparse_unsupported(query, key, value, query_rope)) == "triton":
+                      unsupported=lambda: sparse_unsupported(query, key, value, query_rope)) == "triton":
         from ..backends.triton import sparse_attention as triton_kernel
 
         indices = index_rows(sparse_indices)
         tables = sfa_tables(problem, indices, sparse_mode, block_size)
+        block_table = None if problem.pages is None else problem.pages.table.to(query.device)
         return SparseFlashAttentionResult(*triton_kernel.sparse_forward(
             query, key, value, indices, query_rope, key_rope, tables, float(scale_value), block_size,
-            _stats_shape(problem, query)))
+            _stats_shape(problem, query), block_table))
     out, softmax_max, softmax_sum = _initial_outputs(problem, query, value)
     dtype = accumulation_dtype(query.dtype)
     for b, seq in _sequences(problem, query, key, value, sparse_indices, query_rope, key_rope):

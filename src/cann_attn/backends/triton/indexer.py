@@ -26,6 +26,7 @@ from .jit import device_function
 from .sparse_attention import (
     DETERMINISTIC_WORKSPACE_BYTES,
     _next_pow2,
+    _pages3,
     _precision,
     _rows2,
     _rows3,
@@ -58,11 +59,13 @@ def examined_keys(row_idx, start, n_exam, thr, kv0, BLOCK_N: tl.constexpr):
 # LightningIndexer
 # ----------------------------------------------------------------------------------------------------------
 @triton.jit
-def _index_keys_kernel(QI, KI, W, KV_START, THR, KEYS, row0, width,
-                       stride_qt, stride_qh, stride_kt, stride_wt, stride_keys,
+def _index_keys_kernel(QI, KI, W, KV_START, THR, KEYS, BT, row0, width,
+                       stride_qt, stride_qh, stride_kt, stride_wt, stride_keys, stride_kb,
                        H, DI, PRECISION: tl.constexpr,
-                       BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr):
-    """KEYS[r - row0, s] for keys s of block program_id(0) (INT64_MIN where s >= thr(r))."""
+                       BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, PAGE: tl.constexpr):
+    """KEYS[r - row0, s] for keys s of block program_id(0) (INT64_MIN where s >= thr(r)). PAGE > 0: KI is a paged
+    cache [block_num, PAGE, D] read in place through the block table BT (KV_START: each row's offset into BT;
+    docs/semantics/paged-kv.md)."""
     cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     r = row0 + tl.program_id(1).to(tl.int64)
     thr = tl.load(THR + r)
@@ -77,8 +80,12 @@ def _index_keys_kernel(QI, KI, W, KV_START, THR, KEYS, row0, width,
                     mask=h_ok[:, None] & d_ok[None, :], other=0.0)
         w = tl.load(W + r * stride_wt + heads, mask=h_ok, other=0.0).to(tl.float32)
         kv0 = tl.load(KV_START + r)
-        k = tl.load(KI + (kv0 + cols)[:, None] * stride_kt + offs_d[None, :], mask=allowed[:, None] & d_ok[None, :],
-                    other=0.0)
+        if PAGE > 0:
+            block = tl.load(BT + kv0 + cols // PAGE, mask=allowed, other=0).to(tl.int64)
+            k_off = block * stride_kb + (cols % PAGE) * stride_kt
+        else:
+            k_off = (kv0 + cols) * stride_kt
+        k = tl.load(KI + k_off[:, None] + offs_d[None, :], mask=allowed[:, None] & d_ok[None, :], other=0.0)
         relu = tl.maximum(tl.dot(q, tl.trans(k), input_precision=PRECISION), 0.0)
         score = tl.sum(relu * w[:, None], 0)
         score = tl.where(score == 0.0, 0.0, score)  # -0 sorts like +0 (ties to the smaller index)
@@ -98,8 +105,10 @@ def _decode_scores(keys: torch.Tensor) -> torch.Tensor:
 
 
 def lightning_top_k(query_index: torch.Tensor, key_index: torch.Tensor, weights: torch.Tensor, tables: RowTables,
-                    sparse_count: int, indices_out: torch.Tensor, values_out: torch.Tensor | None) -> None:
-    """Fill indices_out [R, K] (int32, pre-filled with -1) and values_out [R, K] (pre-filled with -inf)."""
+                    sparse_count: int, indices_out: torch.Tensor, values_out: torch.Tensor | None,
+                    block_table: torch.Tensor | None = None) -> None:
+    """Fill indices_out [R, K] (int32, pre-filled with -1) and values_out [R, K] (pre-filled with -inf). With
+    `block_table`, key_index is a paged cache [block_num, block_size, 1, D] read in place."""
     rows = tables.rows
     width = tables.max_positions  # the largest allowed-key count of any row
     if rows == 0 or width == 0:
@@ -107,7 +116,8 @@ def lightning_top_k(query_index: torch.Tensor, key_index: torch.Tensor, weights:
     interp = interpreting()
     work = torch.float32 if interp else query_index.dtype
     qi = _rows3(query_index, rows, work)
-    ki = _rows2(key_index, work)
+    ki = _pages3(key_index, work) if block_table is not None else _rows2(key_index, work)
+    stride_kb, stride_kt = (ki.stride(0), ki.stride(1)) if block_table is not None else (0, ki.stride(0))
     # Tiny; fp32 in-kernel anyway. Contiguous: the kernels read a row's heads at unit stride.
     w = weights.reshape(rows, weights.shape[-1]).float().contiguous()
     heads, di = qi.shape[1], qi.shape[2]
@@ -121,9 +131,11 @@ def lightning_top_k(query_index: torch.Tensor, key_index: torch.Tensor, weights:
         n = min(slab, rows - row0)
         keys = torch.empty((n, width), dtype=torch.int64, device=qi.device)
         grid = (triton.cdiv(width, block_n), n)
-        _index_keys_kernel[grid](qi, ki, w, tables.kv_start, tables.thr, keys, row0, width,
-                                 qi.stride(0), qi.stride(1), ki.stride(0), w.stride(0), keys.stride(0), heads, di,
-                                 PRECISION=_precision(work), BLOCK_H=block_h, BLOCK_D=block_d, BLOCK_N=block_n,
+        _index_keys_kernel[grid](qi, ki, w, tables.kv_start, tables.thr, keys,
+                                 tables.kv_start if block_table is None else block_table, row0, width,
+                                 qi.stride(0), qi.stride(1), stride_kt, w.stride(0), keys.stride(0), stride_kb, heads,
+                                 di, PRECISION=_precision(work), BLOCK_H=block_h, BLOCK_D=block_d, BLOCK_N=block_n,
+                                 PAGE=0 if block_table is None else key_index.shape[1],
                                  **({} if interp else {"num_warps": 4}))
         top, order = torch.topk(keys, k, dim=-1, sorted=True)
         taken = torch.arange(k, device=keys.device).view(1, -1) < tables.thr[row0 : row0 + n].view(-1, 1)

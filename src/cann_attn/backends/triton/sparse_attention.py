@@ -102,19 +102,32 @@ def selected_keys(row_idx, start, npos, nblk, thr, kv0, BS: tl.constexpr, BLOCK_
     return pos, valid, kv0 + tl.where(valid, token, 0).to(tl.int64)
 
 
+@device_function
+def paged_key_slots(key_row, kv0, valid, BT, PAGE: tl.constexpr):
+    """(physical block, slot) of selected keys in a paged cache (docs/semantics/paged-kv.md): kv0 is the offset of
+    the row's sequence in the block table, key_row - kv0 its logical key position p; block BT[kv0 + p // PAGE],
+    slot p % PAGE. Table entries of positions that are not valid are not read (block 0, never loaded)."""
+    token = key_row - kv0
+    block = tl.load(BT + kv0 + token // PAGE, mask=valid, other=0).to(tl.int64)
+    return block, token % PAGE
+
+
 # ----------------------------------------------------------------------------------------------------------
 # Forward
 # ----------------------------------------------------------------------------------------------------------
 @triton.jit
 def _sfa_fwd_kernel(
-    Q, QR, K, KR, V, IDX, KV_START, THR, SCAN, OUT, MAX, SUM,
+    Q, QR, K, KR, V, IDX, KV_START, THR, SCAN, OUT, MAX, SUM, BT,
     scale,
     stride_qt, stride_qh, stride_qrt, stride_qrh, stride_kt, stride_krt, stride_vt, stride_it, stride_ot, stride_oh,
+    stride_kb, stride_krb, stride_vb,
     N1, D, DR, DV,
     BS: tl.constexpr, HAS_ROPE: tl.constexpr, V_IS_K: tl.constexpr, PRECISION: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DR: tl.constexpr, BLOCK_DV: tl.constexpr,
-    BLOCK_N: tl.constexpr,
+    PAGE: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
+    """PAGE > 0: K, KR and V are paged caches [block_num, PAGE, D] (block strides stride_*b, token strides
+    stride_*t) read in place through the block table BT, KV_START holding each row's offset into BT."""
     # One flat grid axis (x allows 2**31 - 1 programs; y and z only 65535, fewer than the rows of a long sequence),
     # head groups varying fastest: the programs of one token run together and share its gathered rows in L2.
     groups = tl.cdiv(N1, BLOCK_H)
@@ -143,12 +156,19 @@ def _sfa_fwd_kernel(
     acc = tl.zeros([BLOCK_H, BLOCK_DV], tl.float32)
     for start in range(0, npos, BLOCK_N):
         _pos, valid, key_row = selected_keys(IDX + r * stride_it, start, npos, nblk, thr, kv0, BS, BLOCK_N)
-        k = tl.load(K + key_row[:, None] * stride_kt + offs_d[None, :], mask=valid[:, None] & d_ok[None, :],
-                    other=0.0)
+        if PAGE > 0:
+            block, slot = paged_key_slots(key_row, kv0, valid, BT, PAGE)
+            k_off = block * stride_kb + slot * stride_kt
+            kr_off = block * stride_krb + slot * stride_krt
+            v_off = block * stride_vb + slot * stride_vt
+        else:
+            k_off = key_row * stride_kt
+            kr_off = key_row * stride_krt
+            v_off = key_row * stride_vt
+        k = tl.load(K + k_off[:, None] + offs_d[None, :], mask=valid[:, None] & d_ok[None, :], other=0.0)
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION)
         if HAS_ROPE:
-            kr = tl.load(KR + key_row[:, None] * stride_krt + offs_r[None, :], mask=valid[:, None] & r_ok[None, :],
-                         other=0.0)
+            kr = tl.load(KR + kr_off[:, None] + offs_r[None, :], mask=valid[:, None] & r_ok[None, :], other=0.0)
             s += tl.dot(qr, tl.trans(kr), input_precision=PRECISION)
         z = tl.where(valid[None, :], s * scale, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(z, 1))
@@ -160,8 +180,7 @@ def _sfa_fwd_kernel(
         if V_IS_K:
             v = k  # DSA passes one latent as key and value: reuse the gathered tile
         else:
-            v = tl.load(V + key_row[:, None] * stride_vt + offs_v[None, :], mask=valid[:, None] & v_ok[None, :],
-                        other=0.0)
+            v = tl.load(V + v_off[:, None] + offs_v[None, :], mask=valid[:, None] & v_ok[None, :], other=0.0)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
         m_i = m_new
     has = m_i > float("-inf")
@@ -178,15 +197,24 @@ def _fwd_configs() -> list[triton.Config]:
             for n in (32, 64) for w in (4, 8) for s in (1, 2)]
 
 
-_sfa_fwd_tuned = triton.autotune(_fwd_configs(), key=["N1", "D", "DR", "DV", "BS", "V_IS_K"])(_sfa_fwd_kernel)
+_sfa_fwd_tuned = triton.autotune(_fwd_configs(), key=["N1", "D", "DR", "DV", "BS", "V_IS_K", "PAGE"])(_sfa_fwd_kernel)
+
+
+def _pages3(cache: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """[block_num, block_size, D] view of a paged cache [block_num, block_size, 1, D] in `dtype`, with its block
+    stride as given (a cache may be a view with gaps between blocks). A copy only where the dtype differs (the
+    interpreter's fp32) or D is strided."""
+    v = cache[:, :, 0].to(dtype)
+    return v if v.stride(-1) == 1 else v.contiguous()
 
 
 def sparse_forward(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, indices: torch.Tensor,
                    query_rope: torch.Tensor | None, key_rope: torch.Tensor | None, tables: RowTables, scale: float,
-                   block_size: int, stats_shape: tuple[int, ...]
+                   block_size: int, stats_shape: tuple[int, ...], block_table: torch.Tensor | None = None
                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(attention_out, softmax_max, softmax_sum) of SparseFlashAttention; `indices` is [R, K]. Every row is
-    written by the kernel (rows with nothing selected: 0, -2e38, 0)."""
+    written by the kernel (rows with nothing selected: 0, -2e38, 0). With `block_table`, key/value/key_rope are
+    paged caches read in place (`tables.kv_start` then holds each row's offset into the table)."""
     rows, n1, d = tables.rows, query.shape[-2], query.shape[-1]
     dv = value.shape[-1]
     dev = query.device
@@ -196,20 +224,26 @@ def sparse_forward(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, 
         return torch.empty((*query.shape[:-1], dv), dtype=query.dtype, device=dev), softmax_max, softmax_sum
     # Interpreter: fp32 operands and output (its 16-bit dots are wrong); cast back at the end.
     work = torch.float32 if interpreting() else query.dtype
-    q3, k2 = _rows3(query, rows, work), _rows2(key, work)
-    v2 = k2 if _same_storage(value, key) else _rows2(value, work)
+    paged = block_table is not None
+    keys = _pages3 if paged else _rows2
+    q3, k2 = _rows3(query, rows, work), keys(key, work)
+    v2 = k2 if _same_storage(value, key) else keys(value, work)
     has_rope = query_rope is not None
     qr3 = _rows3(query_rope, rows, work) if has_rope else q3
-    kr2 = _rows2(key_rope, work) if has_rope else k2
+    kr2 = keys(key_rope, work) if has_rope else k2
     dr = query_rope.shape[-1] if has_rope else 0
     out3 = torch.empty((rows, n1, dv), dtype=work, device=dev)
     dims = _Dims(n1, d, dr, dv, tables.max_positions, q3.dtype)
     v_is_k = v2 is k2 and dims.block_dv == dims.block_d
+    # (block, token) strides of the key-side tensors: a paged cache's own, else (0, row stride).
+    k_s, kr_s, v_s = ((t.stride(0), t.stride(1)) if paged else (0, t.stride(0)) for t in (k2, kr2, v2))
     args = (q3, qr3, k2, kr2, v2, indices, tables.kv_start, tables.thr, tables.scan, out3, softmax_max, softmax_sum,
-            float(scale), q3.stride(0), q3.stride(1), qr3.stride(0), qr3.stride(1), k2.stride(0), kr2.stride(0),
-            v2.stride(0), indices.stride(0), out3.stride(0), out3.stride(1), n1, d, dr, dv)
+            block_table if paged else tables.kv_start,
+            float(scale), q3.stride(0), q3.stride(1), qr3.stride(0), qr3.stride(1), k_s[1], kr_s[1], v_s[1],
+            indices.stride(0), out3.stride(0), out3.stride(1), k_s[0], kr_s[0], v_s[0], n1, d, dr, dv)
     meta = dict(BS=block_size, HAS_ROPE=has_rope, V_IS_K=v_is_k, PRECISION=_precision(work), BLOCK_H=dims.block_h,
-                BLOCK_D=dims.block_d, BLOCK_DR=dims.block_dr, BLOCK_DV=dims.block_dv)
+                BLOCK_D=dims.block_d, BLOCK_DR=dims.block_dr, BLOCK_DV=dims.block_dv,
+                PAGE=key.shape[1] if paged else 0)
     grid = (triton.cdiv(n1, dims.block_h) * rows,)
     if dims.block_n is not None:
         _sfa_fwd_kernel[grid](*args, **meta, BLOCK_N=dims.block_n)

@@ -5,7 +5,8 @@ functions before any kernel module is loaded.
 
 Every query-side tensor is seen as [R, N, D] rows (R = B*S1 for BSND, T1 for TND) and every key-side tensor as
 [R2, D] rows; a query row r then needs three numbers to apply the selection rule of `problem.sparse`:
-- kv_start[r]: the flat key row of key 0 of its sequence (BSND: b*S2, TND: the sequence's first key token);
+- kv_start[r]: the flat key row of key 0 of its sequence (BSND: b*S2, TND: the sequence's first key token; a
+  paged cache: the offset of the sequence's row in the block table, docs/semantics/paged-kv.md);
 - thr[r]: keys [0, thr) of the sequence are visible (causal threshold of `problem.sparse.causal_threshold`,
   clipped to the actual key length; 0 for rows beyond the actual query length or of sequences without keys, so
   those rows select nothing and get zero outputs/gradients);
@@ -57,9 +58,12 @@ def _flat_rows(problem, threshold: Callable[[int, int, torch.Tensor], torch.Tens
         total = len(problem.q_spans) * (problem.seq_q[0] if problem.seq_q else 0)
     kv_start = torch.zeros(total, dtype=torch.int64)
     thr = torch.zeros(total, dtype=torch.int64)
+    pages = getattr(problem, "pages", None)
     for b, ((_, q0, s_q), (_, kv0, s_kv)) in enumerate(zip(problem.q_spans, problem.kv_spans, strict=True)):
         first = q0 if problem.layout == "TND" else b * s_q
         first_kv = kv0 if problem.layout == "TND" else b * s_kv
+        if pages is not None:
+            first_kv = b * pages.table.stride(0)  # a paged cache: where the sequence's row of the block table starts
         kv_start[first : first + s_q] = first_kv
         lq, lk = problem.q_lengths[b], problem.kv_lengths[b]
         if lq == 0 or lk == 0:
