@@ -142,6 +142,11 @@ def _raw_op_cases(gen):
     qs, latent, q_rope, k_rope, idx = (t.detach() if t.is_floating_point() else t for t in _dsa_inputs(gen))
     sfa = cann_attn.sparse_flash_attention(qs, latent, latent, idx, 0.2, query_rope=q_rope, key_rope=k_rope)
     q_idx, k_idx, weights = torch.randn(1, 6, 2, 8, generator=gen), torch.randn(1, 10, 1, 8), torch.randn(1, 6, 2)
+    ring_out = torch.randn(3, 2, 64, generator=gen)
+    ring_max, ring_sum = torch.randn(3, 2, 1, generator=gen).expand(3, 2, 8), torch.rand(3, 2, 1).expand(3, 2, 8) + 1
+    fwd_sbh = cann_attn.flash_attention_score(q[0].transpose(0, 1).reshape(2, 8, 16), k[0].transpose(0, 1).reshape(
+        2, 8, 16), v[0].transpose(0, 1).reshape(2, 8, 16), 2, "SBH")
+    lse_a, lse_b = torch.randn(5, 16, generator=gen), torch.randn(5, 16, generator=gen)
     return {
         "flash_attention_score": (lambda q, k, v: cann_attn.flash_attention_score(
             q, k, v, 2, "BSND", scale_value=0.25, atten_mask=cann_attn.compressed_mask(2), sparse_mode=2), (q, k, v)),
@@ -162,6 +167,15 @@ def _raw_op_cases(gen):
         "sparse_lightning_indexer_grad_kl_loss": (lambda qi, ki, w: cann_attn.sparse_lightning_indexer_grad_kl_loss(
             qs, latent, qi, ki, w, idx, sfa.softmax_max, sfa.softmax_sum, 0.2, query_rope=q_rope, key_rope=k_rope),
             (q_idx, k_idx, weights)),
+        "ring_attention_update": (lambda a, b: cann_attn.ring_attention_update(
+            a, ring_max, ring_sum, b, ring_max * 0.5, ring_sum + 1, actual_seq_qlen=[0, 1, 3],
+            input_layout="TND"), (ring_out, ring_out.flip(0))),
+        "ring_attention_update_sbh": (lambda a, b: cann_attn.ring_attention_update(
+            a, fwd_sbh.softmax_max, fwd_sbh.softmax_sum, b, fwd_sbh.softmax_max + 1, fwd_sbh.softmax_sum),
+            (fwd_sbh.attention_out, fwd_sbh.attention_out * 2)),
+        "attention_update": (lambda x, y: cann_attn.attention_update([x[:, 0], y[:, 0]], [x, y], 0), (lse_a, lse_b)),
+        "attention_update_with_lse": (lambda x, y: cann_attn.attention_update([x[:, 0], y[:, 0]], [x, y], 1),
+                                      (lse_a, lse_b)),
     }
 
 

@@ -16,6 +16,8 @@ Signatures follow op-plugin's ``op_plugin_functions.yaml`` and the torch_npu API
   ``(dq, dk, dv, dpse, dq_rope, dk_rope, dsink)`` as in current torch_npu (older releases returned the first 4 or
   6 of these). ``query_rope``/``key_rope`` are concatenated to query/key along the head dim (S = scale *
   (Q K^T + Qr Kr^T)). ``sink`` is not supported.
+* ``npu_ring_attention_update`` (-> ``(attn_out, softmax_max, softmax_sum)``) and ``npu_attention_update``
+  (-> ``(out, lse_out)``, ``lse_out`` None for ``update_type=0``): the merges of context-parallel attention.
 * ``npu_prompt_flash_attention``, ``npu_trans_quant_param``, ``npu_sparse_flash_attention`` (with
   ``return_softmax_lse``), ``npu_sparse_flash_attention_grad``, ``npu_lightning_indexer``,
   ``npu_sparse_lightning_indexer_grad_kl_loss``. The sparse attention and indexer forwards read a paged cache
@@ -47,6 +49,7 @@ from ._fusion import (
     npu_fusion_attention_grad_v2,
     npu_fusion_attention_v2,
 )
+from ._merge import npu_attention_update, npu_ring_attention_update
 from ._prompt import PFA_PRE_TOKENS, npu_prompt_flash_attention, npu_trans_quant_param  # noqa: F401
 from ._rng import _RNG_STATE, get_rng_state, manual_seed, set_rng_state  # noqa: F401
 from ._sparse import (
@@ -59,12 +62,14 @@ from ._sparse import (
 __all__ = [
     "get_rng_state",
     "manual_seed",
+    "npu_attention_update",
     "npu_fusion_attention",
     "npu_fusion_attention_grad",
     "npu_fusion_attention_grad_v2",
     "npu_fusion_attention_v2",
     "npu_lightning_indexer",
     "npu_prompt_flash_attention",
+    "npu_ring_attention_update",
     "npu_sparse_flash_attention",
     "npu_sparse_flash_attention_grad",
     "npu_sparse_lightning_indexer_grad_kl_loss",
