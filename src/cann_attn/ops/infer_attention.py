@@ -1,0 +1,212 @@
+"""What PromptFlashAttentionV2, FusedInferAttentionScore and IncreFlashAttention share: mask, pse_shift and int8
+validation, the per-sequence runs, and `attend`, the one dense computation they all dispatch to
+(docs/operators/prompt_flash_attention.md, docs/operators/fused_infer_attention_score.md).
+
+Everything here works on [B, N, S, D] views; the operators read their own layouts and lengths first.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..backends import kernels, select_backend
+from ..backends.reference import flash_forward, quant_attention
+from ..backends.triton.dense_plan import dense_unsupported
+from ..errors import ParamInvalidError, describe, require
+from ..problem import mask as masks
+from ..problem import quant
+from ..problem.attention import AttentionProblem, Run, mask_runs
+from ..problem.pse import SequencePse
+from ..problem.stats import FLT_MAX, STAT_WIDTH
+
+MASK_DTYPES = (torch.bool, torch.int8, torch.uint8)
+
+
+def validate_mask(atten_mask, sparse_mode, batch, heads, seq_q, seq_kv, pre_tokens, next_tokens):
+    """Per-batch explicit mask views [Nm, Q_S, KV_S] for modes 0/1, None otherwise (modes 2..4 generate)."""
+    if atten_mask is None:
+        if sparse_mode in (1, 2, 3, 4):
+            raise ParamInvalidError(f"atten_mask: required for sparse_mode {sparse_mode}, got None")
+        return None
+    require(isinstance(atten_mask, torch.Tensor), "atten_mask", "a torch.Tensor", atten_mask)
+    masks.check_mask_dtype(atten_mask, MASK_DTYPES)
+    if sparse_mode in (2, 3, 4):
+        if atten_mask.dim() in (3, 4) and all(d == 1 for d in atten_mask.shape[:-2]):
+            squeezed = atten_mask.reshape(atten_mask.shape[-2:])
+        else:
+            squeezed = atten_mask
+        masks.validate_compressed_mask(squeezed, sparse_mode)
+        if sparse_mode == 4:
+            masks.check_band(pre_tokens, next_tokens)
+        return None
+    if sparse_mode == 0:
+        masks.check_band(pre_tokens, next_tokens)
+    # The mask may be padded beyond (Q_S, KV_S) (the seed recommends padding KV_S to 32 with ones): only its
+    # top-left block is read.
+    rows, cols = atten_mask.shape[-2:] if atten_mask.dim() >= 2 else (0, 0)
+    if rows < seq_q or cols < seq_kv or atten_mask.dim() > 4:
+        raise ParamInvalidError(
+            f"atten_mask: the last two dims must cover [Q_S, KV_S]=[{seq_q}, {seq_kv}], got {describe(atten_mask)}"
+        )
+    shape = tuple(atten_mask.shape)
+    if len(shape) == 3 and shape[0] == batch and batch != 1:
+        return [atten_mask[b].unsqueeze(0) for b in range(batch)]
+    return masks.explicit_mask_views(atten_mask, batch, heads, rows, cols)
+
+
+def validate_pse_shift(pse_shift, query, batch, heads, seq_q, seq_kv) -> None:
+    if pse_shift is None:
+        return
+    require(isinstance(pse_shift, torch.Tensor), "pse_shift", "a torch.Tensor", pse_shift)
+    allowed = (torch.float16, torch.bfloat16) if query.dtype == torch.int8 else (query.dtype,)
+    require(pse_shift.dtype in allowed, "pse_shift", f"dtype in {allowed}", pse_shift)
+    ok = (pse_shift.dim() == 4 and pse_shift.shape[0] in (1, batch) and pse_shift.shape[1] == heads
+          and pse_shift.shape[2] >= seq_q and pse_shift.shape[3] >= seq_kv)
+    require(ok, "pse_shift", f"[B or 1, N={heads}, >= Q_S={seq_q}, >= KV_S={seq_kv}]", pse_shift)
+
+
+class QuantPlan:
+    """Which int8 steps run, with their decoded scales (docs/operators/prompt_flash_attention.md)."""
+
+    def __init__(self, output_dtype, deq1=None, quant1=None, deq2=None, scale2=None, offset2=None):
+        self.output_dtype = output_dtype
+        self.deq1, self.quant1, self.deq2 = deq1, quant1, deq2
+        self.scale2, self.offset2 = scale2, offset2
+
+    @property
+    def offset_nonzero(self) -> bool:
+        return self.offset2 is not None and bool((self.offset2 != 0).any())
+
+
+def quant_plan(query, deq_scale1, quant_scale1, deq_scale2, quant_scale2, quant_offset2, out_layout, heads, dim):
+    named = {"deq_scale1": deq_scale1, "quant_scale1": quant_scale1, "deq_scale2": deq_scale2,
+             "quant_scale2": quant_scale2, "quant_offset2": quant_offset2}
+    for name, t in named.items():
+        if t is not None and not isinstance(t, torch.Tensor):
+            raise ParamInvalidError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
+    int8_in = query.dtype == torch.int8
+    if quant_offset2 is not None and quant_scale2 is None:
+        raise ParamInvalidError("quant_offset2: only allowed together with quant_scale2")
+    scale_dtypes = (torch.float32, torch.bfloat16) if query.dtype == torch.bfloat16 else (torch.float32,)
+    scale2 = offset2 = None
+    if quant_scale2 is not None:
+        scale2 = quant.output_channel_scale(quant_scale2, "quant_scale2", out_layout, heads, dim, scale_dtypes)
+        if quant_offset2 is not None:
+            if quant_offset2.dtype != quant_scale2.dtype or quant_offset2.shape != quant_scale2.shape:
+                raise ParamInvalidError(
+                    f"quant_offset2: expected quant_scale2's dtype and shape {describe(quant_scale2)}, "
+                    f"got {describe(quant_offset2)}"
+                )
+            offset2 = quant.output_channel_scale(quant_offset2, "quant_offset2", out_layout, heads, dim, scale_dtypes)
+    if int8_in:
+        for name in ("deq_scale1", "quant_scale1", "deq_scale2"):
+            if named[name] is None:
+                raise ParamInvalidError(f"{name}: required when query/key/value are int8, got None")
+        plan = QuantPlan(
+            torch.int8 if scale2 is not None else torch.float16,
+            deq1=quant.decode_deq_scale(deq_scale1, "deq_scale1"),
+            quant1=quant.per_tensor_float(quant_scale1, "quant_scale1"),
+            deq2=quant.decode_deq_scale(deq_scale2, "deq_scale2"),
+            scale2=scale2, offset2=offset2,
+        )
+        return plan
+    for name in ("deq_scale1", "quant_scale1", "deq_scale2"):
+        if named[name] is not None:
+            raise ParamInvalidError(f"{name}: only allowed with int8 query/key/value, got {describe(named[name])}")
+    if scale2 is not None:
+        if query.dtype not in (torch.float16, torch.bfloat16):
+            raise ParamInvalidError(
+                f"quant_scale2: int8 output needs float16/bfloat16 or int8 inputs, got {query.dtype}"
+            )
+        return QuantPlan(torch.int8, scale2=scale2, offset2=offset2)
+    return QuantPlan(query.dtype)
+
+
+def reject_offset_with_invalid_rows(has_mask, sparse_mode, act_q, act_kv, pre_tokens, next_tokens) -> None:
+    """A nonzero quant_offset2 would turn rows with no visible key into quant(0) + offset
+    (docs/operators/prompt_flash_attention.md)."""
+    for b, (sq, skv) in enumerate(zip(act_q, act_kv, strict=True)):
+        if sparse_mode == 0 and has_mask:
+            bad = sq - skv - pre_tokens > 0 or next_tokens < 0
+        elif sparse_mode == 3:
+            bad = skv < sq
+        elif sparse_mode == 4:
+            bad = pre_tokens < 0 or next_tokens + skv - sq < 0
+        else:
+            bad = False
+        if bad:
+            raise ParamInvalidError(
+                f"quant_offset2: a nonzero offset is rejected when rows with no visible key can occur "
+                f"(batch {b}: sparse_mode={sparse_mode}, actual lengths q={sq}, kv={skv}, pre_tokens={pre_tokens}, "
+                f"next_tokens={next_tokens}); quantize outside the operator instead"
+            )
+
+
+def sequence_runs(atten_mask, explicit_views, sparse_mode, act_q, act_kv, pre_tokens, next_tokens, pse_shift, scale):
+    seq_masks = []
+    for b, (sq, skv) in enumerate(zip(act_q, act_kv, strict=True)):
+        if atten_mask is None:
+            seq_masks.append(masks.full_attention(sq, skv))
+            continue
+        explicit = None if explicit_views is None else explicit_views[b][..., :sq, :skv].unsqueeze(0)
+        seq_masks.append(masks.sequence_mask(sparse_mode, sq, skv, pre_tokens=pre_tokens, next_tokens=next_tokens,
+                                             explicit=explicit))
+    runs = []
+    for b0, count in mask_runs(seq_masks, one_per_sequence=explicit_views is not None):
+        m = seq_masks[b0]
+        pse = None
+        if pse_shift is not None:
+            source = pse_shift if pse_shift.shape[0] == 1 else pse_shift[b0 : b0 + count]
+            pse = SequencePse(0, scale, m.seq_q, m.seq_kv, source=source)
+        runs.append(Run(b0, count, m.seq_q, m.seq_kv, 0, 0, m, pse))
+    return runs
+
+
+# A row that sees no key has no log-sum-exp; FIA reports it as +inf (docs/operators/fused_infer_attention_score.md).
+INVALID_LSE = float("inf")
+
+
+def attend(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, out: torch.Tensor, *, heads_kv: int, scale: float,
+    atten_mask, mask_views, sparse_mode: int, act_q: list[int], act_kv: list[int], pre_tokens: int, next_tokens: int,
+    pse_shift, plan: QuantPlan, backend: str, op: str, softmax_lse: torch.Tensor | None = None,
+) -> None:
+    """Fill `out` ([B, N, Sq, Dv] view of the zero-initialised output) with attention over [B, N(kv), S, D] views,
+    and `softmax_lse` ([B, N, Sq, 1] float32 view) when given: lse = max + log(sum) of the scaled, masked logits,
+    `INVALID_LSE` for rows that see no key. `mask_views` are `validate_mask`'s per-batch views."""
+    batch, heads = query.shape[0], query.shape[1]
+    problem = AttentionProblem(
+        layout="BNSD", batch=batch, heads_q=heads, heads_kv=heads_kv, dim_qk=query.shape[-1], dim_v=value.shape[-1],
+        scale=scale, keep_prob=1.0, softmax_layout="",
+        runs=sequence_runs(atten_mask, mask_views, sparse_mode, act_q, act_kv, pre_tokens, next_tokens, pse_shift,
+                           scale),
+    )
+    # With the tensors, the check also covers the kernels' int32 in-sequence offsets (no limit on S here).
+    backend = select_backend(
+        backend, query.device, op=op,
+        unsupported=lambda: dense_unsupported(problem, query.dtype, output_dtype=plan.output_dtype,
+                                              tensors={"q": query, "k": key, "v": value}),
+    )
+    if query.numel() == 0:
+        return
+    if query.dtype == torch.int8:
+        quant_attention.forward(problem, query, key, value, out, plan)
+        return
+    stats_needed = softmax_lse is not None or plan.output_dtype == torch.int8
+    if not stats_needed:
+        kernels("dense_forward", backend).forward(problem, query, key, value, out)
+        return
+    # Rows no kernel visits (beyond the actual lengths, runs without keys) keep the invalid-row statistics.
+    stat_shape = (*out.shape[:-1], STAT_WIDTH)
+    row_max = torch.full(stat_shape, -FLT_MAX, dtype=torch.float32, device=query.device)
+    row_sum = torch.full(stat_shape, FLT_MAX, dtype=torch.float32, device=query.device)
+    if plan.output_dtype == torch.int8:
+        dense = torch.zeros(out.shape, dtype=torch.float32, device=query.device)
+        flash_forward.forward(problem, query, key, value, dense, row_max, row_sum)
+        quant_attention.quantize_output(problem, dense, row_max[..., 0] > -FLT_MAX, out, plan)
+    else:
+        kernels("dense_forward", backend).forward(problem, query, key, value, out, row_max, row_sum)
+    if softmax_lse is not None:
+        m, s = row_max[..., :1], row_sum[..., :1]
+        valid = m > -FLT_MAX
+        softmax_lse.copy_(torch.where(valid, m + torch.log(torch.where(valid, s, 1.0)), INVALID_LSE))
