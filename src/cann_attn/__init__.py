@@ -14,6 +14,8 @@ from .ops.flash_attention_score import (
     flash_attention_var_len_score,
 )
 from .ops.flash_attention_score_grad import FlashAttentionScoreGradResult, flash_attention_score_grad
+from .ops.fused_infer_attention_score import fused_infer_attention_score, fused_infer_attention_score_v2
+from .ops.incre_flash_attention import incre_flash_attention
 from .ops.lightning_indexer import (
     LightningIndexerResult,
     SparseLightningIndexerGradKLLossResult,
@@ -55,7 +57,10 @@ __all__ = [
     "flash_attention_score",
     "flash_attention_score_grad",
     "flash_attention_var_len_score",
+    "fused_infer_attention_score",
+    "fused_infer_attention_score_v2",
     "gen_drop_mask",
+    "incre_flash_attention",
     "indexer_kl_loss",
     "lightning_indexer",
     "prompt_flash_attention",

@@ -18,6 +18,8 @@ Signatures follow op-plugin's ``op_plugin_functions.yaml`` and the torch_npu API
   (Q K^T + Qr Kr^T)). ``sink`` is not supported.
 * ``npu_ring_attention_update`` (-> ``(attn_out, softmax_max, softmax_sum)``) and ``npu_attention_update``
   (-> ``(out, lse_out)``, ``lse_out`` None for ``update_type=0``): the merges of context-parallel attention.
+* ``npu_fused_infer_attention_score`` (+ ``_v2``) -> ``(attention_out, softmax_lse)`` and
+  ``npu_incre_flash_attention`` (``_infer.py``).
 * ``npu_prompt_flash_attention``, ``npu_trans_quant_param``, ``npu_sparse_flash_attention`` (with
   ``return_softmax_lse``), ``npu_sparse_flash_attention_grad``, ``npu_lightning_indexer``,
   ``npu_sparse_lightning_indexer_grad_kl_loss``. The sparse attention and indexer forwards read a paged cache
@@ -49,6 +51,11 @@ from ._fusion import (
     npu_fusion_attention_grad_v2,
     npu_fusion_attention_v2,
 )
+from ._infer import (
+    npu_fused_infer_attention_score,
+    npu_fused_infer_attention_score_v2,
+    npu_incre_flash_attention,
+)
 from ._merge import npu_attention_update, npu_ring_attention_update
 from ._prompt import PFA_PRE_TOKENS, npu_prompt_flash_attention, npu_trans_quant_param  # noqa: F401
 from ._rng import _RNG_STATE, get_rng_state, manual_seed, set_rng_state  # noqa: F401
@@ -63,10 +70,13 @@ __all__ = [
     "get_rng_state",
     "manual_seed",
     "npu_attention_update",
+    "npu_fused_infer_attention_score",
+    "npu_fused_infer_attention_score_v2",
     "npu_fusion_attention",
     "npu_fusion_attention_grad",
     "npu_fusion_attention_grad_v2",
     "npu_fusion_attention_v2",
+    "npu_incre_flash_attention",
     "npu_lightning_indexer",
     "npu_prompt_flash_attention",
     "npu_ring_attention_update",
