@@ -157,6 +157,15 @@ def _raw_op_cases(gen):
             attention_in=fwd.attention_out), (q, k, v, dy)),
         "prompt_flash_attention": (lambda q, k, v: cann_attn.prompt_flash_attention(
             q, k, v, num_heads=2, input_layout="BSND", scale_value=0.25, next_tokens=2147483647), (q, k, v)),
+        "fused_infer_attention_score": (lambda q, k, v: cann_attn.fused_infer_attention_score(
+            q, k, v, num_heads=2, input_layout="BSND", scale=0.25, actual_seq_lengths_kv=[5],
+            softmax_lse_flag=True), (q, k, v)),
+        "fused_infer_attention_score_v2": (lambda q, k, v: cann_attn.fused_infer_attention_score_v2(
+            q[:, :1], k, v, num_query_heads=2, input_layout="BSND_NBSD", softmax_scale=0.25,
+            return_softmax_lse=True), (q, k, v)),
+        "incre_flash_attention": (lambda q, k, v: cann_attn.incre_flash_attention(
+            q[:, :1], k, v, num_heads=2, num_key_value_heads=1, input_layout="BSND", scale_value=0.25,
+            actual_seq_lengths=[6]), (q, k[:, :, :1], v[:, :, :1])),
         "sparse_flash_attention": (lambda q, kv: cann_attn.sparse_flash_attention(
             q, kv, kv, idx, 0.2, query_rope=q_rope, key_rope=k_rope), (qs, latent)),
         "sparse_flash_attention_grad": (lambda q, kv: cann_attn.sparse_flash_attention_grad(

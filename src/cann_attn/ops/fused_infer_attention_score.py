@@ -180,7 +180,7 @@ def fused_infer_attention_score(
     fused_infer_attention_score.md). Q_S > 1 follows PromptFlashAttention (sparse_mode 0..4, pre/next tokens,
     actual lengths, int8 full and output quantisation); Q_S = 1 is decode: sparse_mode, pre/next_tokens and (outside
     TND) actual_seq_lengths have no effect, and the mask may be [B, KV_S]. softmax_lse: [B, N, Q_S, 1] float32
-    (TND/NTD_TND: [T, N, 1]), +inf for rows that see no key; without softmax_lse_flag a [1] zero tensor."""
+    (TND/NTD_TND: [T, N, 1]), -inf (log 0) for rows that see no key; without softmax_lse_flag a [1] zero tensor."""
     for name, t in (("query", query), ("key", key), ("value", value)):
         if t is None:
             raise ParamNullptrError(f"{name}: a required input, got None")

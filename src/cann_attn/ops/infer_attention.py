@@ -162,8 +162,9 @@ def sequence_runs(atten_mask, explicit_views, sparse_mode, act_q, act_kv, pre_to
     return runs
 
 
-# A row that sees no key has no log-sum-exp; FIA reports it as +inf (docs/operators/fused_infer_attention_score.md).
-INVALID_LSE = float("inf")
+# A row that sees no key sums no exponential: its log-sum-exp is log(0) = -inf, the empty-row value the merge rule
+# of problem/merge.py expects (docs/operators/fused_infer_attention_score.md).
+INVALID_LSE = float("-inf")
 
 
 def attend(

@@ -7,7 +7,7 @@ Per batch b (lengths, padding, prefix and rope resolved first):
   K_b = [prefix[:L]; key_b[rows kept]] (+ key_rope on the head dim), V_b likewise; int8 K/V are first turned into
   the query's dtype: dtype((x + offset) * scale) computed in float64;
   S = scale * Q_b K_b^T (+ pse_shift at the same positions as the data), masked (True = hidden);
-  lse = log sum exp S over the visible entries (+inf where a row sees nothing); out = softmax(S) V_b (0 there).
+  lse = log sum exp S over the visible entries (-inf, log 0, where a row sees nothing); out = softmax(S) V_b (0 there).
 Decode (Q_S = 1, no rope): sparse_mode and pre/next_tokens have no effect, a [B, KV_S] mask is batch b's row.
 int8 output: round_half_even(out * quant_scale2 + quant_offset2) saturated to int8, 0 on rows that see nothing.
 """
@@ -176,7 +176,7 @@ def fia_oracle(query, key, value, *, pse_shift=None, atten_mask=None, actual_seq
         sq_b, skv_b = act_q[b], act_kv[b]
         rows_q = qs[b].shape[1]
         o_full = torch.zeros(heads, rows_q, dim_v, dtype=torch.float64)
-        lse_full = torch.full((heads, rows_q), math.inf, dtype=torch.float64)
+        lse_full = torch.full((heads, rows_q), -math.inf, dtype=torch.float64)
         q0 = (seq_q - q_pad - sq_b) if q_pad is not None else 0
         kv0 = (seq_kv - kv_pad - skv_b) if kv_pad is not None else 0
         if kv0 < 0 or (kv_pad is not None and seq_kv - kv_pad < 0):
@@ -232,7 +232,7 @@ def fia_oracle(query, key, value, *, pse_shift=None, atten_mask=None, actual_seq
         s = s.masked_fill(~vis, -math.inf)
         valid = vis.any(-1)
         lse = torch.logsumexp(s, -1)
-        lse = torch.where(valid, lse, torch.full_like(lse, math.inf))
+        lse = torch.where(valid, lse, torch.full_like(lse, -math.inf))
         p = torch.exp(s - torch.where(valid, lse, torch.zeros_like(lse)).unsqueeze(-1))
         o = torch.where(valid.unsqueeze(-1), p @ v_b[kv_index], torch.zeros(1, dtype=torch.float64))
         if int8_out:
