@@ -59,7 +59,7 @@ def test_site_builds_strictly(tmp_path):
         env={**os.environ, "NO_MKDOCS_2_WARNING": "1"},
     )
     assert proc.returncode == 0, f"mkdocs build --strict failed:\n{proc.stdout[-6000:]}\n{proc.stderr[-6000:]}"
-    operator_page = tmp_path / "site" / "semantics" / "masks" / "index.html"
+    operator_page = tmp_path / "site" / "operators" / "flash_attention_score" / "index.html"
     assert operator_page.is_file()
 
 
