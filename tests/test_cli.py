@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import functools
+import json
 import os
+import re
 import shutil
 import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 
@@ -84,7 +87,9 @@ def test_verify_fails_undocumented_dtypes_and_nans(fault, monkeypatch, capsys):
 def test_verify_names_the_backend_of_each_case():
     proc = _run("verify", "--quick", "--op", "flash_attention_score", "--case", "gqa", "--backend", "reference")
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
-    assert "backend reference" in proc.stdout and "│ reference" in proc.stdout
+    assert "backend reference" in proc.stdout
+    table = [line.split() for line in proc.stdout.splitlines() if line.startswith("flash_attention_score ")]
+    assert table and all("reference" in row for row in table), proc.stdout
 
 
 def test_verify_list():
@@ -231,3 +236,136 @@ def test_real_benchmarks_take_the_devices_they_declare():
         assert result[name]["declared"] == ["cpu"]
     for name in ("gpu_dense", "gpu_dsa"):
         assert result[name]["declared"] == ["cuda"]
+
+
+# Output off a terminal (pipes, files, CI logs): plain text, numbers in full; --json for machines.
+
+_SCI = re.compile(r"^-?\d\.\d\de[+-]\d\d$")
+
+
+def _main(capsys, *args) -> tuple[int, str, str]:
+    """The CLI in-process under capsys, whose stdout is not a terminal: (exit status, stdout, stderr)."""
+    from cann_attn.cli import main as cli_main
+
+    capsys.readouterr()
+    rc = cli_main.main([str(a) for a in args])
+    captured = capsys.readouterr()
+    return rc, captured.out, captured.err
+
+
+def test_plain_table_pads_columns_and_drops_markup():
+    from cann_attn.cli.output import Column, plain_table
+
+    lines = plain_table("title", [Column("name"), Column("value", "right")],
+                        [["[green]a[/]", "1.23e-04"], ["longer name", "[red]-4.56e+01[/]"]])
+    assert lines == ["title", "name" + " " * 13 + "value", "-----------  ---------",
+                     "a" + " " * 13 + "1.23e-04", "longer name  -4.56e+01"]
+
+
+def test_terminal_output_keeps_the_rich_table():
+    from rich.console import Console
+
+    from cann_attn.cli.output import Column, print_table
+
+    terminal = Console(force_terminal=True, width=60, record=True)
+    print_table(terminal, "title", [Column("name")], [["cell"]])
+    assert "┃ name" in terminal.export_text()
+
+
+@pytest.mark.parametrize("columns", ["40", "250"])
+def test_verify_off_a_terminal_prints_every_number_in_full(columns, monkeypatch, capsys):
+    """`cann-attn verify | cat`: however narrow the assumed width, no cell is cut or wrapped."""
+    monkeypatch.setenv("COLUMNS", columns)
+    rc, out, _ = _main(capsys, "verify", "--quick", "--op", "prompt_flash_attention")
+    assert rc == 0, out
+    assert "…" not in out and "│" not in out and "\x1b[" not in out
+    rows = [line.split() for line in out.splitlines() if line.startswith("prompt_flash_attention ")]
+    assert len(rows) == 6  # one line per output, the case named on each
+    for row in rows:
+        numbers = [cell for cell in row if "e+" in cell or "e-" in cell]
+        assert numbers and all(_SCI.match(cell) for cell in numbers), row
+    assert out.splitlines()[-1].startswith("OK: 6 cases, 6 outputs")
+
+
+def test_verify_json_on_stdout(capsys):
+    rc, out, _ = _main(capsys, "verify", "--quick", "--op", "lightning_indexer", "--json", "-")
+    assert rc == 0
+    report = json.loads(out)  # the whole of stdout is the JSON document
+    assert report["passed"] is True and report["failing_cases"] == [] and report["cases"] >= 1
+    outputs = report["outputs"]
+    assert {o["op"] for o in outputs} == {"lightning_indexer"} and all(o["passed"] for o in outputs)
+    assert {"sparse_indices", "loss"} & {o["output"] for o in outputs}
+    for o in outputs:
+        assert set(o) >= {"case", "output", "dtype", "max_abs", "max_rel", "ascend", "fa_rule", "backend", "note"}
+
+
+def test_verify_json_file_reports_a_failure(monkeypatch, capsys, tmp_path):
+    import cann_attn
+
+    real = cann_attn.flash_attention_score
+
+    @functools.wraps(real)
+    def nan_output(*args, **kwargs):
+        result = real(*args, **kwargs)
+        out = result.attention_out.clone()
+        out.view(-1)[0] = float("nan")
+        return result._replace(attention_out=out)
+
+    monkeypatch.setattr(cann_attn, "flash_attention_score", nan_output)
+    report_path = tmp_path / "verify.json"
+    rc, out, _ = _main(capsys, "verify", "--quick", "--op", "flash_attention_score", "--case", "bsnd",
+                       "--json", report_path)
+    assert rc == 1 and "FAILED" in out  # the table still prints with a file target
+    report = json.loads(report_path.read_text(), parse_constant=lambda c: pytest.fail(f"non-standard JSON {c}"))
+    assert report["passed"] is False and report["failing_cases"]
+    failing = [o for o in report["outputs"] if not o["passed"]]
+    assert failing and all(o["output"] == "attention_out" and "NaN" in o["note"] for o in failing)
+
+
+def test_verify_json_unwritable_is_a_usage_error(capsys, tmp_path):
+    rc, _, err = _main(capsys, "verify", "--quick", "--op", "lightning_indexer", "--json", tmp_path)
+    assert rc == 2 and "--json" in err
+
+
+@pytest.fixture
+def fp16_golden(tmp_path, capsys):
+    """A small FlashAttentionScore golden and cann_attn's own outputs for it."""
+    case = {
+        "op": "flash_attention_score", "seed": 0,
+        "inputs": {"query": {"shape": [1, 32, 2, 16], "dtype": "float16"},
+                   "key": {"shape": [1, 32, 2, 16], "dtype": "float16"},
+                   "value": {"shape": [1, 32, 2, 16], "dtype": "float16"}},
+        "params": {"head_num": 2, "input_layout": "BSND", "scale_value": 0.25},
+    }
+    (tmp_path / "case.json").write_text(json.dumps(case))
+    rc, _, err = _main(capsys, "golden", "--case", tmp_path / "case.json", "--out", tmp_path / "golden",
+                       "--actual", tmp_path / "actual")
+    assert rc == 0, err
+    return tmp_path
+
+
+def test_golden_and_compare_off_a_terminal_are_plain(fp16_golden, monkeypatch, capsys):
+    monkeypatch.setenv("COLUMNS", "40")
+    rc, out, _ = _main(capsys, "golden", "--case", fp16_golden / "case.json", "--out", fp16_golden / "g2")
+    assert rc == 0 and "┃" not in out and "generated: normal" in out
+    rc, out, _ = _main(capsys, "compare", fp16_golden / "actual", fp16_golden / "golden")
+    assert rc == 0 and "…" not in out and "│" not in out
+    rows = {line.split()[0]: line.split() for line in out.splitlines() if line.startswith(("attention_out", "softmax"))}
+    assert set(rows) == {"attention_out", "softmax_max", "softmax_sum"}
+    for row in rows.values():
+        assert _SCI.match(row[-3]) and _SCI.match(row[-2]) and row[-1] == "PASS", row  # MERE, MARE in full
+
+
+def test_compare_json_on_stdout(fp16_golden, capsys):
+    rc, out, _ = _main(capsys, "compare", fp16_golden / "actual", fp16_golden / "golden", "--json", "-")
+    assert rc == 0
+    report = json.loads(out)
+    assert report["passed"] is True and report["op"] == "flash_attention_score"
+    tensors = {t["name"]: t for t in report["tensors"]}
+    assert set(tensors) == {"attention_out", "softmax_max", "softmax_sum"}
+    assert tensors["attention_out"]["threshold"] == 1e-3 and tensors["attention_out"]["passed"] is True
+
+    bad = fp16_golden / "bad.npy"
+    np.save(bad, np.load(fp16_golden / "actual" / "attention_out.npy") * np.float16(1.1))
+    rc, out, _ = _main(capsys, "compare", bad, fp16_golden / "golden" / "attention_out.npy", "--json", "-")
+    assert rc == 1 and json.loads(out)["passed"] is False

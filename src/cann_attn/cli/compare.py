@@ -22,22 +22,18 @@ Exit status 0 when every tensor passes, 1 when one fails or is missing, 2 for ba
 from __future__ import annotations
 
 import argparse
-import json
-import math
-import os
 from pathlib import Path
 from typing import Any
 
 import torch
 from rich.console import Console
 from rich.markup import escape
-from rich.table import Table
 
 from . import UsageError
 from .metrics import TensorMetrics, dtype_name, dtype_problem, measure
+from .output import STDOUT, Column, check_json_target, console, print_table, write_json
 from .tensorio import (
     MANIFEST,
-    check_output,
     entry_files,
     find_entry,
     parse_dtype,
@@ -68,7 +64,9 @@ def add_parser(subparsers) -> None:
         "--strict", action="store_true", help="MERE/MARE gate too; int8: at most 0.1%% of elements one step off"
     )
     p.add_argument("--all", action="store_true", help="directories: compare the input tensors too")
-    p.add_argument("--json", metavar="FILE", help="also write the metrics to FILE as JSON")
+    p.add_argument("--json", metavar="FILE",
+                   help="also write the metrics to FILE as strict JSON; '-': the JSON on standard output instead of "
+                   "the table")
     p.set_defaults(func=run)
 
 
@@ -207,19 +205,22 @@ def _num(x: float | None, fmt: str = ".2e") -> str:
     return "-" if x is None else format(x, fmt)
 
 
-def render(results: list[TensorMetrics], strict: bool, console: Console, title: str) -> None:
-    table = Table(title=title, header_style="bold")
-    for col in ("tensor", "dtype", "shape", "max abs", "max rel", "rel>t", "abs>t", "allowed", "Ascend", "MERE",
-                "MARE", "result"):
-        justify = "right" if col in ("max abs", "max rel", "rel>t", "abs>t", "allowed", "MERE", "MARE") else "left"
-        table.add_column(col, justify=justify, no_wrap=col in ("tensor", "shape"))
+COLUMNS = (
+    Column("tensor", no_wrap=True), Column("dtype"), Column("shape", no_wrap=True), Column("max abs", "right"),
+    Column("max rel", "right"), Column("rel>t", "right"), Column("abs>t", "right"), Column("allowed", "right"),
+    Column("Ascend"), Column("MERE", "right"), Column("MARE", "right"), Column("result"),
+)
+
+
+def render(results: list[TensorMetrics], strict: bool, out: Console, title: str) -> None:
+    rows = []
     gate = "red" if strict else "yellow"
     for m in results:
         ok = m.passed(strict)
         result = "[bold green]PASS[/]" if ok else "[bold red]FAIL[/]"
         if m.problem:
-            table.add_row(m.name, m.dtype, str(list(m.shape)), *["-"] * 5, f"[red]{escape(m.problem)}[/]", "-", "-",
-                          result)
+            rows.append([m.name, m.dtype, str(list(m.shape)), *["-"] * 5, f"[red]{escape(m.problem)}[/]", "-", "-",
+                         result])
             continue
         if m.kind == "float":
             ascend = f"[green]pass[/] (t={m.threshold:g})" if m.ascend_pass else f"[red]FAIL[/] (t={m.threshold:g})"
@@ -231,47 +232,15 @@ def render(results: list[TensorMetrics], strict: bool, console: Console, title: 
             ascend = f"[red]FAIL[/] ({rule})" if m.failures(strict) else f"[green]pass[/] ({rule})"
             mere = mare = "-"
             counts = (f"{m.n_mismatch} differ", "-", "-")
-        table.add_row(m.name, m.dtype, str(list(m.shape)), _num(m.max_abs), _num(m.max_rel), *counts, ascend, mere,
-                      mare, result)
-    console.print(table)
-
-
-def _check_json_option(path: str) -> None:
-    """--json FILE: refuse, before any work, a directory or a file that cannot be written."""
-    target = Path(path)
-    if target.is_dir():
-        raise UsageError(f"--json: {target} is a directory")
-    if not target.parent.is_dir():
-        raise UsageError(f"--json: cannot write {target} ({target.parent} is not an existing directory)")
-    if target.exists() and not os.access(target, os.W_OK):
-        raise UsageError(f"--json: cannot write {target} (permission denied)")
-    check_output(target.parent, "--json", shown=target)
-
-
-def _finite_json(value: Any) -> Any:
-    """`value` with NaN / infinite floats as the strings "NaN", "Infinity", "-Infinity": strict JSON (RFC 8259)
-    has no such numbers, and parsers other than Python's reject them."""
-    if isinstance(value, float) and not math.isfinite(value):
-        return "NaN" if math.isnan(value) else ("Infinity" if value > 0 else "-Infinity")
-    if isinstance(value, dict):
-        return {k: _finite_json(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [_finite_json(v) for v in value]
-    return value
+        rows.append([m.name, m.dtype, str(list(m.shape)), _num(m.max_abs), _num(m.max_rel), *counts, ascend, mere,
+                     mare, result])
+    print_table(out, title, COLUMNS, rows)
 
 
 def run(args: argparse.Namespace) -> int:
     if args.json:
-        _check_json_option(args.json)
+        check_json_target(args.json)
     results, info = collect(args)
-    console = Console()
-    if not console.is_terminal:
-        console = Console(width=max(console.width, 150))
-    what = f" ({info['op']})" if info.get("op") else ""
-    render(results, args.strict, console, f"cann-attn compare{what}: {args.actual} vs golden {args.golden}")
-    for m in results:
-        for note in m.notes:
-            console.print(f"[yellow]note[/]: {m.name}: {escape(note)}", highlight=False, soft_wrap=True)
     failed = [m for m in results if not m.passed(args.strict)]
     gates = "Ascend double-thousandth rule" + (" + MERE/MARE (--strict)" if args.strict else "")
     if any(m.kind != "float" for m in results):
@@ -280,22 +249,29 @@ def run(args: argparse.Namespace) -> int:
         report = {
             "actual": args.actual,
             "golden": args.golden,
+            "op": info.get("op"),
             "strict": args.strict,
+            "gates": gates,
             "passed": not failed,
             "tensors": [m.to_json(args.strict) for m in results],
         }
-        try:
-            Path(args.json).write_text(json.dumps(_finite_json(report), indent=2, allow_nan=False) + "\n")
-        except OSError as exc:
-            raise UsageError(f"--json: cannot write {args.json} ({exc.strerror or exc})") from exc
+        write_json(args.json, report)
+        if args.json == STDOUT:
+            return 1 if failed else 0
+    out = console()
+    what = f" ({info['op']})" if info.get("op") else ""
+    render(results, args.strict, out, f"cann-attn compare{what}: {args.actual} vs golden {args.golden}")
+    for m in results:
+        for note in m.notes:
+            out.print(f"[yellow]note[/]: {m.name}: {escape(note)}", highlight=False, soft_wrap=True)
     if not failed:
-        console.print(f"[bold green]PASS[/]: {len(results)}/{len(results)} tensors pass ({gates})")
+        out.print(f"[bold green]PASS[/]: {len(results)}/{len(results)} tensors pass ({gates})")
         over = [m.name for m in results if m.kind == "float" and not (m.mere_pass and m.mare_pass)]
         if over and not args.strict:
-            console.print(f"[yellow]note[/]: MERE/MARE over their limits for {', '.join(over)} (a gate with --strict)")
+            out.print(f"[yellow]note[/]: MERE/MARE over their limits for {', '.join(over)} (a gate with --strict)")
         return 0
-    console.print(f"[bold red]FAIL[/]: {len(failed)} of {len(results)} tensors fail ({gates})")
+    out.print(f"[bold red]FAIL[/]: {len(failed)} of {len(results)} tensors fail ({gates})")
     for m in failed:
         for failure in m.failures(args.strict):
-            console.print(f"  {m.name}: {escape(failure)}", highlight=False)
+            out.print(f"  {m.name}: {escape(failure)}", highlight=False)
     return 1

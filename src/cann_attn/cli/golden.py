@@ -25,14 +25,14 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from rich.console import Console
-from rich.table import Table
+from rich.markup import escape
 
 import cann_attn
 
 from . import UsageError
 from . import cases as registry
 from .casefile import CaseError, build_inputs, load_case, load_inputs
+from .output import Column, console, print_table
 from .tensorio import Staged, canonical_dtype, write_manifest, write_tensor
 
 FORMAT = "cann-attn golden 1"
@@ -41,9 +41,9 @@ FILES_NOTE = (
     "little-endian elements, no header (bfloat16: the raw 16-bit pattern; bool: one byte 0/1)"
 )
 GOLDEN_NOTE = (
-    "float64 oracle of docs/semantics/index.md(cann_attn.testing), cast to each output's dtype; gradients of grad "
-    "operators by torch.autograd through the forward oracle (SparseLightningIndexerGradKLLoss: the documented "
-    "gradient dI = q - p)"
+    "float64 oracle (cann_attn.testing) of the rules in docs/semantics/, cast to each output's dtype; gradients "
+    "of grad operators by torch.autograd through the forward oracle (SparseLightningIndexerGradKLLoss: the "
+    "documented gradient dI = q - p)"
 )
 
 
@@ -181,21 +181,17 @@ def run(args: argparse.Namespace) -> int:
         if actual_dir is not None:
             actual_dir.abort()
 
-    console = Console()
-    if not console.is_terminal:
-        console = Console(width=max(console.width, 140))
-    table = Table(title=f"cann-attn golden: {case.op} (seed {case.seed})", header_style="bold")
-    for col in ("tensor", "role", "dtype", "shape", "source"):
-        table.add_column(col, no_wrap=col != "source")
-    for name, t, role, source in inputs + outputs:
-        table.add_row(name, role, canonical_dtype(t.dtype), str(list(t.shape)), source)
-    console.print(table)
-    console.print(
+    out_console = console()
+    columns = [Column(name, no_wrap=name != "source") for name in ("tensor", "role", "dtype", "shape", "source")]
+    rows = [[escape(name), role, canonical_dtype(t.dtype), str(list(t.shape)), escape(source)]
+            for name, t, role, source in inputs + outputs]
+    print_table(out_console, f"cann-attn golden: {case.op} (seed {case.seed})", columns, rows)
+    out_console.print(
         f"[bold green]wrote[/] {args.out}: {len(inputs)} inputs, {len(outputs)} golden outputs, "
         f"{nbytes / 2**20:.1f} MiB per format, manifest.json ({time.perf_counter() - start:.1f} s)"
     )
     if actual_dir is not None:
-        console.print(
+        out_console.print(
             f"[bold green]wrote[/] {args.actual}: the outputs of cann_attn.{case.op} on {device} "
             f"({op_seconds * 1e3:.1f} ms); compare with: cann-attn compare {args.actual} {args.out}"
         )

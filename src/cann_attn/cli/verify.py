@@ -24,12 +24,12 @@ import torch
 from rich.console import Console
 from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-from rich.table import Table
 
 from ..backends import PREFERENCE_ENV, dispatch_counts
 from ..backends.reference import native
 from . import UsageError
 from . import cases as registry
+from .output import STDOUT, Column, check_json_target, console, print_table, write_json
 
 _DTYPE_NAMES = {
     torch.float16: "fp16",
@@ -84,6 +84,9 @@ def add_parser(subparsers) -> None:
     p.add_argument("--case", metavar="SUBSTR", help="only cases whose name contains SUBSTR")
     p.add_argument("--list", action="store_true", help="list the selected cases and exit")
     p.add_argument("--traceback", action="store_true", help="print the traceback of cases that raised")
+    p.add_argument("--json", metavar="FILE",
+                   help="also write every output's verdict and metrics to FILE as strict JSON; '-': the JSON on "
+                   "standard output instead of the table")
     p.set_defaults(func=run)
 
 
@@ -229,25 +232,19 @@ def _fmt(x: float | None) -> str:
     return "-" if x is None else f"{x:.2e}"
 
 
-def render(rows: list[Row], console: Console, title: str) -> None:
-    table = Table(title=title, header_style="bold")
-    for col, justify in (
-        ("op", "left"),
-        ("case", "left"),
-        ("dtype", "left"),
-        ("shape", "left"),
-        ("output", "left"),
-        ("max abs", "right"),
-        ("max rel", "right"),
-        ("ascend", "center"),
-        ("fa rule", "center"),
-        ("backend", "left"),
-        ("time ms", "right"),
-    ):
-        table.add_column(col, justify=justify, no_wrap=col in ("op", "case", "output"))
+COLUMNS = (
+    Column("op", no_wrap=True), Column("case", no_wrap=True), Column("dtype"), Column("shape"),
+    Column("output", no_wrap=True), Column("max abs", "right"), Column("max rel", "right"), Column("ascend", "center"),
+    Column("fa rule", "center"), Column("backend"), Column("time ms", "right"),
+)
+
+
+def render(rows: list[Row], out: Console, title: str) -> None:
+    cells = []
     previous = None
     for r in rows:
-        first = (r.op, r.case) != previous
+        # A terminal table names a case once; plain text repeats it on every line, so each line stands alone.
+        first = (r.op, r.case) != previous or not out.is_terminal
         previous = (r.op, r.case)
         ascend = "[green]pass[/]" if r.ascend else "[bold red]FAIL[/]"
         if r.note and not r.ascend:
@@ -255,7 +252,7 @@ def render(rows: list[Row], console: Console, title: str) -> None:
         elif r.note:
             ascend += f" [dim]({escape(r.note)})[/]"
         fa_rule = {None: "-", True: "[green]pass[/]", False: "[bold red]FAIL[/]"}[r.fa_rule]
-        table.add_row(
+        cells.append([
             r.op if first else "",
             r.case if first else "",
             r.dtype if first else "",
@@ -267,21 +264,44 @@ def render(rows: list[Row], console: Console, title: str) -> None:
             fa_rule,
             r.backend if first else "",
             "-" if r.time_ms is None else (f"{r.time_ms:.1f}" if first else ""),
-        )
-    console.print(table)
+        ])
+    print_table(out, title, COLUMNS, cells)
+
+
+def json_report(rows: list[Row], args: argparse.Namespace, device: torch.device, elapsed: float) -> dict:
+    """Everything the table and the summary say, for machines: one entry per output (numbers in full)."""
+    return {
+        "device": str(device),
+        "backend": args.backend,
+        "seed": args.seed,
+        "quick": args.quick,
+        "passed": all(r.passed for r in rows),
+        "cases": len({(r.op, r.case) for r in rows}),
+        "failing_cases": [f"{op}/{case}" for op, case in sorted({(r.op, r.case) for r in rows if not r.passed})],
+        "seconds": round(elapsed, 3),
+        "outputs": [
+            {
+                "op": r.op, "case": r.case, "dtype": r.dtype, "shape": r.shape, "output": r.output,
+                "passed": r.passed, "ascend": r.ascend, "fa_rule": r.fa_rule, "max_abs": r.max_abs,
+                "max_rel": r.max_rel, "backend": r.backend, "time_ms": r.time_ms, "note": r.note,
+                **({"traceback": r.traceback} if r.traceback else {}),
+            }
+            for r in rows
+        ],
+    }
 
 
 def run(args: argparse.Namespace) -> int:
     device = _device(args.device)
     selected = _select(args)
+    if args.json:
+        check_json_target(args.json)
     _use_backend(args.backend, device)
-    console = Console()
-    if not console.is_terminal:
-        console = Console(width=max(console.width, 170))
+    out = console()
     if args.list:
         for c in selected:
             line = f"{c.op}  {c.name}  {_DTYPE_NAMES.get(c.dtype, c.dtype)}  {c.shape}"
-            console.print(line + ("" if c.quick else "  (not in --quick)"), markup=False, highlight=False)
+            out.print(line + ("" if c.quick else "  (not in --quick)"), markup=False, highlight=False)
         return 0
     rows: list[Row] = []
     start = time.perf_counter()
@@ -306,21 +326,25 @@ def run(args: argparse.Namespace) -> int:
         loops = f", native CPU loops {'on' if native.library() is not None else 'off'}"
     title = (f"cann-attn verify ({device}, backend {args.backend}, seed {args.seed}{loops}"
              f"{', quick' if args.quick else ''})")
-    render(rows, console, title)
     elapsed = time.perf_counter() - start
+    if args.json:
+        write_json(args.json, json_report(rows, args, device, elapsed))
+        if args.json == STDOUT:
+            return 1 if failed_cases else 0
+    render(rows, out, title)
     by_fa_rule = sum(1 for r in rows if r.passed and not r.ascend)
     summary = f"{len(selected)} cases, {len(rows)} outputs, {len(failed_cases)} failing case(s)"
     if by_fa_rule:
         summary += f", {by_fa_rule} output(s) passed by the flash-attn rule only"
     summary += f", {elapsed:.1f} s"
     if not failed_cases:
-        console.print(f"[bold green]OK[/]: {summary}")
+        out.print(f"[bold green]OK[/]: {summary}")
         return 0
-    console.print(f"[bold red]FAILED[/]: {summary}")
+    out.print(f"[bold red]FAILED[/]: {summary}")
     tracebacks = [r for r in rows if r.traceback]
     if tracebacks and not args.traceback:
-        console.print("[dim]--traceback shows where the failing cases raised[/]")
+        out.print("[dim]--traceback shows where the failing cases raised[/]")
     for r in tracebacks if args.traceback else ():
-        console.print(f"[bold]{r.op}/{r.case}[/]")
-        console.print(r.traceback, markup=False, highlight=False)
+        out.print(f"[bold]{r.op}/{r.case}[/]")
+        out.print(r.traceback, markup=False, highlight=False)
     return 1
