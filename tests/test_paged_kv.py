@@ -90,6 +90,19 @@ def test_sfa_paged_without_rope_and_modes(mode, rng):
     _assert_bitwise(*_sfa_both(case, 16, rng))
 
 
+def test_sfa_and_indexer_paged_long_sequences(rng):
+    """More blocks per sequence than the page table copies one by one (PER_BLOCK_COPIES): one gather of them all."""
+    case = SFACase("TND", gen=rng, q_lens=[2, 1], kv_lens=[16 * 70 + 5, 30], n1=1, d=8, d_rope=4, value_is_key=True,
+                   k=16, style="random")
+    _assert_bitwise(*_sfa_both(case, 16, rng))
+    indexer = IndexerCase("TND", gen=rng, q_lens=[2, 1], kv_lens=[16 * 70 + 5, 30], n_idx=2, d_idx=8)
+    cache, table, lens = _paged_indexer(indexer, 16, rng)
+    paged = cann_attn.lightning_indexer(indexer.query_index, cache, indexer.weights, layout="TND", block_table=table,
+                                        actual_seq_lengths_query=indexer.kw["actual_seq_lengths_query"],
+                                        actual_seq_lengths_key=lens, sparse_count=32, return_value=True)
+    _assert_bitwise(indexer.indexer(sparse_count=32, return_value=True), paged)
+
+
 def test_sfa_paged_reads_no_garbage(rng):
     """Huge values instead of NaN in every unused slot and block: an output that read them would be off by far."""
     case = SFACase("TND", gen=rng, q_lens=[2, 3], kv_lens=[20, 33], n1=2, d=16, d_rope=8, value_is_key=True, k=8,

@@ -131,8 +131,10 @@ def lightning_indexer(
         lq, lk = problem.q_lengths[b], problem.kv_lengths[b]
         if lq == 0 or lk == 0:
             continue
+        keys = (problem.keys(key_index, b)[:lk, 0] if problem.pages is None
+                else problem.pages.sequence_columns([key_index], b, key_index.dtype))
         kernel.top_k_sequence(
-            problem.rows(query_index, b)[:lq], problem.keys(key_index, b)[:lk, 0], problem.rows(weights, b)[:lq],
+            problem.rows(query_index, b)[:lq], keys, problem.rows(weights, b)[:lq],
             sparse_mode=sparse_mode, seq_q=lq, seq_kv=lk, k=sparse_count,
             indices_out=problem.rows(indices, b)[:lq, 0],
             values_out=None if values is None else problem.rows(values, b)[:lq, 0],

@@ -239,13 +239,16 @@ def _sequences(problem: SparseProblem, query, key, value, sparse_indices, query_
         lq, lk = problem.q_lengths[b], problem.kv_lengths[b]
         if lq == 0 or lk == 0:
             continue
-        k = problem.keys(key, b)[:lk, 0].to(dtype)
-        # A paged cache is gathered per sequence: the shared key/value latent only once.
-        v = k if value_is_key and problem.pages is not None else problem.keys(value, b)[:lk, 0].to(dtype)
-        q_rope = None
-        if query_rope is not None:
-            q_rope = problem.rows(query_rope, b)[:lq]
-            k = torch.cat([k, problem.keys(key_rope, b)[:lk, 0].to(dtype)], dim=-1)
+        q_rope = None if query_rope is None else problem.rows(query_rope, b)[:lq]
+        if problem.pages is not None:
+            # A paged cache: the sequence's keys (++ rope keys) assembled in one pass, the shared latent once.
+            k = problem.pages.sequence_columns([key] + ([] if key_rope is None else [key_rope]), b, dtype)
+            v = k[:, : value.shape[-1]] if value_is_key else problem.pages.sequence_columns([value], b, dtype)
+        else:
+            k = problem.keys(key, b)[:lk, 0].to(dtype)
+            v = problem.keys(value, b)[:lk, 0].to(dtype)
+            if query_rope is not None:
+                k = torch.cat([k, problem.keys(key_rope, b)[:lk, 0].to(dtype)], dim=-1)
         yield b, kernel.SparseSequence(
             q=problem.rows(query, b)[:lq], q_rope=q_rope, k=k, v=v,
             indices=problem.rows(sparse_indices, b)[:lq, 0],
