@@ -63,6 +63,16 @@ def test_site_builds_strictly(tmp_path):
     assert operator_page.is_file()
 
 
+def test_readme_links_resolve():
+    """README.md is read on the repository host, outside the site: its relative links must name existing files."""
+    text = (ROOT / "README.md").read_text(encoding="utf-8")
+    targets = re.findall(r"\]\(([^)#\s]+)(?:#[^)]*)?\)", text)
+    local = [t for t in targets if "://" not in t]
+    assert local, "the README should link into docs/"
+    missing = [t for t in local if not (ROOT / t).exists()]
+    assert not missing, f"README.md links to missing files: {missing}"
+
+
 def test_pages_have_examples_and_few_opt_outs():
     blocks = [block for page in PAGES for block in python_blocks(page.read_text(encoding="utf-8"))]
     runnable = [b for b in blocks if not b[2]]
