@@ -14,7 +14,7 @@ NON_TND = ("BSH", "SBH", "BSND", "BNSD")
 LAYOUTS = (*NON_TND, "TND")
 DT_IDS = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32", torch.float64: "fp64"}
 # Keyword arguments of the op that the oracle does not take.
-_OP_ONLY = ("padding_mask", "inner_precise")
+_OP_ONLY = ("padding_mask", "inner_precise", "backend")
 
 
 def valid_grad_modes(layout: str) -> tuple[int, ...]:
@@ -186,11 +186,16 @@ def oracle_grads(query, key, value, dy, head_num, layout, *, same_dtype: bool = 
     if has_pse_grad:
         kw["pse"] = to(pse).requires_grad_()
         inputs.append(kw["pse"])
+    has_sink = kw.get("sink") is not None
+    if has_sink:  # docs/semantics/sinks.md: the sink is one more differentiable input of the formula
+        kw["sink"] = to(kw["sink"]).requires_grad_()
+        inputs.append(kw["sink"])
     fn = oracle.naive_same_dtype_forward if same_dtype else fa_forward_oracle
     out = fn(*inputs[:3], head_num, layout, **kw)[0]
     grads = torch.autograd.grad(out, inputs, to(dy), allow_unused=True)
     grads = [torch.zeros_like(t) if g is None else g for g, t in zip(grads, inputs, strict=True)]
-    return {"dq": grads[0], "dk": grads[1], "dv": grads[2], "dpse": grads[3] if has_pse_grad else None}
+    return {"dq": grads[0], "dk": grads[1], "dv": grads[2], "dpse": grads[3] if has_pse_grad else None,
+            "dsink": grads[-1] if has_sink else None}
 
 
 def compare_grads(res, golden: dict, naive: dict | None, pse, pse_type: int, tag: str = "") -> None:
@@ -216,3 +221,12 @@ def compare_grads(res, golden: dict, naive: dict | None, pse, pse_type: int, tag
         )
     else:
         assert res.dpse is None, f"dpse ({tag}): expected None (pse_type {pse_type}, pse given: {pse is not None})"
+    if golden.get("dsink") is None:
+        assert res.dsink is None, f"dsink ({tag}): expected None without a sink"
+        return
+    assert res.dsink is not None and res.dsink.dtype == torch.float32 and res.dsink.shape == golden["dsink"].shape, (
+        f"dsink ({tag}): expected float32 {tuple(golden['dsink'].shape)}, got {res.dsink}")
+    assert bool(torch.isfinite(res.dsink).all()), f"dsink ({tag}): non-finite values"
+    # Ascend threshold of the inputs' dtype: dsink sums rowsum(dY * O) of the rounded output.
+    assert_close_to_oracle(res.dsink, golden["dsink"], None if naive is None else naive["dsink"].float(),
+                           dtype=res.dq.dtype, name=f"dsink ({tag})")

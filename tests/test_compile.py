@@ -55,6 +55,20 @@ def test_flash_attention_fullgraph_bsnd_gqa_causal_pse(rng):
     _assert_compiled_matches_eager(fn, [q, k, v, pse])
 
 
+def test_flash_attention_fullgraph_sink_sliding_window(rng):
+    """gpt-oss attention as MindSpeed-LLM calls it: a learnable per-head sink, sparse_mode 4 (sliding window), GQA;
+    the sink is a leaf that gets its gradient through the compiled graph."""
+    q, k, v = _leaf(rng, 1, 9, 4, 16), _leaf(rng, 1, 9, 2, 16), _leaf(rng, 1, 9, 2, 16)
+    sink = _leaf(rng, 4)
+    mask = cann_attn.compressed_mask(4)
+
+    def fn(q, k, v, sink):
+        return cann_attn.flash_attention(q, k, v, 4, "BSND", atten_mask=mask, sparse_mode=4, pre_tokens=3,
+                                         next_tokens=0, scale_value=0.25, sink=sink)
+
+    _assert_compiled_matches_eager(fn, [q, k, v, sink])
+
+
 def test_flash_attention_fullgraph_tnd_varlen(rng):
     q, k, v = _leaf(rng, 7, 2, 8), _leaf(rng, 9, 1, 8), _leaf(rng, 9, 1, 8)
 
@@ -139,6 +153,7 @@ def _raw_op_cases(gen):
     q, k, v = (torch.randn(1, 8, 2, 16, generator=gen) for _ in range(3))
     fwd = cann_attn.flash_attention_score(q, k, v, 2, "BSND", scale_value=0.25)
     dy = torch.randn_like(fwd.attention_out)
+    sink = torch.tensor([0.5, -1.0])
     qs, latent, q_rope, k_rope, idx = (t.detach() if t.is_floating_point() else t for t in _dsa_inputs(gen))
     sfa = cann_attn.sparse_flash_attention(qs, latent, latent, idx, 0.2, query_rope=q_rope, key_rope=k_rope)
     q_idx, k_idx, weights = torch.randn(1, 6, 2, 8, generator=gen), torch.randn(1, 10, 1, 8), torch.randn(1, 6, 2)
@@ -155,6 +170,10 @@ def _raw_op_cases(gen):
         "flash_attention_score_grad": (lambda q, k, v, dy: cann_attn.flash_attention_score_grad(
             q, k, v, dy, 2, "BSND", scale_value=0.25, softmax_max=fwd.softmax_max, softmax_sum=fwd.softmax_sum,
             attention_in=fwd.attention_out), (q, k, v, dy)),
+        "flash_attention_score_grad_sink": (lambda q, k, v, dy: cann_attn.flash_attention_score_grad(
+            q, k, v, dy, 2, "BSND", scale_value=0.25, sink=sink), (q, k, v, dy)),
+        "flash_attention_score_sink": (lambda q, k, v: cann_attn.flash_attention_score(
+            q, k, v, 2, "BSND", scale_value=0.25, sink=sink), (q, k, v)),
         "prompt_flash_attention": (lambda q, k, v: cann_attn.prompt_flash_attention(
             q, k, v, num_heads=2, input_layout="BSND", scale_value=0.25, next_tokens=2147483647), (q, k, v)),
         "fused_infer_attention_score": (lambda q, k, v: cann_attn.fused_infer_attention_score(

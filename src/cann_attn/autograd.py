@@ -67,11 +67,11 @@ class _FlashAttentionFunction(torch.autograd.Function):
     """Saves exactly what FlashAttentionScoreGradV2 consumes: inputs, output, softmax statistics, drop mask."""
 
     @staticmethod
-    def forward(ctx, query, key, value, pse, drop_mask, atten_mask, options: dict, aliases: tuple[int, ...]):
+    def forward(ctx, query, key, value, pse, sink, drop_mask, atten_mask, options: dict, aliases: tuple[int, ...]):
         query, key, value, pse = _restored((query, key, value, pse), aliases)
         result = flash_attention_score(query, key, value, pse=pse, drop_mask=drop_mask, atten_mask=atten_mask,
-                                       **options)
-        ctx.save_for_backward(query, key, value, pse, drop_mask, atten_mask, result.attention_out,
+                                       sink=sink, **options)
+        ctx.save_for_backward(query, key, value, pse, sink, drop_mask, atten_mask, result.attention_out,
                               result.softmax_max, result.softmax_sum)
         ctx.options, ctx.aliases = options, aliases
         return result.attention_out
@@ -79,13 +79,14 @@ class _FlashAttentionFunction(torch.autograd.Function):
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, dy):
-        query, key, value, pse, drop_mask, atten_mask, out, softmax_max, softmax_sum = ctx.saved_tensors
+        query, key, value, pse, sink, drop_mask, atten_mask, out, softmax_max, softmax_sum = ctx.saved_tensors
         grads = flash_attention_score_grad(
             query, key, value, dy.contiguous(), pse=pse, drop_mask=drop_mask, atten_mask=atten_mask,
-            softmax_max=softmax_max, softmax_sum=softmax_sum, attention_in=out, **ctx.options,
+            softmax_max=softmax_max, softmax_sum=softmax_sum, attention_in=out, sink=sink, **ctx.options,
         )
         dpse = grads.dpse if pse is not None and ctx.needs_input_grad[3] else None
-        return *_folded((grads.dq, grads.dk, grads.dv, dpse), ctx.aliases), None, None, None, None
+        dsink = grads.dsink if sink is not None and ctx.needs_input_grad[4] else None
+        return *_folded((grads.dq, grads.dk, grads.dv, dpse), ctx.aliases), dsink, None, None, None, None
 
 
 def flash_attention(
@@ -112,11 +113,13 @@ def flash_attention(
     sparse_mode: int = 0,
     pse_type: int = 1,
     softmax_layout: str = "",
+    sink: torch.Tensor | None = None,
     generator: torch.Generator | None = None,
     backend: str = "auto",
 ) -> torch.Tensor:
-    """Differentiable FlashAttentionScore: returns attention_out; gradients flow to query, key, value and a
-    type 0/1 pse tensor through FlashAttentionScoreGradV2.
+    """Differentiable FlashAttentionScore: returns attention_out; gradients flow to query, key, value, a
+    type 0/1 pse tensor and a `sink` ([N1] float32, one softmax logit per query head, docs/semantics/sinks.md)
+    through FlashAttentionScoreGradV2.
 
     Takes `flash_attention_score`'s parameters except `drop_mask`: with `keep_prob < 1` (or `dropout_p =
     1 - keep_prob`, given instead of keep_prob, not with it) a bit-packed mask is drawn from `generator`
@@ -146,7 +149,7 @@ def flash_attention(
             actual_seq_qlen=actual_seq_qlen, actual_seq_kvlen=actual_seq_kvlen, q_start_idx=q_start_idx,
             kv_start_idx=kv_start_idx, scale_value=scale_value, keep_prob=1.0, pre_tokens=pre_tokens,
             next_tokens=next_tokens, inner_precise=inner_precise, sparse_mode=sparse_mode, pse_type=pse_type,
-            softmax_layout=softmax_layout, allowed_modes=FORWARD_MODES)
+            softmax_layout=softmax_layout, allowed_modes=FORWARD_MODES, sink=sink)
         resolve_backend(backend, query.device, "flash_attention_score", warn=False,
                         unsupported=lambda: dense_unsupported(problem, query.dtype,
                                                               tensors={"q": query, "k": key, "v": value}))
@@ -161,7 +164,7 @@ def flash_attention(
         pse_type=pse_type, softmax_layout=softmax_layout, backend=backend,
     )
     inputs, aliases = _distinct(query, key, value, pse)
-    return _FlashAttentionFunction.apply(*inputs, drop_mask, atten_mask, options, aliases)
+    return _FlashAttentionFunction.apply(*inputs, sink, drop_mask, atten_mask, options, aliases)
 
 
 class _SparseAttentionFunction(torch.autograd.Function):

@@ -172,7 +172,7 @@ def dropout_mask(seed, offset, numel: int, keep_prob: float, device: torch.devic
 _FA_NAMES = (
     "query", "key", "value", "head_num", "input_layout", "pse", "drop_mask", "padding_mask", "atten_mask", "prefix",
     "actual_seq_qlen", "actual_seq_kvlen", "q_start_idx", "kv_start_idx", "scale_value", "keep_prob", "pre_tokens",
-    "next_tokens", "inner_precise", "sparse_mode", "pse_type", "softmax_layout", "backend",
+    "next_tokens", "inner_precise", "sparse_mode", "pse_type", "softmax_layout", "backend", "sink",
 )
 # Forward arguments the grad op takes unchanged, in its keyword names.
 _FA_SHARED = (
@@ -184,13 +184,13 @@ _FA_SHARED = (
 
 def _fa_call(eager, query, key, value, head_num, input_layout, pse, drop_mask, padding_mask, atten_mask, prefix,
              actual_seq_qlen, actual_seq_kvlen, q_start_idx, kv_start_idx, scale_value, keep_prob, pre_tokens,
-             next_tokens, inner_precise, sparse_mode, pse_type, softmax_layout, backend):
+             next_tokens, inner_precise, sparse_mode, pse_type, softmax_layout, backend, sink):
     result = eager(
         query, key, value, head_num, input_layout, pse=pse, drop_mask=drop_mask, padding_mask=padding_mask,
         atten_mask=atten_mask, prefix=prefix, actual_seq_qlen=actual_seq_qlen, actual_seq_kvlen=actual_seq_kvlen,
         q_start_idx=q_start_idx, kv_start_idx=kv_start_idx, scale_value=scale_value, keep_prob=keep_prob,
         pre_tokens=pre_tokens, next_tokens=next_tokens, inner_precise=inner_precise, sparse_mode=sparse_mode,
-        pse_type=pse_type, softmax_layout=softmax_layout, backend=backend,
+        pse_type=pse_type, softmax_layout=softmax_layout, backend=backend, sink=sink,
     )
     return tuple(result)
 
@@ -203,13 +203,13 @@ def _fa_op(
     actual_seq_kvlen: list[int] | None = None, q_start_idx: list[int] | None = None,
     kv_start_idx: list[int] | None = None, scale_value: float = 1.0, keep_prob: float = 1.0,
     pre_tokens: int = INT_MAX, next_tokens: int = INT_MAX, inner_precise: int = 0, sparse_mode: int = 0,
-    pse_type: int = 1, softmax_layout: str = "", backend: str = "auto",
+    pse_type: int = 1, softmax_layout: str = "", backend: str = "auto", sink: Tensor | None = None,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """FlashAttentionScore -> (attention_out, softmax_max, softmax_sum, softmax_out)."""
     return _fa_call(_eager_flash_attention_score, query, key, value, head_num, input_layout, pse, drop_mask,
                     padding_mask, atten_mask, prefix, actual_seq_qlen, actual_seq_kvlen, q_start_idx, kv_start_idx,
                     scale_value, keep_prob, pre_tokens, next_tokens, inner_precise, sparse_mode, pse_type,
-                    softmax_layout, backend)
+                    softmax_layout, backend, sink)
 
 
 @torch.library.custom_op("cann_attn::flash_attention_var_len_score", mutates_args=())
@@ -220,13 +220,13 @@ def _fa_varlen_op(
     actual_seq_kvlen: list[int] | None = None, q_start_idx: list[int] | None = None,
     kv_start_idx: list[int] | None = None, scale_value: float = 1.0, keep_prob: float = 1.0,
     pre_tokens: int = INT_MAX, next_tokens: int = INT_MAX, inner_precise: int = 0, sparse_mode: int = 0,
-    pse_type: int = 1, softmax_layout: str = "", backend: str = "auto",
+    pse_type: int = 1, softmax_layout: str = "", backend: str = "auto", sink: Tensor | None = None,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """FlashAttentionVarLenScore (TND) -> (attention_out, softmax_max, softmax_sum, softmax_out)."""
     return _fa_call(_eager_flash_attention_var_len_score, query, key, value, head_num, input_layout, pse, drop_mask,
                     padding_mask, atten_mask, prefix, actual_seq_qlen, actual_seq_kvlen, q_start_idx, kv_start_idx,
                     scale_value, keep_prob, pre_tokens, next_tokens, inner_precise, sparse_mode, pse_type,
-                    softmax_layout, backend)
+                    softmax_layout, backend, sink)
 
 
 def _fa_out_shape(query: Tensor, key: Tensor, value: Tensor, head_num: int, layout: str) -> tuple:
@@ -267,23 +267,25 @@ def _fa_setup_context(ctx, inputs, output):
     args = dict(zip(_FA_NAMES, inputs, strict=False))
     attention_out, softmax_max, softmax_sum, softmax_out = output
     ctx.save_for_backward(args["query"], args["key"], args["value"], args["pse"], args["drop_mask"],
-                          args["atten_mask"], attention_out, softmax_max, softmax_sum)
+                          args["atten_mask"], attention_out, softmax_max, softmax_sum, args.get("sink"))
     ctx.options = {name: args[name] for name in _FA_SHARED if name in args}
     ctx.mark_non_differentiable(softmax_max, softmax_sum, softmax_out)
 
 
 def _fa_backward(ctx, d_out, d_max, d_sum, d_softmax_out):
-    query, key, value, pse, drop_mask, atten_mask, attention_out, softmax_max, softmax_sum = ctx.saved_tensors
+    query, key, value, pse, drop_mask, atten_mask, attention_out, softmax_max, softmax_sum, sink = ctx.saved_tensors
     options = ctx.options
-    dq, dk, dv, dpse = torch.ops.cann_attn.flash_attention_score_grad(
+    dq, dk, dv, dpse, dsink = torch.ops.cann_attn.flash_attention_score_grad(
         query, key, value, d_out.contiguous(), options["head_num"], options["input_layout"], pse=pse,
         drop_mask=drop_mask, atten_mask=atten_mask, softmax_max=softmax_max, softmax_sum=softmax_sum,
-        attention_in=attention_out, **{k: v for k, v in options.items() if k not in ("head_num", "input_layout")},
+        attention_in=attention_out, sink=sink,
+        **{k: v for k, v in options.items() if k not in ("head_num", "input_layout")},
     )
     pse_grad = None
     if pse is not None and options["pse_type"] in (0, 1) and ctx.needs_input_grad[_FA_NAMES.index("pse")]:
         pse_grad = dpse
-    grads = {"query": dq, "key": dk, "value": dv, "pse": pse_grad}
+    sink_grad = dsink if sink is not None and ctx.needs_input_grad[_FA_NAMES.index("sink")] else None
+    grads = {"query": dq, "key": dk, "value": dv, "pse": pse_grad, "sink": sink_grad}
     return tuple(grads.get(name) for name in _FA_NAMES)
 
 
@@ -301,8 +303,10 @@ def _fa_grad_op(
     q_start_idx: list[int] | None = None, kv_start_idx: list[int] | None = None, scale_value: float = 1.0,
     keep_prob: float = 1.0, pre_tokens: int = INT_MAX, next_tokens: int = INT_MAX, inner_precise: int = 0,
     sparse_mode: int = 0, pse_type: int = 1, softmax_layout: str = "", backend: str = "auto",
-) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """FlashAttentionScoreGradV2 -> (dq, dk, dv, dpse); dpse is an empty (0,) tensor without a type 0/1 pse."""
+    sink: Tensor | None = None,
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """FlashAttentionScoreGradV2 -> (dq, dk, dv, dpse, dsink); dpse is an empty (0,) tensor without a type 0/1
+    pse, dsink one without a sink."""
     result = _eager_flash_attention_score_grad(
         query, key, value, dy, head_num, input_layout, pse=pse, drop_mask=drop_mask, padding_mask=padding_mask,
         atten_mask=atten_mask, softmax_max=softmax_max, softmax_sum=softmax_sum, softmax_in=softmax_in,
@@ -310,19 +314,21 @@ def _fa_grad_op(
         actual_seq_kvlen=actual_seq_kvlen, q_start_idx=q_start_idx, kv_start_idx=kv_start_idx,
         scale_value=scale_value, keep_prob=keep_prob, pre_tokens=pre_tokens, next_tokens=next_tokens,
         inner_precise=inner_precise, sparse_mode=sparse_mode, pse_type=pse_type, softmax_layout=softmax_layout,
-        backend=backend,
+        backend=backend, sink=sink,
     )
     dpse = result.dpse if result.dpse is not None else _empty_like_none(query)
-    return result.dq, result.dk, result.dv, dpse
+    dsink = result.dsink if result.dsink is not None else _empty_like_none(query, torch.float32)
+    return result.dq, result.dk, result.dv, dpse, dsink
 
 
 @_fa_grad_op.register_fake
 def _(query, key, value, dy, head_num, input_layout, pse=None, drop_mask=None, padding_mask=None, atten_mask=None,
       softmax_max=None, softmax_sum=None, softmax_in=None, attention_in=None, prefix=None, actual_seq_qlen=None,
       actual_seq_kvlen=None, q_start_idx=None, kv_start_idx=None, scale_value=1.0, keep_prob=1.0, pre_tokens=INT_MAX,
-      next_tokens=INT_MAX, inner_precise=0, sparse_mode=0, pse_type=1, softmax_layout="", backend="auto"):
+      next_tokens=INT_MAX, inner_precise=0, sparse_mode=0, pse_type=1, softmax_layout="", backend="auto", sink=None):
     dpse = pse.new_empty(pse.shape) if pse is not None and pse_type in (0, 1) else _empty_like_none(query)
-    return torch.empty_like(query), torch.empty_like(key), torch.empty_like(value), dpse
+    dsink = sink.new_empty(sink.shape) if sink is not None else _empty_like_none(query, torch.float32)
+    return torch.empty_like(query), torch.empty_like(key), torch.empty_like(value), dpse, dsink
 
 
 def flash_attention_score(
@@ -331,7 +337,7 @@ def flash_attention_score(
     prefix=None, actual_seq_qlen=None, actual_seq_kvlen=None, q_start_idx=None, kv_start_idx=None,
     scale_value: float = 1.0, keep_prob: float = 1.0, pre_tokens: int = INT_MAX, next_tokens: int = INT_MAX,
     inner_precise: int = 0, sparse_mode: int = 0, pse_type: int = 1, softmax_layout: str = "",
-    backend: str = "auto",
+    sink: Tensor | None = None, backend: str = "auto",
 ) -> FlashAttentionScoreResult:
     """``cann_attn.flash_attention_score`` through the ``cann_attn::flash_attention_score`` custom op:
     traceable by torch.compile and differentiable (gradients to query, key, value and a type 0/1 pse)."""
@@ -340,6 +346,7 @@ def flash_attention_score(
         _ints(actual_seq_qlen, "actual_seq_qlen"), _ints(actual_seq_kvlen, "actual_seq_kvlen"),
         _ints(q_start_idx, "q_start_idx"), _ints(kv_start_idx, "kv_start_idx"), float(scale_value),
         float(keep_prob), pre_tokens, next_tokens, inner_precise, sparse_mode, pse_type, softmax_layout, backend,
+        sink,
     ))
 
 
@@ -349,7 +356,7 @@ def flash_attention_var_len_score(
     atten_mask: Tensor | None = None, prefix=None, actual_seq_qlen=None, actual_seq_kvlen=None, q_start_idx=None,
     kv_start_idx=None, scale_value: float = 1.0, keep_prob: float = 1.0, pre_tokens: int = INT_MAX,
     next_tokens: int = INT_MAX, inner_precise: int = 0, sparse_mode: int = 0, pse_type: int = 1,
-    softmax_layout: str = "", backend: str = "auto",
+    softmax_layout: str = "", sink: Tensor | None = None, backend: str = "auto",
 ) -> FlashAttentionScoreResult:
     """``cann_attn.flash_attention_var_len_score`` through the ``cann_attn::flash_attention_var_len_score`` op."""
     return FlashAttentionScoreResult(*torch.ops.cann_attn.flash_attention_var_len_score(
@@ -357,6 +364,7 @@ def flash_attention_var_len_score(
         _ints(actual_seq_qlen, "actual_seq_qlen"), _ints(actual_seq_kvlen, "actual_seq_kvlen"),
         _ints(q_start_idx, "q_start_idx"), _ints(kv_start_idx, "kv_start_idx"), float(scale_value),
         float(keep_prob), pre_tokens, next_tokens, inner_precise, sparse_mode, pse_type, softmax_layout, backend,
+        sink,
     ))
 
 
@@ -367,18 +375,19 @@ def flash_attention_score_grad(
     softmax_in: Tensor | None = None, attention_in: Tensor | None = None, prefix=None, actual_seq_qlen=None,
     actual_seq_kvlen=None, q_start_idx=None, kv_start_idx=None, scale_value: float = 1.0, keep_prob: float = 1.0,
     pre_tokens: int = INT_MAX, next_tokens: int = INT_MAX, inner_precise: int = 0, sparse_mode: int = 0,
-    pse_type: int = 1, softmax_layout: str = "", backend: str = "auto",
+    pse_type: int = 1, softmax_layout: str = "", sink: Tensor | None = None, backend: str = "auto",
 ) -> FlashAttentionScoreGradResult:
     """``cann_attn.flash_attention_score_grad`` through the ``cann_attn::flash_attention_score_grad`` op; dpse is
-    None without a type 0/1 pse tensor."""
-    dq, dk, dv, dpse = torch.ops.cann_attn.flash_attention_score_grad(
+    None without a type 0/1 pse tensor, dsink None without a sink."""
+    dq, dk, dv, dpse, dsink = torch.ops.cann_attn.flash_attention_score_grad(
         query, key, value, dy, head_num, input_layout, pse, drop_mask, padding_mask, atten_mask, softmax_max,
         softmax_sum, softmax_in, attention_in, _ints(prefix, "prefix"), _ints(actual_seq_qlen, "actual_seq_qlen"),
         _ints(actual_seq_kvlen, "actual_seq_kvlen"), _ints(q_start_idx, "q_start_idx"),
         _ints(kv_start_idx, "kv_start_idx"), float(scale_value), float(keep_prob), pre_tokens, next_tokens,
-        inner_precise, sparse_mode, pse_type, softmax_layout, backend,
+        inner_precise, sparse_mode, pse_type, softmax_layout, backend, sink,
     )
-    return FlashAttentionScoreGradResult(dq, dk, dv, _none_if_placeholder(dpse, pse is not None and pse_type in (0, 1)))
+    return FlashAttentionScoreGradResult(dq, dk, dv, _none_if_placeholder(dpse, pse is not None and pse_type in (0, 1)),
+                                         _none_if_placeholder(dsink, sink is not None))
 
 
 # ================================================================================ PromptFlashAttentionV2 + quant

@@ -14,6 +14,7 @@ from ..problem import dropout as drop
 from ..problem import layout as layouts
 from ..problem import mask as masks
 from ..problem import pse as pses
+from ..problem import sink as sinks
 from ..problem import stats
 from ..problem.attention import AttentionProblem, Run, mask_runs
 from ..problem.lengths import cumulative_lengths, starts_of, to_int_list
@@ -138,10 +139,11 @@ def build_problem(
     query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, head_num: int, input_layout: str, *,
     pse, drop_mask, atten_mask, prefix, actual_seq_qlen, actual_seq_kvlen, q_start_idx, kv_start_idx,
     scale_value: float, keep_prob: float, pre_tokens: int, next_tokens: int, inner_precise: int,
-    sparse_mode: int, pse_type: int, softmax_layout: str, allowed_modes: tuple[int, ...],
+    sparse_mode: int, pse_type: int, softmax_layout: str, allowed_modes: tuple[int, ...], sink=None,
 ) -> tuple[AttentionProblem, FaShapes]:
     """Validate every FA-family parameter and return the canonical problem (nothing is computed)."""
     shapes = validate_shapes(query, key, value, head_num, input_layout, actual_seq_qlen, actual_seq_kvlen)
+    sink = sinks.check_sink(sink, shapes.heads_q)
     tnd = input_layout == "TND"
     sparse_mode = require_int(sparse_mode, "sparse_mode")
     pre_tokens = require_int(pre_tokens, "pre_tokens")
@@ -179,7 +181,7 @@ def build_problem(
     problem = AttentionProblem(
         layout=input_layout, batch=shapes.batch, heads_q=shapes.heads_q, heads_kv=shapes.heads_kv,
         dim_qk=shapes.dim_qk, dim_v=shapes.dim_v, scale=float(scale_value), keep_prob=float(keep_prob),
-        softmax_layout=softmax_layout, runs=tuple(runs),
+        softmax_layout=softmax_layout, runs=tuple(runs), sink=sink,
     )
     return problem, shapes
 

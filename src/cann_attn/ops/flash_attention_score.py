@@ -10,6 +10,7 @@ from ..backends import kernels, select_backend
 from ..backends.triton.dense_plan import dense_unsupported
 from ..errors import ParamInvalidError
 from ..problem import layout as layouts
+from ..problem import sink as sinks
 from ..problem import stats
 from ..traceable import traced_as_custom_op
 from .fa_problem import build_problem
@@ -51,6 +52,7 @@ def flash_attention_score(
     sparse_mode: int = 0,
     pse_type: int = 1,
     softmax_layout: str = "",
+    sink: torch.Tensor | None = None,
     backend: str = "auto",
 ) -> FlashAttentionScoreResult:
     """Training forward of FlashAttentionScore: softmax(mask(S)) with dropout, times value.
@@ -60,7 +62,9 @@ def flash_attention_score(
     atten_mask (2); fully masked rows give 0 with softmax_max = -FLT_MAX, softmax_sum = FLT_MAX (3); pse types
     0..3 with q/kv start indices (4); dropout from the bit-packed `drop_mask` with `keep_prob` (5). Returns
     attention_out (query layout, value's D), softmax_max / softmax_sum ([B,N1,Sq,8]; TND [T,N1,8] laid out as
-    `softmax_layout` says, 6) and an empty softmax_out. `padding_mask` is reserved and ignored.
+    `softmax_layout` says, 6) and an empty softmax_out. `padding_mask` is reserved and ignored. `sink` (float32
+    [N1], optional) adds one logit per query head to every row's softmax, dropped before P V; the statistics then
+    include it (docs/semantics/sinks.md).
     """
     return _run(locals(), FORWARD_MODES, "flash_attention_score")
 
@@ -90,6 +94,7 @@ def flash_attention_var_len_score(
     sparse_mode: int = 0,
     pse_type: int = 1,
     softmax_layout: str = "",
+    sink: torch.Tensor | None = None,
     backend: str = "auto",
 ) -> FlashAttentionScoreResult:
     """FlashAttentionVarLenScore: `flash_attention_score` for packed TND sequences only.
@@ -111,7 +116,7 @@ def _run(args: dict, allowed_modes: tuple[int, ...], op: str) -> FlashAttentionS
         q_start_idx=args["q_start_idx"], kv_start_idx=args["kv_start_idx"], scale_value=args["scale_value"],
         keep_prob=args["keep_prob"], pre_tokens=args["pre_tokens"], next_tokens=args["next_tokens"],
         inner_precise=args["inner_precise"], sparse_mode=args["sparse_mode"], pse_type=args["pse_type"],
-        softmax_layout=args["softmax_layout"], allowed_modes=allowed_modes,
+        softmax_layout=args["softmax_layout"], allowed_modes=allowed_modes, sink=args["sink"],
     )
     qkv = {"q": query, "k": key, "v": value}
     backend = select_backend(args["backend"], query.device, op=op,
@@ -125,8 +130,16 @@ def _run(args: dict, allowed_modes: tuple[int, ...], op: str) -> FlashAttentionS
     stat_dtype = stats.accumulation_dtype(query.dtype)
     softmax_max, softmax_sum = stats.allocate(stat_shape, stat_dtype, query.device,
                                               keyless_rows=problem.has_keyless_rows)
-    if out.numel() > 0:
-        kernels("dense_forward", backend).forward(problem, query, key, value, out, softmax_max, softmax_sum)
+    dense_forward(problem, backend, query, key, value, out, softmax_max, softmax_sum)
     softmax_out = torch.empty(0, dtype=query.dtype, device=query.device)
     return FlashAttentionScoreResult(out, softmax_max, softmax_sum, softmax_out)
 
+
+
+def dense_forward(problem, backend: str, query, key, value, out, softmax_max, softmax_sum) -> None:
+    """The backend's dense forward into preallocated outputs; with a sink, rows of runs without keys (which no kernel
+    visits) get the sink's statistics (docs/semantics/sinks.md)."""
+    if out.numel() > 0:
+        kernels("dense_forward", backend).forward(problem, query, key, value, out, softmax_max, softmax_sum)
+    if problem.sink is not None:
+        sinks.finish_keyless_rows(problem, out, softmax_max, softmax_sum)

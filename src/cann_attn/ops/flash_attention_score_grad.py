@@ -11,9 +11,11 @@ from ..backends import kernels, select_backend
 from ..backends.triton.dense_plan import dense_unsupported
 from ..errors import ParamInvalidError, ParamNullptrError, require
 from ..problem import layout as layouts
+from ..problem import sink as sinks
 from ..problem import stats
 from ..traceable import traced_as_custom_op
 from .fa_problem import build_problem
+from .flash_attention_score import dense_forward
 
 INT_MAX = 2147483647
 GRAD_MODES = (0, 1, 2, 3, 4, 5, 6, 7, 8)
@@ -24,6 +26,7 @@ class FlashAttentionScoreGradResult(NamedTuple):
     dk: torch.Tensor
     dv: torch.Tensor
     dpse: torch.Tensor | None
+    dsink: torch.Tensor | None = None
 
 
 @traced_as_custom_op
@@ -56,6 +59,7 @@ def flash_attention_score_grad(
     sparse_mode: int = 0,
     pse_type: int = 1,
     softmax_layout: str = "",
+    sink: torch.Tensor | None = None,
     backend: str = "auto",
 ) -> FlashAttentionScoreGradResult:
     """Gradients of the FlashAttentionScore forward w.r.t. query, key, value and a pse tensor.
@@ -67,7 +71,9 @@ def flash_attention_score_grad(
     are recomputed by the forward. dk / dv of GQA/MQA are summed over each query-head group. `dpse` is the real
     gradient w.r.t. a type 0/1 pse tensor in the pse's own shape (reduced over its broadcast dimensions, the
     compressed form included) and None for ALiBi types 2/3 or without pse. `softmax_in` and `padding_mask`
-    are reserved and ignored.
+    are reserved and ignored. With `sink` (float32 [N1]) the given statistics are the sink-inclusive ones the forward
+    wrote, and `dsink` ([N1], float32) is the gradient w.r.t. the sink, summed over batches and rows
+    (docs/semantics/sinks.md); without a sink it is None.
     """
     problem, shapes = build_problem(
         query, key, value, head_num, input_layout,
@@ -76,7 +82,7 @@ def flash_attention_score_grad(
         q_start_idx=q_start_idx, kv_start_idx=kv_start_idx, scale_value=scale_value,
         keep_prob=keep_prob, pre_tokens=pre_tokens, next_tokens=next_tokens,
         inner_precise=inner_precise, sparse_mode=sparse_mode, pse_type=pse_type,
-        softmax_layout=softmax_layout, allowed_modes=GRAD_MODES,
+        softmax_layout=softmax_layout, allowed_modes=GRAD_MODES, sink=sink,
     )
     out_shape = layouts.output_shape(input_layout, shapes.batch, shapes.total_q, shapes.heads_q, shapes.dim_v)
     _check_like(dy, "dy", out_shape, query.dtype)
@@ -107,8 +113,7 @@ def flash_attention_score_grad(
     if softmax_max is None or attention_in is None:
         recomputed_out = torch.zeros(out_shape, dtype=query.dtype, device=query.device)
         new_max, new_sum = stats.allocate(stat_shape, stat_dtype, query.device, keyless_rows=problem.has_keyless_rows)
-        if recomputed_out.numel() > 0:
-            kernels("dense_forward", backend).forward(problem, query, key, value, recomputed_out, new_max, new_sum)
+        dense_forward(problem, backend, query, key, value, recomputed_out, new_max, new_sum)
         if softmax_max is None:
             softmax_max, softmax_sum = new_max, new_sum
         if attention_in is None:
@@ -123,7 +128,12 @@ def flash_attention_score_grad(
         kernels("dense_backward", backend).backward(problem, query, key, value, dy, attention_in, softmax_max,
                                                     softmax_sum, dq, dk, dv, dpse_acc)
     dpse = dpse_acc.to(pse.dtype) if dpse_acc is not None else None
-    return FlashAttentionScoreGradResult(dq, dk, dv, dpse)
+    dsink = None
+    if problem.sink is not None:
+        dsink = sinks.sink_grad([(problem.q_view(dy, run), problem.q_view(attention_in, run),
+                                  problem.stat_view(softmax_max, run), problem.stat_view(softmax_sum, run))
+                                 for run in problem.runs], problem.sink, stat_dtype)
+    return FlashAttentionScoreGradResult(dq, dk, dv, dpse, dsink)
 
 
 def _check_like(t, name: str, shape: tuple[int, ...], dtype: torch.dtype) -> None:

@@ -46,6 +46,8 @@ class AttentionProblem:
     keep_prob: float
     softmax_layout: str
     runs: tuple[Run, ...] = field(default_factory=tuple)
+    # One extra softmax logit per query head ([N1], problem/sink.py), or None.
+    sink: torch.Tensor | None = None
 
     @property
     def tnd(self) -> bool:

@@ -244,17 +244,41 @@ def _pse_bias(
 # ----------------------------------------------------------------------------------------------------
 # One sequence: full score matrix, softmax with stats, dropout, P V
 # ----------------------------------------------------------------------------------------------------
-def _attend(q, k, v, masked, bias, pse_type, scale, keep, keep_prob, stats_dtype):
-    """q [N1,Sq,D], k [N2,Skv,D], v [N2,Skv,Dv], masked bool [1|N1,Sq,Skv], bias None or [1|N1,Sq,Skv].
+def _attend(q, k, v, masked, bias, pse_type, scale, keep, keep_prob, stats_dtype, sink=None):
+    """q [N1,Sq,D], k [N2,Skv,D], v [N2,Skv,Dv], masked bool [1|N1,Sq,Skv], bias None or [1|N1,Sq,Skv],
+    sink None or [N1] (one extra logit per query head, docs/semantics/sinks.md).
 
     Returns out [N1,Sq,Dv], softmax_max [N1,Sq], softmax_sum [N1,Sq] (stats in stats_dtype).
     """
     n1, sq, _ = q.shape
     skv, dv = v.shape[1], v.shape[2]
+    if sink is not None:
+        # The sink as the gpt-oss formula states it: one more score column per row, sink[h] whatever the mask, pse
+        # and scale; it joins the softmax and is dropped before P V (it has no value row). A -inf sink is no column.
+        k = torch.cat([k.repeat_interleave(n1 // k.shape[0], dim=0), q.new_zeros(n1, 1, k.shape[2])], dim=1)
+        v = torch.cat([v.repeat_interleave(n1 // v.shape[0], dim=0), q.new_zeros(n1, 1, dv)], dim=1)
+        sink_col = sink.to(device=q.device, dtype=q.dtype).view(n1, 1, 1).expand(n1, sq, 1)
+        masked = torch.cat([masked.to(q.device).expand(n1, sq, skv), (sink_col == float("-inf"))], dim=-1)
+        if bias is not None:
+            bias = torch.cat([bias.expand(n1, sq, skv), bias.new_zeros(n1, sq, 1)], dim=-1)
+        if keep is not None:
+            keep = torch.cat([keep.to(q.device), keep.new_ones(n1, sq, 1).to(q.device)], dim=-1)
+        out, m, l, _ = _attend_columns(q, k, v, masked, bias, pse_type, scale, keep, keep_prob, stats_dtype,
+                                       sink_col)
+        return out, m, l
     if skv == 0 or sq == 0:  # no key at all: every row is invalid (or there is no row)
         out = q.new_zeros(n1, sq, dv)
         m = torch.full((n1, sq), -FLT_MAX, dtype=stats_dtype, device=q.device)
         return out, m, torch.full((n1, sq), FLT_MAX, dtype=stats_dtype, device=q.device)
+    out, m, l, _ = _attend_columns(q, k, v, masked, bias, pse_type, scale, keep, keep_prob, stats_dtype, None)
+    return out, m, l
+
+
+def _attend_columns(q, k, v, masked, bias, pse_type, scale, keep, keep_prob, stats_dtype, sink_col):
+    """The dense softmax attention of `_attend`; with `sink_col` [N1,Sq,1] the last key column's logit is replaced by
+    it (k and v carry a zero row there, so the column adds nothing to P V)."""
+    n1, sq, _ = q.shape
+    skv = k.shape[1]
     masked = masked.to(q.device)
     group = n1 // k.shape[0]
     k = k.repeat_interleave(group, dim=0)  # query head n uses kv head n // G
@@ -266,6 +290,8 @@ def _attend(q, k, v, masked, bias, pse_type, scale, keep, keep_prob, stats_dtype
         s = scale * (x + bias)
     else:  # pse_type 0, 2, 3
         s = scale * x + bias
+    if sink_col is not None:
+        s = torch.cat([s[..., :-1], sink_col], dim=-1)
     visible = (~masked).expand(n1, sq, skv)
     row_valid = visible.any(dim=-1, keepdim=True)
     very_negative = torch.finfo(s.dtype).min
@@ -280,7 +306,7 @@ def _attend(q, k, v, masked, bias, pse_type, scale, keep, keep_prob, stats_dtype
     out = p @ v
     m_out = torch.where(row_valid, m.to(stats_dtype), torch.full_like(m, -FLT_MAX, dtype=stats_dtype))
     l_out = torch.where(row_valid, l.to(stats_dtype), torch.full_like(l, FLT_MAX, dtype=stats_dtype))
-    return out, m_out.squeeze(-1), l_out.squeeze(-1)
+    return out, m_out.squeeze(-1), l_out.squeeze(-1), p
 
 
 def _forward(
@@ -307,6 +333,7 @@ def _forward(
     softmax_layout,
     dtype,
     stats_dtype,
+    sink=None,
 ):
     layout = input_layout
     tnd = layout == "TND"
@@ -370,7 +397,8 @@ def _forward(
         if use_dropout:
             keep = keep_all[offsets[b] : offsets[b] + sizes[b]].reshape(n1, sq, skv)
         out, m, l = _attend(
-            qs[b], ks[b], vs[b], masked, bias, pse_type, scale_value, keep, keep_prob, stats_dtype
+            qs[b], ks[b], vs[b], masked, bias, pse_type, scale_value, keep, keep_prob, stats_dtype,
+            None if sink is None else sink.to(dtype),
         )
         outs.append(out)
         maxes.append(m)
@@ -436,13 +464,17 @@ def fa_forward_oracle(
     sparse_mode: int = 0,
     pse_type: int = 1,
     softmax_layout: str = "",
+    sink: torch.Tensor | None = None,
 ):
     """Float64 forward of FlashAttentionScore / FlashAttentionVarLenScore.
 
     Returns ``(attention_out, softmax_max, softmax_sum)``, all float64: attention_out in ``input_layout`` with
     the value head dim, softmax_max/softmax_sum [B, N1, Sq, 8] (TND: [T, N1, 8], laid out per
     ``softmax_layout``).
-    Fully masked rows give output 0, softmax_max = -FLT_MAX and softmax_sum = +FLT_MAX.
+    Fully masked rows give output 0, softmax_max = -FLT_MAX and softmax_sum = +FLT_MAX. With `sink` ([N1]) every
+    row's softmax has one more logit sink[h] whose column is dropped before P V (docs/semantics/sinks.md); the
+    statistics then include it (a row without visible keys: max = sink, sum = 1, output 0). Differentiable in float64
+    with respect to every input, the sink included (the grad oracle).
     """
     return _forward(
         query,
@@ -467,6 +499,7 @@ def fa_forward_oracle(
         softmax_layout=softmax_layout,
         dtype=torch.float64,
         stats_dtype=torch.float64,
+        sink=sink,
     )
 
 
@@ -492,6 +525,7 @@ def naive_same_dtype_forward(
     sparse_mode: int = 0,
     pse_type: int = 1,
     softmax_layout: str = "",
+    sink: torch.Tensor | None = None,
 ):
     """The oracle's code path run in the query dtype (plain PyTorch, no upcast).
 
@@ -521,4 +555,5 @@ def naive_same_dtype_forward(
         softmax_layout=softmax_layout,
         dtype=query.dtype,
         stats_dtype=torch.float32,
+        sink=sink,
     )

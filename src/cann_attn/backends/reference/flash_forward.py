@@ -27,6 +27,7 @@ import math
 
 import torch
 
+from ...problem import sink as sinks
 from ...problem.attention import AttentionProblem, Run
 from ...problem.mask import TileState
 from ...problem.pse import ALIBI_TYPES
@@ -403,6 +404,11 @@ class RunKernel:
                 self._fused_forward(q_tile, i0, i1, row_max, row_sum, acc)
             else:
                 self._forward_tiles(q_tile, i0, i1, row_max, row_sum, acc)
+            if problem.sink is not None:
+                # The sink joins the finished running statistics before the fp32 output is normalised (and rounded).
+                factor = sinks.merge_into_rows_(row_max, row_sum, sinks.head_values(problem.sink, self.dtype,
+                                                                                     self.device))
+                acc.mul_(factor.view(c * n2, -1, 1))
             # Rows without a visible key have row_sum 0 and acc 0 (their terms are all exactly 0): output 0. "!= 0",
             # not "> 0": a row with a NaN logit has a NaN sum and max and keeps them, with a NaN output, as the
             # formulas give (docs/semantics/invalid-rows.md covers rows without visible keys only); taking it for a row

@@ -20,6 +20,9 @@ import torch
 import triton
 import triton.language as tl
 
+from ...problem import layout as layouts
+from ...problem import sink as sinks
+from ...problem import stats
 from ...problem.attention import AttentionProblem
 from . import dense_tiles as tiles
 from .dense_plan import DensePlan, build_plan
@@ -222,8 +225,31 @@ def forward(problem: AttentionProblem, query, key, value, out, softmax_max=None,
     plan = build_plan(problem, {"q": query, "k": key, "v": value, "o": out}, stats=softmax_max)
     if plan.num_seq == 0 or plan.max_seq_q == 0:
         return
+    if problem.sink is not None:
+        _forward_with_sink(problem, plan, query, key, value, out, softmax_max, softmax_sum)
+        return
     with tiles.rounded_bf16_outputs(out) as (out_k,):
         launch_forward(problem, plan, query, key, value, out_k, softmax_max, softmax_sum)
+
+
+def _forward_with_sink(problem: AttentionProblem, plan: DensePlan, query, key, value, out, softmax_max,
+                       softmax_sum) -> None:
+    """The kernel's output and statistics over the keys, then the sink merged into them (problem/sink.py) while the
+    output is still fp32: one rounding to the output dtype, as without a sink."""
+    wide = out if out.dtype == torch.float32 else \
+        torch.empty_strided(out.shape, out.stride(), dtype=torch.float32, device=out.device)
+    if softmax_max is None:  # the merge needs each row's statistics even where the caller wants none
+        seq = layouts.read_dims(query, problem.layout, problem.heads_q, "query").seq
+        shape = stats.stats_shape(problem.tnd, problem.batch, problem.heads_q, seq)
+        softmax_max, softmax_sum = stats.allocate(shape, torch.float32, out.device, keyless_rows=False)
+    launch_forward(problem, plan, query, key, value, wide, softmax_max, softmax_sum)
+    for run in problem.runs:
+        if run.seq_q > 0 and run.seq_kv > 0:
+            smax, ssum = problem.stat_view(softmax_max, run), problem.stat_view(softmax_sum, run)
+            sinks.merge_into_finished(problem.q_view(wide, run), smax, ssum,
+                                      sinks.head_values(problem.sink, torch.float32, out.device))
+    if wide is not out:
+        out.copy_(wide)
 
 
 def launch_forward(problem: AttentionProblem, plan: DensePlan, query, key, value, out, softmax_max,
