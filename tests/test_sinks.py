@@ -203,6 +203,44 @@ def test_no_sink_gives_no_dsink(rng):
     assert cann_attn.flash_attention_score_grad(q, q, q, q, 2, "BNSD").dsink is None
 
 
+# ------------------------------------------------------------------------------------------- torch_npu shim
+def test_torch_npu_gpt_oss_call(rng):
+    """MindSpeed-LLM's gpt-oss attention: npu_fusion_attention(..., sparse_mode=4, sink=module.sinks.float()),
+    differentiable (autograd gives the sink its gradient); the grad spellings return dsink."""
+    from cann_attn import torch_npu
+
+    b, s, n, d = 1, 10, 4, 8
+    q = torch.randn(b, s, n * d, generator=rng).requires_grad_()
+    k, v = (torch.randn(b, s, 2 * d, generator=rng).requires_grad_() for _ in range(2))
+    sinks = torch.nn.Parameter(torch.randn(n, generator=rng).to(torch.bfloat16))
+    mask = cann_attn.compressed_mask(4)
+    kw = dict(atten_mask=mask, sparse_mode=4, pre_tockens=3, next_tockens=0)
+    out, smax, ssum, *_ = torch_npu.npu_fusion_attention(q, k, v, n, "BSH", scale=d**-0.5, sink=sinks.float(), **kw)
+    dy = torch.randn(out.shape, generator=rng)
+    out.backward(dy)
+    leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+    sink_leaf = sinks.detach().float().requires_grad_()
+    ref = cann_attn.flash_attention(*leaves, n, "BSH", scale_value=d**-0.5, atten_mask=mask, sparse_mode=4,
+                                    pre_tokens=3, next_tokens=0, sink=sink_leaf)
+    assert torch.equal(out.detach(), ref.detach())
+    ref.backward(dy)
+    for ours, theirs in zip((q, k, v), leaves, strict=True):
+        torch.testing.assert_close(ours.grad, theirs.grad, rtol=1e-5, atol=1e-6)
+    assert sinks.grad.dtype == torch.bfloat16  # the float() cast's backward rounds dsink to the parameter's dtype
+    torch.testing.assert_close(sinks.grad, sink_leaf.grad.to(torch.bfloat16), rtol=0, atol=0)
+    grads = torch_npu.npu_fusion_attention_grad(q, k, v, dy, n, "BSH", softmax_max=smax, softmax_sum=ssum,
+                                                attention_in=out.detach(), scale_value=d**-0.5,
+                                                sink=sinks.detach().float(), **kw)
+    assert len(grads) == 5 and grads[3] is None
+    torch.testing.assert_close(grads[4], sink_leaf.grad, rtol=1e-5, atol=1e-6)
+    v2 = torch_npu.npu_fusion_attention_grad_v2(q, k, v, dy, n, "BSH", softmax_max=smax, softmax_sum=ssum,
+                                                attention_in=out.detach(), scale_value=d**-0.5, atten_mask=mask,
+                                                sparse_mode=4, pre_tokens=3, next_tokens=0,
+                                                sink=sinks.detach().float())
+    assert len(v2) == 7 and torch.equal(v2[6], grads[4])
+    assert torch_npu.npu_fusion_attention_grad(q, k, v, dy, n, "BSH", scale_value=0.3)[4] is None
+
+
 # ----------------------------------------------------------------------------------------------- hypothesis
 @settings(max_examples=200, deadline=None)
 @given(cfg=configs(), data=st.data())

@@ -10,12 +10,13 @@ Signatures follow op-plugin's ``op_plugin_functions.yaml`` and the torch_npu API
 
 * ``npu_fusion_attention`` (v1 spelling ``pre_tockens``/``next_tockens``, pse always type 1) ->
   ``(attention_out, softmax_max, softmax_sum, softmax_out, seed, offset, numels)``;
-  ``npu_fusion_attention_grad`` -> ``(dq, dk, dv, dpse)``.
+  ``npu_fusion_attention_grad`` -> ``(dq, dk, dv, dpse, dsink)``.
 * ``npu_fusion_attention_v2`` (``pre_tokens``/``next_tokens``, ``pse_type``, ``q_start_idx``/``kv_start_idx``,
   ``query_rope``/``key_rope``) -> the same 7-tuple; ``npu_fusion_attention_grad_v2`` ->
   ``(dq, dk, dv, dpse, dq_rope, dk_rope, dsink)`` as in current torch_npu (older releases returned the first 4 or
   6 of these). ``query_rope``/``key_rope`` are concatenated to query/key along the head dim (S = scale *
-  (Q K^T + Qr Kr^T)). ``sink`` is not supported.
+  (Q K^T + Qr Kr^T)). ``sink`` (float32 [head_num], one softmax logit per head, docs/semantics/sinks.md) is taken
+  by the forwards and grads of both spellings; the grads return ``dsink`` (None without a sink).
 * ``npu_ring_attention_update`` (-> ``(attn_out, softmax_max, softmax_sum)``) and ``npu_attention_update``
   (-> ``(out, lse_out)``, ``lse_out`` None for ``update_type=0``): the merges of context-parallel attention.
 * ``npu_fused_infer_attention_score`` (+ ``_v2``) -> ``(attention_out, softmax_lse)`` and

@@ -110,15 +110,10 @@ def _layout(input_layout):
     return input_layout.upper() if isinstance(input_layout, str) else input_layout
 
 
-def _check_sink(sink) -> None:
-    if sink is not None:
-        raise ParamInvalidError("sink: attention sinks are not supported by cann_attn, got a tensor")
-
-
 # ------------------------------------------------------------------------------------ FlashAttentionScore
 def _fusion_attention(query, key, value, head_num, input_layout, *, pse, padding_mask, atten_mask, scale, keep_prob,
                       pre_tokens, next_tokens, inner_precise, prefix, actual_seq_qlen, actual_seq_kvlen, sparse_mode,
-                      pse_type, q_start_idx, kv_start_idx, softmax_layout):
+                      pse_type, q_start_idx, kv_start_idx, softmax_layout, sink):
     q_ends = _tnd_ends(actual_seq_qlen, "actual_seq_qlen")
     kv_ends = _tnd_ends(actual_seq_kvlen, "actual_seq_kvlen")
     drop_mask, numels = None, None
@@ -130,7 +125,7 @@ def _fusion_attention(query, key, value, head_num, input_layout, *, pse, padding
     out, softmax_max, softmax_sum, softmax_out = torch.ops.cann_attn.flash_attention_score(
         query, key, value, head_num, input_layout, pse, drop_mask, padding_mask, atten_mask, _ints(prefix, "prefix"),
         q_ends, kv_ends, _ints(q_start_idx, "q_start_idx"), _ints(kv_start_idx, "kv_start_idx"), float(scale),
-        float(keep_prob), pre_tokens, next_tokens, inner_precise, sparse_mode, pse_type, softmax_layout,
+        float(keep_prob), pre_tokens, next_tokens, inner_precise, sparse_mode, pse_type, softmax_layout, sink=sink,
     )
     if numels is None:  # torch_npu reports the mask size without dropout too (sized after the op validated)
         numels = _mask_numel(query, key, head_num, input_layout, q_ends, kv_ends)
@@ -142,13 +137,14 @@ def npu_fusion_attention(
     padding_mask: Tensor | None = None, atten_mask: Tensor | None = None, scale: float = 1.0, keep_prob: float = 1.0,
     pre_tockens: int = INT_MAX, next_tockens: int = INT_MAX, inner_precise: int = 0, prefix=None,
     actual_seq_qlen=None, actual_seq_kvlen=None, sparse_mode: int = 0, gen_mask_parallel: bool = True,
-    sync: bool = False, softmax_layout: str = "",
+    sync: bool = False, softmax_layout: str = "", sink: Tensor | None = None,
 ):
     """torch_npu.npu_fusion_attention (FlashAttentionScore, pse type 1: S = scale * (Q K^T + pse)).
 
     Returns ``(attention_out, softmax_max, softmax_sum, softmax_out, seed, offset, numels)``; differentiable
-    w.r.t. query, key, value and pse. With ``keep_prob < 1`` the keep mask is drawn at (seed, offset) of this
-    module's generator (module docstring); pass seed, offset and numels to :func:`npu_fusion_attention_grad`.
+    w.r.t. query, key, value, pse and ``sink`` (float32 [head_num], docs/semantics/sinks.md). With ``keep_prob < 1``
+    the keep mask is drawn at (seed, offset) of this module's generator (module docstring); pass seed, offset and
+    numels to :func:`npu_fusion_attention_grad`.
     """
     input_layout = _layout(input_layout)
     return _fusion_attention(
@@ -156,7 +152,7 @@ def npu_fusion_attention(
         scale=scale, keep_prob=keep_prob, pre_tokens=pre_tockens, next_tokens=next_tockens,
         inner_precise=inner_precise, prefix=prefix, actual_seq_qlen=actual_seq_qlen,
         actual_seq_kvlen=actual_seq_kvlen, sparse_mode=sparse_mode, pse_type=1, q_start_idx=None, kv_start_idx=None,
-        softmax_layout=softmax_layout,
+        softmax_layout=softmax_layout, sink=sink,
     )
 
 
@@ -170,9 +166,8 @@ def npu_fusion_attention_v2(
 ):
     """torch_npu.npu_fusion_attention_v2: ``npu_fusion_attention`` with ``pse_type`` (0..3, docs/semantics/pse.md),
     ``q_start_idx``/``kv_start_idx`` for ALiBi, and ``query_rope``/``key_rope`` appended to query/key along the head
-    dim. Same 7-tuple; differentiable w.r.t. query, key, value, a type 0/1 pse and the rope tensors."""
+    dim. Same 7-tuple; differentiable w.r.t. query, key, value, a type 0/1 pse, the rope tensors and the sink."""
     input_layout = _layout(input_layout)
-    _check_sink(sink)
     head_dim, rope_dim = _rope_dims(query, query_rope, key_rope, head_num, input_layout)
     query = _cat_rope(query, query_rope, input_layout, head_dim, rope_dim)
     key = _cat_rope(key, key_rope, input_layout, head_dim, rope_dim)
@@ -181,25 +176,26 @@ def npu_fusion_attention_v2(
         scale=scale, keep_prob=keep_prob, pre_tokens=pre_tokens, next_tokens=next_tokens,
         inner_precise=inner_precise, prefix=prefix, actual_seq_qlen=actual_seq_qlen,
         actual_seq_kvlen=actual_seq_kvlen, sparse_mode=sparse_mode, pse_type=pse_type, q_start_idx=q_start_idx,
-        kv_start_idx=kv_start_idx, softmax_layout=softmax_layout,
+        kv_start_idx=kv_start_idx, softmax_layout=softmax_layout, sink=sink,
     )
 
 
 def _fusion_attention_grad(query, key, value, dy, head_num, input_layout, *, pse, padding_mask, atten_mask,
                            softmax_max, softmax_sum, softmax_in, attention_in, scale_value, keep_prob, pre_tokens,
                            next_tokens, inner_precise, seed, offset, numels, prefix, actual_seq_qlen,
-                           actual_seq_kvlen, sparse_mode, pse_type, q_start_idx, kv_start_idx, softmax_layout):
+                           actual_seq_kvlen, sparse_mode, pse_type, q_start_idx, kv_start_idx, softmax_layout, sink):
     q_ends = _tnd_ends(actual_seq_qlen, "actual_seq_qlen")
     kv_ends = _tnd_ends(actual_seq_kvlen, "actual_seq_kvlen")
     drop_mask = _regenerate_drop_mask(query, key, head_num, input_layout, keep_prob, seed, offset, numels, q_ends,
                                       kv_ends)
-    dq, dk, dv, dpse = torch.ops.cann_attn.flash_attention_score_grad(
+    dq, dk, dv, dpse, dsink = torch.ops.cann_attn.flash_attention_score_grad(
         query, key, value, dy, head_num, input_layout, pse, drop_mask, padding_mask, atten_mask, softmax_max,
         softmax_sum, softmax_in, attention_in, _ints(prefix, "prefix"), q_ends, kv_ends,
         _ints(q_start_idx, "q_start_idx"), _ints(kv_start_idx, "kv_start_idx"), float(scale_value), float(keep_prob),
-        pre_tokens, next_tokens, inner_precise, sparse_mode, pse_type, softmax_layout,
+        pre_tokens, next_tokens, inner_precise, sparse_mode, pse_type, softmax_layout, sink=sink,
     )
-    return dq, dk, dv, dpse if pse is not None and pse_type in (0, 1) else None
+    return (dq, dk, dv, dpse if pse is not None and pse_type in (0, 1) else None,
+            dsink if sink is not None else None)
 
 
 def npu_fusion_attention_grad(
@@ -209,12 +205,13 @@ def npu_fusion_attention_grad(
     attention_in: Tensor | None = None, scale_value: float = 1.0, keep_prob: float = 1.0,
     pre_tockens: int = INT_MAX, next_tockens: int = INT_MAX, inner_precise: int = 0, seed=0, offset=0, numels=0,
     prefix=None, actual_seq_qlen=None, actual_seq_kvlen=None, sparse_mode: int = 0, gen_mask_parallel: bool = True,
-    sync: bool = False, softmax_layout: str = "",
+    sync: bool = False, softmax_layout: str = "", sink: Tensor | None = None,
 ):
-    """torch_npu.npu_fusion_attention_grad (FlashAttentionScoreGrad, pse type 1) -> ``(dq, dk, dv, dpse)``.
+    """torch_npu.npu_fusion_attention_grad (FlashAttentionScoreGrad, pse type 1) -> ``(dq, dk, dv, dpse, dsink)``.
 
     With ``keep_prob < 1`` the forward's keep mask is regenerated from ``seed`` and ``offset`` (ints or the 0-d
-    tensors a compiled forward returns); ``numels`` must be the forward's (or 0). dpse is None without pse.
+    tensors a compiled forward returns); ``numels`` must be the forward's (or 0). dpse is None without pse, dsink
+    ([head_num] float32, docs/semantics/sinks.md) None without ``sink``.
     """
     input_layout = _layout(input_layout)
     return _fusion_attention_grad(
@@ -223,7 +220,7 @@ def npu_fusion_attention_grad(
         scale_value=scale_value, keep_prob=keep_prob, pre_tokens=pre_tockens, next_tokens=next_tockens,
         inner_precise=inner_precise, seed=seed, offset=offset, numels=numels, prefix=prefix,
         actual_seq_qlen=actual_seq_qlen, actual_seq_kvlen=actual_seq_kvlen, sparse_mode=sparse_mode, pse_type=1,
-        q_start_idx=None, kv_start_idx=None, softmax_layout=softmax_layout,
+        q_start_idx=None, kv_start_idx=None, softmax_layout=softmax_layout, sink=sink,
     )
 
 
@@ -239,25 +236,25 @@ def npu_fusion_attention_grad_v2(
 ):
     """torch_npu.npu_fusion_attention_grad_v2 -> ``(dq, dk, dv, dpse, dq_rope, dk_rope, dsink)``.
 
-    dpse is None unless a type 0/1 pse tensor is given; dq_rope/dk_rope are None without rope inputs; dsink is
-    always None (sinks are not supported).
+    dpse is None unless a type 0/1 pse tensor is given; dq_rope/dk_rope are None without rope inputs; dsink
+    ([head_num] float32, docs/semantics/sinks.md) is None without ``sink``.
     """
     input_layout = _layout(input_layout)
-    _check_sink(sink)
     head_dim, rope_dim = _rope_dims(query, query_rope, key_rope, head_num, input_layout)
     full_query = _cat_rope(query, query_rope, input_layout, head_dim, rope_dim)
     full_key = _cat_rope(key, key_rope, input_layout, head_dim, rope_dim)
-    dq, dk, dv, dpse = _fusion_attention_grad(
+    dq, dk, dv, dpse, dsink = _fusion_attention_grad(
         full_query, full_key, value, dy, head_num, input_layout, pse=pse, padding_mask=padding_mask,
         atten_mask=atten_mask, softmax_max=softmax_max, softmax_sum=softmax_sum, softmax_in=softmax_in,
         attention_in=attention_in, scale_value=scale_value, keep_prob=keep_prob, pre_tokens=pre_tokens,
         next_tokens=next_tokens, inner_precise=inner_precise, seed=seed, offset=offset, numels=numels,
         prefix=prefix, actual_seq_qlen=actual_seq_qlen, actual_seq_kvlen=actual_seq_kvlen, sparse_mode=sparse_mode,
         pse_type=pse_type, q_start_idx=q_start_idx, kv_start_idx=kv_start_idx, softmax_layout=softmax_layout,
+        sink=sink,
     )
     dq_rope = dk_rope = None
     if query_rope is not None:
         dq, dq_rope = _split_rope(dq, input_layout, head_dim, rope_dim)
         dk, dk_rope = _split_rope(dk, input_layout, head_dim, rope_dim)
-    return dq, dk, dv, dpse, dq_rope, dk_rope, None
+    return dq, dk, dv, dpse, dq_rope, dk_rope, dsink
 
