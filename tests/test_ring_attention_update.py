@@ -13,9 +13,12 @@ from __future__ import annotations
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import cann_attn
 import oracle
+from cann_attn.testing.merge_oracle import ring_attention_update_oracle
 
 SCALE = 0.3
 
@@ -192,3 +195,66 @@ def test_tnd_ring_equals_full_attention(rng, ranks, causal, dtype, softmax_layou
         for ours, want in ((mx, golden[1]), (sm, golden[2])):
             token_major = ours.reshape(-1, 8)[order].view(-1, heads, 8)
             torch.testing.assert_close(token_major.double(), want[tokens], rtol=1e-4, atol=1e-5)
+
+
+# ---------------------------------------------------------------------------- fuzzing against the merge oracle
+def random_stats(gen, shape, p_invalid):
+    """Statistics with 8 equal lanes; a fraction of rows carry FlashAttentionScore's invalid-row values."""
+    mx = torch.randn(shape, generator=gen) * 5
+    sm = torch.rand(shape, generator=gen) * 7 + 1
+    invalid = torch.rand(shape, generator=gen) < p_invalid
+    mx = mx.masked_fill(invalid, -oracle.FLT_MAX)
+    sm = sm.masked_fill(invalid, oracle.FLT_MAX)
+    return (mx.unsqueeze(-1).expand(*shape, 8).contiguous(), sm.unsqueeze(-1).expand(*shape, 8).contiguous(),
+            invalid)
+
+
+@settings(max_examples=30, deadline=None)
+@given(seed=st.integers(0, 2**31 - 1), layout=st.sampled_from(["SBH", "TND"]),
+       softmax_layout=st.sampled_from(["", "SBH", "TND"]), lengths=st.lists(st.integers(0, 4), min_size=1, max_size=3),
+       padding=st.integers(0, 3), heads=st.integers(1, 3), p_invalid=st.sampled_from([0.0, 0.3, 1.0]),
+       dtype=st.sampled_from([torch.float32, torch.float16, torch.bfloat16]),
+       backend=st.sampled_from(["reference", "triton"]))
+def test_ring_attention_update_matches_the_merge_oracle(seed, layout, softmax_layout, lengths, padding, heads,
+                                                        p_invalid, dtype, backend):
+    """Random statistics (invalid rows in one, both or neither input), every layout, TND end-of-document padding
+    (tokens past the last cumulative length) in the per-sequence softmax layout, both backends."""
+    gen = torch.Generator().manual_seed(seed)
+    if layout == "SBH":
+        s, b, d = sum(lengths) + padding, 2, 8
+        attn_shape, stat_shape, kwargs = (s, b, heads * d), (b, heads, s), {}
+    else:
+        t, d = sum(lengths) + padding, 64
+        attn_shape, stat_shape = (t, heads, d), (t, heads)
+        kwargs = dict(input_layout="TND", input_softmax_layout=softmax_layout,
+                      actual_seq_qlen=torch.tensor([0, *oracle.tnd_cum(lengths)]))
+    prev = (torch.randn(attn_shape, generator=gen).to(dtype), *random_stats(gen, stat_shape, p_invalid)[:2])
+    cur = (torch.randn(attn_shape, generator=gen).to(dtype), *random_stats(gen, stat_shape, p_invalid)[:2])
+    got = cann_attn.ring_attention_update(*prev, *cur, backend=backend, **kwargs)
+    want = ring_attention_update_oracle(*prev, *cur, **kwargs)
+    assert got.attn_out.dtype == dtype and got.softmax_max.dtype == torch.float32
+    for name in ("attn_out", "softmax_max", "softmax_sum"):
+        actual, golden = getattr(got, name), want[name]
+        assert actual.shape == golden.shape
+        tol = dict(rtol=1e-5, atol=1e-5) if actual.dtype == torch.float32 else dict(rtol=8e-3, atol=8e-3)
+        torch.testing.assert_close(actual.double(), golden.to(actual.dtype).double(), **tol)
+
+
+def test_tnd_padding_rows_pair_with_their_own_statistics():
+    """End-of-document padding in the per-sequence layout: tokens past the last cumulative length form one more
+    [N, pad] block; a valid padding row merged with an invalid one is unchanged, wherever it sits."""
+    heads, t = 2, 5
+    attn = torch.arange(t * heads * 64, dtype=torch.float32).view(t, heads, 64)
+    mx, sm = torch.zeros(t, heads, 8), torch.ones(t, heads, 8)
+    inv_mx, inv_sm = torch.full((t, heads, 8), -oracle.FLT_MAX), torch.full((t, heads, 8), oracle.FLT_MAX)
+    out = cann_attn.ring_attention_update(attn, mx, sm, torch.zeros_like(attn), inv_mx, inv_sm,
+                                          actual_seq_qlen=[0, 2], input_layout="TND")
+    assert torch.equal(out.attn_out, attn)
+    # only the padding block's statistics (rows 2..4 of memory for tokens 2..4) marked invalid in prev
+    mx_p, sm_p = mx.clone(), sm.clone()
+    flat_mx, flat_sm = mx_p.view(-1, 8), sm_p.view(-1, 8)
+    flat_mx[2 * heads:], flat_sm[2 * heads:] = -oracle.FLT_MAX, oracle.FLT_MAX
+    cur = torch.full_like(attn, 3.0)
+    out = cann_attn.ring_attention_update(attn, mx_p, sm_p, cur, mx, sm, actual_seq_qlen=[0, 2], input_layout="TND")
+    assert torch.equal(out.attn_out[2:], cur[2:])
+    torch.testing.assert_close(out.attn_out[:2], (attn[:2] + 3.0) / 2)
