@@ -544,7 +544,7 @@ def renamed_errors(names: dict[str, str]):
         try:
             yield
         except (ParamInvalidError, ParamNullptrError) as exc:
-            message = str(exc)
+            message = exc.message
             head, sep, tail = message.partition(": ")
             if sep and " " not in head:
                 head = "/".join(names.get(part, part) for part in head.split("/"))
