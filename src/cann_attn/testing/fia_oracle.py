@@ -83,10 +83,10 @@ def _factor_for(t: torch.Tensor | None, mode: int, b: int, heads_kv: int, dim: i
     if mode == 0:
         return t.reshape(1, 1, 1) if t.numel() == 1 else t.reshape(heads_kv, 1, dim)
     if mode == 1:
-        return t.reshape(-1, t.shape[-1])[b].reshape(1, -1, 1)
+        return t.reshape(t.shape[-2], t.shape[-1])[b].reshape(1, t.shape[-1], 1)
     if mode == 2:
         return t.reshape(heads_kv, 1, 1)
-    return t[b].reshape(heads_kv, -1, 1)
+    return t[b].reshape(heads_kv, t.shape[-1], 1)
 
 
 def _dequant(x: torch.Tensor, scale, offset, dtype: torch.dtype) -> torch.Tensor:
