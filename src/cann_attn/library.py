@@ -477,12 +477,15 @@ _FIA_LAYOUTS = {
 }
 
 
-def _fia_fake_outputs(query, value, num_heads, num_key_value_heads, input_layout, quant_scale2, softmax_lse_flag):
+def _fia_fake_outputs(query, value, num_heads, num_key_value_heads, input_layout, quant_scale2, softmax_lse_flag,
+                      paged: bool = False):
     """(attention_out, softmax_lse) shapes and dtypes of FusedInferAttentionScore
-    (docs/operators/fused_infer_attention_score.md)."""
+    (docs/operators/fused_infer_attention_score.md); `paged`: value is a block cache (docs/semantics/paged-kv.md),
+    whose 3-D form [block_num, block_size, H] packs the heads like BSH."""
     q_layout, out_layout = _FIA_LAYOUTS.get(input_layout, ("BSH", "BSH"))
     heads_kv = num_key_value_heads or num_heads
-    dim_v = value.shape[-1] // heads_kv if q_layout == "BSH" else value.shape[-1]
+    packs_heads = q_layout == "BSH" or (paged and value.dim() == 3)
+    dim_v = value.shape[-1] // heads_kv if packs_heads else value.shape[-1]
     if q_layout in ("TND", "NTD"):
         tokens = query.shape[0] if q_layout == "TND" else query.shape[1]
         batch = seq = None
@@ -547,7 +550,7 @@ def _(query, key, value, pse_shift=None, atten_mask=None, actual_seq_lengths=Non
       next_tokens=INT_MAX, input_layout="BSH", num_key_value_heads=0, sparse_mode=0, inner_precise=0, block_size=0,
       antiquant_mode=0, key_antiquant_mode=0, value_antiquant_mode=0, softmax_lse_flag=False, backend="auto"):
     return _fia_fake_outputs(query, value, num_heads, num_key_value_heads, input_layout, quant_scale2,
-                             softmax_lse_flag)
+                             softmax_lse_flag, block_table is not None)
 
 
 def fused_infer_attention_score(
@@ -633,7 +636,7 @@ def _(query, key, value, query_rope=None, key_rope=None, pse_shift=None, atten_m
       dequant_scale_query_dtype=None, dequant_scale_key_dtype=None, dequant_scale_value_dtype=None,
       dequant_scale_key_rope_dtype=None, out_dtype=None, backend="auto"):
     return _fia_fake_outputs(query, value, num_query_heads, num_key_value_heads, input_layout, quant_scale_out,
-                             return_softmax_lse)
+                             return_softmax_lse, block_table is not None)
 
 
 def fused_infer_attention_score_v2(
@@ -696,7 +699,8 @@ def _(query, key, value, padding_mask=None, atten_mask=None, pse_shift=None, act
       antiquant_scale=None, antiquant_offset=None, block_table=None, dequant_scale1=None, quant_scale1=None,
       dequant_scale2=None, quant_scale2=None, quant_offset2=None, kv_padding_size=None, num_heads=1,
       scale_value=1.0, input_layout="BSH", num_key_value_heads=0, block_size=0, inner_precise=1, backend="auto"):
-    return _fia_fake_outputs(query, value, num_heads, num_key_value_heads, input_layout, quant_scale2, False)[0]
+    return _fia_fake_outputs(query, value, num_heads, num_key_value_heads, input_layout, quant_scale2, False,
+                             block_table is not None)[0]
 
 
 def incre_flash_attention(

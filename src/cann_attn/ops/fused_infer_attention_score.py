@@ -7,8 +7,9 @@ builds the same problem and gives the same bits. On top of it, this module reads
 conversions and the packed TND/NTD ones), left padding, the shared prefix, MLA rope, KV anti-quantisation and the
 log-sum-exp output.
 
-Key/value reach the computation through one function, `kv_bnsd`: the place where PageAttention will gather its
-blocks (`block_table` raises "not supported yet" until then).
+Key/value reach the computation through one function, `kv_bnsd`; a paged cache (`block_table`, PageAttention)
+is gathered instead by `paged_infer.PagedKv`, per group of sequences the attention computes together
+(docs/semantics/paged-kv.md).
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from .infer_attention import (
     validate_mask,
     validate_pse_shift,
 )
+from .paged_infer import cache_shape, fia_block_sizes, length_groups, paged_kv
 
 INT_MAX = 2147483647
 # input_layout -> (layout of query, key and value; layout of the output).
@@ -91,9 +93,9 @@ def kv_bnsd(key: torch.Tensor, value: torch.Tensor, *, kv_layout: str, heads_kv:
 
     In order: int8 key/value anti-quantised to the query dtype (`problem/antiquant.py`); the shared prefix
     (its first `len` positions) put in front of every batch's keys; key_rope appended to the key's head dim. The
-    PageAttention gather belongs here (a `block_table` is refused by the operators before this point)."""
+    PageAttention gather is `paged_infer.PagedKv.group_bnsd` (the operators do not call this with a block_table)."""
     if block_table is not None:
-        raise ParamInvalidError("block_table: PageAttention is not supported yet")
+        raise ParamInvalidError("block_table: a paged cache is gathered by paged_infer, not kv_bnsd")
     k = _bnsd(key, kv_layout, heads_kv)
     v = _bnsd(value, kv_layout, heads_kv)
     if antiquant is not None:
@@ -209,8 +211,18 @@ def fused_infer_attention_score(
 
     # ---- shapes
     qb, q_seq, q_heads, q_dim = _read(query, q_layout, num_heads, "query", "num_heads")
-    kb, k_seq, k_heads, k_dim = _read(key, q_layout, heads_kv, "key", "num_key_value_heads")
-    vb, v_seq, v_heads, v_dim = _read(value, q_layout, heads_kv, "value", "num_key_value_heads")
+    if block_table is None:
+        kb, k_seq, k_heads, k_dim = _read(key, q_layout, heads_kv, "key", "num_key_value_heads")
+        vb, v_seq, v_heads, v_dim = _read(value, q_layout, heads_kv, "value", "num_key_value_heads")
+    else:
+        # PageAttention: key/value are block caches; KV_S (what masks and pse_shift cover) is the table's reach.
+        k_cache = cache_shape(key, "key", heads_kv, q_layout)
+        v_cache = cache_shape(value, "value", heads_kv, q_layout)
+        require(isinstance(block_table, torch.Tensor) and block_table.dim() == 2, "block_table",
+                "a 2-D int32 tensor [B, max blocks per sequence]", block_table)
+        kb = vb = qb
+        k_seq = v_seq = block_table.shape[1] * k_cache.block_size
+        k_heads, k_dim, v_heads, v_dim = k_cache.heads, k_cache.dim, v_cache.heads, v_cache.dim
     if q_heads != num_heads:
         raise ParamInvalidError(f"num_heads: expected the query's head count N={q_heads}, got {num_heads}")
     if q_layout != "BSH" and k_heads != heads_kv:
@@ -239,7 +251,9 @@ def fused_infer_attention_score(
     # ---- packed (TND / NTD) lengths; everything else has B
     if packed:
         act_q_list = cumulative_lengths(actual_seq_lengths, q_seq, "actual_seq_lengths")
-        act_kv_list = cumulative_lengths(actual_seq_lengths_kv, k_seq, "actual_seq_lengths_kv")
+        # With a paged cache the key lengths are plain per-sequence counts, read with the page table below.
+        act_kv_list = act_q_list if block_table is not None else cumulative_lengths(
+            actual_seq_lengths_kv, k_seq, "actual_seq_lengths_kv")
         if len(act_kv_list) != len(act_q_list):
             raise ParamInvalidError(
                 f"actual_seq_lengths_kv: expected as many sequences as actual_seq_lengths ({len(act_q_list)}), "
@@ -253,12 +267,25 @@ def fused_infer_attention_score(
         decode = q_seq == 1
     rope = query_rope is not None or key_rope is not None
 
-    # ---- parameters that are not supported (yet) or have no effect
+    # ---- PageAttention (docs/semantics/paged-kv.md)
+    pages = None
     if block_table is not None:
-        raise ParamInvalidError(f"block_table: PageAttention is not supported yet, got {describe(block_table)}")
-    if block_size != 0:
-        raise ParamInvalidError(f"block_size: only used by PageAttention (block_table), not supported yet, "
-                                f"got {block_size}")
+        for name, t in (("query_padding_size", query_padding_size), ("kv_padding_size", kv_padding_size),
+                        ("key_shared_prefix", key_shared_prefix)):
+            _not_supported(name, t, "not supported with PageAttention (block_table)")
+        if query.dtype == torch.int8:
+            raise ParamInvalidError("query: int8 query/key/value are not supported with PageAttention (block_table)")
+        if int8_kv:
+            raise ParamInvalidError("key: int8 key/value (anti-quantisation) with PageAttention are not supported "
+                                    "yet")
+        rule = fia_block_sizes(decode=decode, wide=packed or (rope and q_dim == 512), int8_kv=int8_kv)
+        pages = paged_kv(key, value, key_rope if rope else None, block_table, block_size=block_size,
+                         kv_lengths=actual_seq_lengths_kv, batch=batch, heads_kv=heads_kv, q_layout=q_layout,
+                         rule=rule)
+        if packed:
+            act_kv_list = list(pages.pages.kv_lengths)
+    elif block_size != 0:
+        raise ParamInvalidError(f"block_size: only used by PageAttention (with block_table), got {block_size}")
     _not_supported("key_rope_antiquant_scale", key_rope_antiquant_scale, "reserved by the documentation")
     if inner_precise not in (0, 1, 2, 3) or (decode and inner_precise not in (0, 1)):
         raise ParamInvalidError(
@@ -424,7 +451,8 @@ def fused_infer_attention_score(
     if not packed:
         act_q_list = [1] * batch if decode else per_batch_lengths(actual_seq_lengths, "actual_seq_lengths", batch,
                                                                    q_seq)
-        act_kv_list = per_batch_lengths(actual_seq_lengths_kv, "actual_seq_lengths_kv", batch, k_seq)
+        act_kv_list = list(pages.pages.kv_lengths) if pages is not None else per_batch_lengths(
+            actual_seq_lengths_kv, "actual_seq_lengths_kv", batch, k_seq)
     kv_total = k_seq + prefix_len  # the KV_S that masks and pse_shift cover
 
     # ---- masks and pse: decode has no band; its mask may be [B, KV_S]
@@ -479,7 +507,7 @@ def fused_infer_attention_score(
     if rope and q_layout == "BSH":
         q_in = torch.cat([query.view(*query.shape[:-1], num_heads, q_dim),
                           query_rope.view(*query.shape[:-1], num_heads, ROPE_DIM)], -1).flatten(-2)
-    if packed:
+    if packed or pages is not None:
         k_all, v_all = key, value
     else:
         k_all, v_all = kv_bnsd(key, value, kv_layout=q_layout, heads_kv=heads_kv, query_dtype=query.dtype,
@@ -492,19 +520,33 @@ def fused_infer_attention_score(
         q_starts, kv_starts = starts_of(act_q_list), starts_of(act_kv_list)
         for b in range(batch):
             sq, skv = act_q_list[b], act_kv_list[b]
-            k_b = _packed_rows(k_all, q_layout, kv_starts[b], skv)
-            if rope:
-                k_b = torch.cat([k_b, _packed_rows(key_rope, q_layout, kv_starts[b], skv)], dim=-1)
+            if pages is not None:
+                k_b, v_b = pages.group_bnsd(range(b, b + 1))
+            else:
+                k_b = _packed_rows(k_all, q_layout, kv_starts[b], skv)
+                if rope:
+                    k_b = torch.cat([k_b, _packed_rows(key_rope, q_layout, kv_starts[b], skv)], dim=-1)
+                v_b = _packed_rows(v_all, q_layout, kv_starts[b], skv)
             q_b = _packed_rows(q_in, q_layout, q_starts[b], sq)
             out_b = _packed_rows(out, out_layout, q_starts[b], sq)
             lse_b = _packed_rows(lse, "TND", q_starts[b], sq) if softmax_lse_flag else None
-            attend(q_b, k_b, _packed_rows(v_all, q_layout, kv_starts[b], skv), out_b, atten_mask=mask,
+            attend(q_b, k_b, v_b, out_b, atten_mask=mask,
                    mask_views=None, act_q=[sq], act_kv=[skv], pse_shift=None, softmax_lse=lse_b, **common)
         return out, lse
 
     q4 = _bnsd(q_in, q_layout, num_heads)
     out4 = _bnsd(out, out_layout, num_heads)
     lse4 = lse if softmax_lse_flag else None
+    if pages is not None:
+        # Per group of equal-length sequences (the attention's own batched runs): only their tokens are gathered.
+        for group in length_groups(act_q_list, act_kv_list):
+            g = slice(group.start, group.stop)
+            k_g, v_g = pages.group_bnsd(group)
+            pse_g = None if pse_shift is None else pse_shift if pse_shift.shape[0] == 1 else pse_shift[g]
+            attend(q4[g], k_g, v_g, out4[g], atten_mask=mask, mask_views=None if mask_views is None else mask_views[g],
+                   act_q=act_q_list[g], act_kv=act_kv_list[g], pse_shift=pse_g,
+                   softmax_lse=None if lse4 is None else lse4[g], **common)
+        return out, lse
     if not left_padding:
         attend(q4, k_all, v_all, out4, atten_mask=mask, mask_views=mask_views, act_q=act_q_list,
                act_kv=[a + prefix_len for a in act_kv_list], pse_shift=pse_shift, softmax_lse=lse4, **common)

@@ -1,0 +1,116 @@
+"""PageAttention for FusedInferAttentionScore / IncreFlashAttention: their paged key/value caches
+(docs/semantics/paged-kv.md; the page-table rule itself is `problem/page_table.py`).
+
+Cache layouts (npu_fused_infer_attention_score / npu_incre_flash_attention): BnBsH [block_num, block_size, H]
+(H = N2 * D; every query layout) and BnNBsD [block_num, N2, block_size, D] (query layouts BNSD and TND). key_rope
+(MLA) is a cache of the same layout with D = 64. Block sizes: Q_S = 1 (decode) 16-aligned (32 for int8 key/value)
+up to 512; Q_S > 1 a multiple of 128 in [128, 512]; MLA with D = 512 and the packed layouts a multiple of 16 up to
+1024. The caller gives `block_size`, which must be the caches' block dimension.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..errors import ParamInvalidError, describe, require
+from ..problem.page_table import BlockSizeRule, PageTable, page_table
+
+# Query layouts that take a BnNBsD cache ("BNSD/TND支持BnBsH和BnNBsD", FIA PageAttention constraints).
+BNNBSD_QUERY_LAYOUTS = ("BNSD", "TND")
+
+
+def fia_block_sizes(*, decode: bool, wide: bool, int8_kv: bool) -> BlockSizeRule:
+    """The documented block sizes of FIA/IFA: `wide` = MLA with D = 512 or a packed (TND/NTD) layout."""
+    if wide:
+        return BlockSizeRule(multiple=16, maximum=1024)
+    if decode:
+        return BlockSizeRule(multiple=32 if int8_kv else 16, maximum=512)
+    return BlockSizeRule(multiple=128, maximum=512, minimum=128)
+
+
+@dataclass(frozen=True)
+class CacheShape:
+    block_num: int
+    block_size: int
+    heads: int
+    dim: int
+    token_dim: int  # 1: BnBsH, 2: BnNBsD
+
+
+def cache_shape(cache: torch.Tensor, param: str, heads_kv: int, q_layout: str) -> CacheShape:
+    """Block count, block size, heads and head dim of a paged key/value cache."""
+    require(isinstance(cache, torch.Tensor), param, "a torch.Tensor", cache)
+    if cache.dim() == 3:
+        require(cache.shape[2] % heads_kv == 0, param,
+                f"[block_num, block_size, H] with H a multiple of num_key_value_heads={heads_kv}", cache)
+        return CacheShape(cache.shape[0], cache.shape[1], heads_kv, cache.shape[2] // heads_kv, 1)
+    if cache.dim() == 4:
+        if q_layout not in BNNBSD_QUERY_LAYOUTS:
+            raise ParamInvalidError(f"{param}: a [block_num, N, block_size, D] cache needs a BNSD or TND query "
+                                    f"layout (else [block_num, block_size, H]), got {describe(cache)} with "
+                                    f"{q_layout}")
+        return CacheShape(cache.shape[0], cache.shape[2], cache.shape[1], cache.shape[3], 2)
+    raise ParamInvalidError(f"{param}: expected a paged cache [block_num, block_size, H] or [block_num, N, "
+                            f"block_size, D] with block_table, got {describe(cache)}")
+
+
+@dataclass(frozen=True)
+class PagedKv:
+    """Validated paged key/value (and key_rope) caches with their page table."""
+
+    pages: PageTable
+    key: torch.Tensor
+    value: torch.Tensor
+    key_rope: torch.Tensor | None
+    shape: CacheShape
+    heads_kv: int
+
+    def _sequence(self, cache: torch.Tensor, b: int) -> torch.Tensor:
+        """[N2, L_b, d] keys of sequence b of one cache (a copy of its L_b tokens only)."""
+        if self.shape.token_dim == 1:
+            cache = cache.view(cache.shape[0], cache.shape[1], self.heads_kv, -1)
+        return self.pages.sequence(cache, b, self.shape.token_dim).permute(1, 0, 2)
+
+    def group_bnsd(self, batches: range) -> tuple[torch.Tensor, torch.Tensor]:
+        """[c, N2, L, D (+ rope)] key and [c, N2, L, Dv] value of consecutive sequences of one length L: what the
+        contiguous layouts give the attention as BNSD views (key_rope appended to the key's head dim)."""
+        k = torch.stack([self._sequence(self.key, b) for b in batches])
+        v = torch.stack([self._sequence(self.value, b) for b in batches])
+        if self.key_rope is not None:
+            k = torch.cat([k, torch.stack([self._sequence(self.key_rope, b) for b in batches]).to(k.dtype)], dim=-1)
+        return k, v
+
+
+def paged_kv(key: torch.Tensor, value: torch.Tensor, key_rope: torch.Tensor | None, block_table, *, block_size,
+             kv_lengths, batch: int, heads_kv: int, q_layout: str, rule: BlockSizeRule) -> PagedKv:
+    """Validate the caches against each other, `block_size` and the block table (docs/semantics/paged-kv.md)."""
+    shape = cache_shape(key, "key", heads_kv, q_layout)
+    v_shape = cache_shape(value, "value", heads_kv, q_layout)
+    require((v_shape.block_num, v_shape.block_size, v_shape.heads, v_shape.token_dim)
+            == (shape.block_num, shape.block_size, shape.heads, shape.token_dim), "value",
+            f"the key cache's blocks, block size and heads {list(key.shape)}", value)
+    if key_rope is not None:
+        r_shape = cache_shape(key_rope, "key_rope", heads_kv, q_layout)
+        require((r_shape.block_num, r_shape.block_size, r_shape.token_dim)
+                == (shape.block_num, shape.block_size, shape.token_dim), "key_rope",
+                f"the key cache's blocks and block size {list(key.shape)}", key_rope)
+    if block_size != shape.block_size:
+        raise ParamInvalidError(f"block_size: expected the caches' block size {shape.block_size} "
+                                f"({describe(key)}), got {block_size}")
+    pages = page_table(block_table, block_size=shape.block_size, block_count=shape.block_num,
+                       kv_lengths=kv_lengths, batch=batch, rule=rule, lengths_param="actual_seq_lengths_kv")
+    return PagedKv(pages, key, value, key_rope, shape, heads_kv)
+
+
+def length_groups(act_q: list[int], act_kv: list[int]) -> list[range]:
+    """Consecutive sequences with equal query and key lengths: the attention computes each such group in one
+    batched pass, so gathering per group gives it the very tensors (and results) of the contiguous layouts."""
+    groups: list[range] = []
+    for b in range(len(act_kv)):
+        if groups and (act_q[b], act_kv[b]) == (act_q[groups[-1].start], act_kv[groups[-1].start]):
+            groups[-1] = range(groups[-1].start, b + 1)
+        else:
+            groups.append(range(b, b + 1))
+    return groups
