@@ -536,8 +536,9 @@ def test_tnd_lengths_not_non_decreasing(param):
 
 
 @pytest.mark.parametrize("param", ["actual_seq_qlen", "actual_seq_kvlen"])
-@pytest.mark.parametrize("last", [11, 13])
-def test_tnd_last_length_not_t(param, last):
+@pytest.mark.parametrize("last", [13, 20])
+def test_tnd_last_length_beyond_t(param, last):
+    """A last end past T is an error; one before T is the end-of-document padded form (tests/test_torch_npu_eod.py)."""
     args = base("TND", q_lens=[5, 3, 4], kv_lens=[5, 3, 4])
     expect_error(rf"\b{param}\b", call, args, **{param: [5, 8, last]})
 

@@ -190,7 +190,8 @@ def test_dropout_grads_equal_the_grad_op_with_the_regenerated_mask(layout, mode)
     drop_mask = library.dropout_mask(seed, offset, numels, 0.9)
     direct = cann_attn.flash_attention_score_grad(q.detach(), k.detach(), v.detach(), dy, 2, layout, scale_value=0.3,
                                                   drop_mask=drop_mask, **grads)
-    assert shim[3] is None and direct.dpse is None
+    assert shim[3] is None and direct.dpse is None  # op-plugin: an undefined dpse without pse
+    assert shim[4].shape == (0,) and shim[4].dtype == torch.float32  # and an empty float32 dsink without sink
     for t, a, b in zip((q, k, v), shim[:3], direct[:3], strict=True):
         assert torch.equal(t.grad, a) and torch.equal(a, b)
     with pytest.raises(cann_attn.ParamInvalidError, match="numels"):
@@ -230,7 +231,6 @@ def test_v1_without_dropout_returns_zero_seed_and_pse_grad(rng):
     assert (seed, offset, numels) == (0, 0, _numels("BSH", q)) and torch.equal(torch_npu.get_rng_state(), before)
     out.sum().backward()
     grads = torch_npu.npu_fusion_attention_grad(q, k, v, torch.ones_like(out), 2, "BSH", pse=pse, scale_value=0.3)
-    assert grads[4] is None  # dsink: no sink given
     for g, t in zip(grads[:4], (q, k, v, pse), strict=True):
         torch.testing.assert_close(g, t.grad, rtol=1e-5, atol=1e-6)
 
@@ -255,9 +255,12 @@ def test_v2_alibi_and_rope(rng):
     grads = torch_npu.npu_fusion_attention_grad_v2(
         q, k, v, dy, n, "BSH", pse=slopes, pse_type=2, atten_mask=kw["atten_mask"], sparse_mode=3, scale_value=0.25,
         softmax_max=smax, softmax_sum=ssum, attention_in=out.detach(), query_rope=qr, key_rope=kr)
-    assert len(grads) == 7 and grads[3] is None and grads[6] is None
+    assert len(grads) == 7 and grads[6].shape == (0,) and grads[6].dtype == torch.float32
+    assert torch.equal(grads[3], torch.zeros_like(slopes))  # ALiBi slopes: dpse allocated like pse, no gradient
     for t, g in zip((q, k, v, qr, kr), (grads[0], grads[1], grads[2], grads[4], grads[5]), strict=True):
         torch.testing.assert_close(g, t.grad, rtol=1e-5, atol=1e-6)
+    with pytest.raises(cann_attn.ParamInvalidError, match="sink"):
+        torch_npu.npu_fusion_attention_v2(q, k, v, n, "BSH", sink=torch.zeros(n))
 
 
 def test_prompt_flash_attention_and_trans_quant_param(rng):

@@ -17,7 +17,7 @@ from ..problem import pse as pses
 from ..problem import sink as sinks
 from ..problem import stats
 from ..problem.attention import AttentionProblem, Run, mask_runs
-from ..problem.lengths import cumulative_lengths, starts_of, to_int_list
+from ..problem.lengths import cumulative_lengths, padding_tokens, starts_of, to_int_list
 
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 MAX_HEADS = 256
@@ -47,6 +47,8 @@ class FaShapes:
     seq_q: list[int]
     seq_kv: list[int]
     total_q: int  # T (TND) or Sq
+
+    padding_q: int = 0  # TND query tokens past the last sequence (end-of-document padding): no kernel visits them
 
 
 def _require_tensor(value: torch.Tensor | None, param: str) -> torch.Tensor:
@@ -106,8 +108,8 @@ def validate_shapes(
     if input_layout == "TND":
         require(q.seq <= MAX_TOKENS, "query", f"T in 1..{MAX_TOKENS}", query)
         require(k.seq <= MAX_TOKENS, "key", f"T in 1..{MAX_TOKENS}", key)  # value's T equals key's (checked above)
-        seq_q = cumulative_lengths(actual_seq_qlen, q.seq, "actual_seq_qlen")
-        seq_kv = cumulative_lengths(actual_seq_kvlen, k.seq, "actual_seq_kvlen")
+        seq_q = cumulative_lengths(actual_seq_qlen, q.seq, "actual_seq_qlen", eod_padding=True)
+        seq_kv = cumulative_lengths(actual_seq_kvlen, k.seq, "actual_seq_kvlen", eod_padding=True)
         if len(seq_q) != len(seq_kv):
             raise ParamInvalidError(
                 f"actual_seq_kvlen: expected as many sequences as actual_seq_qlen ({len(seq_q)}), "
@@ -119,6 +121,7 @@ def validate_shapes(
                     f"actual_seq_kvlen: sequence {b} has Sq={sq} query tokens but no key tokens (Skv=0)"
                 )
         batch = len(seq_q)
+        padding_q = padding_tokens(seq_q, q.seq)
     else:
         # S: 1..1M (seed FlashAttentionVarLenScore.md:135, aclnnFlashAttentionScoreGradV2.md:488).
         require(q.seq <= MAX_TOKENS, "query", f"S in 1..{MAX_TOKENS}", query)
@@ -126,9 +129,10 @@ def validate_shapes(
         require(q.batch == k.batch, "key", f"batch B={q.batch} like the query", key)
         batch = q.batch
         seq_q, seq_kv = [q.seq] * batch, [k.seq] * batch
+        padding_q = 0
     max_batch = MAX_BATCH_TND if input_layout == "TND" else MAX_BATCH_DENSE
     require(batch <= max_batch, "query", f"batch B in 1..{max_batch} for layout {input_layout}", batch)
-    return FaShapes(batch, q.heads, k.heads, q.head_dim, v.head_dim, seq_q, seq_kv, q.seq)
+    return FaShapes(batch, q.heads, k.heads, q.head_dim, v.head_dim, seq_q, seq_kv, q.seq, padding_q)
 
 
 def _mask_rows_cols(shapes: FaShapes, tnd: bool) -> tuple[int, int]:

@@ -129,7 +129,7 @@ def _run(args: dict, allowed_modes: tuple[int, ...], op: str) -> FlashAttentionS
     stat_shape = stats.stats_shape(tnd, shapes.batch, shapes.heads_q, shapes.total_q)
     stat_dtype = stats.accumulation_dtype(query.dtype)
     softmax_max, softmax_sum = stats.allocate(stat_shape, stat_dtype, query.device,
-                                              keyless_rows=problem.has_keyless_rows)
+                                              keyless_rows=problem.has_keyless_rows or shapes.padding_q > 0)
     dense_forward(problem, backend, query, key, value, out, softmax_max, softmax_sum)
     softmax_out = torch.empty(0, dtype=query.dtype, device=query.device)
     return FlashAttentionScoreResult(out, softmax_max, softmax_sum, softmax_out)

@@ -44,9 +44,31 @@ def to_int_list(value: IntList | int | None, param: str) -> list[int] | None:
     return out
 
 
-def cumulative_lengths(value: IntList | None, total: int, param: str) -> list[int]:
-    """Per-sequence lengths from TND cumulative ends; the last end must be the token count `total`."""
+def ends_without_trailing_zeros(value: IntList | None, param: str) -> list[int] | None:
+    """Cumulative TND ends with torch_npu's form for batches left out at the end: "TND格式下，支持尾部部分Batch不参与
+    计算，此时actual_seq_qlen和actual_seq_kvlen尾部传入对应个数个0即可" (npu_fusion_attention constraints; real lengths
+    [2, 3, 4, 5, 6] with the last two left out are passed as [2, 5, 9, 0, 0]). Those trailing zeros become empty
+    sequences, [2, 5, 9, 9, 9]: the batch count keeps them (docs/semantics/layouts.md)."""
     ends = to_int_list(value, param)
+    if not ends:
+        return ends
+    kept = len(ends)
+    while kept > 0 and ends[kept - 1] == 0:
+        kept -= 1
+    if kept in (0, len(ends)):
+        return ends
+    return ends[:kept] + [ends[kept - 1]] * (len(ends) - kept)
+
+
+def cumulative_lengths(value: IntList | None, total: int, param: str, *, eod_padding: bool = False) -> list[int]:
+    """Per-sequence lengths from TND cumulative ends; the last end must be the token count `total`.
+
+    With `eod_padding` (the FlashAttentionScore family) the end-of-document padded form is accepted: trailing zero
+    ends are empty sequences (:func:`ends_without_trailing_zeros`) and the last end may be smaller than `total`;
+    the tokens past it are padding that no sequence owns (docs/semantics/layouts.md, "End-of-document padding";
+    the kernel's tiling checks only T >= the sum of the lengths).
+    """
+    ends = ends_without_trailing_zeros(value, param) if eod_padding else to_int_list(value, param)
     if ends is None:
         raise ParamNullptrError(f"{param}: required for the TND layout (cumulative sequence ends), got None")
     if len(ends) == 0:
@@ -60,11 +82,21 @@ def cumulative_lengths(value: IntList | None, total: int, param: str) -> list[in
             )
         lengths.append(end - previous)
         previous = end
-    if previous != total:
+    if eod_padding and previous > total:
+        raise ParamInvalidError(
+            f"{param}: the last cumulative length must be at most the tensor's T={total}, got {ends}"
+        )
+    if not eod_padding and previous != total:
         raise ParamInvalidError(
             f"{param}: the last cumulative length must equal the tensor's T={total}, got {ends}"
         )
     return lengths
+
+
+def padding_tokens(lengths: Sequence[int], total: int) -> int:
+    """Tokens of a TND tensor past its last sequence (end-of-document padding): they produce 0 output, invalid-row
+    statistics and zero gradients, and are never read as keys (docs/semantics/layouts.md)."""
+    return total - sum(lengths)
 
 
 def starts_of(lengths: Sequence[int]) -> list[int]:

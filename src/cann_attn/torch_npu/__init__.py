@@ -16,7 +16,7 @@ Signatures follow op-plugin's ``op_plugin_functions.yaml`` and the torch_npu API
   ``(dq, dk, dv, dpse, dq_rope, dk_rope, dsink)`` as in current torch_npu (older releases returned the first 4 or
   6 of these). ``query_rope``/``key_rope`` are concatenated to query/key along the head dim (S = scale *
   (Q K^T + Qr Kr^T)). ``sink`` (float32 [head_num], one softmax logit per head, docs/semantics/sinks.md) is taken
-  by the forwards and grads of both spellings; the grads return ``dsink`` (None without a sink).
+  by the forwards and grads of both spellings; the grads return ``dsink`` (an empty float32 tensor without a sink, as op-plugin).
 * ``npu_ring_attention_update`` (-> ``(attn_out, softmax_max, softmax_sum)``) and ``npu_attention_update``
   (-> ``(out, lse_out)``, ``lse_out`` None for ``update_type=0``): the merges of context-parallel attention.
 * ``npu_fused_infer_attention_score`` (+ ``_v2``) -> ``(attention_out, softmax_lse)`` and
@@ -45,20 +45,26 @@ bit layout is the same); ``softmax_out`` is an empty tensor (reserved); ``gen_ma
 """
 
 
+from . import npu
 from ._common import INT64_MAX  # noqa: F401  (re-exported for callers of the old module)
 from ._fusion import (
     npu_fusion_attention,
     npu_fusion_attention_grad,
     npu_fusion_attention_grad_v2,
+    npu_fusion_attention_grad_v3,
     npu_fusion_attention_v2,
+    npu_fusion_attention_v3,
 )
 from ._infer import (
     npu_fused_infer_attention_score,
     npu_fused_infer_attention_score_v2,
     npu_incre_flash_attention,
 )
+from ._install import TorchNpuPresentError, install
 from ._merge import npu_attention_update, npu_ring_attention_update
 from ._prompt import PFA_PRE_TOKENS, npu_prompt_flash_attention, npu_trans_quant_param  # noqa: F401
+from ._registry import CURRENT, OPS, RELEASE_ENV, RELEASES, active_release, npu_op, use_release
+from ._registry import _release_from_environment as _apply_environment
 from ._rng import _RNG_STATE, get_rng_state, manual_seed, set_rng_state  # noqa: F401
 from ._sparse import (
     npu_lightning_indexer,
@@ -67,18 +73,33 @@ from ._sparse import (
     npu_sparse_lightning_indexer_grad_kl_loss,
 )
 
+# New spelling modules are imported above this line (their @npu_op registers them), so the environment's release
+# applies to every one of them.
+_apply_environment()
+
 __all__ = [
+    "CURRENT",
+    "OPS",
+    "RELEASES",
+    "RELEASE_ENV",
+    "TorchNpuPresentError",
+    "active_release",
     "get_rng_state",
+    "install",
     "manual_seed",
+    "npu",
     "npu_attention_update",
     "npu_fused_infer_attention_score",
     "npu_fused_infer_attention_score_v2",
     "npu_fusion_attention",
     "npu_fusion_attention_grad",
     "npu_fusion_attention_grad_v2",
+    "npu_fusion_attention_grad_v3",
     "npu_fusion_attention_v2",
+    "npu_fusion_attention_v3",
     "npu_incre_flash_attention",
     "npu_lightning_indexer",
+    "npu_op",
     "npu_prompt_flash_attention",
     "npu_ring_attention_update",
     "npu_sparse_flash_attention",
@@ -86,5 +107,5 @@ __all__ = [
     "npu_sparse_lightning_indexer_grad_kl_loss",
     "npu_trans_quant_param",
     "set_rng_state",
+    "use_release",
 ]
-

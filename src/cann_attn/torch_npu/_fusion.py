@@ -1,4 +1,12 @@
-"""torch_npu's FlashAttentionScore spellings: ``npu_fusion_attention(_v2)`` and their grads."""
+"""torch_npu's FlashAttentionScore spellings: ``npu_fusion_attention`` (v1, v2, v3) and their grads.
+
+Schemas: op-plugin ``op_plugin_functions.yaml`` per release (see :mod:`._registry`); outputs and absent optional
+outputs as op-plugin's ``FlashAttentionKernelNpuOpApi.cpp`` / ``FlashAttentionV2KernelNpuOpApi.cpp`` return them:
+``dpse`` (and v2's ``dq_rope``/``dk_rope``) is None without the input, ``dsink`` an empty (0,) float32 tensor
+without ``sink`` (docs/guides/torch_npu.md).
+"""
+
+import warnings
 
 import torch
 from torch import Tensor
@@ -6,24 +14,170 @@ from torch import Tensor
 from ..errors import ParamInvalidError
 from ..ops.flash_attention_score import INT_MAX
 from ..problem.dropout import drop_mask_numel
+from ..problem.lengths import ends_without_trailing_zeros
 from ._common import _ints
-from ._rng import _RNG_STATE
+from ._registry import npu_op
+from ._rng import draw_state
+
+NPU_FUSION_ATTENTION_SCHEMAS = {
+    ('7.1',): (
+        "npu_fusion_attention(Tensor query, Tensor key, Tensor value, int head_num, str input_layout, "
+        "Tensor? pse=None, Tensor? padding_mask=None, Tensor? atten_mask=None, float scale=1., "
+        "float keep_prob=1., int pre_tockens=2147483647, int next_tockens=2147483647, int inner_precise=0, "
+        "int[]? prefix=None, int[]? actual_seq_qlen=None, int[]? actual_seq_kvlen=None, int sparse_mode=0, "
+        "bool gen_mask_parallel=True, bool sync=False) -> (Tensor, Tensor, Tensor, Tensor, int, int, int)"
+    ),
+    ('7.2',): (
+        "npu_fusion_attention(Tensor query, Tensor key, Tensor value, int head_num, str input_layout, "
+        "Tensor? pse=None, Tensor? padding_mask=None, Tensor? atten_mask=None, float scale=1., "
+        "float keep_prob=1., int pre_tockens=2147483647, int next_tockens=2147483647, int inner_precise=0, "
+        "int[]? prefix=None, int[]? actual_seq_qlen=None, int[]? actual_seq_kvlen=None, int sparse_mode=0, "
+        'bool gen_mask_parallel=True, bool sync=False, str softmax_layout="") -> (Tensor, Tensor, Tensor, '
+        "Tensor, int, int, int)"
+    ),
+    ('7.3',): (
+        "npu_fusion_attention(Tensor query, Tensor key, Tensor value, int head_num, str input_layout, "
+        "Tensor? pse=None, Tensor? padding_mask=None, Tensor? atten_mask=None, float scale=1., "
+        "float keep_prob=1., int pre_tockens=2147483647, int next_tockens=2147483647, int inner_precise=0, "
+        "int[]? prefix=None, int[]? actual_seq_qlen=None, int[]? actual_seq_kvlen=None, int sparse_mode=0, "
+        'bool gen_mask_parallel=True, bool sync=False, str softmax_layout="", Tensor? sink=None) -> (Tensor, '
+        "Tensor, Tensor, Tensor, int, int, int)"
+    ),
+    ('26.0', 'current'): (
+        "npu_fusion_attention(Tensor query, Tensor key, Tensor value, int head_num, str input_layout, "
+        "Tensor? pse=None, Tensor? padding_mask=None, Tensor? atten_mask=None, float scale=1., "
+        "float keep_prob=1., int pre_tockens=2147483647, int next_tockens=2147483647, int inner_precise=0, "
+        "int[]? prefix=None, int[]? actual_seq_qlen=None, int[]? actual_seq_kvlen=None, int sparse_mode=0, "
+        'bool gen_mask_parallel=True, bool sync=False, str softmax_layout="", Tensor? sink=None, '
+        "Tensor? dropout_mask=None, int seed=0, int offset=0) -> (Tensor, Tensor, Tensor, Tensor, int, int, "
+        "int)"
+    ),
+}
+
+NPU_FUSION_ATTENTION_GRAD_SCHEMAS = {
+    ('7.1',): (
+        "npu_fusion_attention_grad(Tensor query, Tensor key, Tensor value, Tensor dy, int head_num, "
+        "str input_layout, *, Tensor? pse=None, Tensor? padding_mask=None, Tensor? atten_mask=None, "
+        "Tensor? softmax_max=None, Tensor? softmax_sum=None, Tensor? softmax_in=None, "
+        "Tensor? attention_in=None, float scale_value=1., float keep_prob=1., int pre_tockens=2147483647, "
+        "int next_tockens=2147483647, int inner_precise=0, int seed=0, int offset=0, int numels=0, "
+        "int[]? prefix=None, int[]? actual_seq_qlen=None, int[]? actual_seq_kvlen=None, int sparse_mode=0, "
+        "bool gen_mask_parallel=True, bool sync=False) -> (Tensor, Tensor, Tensor, Tensor)"
+    ),
+    ('7.2',): (
+        "npu_fusion_attention_grad(Tensor query, Tensor key, Tensor value, Tensor dy, int head_num, "
+        "str input_layout, *, Tensor? pse=None, Tensor? padding_mask=None, Tensor? atten_mask=None, "
+        "Tensor? softmax_max=None, Tensor? softmax_sum=None, Tensor? softmax_in=None, "
+        "Tensor? attention_in=None, float scale_value=1., float keep_prob=1., int pre_tockens=2147483647, "
+        "int next_tockens=2147483647, int inner_precise=0, int seed=0, int offset=0, int numels=0, "
+        "int[]? prefix=None, int[]? actual_seq_qlen=None, int[]? actual_seq_kvlen=None, int sparse_mode=0, "
+        'bool gen_mask_parallel=True, bool sync=False, str softmax_layout="") -> (Tensor, Tensor, Tensor, '
+        "Tensor)"
+    ),
+    ('7.3', '26.0', 'current'): (
+        "npu_fusion_attention_grad(Tensor query, Tensor key, Tensor value, Tensor dy, int head_num, "
+        "str input_layout, *, Tensor? pse=None, Tensor? padding_mask=None, Tensor? atten_mask=None, "
+        "Tensor? softmax_max=None, Tensor? softmax_sum=None, Tensor? softmax_in=None, "
+        "Tensor? attention_in=None, float scale_value=1., float keep_prob=1., int pre_tockens=2147483647, "
+        "int next_tockens=2147483647, int inner_precise=0, int seed=0, int offset=0, int numels=0, "
+        "int[]? prefix=None, int[]? actual_seq_qlen=None, int[]? actual_seq_kvlen=None, int sparse_mode=0, "
+        'bool gen_mask_parallel=True, bool sync=False, str softmax_layout="", Tensor? sink=None) -> (Tensor, '
+        "Tensor, Tensor, Tensor, Tensor)"
+    ),
+}
+
+NPU_FUSION_ATTENTION_V2_SCHEMAS = {
+    ('7.1', '7.2'): (
+        "npu_fusion_attention_v2(Tensor query, Tensor key, Tensor value, int head_num, str input_layout, *, "
+        "Tensor? pse=None, Tensor? padding_mask=None, Tensor? atten_mask=None, Tensor? query_rope=None, "
+        "Tensor? key_rope=None, float scale=1., float keep_prob=1., int pre_tokens=2147483647, "
+        "int next_tokens=2147483647, int inner_precise=0, int[]? prefix=None, int[]? actual_seq_qlen=None, "
+        "int[]? actual_seq_kvlen=None, int sparse_mode=0, bool gen_mask_parallel=True, bool sync=False, "
+        "int pse_type=1, int[]? q_start_idx=None, int[]? kv_start_idx=None) -> (Tensor, Tensor, Tensor, "
+        "Tensor, int, int, int)"
+    ),
+    ('7.3',): (
+        "npu_fusion_attention_v2(Tensor query, Tensor key, Tensor value, int head_num, str input_layout, *, "
+        "Tensor? pse=None, Tensor? padding_mask=None, Tensor? atten_mask=None, Tensor? query_rope=None, "
+        "Tensor? key_rope=None, float scale=1., float keep_prob=1., int pre_tokens=2147483647, "
+        "int next_tokens=2147483647, int inner_precise=0, int[]? prefix=None, int[]? actual_seq_qlen=None, "
+        "int[]? actual_seq_kvlen=None, int sparse_mode=0, bool gen_mask_parallel=True, bool sync=False, "
+        'int pse_type=1, int[]? q_start_idx=None, int[]? kv_start_idx=None, str softmax_layout="", '
+        "Tensor? sink=None) -> (Tensor, Tensor, Tensor, Tensor, int, int, int)"
+    ),
+    ('26.0', 'current'): (
+        "npu_fusion_attention_v2(Tensor query, Tensor key, Tensor value, int head_num, str input_layout, *, "
+        "Tensor? pse=None, Tensor? padding_mask=None, Tensor? atten_mask=None, Tensor? query_rope=None, "
+        "Tensor? key_rope=None, float scale=1., float keep_prob=1., int pre_tokens=2147483647, "
+        "int next_tokens=2147483647, int inner_precise=0, int[]? prefix=None, int[]? actual_seq_qlen=None, "
+        "int[]? actual_seq_kvlen=None, int sparse_mode=0, bool gen_mask_parallel=True, bool sync=False, "
+        'int pse_type=1, int[]? q_start_idx=None, int[]? kv_start_idx=None, str softmax_layout="", '
+        "Tensor? sink=None, Tensor? dropout_mask=None, int seed=0, int offset=0) -> (Tensor, Tensor, Tensor, "
+        "Tensor, int, int, int)"
+    ),
+}
+
+NPU_FUSION_ATTENTION_GRAD_V2_SCHEMAS = {
+    ('7.1', '7.2'): (
+        "npu_fusion_attention_grad_v2(Tensor query, Tensor key, Tensor value, Tensor dy, int head_num, "
+        "str input_layout, *, Tensor? pse=None, Tensor? padding_mask=None, Tensor? atten_mask=None, "
+        "Tensor? softmax_max=None, Tensor? softmax_sum=None, Tensor? softmax_in=None, "
+        "Tensor? attention_in=None, Tensor? query_rope=None, Tensor? key_rope=None, float scale_value=1., "
+        "float keep_prob=1., int pre_tokens=2147483647, int next_tokens=2147483647, int inner_precise=0, "
+        "int seed=0, int offset=0, int numels=0, int[]? prefix=None, int[]? actual_seq_qlen=None, "
+        "int[]? actual_seq_kvlen=None, int sparse_mode=0, bool gen_mask_parallel=True, bool sync=False, "
+        "int pse_type=1, int[]? q_start_idx=None, int[]? kv_start_idx=None) -> (Tensor, Tensor, Tensor, "
+        "Tensor, Tensor, Tensor)"
+    ),
+    ('7.3', '26.0', 'current'): (
+        "npu_fusion_attention_grad_v2(Tensor query, Tensor key, Tensor value, Tensor dy, int head_num, "
+        "str input_layout, *, Tensor? pse=None, Tensor? padding_mask=None, Tensor? atten_mask=None, "
+        "Tensor? softmax_max=None, Tensor? softmax_sum=None, Tensor? softmax_in=None, "
+        "Tensor? attention_in=None, Tensor? query_rope=None, Tensor? key_rope=None, float scale_value=1., "
+        "float keep_prob=1., int pre_tokens=2147483647, int next_tokens=2147483647, int inner_precise=0, "
+        "int seed=0, int offset=0, int numels=0, int[]? prefix=None, int[]? actual_seq_qlen=None, "
+        "int[]? actual_seq_kvlen=None, int sparse_mode=0, bool gen_mask_parallel=True, bool sync=False, "
+        'int pse_type=1, int[]? q_start_idx=None, int[]? kv_start_idx=None, str softmax_layout="", '
+        "Tensor? sink=None) -> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)"
+    ),
+}
+
+NPU_FUSION_ATTENTION_V3_SCHEMAS = {
+    ('26.0', 'current'): (
+        "npu_fusion_attention_v3(Tensor query, Tensor key, Tensor value, int head_num, str input_layout, "
+        "Tensor? pse=None, Tensor? padding_mask=None, Tensor? atten_mask=None, float scale=1., "
+        "float keep_prob=1., int pre_tockens=2147483647, int next_tockens=2147483647, int inner_precise=0, "
+        "SymInt[]? prefix=None, Tensor? actual_seq_qlen=None, Tensor? actual_seq_kvlen=None, "
+        'int sparse_mode=0, bool gen_mask_parallel=True, bool sync=False, str softmax_layout="", '
+        "Tensor? sink=None) -> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)"
+    ),
+}
+
+NPU_FUSION_ATTENTION_GRAD_V3_SCHEMAS = {
+    ('26.0', 'current'): (
+        "npu_fusion_attention_grad_v3(Tensor query, Tensor key, Tensor value, Tensor dy, int head_num, "
+        "str input_layout, *, Tensor? pse=None, Tensor? padding_mask=None, Tensor? atten_mask=None, "
+        "Tensor? softmax_max=None, Tensor? softmax_sum=None, Tensor? softmax_in=None, "
+        "Tensor? attention_in=None, float scale_value=1., float keep_prob=1., int pre_tockens=2147483647, "
+        "int next_tockens=2147483647, int inner_precise=0, Tensor? seed=None, Tensor? offset=None, "
+        "SymInt[]? prefix=None, Tensor? actual_seq_qlen=None, Tensor? actual_seq_kvlen=None, "
+        'int sparse_mode=0, bool gen_mask_parallel=True, bool sync=False, str softmax_layout="", '
+        "Tensor? sink=None) -> (Tensor, Tensor, Tensor, Tensor, Tensor)"
+    ),
+}
 
 
-def _tnd_ends(value, name: str) -> list[int] | None:
-    """Cumulative TND ends, with torch_npu's form for batches left out at the end: "TND格式下，支持尾部部分Batch不参与
-    计算，此时actual_seq_q_len和actual_seq_kv_len尾部传入对应个数个0即可" (npu_fusion_attention constraints; lengths
-    [2, 3, 4] plus two batches left out are passed as [2, 5, 9, 0, 0]). Those trailing zeros become empty
-    sequences, [2, 5, 9, 9, 9], the form the operators take (docs/semantics/layouts.md)."""
-    ends = _ints(value, name)
-    if not ends:
-        return ends
-    kept = len(ends)
-    while kept > 0 and ends[kept - 1] == 0:
-        kept -= 1
-    if kept in (0, len(ends)):
-        return ends
-    return ends[:kept] + [ends[kept - 1]] * (len(ends) - kept)
+def _lengths(layout: str, actual_seq_qlen, actual_seq_kvlen):
+    """Cumulative ends for TND (trailing zeros = batches left out). Other layouts ignore the lengths: op-plugin
+    passes them on, but FlashAttentionScore's tiling reads them only for TND; a UserWarning names each one given."""
+    if layout == "TND":
+        return (ends_without_trailing_zeros(actual_seq_qlen, "actual_seq_qlen"),
+                ends_without_trailing_zeros(actual_seq_kvlen, "actual_seq_kvlen"))
+    for name, value in (("actual_seq_qlen", actual_seq_qlen), ("actual_seq_kvlen", actual_seq_kvlen)):
+        if value is not None:
+            warnings.warn(f"{name}: ignored with input_layout {layout!r} (only TND uses sequence lengths)",
+                          UserWarning, stacklevel=4)
+    return None, None
 
 
 def _mask_numel(query: Tensor, key: Tensor, head_num: int, layout: str, q_ends, kv_ends) -> int:
@@ -40,21 +194,39 @@ def _uses_dropout(keep_prob) -> bool:
     return float(keep_prob) < 1.0
 
 
-def _draw_drop_mask(query: Tensor, numels: int, keep_prob: float):
-    """(drop_mask, seed, offset) at the generator's current state, which then advances by numels."""
-    state = _RNG_STATE.clone()
-    _RNG_STATE[1] += numels
-    drop_mask = torch.ops.cann_attn.dropout_mask(state, numels, float(keep_prob), query.device)
+def _mask_at(state: Tensor, numels: int, keep_prob: float, device) -> Tensor:
+    return torch.ops.cann_attn.dropout_mask(state, numels, float(keep_prob), device)
+
+
+def _as_int_pair(state: Tensor):
+    """(seed, offset) as the forward returns them: ints in eager mode, 0-d tensors while compiling."""
     if torch.compiler.is_compiling():
-        return drop_mask, state[0], state[1]
+        return state[0], state[1]
     seed, offset = state.tolist()
-    return drop_mask, seed, offset
+    return seed, offset
 
 
-def _no_draw():
-    if torch.compiler.is_compiling():
-        return torch.zeros((), dtype=torch.int64), torch.zeros((), dtype=torch.int64)
-    return 0, 0
+def _forward_drop_mask(query, numels: int, keep_prob, dropout_mask, seed, offset):
+    """The keep mask of a forward and the (seed, offset) it returns (docs/guides/torch_npu.md, "Dropout"):
+    an external ``dropout_mask`` is used as given with the caller's seed/offset; else a non-zero ``seed`` draws at
+    (seed, offset) ("若seed非0，则使用指定的种子值生成dropout mask"); else the generator draws and advances."""
+    if not _uses_dropout(keep_prob):
+        zero = torch.zeros(2, dtype=torch.int64)
+        return None, zero
+    if dropout_mask is not None:
+        return dropout_mask, _state_of(seed, offset)
+    if not (isinstance(seed, int) and seed == 0):
+        state = _state_of(seed, offset)
+        return _mask_at(state, numels, keep_prob, query.device), state
+    state = draw_state(numels)
+    return _mask_at(state, numels, keep_prob, query.device), state
+
+
+def _state_of(seed, offset) -> Tensor:
+    if isinstance(seed, Tensor) or isinstance(offset, Tensor):
+        state = torch.stack([torch.as_tensor(seed).reshape(-1)[0], torch.as_tensor(offset).reshape(-1)[0]])
+        return state.to(device="cpu", dtype=torch.int64)
+    return torch.tensor([int(seed), int(offset)], dtype=torch.int64)
 
 
 def _regenerate_drop_mask(query, key, head_num, layout, keep_prob, seed, offset, numels, q_ends, kv_ends):
@@ -66,12 +238,7 @@ def _regenerate_drop_mask(query, key, head_num, layout, keep_prob, seed, offset,
         raise ParamInvalidError(
             f"numels: expected the forward's mask size {expected} (or 0 to derive it), got {numels}"
         )
-    if isinstance(seed, Tensor) or isinstance(offset, Tensor):
-        state = torch.stack([torch.as_tensor(seed).reshape(()), torch.as_tensor(offset).reshape(())])
-        state = state.to(device="cpu", dtype=torch.int64)
-    else:
-        state = torch.tensor([int(seed), int(offset)], dtype=torch.int64)
-    return torch.ops.cann_attn.dropout_mask(state, expected, float(keep_prob), query.device)
+    return _mask_at(_state_of(seed, offset), expected, keep_prob, query.device)
 
 
 def _head_dim(query: Tensor, head_num: int, layout: str) -> int:
@@ -110,82 +277,111 @@ def _layout(input_layout):
     return input_layout.upper() if isinstance(input_layout, str) else input_layout
 
 
+def _empty_dsink(key: Tensor) -> Tensor:
+    """op-plugin's dsink without sink: ``at::empty({0}, key.options().dtype(at::kFloat))``."""
+    return torch.empty(0, dtype=torch.float32, device=key.device)
+
+
 # ------------------------------------------------------------------------------------ FlashAttentionScore
 def _fusion_attention(query, key, value, head_num, input_layout, *, pse, padding_mask, atten_mask, scale, keep_prob,
                       pre_tokens, next_tokens, inner_precise, prefix, actual_seq_qlen, actual_seq_kvlen, sparse_mode,
-                      pse_type, q_start_idx, kv_start_idx, softmax_layout, sink):
-    q_ends = _tnd_ends(actual_seq_qlen, "actual_seq_qlen")
-    kv_ends = _tnd_ends(actual_seq_kvlen, "actual_seq_kvlen")
-    drop_mask, numels = None, None
-    if _uses_dropout(keep_prob):
-        numels = _mask_numel(query, key, head_num, input_layout, q_ends, kv_ends)
-        drop_mask, seed, offset = _draw_drop_mask(query, numels, keep_prob)
-    else:
-        seed, offset = _no_draw()
+                      pse_type, q_start_idx, kv_start_idx, softmax_layout, sink, dropout_mask=None, seed=0,
+                      offset=0):
+    """-> (out, softmax_max, softmax_sum, softmax_out, state [seed, offset] int64, numels)."""
+    q_ends, kv_ends = _lengths(input_layout, actual_seq_qlen, actual_seq_kvlen)
+    numels = _mask_numel(query, key, head_num, input_layout, q_ends, kv_ends)
+    drop_mask, state = _forward_drop_mask(query, numels, keep_prob, dropout_mask, seed, offset)
     out, softmax_max, softmax_sum, softmax_out = torch.ops.cann_attn.flash_attention_score(
         query, key, value, head_num, input_layout, pse, drop_mask, padding_mask, atten_mask, _ints(prefix, "prefix"),
         q_ends, kv_ends, _ints(q_start_idx, "q_start_idx"), _ints(kv_start_idx, "kv_start_idx"), float(scale),
         float(keep_prob), pre_tokens, next_tokens, inner_precise, sparse_mode, pse_type, softmax_layout, sink=sink,
     )
-    if numels is None:  # torch_npu reports the mask size without dropout too (sized after the op validated)
-        numels = _mask_numel(query, key, head_num, input_layout, q_ends, kv_ends)
-    return out, softmax_max, softmax_sum, softmax_out, seed, offset, numels
+    return out, softmax_max, softmax_sum, softmax_out, state, numels
 
 
+@npu_op(NPU_FUSION_ATTENTION_SCHEMAS)
 def npu_fusion_attention(
     query: Tensor, key: Tensor, value: Tensor, head_num: int, input_layout: str, pse: Tensor | None = None,
     padding_mask: Tensor | None = None, atten_mask: Tensor | None = None, scale: float = 1.0, keep_prob: float = 1.0,
     pre_tockens: int = INT_MAX, next_tockens: int = INT_MAX, inner_precise: int = 0, prefix=None,
     actual_seq_qlen=None, actual_seq_kvlen=None, sparse_mode: int = 0, gen_mask_parallel: bool = True,
-    sync: bool = False, softmax_layout: str = "", sink: Tensor | None = None,
+    sync: bool = False, softmax_layout: str = "", sink: Tensor | None = None, dropout_mask: Tensor | None = None,
+    seed: int = 0, offset: int = 0,
 ):
     """torch_npu.npu_fusion_attention (FlashAttentionScore, pse type 1: S = scale * (Q K^T + pse)).
 
     Returns ``(attention_out, softmax_max, softmax_sum, softmax_out, seed, offset, numels)``; differentiable
-    w.r.t. query, key, value, pse and ``sink`` (float32 [head_num], docs/semantics/sinks.md). With ``keep_prob < 1``
-    the keep mask is drawn at (seed, offset) of this module's generator (module docstring); pass seed, offset and
-    numels to :func:`npu_fusion_attention_grad`.
+    w.r.t. query, key, value and pse. With ``keep_prob < 1`` the keep mask is drawn at (seed, offset) of this
+    package's generator (:mod:`cann_attn.torch_npu.npu`), or taken from ``dropout_mask`` / a non-zero ``seed``;
+    pass seed, offset and numels to :func:`npu_fusion_attention_grad`.
     """
     input_layout = _layout(input_layout)
-    return _fusion_attention(
+    out, smax, ssum, sout, state, numels = _fusion_attention(
         query, key, value, head_num, input_layout, pse=pse, padding_mask=padding_mask, atten_mask=atten_mask,
         scale=scale, keep_prob=keep_prob, pre_tokens=pre_tockens, next_tokens=next_tockens,
         inner_precise=inner_precise, prefix=prefix, actual_seq_qlen=actual_seq_qlen,
         actual_seq_kvlen=actual_seq_kvlen, sparse_mode=sparse_mode, pse_type=1, q_start_idx=None, kv_start_idx=None,
-        softmax_layout=softmax_layout, sink=sink,
+        softmax_layout=softmax_layout, sink=sink, dropout_mask=dropout_mask, seed=seed, offset=offset,
     )
+    return (out, smax, ssum, sout, *_as_int_pair(state), numels)
 
 
+@npu_op(NPU_FUSION_ATTENTION_V2_SCHEMAS)
 def npu_fusion_attention_v2(
     query: Tensor, key: Tensor, value: Tensor, head_num: int, input_layout: str, *, pse: Tensor | None = None,
     padding_mask: Tensor | None = None, atten_mask: Tensor | None = None, query_rope: Tensor | None = None,
     key_rope: Tensor | None = None, scale: float = 1.0, keep_prob: float = 1.0, pre_tokens: int = INT_MAX,
     next_tokens: int = INT_MAX, inner_precise: int = 0, prefix=None, actual_seq_qlen=None, actual_seq_kvlen=None,
     sparse_mode: int = 0, gen_mask_parallel: bool = True, sync: bool = False, pse_type: int = 1, q_start_idx=None,
-    kv_start_idx=None, softmax_layout: str = "", sink: Tensor | None = None,
+    kv_start_idx=None, softmax_layout: str = "", sink: Tensor | None = None, dropout_mask: Tensor | None = None,
+    seed: int = 0, offset: int = 0,
 ):
     """torch_npu.npu_fusion_attention_v2: ``npu_fusion_attention`` with ``pse_type`` (0..3, docs/semantics/pse.md),
     ``q_start_idx``/``kv_start_idx`` for ALiBi, and ``query_rope``/``key_rope`` appended to query/key along the head
-    dim. Same 7-tuple; differentiable w.r.t. query, key, value, a type 0/1 pse, the rope tensors and the sink."""
+    dim. Same 7-tuple; differentiable w.r.t. query, key, value, a type 0/1 pse and the rope tensors."""
     input_layout = _layout(input_layout)
     head_dim, rope_dim = _rope_dims(query, query_rope, key_rope, head_num, input_layout)
     query = _cat_rope(query, query_rope, input_layout, head_dim, rope_dim)
     key = _cat_rope(key, key_rope, input_layout, head_dim, rope_dim)
-    return _fusion_attention(
+    out, smax, ssum, sout, state, numels = _fusion_attention(
         query, key, value, head_num, input_layout, pse=pse, padding_mask=padding_mask, atten_mask=atten_mask,
         scale=scale, keep_prob=keep_prob, pre_tokens=pre_tokens, next_tokens=next_tokens,
         inner_precise=inner_precise, prefix=prefix, actual_seq_qlen=actual_seq_qlen,
         actual_seq_kvlen=actual_seq_kvlen, sparse_mode=sparse_mode, pse_type=pse_type, q_start_idx=q_start_idx,
-        kv_start_idx=kv_start_idx, softmax_layout=softmax_layout, sink=sink,
+        kv_start_idx=kv_start_idx, softmax_layout=softmax_layout, sink=sink, dropout_mask=dropout_mask, seed=seed,
+        offset=offset,
     )
+    return (out, smax, ssum, sout, *_as_int_pair(state), numels)
+
+
+@npu_op(NPU_FUSION_ATTENTION_V3_SCHEMAS)
+def npu_fusion_attention_v3(
+    query: Tensor, key: Tensor, value: Tensor, head_num: int, input_layout: str, pse: Tensor | None = None,
+    padding_mask: Tensor | None = None, atten_mask: Tensor | None = None, scale: float = 1.0, keep_prob: float = 1.0,
+    pre_tockens: int = INT_MAX, next_tockens: int = INT_MAX, inner_precise: int = 0, prefix=None,
+    actual_seq_qlen: Tensor | None = None, actual_seq_kvlen: Tensor | None = None, sparse_mode: int = 0,
+    gen_mask_parallel: bool = True, sync: bool = False, softmax_layout: str = "", sink: Tensor | None = None,
+):
+    """torch_npu.npu_fusion_attention_v3 (the graph-mode form): lengths are (CPU) integer tensors and the result is
+    ``(attention_out, softmax_max, softmax_sum, softmax_out, seed, offset)`` with seed and offset int64 CPU tensors
+    of shape [1] (no numels: :func:`npu_fusion_attention_grad_v3` recomputes it)."""
+    input_layout = _layout(input_layout)
+    out, smax, ssum, sout, state, _ = _fusion_attention(
+        query, key, value, head_num, input_layout, pse=pse, padding_mask=padding_mask, atten_mask=atten_mask,
+        scale=scale, keep_prob=keep_prob, pre_tokens=pre_tockens, next_tokens=next_tockens,
+        inner_precise=inner_precise, prefix=prefix, actual_seq_qlen=actual_seq_qlen,
+        actual_seq_kvlen=actual_seq_kvlen, sparse_mode=sparse_mode, pse_type=1, q_start_idx=None, kv_start_idx=None,
+        softmax_layout=softmax_layout, sink=sink,
+    )
+    return out, smax, ssum, sout, state[0:1].clone(), state[1:2].clone()
 
 
 def _fusion_attention_grad(query, key, value, dy, head_num, input_layout, *, pse, padding_mask, atten_mask,
                            softmax_max, softmax_sum, softmax_in, attention_in, scale_value, keep_prob, pre_tokens,
                            next_tokens, inner_precise, seed, offset, numels, prefix, actual_seq_qlen,
                            actual_seq_kvlen, sparse_mode, pse_type, q_start_idx, kv_start_idx, softmax_layout, sink):
-    q_ends = _tnd_ends(actual_seq_qlen, "actual_seq_qlen")
-    kv_ends = _tnd_ends(actual_seq_kvlen, "actual_seq_kvlen")
+    """-> (dq, dk, dv, dpse, dsink) as op-plugin returns them (dpse None without pse; dsink empty without sink)."""
+    q_ends, kv_ends = _lengths(input_layout, actual_seq_qlen, actual_seq_kvlen)
     drop_mask = _regenerate_drop_mask(query, key, head_num, input_layout, keep_prob, seed, offset, numels, q_ends,
                                       kv_ends)
     dq, dk, dv, dpse, dsink = torch.ops.cann_attn.flash_attention_score_grad(
@@ -194,24 +390,29 @@ def _fusion_attention_grad(query, key, value, dy, head_num, input_layout, *, pse
         _ints(q_start_idx, "q_start_idx"), _ints(kv_start_idx, "kv_start_idx"), float(scale_value), float(keep_prob),
         pre_tokens, next_tokens, inner_precise, sparse_mode, pse_type, softmax_layout, sink=sink,
     )
-    return (dq, dk, dv, dpse if pse is not None and pse_type in (0, 1) else None,
-            dsink if sink is not None else None)
+    if pse is None:
+        dpse = None  # op-plugin returns an undefined dpse without pse
+    elif pse_type not in (0, 1):
+        dpse = torch.zeros_like(pse)  # ALiBi slopes: op-plugin allocates dpse like pse; they get no gradient
+    return dq, dk, dv, dpse, dsink if sink is not None else _empty_dsink(key)
 
 
+@npu_op(NPU_FUSION_ATTENTION_GRAD_SCHEMAS)
 def npu_fusion_attention_grad(
     query: Tensor, key: Tensor, value: Tensor, dy: Tensor, head_num: int, input_layout: str, *,
     pse: Tensor | None = None, padding_mask: Tensor | None = None, atten_mask: Tensor | None = None,
     softmax_max: Tensor | None = None, softmax_sum: Tensor | None = None, softmax_in: Tensor | None = None,
     attention_in: Tensor | None = None, scale_value: float = 1.0, keep_prob: float = 1.0,
-    pre_tockens: int = INT_MAX, next_tockens: int = INT_MAX, inner_precise: int = 0, seed=0, offset=0, numels=0,
-    prefix=None, actual_seq_qlen=None, actual_seq_kvlen=None, sparse_mode: int = 0, gen_mask_parallel: bool = True,
-    sync: bool = False, softmax_layout: str = "", sink: Tensor | None = None,
+    pre_tockens: int = INT_MAX, next_tockens: int = INT_MAX, inner_precise: int = 0, seed: int = 0, offset: int = 0,
+    numels: int = 0, prefix=None, actual_seq_qlen=None, actual_seq_kvlen=None, sparse_mode: int = 0,
+    gen_mask_parallel: bool = True, sync: bool = False, softmax_layout: str = "", sink: Tensor | None = None,
 ):
-    """torch_npu.npu_fusion_attention_grad (FlashAttentionScoreGrad, pse type 1) -> ``(dq, dk, dv, dpse, dsink)``.
+    """torch_npu.npu_fusion_attention_grad (FlashAttentionScoreGrad, pse type 1) -> ``(dq, dk, dv, dpse, dsink)``
+    (``(dq, dk, dv, dpse)`` before torch_npu 7.3).
 
     With ``keep_prob < 1`` the forward's keep mask is regenerated from ``seed`` and ``offset`` (ints or the 0-d
-    tensors a compiled forward returns); ``numels`` must be the forward's (or 0). dpse is None without pse, dsink
-    ([head_num] float32, docs/semantics/sinks.md) None without ``sink``.
+    tensors a compiled forward returns); ``numels`` must be the forward's (or 0). dpse is None without pse; dsink
+    an empty float32 tensor without sink.
     """
     input_layout = _layout(input_layout)
     return _fusion_attention_grad(
@@ -224,20 +425,20 @@ def npu_fusion_attention_grad(
     )
 
 
+@npu_op(NPU_FUSION_ATTENTION_GRAD_V2_SCHEMAS)
 def npu_fusion_attention_grad_v2(
     query: Tensor, key: Tensor, value: Tensor, dy: Tensor, head_num: int, input_layout: str, *,
     pse: Tensor | None = None, padding_mask: Tensor | None = None, atten_mask: Tensor | None = None,
     softmax_max: Tensor | None = None, softmax_sum: Tensor | None = None, softmax_in: Tensor | None = None,
     attention_in: Tensor | None = None, query_rope: Tensor | None = None, key_rope: Tensor | None = None,
     scale_value: float = 1.0, keep_prob: float = 1.0, pre_tokens: int = INT_MAX, next_tokens: int = INT_MAX,
-    inner_precise: int = 0, seed=0, offset=0, numels=0, prefix=None, actual_seq_qlen=None, actual_seq_kvlen=None,
-    sparse_mode: int = 0, gen_mask_parallel: bool = True, sync: bool = False, pse_type: int = 1, q_start_idx=None,
-    kv_start_idx=None, softmax_layout: str = "", sink: Tensor | None = None,
+    inner_precise: int = 0, seed: int = 0, offset: int = 0, numels: int = 0, prefix=None, actual_seq_qlen=None,
+    actual_seq_kvlen=None, sparse_mode: int = 0, gen_mask_parallel: bool = True, sync: bool = False,
+    pse_type: int = 1, q_start_idx=None, kv_start_idx=None, softmax_layout: str = "", sink: Tensor | None = None,
 ):
-    """torch_npu.npu_fusion_attention_grad_v2 -> ``(dq, dk, dv, dpse, dq_rope, dk_rope, dsink)``.
-
-    dpse is None unless a type 0/1 pse tensor is given; dq_rope/dk_rope are None without rope inputs; dsink
-    ([head_num] float32, docs/semantics/sinks.md) is None without ``sink``.
+    """torch_npu.npu_fusion_attention_grad_v2 -> ``(dq, dk, dv, dpse, dq_rope, dk_rope, dsink)`` (the first 6
+    before torch_npu 7.3). dpse is None without pse (zeros for ALiBi slopes); dq_rope/dk_rope None without rope
+    inputs; dsink an empty float32 tensor without sink.
     """
     input_layout = _layout(input_layout)
     head_dim, rope_dim = _rope_dims(query, query_rope, key_rope, head_num, input_layout)
@@ -258,3 +459,28 @@ def npu_fusion_attention_grad_v2(
         dk, dk_rope = _split_rope(dk, input_layout, head_dim, rope_dim)
     return dq, dk, dv, dpse, dq_rope, dk_rope, dsink
 
+
+@npu_op(NPU_FUSION_ATTENTION_GRAD_V3_SCHEMAS)
+def npu_fusion_attention_grad_v3(
+    query: Tensor, key: Tensor, value: Tensor, dy: Tensor, head_num: int, input_layout: str, *,
+    pse: Tensor | None = None, padding_mask: Tensor | None = None, atten_mask: Tensor | None = None,
+    softmax_max: Tensor | None = None, softmax_sum: Tensor | None = None, softmax_in: Tensor | None = None,
+    attention_in: Tensor | None = None, scale_value: float = 1.0, keep_prob: float = 1.0,
+    pre_tockens: int = INT_MAX, next_tockens: int = INT_MAX, inner_precise: int = 0, seed: Tensor | None = None,
+    offset: Tensor | None = None, prefix=None, actual_seq_qlen: Tensor | None = None,
+    actual_seq_kvlen: Tensor | None = None, sparse_mode: int = 0, gen_mask_parallel: bool = True,
+    sync: bool = False, softmax_layout: str = "", sink: Tensor | None = None,
+):
+    """torch_npu.npu_fusion_attention_grad_v3 -> ``(dq, dk, dv, dpse, dsink)``: the grad of
+    :func:`npu_fusion_attention_v3`, taking its seed/offset tensors; the mask size is recomputed from the shapes."""
+    input_layout = _layout(input_layout)
+    if _uses_dropout(keep_prob) and (seed is None or offset is None):
+        raise ParamInvalidError("seed/offset: the forward's seed and offset tensors are required when keep_prob < 1")
+    return _fusion_attention_grad(
+        query, key, value, dy, head_num, input_layout, pse=pse, padding_mask=padding_mask, atten_mask=atten_mask,
+        softmax_max=softmax_max, softmax_sum=softmax_sum, softmax_in=softmax_in, attention_in=attention_in,
+        scale_value=scale_value, keep_prob=keep_prob, pre_tokens=pre_tockens, next_tokens=next_tockens,
+        inner_precise=inner_precise, seed=seed, offset=offset, numels=0, prefix=prefix,
+        actual_seq_qlen=actual_seq_qlen, actual_seq_kvlen=actual_seq_kvlen, sparse_mode=sparse_mode, pse_type=1,
+        q_start_idx=None, kv_start_idx=None, softmax_layout=softmax_layout, sink=sink,
+    )

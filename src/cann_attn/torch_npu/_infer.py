@@ -9,10 +9,64 @@ Semantics: docs/operators/fused_infer_attention_score.md and docs/operators/incr
 from torch import Tensor
 
 from .. import library
+from ._registry import npu_op
 
 INT_MAX = 2147483647
 
+# Registered for the release switch and install() (torch.ops.npu.*); the current schema only.
+NPU_FUSED_INFER_ATTENTION_SCORE_SCHEMAS = {
+    ("current",): (
+        "npu_fused_infer_attention_score(Tensor query, Tensor key, Tensor value, *, Tensor? pse_shift=None, "
+        "Tensor? atten_mask=None, SymInt[]? actual_seq_lengths=None, SymInt[]? actual_seq_lengths_kv=None, "
+        "Tensor? dequant_scale1=None, Tensor? quant_scale1=None, Tensor? dequant_scale2=None, "
+        "Tensor? quant_scale2=None, Tensor? quant_offset2=None, Tensor? antiquant_scale=None, "
+        "Tensor? antiquant_offset=None, Tensor? key_antiquant_scale=None, Tensor? key_antiquant_offset=None, "
+        "Tensor? value_antiquant_scale=None, Tensor? value_antiquant_offset=None, Tensor? block_table=None, "
+        "Tensor? query_padding_size=None, Tensor? kv_padding_size=None, Tensor? key_shared_prefix=None, "
+        "Tensor? value_shared_prefix=None, SymInt[]? actual_shared_prefix_len=None, Tensor? query_rope=None, "
+        "Tensor? key_rope=None, Tensor? key_rope_antiquant_scale=None, int num_heads=1, float scale=1.0, "
+        'int pre_tokens=2147483647, int next_tokens=2147483647, str input_layout="BSH", '
+        "int num_key_value_heads=0, int sparse_mode=0, int inner_precise=0, int block_size=0, "
+        "int antiquant_mode=0, int key_antiquant_mode=0, int value_antiquant_mode=0, "
+        "bool softmax_lse_flag=False) -> (Tensor, Tensor)"
+    ),
+}
 
+NPU_FUSED_INFER_ATTENTION_SCORE_V2_SCHEMAS = {
+    ("current",): (
+        "npu_fused_infer_attention_score_v2(Tensor query, Tensor key, Tensor value, *, "
+        "Tensor? query_rope=None, Tensor? key_rope=None, Tensor? pse_shift=None, Tensor? atten_mask=None, "
+        "SymInt[]? actual_seq_qlen=None, SymInt[]? actual_seq_kvlen=None, Tensor? block_table=None, "
+        "Tensor? dequant_scale_query=None, Tensor? dequant_scale_key=None, Tensor? dequant_offset_key=None, "
+        "Tensor? dequant_scale_value=None, Tensor? dequant_offset_value=None, "
+        "Tensor? dequant_scale_key_rope=None, Tensor? quant_scale_out=None, Tensor? quant_offset_out=None, "
+        "Tensor? quant_scale_p=None, Tensor? learnable_sink=None, int num_query_heads=1, "
+        "int num_key_value_heads=0, float softmax_scale=1.0, int pre_tokens=2147483647, "
+        'int next_tokens=2147483647, str input_layout="BSH", int sparse_mode=0, int block_size=0, '
+        "int query_quant_mode=0, int key_quant_mode=0, int value_quant_mode=0, int inner_precise=0, "
+        "bool return_softmax_lse=False, int? query_dtype=None, int? key_dtype=None, int? value_dtype=None, "
+        "int? query_rope_dtype=None, int? key_rope_dtype=None, int? key_shared_prefix_dtype=None, "
+        "int? value_shared_prefix_dtype=None, int? dequant_scale_query_dtype=None, "
+        "int? dequant_scale_key_dtype=None, int? dequant_scale_value_dtype=None, "
+        "int? dequant_scale_key_rope_dtype=None, int? out_dtype=None) -> (Tensor, Tensor)"
+    ),
+}
+
+NPU_INCRE_FLASH_ATTENTION_SCHEMAS = {
+    ("current",): (
+        "npu_incre_flash_attention(Tensor query, Tensor key, Tensor value, *, Tensor? padding_mask=None, "
+        "Tensor? atten_mask=None, Tensor? pse_shift=None, SymInt[]? actual_seq_lengths=None, "
+        "Tensor? antiquant_scale=None, Tensor? antiquant_offset=None, Tensor? block_table=None, "
+        "Tensor? dequant_scale1=None, Tensor? quant_scale1=None, Tensor? dequant_scale2=None, "
+        "Tensor? quant_scale2=None, Tensor? quant_offset2=None, Tensor? kv_padding_size=None, "
+        'int num_heads=1, float scale_value=1.0, str input_layout="BSH", int num_key_value_heads=0, '
+        "int block_size=0, int inner_precise=1) -> Tensor"
+    ),
+}
+
+
+
+@npu_op(NPU_FUSED_INFER_ATTENTION_SCORE_SCHEMAS)
 def npu_fused_infer_attention_score(
     query: Tensor, key: Tensor, value: Tensor, *, pse_shift: Tensor | None = None, atten_mask: Tensor | None = None,
     actual_seq_lengths=None, actual_seq_lengths_kv=None, dequant_scale1: Tensor | None = None,
@@ -49,6 +103,7 @@ def npu_fused_infer_attention_score(
     )
 
 
+@npu_op(NPU_FUSED_INFER_ATTENTION_SCORE_V2_SCHEMAS)
 def npu_fused_infer_attention_score_v2(
     query: Tensor, key: Tensor, value: Tensor, *, query_rope: Tensor | None = None, key_rope: Tensor | None = None,
     pse_shift: Tensor | None = None, atten_mask: Tensor | None = None, actual_seq_qlen=None, actual_seq_kvlen=None,
@@ -89,6 +144,7 @@ def npu_fused_infer_attention_score_v2(
     )
 
 
+@npu_op(NPU_INCRE_FLASH_ATTENTION_SCHEMAS)
 def npu_incre_flash_attention(
     query: Tensor, key: Tensor, value: Tensor, *, padding_mask: Tensor | None = None,
     atten_mask: Tensor | None = None, pse_shift: Tensor | None = None, actual_seq_lengths=None,

@@ -10,8 +10,24 @@ from torch import Tensor
 
 from ..ops.attention_update import attention_update
 from ..ops.ring_attention_update import ring_attention_update
+from ._registry import npu_op
+
+NPU_RING_ATTENTION_UPDATE_SCHEMAS = {
+    ("current",): (
+        "npu_ring_attention_update(Tensor prev_attn_out, Tensor prev_softmax_max, Tensor prev_softmax_sum, "
+        "Tensor cur_attn_out, Tensor cur_softmax_max, Tensor cur_softmax_sum, *, Tensor? actual_seq_qlen=None, "
+        'str input_layout="SBH", str input_softmax_layout="") -> (Tensor, Tensor, Tensor)'
+    ),
+}
+
+NPU_ATTENTION_UPDATE_SCHEMAS = {
+    ("7.2", "7.3", "26.0", "current"): (
+        "npu_attention_update(Tensor[] lse, Tensor[] local_out, int update_type) -> (Tensor, Tensor)"
+    ),
+}
 
 
+@npu_op(NPU_RING_ATTENTION_UPDATE_SCHEMAS)
 def npu_ring_attention_update(
     prev_attn_out: Tensor, prev_softmax_max: Tensor, prev_softmax_sum: Tensor, cur_attn_out: Tensor,
     cur_softmax_max: Tensor, cur_softmax_sum: Tensor, *, actual_seq_qlen: Tensor | None = None,
@@ -25,6 +41,7 @@ def npu_ring_attention_update(
     ))
 
 
+@npu_op(NPU_ATTENTION_UPDATE_SCHEMAS)
 def npu_attention_update(lse: list[Tensor], local_out: list[Tensor], update_type: int
                          ) -> tuple[Tensor, Tensor | None]:
     """torch_npu.npu_attention_update -> (out, lse_out); lse_out is None when ``update_type == 0`` (op-plugin leaves

@@ -5,9 +5,38 @@ from torch import Tensor
 
 from .. import library
 from ._common import _ints
+from ._registry import npu_op
 
-PFA_PRE_TOKENS = 2147473647  # torch_npu's documented default for npu_prompt_flash_attention (sic)
+# The current default; torch_npu 7.1/7.2 had 2147473647 (sic), which use_release("7.2") restores.
+PFA_PRE_TOKENS = 2147483647
 
+NPU_PROMPT_FLASH_ATTENTION_SCHEMAS = {
+    ('7.1', '7.2'): (
+        "npu_prompt_flash_attention(Tensor query, Tensor key, Tensor value, *, Tensor? padding_mask=None, "
+        "Tensor? atten_mask=None, Tensor? pse_shift=None, int[]? actual_seq_lengths=None, "
+        "Tensor? deq_scale1=None, Tensor? quant_scale1=None, Tensor? deq_scale2=None, "
+        "Tensor? quant_scale2=None, Tensor? quant_offset2=None, int num_heads=1, float scale_value=1.0, "
+        'int pre_tokens=2147473647, int next_tokens=0, str input_layout="BSH", int num_key_value_heads=0, '
+        "int[]? actual_seq_lengths_kv=None, int sparse_mode=0) -> Tensor"
+    ),
+    ('7.3', '26.0', 'current'): (
+        "npu_prompt_flash_attention(Tensor query, Tensor key, Tensor value, *, Tensor? padding_mask=None, "
+        "Tensor? atten_mask=None, Tensor? pse_shift=None, int[]? actual_seq_lengths=None, "
+        "Tensor? deq_scale1=None, Tensor? quant_scale1=None, Tensor? deq_scale2=None, "
+        "Tensor? quant_scale2=None, Tensor? quant_offset2=None, int num_heads=1, float scale_value=1.0, "
+        'int pre_tokens=2147483647, int next_tokens=0, str input_layout="BSH", int num_key_value_heads=0, '
+        "int[]? actual_seq_lengths_kv=None, int sparse_mode=0) -> Tensor"
+    ),
+}
+
+NPU_TRANS_QUANT_PARAM_SCHEMAS = {
+    ('7.1', '7.2', '7.3', '26.0', 'current'): (
+        "npu_trans_quant_param(Tensor scale, Tensor? offset=None, int? round_mode=0) -> Tensor"
+    ),
+}
+
+
+@npu_op(NPU_PROMPT_FLASH_ATTENTION_SCHEMAS)
 def npu_prompt_flash_attention(
     query: Tensor, key: Tensor, value: Tensor, *, padding_mask: Tensor | None = None,
     atten_mask: Tensor | None = None, pse_shift: Tensor | None = None, actual_seq_lengths=None,
@@ -26,6 +55,7 @@ def npu_prompt_flash_attention(
     )
 
 
+@npu_op(NPU_TRANS_QUANT_PARAM_SCHEMAS)
 def npu_trans_quant_param(scale: Tensor, offset: Tensor | None = None, round_mode: int | None = 0) -> Tensor:
     """torch_npu.npu_trans_quant_param: float32 scales (and offsets) -> UINT64 deq-scale words, returned as int64
     (docs/operators/prompt_flash_attention.md). ``round_mode`` 0 truncates the scale to its high 19 bits, 1 (R_INT)

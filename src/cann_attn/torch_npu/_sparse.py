@@ -5,6 +5,66 @@ from torch import Tensor
 
 from ..errors import ParamInvalidError
 from ._common import INT64_MAX, _ints
+from ._registry import npu_op
+
+NPU_SPARSE_FLASH_ATTENTION_SCHEMAS = {
+    ('7.3', '26.0'): (
+        "npu_sparse_flash_attention(Tensor query, Tensor key, Tensor value, Tensor sparse_indices, "
+        "float scale_value, *, Tensor? block_table=None, Tensor? actual_seq_lengths_query=None, "
+        "Tensor? actual_seq_lengths_kv=None, Tensor? query_rope=None, Tensor? key_rope=None, "
+        'int sparse_block_size=1, str layout_query="BSND", str layout_kv="BSND", int sparse_mode=3, '
+        "int pre_tokens=9223372036854775807, int next_tokens=9223372036854775807, int attention_mode=0, "
+        "bool return_softmax_lse=False) -> (Tensor, Tensor, Tensor)"
+    ),
+    ('current',): (
+        "npu_sparse_flash_attention(Tensor query, Tensor key, Tensor value, Tensor sparse_indices, "
+        "float scale_value, *, Tensor? block_table=None, Tensor? actual_seq_lengths_query=None, "
+        "Tensor? actual_seq_lengths_kv=None, Tensor? query_rope=None, Tensor? key_rope=None, "
+        'int sparse_block_size=1, str layout_query="BSND", str layout_kv="BSND", int sparse_mode=3, '
+        "int pre_tokens=9223372036854775807, int next_tokens=9223372036854775807, int attention_mode=0, "
+        "bool return_softmax_lse=False, Tensor? sinks=None) -> (Tensor, Tensor, Tensor)"
+    ),
+}
+
+NPU_SPARSE_FLASH_ATTENTION_GRAD_SCHEMAS = {
+    ('7.3', '26.0', 'current'): (
+        "npu_sparse_flash_attention_grad(Tensor query, Tensor key, Tensor value, Tensor sparse_indices, "
+        "Tensor d_out, Tensor out, Tensor softmax_max, Tensor softmax_sum, float scale_value, "
+        "int sparse_block_size, Tensor? query_rope=None, Tensor? key_rope=None, "
+        'Tensor? actual_seq_qlen=None, Tensor? actual_seq_kvlen=None, str? layout="BSND", '
+        "int? sparse_mode=3, int? pre_tokens=9223372036854775807, int? next_tokens=9223372036854775807, "
+        "int? attention_mode=0) -> (Tensor, Tensor, Tensor, Tensor, Tensor)"
+    ),
+}
+
+NPU_LIGHTNING_INDEXER_SCHEMAS = {
+    ('7.3', '26.0', 'current'): (
+        "npu_lightning_indexer(Tensor query, Tensor key, Tensor weights, *, "
+        "Tensor? actual_seq_lengths_query=None, Tensor? actual_seq_lengths_key=None, "
+        'Tensor? block_table=None, str layout_query="BSND", str layout_key="BSND", int sparse_count=2048, '
+        "int sparse_mode=3, int pre_tokens=9223372036854775807, int next_tokens=9223372036854775807, "
+        "bool return_value=False) -> (Tensor, Tensor)"
+    ),
+}
+
+NPU_SPARSE_LIGHTNING_INDEXER_GRAD_KL_LOSS_SCHEMAS = {
+    ('7.3', '26.0'): (
+        "npu_sparse_lightning_indexer_grad_kl_loss(Tensor query, Tensor key, Tensor query_index, "
+        "Tensor key_index, Tensor weights, Tensor sparse_indices, Tensor softmax_max, Tensor softmax_sum, "
+        "float scale_value, *, Tensor? query_rope=None, Tensor? key_rope=None, "
+        "SymInt[]? actual_seq_qlen=None, SymInt[]? actual_seq_klen=None, str? layout='BSND', "
+        "int? sparse_mode=3, int? pre_tokens=9223372036854775807, "
+        "int? next_tokens=9223372036854775807) -> (Tensor, Tensor, Tensor, Tensor)"
+    ),
+    ('current',): (
+        "npu_sparse_lightning_indexer_grad_kl_loss(Tensor query, Tensor key, Tensor query_index, "
+        "Tensor key_index, Tensor weights, Tensor sparse_indices, Tensor softmax_max, Tensor softmax_sum, "
+        "float scale_value, *, Tensor? query_rope=None, Tensor? key_rope=None, "
+        "SymInt[]? actual_seq_qlen=None, SymInt[]? actual_seq_klen=None, str? layout='BSND', "
+        "int? sparse_mode=3, int? pre_tokens=9223372036854775807, int? next_tokens=9223372036854775807, "
+        "Tensor? sinks=None) -> (Tensor, Tensor, Tensor, Tensor)"
+    ),
+}
 
 
 def _check_paged_outputs(layout_kv: str, flag: str, value: bool) -> None:
@@ -14,17 +74,25 @@ def _check_paged_outputs(layout_kv: str, flag: str, value: bool) -> None:
         raise ParamInvalidError(f"{flag}: expected False with a paged cache (layout_kv='PA_BSND'), got True")
 
 
+def _check_sinks(sinks) -> None:
+    if sinks is not None:
+        raise ParamInvalidError("sinks: attention sinks are not supported yet by cann_attn's torch_npu spellings, "
+                                "got a tensor")
+
+
 def _check_attention_mode(attention_mode: int) -> None:
     if attention_mode not in (0, 2):
         raise ParamInvalidError(f"attention_mode: expected 0 or 2 (MLA-absorb), got {attention_mode!r}")
 
 
+@npu_op(NPU_SPARSE_FLASH_ATTENTION_SCHEMAS)
 def npu_sparse_flash_attention(
     query: Tensor, key: Tensor, value: Tensor, sparse_indices: Tensor, scale_value: float, *,
     block_table: Tensor | None = None, actual_seq_lengths_query=None, actual_seq_lengths_kv=None,
     query_rope: Tensor | None = None, key_rope: Tensor | None = None, sparse_block_size: int = 1,
     layout_query: str = "BSND", layout_kv: str = "BSND", sparse_mode: int = 3, pre_tokens: int = INT64_MAX,
     next_tokens: int = INT64_MAX, attention_mode: int = 0, return_softmax_lse: bool = False,
+    sinks: Tensor | None = None,
 ):
     """torch_npu.npu_sparse_flash_attention -> ``(attention_out, softmax_max, softmax_sum)``.
 
@@ -32,6 +100,7 @@ def npu_sparse_flash_attention(
     (0,) tensors. Differentiable w.r.t. query, key, value, query_rope and key_rope (SparseFlashAttentionGrad).
     ``layout_kv='PA_BSND'`` with ``block_table``: key/value/key_rope are paged caches (docs/semantics/paged-kv.md).
     """
+    _check_sinks(sinks)
     _check_paged_outputs(layout_kv, "return_softmax_lse", return_softmax_lse)
     _check_attention_mode(attention_mode)
     out, softmax_max, softmax_sum = torch.ops.cann_attn.sparse_flash_attention(
@@ -46,9 +115,10 @@ def npu_sparse_flash_attention(
     return out, softmax_max, softmax_sum
 
 
+@npu_op(NPU_SPARSE_FLASH_ATTENTION_GRAD_SCHEMAS)
 def npu_sparse_flash_attention_grad(
     query: Tensor, key: Tensor, value: Tensor, sparse_indices: Tensor, d_out: Tensor, out: Tensor,
-    softmax_max: Tensor, softmax_sum: Tensor, scale_value: float, sparse_block_size: int = 1, *,
+    softmax_max: Tensor, softmax_sum: Tensor, scale_value: float, sparse_block_size: int,
     query_rope: Tensor | None = None, key_rope: Tensor | None = None, actual_seq_qlen=None, actual_seq_kvlen=None,
     layout: str = "BSND", sparse_mode: int = 3, pre_tokens: int = INT64_MAX, next_tokens: int = INT64_MAX,
     attention_mode: int = 0,
@@ -64,6 +134,7 @@ def npu_sparse_flash_attention_grad(
     )
 
 
+@npu_op(NPU_LIGHTNING_INDEXER_SCHEMAS)
 def npu_lightning_indexer(
     query: Tensor, key: Tensor, weights: Tensor, *, actual_seq_lengths_query=None, actual_seq_lengths_key=None,
     block_table: Tensor | None = None, layout_query: str = "BSND", layout_key: str = "BSND",
@@ -80,14 +151,16 @@ def npu_lightning_indexer(
     )
 
 
+@npu_op(NPU_SPARSE_LIGHTNING_INDEXER_GRAD_KL_LOSS_SCHEMAS)
 def npu_sparse_lightning_indexer_grad_kl_loss(
     query: Tensor, key: Tensor, query_index: Tensor, key_index: Tensor, weights: Tensor, sparse_indices: Tensor,
     softmax_max: Tensor, softmax_sum: Tensor, scale_value: float, *, query_rope: Tensor | None = None,
     key_rope: Tensor | None = None, actual_seq_qlen=None, actual_seq_klen=None, layout: str = "BSND",
-    sparse_mode: int = 3, pre_tokens: int = INT64_MAX, next_tokens: int = INT64_MAX,
+    sparse_mode: int = 3, pre_tokens: int = INT64_MAX, next_tokens: int = INT64_MAX, sinks: Tensor | None = None,
 ):
     """torch_npu.npu_sparse_lightning_indexer_grad_kl_loss -> ``(d_query_index, d_key_index, d_weights, loss)``
     (loss: fp32 [1], summed over all tokens; docs/operators/lightning_indexer.md)."""
+    _check_sinks(sinks)
     return torch.ops.cann_attn.sparse_lightning_indexer_grad_kl_loss(
         query, key, query_index, key_index, weights, sparse_indices, softmax_max, softmax_sum, float(scale_value),
         query_rope, key_rope, _ints(actual_seq_qlen, "actual_seq_qlen"), _ints(actual_seq_klen, "actual_seq_klen"),

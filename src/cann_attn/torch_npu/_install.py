@@ -1,0 +1,79 @@
+"""``install()``: make unmodified torch_npu code run on cann_attn (docs/guides/torch_npu.md, "install()")."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+
+import torch
+
+from . import _registry, _rng
+
+_STATE: dict = {"library": None, "defined": set(), "manual_seed": None}
+
+
+class TorchNpuPresentError(RuntimeError):
+    """install() refuses to shadow a real torch_npu: its torch.ops.npu operators and NPU device would clash."""
+
+
+def _real_torch_npu_origin(package) -> str | None:
+    present = sys.modules.get("torch_npu")
+    if present is package:
+        return None
+    if present is not None:
+        return getattr(present, "__file__", None) or repr(present)
+    spec = importlib.util.find_spec("torch_npu")
+    return None if spec is None else (spec.origin or "an importable torch_npu package")
+
+
+def install(release: str | None = None) -> None:
+    """Opt-in, once at a program's entry point, before code that imports torch_npu runs.
+
+    Afterwards ``import torch_npu`` (and ``torch_npu.npu``) yields :mod:`cann_attn.torch_npu`, every registered
+    spelling resolves as ``torch.ops.npu.<op>`` (torch.library namespace ``npu``, schema of the active release;
+    ``release`` switches it first, like :func:`use_release`), and ``torch.manual_seed`` also seeds the dropout
+    generator (torch_npu seeds the NPU generators through the same call). Calling it again registers operators
+    added since. Raises :class:`TorchNpuPresentError` when the real torch_npu is importable.
+    """
+    package = sys.modules[__package__]
+    origin = _real_torch_npu_origin(package)
+    if origin is not None:
+        raise TorchNpuPresentError(
+            f"cann_attn.torch_npu.install(): the real torch_npu is importable ({origin}); use it on an NPU machine, "
+            "or import cann_attn.torch_npu as torch_npu without install() to run these operators off the NPU")
+    if release is not None:
+        _registry.use_release(release)
+    sys.modules["torch_npu"] = package
+    sys.modules["torch_npu.npu"] = package.npu
+    _register_ops()
+    _seed_with_torch()
+
+
+def _register_ops() -> None:
+    if _STATE["library"] is None:
+        _STATE["library"] = torch.library.Library("npu", "FRAGMENT")
+    library = _STATE["library"]
+    release = _registry.active_release()
+    for name, op in _registry.OPS.items():
+        if name in _STATE["defined"]:
+            continue
+        library.define(op.schema(release).text)
+        # CompositeImplicitAutograd: the call decomposes into our function, whose cann_attn custom ops carry the
+        # autograd and fake (torch.compile) registrations.
+        library.impl(name, _registry._WRAPPERS[name], "CompositeImplicitAutograd")
+        _STATE["defined"].add(name)
+
+
+def _seed_with_torch() -> None:
+    if _STATE["manual_seed"] is not None:
+        return
+    original = torch.manual_seed
+
+    def manual_seed(seed):
+        generator = original(seed)
+        _rng.manual_seed(seed)
+        return generator
+
+    manual_seed.__doc__ = original.__doc__
+    _STATE["manual_seed"] = original
+    torch.manual_seed = manual_seed
