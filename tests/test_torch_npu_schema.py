@@ -274,7 +274,7 @@ def test_signature_matches_the_schema(name, rel, release):
 
 def test_every_public_spelling_is_in_the_table():
     """Every spelling is registered (release switch, install()); the table covers all but the inference operators,
-    whose signatures tests/test_torch_npu_infer.py checks."""
+    tested with those operators."""
     spelled = {n for n in torch_npu.__all__ if n.startswith("npu_") and n != "npu_op"}
     assert spelled == set(torch_npu.OPS) and set(SCHEMAS) <= spelled
 
