@@ -259,8 +259,6 @@ def test_v2_alibi_and_rope(rng):
     assert torch.equal(grads[3], torch.zeros_like(slopes))  # ALiBi slopes: dpse allocated like pse, no gradient
     for t, g in zip((q, k, v, qr, kr), (grads[0], grads[1], grads[2], grads[4], grads[5]), strict=True):
         torch.testing.assert_close(g, t.grad, rtol=1e-5, atol=1e-6)
-    with pytest.raises(cann_attn.ParamInvalidError, match="sink"):
-        torch_npu.npu_fusion_attention_v2(q, k, v, n, "BSH", sink=torch.zeros(n))
 
 
 def test_prompt_flash_attention_and_trans_quant_param(rng):
