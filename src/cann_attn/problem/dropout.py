@@ -130,3 +130,47 @@ class SequenceDropout:
         element = starts + torch.arange(cols, device=idx_dev, dtype=torch.int64)
         byte = self.mask[element >> 3]
         return ((byte >> (element & 7).to(torch.uint8)) & 1).bool().to(device)
+
+
+# ------------------------------------------------------------------------------------------ positional keep bits
+# Context parallelism draws each keep bit from its element's position instead of a generator stream, so that the
+# mask of a block computed on any rank, at any world size, is the matching part of one logical mask
+# (docs/guides/context_parallel.md). Constants of splitmix64 as signed int64 (torch has no uint64 arithmetic;
+# int64 products wrap modulo 2**64 as unsigned ones do).
+_GOLDEN = 0x9E3779B97F4A7C15 - (1 << 64)
+_MIX1 = 0xBF58476D1CE4E5B9 - (1 << 64)
+_MIX2 = 0x94D049BB133111EB - (1 << 64)
+_LOW34, _LOW37, _LOW33 = (1 << 34) - 1, (1 << 37) - 1, (1 << 33) - 1
+
+
+def _to_signed64(value: int) -> int:
+    value &= (1 << 64) - 1
+    return value - (1 << 64) if value >= 1 << 63 else value
+
+
+def positional_keep(seed: int, element: torch.Tensor, keep_prob: float) -> torch.Tensor:
+    """Keep bits of logical elements `element` (int64 tensor of indices into the row-major [B, N1, Sq, Skv] /
+    TND-block order of docs/semantics/dropout.md) under `seed`: element e is kept iff u(e) < keep_prob with
+    u(e) = (splitmix64(seed * 0x9E3779B97F4A7C15 + e) >> 40) / 2**24 (the top 24 bits; splitmix64's finaliser
+    z ^= z >> 30; z *= 0xBF58476D1CE4E5B9; z ^= z >> 27; z *= 0x94D049BB133111EB; z ^= z >> 31, mod 2**64)."""
+    z = element.to(torch.int64) + _to_signed64(int(seed) * _GOLDEN)
+    z = z ^ ((z >> 30) & _LOW34)
+    z = z * _MIX1
+    z = z ^ ((z >> 27) & _LOW37)
+    z = z * _MIX2
+    z = z ^ ((z >> 31) & _LOW33)
+    top24 = (z >> 40) & 0xFFFFFF
+    return top24 < math.ceil(keep_prob * (1 << 24))
+
+
+def positional_drop_mask(seed: int, keep_prob: float, head_num: int, seq_q: Sequence[int], seq_kv: Sequence[int],
+                         device: torch.device | str | None = None) -> torch.Tensor:
+    """The whole bit-packed mask of sequences with these lengths (dense layouts: B equal entries) drawn by
+    `positional_keep`: what a single-process `flash_attention_score` call takes to reproduce a context-parallel
+    run with the same seed."""
+    numel = head_num * sum(q * k for q, k in zip(seq_q, seq_kv, strict=True))
+    chunks, chunk = [], 1 << 23  # a multiple of 8: chunks pack into whole bytes
+    for start in range(0, numel, chunk):
+        element = torch.arange(start, min(numel, start + chunk), dtype=torch.int64, device=device)
+        chunks.append(pack_bits(positional_keep(seed, element, keep_prob)))
+    return torch.cat(chunks) if chunks else torch.zeros(0, dtype=torch.uint8, device=device)

@@ -1,0 +1,242 @@
+"""Cases of the context-parallel tests, run inside spawned process groups (cann_attn.testing.distributed): each
+rank builds the whole tensors from a fixed seed, computes the single-process operator on them, runs
+`cann_attn.distributed` on its shards and compares its shard of every output and gradient.
+
+fp32: relative 1e-5 (torch.testing with rtol=1e-5, atol=1e-6); bf16: the project's precision rule
+(docs/semantics/precision.md) against the single-process fp32 result on the same inputs, with the single-process
+bf16 result as the naive reference of the flash-attn rule.
+"""
+
+from __future__ import annotations
+
+import time
+import traceback
+
+import torch
+
+import cann_attn
+import cann_attn.distributed as cp
+from cann_attn.testing.precision import assert_close_to_oracle
+
+F32, BF16 = torch.float32, torch.bfloat16
+
+
+# ============================================================================================== FlashAttention
+def fa_case(name: str, world: int, **overrides) -> dict:
+    """A FlashAttention case with small shapes valid at this world size (lengths multiples of 2P)."""
+    case = dict(name=name, layout="BSND", method="ring", load_balance="head_tail", mode="none", pre=4, next=2,
+                pse_type=None, q_start=0, kv_start=0, keep_prob=1.0, dtype=F32, batch=2, seq_q=4 * world,
+                seq_kv=4 * world, heads=2 * world, heads_kv=2 * world, dim=8, dim_v=8, tnd=None, overlap=True,
+                scale=0.35)
+    case.update(overrides)
+    if case["tnd"] is not None:
+        case["layout"] = "TND"
+    return case
+
+
+def fa_matrix(world: int) -> list[dict]:
+    """Every supported case: masks, ALiBi, GQA, layouts, TND, dropout, bf16, both methods and load balances."""
+    unit = 2 * world  # every length a multiple of 2P
+    docs_q = [unit, 3 * unit, 2 * unit]
+    return [
+        fa_case("ring-BSND-none", world),
+        fa_case("ring-BSND-causal2", world, mode=2),
+        fa_case("ring-BNSD-causal3-contiguous", world, layout="BNSD", mode=3, load_balance=None),
+        fa_case("ring-SBH-band", world, layout="SBH", mode=4, pre=5, next=3),
+        fa_case("ring-BSH-band-neg", world, layout="BSH", mode=4, pre=6, next=-2),
+        fa_case("ring-BSH-alibi2-causal-gqa", world, layout="BSH", mode=3, pse_type=2, q_start=3, kv_start=1,
+                heads_kv=world),
+        fa_case("ring-BSND-alibi3-none", world, pse_type=3, q_start=0, kv_start=2),
+        fa_case("ring-BSND-cross-causal3", world, mode=3, seq_kv=6 * world, dim_v=4),
+        fa_case("ring-TND-causal3", world, tnd=(docs_q, docs_q), mode=3),
+        fa_case("ring-TND-band-alibi2", world, tnd=(docs_q, docs_q), mode=4, pre=3, next=1, pse_type=2, q_start=1),
+        fa_case("ring-TND-none-gqa-contiguous", world, tnd=(docs_q, docs_q), heads_kv=1, load_balance=None),
+        fa_case("ring-BSND-dropout-causal", world, mode=2, keep_prob=0.8),
+        fa_case("ring-TND-dropout-none", world, tnd=(docs_q, docs_q), keep_prob=0.7),
+        fa_case("ring-BSND-bf16-causal-gqa", world, mode=3, dtype=BF16, heads_kv=world),
+        fa_case("ring-BSND-causal-no-overlap", world, mode=2, overlap=False),
+        fa_case("ulysses-BSND-causal2-gqa", world, method="ulysses", mode=2, heads_kv=world),
+        fa_case("ulysses-SBH-band-alibi2", world, method="ulysses", layout="SBH", mode=4, pre=3, next=0, pse_type=2,
+                kv_start=2),
+        fa_case("ulysses-TND-causal3", world, method="ulysses", tnd=(docs_q, docs_q), mode=3),
+        fa_case("ulysses-BNSD-dropout-contiguous", world, method="ulysses", layout="BNSD", keep_prob=0.75,
+                load_balance=None),
+        fa_case("ulysses-BSH-bf16-none", world, method="ulysses", layout="BSH", dtype=BF16),
+    ]
+
+
+def _layout_shape(layout: str, batch: int, seq: int, heads: int, dim: int) -> tuple[int, ...]:
+    return {"BSND": (batch, seq, heads, dim), "BNSD": (batch, heads, seq, dim), "BSH": (batch, seq, heads * dim),
+            "SBH": (seq, batch, heads * dim), "TND": (seq, heads, dim)}[layout]
+
+
+def _fa_inputs(case: dict):
+    gen = torch.Generator().manual_seed(sum(map(ord, case["name"])))
+    layout = case["layout"]
+    if case["tnd"] is not None:
+        docs_q, docs_kv = case["tnd"]
+        seq_q, seq_kv, batch = sum(docs_q), sum(docs_kv), len(docs_q)
+    else:
+        seq_q, seq_kv, batch = case["seq_q"], case["seq_kv"], case["batch"]
+
+    def rand(seq, heads, dim):
+        return torch.randn(_layout_shape(layout, batch, seq, heads, dim), generator=gen).to(case["dtype"])
+
+    q = rand(seq_q, case["heads"], case["dim"])
+    k = rand(seq_kv, case["heads_kv"], case["dim"])
+    v = rand(seq_kv, case["heads_kv"], case["dim_v"])
+    dy = rand(seq_q, case["heads"], case["dim_v"])
+    kwargs = dict(scale_value=case["scale"])
+    if case["mode"] != "none":
+        kwargs.update(sparse_mode=case["mode"], atten_mask=cann_attn.compressed_mask(case["mode"]))
+        if case["mode"] == 4:
+            kwargs.update(pre_tokens=case["pre"], next_tokens=case["next"])
+    if case["pse_type"] is not None:
+        slopes = torch.rand(batch, case["heads"], generator=gen) * 0.5 + 0.05
+        kwargs.update(pse=slopes, pse_type=case["pse_type"], q_start_idx=[case["q_start"]],
+                      kv_start_idx=[case["kv_start"]])
+    if case["tnd"] is not None:
+        ends = []
+        for docs in case["tnd"]:
+            total, cum = 0, []
+            for n in docs:
+                total += n
+                cum.append(total)
+            ends.append(cum)
+        kwargs.update(actual_seq_qlen=ends[0], actual_seq_kvlen=ends[1])
+    return q, k, v, dy, kwargs, batch, seq_q, seq_kv
+
+
+def _single_process(case, q, k, v, dy, kwargs, drop_mask, dtype):
+    """Out and gradients of the single-process operators on the whole tensors (in `dtype`)."""
+    q, k, v, dy = (t.to(dtype) for t in (q, k, v, dy))
+    keep = dict(kwargs, keep_prob=case["keep_prob"], drop_mask=drop_mask)
+    fwd = cann_attn.flash_attention_score(q, k, v, case["heads"], case["layout"], **keep)
+    grads = cann_attn.flash_attention_score_grad(q, k, v, dy, case["heads"], case["layout"],
+                                                 softmax_max=fwd.softmax_max, softmax_sum=fwd.softmax_sum,
+                                                 attention_in=fwd.attention_out, **keep)
+    return fwd.attention_out, grads.dq, grads.dk, grads.dv
+
+
+def _compare(name: str, actual: torch.Tensor, golden: torch.Tensor, naive: torch.Tensor | None) -> None:
+    if actual.dtype == F32:
+        torch.testing.assert_close(actual, golden.to(F32), rtol=1e-5, atol=1e-6, msg=lambda m: f"{name}: {m}")
+    else:
+        assert_close_to_oracle(actual, golden, naive=naive, name=name)
+
+
+def run_fa_case(rank: int, world: int, device, case: dict) -> None:
+    q, k, v, dy, kwargs, batch, seq_q, seq_kv = _fa_inputs(case)
+    seed = 1234 + len(case["name"])
+    drop_mask = None
+    if case["keep_prob"] < 1.0:
+        if case["tnd"] is not None:
+            drop_mask = cp.dropout_mask(seed, case["keep_prob"], case["heads"],
+                                        actual_seq_qlen=kwargs["actual_seq_qlen"],
+                                        actual_seq_kvlen=kwargs["actual_seq_kvlen"])
+        else:
+            drop_mask = cp.dropout_mask(seed, case["keep_prob"], case["heads"], batch=batch, seq_q=seq_q,
+                                        seq_kv=seq_kv)
+    golden = _single_process(case, q, k, v, dy, kwargs, drop_mask, F32)
+    naive = _single_process(case, q, k, v, dy, kwargs, drop_mask, case["dtype"]) if case["dtype"] != F32 else None
+    layout, lb = case["layout"], case["load_balance"]
+    dim = cp.seq_dim(layout)
+    lens = {"q": kwargs.get("actual_seq_qlen"), "kv": kwargs.get("actual_seq_kvlen")}
+
+    def part(x, which="q"):
+        return cp.shard(x, dim, load_balance=lb, actual_seq_len=lens[which]).to(device)
+
+    q_l, k_l, v_l = (part(t, w).requires_grad_() for t, w in ((q, "q"), (k, "kv"), (v, "kv")))
+    cp_kwargs = {key: (val.to(device) if isinstance(val, torch.Tensor) else val) for key, val in kwargs.items()}
+    out = cp.flash_attention(q_l, k_l, v_l, case["heads"], layout, method=case["method"], load_balance=lb,
+                             overlap=case["overlap"], keep_prob=case["keep_prob"], dropout_seed=seed, timeout=60,
+                             **cp_kwargs)
+    out.backward(part(dy))
+    names = ("out", "dq", "dk", "dv")
+    actuals = (out, q_l.grad, k_l.grad, v_l.grad)
+    for i, (label, actual) in enumerate(zip(names, actuals, strict=True)):
+        which = "q" if label in ("out", "dq") else "kv"
+        _compare(f"{case['name']} {label}", actual.detach().cpu(), part(golden[i], which).cpu(),
+                 None if naive is None else part(naive[i], which).cpu())
+
+
+def run_cases(rank: int, world: int, device, cases: list[dict]) -> list[tuple[str, str | None, float]]:
+    """(name, failure or None, seconds) of every case; a failing case does not stop the others."""
+    results = []
+    for case in cases:
+        start = time.perf_counter()
+        try:
+            CASE_RUNNERS[case.get("kind", "fa")](rank, world, device, case)
+            failure = None
+        except Exception as exc:
+            failure = f"{type(exc).__name__}: {exc}\n{traceback.format_exc(limit=4)}"
+        results.append((case["name"], failure, time.perf_counter() - start))
+    return results
+
+
+def run_fa_error_case(rank: int, world: int, device, case: dict) -> None:
+    """A call every rank makes alike that must raise ParamInvalidError on every rank."""
+    q, k, v, _, kwargs, *_ = _fa_inputs(case)
+    dim = cp.seq_dim(case["layout"])
+    # The first 1/P of each tensor stands for a shard (the lengths of "error-length" cannot be sharded).
+    q_l, k_l, v_l = (t.narrow(dim, 0, t.shape[dim] // world).to(device) for t in (q, k, v))
+    if case.get("full_mask"):
+        kwargs.update(sparse_mode=0, atten_mask=torch.zeros(q_l.shape[dim], k_l.shape[dim], dtype=torch.bool))
+    try:
+        cp.flash_attention(q_l, k_l, v_l, case["heads"], case["layout"], method=case["method"], timeout=30,
+                           **kwargs)
+    except cann_attn.ParamInvalidError as exc:
+        if case["expect"] not in str(exc):
+            raise AssertionError(f"expected {case['expect']!r} in the error, got {exc}") from exc
+        return
+    raise AssertionError("no error raised")
+
+
+CASE_RUNNERS = {"fa": run_fa_case, "fa_error": run_fa_error_case}
+
+
+# ============================================================================================= shard / unshard
+def run_shard_case(rank: int, world: int, device, case: dict) -> None:
+    """shard gives rank r chunks r and 2P-1-r of 2P (head_tail) or chunk r of P, per sequence; unshard inverts it."""
+    lengths = case["lengths"]
+    total = sum(lengths)
+    x = torch.arange(total * 3, dtype=torch.float32).reshape(3, total)  # sequence on dim 1
+    ends = None
+    if case["tnd"]:
+        ends, acc = [], 0
+        for n in lengths:
+            acc += n
+            ends.append(acc)
+    local = cp.shard(x, 1, load_balance=case["load_balance"], actual_seq_len=ends)
+    chunks = 2 * world if case["load_balance"] == "head_tail" else world
+    ids = (rank, 2 * world - 1 - rank) if case["load_balance"] == "head_tail" else (rank,)
+    expected, start = [], 0
+    for n in lengths:
+        size = n // chunks
+        expected += [start + c * size + i for c in ids for i in range(size)]
+        start += n
+    assert local[0].tolist() == [float(e) for e in expected], (local[0].tolist(), expected)
+    whole = cp.unshard(local.to(device), 1, load_balance=case["load_balance"], actual_seq_len=ends)
+    assert torch.equal(whole.cpu(), x)
+
+
+CASE_RUNNERS["shard"] = run_shard_case
+
+
+def shard_cases(world: int) -> list[dict]:
+    unit = 2 * world
+    return [dict(kind="shard", name=f"shard-{lb}-{'tnd' if tnd else 'dense'}", lengths=lengths, tnd=tnd,
+                 load_balance=lb)
+            for lb in ("head_tail", None) for tnd, lengths in ((False, [4 * unit]), (True, [unit, 3 * unit, unit]))]
+
+
+def error_cases(world: int) -> list[dict]:
+    """Bad calls every rank makes alike: each rank raises ParamInvalidError before any computation."""
+    return [
+        dict(fa_case("error-ulysses-heads", world, method="ulysses", heads=world + 1, heads_kv=1), kind="fa_error",
+             expect="divisible"),
+        dict(fa_case("error-full-mask", world), kind="fa_error", full_mask=True,
+             expect="context parallelism supports"),
+        dict(fa_case("error-length", world, seq_q=3 * world, seq_kv=3 * world), kind="fa_error",
+             expect="multiples"),
+    ]
