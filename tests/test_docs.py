@@ -12,9 +12,11 @@ import os
 import re
 import subprocess
 import sys
+import traceback
 from pathlib import Path
 
 import pytest
+import torch
 
 ROOT = Path(__file__).resolve().parent.parent
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
@@ -92,6 +94,8 @@ def test_block_parser_sees_markers_and_indentation():
 )
 def test_examples_run(page, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
+    # Examples draw random inputs: the same ones every run (DOCS_EXAMPLE_SEED tries others when writing a page).
+    torch.manual_seed(int(os.environ.get("DOCS_EXAMPLE_SEED", "0")))
     # A page may install the torch_npu module alias; give the next page the interpreter as it was.
     modules_before = set(sys.modules)
     namespace: dict = {"__name__": "__docs_example__"}
@@ -99,10 +103,13 @@ def test_examples_run(page, tmp_path, monkeypatch):
         for line, code, skip in python_blocks(page.read_text(encoding="utf-8")):
             if skip:
                 continue
+            source = f"{_page_id(page)}:{line}"
             try:
-                exec(compile(code, f"{_page_id(page)}:{line}", "exec"), namespace)
+                exec(compile(code, source, "exec"), namespace)
             except Exception as error:
-                raise AssertionError(f"the example at {_page_id(page)} line {line} raised {error!r}") from error
+                frames = [f for f in traceback.extract_tb(error.__traceback__) if f.filename == source]
+                where = line + frames[-1].lineno - 1 if frames else line
+                raise AssertionError(f"the example at {_page_id(page)} line {where} raised {error!r}") from error
     finally:
         for name in set(sys.modules) - modules_before:
             if name == "torch_npu" or name.startswith("torch_npu."):
