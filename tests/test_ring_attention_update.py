@@ -124,7 +124,9 @@ def token_major_rows(local_lengths: list[int], heads: int, softmax_layout: str) 
     return rows
 
 
-def tnd_ring_rank(q, k, v, heads, lengths, ranks, r, causal, softmax_layout, backend):
+def tnd_ring_rank(q, k, v, heads, lengths, ranks, r, causal, softmax_layout, backend, pad=0):
+    """One rank's ring. With `pad`, each rank's local buffers end in `pad` padding tokens (end-of-document form:
+    the length lists end before T, with the last end repeated once) whose values must never be read."""
     starts = [sum(lengths[:i]) for i in range(len(lengths))]
     local = [[p for st, n in zip(starts, lengths, strict=True) for p in zigzag_positions(st, n, ranks, j)]
              for j in range(ranks)]
@@ -132,7 +134,12 @@ def tnd_ring_rank(q, k, v, heads, lengths, ranks, r, causal, softmax_layout, bac
     local_len = [2 * c for c in chunk]
     cum_local = oracle.tnd_cum(local_len)
     seq_q = [0, *cum_local]
-    q_r = q[local[r]]
+    def eod(ends):
+        return [*ends, ends[-1]] if pad else ends
+
+    cum_local, seq_q = eod(cum_local), eod(seq_q)
+    garbage = torch.full((pad, *q.shape[1:]), 1e3, dtype=q.dtype)
+    q_r = torch.cat([q[local[r]], garbage])
     # token indices (inside a rank's local tensor) of each sequence's first / second chunk
     first = [st + i for st, c in zip(seq_q, chunk, strict=False) for i in range(c)]
     second = [st + c + i for st, c in zip(seq_q, chunk, strict=False) for i in range(c)]
@@ -140,7 +147,7 @@ def tnd_ring_rank(q, k, v, heads, lengths, ranks, r, causal, softmax_layout, bac
     acc = None
     for step in range(ranks):
         j = (r - step) % ranks
-        k_j, v_j = k[local[j]], v[local[j]]
+        k_j, v_j = torch.cat([k[local[j]], garbage]), torch.cat([v[local[j]], -garbage])
         if not causal:
             cur = fa(q_r, k_j, v_j, heads, "TND", actual_seq_qlen=cum_local, actual_seq_kvlen=cum_local, **opts)
             acc = cur if acc is None else ring_update(acc, cur, backend, actual_seq_qlen=torch.tensor(seq_q),
@@ -150,11 +157,11 @@ def tnd_ring_rank(q, k, v, heads, lengths, ranks, r, causal, softmax_layout, bac
                      actual_seq_kvlen=cum_local, **opts)
         elif j < r:
             cur = fa(q_r, k_j[first], v_j[first], heads, "TND", actual_seq_qlen=cum_local,
-                     actual_seq_kvlen=oracle.tnd_cum(chunk), **opts)
+                     actual_seq_kvlen=eod(oracle.tnd_cum(chunk)), **opts)
             acc = ring_update(acc, cur, backend, actual_seq_qlen=torch.tensor(seq_q), input_layout="TND",
                               input_softmax_layout=softmax_layout)
         else:
-            cur = fa(q_r[second], k_j, v_j, heads, "TND", actual_seq_qlen=oracle.tnd_cum(chunk),
+            cur = fa(q_r[second], k_j, v_j, heads, "TND", actual_seq_qlen=eod(oracle.tnd_cum(chunk)),
                      actual_seq_kvlen=cum_local, **opts)
             out, mx, sm = acc
             picks = [list(range(c, 2 * c)) for c in chunk]
@@ -258,3 +265,34 @@ def test_tnd_padding_rows_pair_with_their_own_statistics():
     out = cann_attn.ring_attention_update(attn, mx_p, sm_p, cur, mx, sm, actual_seq_qlen=[0, 2], input_layout="TND")
     assert torch.equal(out.attn_out[2:], cur[2:])
     torch.testing.assert_close(out.attn_out[:2], (attn[:2] + 3.0) / 2)
+
+
+@pytest.mark.parametrize("backend", ["reference", "triton"])
+@pytest.mark.parametrize("softmax_layout", ["", "TND"])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("ranks", [2, 4])
+def test_tnd_end_of_document_ring_equals_full_attention(rng, ranks, causal, softmax_layout, backend):
+    """Each rank's local TND buffers end in padding tokens (the end-of-document padded form of FlashAttentionScore:
+    length lists ending before T): the real tokens equal full attention, the padding rows stay 0 with invalid-row
+    statistics through every merge, and the padding keys (1e3) are never read."""
+    heads, d, pad = 2, 64, 3
+    lengths = [2 * ranks * c for c in (1, 2)]
+    total = sum(lengths)
+    q, k, v = (torch.randn(total, heads, d, generator=rng) for _ in range(3))
+    mask = dict(atten_mask=cann_attn.compressed_mask(3), sparse_mode=3) if causal else {}
+    cum = oracle.tnd_cum(lengths)
+    golden = oracle.fa_forward_oracle(q, k, v, heads, "TND", actual_seq_qlen=cum, actual_seq_kvlen=cum,
+                                      scale_value=SCALE, softmax_layout="TND", **mask)
+    for r in range(ranks):
+        (out, mx, sm), tokens, local_len = tnd_ring_rank(q, k, v, heads, lengths, ranks, r, causal, softmax_layout,
+                                                         backend, pad=pad)
+        real = sum(local_len)
+        assert out.shape == (real + pad, heads, d)
+        oracle.assert_close_to_oracle(out[:real], golden[0][tokens], name=f"attn_out rank {r}")
+        assert torch.equal(out[real:], torch.zeros(pad, heads, d))
+        order = torch.tensor(token_major_rows(local_len, heads, softmax_layout))
+        for ours, want in ((mx, golden[1]), (sm, golden[2])):
+            torch.testing.assert_close(ours.reshape(-1, 8)[order].view(-1, heads, 8).double(), want[tokens],
+                                       rtol=1e-4, atol=1e-5)
+        assert torch.all(mx.reshape(-1, 8)[real * heads:] == -oracle.FLT_MAX)
+        assert torch.all(sm.reshape(-1, 8)[real * heads:] == oracle.FLT_MAX)
