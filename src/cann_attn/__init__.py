@@ -1,6 +1,6 @@
 """cann_attn: Huawei Ascend CANN fused-attention operators, exactly as documented, off the NPU.
 
-Public API: docs/design.md. Semantics: docs/semantics/index.md(section numbers are cited in docstrings).
+Public API: docs/design.md. Semantics: docs/semantics/ (docstrings cite its sections by number, see docs/api.md).
 """
 
 from . import library  # noqa: F401  (registers the cann_attn::* custom ops)
