@@ -296,3 +296,18 @@ def test_tnd_end_of_document_ring_equals_full_attention(rng, ranks, causal, soft
                                        rtol=1e-4, atol=1e-5)
         assert torch.all(mx.reshape(-1, 8)[real * heads:] == -oracle.FLT_MAX)
         assert torch.all(sm.reshape(-1, 8)[real * heads:] == oracle.FLT_MAX)
+
+
+@pytest.mark.parametrize("backend", ["reference", "triton"])
+def test_nan_statistics_propagate_on_both_backends(backend):
+    s, b, n, d = 3, 1, 1, 8
+    attn = torch.ones(s, b, n * d)
+    mx, sm = torch.zeros(b, n, s, 8), torch.ones(b, n, s, 8)
+    nan_mx = mx.clone()
+    nan_mx[0, 0, 1] = float("nan")
+    out = cann_attn.ring_attention_update(attn, nan_mx, sm, attn * 2, mx, sm, backend=backend)
+    assert torch.isnan(out.attn_out[1]).all() and torch.isnan(out.softmax_max[0, 0, 1]).all()
+    assert not torch.isnan(out.attn_out[[0, 2]]).any()
+    lse = cann_attn.attention_update([torch.tensor([0.0, float("nan")]), torch.zeros(2)],
+                                     [torch.ones(2, 8), torch.ones(2, 8)], 1, backend=backend)
+    assert torch.isnan(lse.lse_out[1]) and torch.isnan(lse.out[1]).all() and not torch.isnan(lse.out[0]).any()
