@@ -6,6 +6,8 @@ outputs as op-plugin's ``FlashAttentionKernelNpuOpApi.cpp`` / ``FlashAttentionV2
 without ``sink`` (docs/guides/torch_npu.md).
 """
 
+import os
+import sys
 import warnings
 
 import torch
@@ -18,6 +20,8 @@ from ..problem.lengths import ends_without_trailing_zeros
 from ._common import _ints
 from ._registry import npu_op
 from ._rng import draw_state
+
+_PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # warnings point at the caller
 
 NPU_FUSION_ATTENTION_SCHEMAS = {
     ('7.1',): (
@@ -167,6 +171,14 @@ NPU_FUSION_ATTENTION_GRAD_V3_SCHEMAS = {
 }
 
 
+def _caller_stacklevel() -> int:
+    """stacklevel of the first frame outside cann_attn, so a warning names the caller's line."""
+    frame, level = sys._getframe(1), 1
+    while frame is not None and frame.f_code.co_filename.startswith(_PACKAGE_DIR):
+        frame, level = frame.f_back, level + 1
+    return level
+
+
 def _lengths(layout: str, actual_seq_qlen, actual_seq_kvlen):
     """Cumulative ends for TND (trailing zeros = batches left out). Other layouts ignore the lengths: op-plugin
     passes them on, but FlashAttentionScore's tiling reads them only for TND; a UserWarning names each one given."""
@@ -176,7 +188,7 @@ def _lengths(layout: str, actual_seq_qlen, actual_seq_kvlen):
     for name, value in (("actual_seq_qlen", actual_seq_qlen), ("actual_seq_kvlen", actual_seq_kvlen)):
         if value is not None:
             warnings.warn(f"{name}: ignored with input_layout {layout!r} (only TND uses sequence lengths)",
-                          UserWarning, stacklevel=4)
+                          UserWarning, stacklevel=_caller_stacklevel())
     return None, None
 
 
