@@ -79,8 +79,6 @@ CASES = {
                              ParamInvalidError, "KV_S"),
     "decode int8 qkv": (lambda: fia(*dec(dtype=torch.int8)), ParamInvalidError, "query"),
     # ---- not supported (yet) / reserved / no effect
-    "block_table": (lambda: fia(*dec(), block_table=torch.zeros(2, 1, dtype=torch.int32), block_size=128),
-                    ParamInvalidError, "block_table: PageAttention is not supported yet"),
     "block_size alone": (lambda: fia(*dec(), block_size=128), ParamInvalidError, "block_size"),
     "key_rope_antiquant_scale": (lambda: fia(*bnsd(), key_rope_antiquant_scale=t(1)), ParamInvalidError,
                                  "key_rope_antiquant_scale"),
@@ -282,9 +280,6 @@ IFA_CASES = {
     "renamed lengths": (lambda: cann_attn.incre_flash_attention(*dec(), num_heads=2, input_layout="BNSD",
                                                                 actual_seq_lengths=[1, 2, 3, 99][3:]),
                         "actual_seq_lengths"),
-    "block_table": (lambda: cann_attn.incre_flash_attention(*dec(), num_heads=2, input_layout="BNSD",
-                                                            block_table=torch.zeros(2, 1, dtype=torch.int32)),
-                    "block_table"),
 }
 
 
