@@ -240,3 +240,183 @@ def error_cases(world: int) -> list[dict]:
         dict(fa_case("error-length", world, seq_q=3 * world, seq_kv=3 * world), kind="fa_error",
              expect="multiples"),
     ]
+
+
+# ========================================================================================================= DSA
+def dsa_cases(world: int) -> list[dict]:
+    return [dict(kind="dsa", name=f"dsa-{lb}-mode{mode}-bs{bs}", load_balance=lb, mode=mode, block=bs, world=world)
+            for lb, mode, bs in (("head_tail", 3, 1), (None, 3, 8), ("head_tail", 0, 1))]
+
+
+def _dsa_inputs(case: dict, world: int):
+    gen = torch.Generator().manual_seed(7 + case["block"] + case["mode"])
+    batch, seq, heads, dim, rope, idx_heads, idx_dim = 1, 4 * world, 2, 16, 8, 2, 8
+
+    def rand(*shape, scale=1.0):
+        return (torch.randn(*shape, generator=gen) * scale).to(BF16)
+
+    tensors = dict(query=rand(batch, seq, heads, dim), key=rand(batch, seq, 1, dim),
+                   query_rope=rand(batch, seq, heads, rope), key_rope=rand(batch, seq, 1, rope),
+                   query_index=rand(batch, seq, idx_heads, idx_dim), key_index=rand(batch, seq, 1, idx_dim),
+                   weights=rand(batch, seq, idx_heads, scale=0.3))
+    count = 6 if case["block"] == 1 else 2
+    tensors["sparse_indices"] = cann_attn.lightning_indexer(
+        tensors["query_index"], tensors["key_index"], tensors["weights"], sparse_count=count,
+        sparse_mode=case["mode"]).sparse_indices
+    if case["block"] > 1:  # block indices: the token indices' blocks (duplicates and all)
+        tensors["sparse_indices"] = torch.where(tensors["sparse_indices"] >= 0,
+                                                tensors["sparse_indices"] // case["block"], -1)
+    return tensors, count
+
+
+def run_dsa_case(rank: int, world: int, device, case: dict) -> None:
+    """Checks are collected and raised at the end: a rank whose comparison fails still makes every collective
+    call of the case, so that the next case starts in step on every rank."""
+    failures: list[str] = []
+
+    def check(fn, *args, **kw):
+        try:
+            fn(*args, **kw)
+        except AssertionError as exc:
+            failures.append(str(exc))
+
+    _run_dsa_case(rank, world, device, case, check)
+    if failures:
+        raise AssertionError("\n".join(failures))
+
+
+def _run_dsa_case(rank: int, world: int, device, case: dict, check) -> None:
+    from cann_attn.testing import dsa_oracle
+
+    t, count = _dsa_inputs(case, world)
+    lb, mode, scale = case["load_balance"], case["mode"], 0.25
+
+    def part(x, dim=1):
+        return cp.shard(x, dim, load_balance=lb).to(device)
+
+    # lightning_indexer: the global top-k, exactly.
+    local = cp.lightning_indexer(part(t["query_index"]), part(t["key_index"]), part(t["weights"]),
+                                 sparse_count=count, sparse_mode=mode, load_balance=lb, timeout=60)
+    whole = cann_attn.lightning_indexer(t["query_index"], t["key_index"], t["weights"], sparse_count=count,
+                                        sparse_mode=mode).sparse_indices
+    check(_assert_equal, local.sparse_indices.cpu(), part(whole).cpu(), "lightning_indexer indices")
+
+    # sparse_attention forward and backward (DSA: the latent is key and value).
+    sfa_kw = dict(sparse_block_size=case["block"], sparse_mode=mode)
+    d_out = torch.randn(t["query"].shape, generator=torch.Generator().manual_seed(3)).to(BF16)
+    golden_in = {k: t[k].double().requires_grad_() for k in ("query", "key", "query_rope", "key_rope")}
+    g_out, *_ = dsa_oracle.sparse_attention_oracle(
+        golden_in["query"], golden_in["key"], golden_in["key"], t["sparse_indices"], scale,
+        query_rope=golden_in["query_rope"], key_rope=golden_in["key_rope"], **sfa_kw)
+    g_out.backward(d_out.double())
+    naive_in = {k: t[k].clone().requires_grad_() for k in ("query", "key", "query_rope", "key_rope")}
+    n_out = cann_attn.sparse_attention(naive_in["query"], naive_in["key"], naive_in["key"], t["sparse_indices"],
+                                       scale, query_rope=naive_in["query_rope"], key_rope=naive_in["key_rope"],
+                                       **sfa_kw)
+    n_out.backward(d_out)
+    cp_in = {k: part(t[k]).requires_grad_() for k in ("query", "key", "query_rope", "key_rope")}
+    c_out = cp.sparse_attention(cp_in["query"], cp_in["key"], cp_in["key"], part(t["sparse_indices"]), scale,
+                                query_rope=cp_in["query_rope"], key_rope=cp_in["key_rope"], load_balance=lb,
+                                timeout=60, **sfa_kw)
+    c_out.backward(part(d_out))
+    check(assert_close_to_oracle, c_out.detach().cpu(), part(g_out.detach()).cpu(),
+          naive=part(n_out.detach()).cpu(), name="sparse_attention out")
+    for k in golden_in:
+        check(assert_close_to_oracle, cp_in[k].grad.cpu(), part(golden_in[k].grad).cpu(),
+                               naive=part(naive_in[k].grad).cpu(), name=f"sparse_attention d_{k}")
+
+    # indexer_kl_loss with the main attention's statistics (sharded on S1 like the queries).
+    stats = cann_attn.sparse_flash_attention(t["query"], t["key"], t["key"], t["sparse_indices"], scale,
+                                             query_rope=t["query_rope"], key_rope=t["key_rope"], **sfa_kw)
+    if case["block"] != 1 or mode != 3:
+        return  # the KL loss takes token indices (block size 1) and sparse_mode 3 only
+    for reduction in ("sum", "mean"):
+        kl_in = {k: t[k].clone().requires_grad_() for k in ("query_index", "key_index", "weights")}
+        kl_kw = dict(query_rope=t["query_rope"], key_rope=t["key_rope"], sparse_mode=mode)
+        single_loss = cann_attn.indexer_kl_loss(t["query"], t["key"], kl_in["query_index"], kl_in["key_index"],
+                                                kl_in["weights"], t["sparse_indices"], stats.softmax_max,
+                                                stats.softmax_sum, scale, reduction=reduction, **kl_kw)
+        single_loss.backward()
+        g_in = {k: t[k].double().requires_grad_() for k in kl_in}
+        oracle = dsa_oracle.indexer_kl_loss_oracle(t["query"], t["key"], g_in["query_index"], g_in["key_index"],
+                                                   g_in["weights"], t["sparse_indices"], stats.softmax_max,
+                                                   stats.softmax_sum, scale, **kl_kw)
+        (oracle.loss / (max(1, oracle.tokens_with_keys) if reduction == "mean" else 1)).backward()
+        c_in = {k: part(t[k]).requires_grad_() for k in kl_in}
+        loss = cp.indexer_kl_loss(part(t["query"]), part(t["key"]), c_in["query_index"], c_in["key_index"],
+                                  c_in["weights"], part(t["sparse_indices"]), part(stats.softmax_max, 2),
+                                  part(stats.softmax_sum, 2), scale, query_rope=part(t["query_rope"]),
+                                  key_rope=part(t["key_rope"]), sparse_mode=mode, reduction=reduction,
+                                  load_balance=lb, timeout=60)
+        loss.backward()
+        check(torch.testing.assert_close, loss.detach().cpu(), single_loss.detach(), rtol=1e-5, atol=1e-6,
+              msg=lambda m, r=reduction: f"indexer_kl_loss {r}: {m}")
+        for k in kl_in:
+            check(assert_close_to_oracle, c_in[k].grad.cpu(), part(g_in[k].grad).cpu(), naive=part(kl_in[k].grad).cpu(),
+                                   name=f"indexer_kl_loss {reduction} d_{k}")
+
+
+def _assert_equal(actual, expected, name):
+    assert torch.equal(actual, expected), f"{name}: {actual.tolist()} != {expected.tolist()}"
+
+
+CASE_RUNNERS["dsa"] = run_dsa_case
+
+
+# ==================================================================================================== failures
+def run_failures(rank: int, world: int, device, timeout: float) -> dict:
+    """Each scenario on its own process group (a timed-out gloo group stays broken). Returns, per scenario, what
+    this rank raised: (exception type, message, seconds from its call to the raise)."""
+    import torch.distributed as dist
+
+    import cann_attn.distributed.ring as ring_module
+
+    groups = {name: dist.new_group(list(range(world))) for name in ("peer_raises", "peer_absent")}
+    case = fa_case("failure", world, mode=2)
+    q, k, v, dy, kwargs, *_ = _fa_inputs(case)
+    q_l, k_l, v_l, dy_l = (cp.shard(x, 1) for x in (q, k, v, dy))
+    outcome = {}
+
+    def attempt(name, fn):
+        start = time.monotonic()
+        try:
+            fn()
+            outcome[name] = (None, "", time.monotonic() - start)
+        except Exception as exc:
+            outcome[name] = (type(exc).__name__, str(exc), time.monotonic() - start)
+
+    def call(query, heads=case["heads"], group=None, key=k_l, value=v_l, d_out=dy_l):
+        out = cp.flash_attention(query.requires_grad_(), key.clone().requires_grad_(), value.clone().requires_grad_(),
+                                 heads, "BSND", group=group, timeout=timeout, **kwargs)
+        out.backward(d_out)
+
+    # Up front: another rank's shapes, head count or own validation error.
+    attempt("shape", lambda: call(q_l[:, : q_l.shape[1] // 2].clone() if rank == 1 else q_l.clone()))
+    half = case["heads"] // 2  # rank 1: a consistent call of its own with half the heads
+    attempt("heads", lambda: call(q_l[:, :, :half].clone(), heads=half, key=k_l[:, :, :half],
+                                  value=v_l[:, :, :half], d_out=dy_l[:, :, :half]) if rank == 1 else call(q_l.clone()))
+    attempt("own_error", lambda: call(q_l.clone().to(torch.float16) if rank == 1 else q_l.clone()))
+
+    # Rank 1 raises inside the ring (after its first hop is posted) and stays alive, as a rank busy with its
+    # exception would: the other ranks must raise within `timeout`.
+    def peer_raises():
+        if rank == 1:
+            def broken(*args, **kw):
+                raise RuntimeError("injected failure")
+            ring_module.block_forward = broken
+        call(q_l.clone(), group=groups["peer_raises"])
+
+    attempt("peer_raises", peer_raises)
+    if rank == 1:
+        time.sleep(timeout + 1)
+
+    # Rank 1 never calls (it raised before, in user code) and stays alive.
+    def peer_absent():
+        if rank == 1:
+            raise RuntimeError("user code failed before the call")
+        call(q_l.clone(), group=groups["peer_absent"])
+
+    attempt("peer_absent", peer_absent)
+    if rank == 1:
+        time.sleep(timeout + 1)
+    return outcome

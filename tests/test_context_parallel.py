@@ -27,7 +27,8 @@ def _report(results) -> None:
 
 @pytest.mark.parametrize("world", [2, 4])
 def test_context_parallel_matches_single_process(world):
-    cases = cp_cases.shard_cases(world) + cp_cases.fa_matrix(world) + cp_cases.error_cases(world)
+    cases = (cp_cases.shard_cases(world) + cp_cases.fa_matrix(world) + cp_cases.error_cases(world)
+             + cp_cases.dsa_cases(world))
     results = run_group(world, cp_cases.run_cases, cases)
     assert [name for name, _, _ in results[0]] == [c["name"] for c in cases]
     _report(results)
@@ -69,3 +70,25 @@ def test_positional_keep_is_splitmix_of_the_element():
     assert positional_keep(seed, elements, keep_prob).tolist() == expected
     shuffled = elements.flip(0)
     assert positional_keep(seed, shuffled, keep_prob).tolist() == expected[::-1]
+
+
+def test_failures_raise_on_every_rank_within_the_timeout():
+    """Mismatched shapes / head counts and one rank's own validation error raise ParamInvalidError on every rank
+    before any computation; a rank that raises inside the ring, or never calls, makes the others raise
+    ContextParallelError within the timeout instead of hanging."""
+    timeout = 3.0
+    results = run_group(2, cp_cases.run_failures, timeout)
+    for rank, outcome in enumerate(results):
+        for name in ("shape", "heads", "own_error"):
+            kind, message, _ = outcome[name]
+            assert kind == "ParamInvalidError", (rank, name, kind, message)
+        assert "disagree" in outcome["shape"][1] and "q" in outcome["shape"][1]
+        assert "disagree" in outcome["heads"][1] and "head_num" in outcome["heads"][1]
+        assert "rank 1" in outcome["own_error"][1] or rank == 1
+    kind, message, seconds = results[1]["peer_raises"]
+    assert (kind, message) == ("RuntimeError", "injected failure")
+    for name in ("peer_raises", "peer_absent"):
+        kind, message, seconds = results[0][name]
+        assert kind == "ContextParallelError", (name, kind, message)
+        assert seconds < timeout + 5, (name, seconds)
+        assert "timed out" in message

@@ -127,7 +127,8 @@ def all_gather_rank_major(group: Group, x: torch.Tensor) -> torch.Tensor:
     x = x.contiguous()
     out = torch.empty((group.world * x.shape[0], *x.shape[1:]), dtype=x.dtype, device=x.device)
     _SENT["all_gather"] += _nbytes(x) * (group.world - 1)
-    group.wait(dist.all_gather_into_tensor(out, x, group=group.handle, async_op=True), "all_gather")
+    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    group.wait(gather(out, x, group=group.handle, async_op=True), "all_gather")
     return out
 
 
