@@ -90,17 +90,30 @@ def test_sfa_paged_without_rope_and_modes(mode, rng):
     _assert_bitwise(*_sfa_both(case, 16, rng))
 
 
-def test_sfa_and_indexer_paged_long_sequences(rng):
-    """More blocks per sequence than the page table copies one by one (PER_BLOCK_COPIES): one gather of them all."""
-    case = SFACase("TND", gen=rng, q_lens=[2, 1], kv_lens=[16 * 70 + 5, 30], n1=1, d=8, d_rope=4, value_is_key=True,
+def _with_gaps(cache: torch.Tensor) -> torch.Tensor:
+    """The same cache as a view whose blocks do not follow one another in memory (NaN between them): the docs allow
+    caches that are non-contiguous along the block axis."""
+    return torch.cat([cache, torch.full_like(cache, float("nan"))], dim=1)[:, : cache.shape[1]]
+
+
+def test_sfa_and_indexer_paged_cache_with_gaps_between_blocks(rng):
+    case = SFACase("TND", gen=rng, q_lens=[2, 1], kv_lens=[16 * 5 + 5, 30], n1=2, d=8, d_rope=4, value_is_key=True,
                    k=16, style="random")
-    _assert_bitwise(*_sfa_both(case, 16, rng))
-    indexer = IndexerCase("TND", gen=rng, q_lens=[2, 1], kv_lens=[16 * 70 + 5, 30], n_idx=2, d_idx=8)
+    contiguous = case.forward()
+    paged, table = _paged_sfa(case, 16, rng)
+    key, key_rope = _with_gaps(paged["key"]), _with_gaps(paged["key_rope"])
+    i = case.inputs
+    out = cann_attn.sparse_flash_attention(i["query"], key, key, i["sparse_indices"], query_rope=i["query_rope"],
+                                           key_rope=key_rope, block_table=table,
+                                           **{**case.kw, "actual_seq_lengths_kv": paged["actual_seq_lengths_kv"]})
+    _assert_bitwise(contiguous, out)
+    indexer = IndexerCase("TND", gen=rng, q_lens=[2, 1], kv_lens=[16 * 5 + 5, 30], n_idx=2, d_idx=8)
     cache, table, lens = _paged_indexer(indexer, 16, rng)
-    paged = cann_attn.lightning_indexer(indexer.query_index, cache, indexer.weights, layout="TND", block_table=table,
-                                        actual_seq_lengths_query=indexer.kw["actual_seq_lengths_query"],
-                                        actual_seq_lengths_key=lens, sparse_count=32, return_value=True)
-    _assert_bitwise(indexer.indexer(sparse_count=32, return_value=True), paged)
+    paged_li = cann_attn.lightning_indexer(indexer.query_index, _with_gaps(cache), indexer.weights, layout="TND",
+                                           block_table=table, actual_seq_lengths_query=indexer.kw[
+                                               "actual_seq_lengths_query"], actual_seq_lengths_key=lens,
+                                           sparse_count=32, return_value=True)
+    _assert_bitwise(indexer.indexer(sparse_count=32, return_value=True), paged_li)
 
 
 def test_sfa_paged_reads_no_garbage(rng):

@@ -67,19 +67,29 @@ class PagedKv:
     shape: CacheShape
     heads_kv: int
 
-    def _sequence(self, cache: torch.Tensor, b: int) -> torch.Tensor:
-        """[N2, L_b, d] keys of sequence b of one cache (a copy of its L_b tokens only)."""
+    def _tokens(self, cache: torch.Tensor) -> torch.Tensor:
+        """[block_num, block_size, N2, d] view of a cache in either layout."""
         if self.shape.token_dim == 1:
-            cache = cache.view(cache.shape[0], cache.shape[1], self.heads_kv, -1)
-        return self.pages.sequence(cache, b, self.shape.token_dim).permute(1, 0, 2)
+            return cache.view(cache.shape[0], cache.shape[1], self.heads_kv, -1)
+        return cache.permute(0, 2, 1, 3)
 
     def group_bnsd(self, batches: range) -> tuple[torch.Tensor, torch.Tensor]:
-        """[c, N2, L, D (+ rope)] key and [c, N2, L, Dv] value of consecutive sequences of one length L: what the
-        contiguous layouts give the attention as BNSD views (key_rope appended to the key's head dim)."""
-        k = torch.stack([self._sequence(self.key, b) for b in batches])
-        v = torch.stack([self._sequence(self.value, b) for b in batches])
-        if self.key_rope is not None:
-            k = torch.cat([k, torch.stack([self._sequence(self.key_rope, b) for b in batches]).to(k.dtype)], dim=-1)
+        """[c, N2, L, D (+ rope)] key and [c, N2, L, Dv] value of consecutive sequences of one length L,
+        contiguous (what the attention makes of the contiguous layouts' BNSD views before it computes), gathered
+        straight into place: key_rope into the key's last columns."""
+        length = self.pages.kv_lengths[batches[0]]
+        parts = [self.key] + ([] if self.key_rope is None else [self.key_rope])
+        dims = [self._tokens(t).shape[-1] for t in parts]
+        k = torch.empty((len(batches), self.heads_kv, length, sum(dims)), dtype=self.key.dtype,
+                        device=self.key.device)
+        v = torch.empty((len(batches), self.heads_kv, length, self._tokens(self.value).shape[-1]),
+                        dtype=self.value.dtype, device=self.value.device)
+        for i, b in enumerate(batches):
+            col = 0
+            for cache, d in zip(parts, dims, strict=True):
+                self.pages.gather_tokens(self._tokens(cache), [b], out=k[i, :, :, col : col + d].permute(1, 0, 2))
+                col += d
+            self.pages.gather_tokens(self._tokens(self.value), [b], out=v[i].permute(1, 0, 2))
         return k, v
 
 

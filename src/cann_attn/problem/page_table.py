@@ -28,9 +28,6 @@ from .lengths import IntList, per_batch_lengths
 PAGED_KV_LAYOUT = "PA_BSND"
 # Per-batch lengths of a paged cache are bounded by the table, checked separately with a message naming it.
 _NO_LENGTH_BOUND = 2**62
-# Up to this many blocks per sequence, copying block by block beats gathering them first (measured on a 2-core
-# EPYC at 8192 keys x (512 + 64) fp32: 1.6 ms for 64 blocks against 2.2 ms through index_select).
-PER_BLOCK_COPIES = 64
 
 
 @dataclass(frozen=True)
@@ -96,26 +93,35 @@ class PageTable:
         positions = torch.arange(self.kv_lengths[b], device=self.table.device)
         return self.gather(cache, b, positions, token_dim)
 
+    def _blocks_follow(self, tokens: torch.Tensor) -> bool:
+        """Whether a [block_num, block_size, ...] view's blocks follow one another in memory (its first two dims
+        merge into one row axis without a copy)."""
+        return tokens.stride(0) == tokens.shape[1] * tokens.stride(1)
+
+    @torch.no_grad()  # a paged cache is an inference input (docs/semantics/paged-kv.md)
+    def gather_tokens(self, tokens: torch.Tensor, batches, out: torch.Tensor | None = None) -> torch.Tensor:
+        """The keys of the sequences `batches`, in order, from `tokens` [block_num, block_size, *rest]: written
+        into `out` ([sum L_b, *rest], any strides, e.g. columns of a wider buffer; its dtype may differ) or
+        returned. One row gather through the table reads nothing else; a cache whose blocks do not follow one
+        another in memory takes one indexed read of (block, slot) pairs."""
+        rows = torch.cat([self.physical_rows(b) for b in batches]).to(tokens.device)
+        direct = self._blocks_follow(tokens) and (out is None or out.dtype == tokens.dtype)
+        if direct:
+            return torch.index_select(tokens.flatten(0, 1), 0, rows, **({} if out is None else {"out": out}))
+        gathered = tokens[rows // self.block_size, rows % self.block_size]
+        return gathered if out is None else out.copy_(gathered)
+
     def sequence_columns(self, caches: list[torch.Tensor], b: int, dtype: torch.dtype) -> torch.Tensor:
         """The L_b keys of sequence b from several caches [block_num, block_size, 1, D_i] side by side:
-        [L_b, sum D_i] in `dtype` (e.g. key ++ key_rope), written in one pass block by block, so assembling a
-        sequence costs what concatenating its contiguous keys costs. Slots beyond L_b are not read."""
-        length, bs = self.kv_lengths[b], self.block_size
-        out = torch.empty((length, sum(c.shape[-1] for c in caches)), dtype=dtype, device=caches[0].device)
-        blocks = self.blocks_of(b).to(caches[0].device)
-        full = length // bs
+        [L_b, sum D_i] in `dtype` (e.g. key ++ key_rope), each gathered straight into its columns (one pass over
+        the keys, like concatenating contiguous ones), never one operation per block."""
+        out = torch.empty((self.kv_lengths[b], sum(c.shape[-1] for c in caches)), dtype=dtype,
+                          device=caches[0].device)
         col = 0
         for cache in caches:
-            cols = slice(col, col + cache.shape[-1])
-            col = cols.stop
-            # Few blocks: one strided copy per block; many small blocks: one index_select of them all.
-            if full <= PER_BLOCK_COPIES:
-                for j, block in enumerate(blocks[:full].tolist()):
-                    out[j * bs : (j + 1) * bs, cols] = cache[block, :, 0]
-            elif full:
-                out[: full * bs, cols].view(full, bs, -1).copy_(cache.index_select(0, blocks[:full])[:, :, 0])
-            if length % bs:
-                out[full * bs :, cols] = cache[int(blocks[full]), : length % bs, 0]
+            width = cache.shape[-1]
+            self.gather_tokens(cache[:, :, 0], [b], out=out[:, col : col + width])
+            col += width
         return out
 
     def physical_rows(self, b: int) -> torch.Tensor:
