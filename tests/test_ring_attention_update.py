@@ -311,3 +311,34 @@ def test_nan_statistics_propagate_on_both_backends(backend):
     lse = cann_attn.attention_update([torch.tensor([0.0, float("nan")]), torch.zeros(2)],
                                      [torch.ones(2, 8), torch.ones(2, 8)], 1, backend=backend)
     assert torch.isnan(lse.lse_out[1]) and torch.isnan(lse.out[1]).all() and not torch.isnan(lse.out[0]).any()
+
+
+def test_cann_attn_golden_and_compare_for_ring_attention_update(tmp_path, capsys):
+    """`cann-attn golden --inputs` writes the merge oracle's goldens for given partial results, and `compare` passes
+    the operator's own outputs against them (an Ascend test's workflow)."""
+    import json
+
+    import numpy as np
+
+    from cann_attn.cli import main as cli_main
+
+    gen = torch.Generator().manual_seed(5)
+    q, k, v = (torch.randn(8, 1, 32, generator=gen) for _ in range(3))
+    # top-left causal over keys 0..2, bottom-right causal over keys 3..7 (rows 0..2 see none of them): together causal
+    first = fa(q, k[:3], v[:3], 2, "SBH", atten_mask=cann_attn.compressed_mask(2), sparse_mode=2)
+    second = fa(q, k[3:], v[3:], 2, "SBH", causal=True)
+    inputs = tmp_path / "inputs"
+    inputs.mkdir()
+    names = ("prev_attn_out", "prev_softmax_max", "prev_softmax_sum", "cur_attn_out", "cur_softmax_max",
+             "cur_softmax_sum")
+    for name, t in zip(names, (*first, *second), strict=True):
+        np.save(inputs / f"{name}.npy", t.numpy())
+    case = tmp_path / "case.json"
+    case.write_text(json.dumps({"op": "ring_attention_update", "seed": 0, "inputs": {}, "params": {}}))
+    assert cli_main.main(["golden", "--case", str(case), "--inputs", str(inputs), "--out", str(tmp_path / "golden"),
+                     "--actual", str(tmp_path / "actual")]) == 0
+    assert cli_main.main(["compare", str(tmp_path / "actual"), str(tmp_path / "golden")]) == 0
+    golden_sum = np.load(tmp_path / "golden" / "softmax_sum.npy")
+    full = fa(q, k, v, 2, "SBH", causal=True)
+    torch.testing.assert_close(torch.from_numpy(golden_sum), full[2].double().float(), rtol=1e-5, atol=1e-5)
+    capsys.readouterr()
