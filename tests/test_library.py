@@ -162,7 +162,37 @@ def _dropout(gen):
     return OPS.dropout_mask.default, (torch.tensor([7, 96], dtype=torch.int64), 45, 0.7), {}
 
 
+def _lanes(t):
+    return t.unsqueeze(-1).expand(*t.shape, 8).contiguous()
+
+
+def _ring_tnd(gen):
+    """RingAttentionUpdate, TND with per-sequence statistics and end-of-document padding (lengths [0, 2, 5], T=6)."""
+    a, b = _rand(gen, 6, 2, 64), _rand(gen, 6, 2, 64)
+    stats = [_lanes(_rand(gen, 6, 2)) for _ in range(4)]
+    stats[1], stats[3] = stats[1].abs() + 1, stats[3].abs() + 1
+    return (OPS.ring_attention_update.default, (a, stats[0], stats[1], b, stats[2], stats[3]),
+            dict(actual_seq_qlen=[0, 2, 5], input_layout="TND"))
+
+
+def _ring_sbh(gen):
+    a, b = _rand(gen, 5, 2, 24).half(), _rand(gen, 5, 2, 24).half()
+    stats = [_lanes(_rand(gen, 2, 3, 5)) for _ in range(4)]
+    stats[1], stats[3] = stats[1].abs() + 1, stats[3].abs() + 1
+    return OPS.ring_attention_update.default, (a, stats[0], stats[1], b, stats[2], stats[3]), {}
+
+
+def _attention_update(gen, update_type=1):
+    lse = [_rand(gen, 6) for _ in range(3)]
+    outs = [_rand(gen, 6, 16).to(torch.bfloat16) for _ in range(3)]
+    return OPS.attention_update.default, (lse, outs, update_type), {}
+
+
 CASES = {
+    "ring_attention_update_tnd_eod": _ring_tnd,
+    "ring_attention_update_sbh": _ring_sbh,
+    "attention_update": _attention_update,
+    "attention_update_out_only": lambda gen: _attention_update(gen, 0),
     "fa_bsnd_pse_dropout_mode3": _fa_bsnd,
     "fa_tnd_mode2": _fa_tnd,
     "fa_varlen_tnd": _fa_varlen,
@@ -230,7 +260,7 @@ def test_every_operator_is_registered():
     expected = {"flash_attention_score", "flash_attention_var_len_score", "flash_attention_score_grad",
                 "prompt_flash_attention", "trans_quant_param", "sparse_flash_attention", "sparse_flash_attention_grad",
                 "lightning_indexer", "sparse_lightning_indexer_grad_kl_loss", "dropout_mask",
-                "count_tokens_with_keys"}
+                "count_tokens_with_keys", "ring_attention_update", "attention_update"}
     tested = {CASES[c](torch.Generator().manual_seed(0))[0].name().split("::")[1].split(".")[0] for c in CASES}
     assert expected <= tested
     for name in expected:
