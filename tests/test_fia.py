@@ -401,3 +401,21 @@ def test_triton_float_paths(sq):
     check_fia(q, k, v, num_heads=4, num_key_value_heads=2, scale=SCALE, softmax_lse_flag=True, backend="triton",
               actual_seq_lengths_kv=[12, 5], atten_mask=mask if sq > 1 else None, sparse_mode=3 if sq > 1 else 0)
     assert cann_attn.backends.dispatch_counts[("fused_infer_attention_score", "triton")] > before
+
+
+# ------------------------------------------------------------------------------------- native decode loop (CPU)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("layout", ["BSH", "BNSD"])
+def test_decode_loop_reads_caches_in_place(dtype, layout, monkeypatch):
+    """Decode without mask or pse takes the native loop (caches read in their dtype, strided BSH views included)
+    where it is available; either way the result is the oracle's, lengths of 0 included."""
+    from cann_attn.backends.reference import decode_forward, native
+
+    calls = []
+    original = decode_forward.forward
+    monkeypatch.setattr(decode_forward, "forward", lambda *a, **k: calls.append(1) or original(*a, **k))
+    q, k, v = make_qkv(layout, gen(40), b=3, n=8, nkv=2, sq=1, skv=150, d=40, dtype=dtype)
+    check_fia(q, k, v, num_heads=8, num_key_value_heads=2, input_layout=layout, scale=SCALE, softmax_lse_flag=True,
+              actual_seq_lengths_kv=[150, 0, 67])
+    kb = k if layout == "BNSD" else k.view(3, 150, 2, 40).permute(0, 2, 1, 3)
+    assert bool(calls) == native.decode_usable(kb, kb)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 from ..backends import kernels, select_backend
-from ..backends.reference import flash_forward, quant_attention
+from ..backends.reference import decode_forward, flash_forward, quant_attention
 from ..backends.triton.dense_plan import dense_unsupported
 from ..errors import ParamInvalidError, describe, require
 from ..problem import mask as masks
@@ -194,8 +194,11 @@ def attend(
         quant_attention.forward(problem, query, key, value, out, plan)
         return
     stats_needed = softmax_lse is not None or plan.output_dtype == torch.int8
+    # One query token per sequence without mask or pse: the decode loop reads the caches in place.
+    dense = decode_forward if backend == "reference" and plan.output_dtype != torch.int8 and decode_forward.usable(
+        problem, query, key, value) else kernels("dense_forward", backend)
     if not stats_needed:
-        kernels("dense_forward", backend).forward(problem, query, key, value, out)
+        dense.forward(problem, query, key, value, out)
         return
     # Rows no kernel visits (beyond the actual lengths, runs without keys) keep the invalid-row statistics.
     stat_shape = (*out.shape[:-1], STAT_WIDTH)
@@ -206,7 +209,7 @@ def attend(
         flash_forward.forward(problem, query, key, value, dense, row_max, row_sum)
         quant_attention.quantize_output(problem, dense, row_max[..., 0] > -FLT_MAX, out, plan)
     else:
-        kernels("dense_forward", backend).forward(problem, query, key, value, out, row_max, row_sum)
+        dense.forward(problem, query, key, value, out, row_max, row_sum)
     if softmax_lse is not None:
         m, s = row_max[..., :1], row_sum[..., :1]
         valid = m > -FLT_MAX

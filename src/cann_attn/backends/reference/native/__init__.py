@@ -65,8 +65,10 @@ _SIGNATURES = {
                            _P, _F, _I, _I, _I, _F, _F, _P, _P, _P, _I, _I, _P, _I, _I, _P, _I, _I],
     "cann_attn_has_bf16_dot": [],
     "cann_attn_alibi_skipped_terms": [],
+    "cann_attn_has_f16c": [],
+    "fia_decode_rows": [_P, _I, _I, _I, _I, _I, _P, _P, _I, _I, _I, _I, _I, _I, _I, _P, _P, _P, _P],
 }
-_INT_RESULTS = ("cann_attn_cpu_supported", "cann_attn_has_sgemm", "cann_attn_has_bf16_dot")
+_INT_RESULTS = ("cann_attn_cpu_supported", "cann_attn_has_sgemm", "cann_attn_has_bf16_dot", "cann_attn_has_f16c")
 _INT64_RESULTS = ("cann_attn_alibi_skipped_terms",)
 
 _lock = threading.Lock()
@@ -550,3 +552,32 @@ def fa_backward_blocks(q: torch.Tensor, dy: torch.Tensor, d_sum: torch.Tensor, s
                            min_items, log2e, floor2, bf16_address, alibi_address, dq.data_ptr(), dq.stride(0),
                            dq.stride(1), dk.data_ptr(), dk.stride(0), dk.stride(1), dv.data_ptr(), dv.stride(0),
                            dv.stride(1))
+
+
+DECODE_DTYPES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
+
+
+def decode_usable(key: torch.Tensor, value: torch.Tensor) -> bool:
+    """Whether `decode_rows` can read these [B, N2, S, D] caches in place: CPU, fp32/fp16/bf16 (fp16 needs F16C),
+    unit stride along D, library available."""
+    if key.device.type != "cpu" or key.dtype != value.dtype or key.dtype not in DECODE_DTYPES:
+        return False
+    if key.stride(-1) != 1 or value.stride(-1) != 1:
+        return False
+    lib = library()
+    return lib is not None and (key.dtype != torch.float16 or bool(lib.cann_attn_has_f16c()))
+
+
+def decode_rows(q: torch.Tensor, key: torch.Tensor, value: torch.Tensor, lengths: torch.Tensor, out: torch.Tensor,
+                row_max: torch.Tensor, row_sum: torch.Tensor) -> None:
+    """Unnormalised out [B*N2, G, Dv], row_max and row_sum [B*N2, G] of the scaled, grouped query rows q
+    [B*N2, G, D] (fp32, contiguous) over the first lengths[b] rows of key / value [B, N2, S, D] (read in place;
+    see attention_loops.c). Pairs whose length is 0 are left untouched."""
+    lib = library()
+    _check_rows(q, out, row_max, row_sum)
+    pairs, group, dim = q.shape
+    lengths = lengths.to(torch.int64).contiguous()
+    lib.fia_decode_rows(q.data_ptr(), pairs, key.shape[1], group, dim, value.shape[-1], key.data_ptr(),
+                        value.data_ptr(), DECODE_DTYPES[key.dtype], key.stride(0), key.stride(1), key.stride(2),
+                        value.stride(0), value.stride(1), value.stride(2), lengths.data_ptr(), out.data_ptr(),
+                        row_max.data_ptr(), row_sum.data_ptr())

@@ -1283,3 +1283,128 @@ void fa_backward_blocks(const float *q, const float *dy, const float *d_sum, con
     free(dq_part);
     free(pj0);
 }
+
+/* ---------------------------------------------------------------------------------------------------------------
+ * Decode rows (FusedInferAttentionScore / IncreFlashAttention with one query token, no mask and no pse): each
+ * (batch, kv head) pair's G grouped query rows q [G, D] (fp32, already scaled) attend to that pair's first len[b]
+ * key/value rows, read in place in their own dtype (0 fp32, 1 fp16, 2 bf16) and widened to fp32 one row at a time:
+ * the caches are read once and never converted as a whole. Online softmax over blocks of DECODE_BLOCK keys; out
+ * [pairs, G, Dv] is left unnormalised with row_max / row_sum [pairs, G] (max in natural-log units); pairs with
+ * len 0 are not touched. Pairs are independent: the result does not depend on the number of threads.
+ * --------------------------------------------------------------------------------------------------------------- */
+#define DECODE_BLOCK 64
+
+int cann_attn_has_f16c(void) {
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("f16c");
+}
+
+__attribute__((target("avx2,fma,f16c")))
+static inline void widen_row(const void *src, int64_t dtype, int64_t n, float *dst) {
+    int64_t i = 0;
+    if (dtype == 0) {
+        memcpy(dst, src, (size_t)n * sizeof(float));
+        return;
+    }
+    if (dtype == 1) {
+        const uint16_t *h = (const uint16_t *)src;
+        for (; i + 8 <= n; i += 8)
+            _mm256_storeu_ps(dst + i, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(h + i))));
+        for (; i < n; i++)
+            dst[i] = _cvtsh_ss(h[i]);
+        return;
+    }
+    const uint16_t *b = (const uint16_t *)src;
+    for (; i + 8 <= n; i += 8) {
+        __m256i w = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(b + i)));
+        _mm256_storeu_ps(dst + i, _mm256_castsi256_ps(_mm256_slli_epi32(w, 16)));
+    }
+    for (; i < n; i++) {
+        uint32_t bits = (uint32_t)b[i] << 16;
+        memcpy(dst + i, &bits, sizeof(float));
+    }
+}
+
+static inline float dot_f32(const float *a, const float *b, int64_t n) {
+    __m256 acc = _mm256_setzero_ps();
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8)
+        acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc);
+    __m128 lo = _mm_add_ps(_mm256_castps256_ps128(acc), _mm256_extractf128_ps(acc, 1));
+    lo = _mm_hadd_ps(lo, lo);
+    lo = _mm_hadd_ps(lo, lo);
+    float s = _mm_cvtss_f32(lo);
+    for (; i < n; i++)
+        s += a[i] * b[i];
+    return s;
+}
+
+static inline void axpy_f32(float *y, float a, const float *x, int64_t n) {
+    __m256 va = _mm256_set1_ps(a);
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8)
+        _mm256_storeu_ps(y + i, _mm256_fmadd_ps(va, _mm256_loadu_ps(x + i), _mm256_loadu_ps(y + i)));
+    for (; i < n; i++)
+        y[i] += a * x[i];
+}
+
+void fia_decode_rows(const float *q, int64_t pairs, int64_t heads_kv, int64_t group, int64_t dim, int64_t dim_v,
+                     const void *k, const void *v, int64_t dtype, int64_t k_sb, int64_t k_sh, int64_t k_ss,
+                     int64_t v_sb, int64_t v_sh, int64_t v_ss, const int64_t *len, float *out, float *row_max,
+                     float *row_sum) {
+    const int64_t esize = dtype == 0 ? 4 : 2;
+#pragma omp parallel
+    {
+        float *kbuf = malloc((size_t)(DECODE_BLOCK * dim + dim_v) * sizeof(float));
+        float *scores = malloc((size_t)(group * DECODE_BLOCK) * sizeof(float));
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t pair = 0; pair < pairs; pair++) {
+            const int64_t b = pair / heads_kv, h = pair % heads_kv, n = len[b];
+            if (n <= 0)
+                continue;
+            const float *qp = q + pair * group * dim;
+            float *acc = out + pair * group * dim_v;
+            float *m = row_max + pair * group, *l = row_sum + pair * group;
+            const char *kp = (const char *)k + (b * k_sb + h * k_sh) * esize;
+            const char *vp = (const char *)v + (b * v_sb + h * v_sh) * esize;
+            memset(acc, 0, (size_t)(group * dim_v) * sizeof(float));
+            for (int64_t g = 0; g < group; g++) {
+                m[g] = -INFINITY;
+                l[g] = 0.0f;
+            }
+            float *vbuf = kbuf + DECODE_BLOCK * dim;
+            for (int64_t j0 = 0; j0 < n; j0 += DECODE_BLOCK) {
+                const int64_t w = n - j0 < DECODE_BLOCK ? n - j0 : DECODE_BLOCK;
+                for (int64_t j = 0; j < w; j++)
+                    widen_row(kp + (j0 + j) * k_ss * esize, dtype, dim, kbuf + j * dim);
+                for (int64_t g = 0; g < group; g++) {
+                    float *s = scores + g * DECODE_BLOCK, mx = m[g];
+                    for (int64_t j = 0; j < w; j++) {
+                        s[j] = dot_f32(qp + g * dim, kbuf + j * dim, dim);
+                        mx = s[j] > mx ? s[j] : mx;
+                    }
+                    const float rescale = m[g] == -INFINITY ? 0.0f : expf(m[g] - mx);
+                    float sum = 0.0f;
+                    for (int64_t j = 0; j < w; j++) {
+                        s[j] = expf(s[j] - mx);
+                        sum += s[j];
+                    }
+                    if (rescale != 1.0f) {
+                        float *a = acc + g * dim_v;
+                        for (int64_t c = 0; c < dim_v; c++)
+                            a[c] *= rescale;
+                    }
+                    l[g] = l[g] * rescale + sum;
+                    m[g] = mx;
+                }
+                for (int64_t j = 0; j < w; j++) {
+                    widen_row(vp + (j0 + j) * v_ss * esize, dtype, dim_v, vbuf);
+                    for (int64_t g = 0; g < group; g++)
+                        axpy_f32(acc + g * dim_v, scores[g * DECODE_BLOCK + j], vbuf, dim_v);
+                }
+            }
+        }
+        free(kbuf);
+        free(scores);
+    }
+}

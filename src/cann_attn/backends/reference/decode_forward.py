@@ -1,0 +1,59 @@
+"""Decode attention on the CPU reference backend: one query token per sequence, no mask, no pse
+(docs/operators/fused_infer_attention_score.md, "Backends").
+
+The general tiled forward converts a run's keys and values to fp32 before its GEMMs, which for one query row per
+sequence costs more than the attention itself (a [B, N2, S, D] copy per call). Here the native loops read the
+caches in place in their own dtype (fp32, fp16, bf16), widen one key/value row at a time and keep an online softmax
+per grouped query row: memory stays O(rows x D) per thread whatever S is. Semantics stay with the problem: each
+sequence attends to its first Skv keys (the runs' lengths), sequences without keys keep the caller's zero output and
+invalid-row statistics.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ...problem.attention import AttentionProblem
+from . import native
+
+
+def usable(problem: AttentionProblem, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> bool:
+    """Every run has at most one query row, no mask and no pse, on a dense layout, and the native decode loop can
+    read the caches."""
+    if problem.tnd or query.device.type != "cpu" or query.dtype not in native.DECODE_DTYPES:
+        return False
+    for run in problem.runs:
+        mask = run.mask
+        if run.seq_q > 1 or run.pse is not None or run.dropout is not None:
+            return False
+        if mask.explicit is not None or mask.lower is not None or mask.upper is not None or mask.prefix is not None:
+            return False
+    return native.decode_usable(key, value)
+
+
+@torch.no_grad()
+def forward(problem: AttentionProblem, query, key, value, out, softmax_max=None, softmax_sum=None) -> None:
+    """Fill `out` [B, N, 1, Dv] (and the [B, N, 1, 8] statistics when given) of sequences that have keys."""
+    batch, heads, heads_kv = problem.batch, problem.heads_q, problem.heads_kv
+    group = heads // heads_kv
+    lengths = torch.zeros(batch, dtype=torch.int64)
+    for run in problem.runs:
+        if run.seq_q > 0:
+            lengths[run.b0 : run.b0 + run.count] = run.seq_kv
+    # Converted first, then scaled (as the tiled forward): fp32 products of the input values.
+    q = torch.empty((batch, heads, problem.dim_qk), dtype=torch.float32)
+    q.copy_(query[:, :, 0])
+    q.mul_(problem.scale)
+    pairs = batch * heads_kv
+    acc = torch.empty((pairs, group, problem.dim_v), dtype=torch.float32)
+    row_max = torch.empty((pairs, group), dtype=torch.float32)
+    row_sum = torch.empty((pairs, group), dtype=torch.float32)
+    native.decode_rows(q.view(pairs, group, -1), key, value, lengths, acc, row_max, row_sum)
+    seen = (lengths > 0).nonzero().view(-1)
+    if seen.numel() == 0:
+        return
+    normalised = (acc / row_sum.unsqueeze(-1)).view(batch, heads, -1)
+    out[seen, :, 0] = normalised[seen].to(out.dtype)
+    if softmax_max is not None:
+        softmax_max[seen, :, 0] = row_max.view(batch, heads)[seen].unsqueeze(-1).to(softmax_max.dtype)
+        softmax_sum[seen, :, 0] = row_sum.view(batch, heads)[seen].unsqueeze(-1).to(softmax_sum.dtype)
