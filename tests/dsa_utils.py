@@ -96,8 +96,11 @@ class SFACase:
     def __init__(self, layout: str = "BSND", *, gen: torch.Generator, b: int = 2, s1: int = 8, s2: int = 12,
                  q_lens=None, kv_lens=None, n1: int = 4, d: int = 16, d_rope: int | None = 8, d_v: int | None = None,
                  value_is_key: bool = False, k: int = 4, block_size: int = 1, mode: int = 3, dtype=F32,
-                 index_dtype=torch.int32, style: str = "topk", nan_beyond_kv: bool = False, indices=None):
+                 index_dtype=torch.int32, style: str = "topk", nan_beyond_kv: bool = False, indices=None,
+                 sinks: torch.Tensor | None = None):
         self.layout, self.dtype, self.gen = layout, dtype, gen
+        # One softmax logit per query head (docs/semantics/sinks.md); None: no sinks.
+        self.sinks = sinks
         d_v = d if value_is_key or d_v is None else d_v
         if layout == "TND":
             q_lens = [s1, max(1, s1 // 2)] if q_lens is None else list(q_lens)
@@ -153,7 +156,10 @@ class SFACase:
         i = self.inputs
         return cann_attn.sparse_flash_attention(i["query"], i["key"], i["value"], i["sparse_indices"],
                                                 query_rope=i["query_rope"], key_rope=i["key_rope"],
-                                                **{**self.kw, **kw})
+                                                **self._sink_kw(), **{**self.kw, **kw})
+
+    def _sink_kw(self) -> dict:
+        return {} if self.sinks is None else {"sinks": self.sinks}
 
     def grad(self, fwd=None, **kw):
         fwd = self.forward() if fwd is None else fwd
@@ -164,18 +170,19 @@ class SFACase:
         scale = kw.pop("scale_value")
         return cann_attn.sparse_flash_attention_grad(
             i["query"], i["key"], i["value"], i["sparse_indices"], self.d_out, fwd.attention_out, fwd.softmax_max,
-            fwd.softmax_sum, scale, query_rope=i["query_rope"], key_rope=i["key_rope"], **kw)
+            fwd.softmax_sum, scale, query_rope=i["query_rope"], key_rope=i["key_rope"], **self._sink_kw(), **kw)
 
     def oracle(self, compute_dtype=F64, requires_grad: bool = False, return_lse: bool = False):
         """(inputs used, (out, max, sum[, lse])): the oracle on leaf copies of the inputs (separate leaves for key
         and value even when they are one tensor, so that d_key and d_value are separate like the op's)."""
         leaves = {}
-        for name, t in self.tensors.items():
+        tensors = {**self.tensors, **({} if self.sinks is None else {"sinks": self.sinks})}
+        for name, t in tensors.items():
             leaves[name] = None if t is None else t.detach().to(compute_dtype).requires_grad_(requires_grad)
         res = dsa_oracle.sparse_attention_oracle(
             leaves["query"], leaves["key"], leaves["value"], self.inputs["sparse_indices"],
             query_rope=leaves["query_rope"], key_rope=leaves["key_rope"], compute_dtype=compute_dtype,
-            return_lse=return_lse, **self.kw)
+            return_lse=return_lse, sinks=leaves.get("sinks"), **self.kw)
         return leaves, res
 
     def oracle_grads(self, compute_dtype=F64, given_out: torch.Tensor | None = None) -> dict:
@@ -240,6 +247,14 @@ class SFACase:
                 f"{name}: {actual.dtype} {tuple(actual.shape)} vs input {src.dtype} {tuple(src.shape)}")
             assert bool(torch.isfinite(actual).all()), f"{name}: non-finite values"
             assert_close_to_oracle(actual, g, None if naive is None else naive[name], dtype=actual.dtype, name=name)
+        if self.sinks is None:
+            assert res.d_sinks is None, "d_sinks: expected None without sinks"
+            return res
+        assert res.d_sinks is not None and res.d_sinks.dtype == torch.float32 and res.d_sinks.shape == self.sinks.shape
+        assert bool(torch.isfinite(res.d_sinks).all()), "d_sinks: non-finite values"
+        # The threshold of the inputs' dtype: d_sinks sums rowsum(dO * out) of the given (rounded) output.
+        assert_close_to_oracle(res.d_sinks, golden["d_sinks"], None if naive is None else naive["d_sinks"].float(),
+                               dtype=self.dtype, name="d_sinks")
         return res
 
     def check(self):

@@ -17,9 +17,11 @@ from hypothesis import strategies as st
 
 import cann_attn
 import oracle
+from dsa_utils import SFACase
 from fa_grad_utils import DT_IDS, LAYOUTS, GradCase, valid_grad_modes
 from oracle import FLT_MAX, make_compressed_mask
 from test_fa_backward_hypothesis import _build, configs
+from test_sparse_attention_hypothesis import sfa_configs
 
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 PATHS = ("native", "pytorch", "triton")
@@ -262,3 +264,72 @@ def test_statistics_match_invalid_row_convention_without_sink(rng):
     mask[1] = True
     fwd = case.forward(atten_mask=mask)
     assert fwd.softmax_max[0, 0, 1, 0] == -FLT_MAX and fwd.softmax_sum[0, 0, 1, 0] == FLT_MAX
+
+
+# ------------------------------------------------------------------------------ SparseFlashAttention (sinks)
+@pytest.mark.parametrize(("layout", "mode", "block_size", "dtype"), [
+    ("BSND", 3, 1, torch.float32), ("BSND", 0, 8, torch.bfloat16), ("TND", 3, 1, torch.float16),
+    ("TND", 0, 8, torch.float32)], ids=str)
+def test_sfa_sinks(rng, path, layout, mode, block_size, dtype):
+    """Forward (statistics include the sinks), grad with d_sinks; a row with every entry -1 and, BSND, rows beyond
+    the actual query length (those stay uncomputed: 0, -2e38, 0)."""
+    lens = {"q_lens": [5, 3], "kv_lens": [12, 7]} if layout == "BSND" else {"q_lens": [6, 0, 4], "kv_lens": [20, 0, 9]}
+    case = SFACase(layout, gen=rng, b=2, s1=6, s2=20, n1=4, block_size=block_size, mode=mode, dtype=dtype,
+                   sinks=_sink(4, rng), **lens)
+    empty_row = (0, 1) if layout == "BSND" else (1,)  # batch 0 row 1 / token 1: every entry -1
+    case.inputs["sparse_indices"][empty_row] = -1
+    fwd, _ = case.check() if path["backend"] == "reference" else (None, None)
+    if path["backend"] == "triton":
+        fwd = case.check_forward(case.forward(backend="triton"))
+        case.check_grads(case.grad(fwd, backend="triton"))
+    if layout == "BSND":  # row 5 of batch 1 is beyond its actual length 3
+        assert bool((fwd.softmax_sum[1, 0, 4] == 0).all()) and bool((fwd.attention_out[1, 4] == 0).all())
+    stat = (0, 0, 1) if layout == "BSND" else (0, 1)
+    assert torch.equal(fwd.softmax_max[stat], case.sinks) and torch.equal(fwd.softmax_sum[stat], torch.ones(4))
+
+
+def test_sfa_sinks_minus_infinity_is_no_sinks(rng):
+    case = SFACase("BSND", gen=rng, b=1, s1=5, s2=9, n1=2, sinks=torch.full((2,), -math.inf))
+    plain = SFACase("BSND", gen=torch.Generator().manual_seed(1), b=1, s1=5, s2=9, n1=2)
+    plain.inputs = case.inputs
+    for a, b in zip(case.forward(), plain.forward(), strict=True):
+        assert torch.equal(a, b)
+    assert torch.equal(case.grad().d_sinks, torch.zeros(2))
+
+
+def test_sparse_attention_sinks_leaf_and_torch_npu(rng):
+    """cann_attn.sparse_attention: the sinks get their gradient (DSA latent as key and value); torch_npu's
+    npu_sparse_flash_attention takes sinks (no gradient to them, as op-plugin's derivatives say)."""
+    from cann_attn import torch_npu
+
+    case = SFACase("BSND", gen=rng, b=1, s1=6, s2=10, n1=4, value_is_key=True, sinks=_sink(4, rng))
+    i = case.inputs
+    q, latent, qr, kr = (i[n].clone().requires_grad_() for n in ("query", "key", "query_rope", "key_rope"))
+    sinks = case.sinks.clone().requires_grad_()
+    out = cann_attn.sparse_attention(q, latent, latent, i["sparse_indices"], case.kw["scale_value"], query_rope=qr,
+                                     key_rope=kr, sinks=sinks)
+    out.backward(case.d_out)
+    golden = case.oracle_grads()
+    torch.testing.assert_close(sinks.grad.double(), golden["d_sinks"], rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(latent.grad.double(), golden["d_key"] + golden["d_value"], rtol=1e-5, atol=1e-5)
+    npu = torch_npu.npu_sparse_flash_attention(i["query"], i["key"], i["value"], i["sparse_indices"],
+                                               case.kw["scale_value"], query_rope=i["query_rope"],
+                                               key_rope=i["key_rope"], return_softmax_lse=True, sinks=case.sinks)
+    assert torch.equal(npu[0], out.detach()) and torch.equal(npu[1], case.forward().softmax_max)
+    grads = torch_npu.npu_sparse_flash_attention_grad(i["query"], i["key"], i["value"], i["sparse_indices"],
+                                                      case.d_out, npu[0], npu[1], npu[2], case.kw["scale_value"],
+                                                      query_rope=i["query_rope"], key_rope=i["key_rope"])
+    assert len(grads) == 5
+    torch.testing.assert_close(grads[0], q.grad, rtol=0, atol=0)
+
+
+@settings(max_examples=200, deadline=None)
+@given(cfg=sfa_configs(), data=st.data())
+def test_hypothesis_sfa_with_sinks(cfg, data):
+    """The SFA fuzzing configurations (layouts, lengths, block sizes, modes, -1 anywhere, duplicates, rope or not,
+    value == key or not) with sinks drawn per head, -inf included."""
+    cfg = dict(cfg)
+    gen = torch.Generator().manual_seed(cfg.pop("seed"))
+    values = data.draw(st.lists(st.one_of(st.floats(-6, 6, width=32), st.just(-math.inf)), min_size=cfg["n1"],
+                                max_size=cfg["n1"]))
+    SFACase(cfg.pop("layout"), gen=gen, sinks=torch.tensor(values, dtype=torch.float32), **cfg).check()

@@ -171,13 +171,13 @@ class _SparseAttentionFunction(torch.autograd.Function):
     """Pairs SparseFlashAttention with SparseFlashAttentionGrad; saves inputs, output and softmax statistics."""
 
     @staticmethod
-    def forward(ctx, query, key, value, query_rope, key_rope, sparse_indices, scale_value, options: dict,
+    def forward(ctx, query, key, value, query_rope, key_rope, sinks, sparse_indices, scale_value, options: dict,
                 aliases: tuple[int, ...]):
         query, key, value, query_rope, key_rope = _restored((query, key, value, query_rope, key_rope), aliases)
         forward_options = {k: v for k, v in options.items() if k != "deterministic"}
         result = sparse_flash_attention(query, key, value, sparse_indices, scale_value, query_rope=query_rope,
-                                        key_rope=key_rope, **forward_options)
-        ctx.save_for_backward(query, key, value, query_rope, key_rope, sparse_indices, result.attention_out,
+                                        key_rope=key_rope, sinks=sinks, **forward_options)
+        ctx.save_for_backward(query, key, value, query_rope, key_rope, sinks, sparse_indices, result.attention_out,
                               result.softmax_max, result.softmax_sum)
         ctx.scale_value, ctx.options, ctx.aliases = scale_value, options, aliases
         return result.attention_out
@@ -185,13 +185,16 @@ class _SparseAttentionFunction(torch.autograd.Function):
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, d_out):
-        query, key, value, query_rope, key_rope, sparse_indices, out, softmax_max, softmax_sum = ctx.saved_tensors
-        grads = sparse_flash_attention_grad(
+        query, key, value, query_rope, key_rope, sinks, sparse_indices, out, softmax_max, softmax_sum = \
+            ctx.saved_tensors
+        result = sparse_flash_attention_grad(
             query, key, value, sparse_indices, d_out.contiguous(), out, softmax_max, softmax_sum, ctx.scale_value,
-            query_rope=query_rope, key_rope=key_rope, **ctx.options,
+            query_rope=query_rope, key_rope=key_rope, sinks=sinks, **ctx.options,
         )
-        grads = _folded((grads.d_query, grads.d_key, grads.d_value, grads.d_query_rope, grads.d_key_rope), ctx.aliases)
-        return *grads, None, None, None, None
+        grads = _folded((result.d_query, result.d_key, result.d_value, result.d_query_rope, result.d_key_rope),
+                        ctx.aliases)
+        d_sinks = result.d_sinks if sinks is not None and ctx.needs_input_grad[5] else None
+        return *grads, d_sinks, None, None, None, None
 
 
 def sparse_attention(
@@ -212,11 +215,13 @@ def sparse_attention(
     next_tokens: int = 2**63 - 1,
     deterministic: bool = False,
     backend: str = "auto",
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Differentiable DSA sparse attention (docs/operators/sparse_flash_attention.md): returns attention_out; gradients
     flow to query, key,
     value, query_rope and key_rope through SparseFlashAttentionGrad. DSA passes the same latent as key and value;
-    autograd then adds both gradients. `deterministic` is forwarded to the grad op."""
+    autograd then adds both gradients. `deterministic` is forwarded to the grad op. `sinks` (float32 [N1], one
+    softmax logit per query head, docs/semantics/sinks.md) is a leaf that receives its gradient too."""
     options = dict(
         actual_seq_lengths_query=_frozen(actual_seq_lengths_query),
         actual_seq_lengths_kv=_frozen(actual_seq_lengths_kv), sparse_block_size=sparse_block_size, layout=layout,
@@ -224,7 +229,7 @@ def sparse_attention(
     )
     options["deterministic"] = require_bool(deterministic, "deterministic")  # checked now, used by the backward
     inputs, aliases = _distinct(query, key, value, query_rope, key_rope)
-    return _SparseAttentionFunction.apply(*inputs, sparse_indices, scale_value, options, aliases)
+    return _SparseAttentionFunction.apply(*inputs, sinks, sparse_indices, scale_value, options, aliases)
 
 
 class _IndexerKLLossFunction(torch.autograd.Function):

@@ -725,7 +725,7 @@ def incre_flash_attention(
 _SFA_NAMES = (
     "query", "key", "value", "sparse_indices", "scale_value", "query_rope", "key_rope", "actual_seq_lengths_query",
     "actual_seq_lengths_kv", "sparse_block_size", "layout", "sparse_mode", "pre_tokens", "next_tokens", "backend",
-    "block_table", "layout_kv",
+    "block_table", "layout_kv", "sinks",
 )
 _SFA_SHARED = ("actual_seq_lengths_query", "actual_seq_lengths_kv", "layout", "sparse_mode", "pre_tokens",
                "next_tokens", "backend")
@@ -738,14 +738,15 @@ def _sfa_op(
     actual_seq_lengths_query: list[int] | None = None, actual_seq_lengths_kv: list[int] | None = None,
     sparse_block_size: int = 1, layout: str = "BSND", sparse_mode: int = 3, pre_tokens: int = INT64_MAX,
     next_tokens: int = INT64_MAX, backend: str = "auto", block_table: Tensor | None = None, layout_kv: str = "",
+    sinks: Tensor | None = None,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """SparseFlashAttention -> (attention_out, softmax_max, softmax_sum); `block_table` / `layout_kv="PA_BSND"`:
-    a paged key/value cache (docs/semantics/paged-kv.md)."""
+    a paged key/value cache (docs/semantics/paged-kv.md); `sinks`: docs/semantics/sinks.md."""
     return tuple(_eager_sparse_flash_attention(
         query, key, value, sparse_indices, scale_value, query_rope=query_rope, key_rope=key_rope,
         actual_seq_lengths_query=actual_seq_lengths_query, actual_seq_lengths_kv=actual_seq_lengths_kv,
         sparse_block_size=sparse_block_size, layout=layout, sparse_mode=sparse_mode, pre_tokens=pre_tokens,
-        next_tokens=next_tokens, backend=backend, block_table=block_table, layout_kv=layout_kv or None,
+        next_tokens=next_tokens, backend=backend, block_table=block_table, layout_kv=layout_kv or None, sinks=sinks,
     ))
 
 
@@ -759,7 +760,7 @@ def _dsa_stat_shape(query: Tensor, layout: str) -> tuple:
 @_sfa_op.register_fake
 def _(query, key, value, sparse_indices, scale_value, query_rope=None, key_rope=None, actual_seq_lengths_query=None,
       actual_seq_lengths_kv=None, sparse_block_size=1, layout="BSND", sparse_mode=3, pre_tokens=INT64_MAX,
-      next_tokens=INT64_MAX, backend="auto", block_table=None, layout_kv=""):
+      next_tokens=INT64_MAX, backend="auto", block_table=None, layout_kv="", sinks=None):
     stat_dtype = accumulation_dtype(query.dtype)
     stat_shape = _dsa_stat_shape(query, layout)
     return (query.new_empty((*query.shape[:-1], value.shape[-1])), query.new_empty(stat_shape, dtype=stat_dtype),
@@ -770,7 +771,7 @@ def _sfa_setup_context(ctx, inputs, output):
     args = dict(zip(_SFA_NAMES, inputs, strict=False))
     attention_out, softmax_max, softmax_sum = output
     ctx.save_for_backward(args["query"], args["key"], args["value"], args["sparse_indices"], args["query_rope"],
-                          args["key_rope"], attention_out, softmax_max, softmax_sum)
+                          args["key_rope"], attention_out, softmax_max, softmax_sum, args.get("sinks"))
     ctx.scale_value, ctx.sparse_block_size = args["scale_value"], args.get("sparse_block_size", 1)
     ctx.options = {name: args[name] for name in _SFA_SHARED if name in args}
     ctx.paged = args.get("block_table") is not None or args.get("layout_kv") == PAGED_KV_LAYOUT
@@ -783,14 +784,15 @@ def _sfa_backward(ctx, d_out, d_max, d_sum):
         # is an inference input.
         raise ParamInvalidError("block_table: gradients through a paged (PA_BSND) key/value cache are not "
                                 "supported; SparseFlashAttentionGrad takes BSND or TND keys")
-    query, key, value, sparse_indices, query_rope, key_rope, out, softmax_max, softmax_sum = ctx.saved_tensors
-    dq, dk, dv, dq_rope, dk_rope = torch.ops.cann_attn.sparse_flash_attention_grad(
+    query, key, value, sparse_indices, query_rope, key_rope, out, softmax_max, softmax_sum, sinks = ctx.saved_tensors
+    dq, dk, dv, dq_rope, dk_rope, d_sinks = torch.ops.cann_attn.sparse_flash_attention_grad(
         query, key, value, sparse_indices, d_out.contiguous(), out, softmax_max, softmax_sum, ctx.scale_value,
-        ctx.sparse_block_size, query_rope=query_rope, key_rope=key_rope, **ctx.options,
+        ctx.sparse_block_size, query_rope=query_rope, key_rope=key_rope, sinks=sinks, **ctx.options,
     )
     grads = {"query": dq, "key": dk, "value": dv,
              "query_rope": dq_rope if query_rope is not None else None,
-             "key_rope": dk_rope if key_rope is not None else None}
+             "key_rope": dk_rope if key_rope is not None else None,
+             "sinks": d_sinks if sinks is not None and ctx.needs_input_grad[_SFA_NAMES.index("sinks")] else None}
     return tuple(grads.get(name) for name in _SFA_NAMES)
 
 
@@ -804,28 +806,31 @@ def _sfa_grad_op(
     query_rope: Tensor | None = None, key_rope: Tensor | None = None,
     actual_seq_lengths_query: list[int] | None = None, actual_seq_lengths_kv: list[int] | None = None,
     layout: str = "BSND", sparse_mode: int = 3, pre_tokens: int = INT64_MAX, next_tokens: int = INT64_MAX,
-    deterministic: bool = False, backend: str = "auto",
-) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
-    """SparseFlashAttentionGrad -> (d_query, d_key, d_value, d_query_rope, d_key_rope); the rope gradients are
-    empty (0,) tensors without rope inputs."""
+    deterministic: bool = False, backend: str = "auto", sinks: Tensor | None = None,
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """SparseFlashAttentionGrad -> (d_query, d_key, d_value, d_query_rope, d_key_rope, d_sinks); the rope gradients
+    are empty (0,) tensors without rope inputs, d_sinks one without sinks."""
     result = _eager_sparse_flash_attention_grad(
         query, key, value, sparse_indices, d_out, out, softmax_max, softmax_sum, scale_value,
         sparse_block_size=sparse_block_size, query_rope=query_rope, key_rope=key_rope,
         actual_seq_lengths_query=actual_seq_lengths_query, actual_seq_lengths_kv=actual_seq_lengths_kv,
         layout=layout, sparse_mode=sparse_mode, pre_tokens=pre_tokens, next_tokens=next_tokens,
-        deterministic=deterministic, backend=backend,
+        deterministic=deterministic, backend=backend, sinks=sinks,
     )
     dq_rope = result.d_query_rope if result.d_query_rope is not None else _empty_like_none(query)
     dk_rope = result.d_key_rope if result.d_key_rope is not None else _empty_like_none(key)
-    return result.d_query, result.d_key, result.d_value, dq_rope, dk_rope
+    d_sinks = result.d_sinks if result.d_sinks is not None else _empty_like_none(query, torch.float32)
+    return result.d_query, result.d_key, result.d_value, dq_rope, dk_rope, d_sinks
 
 
 @_sfa_grad_op.register_fake
 def _(query, key, value, sparse_indices, d_out, out, softmax_max, softmax_sum, scale_value, sparse_block_size=1,
-      query_rope=None, key_rope=None, *args, **kwargs):
+      query_rope=None, key_rope=None, actual_seq_lengths_query=None, actual_seq_lengths_kv=None, layout="BSND",
+      sparse_mode=3, pre_tokens=INT64_MAX, next_tokens=INT64_MAX, deterministic=False, backend="auto", sinks=None):
     dq_rope = torch.empty_like(query_rope) if query_rope is not None else _empty_like_none(query)
     dk_rope = torch.empty_like(key_rope) if key_rope is not None else _empty_like_none(key)
-    return torch.empty_like(query), torch.empty_like(key), torch.empty_like(value), dq_rope, dk_rope
+    d_sinks = torch.empty_like(sinks) if sinks is not None else _empty_like_none(query, torch.float32)
+    return torch.empty_like(query), torch.empty_like(key), torch.empty_like(value), dq_rope, dk_rope, d_sinks
 
 
 def sparse_flash_attention(
@@ -833,7 +838,7 @@ def sparse_flash_attention(
     query_rope: Tensor | None = None, key_rope: Tensor | None = None, actual_seq_lengths_query=None,
     actual_seq_lengths_kv=None, sparse_block_size: int = 1, layout: str = "BSND", sparse_mode: int = 3,
     pre_tokens: int = INT64_MAX, next_tokens: int = INT64_MAX, backend: str = "auto",
-    block_table: Tensor | None = None, layout_kv: str | None = None,
+    block_table: Tensor | None = None, layout_kv: str | None = None, sinks: Tensor | None = None,
 ) -> SparseFlashAttentionResult:
     """``cann_attn.sparse_flash_attention`` through the ``cann_attn::sparse_flash_attention`` custom op:
     traceable and differentiable (gradients to query, key, value, query_rope, key_rope; not through a paged
@@ -842,7 +847,7 @@ def sparse_flash_attention(
         query, key, value, sparse_indices, float(scale_value), query_rope, key_rope,
         _ints(actual_seq_lengths_query, "actual_seq_lengths_query"),
         _ints(actual_seq_lengths_kv, "actual_seq_lengths_kv"), sparse_block_size, layout, sparse_mode, pre_tokens,
-        next_tokens, backend, block_table=block_table, layout_kv=layout_kv or "",
+        next_tokens, backend, block_table=block_table, layout_kv=layout_kv or "", sinks=sinks,
     ))
 
 
@@ -851,17 +856,19 @@ def sparse_flash_attention_grad(
     softmax_max: Tensor, softmax_sum: Tensor, scale_value: float, *, sparse_block_size: int = 1,
     query_rope: Tensor | None = None, key_rope: Tensor | None = None, actual_seq_lengths_query=None,
     actual_seq_lengths_kv=None, layout: str = "BSND", sparse_mode: int = 3, pre_tokens: int = INT64_MAX,
-    next_tokens: int = INT64_MAX, deterministic: bool = False, backend: str = "auto",
+    next_tokens: int = INT64_MAX, deterministic: bool = False, backend: str = "auto", sinks: Tensor | None = None,
 ) -> SparseFlashAttentionGradResult:
-    """``cann_attn.sparse_flash_attention_grad`` through its custom op; rope gradients are None without rope."""
-    dq, dk, dv, dq_rope, dk_rope = torch.ops.cann_attn.sparse_flash_attention_grad(
+    """``cann_attn.sparse_flash_attention_grad`` through its custom op; rope gradients are None without rope,
+    d_sinks None without sinks."""
+    dq, dk, dv, dq_rope, dk_rope, d_sinks = torch.ops.cann_attn.sparse_flash_attention_grad(
         query, key, value, sparse_indices, d_out, out, softmax_max, softmax_sum, float(scale_value),
         sparse_block_size, query_rope, key_rope, _ints(actual_seq_lengths_query, "actual_seq_lengths_query"),
         _ints(actual_seq_lengths_kv, "actual_seq_lengths_kv"), layout, sparse_mode, pre_tokens, next_tokens,
-        deterministic, backend,
+        deterministic, backend, sinks,
     )
     return SparseFlashAttentionGradResult(dq, dk, dv, _none_if_placeholder(dq_rope, query_rope is not None),
-                                          _none_if_placeholder(dk_rope, key_rope is not None))
+                                          _none_if_placeholder(dk_rope, key_rope is not None),
+                                          _none_if_placeholder(d_sinks, sinks is not None))
 
 
 # ===================================================================== LightningIndexer and its KL-loss grad op

@@ -352,6 +352,11 @@ def dropout(keep_prob: float) -> Extras:
     return build
 
 
+def sink(spread: float = 2.0) -> Extras:
+    """sink: one float32 softmax logit per query head (docs/semantics/sinks.md), spread around 0."""
+    return lambda gen, cfg: {"sink": randn(gen, (cfg.heads_q,), torch.float32, std=spread)}
+
+
 def both(*builders: Extras) -> Extras:
     """Several extras builders, applied in order."""
 
@@ -437,6 +442,23 @@ register(
         pre_tokens=30,
         next_tokens=-5,
     ),
+    # Attention sinks (gpt-oss: sliding window, GQA), fully masked rows with a sink, TND.
+    fa_case(
+        "sink_band_mode4_gqa",
+        FAConfig("BSND", BF16, heads_q=8, heads_kv=2, seq_q=160),
+        extras=both(compressed(4), sink()),
+        sparse_mode=4,
+        pre_tokens=48,
+        next_tokens=0,
+    ),
+    fa_case(
+        "sink_dead_rows",
+        FAConfig("BNSD", F32, heads_q=2, seq_q=64, seq_kv=80),
+        extras=both(random_mask("SS", p=0.3, dead_rows=3), sink()),
+        sparse_mode=1,
+    ),
+    fa_case("sink_tnd_causal", FAConfig("TND", F16, heads_q=4, heads_kv=1, q_lens=(40, 9, 64)),
+            extras=both(compressed(3), sink()), sparse_mode=3),
     fa_case(
         "prefix_mode5",
         FAConfig("BNSD", F16, batch=2, heads_q=2, seq_q=128),
@@ -596,15 +618,21 @@ def _grad_oracle(call: Call, same_dtype: bool = False) -> Outputs:
         return (t.detach().clone() if same_dtype else t.detach().to(torch.float64)).requires_grad_()
 
     leaves = [leaf(t) for t in (q, k, v)]
+    names = ["dq", "dk", "dv"]
     pse = kwargs.get("pse")
     if pse is not None and kwargs.get("pse_type", 1) in (0, 1):
         kwargs["pse"] = leaf(pse)
         leaves.append(kwargs["pse"])
+        names.append("dpse")
+    if kwargs.get("sink") is not None:  # docs/semantics/sinks.md: dsink is the gradient w.r.t. the sink logits
+        kwargs["sink"] = leaf(kwargs["sink"])
+        leaves.append(kwargs["sink"])
+        names.append("dsink")
     fn = naive_same_dtype_forward if same_dtype else fa_forward_oracle
     out = fn(*leaves[:3], head_num, layout, **kwargs)[0]
     grads = torch.autograd.grad(out, leaves, dy.to(out.dtype), allow_unused=True)
     grads = [torch.zeros_like(t) if g is None else g for g, t in zip(grads, leaves, strict=True)]
-    return dict(zip(("dq", "dk", "dv", "dpse"), grads, strict=False))
+    return dict(zip(names, grads, strict=True))
 
 
 def fa_grad_case(
@@ -619,7 +647,7 @@ def fa_grad_case(
         dtype=cfg.dtype,
         shape=cfg.summary(),
         build=functools.partial(_grad_inputs, cfg=cfg, kwargs=kwargs, extras=extras),
-        run=outputs_of("flash_attention_score_grad", ("dq", "dk", "dv", "dpse")),
+        run=outputs_of("flash_attention_score_grad", ("dq", "dk", "dv", "dpse", "dsink")),
         oracle=_grad_oracle,
         quick=quick,
         naive=functools.partial(_grad_oracle, same_dtype=True),
@@ -660,6 +688,18 @@ register(
     ),
     fa_grad_case("alibi", FAConfig("BSND", BF16, heads_q=4, seq_q=64), extras=alibi(q_start=2), pse_type=2),
     fa_grad_case("dropout", FAConfig("BNSD", F16, heads_q=2, seq_q=96), extras=dropout(0.85)),
+    fa_grad_case(
+        "sink_band_mode4_gqa",
+        FAConfig("BSND", BF16, heads_q=8, heads_kv=2, seq_q=128),
+        extras=both(compressed(4), sink()),
+        sparse_mode=4,
+        pre_tokens=32,
+        next_tokens=0,
+    ),
+    fa_grad_case("sink_dropout_dead_rows", FAConfig("BNSD", F32, heads_q=2, seq_q=48, seq_kv=64),
+                 extras=both(random_mask("B1SS", p=0.3, dead_rows=2), dropout(0.8), sink()), sparse_mode=1),
+    fa_grad_case("sink_tnd", FAConfig("TND", F32, heads_q=4, heads_kv=2, q_lens=(30, 0, 17)),
+                 extras=sink()),
     fa_grad_case(
         "tnd_mode8_zero_len",
         FAConfig("TND", F32, heads_q=2, heads_kv=1, q_lens=(0, 40, 56), kv_lens=(0, 60, 56)),
@@ -786,9 +826,9 @@ for _op in ("flash_attention_score", "flash_attention_var_len_score"):
 _register_operator(
     Operator(
         "flash_attention_score_grad",
-        ("dq", "dk", "dv", "dpse"),
+        ("dq", "dk", "dv", "dpse", "dsink"),
         lambda call: _grad_oracle(call),
-        _same_dtype(dq="query", dk="key", dv="value", dpse="pse"),
+        _same_dtype(dq="query", dk="key", dv="value", dpse="pse", dsink="sink"),
         state=_GRAD_STATE,
         derive=fa_grad_state,
     )

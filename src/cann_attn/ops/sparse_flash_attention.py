@@ -12,6 +12,7 @@ from ..backends import select_backend
 from ..backends.reference import sparse_attention as kernel
 from ..backends.triton.sparse_plan import index_rows, sfa_tables, sparse_unsupported
 from ..errors import ParamInvalidError, ParamNullptrError, require, require_bool, require_int, require_real
+from ..problem import sink as sink_rule
 from ..problem.lengths import cumulative_lengths, per_batch_lengths, starts_of
 from ..problem.page_table import DSA_BLOCK_SIZES, PAGED_KV_LAYOUT, PageTable, page_table
 from ..problem.sparse import SPARSE_BLOCK_SIZES
@@ -40,6 +41,7 @@ class SparseFlashAttentionGradResult(NamedTuple):
     d_value: torch.Tensor
     d_query_rope: torch.Tensor | None
     d_key_rope: torch.Tensor | None
+    d_sinks: torch.Tensor | None = None
 
 
 @dataclass(frozen=True)
@@ -290,6 +292,7 @@ def sparse_flash_attention(
     backend: str = "auto",
     block_table: torch.Tensor | None = None,
     layout_kv: str | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> SparseFlashAttentionResult:
     """DSA sparse attention forward: each query row attends to the keys its `sparse_indices` select.
 
@@ -306,12 +309,17 @@ def sparse_flash_attention(
     logical blocks to physical ones, `actual_seq_lengths_kv` (required) holds plain per-sequence key counts, and
     `layout` (BSND or TND) describes the query alone (docs/semantics/paged-kv.md). The result equals that of the
     same keys laid out contiguously.
+
+    `sinks` (float32 [N1], optional; torch_npu npu_sparse_flash_attention): one more softmax logit per query head in
+    every computed row, dropped before P V; the statistics include it, and a computed row with nothing selected gets
+    max = sinks[h], sum = 1, output 0 (docs/semantics/sinks.md).
     """
     problem = validate_sparse(query, key, value, sparse_indices, scale_value, query_rope=query_rope,
                               key_rope=key_rope, actual_seq_lengths_query=actual_seq_lengths_query,
                               actual_seq_lengths_kv=actual_seq_lengths_kv, sparse_block_size=sparse_block_size,
                               layout=layout, sparse_mode=sparse_mode, pre_tokens=pre_tokens, next_tokens=next_tokens,
                               block_table=block_table, layout_kv=layout_kv)
+    sinks = sink_rule.check_sink(sinks, problem.heads, "sinks")
     block_size = int(sparse_block_size)  # a NumPy integer is accepted; the kernels take a Python int
     if query.numel() == 0:
         # Empty query (B, S1/T1, N1 or D zero): "query为空Tensor：直接返回" (seed :560, docs/semantics/errors.md).
@@ -323,16 +331,43 @@ def sparse_flash_attention(
         indices = index_rows(sparse_indices)
         tables = sfa_tables(problem, indices, sparse_mode, block_size)
         block_table = None if problem.pages is None else problem.pages.table.to(query.device)
-        return SparseFlashAttentionResult(*triton_kernel.sparse_forward(
+        out, softmax_max, softmax_sum = triton_kernel.sparse_forward(
             query, key, value, indices, query_rope, key_rope, tables, float(scale_value), block_size,
-            _stats_shape(problem, query), block_table))
+            _stats_shape(problem, query), block_table, wide_output=sinks is not None)
+        if sinks is not None:
+            for b in range(len(problem.q_spans)):
+                _merge_sinks(problem, b, out, softmax_max, softmax_sum, sinks)
+            out = out.to(query.dtype)
+        return SparseFlashAttentionResult(out, softmax_max, softmax_sum)
     out, softmax_max, softmax_sum = _initial_outputs(problem, query, value)
     dtype = accumulation_dtype(query.dtype)
     for b, seq in _sequences(problem, query, key, value, sparse_indices, query_rope, key_rope):
-        kernel.forward_sequence(seq, float(scale_value), sparse_mode, block_size, dtype,
-                                problem.rows(out, b)[: seq.seq_q], _stat_rows(problem, softmax_max, b)[: seq.seq_q],
+        rows = problem.rows(out, b)[: seq.seq_q]
+        # With sinks the output stays in the compute dtype until the sink is merged (one rounding).
+        target = rows if sinks is None else torch.zeros(rows.shape, dtype=dtype, device=rows.device)
+        kernel.forward_sequence(seq, float(scale_value), sparse_mode, block_size, dtype, target,
+                                _stat_rows(problem, softmax_max, b)[: seq.seq_q],
                                 _stat_rows(problem, softmax_sum, b)[: seq.seq_q])
+        if sinks is not None:
+            _merge_sinks(problem, b, target, softmax_max, softmax_sum, sinks, out_rows=target)
+            rows.copy_(target)
+    if sinks is not None:  # computed rows of sequences without keys: nothing selected, the sink alone
+        for b in range(len(problem.q_spans)):
+            if problem.q_lengths[b] > 0 and problem.kv_lengths[b] == 0:
+                _merge_sinks(problem, b, out, softmax_max, softmax_sum, sinks)
     return SparseFlashAttentionResult(out, softmax_max, softmax_sum)
+
+
+def _merge_sinks(problem: SparseProblem, b: int, out: torch.Tensor, softmax_max: torch.Tensor,
+                 softmax_sum: torch.Tensor, sinks: torch.Tensor, out_rows: torch.Tensor | None = None) -> None:
+    """Merge the sinks into the computed rows of sequence b (problem/sink.py): `out` the whole output (or `out_rows`
+    the sequence's computed rows already), in a dtype at least fp32 unless those rows are all 0."""
+    lq = problem.q_lengths[b]
+    if lq == 0:
+        return
+    rows = problem.rows(out, b)[:lq] if out_rows is None else out_rows
+    row_max, row_sum = _stat_rows(problem, softmax_max, b)[:lq], _stat_rows(problem, softmax_sum, b)[:lq]
+    sink_rule.merge_into_output_(rows, row_max, row_sum, sinks.to(device=row_max.device, dtype=row_max.dtype))
 
 
 def _initial_outputs(problem: SparseProblem, query: torch.Tensor, value: torch.Tensor):
@@ -368,6 +403,7 @@ def sparse_flash_attention_grad(
     next_tokens: int = INT64_MAX,
     deterministic: bool = False,
     backend: str = "auto",
+    sinks: torch.Tensor | None = None,
 ) -> SparseFlashAttentionGradResult:
     """Gradients of `sparse_flash_attention` (SparseFlashAttentionGrad, docs/operators/sparse_flash_attention.md).
 
@@ -376,6 +412,11 @@ def sparse_flash_attention_grad(
     Rows with nothing selected and rows beyond the actual query length get zero gradients. The CPU reference is
     deterministic in any case; `deterministic=True` (or torch.use_deterministic_algorithms(True)) also forces
     deterministic scatter-adds on GPUs. An empty query returns zero gradients directly.
+
+    With `sinks` (the forward's, float32 [N1]) the given statistics are the sink-inclusive ones and `d_sinks` ([N1],
+    float32) is the gradient w.r.t. the sinks, -sum over computed rows of P_sink * rowsum(dO * O)
+    (docs/semantics/sinks.md); without sinks it is None. torch_npu's grad takes no sinks: its gradients w.r.t. the
+    other inputs need none beyond the statistics.
     """
     problem = validate_sparse(query, key, value, sparse_indices, scale_value, query_rope=query_rope,
                               key_rope=key_rope, actual_seq_lengths_query=actual_seq_lengths_query,
@@ -391,11 +432,13 @@ def sparse_flash_attention_grad(
         _check_tensor(t, name)
         require(t.dtype in (torch.float32, torch.float64) and tuple(t.shape) == stat_shape, name,
                 f"float32 of shape {list(stat_shape)}", t)
+    sinks = sink_rule.check_sink(sinks, problem.heads, "sinks")
     deterministic = resolve_deterministic(deterministic)
+    d_sinks = None if sinks is None else _sink_grads(problem, d_out, out, softmax_max, softmax_sum, sinks)
     if query.numel() == 0:
         # Empty query: "直接返回" (seed :560, docs/semantics/errors.md); no row selects anything, so all gradients are
         # 0.
-        return SparseFlashAttentionGradResult(*_zero_grads(query, key, value, query_rope, key_rope))
+        return SparseFlashAttentionGradResult(*_zero_grads(query, key, value, query_rope, key_rope), d_sinks)
     if select_backend(backend, query.device, op="sparse_flash_attention_grad",
                       unsupported=lambda: sparse_unsupported(query, key, value, query_rope)) == "triton":
         from ..backends.triton import sparse_attention as triton_kernel
@@ -404,7 +447,7 @@ def sparse_flash_attention_grad(
         tables = sfa_tables(problem, indices, sparse_mode, block_size)
         return SparseFlashAttentionGradResult(*triton_kernel.sparse_backward(
             query, key, value, indices, d_out, out, softmax_max, softmax_sum, query_rope, key_rope, tables,
-            float(scale_value), block_size, bool(deterministic)))
+            float(scale_value), block_size, bool(deterministic)), d_sinks)
     dq, dk, dv, dq_rope, dk_rope = _zero_grads(query, key, value, query_rope, key_rope)
     dtype = accumulation_dtype(query.dtype)
     d_qk = query.shape[-1]
@@ -425,7 +468,22 @@ def sparse_flash_attention_grad(
             if query_rope is not None:
                 problem.rows(dq_rope, b)[: seq.seq_q] = dq_seq[..., d_qk:]
                 problem.keys(dk_rope, b)[: seq.seq_kv, 0] = dk_seq[:, d_qk:]
-    return SparseFlashAttentionGradResult(dq, dk, dv, dq_rope, dk_rope)
+    return SparseFlashAttentionGradResult(dq, dk, dv, dq_rope, dk_rope, d_sinks)
+
+
+def _sink_grads(problem: SparseProblem, d_out, out, softmax_max, softmax_sum, sinks: torch.Tensor) -> torch.Tensor:
+    """d_sinks [N1]: the sink rule's -P_sink * rowsum(dO * O) summed over every computed row of every sequence."""
+    dtype = accumulation_dtype(out.dtype)
+    total = torch.zeros(problem.heads, dtype=dtype, device=out.device)
+    heads = sinks.to(device=out.device, dtype=dtype)
+    for b in range(len(problem.q_spans)):
+        lq = problem.q_lengths[b]
+        if lq == 0:
+            continue
+        total += sink_rule.sink_grad_terms(
+            problem.rows(d_out, b)[:lq], problem.rows(out, b)[:lq], _stat_rows(problem, softmax_max, b)[:lq],
+            _stat_rows(problem, softmax_sum, b)[:lq], heads, dtype).sum(0)
+    return total.to(device=sinks.device, dtype=sinks.dtype)
 
 
 def _zero_grads(*tensors: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:

@@ -14,7 +14,8 @@ keys, the documented statistics become
 The backward of the keys needs nothing new: P = exp(S - m') / l' from the sink-inclusive statistics, and
 rowsum(dY * O) is unchanged (the sink column has no value, so its dP is 0; with dropout O already carries the keep
 bits). This module is the one place of that rule: validation, the merge of the sink into running row statistics
-(`merge_into_rows_`), its application to finished outputs (`merge_into_finished`) and dsink (`sink_grad`).
+(`merge_into_rows_`), its application to finished outputs (`merge_into_output_`, `merge_into_finished`) and dsink
+(`sink_grad_terms`, `sink_grad`).
 """
 
 from __future__ import annotations
@@ -54,47 +55,66 @@ def merge_into_rows_(row_max: torch.Tensor, row_sum: torch.Tensor, sink_heads: t
     return factor
 
 
+def merge_into_output_(out: torch.Tensor, row_max: torch.Tensor, row_sum: torch.Tensor,
+                       sink_heads: torch.Tensor) -> torch.Tensor:
+    """In place: turn a finished output [..., Dv] (fp32 or wider, not yet rounded to the input dtype) and its row
+    statistics [...] computed without the sink into the sink-inclusive ones. Rows with sum 0 had no visible key
+    (whatever their max); they get max = sink, sum = 1 and stay 0, unless the sink is -inf too (then they keep their
+    statistics). Returns the mask of rows that have something in their softmax (sum != 0 afterwards)."""
+    empty = row_sum == 0
+    running_max = torch.where(empty, float("-inf"), row_max.to(sink_heads.dtype))
+    running_sum = row_sum.to(sink_heads.dtype)
+    old_sum = running_sum.clone()
+    factor = merge_into_rows_(running_max, running_sum, sink_heads)
+    valid = running_sum != 0
+    weight = torch.where(valid, old_sum * factor / torch.where(valid, running_sum, 1.0), 0.0)
+    out.mul_(weight.unsqueeze(-1).to(out.dtype))
+    row_max.copy_(torch.where(valid, running_max, row_max.to(running_max.dtype)))
+    row_sum.copy_(running_sum)
+    return valid
+
+
 def merge_into_finished(out: torch.Tensor, softmax_max: torch.Tensor, softmax_sum: torch.Tensor,
                         sink_heads: torch.Tensor) -> None:
-    """In place: turn a finished output [count, N1, rows, Dv] (fp32 or wider) and its statistics [count, N1, rows, 8]
-    computed without the sink into the sink-inclusive ones. The invalid-row statistics (-FLT_MAX, +FLT_MAX) behave
-    as (-inf, 0) here: exp(-FLT_MAX - m') is 0 for any m' above -FLT_MAX."""
+    """`merge_into_output_` for FlashAttentionScore's output [count, N1, rows, Dv] and 8-wide statistics
+    [count, N1, rows, 8], whose rows without keys carry (-FLT_MAX, +FLT_MAX) (docs/semantics/invalid-rows.md)
+    before and, where the sink is -inf, after."""
     row_max = softmax_max[..., 0].to(sink_heads.dtype)
     row_sum = softmax_sum[..., 0].to(sink_heads.dtype)
     invalid = (row_max == -FLT_MAX) & (row_sum == FLT_MAX)
-    row_max = torch.where(invalid, float("-inf"), row_max)
     row_sum = torch.where(invalid, 0.0, row_sum)
-    old_sum = row_sum.clone()
-    factor = merge_into_rows_(row_max, row_sum, sink_heads)
-    valid = row_sum != 0
-    weight = torch.where(valid, old_sum * factor / torch.where(valid, row_sum, 1.0), 0.0)
-    out.mul_(weight.unsqueeze(-1).to(out.dtype))
+    valid = merge_into_output_(out, row_max, row_sum, sink_heads)
     softmax_max.copy_(torch.where(valid, row_max, -FLT_MAX).unsqueeze(-1).expand_as(softmax_max))
     softmax_sum.copy_(torch.where(valid, row_sum, FLT_MAX).unsqueeze(-1).expand_as(softmax_sum))
 
 
 def sink_probability(row_max: torch.Tensor, row_sum: torch.Tensor, sink_heads: torch.Tensor) -> torch.Tensor:
-    """P_sink = exp(sink - m') / l' of rows [..., N1, rows] from sink-inclusive statistics; 0 on invalid rows
-    (statistics of a row with nothing visible, which carry no probability)."""
-    valid = (row_sum != FLT_MAX) | (row_max != -FLT_MAX)
-    p = torch.exp(sink_heads - row_max) / row_sum
+    """P_sink = exp(sink - m') / l' of rows from sink-inclusive statistics; 0 on rows whose statistics say nothing
+    was in their softmax (FlashAttentionScore's (-FLT_MAX, +FLT_MAX), SparseFlashAttention's sum 0)."""
+    valid = (row_sum != 0) & ((row_sum != FLT_MAX) | (row_max != -FLT_MAX))
+    p = torch.exp(sink_heads - row_max) / torch.where(valid, row_sum, 1.0)
     return torch.where(valid, p, 0.0)
+
+
+def sink_grad_terms(dy: torch.Tensor, out: torch.Tensor, row_max: torch.Tensor, row_sum: torch.Tensor,
+                    sink_heads: torch.Tensor, acc_dtype: torch.dtype) -> torch.Tensor:
+    """-P_sink * rowsum(dY * O) of rows (dY, O [..., Dv], statistics [...]), in `acc_dtype`: summed over the rows of
+    a head (every batch and sequence) they give dsink[h]."""
+    d_sum = (dy.to(acc_dtype) * out.to(acc_dtype)).sum(-1)
+    return -sink_probability(row_max.to(acc_dtype), row_sum.to(acc_dtype), sink_heads.to(acc_dtype)) * d_sum
 
 
 def sink_grad(rows: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]], sink: torch.Tensor,
               acc_dtype: torch.dtype) -> torch.Tensor:
-    """dsink [N1] (the sink's dtype) from runs of (dY [c, N1, rows, Dv], O [c, N1, rows, Dv], softmax_max
-    [c, N1, rows, 8], softmax_sum [c, N1, rows, 8]): -sum over batches and rows of P_sink * rowsum(dY * O), summed
-    in `acc_dtype` (fp32, or float64 for float64 inputs)."""
+    """FlashAttentionScore's dsink [N1] (the sink's dtype) from runs of (dY [c, N1, rows, Dv], O [c, N1, rows, Dv],
+    softmax_max [c, N1, rows, 8], softmax_sum [c, N1, rows, 8]), summed in `acc_dtype`."""
     total = torch.zeros(sink.shape[0], dtype=acc_dtype, device=sink.device)
-    sink_heads = head_values(sink, acc_dtype, sink.device)
     for dy, out, smax, ssum in rows:
         if dy.numel() == 0:
             continue
-        d_sum = (dy.to(acc_dtype) * out.to(acc_dtype)).sum(-1)
-        p_sink = sink_probability(smax[..., 0].to(acc_dtype), ssum[..., 0].to(acc_dtype),
-                                  sink_heads.to(d_sum.device))
-        total -= (p_sink * d_sum).sum(dim=(0, 2)).to(total.device)
+        heads = head_values(sink, acc_dtype, dy.device)
+        terms = sink_grad_terms(dy, out, smax[..., 0], ssum[..., 0], heads, acc_dtype)
+        total += terms.sum(dim=(0, 2)).to(total.device)
     return total.to(sink.dtype)
 
 

@@ -193,6 +193,7 @@ def sparse_attention_oracle(
     sparse_mode: int = 3,
     compute_dtype: torch.dtype = torch.float64,
     return_lse: bool = False,
+    sinks: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, ...]:
     """SparseFlashAttention forward, one query row at a time (docs/operators/sparse_flash_attention.md,
     docs/semantics/invalid-rows.md).
@@ -209,6 +210,11 @@ def sparse_attention_oracle(
     same-dtype" reference of the flash-attn rule. With `return_lse`, a fourth output is the differentiable
     log-sum-exp max + log(sum) of every row and head ([..., N1], 0 for rows with nothing selected): its gradient
     w.r.t. the logits is P, which lets a golden reproduce the grad's Dl = rowsum(dO * O) taken from a given O.
+
+    `sinks` ([N1], docs/semantics/sinks.md): every computed row (t below the actual query length) gets one more logit
+    sinks[h] in its softmax, dropped before P V, as op-plugin's SFA golden does (the max over [z, sinks], the sum
+    plus exp(sinks - max)); a row with nothing selected then has max = sinks, sum = 1, output 0. `out` is then
+    differentiable w.r.t. `sinks` too.
     """
     cd = compute_dtype
     q_all, k_all, v_all = query.to(cd), key.to(cd), value.to(cd)
@@ -231,16 +237,24 @@ def sparse_attention_oracle(
         q_seq = span.q_rows(q_all)
         for t in range(span.q_len):
             tokens = sfa_selected_tokens(idx_seq[t], t, span.q_len, span.kv_len, sparse_mode, sparse_block_size)
-            if not tokens:
+            if not tokens and (sinks is None or bool((sinks == float("-inf")).all())):
                 continue
             pos = torch.tensor(tokens, dtype=torch.int64)
-            z = scale_value * _dot(q_seq[t], k_seq[pos])  # [N1, T]
+            z = scale_value * _dot(q_seq[t], k_seq[pos]) if tokens else q_seq.new_zeros(heads, 0)  # [N1, T]
+            if sinks is not None:  # the sink column, dropped from P below
+                z = torch.cat([z, sinks.to(cd).view(heads, 1)], dim=-1)
             m = z.amax(dim=-1).detach()
+            if sinks is not None:  # a head whose only column is a -inf sink: shift by 0, every term is 0
+                m = torch.where(m == float("-inf"), 0.0, m)
             e = torch.exp(z - m.unsqueeze(-1))
             total = e.sum(dim=-1)
-            p = e / total.unsqueeze(-1)
+            p = e / torch.where(total == 0, 1.0, total).unsqueeze(-1)
+            if sinks is not None:
+                p = p[:, : len(tokens)]
+                m = torch.where(total == 0, INVALID_MAX, m)
             rows[span.q_token(t)] = (p.unsqueeze(-1) * v_seq[pos].unsqueeze(0)).sum(dim=1)  # [N1, Dv]
-            lse_rows[span.q_token(t)] = m + torch.log(total)
+            # 0 for a head with nothing in its softmax (every selected entry invalid and a -inf sink)
+            lse_rows[span.q_token(t)] = torch.where(total == 0, 0.0, m + torch.log(torch.where(total == 0, 1.0, total)))
             stat_index = (0, span.q_start + t) if layout == "TND" else (span.batch, 0, t)
             softmax_max[stat_index] = m
             softmax_sum[stat_index] = total.detach()

@@ -99,6 +99,8 @@ def npu_sparse_flash_attention(
     The statistics ([B, N2, S1, G] / [N2, T1, G], fp32) are returned with ``return_softmax_lse=True``, else empty
     (0,) tensors. Differentiable w.r.t. query, key, value, query_rope and key_rope (SparseFlashAttentionGrad).
     ``layout_kv='PA_BSND'`` with ``block_table``: key/value/key_rope are paged caches (docs/semantics/paged-kv.md).
+    ``sinks`` (float32 [N1]): one softmax logit per query head (docs/semantics/sinks.md); as in torch_npu's
+    derivatives it receives no gradient here (``cann_attn.sparse_attention`` gives it one).
     """
     _check_sinks(sinks)
     _check_paged_outputs(layout_kv, "return_softmax_lse", return_softmax_lse)
@@ -108,6 +110,7 @@ def npu_sparse_flash_attention(
         _ints(actual_seq_lengths_query, "actual_seq_lengths_query"),
         _ints(actual_seq_lengths_kv, "actual_seq_lengths_kv"), sparse_block_size, layout_query, sparse_mode,
         pre_tokens, next_tokens, block_table=block_table, layout_kv=layout_kv,
+        sinks=None if sinks is None else sinks.detach(),
     )
     if not return_softmax_lse:
         softmax_max = softmax_max.new_empty((0,))
@@ -131,7 +134,7 @@ def npu_sparse_flash_attention_grad(
         query, key, value, sparse_indices, d_out, out, softmax_max, softmax_sum, float(scale_value),
         sparse_block_size, query_rope, key_rope, _ints(actual_seq_qlen, "actual_seq_qlen"),
         _ints(actual_seq_kvlen, "actual_seq_kvlen"), layout, sparse_mode, pre_tokens, next_tokens, True,
-    )
+    )[:5]
 
 
 @npu_op(NPU_LIGHTNING_INDEXER_SCHEMAS)

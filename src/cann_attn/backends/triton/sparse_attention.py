@@ -210,18 +210,20 @@ def _pages3(cache: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 def sparse_forward(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, indices: torch.Tensor,
                    query_rope: torch.Tensor | None, key_rope: torch.Tensor | None, tables: RowTables, scale: float,
-                   block_size: int, stats_shape: tuple[int, ...], block_table: torch.Tensor | None = None
-                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                   block_size: int, stats_shape: tuple[int, ...], block_table: torch.Tensor | None = None,
+                   wide_output: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(attention_out, softmax_max, softmax_sum) of SparseFlashAttention; `indices` is [R, K]. Every row is
     written by the kernel (rows with nothing selected: 0, -2e38, 0). With `block_table`, key/value/key_rope are
-    paged caches read in place (`tables.kv_start` then holds each row's offset into the table)."""
+    paged caches read in place (`tables.kv_start` then holds each row's offset into the table). With `wide_output`
+    the output stays fp32 (for the sinks merged into it before the one rounding, problem/sink.py)."""
     rows, n1, d = tables.rows, query.shape[-2], query.shape[-1]
     dv = value.shape[-1]
     dev = query.device
     softmax_max = torch.empty(stats_shape, dtype=torch.float32, device=dev)
     softmax_sum = torch.empty(stats_shape, dtype=torch.float32, device=dev)
+    out_dtype = torch.float32 if wide_output else query.dtype
     if rows == 0:
-        return torch.empty((*query.shape[:-1], dv), dtype=query.dtype, device=dev), softmax_max, softmax_sum
+        return torch.empty((*query.shape[:-1], dv), dtype=out_dtype, device=dev), softmax_max, softmax_sum
     # Interpreter: fp32 operands and output (its 16-bit dots are wrong); cast back at the end.
     work = torch.float32 if interpreting() else query.dtype
     paged = block_table is not None
@@ -232,7 +234,7 @@ def sparse_forward(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, 
     qr3 = _rows3(query_rope, rows, work) if has_rope else q3
     kr2 = keys(key_rope, work) if has_rope else k2
     dr = query_rope.shape[-1] if has_rope else 0
-    out3 = torch.empty((rows, n1, dv), dtype=work, device=dev)
+    out3 = torch.empty((rows, n1, dv), dtype=out_dtype if wide_output else work, device=dev)
     dims = _Dims(n1, d, dr, dv, tables.max_positions, q3.dtype)
     v_is_k = v2 is k2 and dims.block_dv == dims.block_d
     # (block, token) strides of the key-side tensors: a paged cache's own, else (0, row stride).
@@ -249,7 +251,7 @@ def sparse_forward(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, 
         _sfa_fwd_kernel[grid](*args, **meta, BLOCK_N=dims.block_n)
     else:
         _sfa_fwd_tuned[grid](*args, **meta)
-    out = out3.to(query.dtype).view(*query.shape[:-1], dv)
+    out = out3.to(out_dtype).view(*query.shape[:-1], dv)
     return out, softmax_max, softmax_sum
 
 
