@@ -317,7 +317,7 @@ def test_sparse_attention_sinks_leaf_and_torch_npu(rng):
                                                key_rope=i["key_rope"], return_softmax_lse=True, sinks=case.sinks)
     assert torch.equal(npu[0], out.detach()) and torch.equal(npu[1], case.forward().softmax_max)
     grads = torch_npu.npu_sparse_flash_attention_grad(i["query"], i["key"], i["value"], i["sparse_indices"],
-                                                      case.d_out, npu[0], npu[1], npu[2], case.kw["scale_value"],
+                                                      case.d_out, npu[0], npu[1], npu[2], case.kw["scale_value"], 1,
                                                       query_rope=i["query_rope"], key_rope=i["key_rope"])
     assert len(grads) == 5
     torch.testing.assert_close(grads[0], q.grad, rtol=0, atol=0)

@@ -75,9 +75,12 @@ def _check_paged_outputs(layout_kv: str, flag: str, value: bool) -> None:
 
 
 def _check_sinks(sinks) -> None:
+    """The KL loss's ``sinks``: its documentation says only that the target is L1-normalised "after the sinks'
+    correction", not how (docs/semantics/sinks.md); refused rather than guessed."""
     if sinks is not None:
-        raise ParamInvalidError("sinks: attention sinks are not supported yet by cann_attn's torch_npu spellings, "
-                                "got a tensor")
+        raise ParamInvalidError("sinks: not supported by npu_sparse_lightning_indexer_grad_kl_loss here (the public "
+                                "documentation does not define how sinks enter the loss's target; pass the "
+                                "sink-inclusive softmax_max/softmax_sum of the attention instead), got a tensor")
 
 
 def _check_attention_mode(attention_mode: int) -> None:
@@ -102,7 +105,6 @@ def npu_sparse_flash_attention(
     ``sinks`` (float32 [N1]): one softmax logit per query head (docs/semantics/sinks.md); as in torch_npu's
     derivatives it receives no gradient here (``cann_attn.sparse_attention`` gives it one).
     """
-    _check_sinks(sinks)
     _check_paged_outputs(layout_kv, "return_softmax_lse", return_softmax_lse)
     _check_attention_mode(attention_mode)
     out, softmax_max, softmax_sum = torch.ops.cann_attn.sparse_flash_attention(
