@@ -1,0 +1,211 @@
+"""Context parallelism on the CPU (gloo, spawned ranks on this machine; docs/guides/context_parallel.md):
+
+1. per-rank peak memory of causal FlashAttention forward + backward at S = 8k, 16k, 32k for P = 1, 2, 4 (ring,
+   head_tail): the growth of each rank's resident set over the call (VmHWM after resetting it, minus the resident
+   set before) and the rank's shard sizes, next to the single-process `cann_attn.flash_attention` at the same S;
+   activations must scale as ~1/P;
+2. ring with overlap vs without, timed alternately in the same process group;
+3. bytes sent per rank per layer (forward + backward, counted by cann_attn.distributed) against the analytic
+   volume: ring (P-1)(|K|+|V|) forward, (P-1)(|K|+|V|) + P(|dK|+|dV|) backward (dK/dV travel in fp32);
+   Ulysses (P-1)/P of (|Q|+|K|+|V|+|O|) forward and of (|dO|+|dQ|+|dK|+|dV|) backward.
+
+Small N and D keep it to minutes on 2 cores; P ranks share this machine's cores, so times are not speed-ups.
+Writes results/context_parallel_cpu.json and .png.
+
+    PYTHONPATH=src python benchmarks/bench_context_parallel.py [--quick]
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import RESULTS, machine_info, time_pair, write_json
+
+HEADS, DIM = 4, 16
+
+
+def _status_kb(field: str) -> int:
+    with open("/proc/self/status") as handle:
+        for line in handle:
+            if line.startswith(field + ":"):
+                return int(line.split()[1])
+    raise KeyError(field)
+
+
+def _reset_peak() -> int:
+    """Resets VmHWM to the current resident set (Linux clear_refs 5); returns the resident set in KiB."""
+    with open("/proc/self/clear_refs", "w") as handle:
+        handle.write("5")
+    return _status_kb("VmRSS")
+
+
+def _shards(rank: int, world: int, seq: int, dtype=torch.float32):
+    gen = torch.Generator().manual_seed(rank)
+    local = seq // world
+    q, k, v, dy = (torch.randn(1, local, HEADS, DIM, generator=gen, dtype=dtype) for _ in range(4))
+    return q, k, v, dy
+
+
+def _layer(q, k, v, dy, method="ring", overlap=True, plain=False):
+    """Causal forward + backward through cann_attn.distributed (or, `plain`, the single-process
+    cann_attn.flash_attention on the same tensors)."""
+    import cann_attn
+    import cann_attn.distributed as cp
+
+    q, k, v = (t.clone().requires_grad_() for t in (q, k, v))
+    kwargs = dict(sparse_mode=2, atten_mask=cann_attn.compressed_mask(2), scale_value=DIM**-0.5)
+    if plain:
+        out = cann_attn.flash_attention(q, k, v, HEADS, "BSND", **kwargs)
+    else:
+        out = cp.flash_attention(q, k, v, HEADS, "BSND", method=method, overlap=overlap, **kwargs)
+    out.backward(dy)
+    return out
+
+
+def memory_worker(rank: int, world: int, device, seq: int, plain: bool = False) -> dict:
+    q, k, v, dy = _shards(rank, world, seq)
+    _layer(*(t[:, : 4 * world] for t in (q, k, v, dy)), plain=plain)  # warm-up: lazy imports, allocator pools
+    before = _reset_peak()
+    start = time.perf_counter()
+    _layer(q, k, v, dy, plain=plain)
+    seconds = time.perf_counter() - start
+    peak = _status_kb("VmHWM")
+    shard_bytes = sum(t.numel() * t.element_size() for t in (q, k, v, dy))
+    return {"rank": rank, "growth_mib": (peak - before) / 1024, "peak_mib": peak / 1024,
+            "shard_inputs_mib": shard_bytes / 2**20, "seconds": seconds}
+
+
+def overlap_worker(rank: int, world: int, device, seq: int, repeats: int) -> dict:
+    import torch.distributed as dist
+
+    q, k, v, dy = _shards(rank, world, seq)
+
+    def run(overlap):
+        def call():
+            dist.barrier()
+            _layer(q, k, v, dy, overlap=overlap)
+        return call
+
+    with_overlap, without = time_pair(run(True), run(False), warmup=1, repeats=repeats)
+    return {"rank": rank, "overlap_s": with_overlap["median_s"], "no_overlap_s": without["median_s"]}
+
+
+def volume_worker(rank: int, world: int, device, seq: int) -> dict:
+    import cann_attn.distributed as cp
+
+    q, k, v, dy = _shards(rank, world, seq)
+    out = {}
+    for method in ("ring", "ulysses"):
+        cp.reset_comm_stats()
+        _layer(q, k, v, dy, method=method)
+        out[method] = cp.comm_stats()
+    return {"rank": rank, **out}
+
+
+def analytic_bytes(method: str, world: int, seq: int) -> int:
+    shard = (seq // world) * HEADS * DIM * 4  # one fp32 [1, S/P, N, D] shard
+    if world == 1:
+        return 0
+    if method == "ring":
+        return (world - 1) * 2 * shard + (world - 1) * 2 * shard + world * 2 * shard
+    return (world - 1) * (4 * shard + 4 * shard) // world
+
+
+def main(argv=None) -> None:
+    from cann_attn.testing.distributed import run_group
+
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="S = 1k, 2k only (a smoke run)")
+    parser.add_argument("--out", default=str(RESULTS))
+    args = parser.parse_args(argv)
+    seqs = [1024, 2048] if args.quick else [8192, 16384, 32768]
+    worlds = [1, 2, 4]
+    memory = []
+    for seq in seqs:
+        for world in worlds:
+            ranks = run_group(world, memory_worker, seq, deadline=1800)
+            memory.append({"seq": seq, "world": world, "ranks": ranks,
+                           "max_growth_mib": max(r["growth_mib"] for r in ranks),
+                           "seconds": max(r["seconds"] for r in ranks)})
+            print(f"memory S={seq} P={world}: per-rank growth {[round(r['growth_mib'], 1) for r in ranks]} MiB, "
+                  f"{memory[-1]['seconds']:.1f} s", flush=True)
+    single = []
+    for seq in seqs:
+        rank = run_group(1, memory_worker, seq, True, deadline=1800)[0]
+        single.append({"seq": seq, "growth_mib": rank["growth_mib"], "seconds": rank["seconds"]})
+        print(f"single-process cann_attn.flash_attention S={seq}: growth {rank['growth_mib']:.1f} MiB", flush=True)
+    overlap = []
+    for world in (2, 4):
+        seq = seqs[0]
+        ranks = run_group(world, overlap_worker, seq, 3, deadline=1800)
+        entry = {"seq": seq, "world": world, "overlap_s": max(r["overlap_s"] for r in ranks),
+                 "no_overlap_s": max(r["no_overlap_s"] for r in ranks)}
+        entry["ratio_no_overlap_over_overlap"] = entry["no_overlap_s"] / entry["overlap_s"]
+        overlap.append(entry)
+        print(f"overlap P={world} S={seq}: {entry['overlap_s']:.2f} s vs {entry['no_overlap_s']:.2f} s without",
+              flush=True)
+    volume = []
+    for world in (2, 4):
+        seq = seqs[0]
+        ranks = run_group(world, volume_worker, seq, deadline=1800)
+        for method in ("ring", "ulysses"):
+            measured = [sum(r[method].values()) for r in ranks]
+            volume.append({"seq": seq, "world": world, "method": method, "measured_bytes_per_rank": measured,
+                           "by_kind": ranks[0][method], "analytic_bytes": analytic_bytes(method, world, seq)})
+            print(f"volume {method} P={world}: measured {measured}, analytic {volume[-1]['analytic_bytes']}",
+                  flush=True)
+    payload = {"benchmark": "context_parallel", "machine": machine_info("cpu"), "heads": HEADS, "dim": DIM,
+               "dtype": "float32", "mask": "causal (sparse_mode 2), ring, head_tail", "memory": memory,
+               "single_process_memory": single,
+               "overlap": overlap, "volume": volume}
+    out_dir = Path(args.out)
+    name = "context_parallel_cpu" + ("_quick" if args.quick else "")
+    write_json(out_dir / f"{name}.json", payload)
+    _plot(payload, out_dir / f"{name}.png")
+
+
+def _plot(payload: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4.5))
+    seqs = sorted({m["seq"] for m in payload["memory"]})
+    for world in sorted({m["world"] for m in payload["memory"]}):
+        growth = [next(m["max_growth_mib"] for m in payload["memory"] if m["seq"] == s and m["world"] == world)
+                  for s in seqs]
+        axes[0].plot(seqs, growth, marker="o", label=f"P = {world}")
+    axes[0].plot(seqs, [m["growth_mib"] for m in payload["single_process_memory"]], "k--", marker="x",
+                 label="single-process flash_attention")
+    axes[0].set(xscale="log", yscale="log", xlabel="sequence length S", ylabel="per-rank peak growth (MiB)",
+                title="FA fwd+bwd per-rank memory (causal ring)")
+    axes[0].legend()
+    labels = [f"P={o['world']}" for o in payload["overlap"]]
+    xs = range(len(labels))
+    axes[1].bar([x - 0.2 for x in xs], [o["overlap_s"] for o in payload["overlap"]], 0.4, label="overlap")
+    axes[1].bar([x + 0.2 for x in xs], [o["no_overlap_s"] for o in payload["overlap"]], 0.4, label="no overlap")
+    axes[1].set(xticks=list(xs), xticklabels=labels, ylabel="fwd+bwd seconds (slowest rank)",
+                title=f"ring overlap, S = {payload['overlap'][0]['seq']}")
+    axes[1].legend()
+    labels = [f"{v['method']} P={v['world']}" for v in payload["volume"]]
+    xs = range(len(labels))
+    axes[2].bar([x - 0.2 for x in xs], [max(v["measured_bytes_per_rank"]) / 2**20 for v in payload["volume"]], 0.4,
+                label="measured")
+    axes[2].bar([x + 0.2 for x in xs], [v["analytic_bytes"] / 2**20 for v in payload["volume"]], 0.4,
+                label="analytic")
+    axes[2].set(xticks=list(xs), xticklabels=labels, ylabel="MiB sent per rank per layer",
+                title="communication volume (fwd+bwd)")
+    axes[2].legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+if __name__ == "__main__":
+    main()
