@@ -210,8 +210,13 @@ def test_external_dropout_mask_and_explicit_seed(rng):
     other = library.dropout_mask(78, 40, numels, 0.6)
     assert not torch.equal(torch_npu.npu_fusion_attention(q, k, v, N, "BSH", scale=0.3, keep_prob=0.6,
                                                           dropout_mask=other, seed=78, offset=40)[0], ext[0])
-    with pytest.raises(cann_attn.ParamInvalidError, match="drop_mask"):
+    with pytest.raises(cann_attn.ParamInvalidError, match=r"\] dropout_mask:"):
         torch_npu.npu_fusion_attention(q, k, v, N, "BSH", keep_prob=0.6, dropout_mask=mask[:4])
+    with pytest.raises(cann_attn.ParamInvalidError, match=r"\] dropout_mask:"):
+        torch_npu.npu_fusion_attention(q, k, v, N, "BSH", keep_prob=0.6, dropout_mask=mask.to(torch.int32))
+    with pytest.raises(cann_attn.ParamInvalidError, match=r"\] seed/offset:"):
+        torch_npu.npu_fusion_attention_grad_v3(q, k, v, q, N, "BSH", keep_prob=0.6)
+    assert torch.equal(torch_npu.get_rng_state(), before)
 
 
 # ---------------------------------------------------------------------------------------------------- RNG
@@ -312,3 +317,12 @@ def test_install_refuses_a_real_torch_npu(tmp_path):
     result = _run(script, extra_path=str(tmp_path))
     assert result.returncode == 0, result.stderr
     assert result.stdout.split() == ["refused", "True"]
+
+
+def test_dsa_sinks_are_in_the_signature_but_not_supported_yet():
+    """`sinks` (current schema of the DSA operators) is accepted as None; a tensor raises before any work."""
+    t = torch.zeros(1, 1, 1, 8)
+    with pytest.raises(cann_attn.ParamInvalidError, match=r"\] sinks: .*not supported yet"):
+        torch_npu.npu_sparse_flash_attention(t, t, t, t.int(), 1.0, sinks=torch.zeros(1))
+    with pytest.raises(cann_attn.ParamInvalidError, match=r"\] sinks: .*not supported yet"):
+        torch_npu.npu_sparse_lightning_indexer_grad_kl_loss(t, t, t, t, t, t.int(), t, t, 1.0, sinks=torch.zeros(1))

@@ -80,11 +80,11 @@ def gen_drop_mask(
     return packed.to(device) if device is not None else packed
 
 
-def validate_drop_mask(drop_mask: torch.Tensor, numel: int) -> None:
+def validate_drop_mask(drop_mask: torch.Tensor, numel: int, param: str = "drop_mask") -> None:
     needed = math.ceil(numel / 8)
-    if drop_mask.dtype != torch.uint8 or drop_mask.numel() < needed:
+    if not isinstance(drop_mask, torch.Tensor) or drop_mask.dtype != torch.uint8 or drop_mask.numel() < needed:
         raise ParamInvalidError(
-            f"drop_mask: expected a uint8 bit-packed tensor of at least ceil({numel}/8)={needed} bytes, "
+            f"{param}: expected a uint8 bit-packed tensor of at least ceil({numel}/8)={needed} bytes, "
             f"got {describe(drop_mask)}"
         )
 

@@ -15,7 +15,7 @@ from torch import Tensor
 
 from ..errors import ParamInvalidError
 from ..ops.flash_attention_score import INT_MAX
-from ..problem.dropout import drop_mask_numel
+from ..problem.dropout import drop_mask_numel, validate_drop_mask
 from ..problem.lengths import ends_without_trailing_zeros
 from ._common import _ints
 from ._registry import npu_op
@@ -226,6 +226,7 @@ def _forward_drop_mask(query, numels: int, keep_prob, dropout_mask, seed, offset
         zero = torch.zeros(2, dtype=torch.int64)
         return None, zero
     if dropout_mask is not None:
+        validate_drop_mask(dropout_mask, numels, "dropout_mask")  # torch_npu's name for the op's drop_mask
         return dropout_mask, _state_of(seed, offset)
     if not (isinstance(seed, int) and seed == 0):
         state = _state_of(seed, offset)
