@@ -18,6 +18,7 @@ import contextlib
 
 import torch
 
+from ..backends.reference.workspace import Workspace
 from ..errors import ParamInvalidError, ParamNullptrError, describe, require, require_int
 from ..problem import antiquant as antiquants
 from ..problem import layout as layouts
@@ -539,9 +540,10 @@ def fused_infer_attention_score(
     lse4 = lse if softmax_lse_flag else None
     if pages is not None:
         # Per group of equal-length sequences (the attention's own batched runs): only their tokens are gathered.
+        workspace = Workspace(query.device)
         for group in length_groups(act_q_list, act_kv_list):
             g = slice(group.start, group.stop)
-            k_g, v_g = pages.group_bnsd(group)
+            k_g, v_g = pages.group_bnsd(group, workspace)
             pse_g = None if pse_shift is None else pse_shift if pse_shift.shape[0] == 1 else pse_shift[g]
             attend(q4[g], k_g, v_g, out4[g], atten_mask=mask, mask_views=None if mask_views is None else mask_views[g],
                    act_q=act_q_list[g], act_kv=act_kv_list[g], pse_shift=pse_g,

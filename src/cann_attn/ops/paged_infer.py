@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..backends.reference.workspace import Workspace
 from ..errors import ParamInvalidError, describe, require
 from ..problem.page_table import BlockSizeRule, PageTable, page_table
 
@@ -73,17 +74,23 @@ class PagedKv:
             return cache.view(cache.shape[0], cache.shape[1], self.heads_kv, -1)
         return cache.permute(0, 2, 1, 3)
 
-    def group_bnsd(self, batches: range) -> tuple[torch.Tensor, torch.Tensor]:
+    def group_bnsd(self, batches: range, workspace: Workspace | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """[c, N2, L, D (+ rope)] key and [c, N2, L, Dv] value of consecutive sequences of one length L,
         contiguous (what the attention makes of the contiguous layouts' BNSD views before it computes), gathered
-        straight into place: key_rope into the key's last columns."""
+        straight into place: key_rope into the key's last columns. With a `workspace` they are views of its
+        buffers (valid until the next group): the groups of one call then reuse one pair of buffers instead of
+        faulting fresh pages in for each."""
         length = self.pages.kv_lengths[batches[0]]
         parts = [self.key] + ([] if self.key_rope is None else [self.key_rope])
         dims = [self._tokens(t).shape[-1] for t in parts]
-        k = torch.empty((len(batches), self.heads_kv, length, sum(dims)), dtype=self.key.dtype,
-                        device=self.key.device)
-        v = torch.empty((len(batches), self.heads_kv, length, self._tokens(self.value).shape[-1]),
-                        dtype=self.value.dtype, device=self.value.device)
+        k_shape = (len(batches), self.heads_kv, length, sum(dims))
+        v_shape = (len(batches), self.heads_kv, length, self._tokens(self.value).shape[-1])
+        if workspace is None:
+            k = torch.empty(k_shape, dtype=self.key.dtype, device=self.key.device)
+            v = torch.empty(v_shape, dtype=self.value.dtype, device=self.value.device)
+        else:
+            k = workspace.take("paged_key", k_shape, self.key.dtype)
+            v = workspace.take("paged_value", v_shape, self.value.dtype)
         for i, b in enumerate(batches):
             col = 0
             for cache, d in zip(parts, dims, strict=True):
