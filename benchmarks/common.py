@@ -428,6 +428,7 @@ def bar_plot(
     ylabel: str,
     ratios: Sequence[float | None] | None = None,
     targets: Sequence[float | None] | None = None,
+    ratio_label: str = "speed-up vs PyTorch (dashed: target)",
 ) -> Path | None:
     """Grouped bars (one group per label, one bar per series); with `ratios`, a second panel of ratio bars
     and their target marks. Returns the path, or None when matplotlib is missing."""
@@ -469,7 +470,7 @@ def bar_plot(
             if t is not None:
                 ax2.hlines(t, xi - 0.4, xi + 0.4, colors="black", linestyles="dashed")
         ax2.set_xticks(x, labels, rotation=30, ha="right", fontsize=8)
-        ax2.set_ylabel("speed-up vs PyTorch (dashed: target)")
+        ax2.set_ylabel(ratio_label)
         ax2.grid(axis="y", alpha=0.3)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
