@@ -20,7 +20,8 @@ demo: $(STAMP)
 # interpreter on CPU), against the same float64 oracle.
 TRITON_MATRIX := tests/test_fa_forward.py tests/test_fa_backward.py tests/test_pfa.py \
 	tests/test_sparse_attention.py tests/test_indexer.py tests/test_fa_hypothesis.py \
-	tests/test_fa_backward_hypothesis.py tests/test_pfa_hypothesis.py tests/test_sparse_attention_hypothesis.py
+	tests/test_fa_backward_hypothesis.py tests/test_pfa_hypothesis.py tests/test_sparse_attention_hypothesis.py \
+	tests/test_fia.py
 
 test: $(STAMP)
 	$(BIN)/ruff check .
