@@ -319,10 +319,9 @@ def test_install_refuses_a_real_torch_npu(tmp_path):
     assert result.stdout.split() == ["refused", "True"]
 
 
-def test_dsa_sinks_are_in_the_signature_but_not_supported_yet():
-    """`sinks` (current schema of the DSA operators) is accepted as None; a tensor raises before any work."""
+def test_kl_loss_sinks_are_in_the_signature_but_refused():
+    """`sinks` (current schema of npu_sparse_lightning_indexer_grad_kl_loss) is accepted as None; a tensor raises
+    before any work (npu_sparse_flash_attention's sinks are supported: tests/test_sinks.py)."""
     t = torch.zeros(1, 1, 1, 8)
-    with pytest.raises(cann_attn.ParamInvalidError, match=r"\] sinks: .*not supported yet"):
-        torch_npu.npu_sparse_flash_attention(t, t, t, t.int(), 1.0, sinks=torch.zeros(1))
-    with pytest.raises(cann_attn.ParamInvalidError, match=r"\] sinks: .*not supported yet"):
+    with pytest.raises(cann_attn.ParamInvalidError, match=r"\] sinks: not supported"):
         torch_npu.npu_sparse_lightning_indexer_grad_kl_loss(t, t, t, t, t, t.int(), t, t, 1.0, sinks=torch.zeros(1))
