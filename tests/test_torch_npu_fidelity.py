@@ -297,6 +297,9 @@ def test_install_then_import_torch_npu_and_call_torch_ops_npu():
                                                         attention_in=out[0], scale_value=0.3)
         assert len(grads) == 5 and grads[3] is None and grads[4].shape == (0,)
         assert all(hasattr(torch.ops.npu, name) for name in cann_attn.torch_npu.OPS)
+        pfa = lambda q: torch.ops.npu.npu_prompt_flash_attention(q, q, q, num_heads=2, scale_value=0.3)
+        x = q.detach()
+        assert torch.equal(torch.compile(pfa, fullgraph=True, backend="aot_eager")(x), pfa(x))
         print("ok")
     """
     result = _run(script)
