@@ -170,6 +170,9 @@ class RunKernel:
             v16 = problem.kv_view(value, run).reshape(c * n2, run.seq_kv, -1)
             if k16.stride(-1) == 1 and v16.stride(-1) == 1:
                 self.k16, self.v16 = k16, v16
+        # Then, without ALiBi or linear-pse columns, the forward's scores never read the fp32 query tile (the bf16
+        # path must not: tests/test_native_kernels.py hands it NaN there), so it is allocated but not formed.
+        self.bf16_scores_only = self.k16 is not None and not self.linear_pse and not self.native_alibi
 
     def scratch(self, shape: torch.Size) -> torch.Tensor:
         """A second reusable tile-sized buffer (the backward's dP), allocated on first use."""
@@ -177,13 +180,15 @@ class RunKernel:
             self._scratch = torch.empty_like(self._buffer)
         return self._scratch[: math.prod(shape)].view(shape)
 
-    def query_tile(self, i0: int, i1: int) -> torch.Tensor:
+    def query_tile(self, i0: int, i1: int, formed: bool = True) -> torch.Tensor:
         """scale * query rows, grouped for GEMM: [c*N2, G*rows, Dk] (a fresh tensor, the caller's to modify), with
         two zero columns after Dqk for the linear-pse features."""
         src = self.q_all[:, :, i0:i1]
         d_qk = src.shape[-1]
         q = torch.empty((*src.shape[:-1], d_qk + (2 if self.linear_pse else 0)), dtype=self.dtype,
                         device=self.device)
+        if not formed:  # only its shape is read (bf16 score operands)
+            return group_rows(q, self.problem.heads_kv)
         # Converted first, then scaled: a multiply of fp16/bf16 input would round the product to the input dtype.
         q[..., :d_qk] = src
         q[..., :d_qk].mul_(self.problem.scale)
@@ -396,7 +401,7 @@ class RunKernel:
         for i0 in range(0, run.seq_q, self.block_q):
             i1 = min(i0 + self.block_q, run.seq_q)
             rows = i1 - i0
-            q_tile = self.query_tile(i0, i1)
+            q_tile = self.query_tile(i0, i1, formed=not self.bf16_scores_only)
             row_max = torch.full((c, problem.heads_q, rows), float("-inf"), dtype=self.dtype, device=self.device)
             row_sum = torch.zeros_like(row_max)
             acc = torch.empty((c * n2, q_tile.shape[1], dv), dtype=self.dtype, device=self.device)
