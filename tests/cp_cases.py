@@ -244,29 +244,44 @@ def error_cases(world: int) -> list[dict]:
 
 # ========================================================================================================= DSA
 def dsa_cases(world: int) -> list[dict]:
-    return [dict(kind="dsa", name=f"dsa-{lb}-mode{mode}-bs{bs}", load_balance=lb, mode=mode, block=bs, world=world)
-            for lb, mode, bs in (("head_tail", 3, 1), (None, 3, 8), ("head_tail", 0, 1))]
+    return [dict(kind="dsa", name=f"dsa-{'TND' if tnd else 'BSND'}-{lb}-mode{mode}-bs{bs}", load_balance=lb,
+                 mode=mode, block=bs, world=world, tnd=tnd)
+            for tnd, lb, mode, bs in ((False, "head_tail", 3, 1), (False, None, 3, 8), (False, "head_tail", 0, 1),
+                                      (True, "head_tail", 3, 1), (True, None, 0, 8))]
+
+
+def _ends(lengths) -> list[int]:
+    out, total = [], 0
+    for n in lengths:
+        total += n
+        out.append(total)
+    return out
 
 
 def _dsa_inputs(case: dict, world: int):
-    gen = torch.Generator().manual_seed(7 + case["block"] + case["mode"])
-    batch, seq, heads, dim, rope, idx_heads, idx_dim = 1, 4 * world, 2, 16, 8, 2, 8
+    """Whole tensors (BSND [1, S, ...] or TND [T, ...] of three documents), the lengths keyword arguments and K."""
+    gen = torch.Generator().manual_seed(7 + case["block"] + case["mode"] + 3 * case["tnd"])
+    heads, dim, rope, idx_heads, idx_dim = 2, 16, 8, 2, 8
+    unit = 2 * world
+    lead = (3 * unit,) if case["tnd"] else (1, 4 * world)
 
     def rand(*shape, scale=1.0):
-        return (torch.randn(*shape, generator=gen) * scale).to(BF16)
+        return (torch.randn(*lead, *shape, generator=gen) * scale).to(BF16)
 
-    tensors = dict(query=rand(batch, seq, heads, dim), key=rand(batch, seq, 1, dim),
-                   query_rope=rand(batch, seq, heads, rope), key_rope=rand(batch, seq, 1, rope),
-                   query_index=rand(batch, seq, idx_heads, idx_dim), key_index=rand(batch, seq, 1, idx_dim),
-                   weights=rand(batch, seq, idx_heads, scale=0.3))
+    tensors = dict(query=rand(heads, dim), key=rand(1, dim), query_rope=rand(heads, rope), key_rope=rand(1, rope),
+                   query_index=rand(idx_heads, idx_dim), key_index=rand(1, idx_dim),
+                   weights=rand(idx_heads, scale=0.3).reshape(*lead, idx_heads))
+    ends = _ends([unit, 2 * unit]) if case["tnd"] else None  # two documents
+    lengths = {} if ends is None else {"q": ends, "kv": ends}
     count = 6 if case["block"] == 1 else 2
+    li_kw = {} if ends is None else dict(actual_seq_lengths_query=ends, actual_seq_lengths_key=ends, layout="TND")
     tensors["sparse_indices"] = cann_attn.lightning_indexer(
         tensors["query_index"], tensors["key_index"], tensors["weights"], sparse_count=count,
-        sparse_mode=case["mode"]).sparse_indices
+        sparse_mode=case["mode"], **li_kw).sparse_indices
     if case["block"] > 1:  # block indices: the token indices' blocks (duplicates and all)
         tensors["sparse_indices"] = torch.where(tensors["sparse_indices"] >= 0,
                                                 tensors["sparse_indices"] // case["block"], -1)
-    return tensors, count
+    return tensors, count, lengths
 
 
 def run_dsa_case(rank: int, world: int, device, case: dict) -> None:
@@ -288,21 +303,27 @@ def run_dsa_case(rank: int, world: int, device, case: dict) -> None:
 def _run_dsa_case(rank: int, world: int, device, case: dict, check) -> None:
     from cann_attn.testing import dsa_oracle
 
-    t, count = _dsa_inputs(case, world)
+    t, count, lengths = _dsa_inputs(case, world)
     lb, mode, scale = case["load_balance"], case["mode"], 0.25
+    tnd = case["tnd"]
+    seq, stat_seq = (0, 1) if tnd else (1, 2)
+    layout = {} if not tnd else {"layout": "TND"}
+    q_len = {} if not tnd else {"actual_seq_lengths_query": lengths["q"]}
 
-    def part(x, dim=1):
-        return cp.shard(x, dim, load_balance=lb).to(device)
+    def part(x, dim=seq):
+        return cp.shard(x, dim, load_balance=lb, actual_seq_len=lengths.get("q")).to(device)
 
     # lightning_indexer: the global top-k, exactly.
+    li_kw = dict(sparse_count=count, sparse_mode=mode, **layout, **q_len,
+                 **({} if not tnd else {"actual_seq_lengths_key": lengths["kv"]}))
     local = cp.lightning_indexer(part(t["query_index"]), part(t["key_index"]), part(t["weights"]),
-                                 sparse_count=count, sparse_mode=mode, load_balance=lb, timeout=60)
-    whole = cann_attn.lightning_indexer(t["query_index"], t["key_index"], t["weights"], sparse_count=count,
-                                        sparse_mode=mode).sparse_indices
+                                 load_balance=lb, timeout=60, **li_kw)
+    whole = cann_attn.lightning_indexer(t["query_index"], t["key_index"], t["weights"], **li_kw).sparse_indices
     check(_assert_equal, local.sparse_indices.cpu(), part(whole).cpu(), "lightning_indexer indices")
 
     # sparse_attention forward and backward (DSA: the latent is key and value).
-    sfa_kw = dict(sparse_block_size=case["block"], sparse_mode=mode)
+    sfa_kw = dict(sparse_block_size=case["block"], sparse_mode=mode, **layout, **q_len,
+                  **({} if not tnd else {"actual_seq_lengths_kv": lengths["kv"]}))
     d_out = torch.randn(t["query"].shape, generator=torch.Generator().manual_seed(3)).to(BF16)
     golden_in = {k: t[k].double().requires_grad_() for k in ("query", "key", "query_rope", "key_rope")}
     g_out, *_ = dsa_oracle.sparse_attention_oracle(
@@ -321,7 +342,24 @@ def _run_dsa_case(rank: int, world: int, device, case: dict, check) -> None:
     c_out.backward(part(d_out))
     check(assert_close_to_oracle, c_out.detach().cpu(), part(g_out.detach()).cpu(),
           naive=part(n_out.detach()).cpu(), name="sparse_attention out")
+    masks = _chunk_masks(case, world, lengths, t["query"].shape[seq])
+    partial_abs = {k: 0.0 for k in ("key", "key_rope")}
+    for mask in masks:  # each chunk's rows alone: the partial gradient one call of one rank rounds to bf16
+        p_in = {k: t[k].clone().requires_grad_() for k in ("query", "key", "query_rope", "key_rope")}
+        p_in["value"] = t["key"].clone().requires_grad_()  # apart: d_key and d_value are rounded apart, then added
+        p_out = cann_attn.sparse_attention(p_in["query"], p_in["key"], p_in["value"], t["sparse_indices"], scale,
+                                           query_rope=p_in["query_rope"], key_rope=p_in["key_rope"], **sfa_kw)
+        shape = [1] * d_out.dim()
+        shape[seq] = -1
+        p_out.backward(d_out * mask.view(shape).to(d_out.dtype))
+        d_key, d_value = p_in["key"].grad.double(), p_in["value"].grad.double()
+        partial_abs["key"] = partial_abs["key"] + d_key.abs() + d_value.abs() + (d_key + d_value).abs()
+        partial_abs["key_rope"] = partial_abs["key_rope"] + p_in["key_rope"].grad.double().abs()
     for k in golden_in:
+        if k in GATHERED:
+            check(assert_partial_sums_close, cp_in[k].grad.cpu(), part(golden_in[k].grad).cpu(),
+                  part(naive_in[k].grad).cpu(), part(partial_abs[k]).cpu(), name=f"sparse_attention d_{k}")
+            continue
         check(assert_close_to_oracle, cp_in[k].grad.cpu(), part(golden_in[k].grad).cpu(),
                                naive=part(naive_in[k].grad).cpu(), name=f"sparse_attention d_{k}")
 
@@ -332,7 +370,8 @@ def _run_dsa_case(rank: int, world: int, device, case: dict, check) -> None:
         return  # the KL loss takes token indices (block size 1) and sparse_mode 3 only
     for reduction in ("sum", "mean"):
         kl_in = {k: t[k].clone().requires_grad_() for k in ("query_index", "key_index", "weights")}
-        kl_kw = dict(query_rope=t["query_rope"], key_rope=t["key_rope"], sparse_mode=mode)
+        kl_kw = dict(query_rope=t["query_rope"], key_rope=t["key_rope"], sparse_mode=mode, **layout, **q_len,
+                     **({} if not tnd else {"actual_seq_lengths_key": lengths["kv"]}))
         single_loss = cann_attn.indexer_kl_loss(t["query"], t["key"], kl_in["query_index"], kl_in["key_index"],
                                                 kl_in["weights"], t["sparse_indices"], stats.softmax_max,
                                                 stats.softmax_sum, scale, reduction=reduction, **kl_kw)
@@ -344,16 +383,68 @@ def _run_dsa_case(rank: int, world: int, device, case: dict, check) -> None:
         (oracle.loss / (max(1, oracle.tokens_with_keys) if reduction == "mean" else 1)).backward()
         c_in = {k: part(t[k]).requires_grad_() for k in kl_in}
         loss = cp.indexer_kl_loss(part(t["query"]), part(t["key"]), c_in["query_index"], c_in["key_index"],
-                                  c_in["weights"], part(t["sparse_indices"]), part(stats.softmax_max, 2),
-                                  part(stats.softmax_sum, 2), scale, query_rope=part(t["query_rope"]),
-                                  key_rope=part(t["key_rope"]), sparse_mode=mode, reduction=reduction,
-                                  load_balance=lb, timeout=60)
+                                  c_in["weights"], part(t["sparse_indices"]), part(stats.softmax_max, stat_seq),
+                                  part(stats.softmax_sum, stat_seq), scale, query_rope=part(t["query_rope"]),
+                                  key_rope=part(t["key_rope"]), reduction=reduction, load_balance=lb, timeout=60,
+                                  **{k: v for k, v in kl_kw.items() if k not in ("query_rope", "key_rope")})
         loss.backward()
         check(torch.testing.assert_close, loss.detach().cpu(), single_loss.detach(), rtol=1e-5, atol=1e-6,
               msg=lambda m, r=reduction: f"indexer_kl_loss {r}: {m}")
+        divisor = max(1, oracle.tokens_with_keys) if reduction == "mean" else 1
+        key_index_abs = 0.0
+        for mask in masks:  # a chunk's rows alone: the others' indices all -1 (they then add nothing)
+            shape = [1] * t["sparse_indices"].dim()
+            shape[seq] = -1
+            only = torch.where(mask.view(shape), t["sparse_indices"], -1)
+            k_index = t["key_index"].clone().requires_grad_()
+            cann_attn.indexer_kl_loss(t["query"], t["key"], t["query_index"], k_index, t["weights"], only,
+                                      stats.softmax_max, stats.softmax_sum, scale, **kl_kw).backward()
+            key_index_abs = key_index_abs + k_index.grad.double().abs() / divisor
         for k in kl_in:
+            if k in GATHERED:
+                check(assert_partial_sums_close, c_in[k].grad.cpu(), part(g_in[k].grad).cpu(),
+                      part(kl_in[k].grad).cpu(), part(key_index_abs).cpu(),
+                      name=f"indexer_kl_loss {reduction} d_{k}")
+                continue
             check(assert_close_to_oracle, c_in[k].grad.cpu(), part(g_in[k].grad).cpu(), naive=part(kl_in[k].grad).cpu(),
                                    name=f"indexer_kl_loss {reduction} d_{k}")
+
+
+# Tensors every rank all-gathers: their gradients are sums of one partial gradient per rank and chunk slot, each
+# rounded to bf16 by the grad operator (SparseFlashAttentionGrad / SparseLightningIndexerGradKLLoss return the
+# input dtype), where the single-process operator rounds its fp32 sum once.
+GATHERED = ("key", "key_rope", "key_index")
+
+
+def assert_partial_sums_close(actual, golden, naive, partial_abs, name: str) -> None:
+    """Each rounding to bf16 adds at most half an ulp (2^-8 relative) of the rounded value: the bound is the
+    single-process operator's own error, plus 2^-8 of the magnitudes of every rounded partial (`partial_abs`, from
+    the single-process operator restricted to each chunk's rows: for the latent, d_key, d_value and their sum, each
+    rounded by the grad operator or autograd) and of the result (its final rounding). A wrong gradient (a missing,
+    doubled or misplaced partial) is off by a whole partial, far outside it."""
+    a, g, n = (t.detach().double() for t in (actual, golden, naive))
+    bound = (n - g).abs() + 2.0**-8 * (partial_abs.double() + g.abs()) + 1e-6
+    excess = (a - g).abs() - bound
+    if bool((excess > 0).any()):
+        worst = int(excess.argmax())
+        raise AssertionError(f"{name}: |actual - golden| exceeds the partial-sum bound at {worst}: actual "
+                             f"{float(a.reshape(-1)[worst])}, golden {float(g.reshape(-1)[worst])}, naive "
+                             f"{float(n.reshape(-1)[worst])}, bound {float(bound.reshape(-1)[worst])}")
+
+
+def _chunk_masks(case: dict, world: int, lengths: dict, total: int) -> list[torch.Tensor]:
+    """For each chunk id, the rows (sequence axis of the whole tensor) of that chunk of every sequence."""
+    chunks = 2 * world if case["load_balance"] == "head_tail" else world
+    docs = [total] if not lengths else [e - b for b, e in zip([0, *lengths["q"][:-1]], lengths["q"], strict=True)]
+    masks = []
+    for c in range(chunks):
+        mask, start = torch.zeros(total, dtype=torch.bool), 0
+        for n in docs:
+            size = n // chunks
+            mask[start + c * size : start + (c + 1) * size] = True
+            start += n
+        masks.append(mask)
+    return masks
 
 
 def _assert_equal(actual, expected, name):
