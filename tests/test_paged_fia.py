@@ -206,3 +206,25 @@ def test_paged_fia_compiles(rng):
     compiled = torch.compile(call, fullgraph=True, backend="eager")(to_layout(q, "BSND"), caches["key"],
                                                                    caches["value"], table)
     assert torch.equal(eager, compiled)
+
+
+def test_decode_reads_the_cache_in_place(rng, monkeypatch):
+    """Decode without mask or pse takes the reference decode loop over the cache views (no gather): the same loop,
+    rows and bits as with contiguous caches."""
+    from cann_attn.backends.reference import decode_forward
+    from cann_attn.ops import paged_infer
+
+    tables = []
+    original = decode_forward.forward
+
+    def recording(*args, block_table=None, **kwargs):
+        tables.append(block_table)
+        return original(*args, block_table=block_table, **kwargs)
+
+    def no_gather(*args, **kwargs):
+        raise AssertionError("the decode path gathered the cache")
+
+    monkeypatch.setattr(decode_forward, "forward", recording)
+    monkeypatch.setattr(paged_infer.PagedKv, "group_bnsd", no_gather)
+    _assert_equal(*_both("BSND", [70, 16, 33], 16, rng, dtype=torch.bfloat16))
+    assert len(tables) == 2 and tables[0] is None and tables[1] is not None  # contiguous, then paged

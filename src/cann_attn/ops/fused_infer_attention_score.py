@@ -27,6 +27,7 @@ from ..traceable import traced_as_custom_op
 from .infer_attention import (
     INVALID_LSE,
     attend,
+    paged_decode_in_place,
     quant_plan,
     reject_offset_with_invalid_rows,
     validate_mask,
@@ -539,6 +540,13 @@ def fused_infer_attention_score(
     out4 = _bnsd(out, out_layout, num_heads)
     lse4 = lse if softmax_lse_flag else None
     if pages is not None:
+        k_view, v_view = pages.cache_views()
+        if key_rope is None and paged_decode_in_place(q4, k_view, v_view, atten_mask=mask, pse_shift=pse_shift,
+                                                      plan=plan, backend=backend, op=common["op"], decode=decode):
+            # The decode loop reads the blocks in place through the table (the loop contiguous caches take).
+            attend(q4, k_view, v_view, out4, atten_mask=mask, mask_views=mask_views, act_q=act_q_list,
+                   act_kv=act_kv_list, pse_shift=None, softmax_lse=lse4, block_table=pages.pages.table, **common)
+            return out, lse
         # Per group of equal-length sequences (the attention's own batched runs): only their tokens are gathered.
         workspace = Workspace(query.device)
         for group in length_groups(act_q_list, act_kv_list):

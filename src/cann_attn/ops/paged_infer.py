@@ -74,6 +74,11 @@ class PagedKv:
             return cache.view(cache.shape[0], cache.shape[1], self.heads_kv, -1)
         return cache.permute(0, 2, 1, 3)
 
+    def cache_views(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Key and value caches as [block_num, N2, block_size, D] views (no copy), for loops that read them in
+        place through the table."""
+        return tuple(self._tokens(t).permute(0, 2, 1, 3) for t in (self.key, self.value))
+
     def group_bnsd(self, batches: range, workspace: Workspace | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """[c, N2, L, D (+ rope)] key and [c, N2, L, Dv] value of consecutive sequences of one length L,
         contiguous (what the attention makes of the contiguous layouts' BNSD views before it computes), gathered

@@ -32,8 +32,11 @@ def usable(problem: AttentionProblem, query: torch.Tensor, key: torch.Tensor, va
 
 
 @torch.no_grad()
-def forward(problem: AttentionProblem, query, key, value, out, softmax_max=None, softmax_sum=None) -> None:
-    """Fill `out` [B, N, 1, Dv] (and the [B, N, 1, 8] statistics when given) of sequences that have keys."""
+def forward(problem: AttentionProblem, query, key, value, out, softmax_max=None, softmax_sum=None,
+            block_table: torch.Tensor | None = None) -> None:
+    """Fill `out` [B, N, 1, Dv] (and the [B, N, 1, 8] statistics when given) of sequences that have keys. With
+    `block_table`, key and value are paged caches seen as [block_num, N2, block_size, D], read in place through the
+    table (docs/semantics/paged-kv.md): the same loop over the same rows, so the same bits as contiguous caches."""
     batch, heads, heads_kv = problem.batch, problem.heads_q, problem.heads_kv
     group = heads // heads_kv
     lengths = torch.zeros(batch, dtype=torch.int64)
@@ -48,7 +51,7 @@ def forward(problem: AttentionProblem, query, key, value, out, softmax_max=None,
     acc = torch.empty((pairs, group, problem.dim_v), dtype=torch.float32)
     row_max = torch.empty((pairs, group), dtype=torch.float32)
     row_sum = torch.empty((pairs, group), dtype=torch.float32)
-    native.decode_rows(q.view(pairs, group, -1), key, value, lengths, acc, row_max, row_sum)
+    native.decode_rows(q.view(pairs, group, -1), key, value, lengths, acc, row_max, row_sum, block_table)
     seen = (lengths > 0).nonzero().view(-1)
     if seen.numel() == 0:
         return

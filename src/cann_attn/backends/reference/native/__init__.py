@@ -66,7 +66,7 @@ _SIGNATURES = {
     "cann_attn_has_bf16_dot": [],
     "cann_attn_alibi_skipped_terms": [],
     "cann_attn_has_f16c": [],
-    "fia_decode_rows": [_P, _I, _I, _I, _I, _I, _P, _P, _I, _I, _I, _I, _I, _I, _I, _P, _P, _P, _P],
+    "fia_decode_rows": [_P, _I, _I, _I, _I, _I, _P, _P, _I, _I, _I, _I, _I, _I, _I, _P, _P, _P, _P, _P, _I, _I],
 }
 _INT_RESULTS = ("cann_attn_cpu_supported", "cann_attn_has_sgemm", "cann_attn_has_bf16_dot", "cann_attn_has_f16c")
 _INT64_RESULTS = ("cann_attn_alibi_skipped_terms",)
@@ -569,15 +569,21 @@ def decode_usable(key: torch.Tensor, value: torch.Tensor) -> bool:
 
 
 def decode_rows(q: torch.Tensor, key: torch.Tensor, value: torch.Tensor, lengths: torch.Tensor, out: torch.Tensor,
-                row_max: torch.Tensor, row_sum: torch.Tensor) -> None:
+                row_max: torch.Tensor, row_sum: torch.Tensor, block_table: torch.Tensor | None = None) -> None:
     """Unnormalised out [B*N2, G, Dv], row_max and row_sum [B*N2, G] of the scaled, grouped query rows q
     [B*N2, G, D] (fp32, contiguous) over the first lengths[b] rows of key / value [B, N2, S, D] (read in place;
-    see attention_loops.c). Pairs whose length is 0 are left untouched."""
+    see attention_loops.c). Pairs whose length is 0 are left untouched. With `block_table` (int32 [B, W]) key and
+    value are paged caches seen as [block_num, N2, block_size, D]: row p of sequence b is block
+    block_table[b, p // block_size], slot p % block_size (docs/semantics/paged-kv.md), read in place too."""
     lib = library()
     _check_rows(q, out, row_max, row_sum)
     pairs, group, dim = q.shape
     lengths = lengths.to(torch.int64).contiguous()
+    table = None if block_table is None else block_table.to(torch.int32)
+    if table is not None and table.stride(-1) != 1:
+        table = table.contiguous()
     lib.fia_decode_rows(q.data_ptr(), pairs, key.shape[1], group, dim, value.shape[-1], key.data_ptr(),
                         value.data_ptr(), DECODE_DTYPES[key.dtype], key.stride(0), key.stride(1), key.stride(2),
                         value.stride(0), value.stride(1), value.stride(2), lengths.data_ptr(), out.data_ptr(),
-                        row_max.data_ptr(), row_sum.data_ptr())
+                        row_max.data_ptr(), row_sum.data_ptr(), None if table is None else table.data_ptr(),
+                        0 if table is None else table.stride(0), 0 if table is None else key.shape[2])
