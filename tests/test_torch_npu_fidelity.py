@@ -130,6 +130,30 @@ def test_eod_padded_tnd_through_the_torch_npu_spellings(spelling, rng):
         torch.testing.assert_close(leaf.grad, grad, rtol=1e-5, atol=1e-6)
 
 
+def test_eod_padded_tnd_with_dropout(rng):
+    """numels counts the real sequences only (N1 * sum(Sq_b * Skv_b)); the mask regenerated from (seed, offset)
+    gives the oracle's output, and the grad spelling autograd's gradients."""
+    q, k, v, dy, q_ends, kv_ends = _eod_inputs(rng, "zeros")
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    torch_npu.npu.manual_seed(31)
+    out, smax, ssum, _, seed, offset, numels = torch_npu.npu_fusion_attention(
+        *leaves, N, "TND", scale=0.3, keep_prob=0.8, actual_seq_qlen=q_ends, actual_seq_kvlen=kv_ends)
+    assert (seed, offset, numels) == (31, 0, N * sum(a * b for a, b in zip(Q_LENS, KV_LENS, strict=True)))
+    tq, tk = sum(Q_LENS), sum(KV_LENS)
+    golden = fa_forward_oracle(q[:tq].to(F64), k[:tk].to(F64), v[:tk].to(F64), N, "TND", scale_value=0.3,
+                               keep_prob=0.8, drop_mask=library.dropout_mask(seed, offset, numels, 0.8),
+                               actual_seq_qlen=_ends(Q_LENS), actual_seq_kvlen=_ends(KV_LENS))[0]
+    assert_close_to_oracle(out[:tq].detach(), golden, dtype=F32, name="attention_out")
+    assert torch.equal(out[tq:], torch.zeros_like(out[tq:]))
+    grads = torch_npu.npu_fusion_attention_grad(q, k, v, dy, N, "TND", softmax_max=smax, softmax_sum=ssum,
+                                                attention_in=out.detach(), scale_value=0.3, keep_prob=0.8,
+                                                seed=seed, offset=offset, numels=numels, actual_seq_qlen=q_ends,
+                                                actual_seq_kvlen=kv_ends)
+    out.backward(torch.nan_to_num(dy, nan=0.0))
+    for leaf, grad in zip(leaves, grads[:3], strict=True):
+        torch.testing.assert_close(leaf.grad, grad, rtol=1e-5, atol=1e-6)
+
+
 def test_eod_padding_beyond_t_and_no_padding_for_other_layouts_stay_errors(rng):
     q = torch.randn(6, N, D, generator=rng)
     with pytest.raises(cann_attn.ParamInvalidError, match="actual_seq_kvlen"):
@@ -278,6 +302,7 @@ def test_install_then_import_torch_npu_and_call_torch_ops_npu():
     script = """
         import cann_attn.torch_npu
         cann_attn.torch_npu.install()
+        cann_attn.torch_npu.install()  # again: nothing to redefine
 
         import torch
         import torch_npu  # resolves to cann_attn.torch_npu
