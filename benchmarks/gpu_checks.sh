@@ -25,7 +25,7 @@ step() {
 }
 
 step gpu_tests python3 -m pytest -m gpu -q -x -p no:cacheprovider tests/test_gpu_dense.py tests/test_gpu_dsa.py \
-  tests/test_gpu_merge.py tests/test_gpu_paged.py tests/test_gpu_fia.py
+  tests/test_gpu_merge.py tests/test_gpu_paged.py tests/test_gpu_fia.py tests/test_gpu_torch_npu.py
 step gpu_context_parallel python3 -m pytest -m gpu -q -p no:cacheprovider -rs tests/test_gpu_context_parallel.py
 step bench_gpu_dense python3 benchmarks/bench_gpu_dense.py --out "$RESULTS" ${DENSE_ARGS:-}
 step bench_gpu_dsa python3 benchmarks/bench_gpu_dsa.py --out "$RESULTS" ${DSA_ARGS:-}
