@@ -420,8 +420,9 @@ class RunKernel:
             # without keys
             # would pass NaN input off as a fully masked row.
             valid = row_sum != 0
-            denom = torch.where(valid, row_sum * problem.keep_prob, 1.0).view(c * n2, -1, 1)
-            out_view[:, :, i0:i1].copy_(acc.div_(denom).view(c, problem.heads_q, rows, dv))
+            denom = torch.where(valid, row_sum * problem.keep_prob, 1.0).view(c, problem.heads_q, rows, 1)
+            # One pass: divided in fp32 and rounded once on the store into the output's dtype.
+            torch.div(acc.view(c, problem.heads_q, rows, dv), denom, out=out_view[:, :, i0:i1])
             if max_view is not None:
                 write_stat(max_view[:, :, i0:i1], torch.where(valid, row_max, -FLT_MAX))
                 write_stat(sum_view[:, :, i0:i1], torch.where(valid, row_sum, FLT_MAX))
