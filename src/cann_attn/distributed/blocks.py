@@ -68,6 +68,24 @@ class BlockCall:
     cols: tuple[int, ...]
     q_start: int
     kv_start: int
+    q_slot: int
+    q_span: tuple[int, int] | None  # (start, length) when q_rows are one contiguous range: views, no copies
+    kv_span: tuple[int, int] | None
+
+
+def _span(rows: list[torch.Tensor]) -> tuple[int, int] | None:
+    """(start, length) when the ranges follow one another without a gap."""
+    start, total = int(rows[0][0]) if rows[0].numel() else 0, 0
+    for r in rows:
+        if r.numel() and int(r[0]) != start + total:
+            return None
+        total += r.numel()
+    return start, total
+
+
+def take(x: torch.Tensor, rows: torch.Tensor, span: tuple[int, int] | None, dim: int = 0) -> torch.Tensor:
+    """The rows of x along dim: a view when they are contiguous, else a copy."""
+    return x.narrow(dim, span[0], span[1]) if span is not None else x.index_select(dim, rows)
 
 
 def plan_calls(setup: AttentionSetup, q_rank: int, kv_rank: int, device) -> list[BlockCall]:
@@ -86,17 +104,17 @@ def plan_calls(setup: AttentionSetup, q_rank: int, kv_rank: int, device) -> list
                 key = (q_slot, kv_slot, mask, qo if alibi else 0, ko if alibi else 0)
                 groups.setdefault(key, []).append((b, q_slot, kv_slot, qo, ko, rows, cols))
     calls = []
-    for (_, _, mask, qo_key, ko_key), members in groups.items():
+    for (q_slot, _, mask, qo_key, ko_key), members in groups.items():
         q_rows, kv_rows = [], []
-        for b, q_slot, kv_slot, _, _, _, _ in members:
-            start, n = setup.q_plan.local_chunk(b, q_slot)
+        for b, q_slot_b, kv_slot, _, _, _, _ in members:
+            start, n = setup.q_plan.local_chunk(b, q_slot_b)
             q_rows.append(torch.arange(start, start + n, dtype=torch.int64, device=device))
             start, n = setup.kv_plan.local_chunk(b, kv_slot)
             kv_rows.append(torch.arange(start, start + n, dtype=torch.int64, device=device))
         calls.append(BlockCall(
             mask, tuple(m[0] for m in members), torch.cat(q_rows), torch.cat(kv_rows), tuple(m[3] for m in members),
             tuple(m[4] for m in members), tuple(m[5] for m in members), tuple(m[6] for m in members),
-            setup.q_start + qo_key, setup.kv_start + ko_key))
+            setup.q_start + qo_key, setup.kv_start + ko_key, q_slot, _span(q_rows), _span(kv_rows)))
     return calls
 
 
@@ -138,16 +156,17 @@ def _options(setup: AttentionSetup, call: BlockCall) -> dict:
         pse_type=setup.pse_type, softmax_layout="TND", backend=setup.backend)
 
 
-def _rows(x: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+def _rows(x: torch.Tensor, rows: torch.Tensor, span) -> torch.Tensor:
     """The rows, upcast to the accumulation dtype: fp16/bf16 blocks run on exact fp32 copies, so that the merged
     result is rounded to the input dtype once, as the single-process operator rounds its fp32 accumulators once
     (a per-block rounding before the merge would add one rounding per block)."""
-    return x.index_select(0, rows).to(accumulation_dtype(x.dtype))
+    return take(x, rows, span).to(accumulation_dtype(x.dtype))
 
 
 def block_forward(setup: AttentionSetup, call: BlockCall, query, key, value):
     """(out [N, rows, Dv], max [N, rows], sum [N, rows]) of the call, rows in `call.q_rows` order."""
-    q, k, v = _rows(query, call.q_rows), _rows(key, call.kv_rows), _rows(value, call.kv_rows)
+    q, k, v = (_rows(query, call.q_rows, call.q_span), _rows(key, call.kv_rows, call.kv_span),
+               _rows(value, call.kv_rows, call.kv_span))
     result = flash_attention_score(q, k, v, setup.head_num, "TND", drop_mask=drop_mask(setup, call, q.device),
                                    **_options(setup, call))
     return (result.attention_out.transpose(0, 1), result.softmax_max[..., 0].transpose(0, 1),
@@ -156,11 +175,12 @@ def block_forward(setup: AttentionSetup, call: BlockCall, query, key, value):
 
 def block_backward(setup: AttentionSetup, call: BlockCall, query, key, value, d_out, out, softmax_max, softmax_sum):
     """(dq, dk, dv) of the call's blocks given the merged output and statistics ([N, T] for this rank's rows)."""
-    q, k, v = _rows(query, call.q_rows), _rows(key, call.kv_rows), _rows(value, call.kv_rows)
-    stats = [s.index_select(1, call.q_rows).transpose(0, 1).unsqueeze(-1).expand(-1, -1, STAT_WIDTH).contiguous()
-             for s in (softmax_max, softmax_sum)]
+    q, k, v = (_rows(query, call.q_rows, call.q_span), _rows(key, call.kv_rows, call.kv_span),
+               _rows(value, call.kv_rows, call.kv_span))
+    stats = [take(s, call.q_rows, call.q_span, 1).transpose(0, 1).unsqueeze(-1).expand(-1, -1, STAT_WIDTH)
+             .contiguous() for s in (softmax_max, softmax_sum)]
     grads = flash_attention_score_grad(
-        q, k, v, _rows(d_out, call.q_rows), setup.head_num, "TND",
+        q, k, v, _rows(d_out, call.q_rows, call.q_span), setup.head_num, "TND",
         drop_mask=drop_mask(setup, call, q.device), softmax_max=stats[0], softmax_sum=stats[1],
-        attention_in=_rows(out, call.q_rows), **_options(setup, call))
+        attention_in=_rows(out, call.q_rows, call.q_span), **_options(setup, call))
     return grads.dq, grads.dk, grads.dv

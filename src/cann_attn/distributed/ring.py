@@ -13,7 +13,7 @@ import torch
 from ..problem.merge import merge_blocks
 from ..problem.stats import FLT_MAX, accumulation_dtype
 from . import comm
-from .blocks import AttentionSetup, block_backward, block_forward, plan_calls
+from .blocks import AttentionSetup, block_backward, block_forward, plan_calls, take
 
 
 class RingOptions:
@@ -33,10 +33,12 @@ def ring_forward(setup: AttentionSetup, options: RingOptions, query, key, value)
     smax = torch.full((heads, rows), -FLT_MAX, dtype=acc_dtype, device=query.device)
     ssum = torch.full((heads, rows), FLT_MAX, dtype=acc_dtype, device=query.device)
     cur_k, cur_v = key.contiguous(), value.contiguous()
+    spare = None  # the hop buffers alternate: the ones received two hops ago are free again
+    touched: set[tuple[int, int]] = set()  # (sequence, query slot) whose rows hold a block already
     for step in range(world):
         works, nxt_k, nxt_v = [], None, None
         if step < world - 1:
-            nxt_k, nxt_v = torch.empty_like(cur_k), torch.empty_like(cur_v)
+            nxt_k, nxt_v = spare if spare is not None else (torch.empty_like(cur_k), torch.empty_like(cur_v))
             works = comm.send_recv(group, [cur_k, cur_v], [nxt_k, nxt_v], (rank + 1) % world, (rank - 1) % world,
                                    "ring_kv")
             if not options.overlap:
@@ -44,14 +46,20 @@ def ring_forward(setup: AttentionSetup, options: RingOptions, query, key, value)
                 works = []  # a finished work is not waited for twice (gloo would wait for it again)
         for call in plan_calls(setup, rank, (rank - step) % world, query.device):
             b_out, b_max, b_sum = block_forward(setup, call, query, cur_k, cur_v)
-            idx = call.q_rows
-            merged = merge_blocks(out.index_select(1, idx), smax.index_select(1, idx), ssum.index_select(1, idx),
-                                  b_out, b_max, b_sum)
-            out.index_copy_(1, idx, merged[0].to(acc_dtype))
-            smax.index_copy_(1, idx, merged[1].to(acc_dtype))
-            ssum.index_copy_(1, idx, merged[2].to(acc_dtype))
+            rows = [take(t, call.q_rows, call.q_span, 1) for t in (out, smax, ssum)]
+            keys = {(b, call.q_slot) for b in call.seqs}
+            if keys & touched:
+                b_out, b_max, b_sum = merge_blocks(*rows, b_out, b_max, b_sum)
+            touched |= keys
+            for acc, value_rows, new in zip((out, smax, ssum), rows, (b_out, b_max, b_sum), strict=True):
+                if call.q_span is not None:
+                    value_rows.copy_(new)
+                else:
+                    acc.index_copy_(1, call.q_rows, new.to(acc_dtype))
         comm.wait_all(group, works, f"ring forward hop {step}")
         if nxt_k is not None:
+            # cur (unless it is the caller's key/value) is free once its send has completed, as it has now.
+            spare = (cur_k, cur_v) if step > 0 else None
             cur_k, cur_v = nxt_k, nxt_v
     return out.transpose(0, 1).to(query.dtype).contiguous(), smax, ssum
 
@@ -64,39 +72,42 @@ def ring_backward(setup: AttentionSetup, options: RingOptions, query, key, value
     dq = torch.zeros(query.shape, dtype=acc_dtype, device=query.device)
     cur_k, cur_v = key.contiguous(), value.contiguous()
     d_out = d_out.contiguous()
-    pending = None  # (works, dk, dv) of the gradient accumulator arriving for the next shard
+    spare = None
+    # The gradient accumulator of the shard in hand: zeros at step 0, then the one the previous rank sends along
+    # (posted at the end of its previous step, at the same time as ours: waiting for it costs one hop).
+    grad_k = torch.zeros(cur_k.shape, dtype=acc_dtype, device=query.device)
+    grad_v = torch.zeros(cur_v.shape, dtype=acc_dtype, device=query.device)
+    arriving = []
     for step in range(world):
         works, nxt_k, nxt_v = [], None, None
         if step < world - 1:
-            nxt_k, nxt_v = torch.empty_like(cur_k), torch.empty_like(cur_v)
+            nxt_k, nxt_v = spare if spare is not None else (torch.empty_like(cur_k), torch.empty_like(cur_v))
             works = comm.send_recv(group, [cur_k, cur_v], [nxt_k, nxt_v], (rank + 1) % world, (rank - 1) % world,
                                    "ring_kv")
             if not options.overlap:
                 comm.wait_all(group, works, f"ring backward hop {step}")
                 works = []  # a finished work is not waited for twice (gloo would wait for it again)
-        dk = torch.zeros(cur_k.shape, dtype=acc_dtype, device=query.device)
-        dv = torch.zeros(cur_v.shape, dtype=acc_dtype, device=query.device)
+        comm.wait_all(group, arriving, f"ring backward gradient hop {step}")
         for call in plan_calls(setup, rank, (rank - step) % world, query.device):
             g_q, g_k, g_v = block_backward(setup, call, query, cur_k, cur_v, d_out, out, smax, ssum)
-            dq.index_add_(0, call.q_rows, g_q.to(acc_dtype))
-            dk.index_add_(0, call.kv_rows, g_k.to(acc_dtype))
-            dv.index_add_(0, call.kv_rows, g_v.to(acc_dtype))
-        if pending is not None:
-            comm.wait_all(group, pending[0], f"ring backward gradient hop {step}")
-            dk, dv = dk + pending[1], dv + pending[2]
-            pending = None
+            for acc, rows, span, grad in ((dq, call.q_rows, call.q_span, g_q), (grad_k, call.kv_rows, call.kv_span,
+                                          g_k), (grad_v, call.kv_rows, call.kv_span, g_v)):
+                if span is not None:
+                    acc.narrow(0, *span).add_(grad)
+                else:
+                    acc.index_add_(0, rows, grad.to(acc_dtype))
         if world > 1:
             # This shard's gradient so far moves on with it; after the last step it reaches its home rank.
-            in_k, in_v = torch.empty_like(dk), torch.empty_like(dv)
-            pending = (comm.send_recv(group, [dk, dv], [in_k, in_v], (rank + 1) % world, (rank - 1) % world,
-                                      "ring_grad"), in_k, in_v)
-        else:
-            pending = ([], dk, dv)
+            in_k, in_v = torch.empty_like(grad_k), torch.empty_like(grad_v)
+            arriving = comm.send_recv(group, [grad_k, grad_v], [in_k, in_v], (rank + 1) % world, (rank - 1) % world,
+                                      "ring_grad")
+            grad_k, grad_v = in_k, in_v
         comm.wait_all(group, works, f"ring backward hop {step}")
         if nxt_k is not None:
+            spare = (cur_k, cur_v) if step > 0 else None
             cur_k, cur_v = nxt_k, nxt_v
-    comm.wait_all(group, pending[0], "ring backward gradient home hop")
-    return dq.to(query.dtype), pending[1].to(key.dtype), pending[2].to(value.dtype)
+    comm.wait_all(group, arriving, "ring backward gradient home hop")
+    return dq.to(query.dtype), grad_k.to(key.dtype), grad_v.to(value.dtype)
 
 
 class RingAttention(torch.autograd.Function):
