@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import cann_attn
 import cann_attn.torch_npu as torch_npu
@@ -43,7 +45,7 @@ def _both(layout, lengths, page, gen, *, cache_layout="BnBsH", n=4, nkv=2, sq=1,
     k, v = rand((b, nkv, s, d), dtype, gen), rand((b, nkv, s, d), dtype, gen)
     caches, table = _caches(k, v, lengths, page, gen, cache_layout)
     common = dict(num_heads=n, num_key_value_heads=nkv, input_layout=layout, actual_seq_lengths_kv=lengths,
-                  softmax_lse_flag=True, scale=0.3, **kwargs)
+                  scale=0.3, **{"softmax_lse_flag": True, **kwargs})
     contiguous = cann_attn.fused_infer_attention_score(to_layout(q, layout), to_layout(k, layout),
                                                        to_layout(v, layout), **common)
     paged = cann_attn.fused_infer_attention_score(to_layout(q, layout), caches["key"], caches["value"],
@@ -228,3 +230,13 @@ def test_decode_reads_the_cache_in_place(rng, monkeypatch):
     monkeypatch.setattr(paged_infer.PagedKv, "group_bnsd", no_gather)
     _assert_equal(*_both("BSND", [70, 16, 33], 16, rng, dtype=torch.bfloat16))
     assert len(tables) == 2 and tables[0] is None and tables[1] is not None  # contiguous, then paged
+
+
+@settings(max_examples=10, deadline=None)
+@given(page=st.integers(1, 32).map(lambda m: 16 * m), seed=st.integers(0, 2**16),
+       layout=st.sampled_from(["BSH", "BSND", "BNSD"]), lse=st.booleans())
+def test_decode_paged_any_documented_block_size(page, seed, layout, lse):
+    """Q_S = 1: any multiple of 16 up to 512; random lengths (partial last blocks, several blocks)."""
+    gen = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(1, 2 * page + 2, (3,), generator=gen).tolist()
+    _assert_equal(*_both(layout, lengths, page, gen, n=2, nkv=1, d=16, softmax_lse_flag=lse))

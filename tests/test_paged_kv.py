@@ -136,6 +136,11 @@ def test_sfa_paged_any_documented_block_size(page, seed, layout):
         case = SFACase("BSND", gen=gen, b=2, s1=2, s2=max(lens), kv_lens=lens, n1=2, d=8, d_rope=4, value_is_key=True,
                        k=4, style="random")
     _assert_bitwise(*_sfa_both(case, page, gen))
+    indexer = IndexerCase("BSND", gen=gen, b=2, s1=2, s2=max(lens), kv_lens=lens, n_idx=2, d_idx=8)
+    cache, table, kv_lens = _paged_indexer(indexer, page, gen)
+    paged = cann_attn.lightning_indexer(indexer.query_index, cache, indexer.weights, block_table=table,
+                                        actual_seq_lengths_key=kv_lens, sparse_count=5, return_value=True)
+    _assert_bitwise(indexer.indexer(sparse_count=5, return_value=True), paged)
 
 
 def test_sfa_paged_through_torch_npu(rng):
