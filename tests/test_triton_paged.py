@@ -63,3 +63,36 @@ def test_indexer_triton_reads_pages_in_place(rng):
     assert torch.equal(paged.sparse_indices, contiguous.sparse_indices)
     assert torch.equal(paged.sparse_values, contiguous.sparse_values)
     assert torch.equal(paged.sparse_indices, reference.sparse_indices)
+
+
+@pytest.mark.parametrize("sq,page,mask", [(1, 16, False), (3, 128, True)])
+def test_fia_triton_reads_pages_in_place(sq, page, mask, rng, monkeypatch):
+    """The dense kernel translates key positions through the table (no gather): decode, and a prefill with an
+    explicit mask over the table's reach, equal to the contiguous call on the same kernel."""
+    from cann_attn.ops import paged_infer
+    from fia_cases import to_layout
+
+    def no_gather(*args, **kwargs):
+        raise AssertionError("the Triton path gathered the cache")
+
+    lengths, n, nkv, d = [page + 7, 9], 4, 2, 16
+    s = max(lengths)
+    q = torch.randn(2, n, sq, d, generator=rng)
+    k, v = torch.randn(2, nkv, s, d, generator=rng), torch.randn(2, nkv, s, d, generator=rng)
+    per_seq = {name: [t[b, :, : lengths[b]].permute(1, 0, 2).flatten(1) for b in range(2)]
+               for name, t in (("key", k), ("value", v))}
+    caches, table = paginate(per_seq, page, rng)
+    reach = table.shape[1] * page
+    kw = dict(num_heads=n, num_key_value_heads=nkv, input_layout="BSND", actual_seq_lengths_kv=lengths, scale=0.3,
+              softmax_lse_flag=True, backend="triton")
+    if mask:
+        kw["atten_mask"] = torch.rand(2, 1, sq, reach, generator=rng) < 0.2
+    monkeypatch.setattr(paged_infer.PagedKv, "group_bnsd", no_gather)
+    paged = cann_attn.fused_infer_attention_score(to_layout(q, "BSND"), caches["key"], caches["value"],
+                                                  block_table=table, block_size=page, **kw)
+    if mask:
+        kw["atten_mask"] = kw["atten_mask"][..., :s]
+    contiguous = cann_attn.fused_infer_attention_score(to_layout(q, "BSND"), to_layout(k, "BSND"),
+                                                       to_layout(v, "BSND"), **kw)
+    for a, b in zip(paged, contiguous, strict=True):
+        assert torch.equal(a, b)

@@ -27,7 +27,7 @@ from ..traceable import traced_as_custom_op
 from .infer_attention import (
     INVALID_LSE,
     attend,
-    paged_decode_in_place,
+    attend_paged,
     quant_plan,
     reject_offset_with_invalid_rows,
     validate_mask,
@@ -541,11 +541,12 @@ def fused_infer_attention_score(
     lse4 = lse if softmax_lse_flag else None
     if pages is not None:
         k_view, v_view = pages.cache_views()
-        if key_rope is None and paged_decode_in_place(q4, k_view, v_view, atten_mask=mask, pse_shift=pse_shift,
-                                                      plan=plan, backend=backend, op=common["op"], decode=decode):
-            # The decode loop reads the blocks in place through the table (the loop contiguous caches take).
-            attend(q4, k_view, v_view, out4, atten_mask=mask, mask_views=mask_views, act_q=act_q_list,
-                   act_kv=act_kv_list, pse_shift=None, softmax_lse=lse4, block_table=pages.pages.table, **common)
+        # In place through the table where a kernel can (Triton, the reference decode loop); rope keys need the
+        # key ++ rope rows assembled, so MLA gathers.
+        if key_rope is None and attend_paged(
+                q4, k_view, v_view, out4, block_table=pages.pages.table.to(query.device), atten_mask=mask,
+                mask_views=mask_views, act_q=act_q_list, act_kv=act_kv_list, pse_shift=pse_shift,
+                softmax_lse=lse4, **common):
             return out, lse
         # Per group of equal-length sequences (the attention's own batched runs): only their tokens are gathered.
         workspace = Workspace(query.device)

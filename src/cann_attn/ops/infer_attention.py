@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 from ..backends import kernels, resolve_backend, select_backend
-from ..backends.reference import decode_forward, flash_forward, native, quant_attention
+from ..backends.reference import decode_forward, flash_forward, quant_attention
 from ..backends.triton.dense_plan import dense_unsupported
 from ..errors import ParamInvalidError, describe, require
 from ..problem import mask as masks
@@ -171,13 +171,10 @@ def attend(
     query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, out: torch.Tensor, *, heads_kv: int, scale: float,
     atten_mask, mask_views, sparse_mode: int, act_q: list[int], act_kv: list[int], pre_tokens: int, next_tokens: int,
     pse_shift, plan: QuantPlan, backend: str, op: str, softmax_lse: torch.Tensor | None = None,
-    block_table: torch.Tensor | None = None,
 ) -> None:
     """Fill `out` ([B, N, Sq, Dv] view of the zero-initialised output) with attention over [B, N(kv), S, D] views,
     and `softmax_lse` ([B, N, Sq, 1] float32 view) when given: lse = max + log(sum) of the scaled, masked logits,
-    `INVALID_LSE` for rows that see no key. `mask_views` are `validate_mask`'s per-batch views. With `block_table`
-    key / value are paged caches seen as [block_num, N2, block_size, D] that the decode loop reads in place (the
-    caller checks `paged_decode_in_place` first; docs/semantics/paged-kv.md)."""
+    `INVALID_LSE` for rows that see no key. `mask_views` are `validate_mask`'s per-batch views."""
     batch, heads = query.shape[0], query.shape[1]
     problem = AttentionProblem(
         layout="BNSD", batch=batch, heads_q=heads, heads_kv=heads_kv, dim_qk=query.shape[-1], dim_v=value.shape[-1],
@@ -185,9 +182,6 @@ def attend(
         runs=sequence_runs(atten_mask, mask_views, sparse_mode, act_q, act_kv, pre_tokens, next_tokens, pse_shift,
                            scale),
     )
-    if block_table is not None:
-        _paged_decode(problem, query, key, value, out, softmax_lse, block_table, op)
-        return
     # With the tensors, the check also covers the kernels' int32 in-sequence offsets (no limit on S here).
     backend = select_backend(
         backend, query.device, op=op,
@@ -222,32 +216,41 @@ def attend(
         softmax_lse.copy_(torch.where(valid, m + torch.log(torch.where(valid, s, 1.0)), INVALID_LSE))
 
 
-def paged_decode_in_place(query: torch.Tensor, key_view: torch.Tensor, value_view: torch.Tensor, *, atten_mask,
-                          pse_shift, plan: QuantPlan, backend: str, op: str, decode: bool) -> bool:
-    """Whether a paged decode call runs the reference decode loop, which reads [block_num, N2, block_size, D]
-    cache views in place through the block table: what `attend` would pick for contiguous caches (one query
-    row, no mask, no pse, float output, the reference backend)."""
-    if not decode or atten_mask is not None or pse_shift is not None or plan.output_dtype == torch.int8:
+def attend_paged(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, out: torch.Tensor, *, block_table: torch.Tensor,
+    heads_kv: int, scale: float, atten_mask, mask_views, sparse_mode: int, act_q: list[int], act_kv: list[int],
+    pre_tokens: int, next_tokens: int, pse_shift, plan: QuantPlan, backend: str, op: str,
+    softmax_lse: torch.Tensor | None = None,
+) -> bool:
+    """`attend` over paged caches read in place (docs/semantics/paged-kv.md): key / value are [block_num, N2,
+    block_size, D] views and `block_table` maps each sequence's logical blocks. The Triton dense kernel reads any
+    case it supports through the table; on the reference backend the decode loop does (one query token, no mask or
+    pse), the loop contiguous caches take, so the bits are the same. Returns False, computing nothing, where
+    neither applies (int8, or another reference case): the caller then gathers."""
+    if query.dtype == torch.int8 or plan.output_dtype == torch.int8:
         return False
-    if query.device.type != "cpu" or query.dtype not in native.DECODE_DTYPES:
+    problem = AttentionProblem(
+        layout="BNSD", batch=query.shape[0], heads_q=query.shape[1], heads_kv=heads_kv, dim_qk=query.shape[-1],
+        dim_v=value.shape[-1], scale=scale, keep_prob=1.0, softmax_layout="",
+        runs=sequence_runs(atten_mask, mask_views, sparse_mode, act_q, act_kv, pre_tokens, next_tokens, pse_shift,
+                           scale),
+    )
+    resolved = resolve_backend(backend, query.device, op, warn=False, unsupported=lambda: dense_unsupported(
+        problem, query.dtype, output_dtype=plan.output_dtype, tensors={"q": query, "o": out}))
+    if resolved == "reference" and not decode_forward.usable(problem, query, key, value):
         return False
-    if resolve_backend(backend, query.device, op, unsupported=lambda: None, warn=False) != "reference":
-        return False
-    return native.decode_usable(key_view, value_view)
-
-
-def _paged_decode(problem: AttentionProblem, query, key, value, out, softmax_lse, block_table, op: str) -> None:
-    """`attend`'s decode path over paged caches (read in place), with its statistics and log-sum-exp."""
-    select_backend("reference", query.device, op=op)
+    select_backend(resolved, query.device, op=op, unsupported=lambda: None)  # counts the dispatch
     if query.numel() == 0:
-        return
-    stat_shape = (*out.shape[:-1], STAT_WIDTH)
+        return True
+    kernel = kernels("dense_forward", "triton") if resolved == "triton" else decode_forward
     row_max = row_sum = None
     if softmax_lse is not None:
+        stat_shape = (*out.shape[:-1], STAT_WIDTH)
         row_max = torch.full(stat_shape, -FLT_MAX, dtype=torch.float32, device=query.device)
         row_sum = torch.full(stat_shape, FLT_MAX, dtype=torch.float32, device=query.device)
-    decode_forward.forward(problem, query, key, value, out, row_max, row_sum, block_table=block_table)
+    kernel.forward(problem, query, key, value, out, row_max, row_sum, block_table=block_table)
     if softmax_lse is not None:
         m, s = row_max[..., :1], row_sum[..., :1]
         valid = m > -FLT_MAX
         softmax_lse.copy_(torch.where(valid, m + torch.log(torch.where(valid, s, 1.0)), INVALID_LSE))
+    return True

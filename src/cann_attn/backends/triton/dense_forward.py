@@ -47,15 +47,17 @@ from .dense_tiles import (
 
 @triton.jit
 def _forward_kernel(
-    Q, K, V, O, SMAX, SSUM, TAB, MASK, PSE, SLOPES, DROP,
+    Q, K, V, O, SMAX, SSUM, TAB, MASK, PSE, SLOPES, DROP, BT,
     sqh, sqs, sqd, skh, sks, skd, svh, svs, svd, soh, sos, sod,
     stat_rs, mask_hs, mask_rs, mask_cs, pse_hs, pse_rs, pse_cs, slope_hs,
-    q_start, kv_start, qk_scale, pse_mul, keep_prob,
+    q_start, kv_start, qk_scale, pse_mul, keep_prob, skb, svb,
     GROUP: tl.constexpr, DQK: tl.constexpr, DV: tl.constexpr, BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr,
     HAS_MASK: tl.constexpr, PSE_KIND: tl.constexpr, COMPRESSED: tl.constexpr, HAS_DROP: tl.constexpr,
     WRITE_STATS: tl.constexpr, BANDED: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
-    OFF_ALIGN: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    OFF_ALIGN: tl.constexpr, PAGE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
+    """PAGE > 0: K and V are paged caches (docs/semantics/paged-kv.md) read in place: key j of a sequence is slot
+    j % PAGE of block BT[bt_row + j // PAGE] (bt_row: the table column of k; skb / svb: block strides)."""
     pid_m = tl.program_id(0)
     h = tl.program_id(1)
     row = TAB + tl.program_id(2).to(tl.int64) * NCOL
@@ -79,8 +81,13 @@ def _forward_kernel(
                 mask=row_ok[:, None] & (offs_dq[None, :] < DQK), other=0.0)
     if UPCAST:
         q = q.to(tl.float32)
-    k_base = K + tiles.tensor_offset(row, C_K, OFF_ALIGN) + kvh * skh
-    v_base = V + tiles.tensor_offset(row, C_V, OFF_ALIGN) + kvh * svh
+    if PAGE > 0:
+        bt_row = BT + tl.load(row + C_K)
+        k_base = K + kvh * skh
+        v_base = V + kvh * svh
+    else:
+        k_base = K + tiles.tensor_offset(row, C_K, OFF_ALIGN) + kvh * skh
+        v_base = V + tiles.tensor_offset(row, C_V, OFF_ALIGN) + kvh * svh
     mask_base = 0
     if HAS_MASK:
         mask_base = tl.load(row + C_MASK) + h.to(tl.int64) * mask_hs
@@ -108,7 +115,14 @@ def _forward_kernel(
         offs_j = j0 + offs_n
         col_ok = offs_j < seq_kv
         j2 = offs_j[None, :]
-        kt = tl.load(k_base + offs_j[None, :] * sks + offs_dq[:, None] * skd,
+        if PAGE > 0:
+            block = tl.load(bt_row + offs_j // PAGE, mask=col_ok, other=0).to(tl.int64)
+            k_rows = block * skb + (offs_j % PAGE) * sks
+            v_rows = block * svb + (offs_j % PAGE) * svs
+        else:
+            k_rows = offs_j * sks
+            v_rows = offs_j * svs
+        kt = tl.load(k_base + k_rows[None, :] + offs_dq[:, None] * skd,
                      mask=col_ok[None, :] & dq_ok[:, None], other=0.0)
         if UPCAST:
             kt = kt.to(tl.float32)
@@ -131,7 +145,7 @@ def _forward_kernel(
         m_i = m_new
         if HAS_DROP:
             p = tl.where(tiles.keep_bits(DROP, drop_base, h, i2, j2, seq_q, seq_kv), p, 0.0)
-        v = tl.load(v_base + offs_j[:, None] * svs + offs_dv[None, :] * svd,
+        v = tl.load(v_base + v_rows[:, None] + offs_dv[None, :] * svd,
                     mask=col_ok[:, None] & dv_ok[None, :], other=0.0)
         if UPCAST:
             v = v.to(tl.float32)
@@ -220,16 +234,19 @@ def mask_pse_args(plan: DensePlan, placeholder: torch.Tensor) -> tuple:
     return tuple(t if t is not None else placeholder for t in (plan.mask, plan.pse, plan.slopes, plan.drop))
 
 
-def forward(problem: AttentionProblem, query, key, value, out, softmax_max=None, softmax_sum=None) -> None:
-    """Fill `out` and (when given) `softmax_max` / `softmax_sum`, like `reference.flash_forward.forward`."""
-    plan = build_plan(problem, {"q": query, "k": key, "v": value, "o": out}, stats=softmax_max)
+def forward(problem: AttentionProblem, query, key, value, out, softmax_max=None, softmax_sum=None,
+            block_table: torch.Tensor | None = None) -> None:
+    """Fill `out` and (when given) `softmax_max` / `softmax_sum`, like `reference.flash_forward.forward`. With
+    `block_table`, key / value are paged caches as [block_num, N2, block_size, D] views, read in place."""
+    plan = build_plan(problem, {"q": query, "k": key, "v": value, "o": out}, stats=softmax_max,
+                      block_table=block_table)
     if plan.num_seq == 0 or plan.max_seq_q == 0:
         return
     if problem.sink is not None:
         _forward_with_sink(problem, plan, query, key, value, out, softmax_max, softmax_sum)
         return
     with tiles.rounded_bf16_outputs(out) as (out_k,):
-        launch_forward(problem, plan, query, key, value, out_k, softmax_max, softmax_sum)
+        launch_forward(problem, plan, query, key, value, out_k, softmax_max, softmax_sum, block_table)
 
 
 def _forward_with_sink(problem: AttentionProblem, plan: DensePlan, query, key, value, out, softmax_max,
@@ -253,18 +270,20 @@ def _forward_with_sink(problem: AttentionProblem, plan: DensePlan, query, key, v
 
 
 def launch_forward(problem: AttentionProblem, plan: DensePlan, query, key, value, out, softmax_max,
-                   softmax_sum) -> None:
+                   softmax_sum, block_table: torch.Tensor | None = None) -> None:
     flags = common_flags(problem, plan, query.dtype)
+    flags["PAGE"] = 0 if block_table is None else key.shape[2]
     write_stats = softmax_max is not None
     s = plan.strides
     log2e = tiles.LOG2E
     args = (
         query, key, value, out,
         softmax_max if write_stats else plan.table, softmax_sum if write_stats else plan.table,
-        plan.table, *mask_pse_args(plan, plan.table),
+        plan.table, *mask_pse_args(plan, plan.table), plan.table if block_table is None else block_table,
         *s["q"], *s["k"], *s["v"], *s["o"],
         plan.stat_row_stride, *plan.mask_strides, *plan.pse_strides, plan.slope_head_stride,
         plan.q_start, plan.kv_start, problem.scale * log2e, plan.pse_multiplier * log2e, problem.keep_prob,
+        plan.block_strides.get("k", 0), plan.block_strides.get("v", 0),
     )
     kernel = _launcher("forward", _forward_kernel, _gpu_configs())
 

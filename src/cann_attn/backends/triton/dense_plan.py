@@ -64,6 +64,7 @@ class DensePlan:
     max_seq_kv: int
     total_q: int  # sum of Sq over sequences: rows of the backward's delta buffer per head
     strides: dict[str, tuple[int, int, int]] = field(default_factory=dict)
+    block_strides: dict[str, int] = field(default_factory=dict)  # paged k / v caches: elements between blocks
     stat_row_stride: int = 8
     mask: torch.Tensor | None = None
     mask_strides: tuple[int, int, int] = (0, 0, 0)  # head, row, col
@@ -165,10 +166,13 @@ def dense_unsupported(problem: AttentionProblem, dtype: torch.dtype, *, output_d
 
 
 def build_plan(problem: AttentionProblem, tensors: dict[str, torch.Tensor], *,
-               stats: torch.Tensor | None = None, dpse: torch.Tensor | None = None) -> DensePlan:
+               stats: torch.Tensor | None = None, dpse: torch.Tensor | None = None,
+               block_table: torch.Tensor | None = None) -> DensePlan:
     """Lower `problem` with the caller's tensors (keys from `COLUMNS`: q, k, v, o, dy, dq, dk, dv; any subset)
     to a `DensePlan` on their device. `stats` is softmax_max (softmax_sum shares its layout, section 6); `dpse`
-    the fp32 gradient buffer of a type 0/1 pse (the pse's own shape)."""
+    the fp32 gradient buffer of a type 0/1 pse (the pse's own shape). With `block_table` (paged caches,
+    docs/semantics/paged-kv.md) k and v are [block_num, N2, block_size, D] cache views: their table column holds
+    the offset of the sequence's row in the block table and `plan.block_strides` their block strides."""
     device = tensors["q"].device
     seqs = list(_sequences(problem))
     rows = [[0] * NUM_COLUMNS for _ in seqs]
@@ -178,6 +182,12 @@ def build_plan(problem: AttentionProblem, tensors: dict[str, torch.Tensor], *,
     for name, t in tensors.items():
         query_like = name in QUERY_LIKE
         heads = problem.heads_q if query_like else problem.heads_kv
+        if block_table is not None and name in ("k", "v"):
+            plan.strides[name] = (t.stride(1), t.stride(2), t.stride(3))
+            plan.block_strides[name] = t.stride(0)
+            for row, (_, _, b, _, _) in zip(rows, seqs, strict=True):
+                row[COL[name]] = b * block_table.stride(0)
+            continue
         unit, plan.strides[name] = _layout_strides(problem, t, heads)
         for row, (_, _, b, q_tok, kv_tok) in zip(rows, seqs, strict=True):
             row[COL[name]] = unit * ((q_tok if query_like else kv_tok) if problem.tnd else b)
