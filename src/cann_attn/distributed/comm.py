@@ -9,6 +9,7 @@ Bytes sent by this process are counted per kind (`comm_stats`), for the benchmar
 from __future__ import annotations
 
 import datetime
+import hashlib
 import json
 from collections import Counter
 from dataclasses import dataclass
@@ -77,11 +78,12 @@ def agree(group: Group, signature: dict, error: Exception | None) -> None:
     """All ranks exchange what they pass (`signature`, JSON-able) and whether their own validation failed. Raises
     on every rank alike: the first rank's error (ParamInvalidError if it was one), or a description of the
     mismatch."""
-    text = json.dumps({"error": None if error is None else f"{type(error).__name__}: {error}",
-                       "invalid": isinstance(error, ParamInvalidError), "sig": signature}, sort_keys=True,
-                      default=str).encode()
-    if len(text) > _SIGNATURE_BYTES:
-        text = text[:_SIGNATURE_BYTES]
+    message = None if error is None else f"{type(error).__name__}: {error}"[:1024]
+    entry = {"error": message, "invalid": isinstance(error, ParamInvalidError), "sig": signature}
+    text = json.dumps(entry, sort_keys=True, default=str).encode()
+    if len(text) > _SIGNATURE_BYTES:  # long length lists: ranks compare a digest (the message then names no field)
+        digest = hashlib.sha256(json.dumps(signature, sort_keys=True, default=str).encode()).hexdigest()
+        text = json.dumps(dict(entry, sig={"digest": digest}), sort_keys=True).encode()
     mine = torch.zeros(_SIGNATURE_BYTES, dtype=torch.uint8)
     mine[: len(text)] = torch.frombuffer(bytearray(text), dtype=torch.uint8)
     mine = mine.to(group.device)
