@@ -52,6 +52,8 @@ ALIBI_TILE_WIDTH = 512
 # panel more often (128 rows measured 5% slower, 64 rows 20%), narrower column blocks make more BLAS calls.
 FUSED_BLOCK_ROWS = 256
 FUSED_SUB_COLS = 512
+# Query rows per forward tile when every tile is one fused call (`RunKernel.forward_rows`).
+FUSED_FORWARD_ROWS = 1024
 # Slack (natural-log units) on the bound of an ALiBi tile's logits before it is skipped as underflowing: covers
 # the fp32 rounding of the GEMM, of the ALiBi columns and of the exponent's argument many times over.
 UNDERFLOW_SLACK = 1.0
@@ -398,8 +400,9 @@ class RunKernel:
         problem, run = self.problem, self.run
         c, n2 = run.count, problem.heads_kv
         dv = self.v.shape[-1]
-        for i0 in range(0, run.seq_q, self.block_q):
-            i1 = min(i0 + self.block_q, run.seq_q)
+        block_q = self.forward_rows()
+        for i0 in range(0, run.seq_q, block_q):
+            i1 = min(i0 + block_q, run.seq_q)
             rows = i1 - i0
             q_tile = self.query_tile(i0, i1, formed=not self.bf16_scores_only)
             row_max = torch.full((c, problem.heads_q, rows), float("-inf"), dtype=self.dtype, device=self.device)
@@ -426,6 +429,18 @@ class RunKernel:
             if max_view is not None:
                 write_stat(max_view[:, :, i0:i1], torch.where(valid, row_max, -FLT_MAX))
                 write_stat(sum_view[:, :, i0:i1], torch.where(valid, row_sum, FLT_MAX))
+
+    def forward_rows(self) -> int:
+        """Query rows per forward tile. Where every tile is one call of the fused loops (no pse tensor, no dropout)
+        the score buffer that bounds `block_q` is not used, so tiles grow to FUSED_FORWARD_ROWS rows (within the
+        [c, N1, rows, Dv] accumulator budget): fewer calls and per-tile passes, whose fixed costs dominate when the
+        machine is shared. Inside a call the rows still go in FUSED_BLOCK_ROWS blocks, as in any tall tile."""
+        if not self.fused or (self.run.pse is not None and not self.native_alibi) or self.run.dropout is not None:
+            return self.block_q
+        heads = self.run.count * self.problem.heads_q
+        budget = max(FUSED_BLOCK_ROWS, TILE_ELEMENTS // max(1, heads * self.v.shape[-1]))
+        rows = min(FUSED_FORWARD_ROWS, budget) // FUSED_BLOCK_ROWS * FUSED_BLOCK_ROWS
+        return max(self.block_q, min(rows, self.run.seq_q))
 
     def _fused_forward(self, q_tile, i0: int, i1: int, row_max, row_sum, acc) -> None:
         """The query tile through the fused native loop: one call for all key tiles where `fused_tiles` allows,
