@@ -227,12 +227,13 @@ def test_real_benchmarks_take_the_devices_they_declare():
                           text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert set(result) == {"fa_forward", "fa_backward", "pfa", "indexer", "sparse_attention", "gpu_dense", "gpu_dsa"}
+    assert {"fa_forward", "fa_backward", "pfa", "indexer", "sparse_attention", "gpu_dense", "gpu_dsa",
+            "sinks"} <= set(result)
     for name, r in result.items():
         assert r["takes_device"] and r["declared"] == r["module"], (name, r)
         assert r["exit"] == {d: 0 if d in r["declared"] else 2 for d in ("cpu", "cuda")}, (name, r)
     assert result["fa_forward"]["declared"] == result["fa_backward"]["declared"] == ["cpu", "cuda"]
-    for name in ("pfa", "indexer", "sparse_attention"):
+    for name in ("pfa", "indexer", "sparse_attention", "sinks"):
         assert result[name]["declared"] == ["cpu"]
     for name in ("gpu_dense", "gpu_dsa"):
         assert result[name]["declared"] == ["cuda"]

@@ -97,6 +97,18 @@ def test_sparse_attention_fullgraph_latent_as_key_and_value(rng):
     _assert_compiled_matches_eager(fn, [q, latent, q_rope, k_rope])
 
 
+def test_sparse_attention_fullgraph_with_sinks(rng):
+    """The sinks are a leaf of the compiled graph too (docs/semantics/sinks.md)."""
+    q, latent, q_rope, k_rope, idx = _dsa_inputs(rng)
+    sinks = _leaf(rng, 4)
+
+    def fn(q, latent, q_rope, k_rope, sinks):
+        return cann_attn.sparse_attention(q, latent, latent, idx, 0.2, query_rope=q_rope, key_rope=k_rope,
+                                          sinks=sinks)
+
+    _assert_compiled_matches_eager(fn, [q, latent, q_rope, k_rope, sinks])
+
+
 @pytest.mark.parametrize("reduction", ["sum", "mean"])
 def test_indexer_kl_loss_fullgraph(rng, reduction):
     q, latent, q_rope, k_rope, idx = _dsa_inputs(rng)

@@ -191,6 +191,6 @@ def test_pse_tensor_with_dpse_bf16(rows):
     f32 = {**kw, "pse": pse.float()}
     gold = cann_attn.flash_attention_score_grad(*(t.float() for t in (q, k, v, dy)), n, "BNSD", backend="reference",
                                                 **f32)
-    for name, a, g in zip(("dq", "dk", "dv", "dpse"), ours, gold, strict=True):
+    for name, a, g in zip(("dq", "dk", "dv", "dpse"), ours[:4], gold[:4], strict=True):
         err = (a.float() - g).norm() / g.norm()
         assert err < 1e-2, (name, err.item())

@@ -55,7 +55,7 @@ def compare(case: GradCase, *, grad: bool = True, **kw) -> None:
         g_ours = cann_attn.flash_attention_score_grad(*args, backend="triton", **kw, **extra)
         g_ref = cann_attn.flash_attention_score_grad(*args, backend="reference", **kw, **extra)
         assert dispatch_counts[("flash_attention_score_grad", "triton")] == before + 1
-        for name, a, r in zip(("dq", "dk", "dv", "dpse"), g_ours, g_ref, strict=True):
+        for name, a, r in zip(("dq", "dk", "dv", "dpse", "dsink"), g_ours, g_ref, strict=True):
             _close(name, a, r, case.dtype)
 
 

@@ -126,6 +126,6 @@ def kernels(family: str, backend: str) -> ModuleType:
     """The module computing `family` on `backend` ("reference" or "triton"), imported on demand so the package
     works without triton: dense_forward has `forward(problem, query, key, value, out, softmax_max=None,
     softmax_sum=None)`, dense_backward `backward(problem, query, key, value, dy, attention_in, softmax_max,
-    softmax_sum, dq, dk, dv, dpse_source)`."""
+    softmax_sum, dq, dk, dv, dpse_source, dsink_acc=None)`."""
     reference, triton = _KERNEL_MODULES[family]
     return importlib.import_module(f"{__name__}.{triton if backend == 'triton' else reference}")

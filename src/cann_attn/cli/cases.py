@@ -1102,7 +1102,8 @@ def _sfa_grad_golden(call: Call, naive: bool = False) -> Outputs:
     if compute is None:
         return {}
     leaves = {
-        n: named[n].detach().to(compute).requires_grad_() for n in _SFA_TENSORS if named.get(n) is not None
+        n: named[n].detach().to(compute).requires_grad_()
+        for n in (*_SFA_TENSORS, "sinks") if named.get(n) is not None
     }
     out = _sfa_oracle({**named, **leaves}, compute)[0]
     if out.requires_grad:
@@ -1185,9 +1186,9 @@ _register_operator(
 _register_operator(
     Operator(
         "sparse_flash_attention_grad",
-        tuple(f"d_{n}" for n in _SFA_TENSORS),
+        (*(f"d_{n}" for n in _SFA_TENSORS), "d_sinks"),
         _sfa_grad_golden,
-        _same_dtype(**{f"d_{n}": n for n in _SFA_TENSORS}),
+        _same_dtype(**{f"d_{n}": n for n in (*_SFA_TENSORS, "sinks")}),
         state=_SFA_GRAD_STATE,
         derive=sfa_grad_state,
     )
@@ -1233,6 +1234,7 @@ class DSAConfig:
     dim_index: int = 32
     q_lens: tuple[int, ...] | None = None
     kv_lens: tuple[int, ...] | None = None
+    sinks: bool = False  # SFA: one softmax logit per query head (docs/semantics/sinks.md)
 
     def lead(self, kv: bool = False) -> tuple[int, ...]:
         if self.layout == "TND":
@@ -1256,7 +1258,8 @@ class DSAConfig:
         if indexer:
             return f"{self.layout} {seq} Nidx{self.heads_index} Didx{self.dim_index} K{self.topk}"
         rope = f"+{self.rope}" if self.rope else ""
-        return f"{self.layout} {seq} N{self.heads} D{self.dim}{rope} K{self.topk} bs{self.block_size}"
+        sinks = " sinks" if self.sinks else ""
+        return f"{self.layout} {seq} N{self.heads} D{self.dim}{rope} K{self.topk} bs{self.block_size}{sinks}"
 
 
 def _sfa_named(gen: torch.Generator, cfg: DSAConfig) -> dict[str, Any]:
@@ -1286,6 +1289,8 @@ def _sfa_named(gen: torch.Generator, cfg: DSAConfig) -> dict[str, Any]:
         actual_seq_lengths_kv=named.get("actual_seq_lengths_kv"),
         dtype=cfg.index_dtype,
     )
+    if cfg.sinks:
+        named["sinks"] = randn(gen, (cfg.heads,), torch.float32, std=2.0)
     return named
 
 
@@ -1377,6 +1382,10 @@ def kl_case(name: str, cfg: DSAConfig, indices_from_indexer: bool = False, quick
 
 register(
     sfa_case("bsnd_rope", DSAConfig("BSND", BF16, batch=2, seq_q=32, seq_kv=64, heads=8)),
+    sfa_case("bsnd_sinks", DSAConfig("BSND", BF16, batch=2, seq_q=32, seq_kv=64, heads=8, sinks=True,
+                                     q_lens=(32, 20))),
+    sfa_case("tnd_sinks_block8", DSAConfig("TND", F16, heads=4, topk=4, block_size=8, q_lens=(16, 5),
+                                           kv_lens=(40, 64), sinks=True)),
     sfa_case(
         "tnd_block16",
         DSAConfig("TND", F16, heads=4, topk=4, block_size=16, q_lens=(20, 40), kv_lens=(64, 96)),
@@ -1401,6 +1410,9 @@ register(
     sfa_case("large_bsnd_d512", DSAConfig("BSND", BF16, seq_q=256, seq_kv=1024, heads=16, dim=512, rope=64,
                                            topk=256), quick=False),
     sfa_grad_case("bsnd_rope", DSAConfig("BSND", BF16, batch=2, seq_q=24, seq_kv=48, heads=4)),
+    sfa_grad_case("bsnd_sinks", DSAConfig("BSND", BF16, batch=2, seq_q=24, seq_kv=48, heads=4, sinks=True)),
+    sfa_grad_case("tnd_sinks", DSAConfig("TND", F32, heads=4, topk=8, q_lens=(12, 0, 9), kv_lens=(30, 0, 20),
+                                         sinks=True)),
     sfa_grad_case("tnd_block8", DSAConfig("TND", F32, heads=2, topk=4, block_size=8, q_lens=(16, 24),
                                           kv_lens=(40, 24))),
     li_case("bsnd_topk", DSAConfig("BSND", BF16, batch=2, seq_q=32, seq_kv=64, topk=16, heads_index=8)),

@@ -11,7 +11,6 @@ from ..backends import kernels, select_backend
 from ..backends.triton.dense_plan import dense_unsupported
 from ..errors import ParamInvalidError, ParamNullptrError, require
 from ..problem import layout as layouts
-from ..problem import sink as sinks
 from ..problem import stats
 from ..traceable import traced_as_custom_op
 from .fa_problem import build_problem
@@ -125,15 +124,13 @@ def flash_attention_score_grad(
     dv = torch.zeros_like(value)
     has_pse_tensor = pse is not None and pse_type in (0, 1)
     dpse_acc = torch.zeros(pse.shape, dtype=stat_dtype, device=pse.device) if has_pse_tensor else None
+    # The backends add the sink's gradient terms (docs/semantics/sinks.md) where they form rowsum(dY * O) anyway.
+    dsink_acc = None if problem.sink is None else torch.zeros(problem.heads_q, dtype=stat_dtype, device=dy.device)
     if query.numel() > 0 and key.numel() > 0:
         kernels("dense_backward", backend).backward(problem, query, key, value, dy, attention_in, softmax_max,
-                                                    softmax_sum, dq, dk, dv, dpse_acc)
+                                                    softmax_sum, dq, dk, dv, dpse_acc, dsink_acc=dsink_acc)
     dpse = dpse_acc.to(pse.dtype) if dpse_acc is not None else None
-    dsink = None
-    if problem.sink is not None:
-        dsink = sinks.sink_grad([(problem.q_view(dy, run), problem.q_view(attention_in, run),
-                                  problem.stat_view(softmax_max, run), problem.stat_view(softmax_sum, run))
-                                 for run in problem.runs], problem.sink, stat_dtype)
+    dsink = None if dsink_acc is None else dsink_acc.to(device=problem.sink.device, dtype=problem.sink.dtype)
     return FlashAttentionScoreGradResult(dq, dk, dv, dpse, dsink)
 
 

@@ -101,21 +101,29 @@ def sink_grad_terms(dy: torch.Tensor, out: torch.Tensor, row_max: torch.Tensor, 
     """-P_sink * rowsum(dY * O) of rows (dY, O [..., Dv], statistics [...]), in `acc_dtype`: summed over the rows of
     a head (every batch and sequence) they give dsink[h]."""
     d_sum = (dy.to(acc_dtype) * out.to(acc_dtype)).sum(-1)
-    return -sink_probability(row_max.to(acc_dtype), row_sum.to(acc_dtype), sink_heads.to(acc_dtype)) * d_sum
+    return sink_grad_terms_from_rowsum(d_sum, row_max, row_sum, sink_heads)
+
+
+def sink_grad_terms_from_rowsum(d_sum: torch.Tensor, row_max: torch.Tensor, row_sum: torch.Tensor,
+                                sink_heads: torch.Tensor) -> torch.Tensor:
+    """`sink_grad_terms` from rowsum(dY * O) [...] already at hand (a backward kernel forms it anyway), in its
+    dtype."""
+    dtype = d_sum.dtype
+    return -sink_probability(row_max.to(dtype), row_sum.to(dtype), sink_heads.to(dtype)) * d_sum
 
 
 def sink_grad(rows: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]], sink: torch.Tensor,
-              acc_dtype: torch.dtype) -> torch.Tensor:
-    """FlashAttentionScore's dsink [N1] (the sink's dtype) from runs of (dY [c, N1, rows, Dv], O [c, N1, rows, Dv],
-    softmax_max [c, N1, rows, 8], softmax_sum [c, N1, rows, 8]), summed in `acc_dtype`."""
-    total = torch.zeros(sink.shape[0], dtype=acc_dtype, device=sink.device)
+              acc_dtype: torch.dtype, total: torch.Tensor | None = None) -> torch.Tensor:
+    """FlashAttentionScore's dsink [N1] in `acc_dtype` from runs of (dY [c, N1, rows, Dv], O [c, N1, rows, Dv],
+    softmax_max [c, N1, rows, 8], softmax_sum [c, N1, rows, 8]), added to `total` when given."""
+    total = torch.zeros(sink.shape[0], dtype=acc_dtype, device=sink.device) if total is None else total
     for dy, out, smax, ssum in rows:
         if dy.numel() == 0:
             continue
         heads = head_values(sink, acc_dtype, dy.device)
         terms = sink_grad_terms(dy, out, smax[..., 0], ssum[..., 0], heads, acc_dtype)
         total += terms.sum(dim=(0, 2)).to(total.device)
-    return total.to(sink.dtype)
+    return total
 
 
 def finish_keyless_rows(problem, out: torch.Tensor, softmax_max: torch.Tensor, softmax_sum: torch.Tensor) -> None:

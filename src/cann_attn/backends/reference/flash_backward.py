@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import torch
 
+from ...problem import sink as sinks
 from ...problem.attention import AttentionProblem, Run
 from . import native
 from .flash_forward import RunKernel, fused_block_rows, group_rows, key_tiles
@@ -35,9 +36,11 @@ FUSED_MIN_ITEMS = 8
 @torch.no_grad()  # kernels fill preallocated outputs; autograd pairs the ops one level up
 def backward(
     problem: AttentionProblem, query, key, value, dy, attention_in, softmax_max, softmax_sum,
-    dq, dk, dv, dpse_source: torch.Tensor | None,
+    dq, dk, dv, dpse_source: torch.Tensor | None, dsink_acc: torch.Tensor | None = None,
 ) -> None:
-    """Fill dq / dk / dv (caller layouts) and accumulate dpse (fp32, the pse's own shape) for every run."""
+    """Fill dq / dk / dv (caller layouts) and accumulate dpse (fp32, the pse's own shape) for every run, and with a
+    sink its gradient terms into `dsink_acc` [N1] (problem/sink.py; rows of runs without keys have O = 0 and add
+    nothing)."""
     for run in problem.runs:
         if run.seq_kv == 0:
             continue
@@ -48,7 +51,7 @@ def backward(
             dv_view.zero_()
             continue
         _backward_run(kernel, problem, run, dy, attention_in, softmax_max, softmax_sum, dq, dk_view, dv_view,
-                      dpse_source)
+                      dpse_source, dsink_acc)
 
 
 def _pse_grad_target(run: Run, dpse_source: torch.Tensor | None) -> torch.Tensor | None:
@@ -59,7 +62,7 @@ def _pse_grad_target(run: Run, dpse_source: torch.Tensor | None) -> torch.Tensor
 
 
 def _backward_run(kernel: RunKernel, problem: AttentionProblem, run: Run, dy, attention_in, softmax_max,
-                  softmax_sum, dq, dk_view, dv_view, dpse_source) -> None:
+                  softmax_sum, dq, dk_view, dv_view, dpse_source, dsink_acc) -> None:
     c, n2 = run.count, problem.heads_kv
     dtype, device = kernel.dtype, kernel.device
     d_qk = problem.dim_qk
@@ -77,6 +80,10 @@ def _backward_run(kernel: RunKernel, problem: AttentionProblem, run: Run, dy, at
         dy_t = dy_all[:, :, i0:i1].to(dtype)
         # rowsum(dY * O) with O the forward output (after dropout), per docs/semantics/dropout.md.
         d_sum = (dy_t * o_all[:, :, i0:i1].to(dtype)).sum(-1)
+        if dsink_acc is not None:
+            terms = sinks.sink_grad_terms_from_rowsum(d_sum, max_all[:, :, i0:i1], sum_all[:, :, i0:i1],
+                                                      sinks.head_values(problem.sink, dtype, device))
+            dsink_acc += terms.sum(dim=(0, 2)).to(dsink_acc.dtype)
         dy_g = group_rows(dy_t, n2)
         row_max = max_all[:, :, i0:i1].to(dtype).unsqueeze(-1)
         inv_sum = 1.0 / sum_all[:, :, i0:i1].to(dtype).unsqueeze(-1)

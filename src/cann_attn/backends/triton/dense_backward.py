@@ -25,6 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ...problem import sink as sinks
 from ...problem.attention import AttentionProblem
 from . import dense_tiles as tiles
 from .dense_forward import _launcher, common_flags, interpreter_block, mask_pse_args
@@ -332,10 +333,14 @@ def _configs(outer: str, inner: str, first: tuple[int, int, int] = (64, 32, 4)) 
 
 def backward(
     problem: AttentionProblem, query, key, value, dy, attention_in, softmax_max, softmax_sum,
-    dq, dk, dv, dpse_source: torch.Tensor | None,
+    dq, dk, dv, dpse_source: torch.Tensor | None, dsink_acc: torch.Tensor | None = None,
 ) -> None:
-    """Fill dq / dk / dv (caller layouts, pre-zeroed) and dpse (fp32, the pse's own shape, pre-zeroed), like
-    `reference.flash_backward.backward`."""
+    """Fill dq / dk / dv (caller layouts, pre-zeroed) and dpse (fp32, the pse's own shape, pre-zeroed), and add the
+    sink's gradient terms to `dsink_acc`, like `reference.flash_backward.backward`."""
+    if dsink_acc is not None:  # a few elementwise passes over dY and O (problem/sink.py)
+        sinks.sink_grad([(problem.q_view(dy, run), problem.q_view(attention_in, run),
+                          problem.stat_view(softmax_max, run), problem.stat_view(softmax_sum, run))
+                         for run in problem.runs], problem.sink, dsink_acc.dtype, total=dsink_acc)
     tensors = {"q": query, "k": key, "v": value, "o": attention_in, "dy": dy, "dq": dq, "dk": dk, "dv": dv}
     if softmax_max.stride() != softmax_sum.stride() or softmax_max.stride(-1) not in (0, 1):
         # The kernels address both statistics with softmax_max's offsets and need a unit (or 0) lane stride
