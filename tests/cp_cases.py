@@ -499,7 +499,7 @@ def run_failures(rank: int, world: int, device, timeout: float) -> dict:
 
     attempt("peer_raises", peer_raises)
     if rank == 1:
-        time.sleep(timeout + 1)
+        time.sleep(timeout + 0.5)
 
     # Rank 1 never calls (it raised before, in user code) and stays alive.
     def peer_absent():
@@ -509,5 +509,5 @@ def run_failures(rank: int, world: int, device, timeout: float) -> dict:
 
     attempt("peer_absent", peer_absent)
     if rank == 1:
-        time.sleep(timeout + 1)
+        time.sleep(timeout + 0.5)
     return outcome

@@ -76,7 +76,7 @@ def test_failures_raise_on_every_rank_within_the_timeout():
     """Mismatched shapes / head counts and one rank's own validation error raise ParamInvalidError on every rank
     before any computation; a rank that raises inside the ring, or never calls, makes the others raise
     ContextParallelError within the timeout instead of hanging."""
-    timeout = 3.0
+    timeout = 2.0
     results = run_group(2, cp_cases.run_failures, timeout)
     for rank, outcome in enumerate(results):
         for name in ("shape", "heads", "own_error"):
