@@ -88,7 +88,8 @@ def forward(problem: AttentionProblem, query, key, value, out, softmax_max=None,
         if run.seq_q > 0 and run.seq_kv > 0:
             max_view = None if softmax_max is None else problem.stat_view(softmax_max, run)
             sum_view = None if softmax_sum is None else problem.stat_view(softmax_sum, run)
-            RunKernel(problem, run, query, key, value).forward(problem.q_view(out, run), max_view, sum_view)
+            RunKernel(problem, run, query, key, value, forward_only=True).forward(problem.q_view(out, run), max_view,
+                                                                                 sum_view)
 
 
 def group_rows(t: torch.Tensor, heads_kv: int) -> torch.Tensor:
@@ -124,13 +125,20 @@ def key_tiles(run: Run, i0: int, i1: int, block_k: int, max_width: int | None = 
 class RunKernel:
     """Per-run state shared by the forward and backward passes: converted K/V, buffers, score tiles."""
 
-    def __init__(self, problem: AttentionProblem, run: Run, query, key, value) -> None:
+    def __init__(self, problem: AttentionProblem, run: Run, query, key, value, forward_only: bool = False) -> None:
         self.problem, self.run = problem, run
         self.dtype = accumulation_dtype(query.dtype)
         self.device = query.device
         c, n2 = run.count, problem.heads_kv
         self.q_all = problem.q_view(query, run)
-        k = problem.kv_view(key, run).to(self.dtype).reshape(c * n2, run.seq_kv, -1)
+        # A forward whose scores will come from bf16 operands without pse columns never reads fp32 keys (see
+        # `bf16_scores_only`): they are allocated (shape and strides only) and converted below only if it turns out
+        # that the fp32 path runs after all.
+        k_view = problem.kv_view(key, run)
+        keys_unread = forward_only and run.pse is None and query.dtype == key.dtype == value.dtype == torch.bfloat16 \
+            and native.has_bf16_dot()
+        k = (torch.empty(k_view.shape, dtype=self.dtype, device=self.device) if keys_unread
+             else k_view.to(self.dtype)).reshape(c * n2, run.seq_kv, -1)
         self.v = problem.kv_view(value, run).to(self.dtype).reshape(c * n2, run.seq_kv, -1)
         # The fused native loops: fp32 compute on the CPU with a BLAS sgemm (and a CPU keep mask, read in place).
         alibi = run.pse is not None and run.pse.pse_type in ALIBI_TYPES
@@ -175,6 +183,8 @@ class RunKernel:
         # Then, without ALiBi or linear-pse columns, the forward's scores never read the fp32 query tile (the bf16
         # path must not: tests/test_native_kernels.py hands it NaN there), so it is allocated but not formed.
         self.bf16_scores_only = self.k16 is not None and not self.linear_pse and not self.native_alibi
+        if keys_unread and not self.bf16_scores_only:
+            self.k = k_view.to(self.dtype).reshape(c * n2, run.seq_kv, -1)
 
     def scratch(self, shape: torch.Size) -> torch.Tensor:
         """A second reusable tile-sized buffer (the backward's dP), allocated on first use."""
