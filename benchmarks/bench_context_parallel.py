@@ -17,7 +17,6 @@ Writes results/context_parallel_cpu.json and .png.
 
 from __future__ import annotations
 
-import argparse
 import sys
 import time
 from pathlib import Path
@@ -25,7 +24,10 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import RESULTS, machine_info, time_pair, write_json
+from common import cli_parser, machine_info, time_pair, write_json
+
+# cann-attn bench passes --device only where it applies: gloo process groups on the CPU.
+DEVICES = ("cpu",)
 
 HEADS, DIM = 4, 16
 
@@ -120,9 +122,7 @@ def analytic_bytes(method: str, world: int, seq: int) -> int:
 def main(argv=None) -> None:
     from cann_attn.testing.distributed import run_group
 
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--quick", action="store_true", help="S = 1k, 2k only (a smoke run)")
-    parser.add_argument("--out", default=str(RESULTS))
+    parser = cli_parser(__doc__, "S = 1k, 2k only (a smoke run)", devices=DEVICES)
     args = parser.parse_args(argv)
     seqs = [1024, 2048] if args.quick else [8192, 16384, 32768]
     worlds = [1, 2, 4]
