@@ -19,13 +19,13 @@ import torch
 from . import library
 from .backends import resolve_backend
 from .backends.triton.dense_plan import dense_unsupported
-from .errors import ParamInvalidError, require, require_bool, require_real
+from .errors import ParamInvalidError, require, require_bool
 from .ops.fa_problem import build_problem
 from .ops.flash_attention_score import FORWARD_MODES, INT_MAX, flash_attention_score
 from .ops.flash_attention_score_grad import flash_attention_score_grad
 from .ops.lightning_indexer import sparse_lightning_indexer_grad_kl_loss
 from .ops.sparse_flash_attention import sparse_flash_attention, sparse_flash_attention_grad
-from .problem.dropout import drop_mask_numel, gen_drop_mask
+from .problem.dropout import drop_mask_numel, gen_drop_mask, keep_prob_of
 
 
 def _distinct(*tensors) -> tuple[list, tuple[int, ...]]:
@@ -127,14 +127,7 @@ def flash_attention(
     reproducible. Every argument is checked before the mask is drawn: a call that raises leaves the generator as
     it was.
     """
-    keep_prob = require_real(keep_prob, "keep_prob")
-    if dropout_p is not None:
-        dropout_p = require_real(dropout_p, "dropout_p")
-        require(0.0 <= dropout_p < 1.0, "dropout_p", "a float in [0, 1)", dropout_p)
-        if keep_prob != 1.0:
-            raise ParamInvalidError(f"dropout_p: give dropout_p or keep_prob, not both (dropout_p={dropout_p!r}, "
-                                    f"keep_prob={keep_prob!r})")
-        keep_prob = 1.0 - dropout_p
+    keep_prob = keep_prob_of(keep_prob, dropout_p)
     require(generator is None or isinstance(generator, torch.Generator), "generator", "a torch.Generator or None",
             generator)
     prefix, actual_seq_qlen, actual_seq_kvlen, q_start_idx, kv_start_idx = (

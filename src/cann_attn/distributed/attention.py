@@ -5,10 +5,11 @@ from __future__ import annotations
 import torch
 
 from ..autograd import _frozen
-from ..errors import ParamInvalidError, require, require_real
+from ..errors import ParamInvalidError, require
 from ..ops.fa_problem import build_problem
 from ..ops.flash_attention_score import FORWARD_MODES, INT_MAX
 from ..problem.context_blocks import sequence_window
+from ..problem.dropout import keep_prob_of
 from . import comm
 from .blocks import ALIBI_TYPES, AttentionSetup
 from .plan import SequencePlan, lengths_of_ends
@@ -146,13 +147,7 @@ def _prepare(args: dict, group: comm.Group):
     if pse is not None and pse_type not in ALIBI_TYPES:
         raise ParamInvalidError(f"pse: context parallelism supports generated ALiBi (pse_type 2 or 3, slopes in pse) "
                                 f"only, got a pse with pse_type={pse_type!r}")
-    keep_prob = require_real(args["keep_prob"], "keep_prob")
-    if args["dropout_p"] is not None:
-        dropout_p = require_real(args["dropout_p"], "dropout_p")
-        require(0.0 <= dropout_p < 1.0, "dropout_p", "a float in [0, 1)", dropout_p)
-        if keep_prob != 1.0:
-            raise ParamInvalidError("dropout_p: give dropout_p or keep_prob, not both")
-        keep_prob = 1.0 - dropout_p
+    keep_prob = keep_prob_of(args["keep_prob"], args["dropout_p"])
     require(0.0 < keep_prob <= 1.0, "keep_prob", "a float in (0, 1]", keep_prob)
     require(isinstance(args["overlap"], bool), "overlap", "a bool", args["overlap"])
     tnd = layout == "TND"

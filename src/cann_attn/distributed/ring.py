@@ -23,6 +23,41 @@ class RingOptions:
         self.group, self.overlap = group, overlap
 
 
+class _KeyValueHops:
+    """The key/value shard in hand and its trip around the ring: `post(step)` sends it to the next rank and receives
+    the previous rank's (into the buffers freed two hops ago, which alternate with the current ones); `finish(step)`
+    waits for the hop and makes the received shard the one in hand. Without overlap `post` completes the hop
+    (docs/guides/context_parallel.md)."""
+
+    def __init__(self, options: RingOptions, key: torch.Tensor, value: torch.Tensor, direction: str):
+        self.group, self.overlap, self.direction = options.group, options.overlap, direction
+        self.key, self.value = key.contiguous(), value.contiguous()
+        self._spare = None  # the buffers received two hops ago, free again
+        self._incoming, self._works = None, []
+
+    def post(self, step: int) -> None:
+        group = self.group
+        self._incoming, self._works = None, []
+        if step >= group.world - 1:
+            return
+        if self._spare is not None:
+            self._incoming = self._spare
+        else:
+            self._incoming = (torch.empty_like(self.key), torch.empty_like(self.value))
+        self._works = comm.send_recv(group, [self.key, self.value], list(self._incoming),
+                                     (group.rank + 1) % group.world, (group.rank - 1) % group.world, "ring_kv")
+        if not self.overlap:
+            comm.wait_all(group, self._works, f"ring {self.direction} hop {step}")
+            self._works = []  # a finished work is not waited for twice (gloo would wait for it again)
+
+    def finish(self, step: int) -> None:
+        comm.wait_all(self.group, self._works, f"ring {self.direction} hop {step}")
+        if self._incoming is not None:
+            # The shard in hand (unless it is the caller's key/value) is free once its send has completed, as now.
+            self._spare = (self.key, self.value) if step > 0 else None
+            self.key, self.value = self._incoming
+
+
 def ring_forward(setup: AttentionSetup, options: RingOptions, query, key, value):
     """(out [T, N, Dv] in the query dtype, max [N, T], sum [N, T]) of this rank's queries against every shard."""
     group = options.group
@@ -32,20 +67,12 @@ def ring_forward(setup: AttentionSetup, options: RingOptions, query, key, value)
     out = torch.zeros(heads, rows, dim_v, dtype=acc_dtype, device=query.device)
     smax = torch.full((heads, rows), -FLT_MAX, dtype=acc_dtype, device=query.device)
     ssum = torch.full((heads, rows), FLT_MAX, dtype=acc_dtype, device=query.device)
-    cur_k, cur_v = key.contiguous(), value.contiguous()
-    spare = None  # the hop buffers alternate: the ones received two hops ago are free again
+    shards = _KeyValueHops(options, key, value, "forward")
     touched: set[tuple[int, int]] = set()  # (sequence, query slot) whose rows hold a block already
     for step in range(world):
-        works, nxt_k, nxt_v = [], None, None
-        if step < world - 1:
-            nxt_k, nxt_v = spare if spare is not None else (torch.empty_like(cur_k), torch.empty_like(cur_v))
-            works = comm.send_recv(group, [cur_k, cur_v], [nxt_k, nxt_v], (rank + 1) % world, (rank - 1) % world,
-                                   "ring_kv")
-            if not options.overlap:
-                comm.wait_all(group, works, f"ring forward hop {step}")
-                works = []  # a finished work is not waited for twice (gloo would wait for it again)
+        shards.post(step)
         for call in plan_calls(setup, rank, (rank - step) % world, query.device):
-            b_out, b_max, b_sum = block_forward(setup, call, query, cur_k, cur_v)
+            b_out, b_max, b_sum = block_forward(setup, call, query, shards.key, shards.value)
             rows = [take(t, call.q_rows, call.q_span, 1) for t in (out, smax, ssum)]
             keys = {(b, call.q_slot) for b in call.seqs}
             if keys & touched:
@@ -56,11 +83,7 @@ def ring_forward(setup: AttentionSetup, options: RingOptions, query, key, value)
                     value_rows.copy_(new)
                 else:
                     acc.index_copy_(1, call.q_rows, new.to(acc_dtype))
-        comm.wait_all(group, works, f"ring forward hop {step}")
-        if nxt_k is not None:
-            # cur (unless it is the caller's key/value) is free once its send has completed, as it has now.
-            spare = (cur_k, cur_v) if step > 0 else None
-            cur_k, cur_v = nxt_k, nxt_v
+        shards.finish(step)
     return out.transpose(0, 1).to(query.dtype).contiguous(), smax, ssum
 
 
@@ -70,26 +93,18 @@ def ring_backward(setup: AttentionSetup, options: RingOptions, query, key, value
     rank, world = group.rank, group.world
     acc_dtype = accumulation_dtype(query.dtype)
     dq = torch.zeros(query.shape, dtype=acc_dtype, device=query.device)
-    cur_k, cur_v = key.contiguous(), value.contiguous()
+    shards = _KeyValueHops(options, key, value, "backward")
     d_out = d_out.contiguous()
-    spare = None
     # The gradient accumulator of the shard in hand: zeros at step 0, then the one the previous rank sends along
     # (posted at the end of its previous step, at the same time as ours: waiting for it costs one hop).
-    grad_k = torch.zeros(cur_k.shape, dtype=acc_dtype, device=query.device)
-    grad_v = torch.zeros(cur_v.shape, dtype=acc_dtype, device=query.device)
+    grad_k = torch.zeros(shards.key.shape, dtype=acc_dtype, device=query.device)
+    grad_v = torch.zeros(shards.value.shape, dtype=acc_dtype, device=query.device)
     arriving = []
     for step in range(world):
-        works, nxt_k, nxt_v = [], None, None
-        if step < world - 1:
-            nxt_k, nxt_v = spare if spare is not None else (torch.empty_like(cur_k), torch.empty_like(cur_v))
-            works = comm.send_recv(group, [cur_k, cur_v], [nxt_k, nxt_v], (rank + 1) % world, (rank - 1) % world,
-                                   "ring_kv")
-            if not options.overlap:
-                comm.wait_all(group, works, f"ring backward hop {step}")
-                works = []  # a finished work is not waited for twice (gloo would wait for it again)
+        shards.post(step)
         comm.wait_all(group, arriving, f"ring backward gradient hop {step}")
         for call in plan_calls(setup, rank, (rank - step) % world, query.device):
-            g_q, g_k, g_v = block_backward(setup, call, query, cur_k, cur_v, d_out, out, smax, ssum)
+            g_q, g_k, g_v = block_backward(setup, call, query, shards.key, shards.value, d_out, out, smax, ssum)
             for acc, rows, span, grad in ((dq, call.q_rows, call.q_span, g_q), (grad_k, call.kv_rows, call.kv_span,
                                           g_k), (grad_v, call.kv_rows, call.kv_span, g_v)):
                 if span is not None:
@@ -102,10 +117,7 @@ def ring_backward(setup: AttentionSetup, options: RingOptions, query, key, value
             arriving = comm.send_recv(group, [grad_k, grad_v], [in_k, in_v], (rank + 1) % world, (rank - 1) % world,
                                       "ring_grad")
             grad_k, grad_v = in_k, in_v
-        comm.wait_all(group, works, f"ring backward hop {step}")
-        if nxt_k is not None:
-            spare = (cur_k, cur_v) if step > 0 else None
-            cur_k, cur_v = nxt_k, nxt_v
+        shards.finish(step)
     comm.wait_all(group, arriving, "ring backward gradient home hop")
     return dq.to(query.dtype), grad_k.to(key.dtype), grad_v.to(value.dtype)
 

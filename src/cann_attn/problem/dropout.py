@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..errors import ParamInvalidError, describe
+from ..errors import ParamInvalidError, describe, require, require_real
 
 
 def pack_bits(keep: torch.Tensor) -> torch.Tensor:
@@ -31,6 +31,21 @@ def unpack_bits(mask: torch.Tensor, numel: int) -> torch.Tensor:
     shifts = torch.arange(8, dtype=torch.uint8, device=mask.device)
     bits = (mask.reshape(-1, 1) >> shifts) & 1
     return bits.reshape(-1)[:numel].bool()
+
+
+def keep_prob_of(keep_prob: float, dropout_p: float | None) -> float:
+    """The keep probability of a call that takes `dropout_p = 1 - keep_prob` as an alternative spelling of
+    `keep_prob`: one of the two, not both (docs/semantics/dropout.md). Range checks of keep_prob itself stay with the
+    operator's validation."""
+    keep_prob = require_real(keep_prob, "keep_prob")
+    if dropout_p is None:
+        return keep_prob
+    dropout_p = require_real(dropout_p, "dropout_p")
+    require(0.0 <= dropout_p < 1.0, "dropout_p", "a float in [0, 1)", dropout_p)
+    if keep_prob != 1.0:
+        raise ParamInvalidError(f"dropout_p: give dropout_p or keep_prob, not both (dropout_p={dropout_p!r}, "
+                                f"keep_prob={keep_prob!r})")
+    return 1.0 - dropout_p
 
 
 def drop_mask_numel(
