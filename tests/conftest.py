@@ -34,6 +34,17 @@ torch.set_num_threads(1)
 
 
 @pytest.fixture
+def single_thread():
+    """Tiny shapes: run torch single-threaded (intra-op threads only add overhead, and on a loaded 2-core machine
+    float64 GEMMs with a thread pool can take ~50 ms each); restores the previous setting. Modules opt in with
+    ``pytestmark = pytest.mark.usefixtures("single_thread")``."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(previous)
+
+
+@pytest.fixture
 def rng(request) -> torch.Generator:
     """A CPU torch.Generator seeded from the test's node id (stable run to run, different per test).
 

@@ -7,7 +7,6 @@ from __future__ import annotations
 import math
 import os
 
-import pytest
 import torch
 
 import cann_attn
@@ -24,16 +23,6 @@ INDEX_STYLES = ("topk", "blocks", "random", "dup", "middle")
 # sizes) there, to hold the suite's time budget.
 TRITON_MATRIX = os.environ.get("CANN_ATTN_BACKEND") == "triton"
 PROPERTY_LAYOUTS = ["BSND"] if TRITON_MATRIX else ["BSND", "TND"]
-
-
-@pytest.fixture
-def single_thread():
-    """Tiny shapes: run torch single-threaded (intra-op threads only add overhead, and on a loaded 2-core machine
-    float64 GEMMs with a thread pool can take ~50 ms each); restores the previous setting."""
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
 
 
 def tnd_cum(lengths) -> list[int]:

@@ -3,36 +3,25 @@ against the same layer without paging)."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
-from pathlib import Path
 
 import pytest
-import torch
+
+from example_modules import loaded_example
 
 pytest.importorskip("matplotlib")
 
-SCRIPT = Path(__file__).resolve().parents[1] / "examples" / "infer_dsa.py"
+pytestmark = pytest.mark.usefixtures("single_thread")
 
 
 @pytest.fixture(scope="module")
 def infer_dsa():
-    spec = importlib.util.spec_from_file_location("infer_dsa_example", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look the module up by name
-    spec.loader.exec_module(module)
-    yield module
-    sys.modules.pop(spec.name, None)
+    yield from loaded_example("infer_dsa")
 
 
 @pytest.fixture(autouse=True)
-def one_thread(monkeypatch):
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
+def reference_backend(monkeypatch):
     monkeypatch.setenv("CANN_ATTN_BACKEND", "reference")  # the bit-for-bit check is the reference backend's
-    yield
-    torch.set_num_threads(previous)
 
 
 def test_prefill_and_decode_match_the_unpaged_layer(infer_dsa, tmp_path):

@@ -2,37 +2,22 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 
+from example_modules import loaded_example
+
 pytest.importorskip("matplotlib")
 
-SCRIPT = Path(__file__).resolve().parents[1] / "examples" / "train_dsa.py"
+pytestmark = pytest.mark.usefixtures("single_thread")
 
 
 @pytest.fixture(scope="module")
 def train_dsa():
-    spec = importlib.util.spec_from_file_location("train_dsa_example", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look the module up by name
-    spec.loader.exec_module(module)
-    yield module
-    sys.modules.pop(spec.name, None)
-
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Tiny ops: one thread is faster, and far faster when other processes compete for the cores."""
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
+    yield from loaded_example("train_dsa")
 
 
 def test_main_runs_three_phases(train_dsa, tmp_path):

@@ -20,13 +20,7 @@ LOW = (torch.float16, torch.bfloat16)
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Tiny shapes: intra-op threads only add overhead (and thrash on a busy 2-core machine)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("single_thread")
 
 
 def _causal(mode: int = 3) -> dict:

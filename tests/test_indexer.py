@@ -16,9 +16,9 @@ from hypothesis import strategies as st
 import cann_attn
 from cann_attn.testing import dsa_oracle
 from cann_attn.testing.precision import assert_close_to_oracle
-from dsa_utils import BF16, DT_IDS, F16, F32, F64, TRITON_MATRIX, IndexerCase, single_thread
+from dsa_utils import BF16, DT_IDS, F16, F32, F64, TRITON_MATRIX, IndexerCase
 
-pytestmark = pytest.mark.usefixtures(single_thread.__name__)
+pytestmark = pytest.mark.usefixtures("single_thread")
 
 RELATIONS = {"s1_lt_s2": (6, 15), "s1_eq_s2": (12, 12), "s1_gt_s2": (14, 9)}
 TND_LENGTHS = {"s1_lt_s2": ([6, 3, 0], [15, 7, 4]), "s1_eq_s2": ([12, 5], [12, 5]), "s1_gt_s2": ([14, 4], [9, 2])}

@@ -13,10 +13,10 @@ from hypothesis import strategies as st
 import cann_attn
 import cann_attn.torch_npu as torch_npu
 from cann_attn.problem.page_table import DSA_BLOCK_SIZES, page_table
-from dsa_utils import BF16, F16, F32, IndexerCase, SFACase, single_thread
+from dsa_utils import BF16, F16, F32, IndexerCase, SFACase
 from paged_utils import paginate
 
-pytestmark = pytest.mark.usefixtures(single_thread.__name__)
+pytestmark = pytest.mark.usefixtures("single_thread")
 
 
 @pytest.fixture(autouse=True)

@@ -27,12 +27,7 @@ DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 PATHS = ("native", "pytorch", "triton")
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("single_thread")
 
 
 @pytest.fixture(params=PATHS)

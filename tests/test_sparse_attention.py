@@ -12,9 +12,9 @@ import torch
 import cann_attn
 from cann_attn.testing import dsa_oracle
 from cann_attn.testing.precision import assert_close_to_oracle
-from dsa_utils import BF16, DT_IDS, F16, F32, F64, GRAD_NAMES, PROPERTY_LAYOUTS, SFACase, single_thread
+from dsa_utils import BF16, DT_IDS, F16, F32, F64, GRAD_NAMES, PROPERTY_LAYOUTS, SFACase
 
-pytestmark = pytest.mark.usefixtures(single_thread.__name__)
+pytestmark = pytest.mark.usefixtures("single_thread")
 BLOCK_SIZES = (1, 8, 16, 32, 64, 128)
 RELATIONS = ("s1_lt_s2", "s1_eq_s2", "s1_gt_s2")
 

@@ -11,9 +11,9 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from dsa_utils import BF16, F16, F32, F64, SFACase, single_thread
+from dsa_utils import BF16, F16, F32, F64, SFACase
 
-pytestmark = pytest.mark.usefixtures(single_thread.__name__)
+pytestmark = pytest.mark.usefixtures("single_thread")
 
 
 @st.composite

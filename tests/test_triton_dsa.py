@@ -12,11 +12,11 @@ import torch
 
 import cann_attn
 from cann_attn.backends import dispatch_counts
-from dsa_utils import BF16, DT_IDS, F16, F32, F64, GRAD_NAMES, IndexerCase, SFACase, single_thread
+from dsa_utils import BF16, DT_IDS, F16, F32, F64, GRAD_NAMES, IndexerCase, SFACase
 
 pytest.importorskip("triton")
 pytestmark = [
-    pytest.mark.usefixtures(single_thread.__name__),
+    pytest.mark.usefixtures("single_thread"),
     # CPU tensors reach the kernels only through the interpreter; GPU machines run tests/test_gpu_dsa.py.
     pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="needs TRITON_INTERPRET=1 (no CUDA)"),
 ]

@@ -11,12 +11,12 @@ import torch
 
 import cann_attn
 from cann_attn.backends import dispatch_counts
-from dsa_utils import IndexerCase, SFACase, single_thread
+from dsa_utils import IndexerCase, SFACase
 from paged_utils import paginate
 
 pytest.importorskip("triton")
 pytestmark = [
-    pytest.mark.usefixtures(single_thread.__name__),
+    pytest.mark.usefixtures("single_thread"),
     pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="needs TRITON_INTERPRET=1 (no CUDA)"),
 ]
 
