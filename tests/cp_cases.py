@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import time
 import traceback
+from itertools import accumulate
 
 import torch
 
@@ -252,14 +253,6 @@ def dsa_cases(world: int) -> list[dict]:
                                       (True, "head_tail", 3, 1), (True, None, 0, 8))]
 
 
-def _ends(lengths) -> list[int]:
-    out, total = [], 0
-    for n in lengths:
-        total += n
-        out.append(total)
-    return out
-
-
 def _dsa_inputs(case: dict, world: int):
     """Whole tensors (BSND [1, S, ...] or TND [T, ...] of three documents), the lengths keyword arguments and K."""
     gen = torch.Generator().manual_seed(7 + case["block"] + case["mode"] + 3 * case["tnd"])
@@ -273,7 +266,7 @@ def _dsa_inputs(case: dict, world: int):
     tensors = dict(query=rand(heads, dim), key=rand(1, dim), query_rope=rand(heads, rope), key_rope=rand(1, rope),
                    query_index=rand(idx_heads, idx_dim), key_index=rand(1, idx_dim),
                    weights=rand(idx_heads, scale=0.3).reshape(*lead, idx_heads))
-    ends = _ends([unit, 2 * unit]) if case["tnd"] else None  # two documents
+    ends = list(accumulate([unit, 2 * unit])) if case["tnd"] else None  # two documents
     lengths = {} if ends is None else {"q": ends, "kv": ends}
     count = 6 if case["block"] == 1 else 2
     li_kw = {} if ends is None else dict(actual_seq_lengths_query=ends, actual_seq_lengths_key=ends, layout="TND")

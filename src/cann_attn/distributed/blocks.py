@@ -10,6 +10,7 @@ blocks of documents of different lengths get a call per distinct offset.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from itertools import accumulate
 
 import torch
 
@@ -118,14 +119,6 @@ def plan_calls(setup: AttentionSetup, q_rank: int, kv_rank: int, device) -> list
     return calls
 
 
-def _cumulative(lengths) -> list[int]:
-    out, total = [], 0
-    for n in lengths:
-        total += n
-        out.append(total)
-    return out
-
-
 def drop_mask(setup: AttentionSetup, call: BlockCall, device) -> torch.Tensor | None:
     """The packed keep bits of the call's blocks: each element's bit is its bit in the logical mask of the whole
     problem (positional_keep keyed by its global element index), so the bits do not depend on the world size."""
@@ -149,7 +142,7 @@ def _options(setup: AttentionSetup, call: BlockCall) -> dict:
         pse = pse[list(call.seqs)]
     return dict(
         pse=pse, atten_mask=setup.atten_mask if band else None,
-        actual_seq_qlen=_cumulative(call.rows), actual_seq_kvlen=_cumulative(call.cols),
+        actual_seq_qlen=list(accumulate(call.rows)), actual_seq_kvlen=list(accumulate(call.cols)),
         q_start_idx=[call.q_start], kv_start_idx=[call.kv_start], scale_value=setup.scale_value,
         keep_prob=setup.keep_prob, pre_tokens=call.mask.pre_tokens, next_tokens=call.mask.next_tokens,
         inner_precise=setup.inner_precise, sparse_mode=4 if band else 0,

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from functools import cached_property
+from itertools import accumulate
 
 import torch
 
@@ -83,19 +84,13 @@ class SequencePlan:
 
     @cached_property
     def global_starts(self) -> tuple[int, ...]:
-        starts, total = [], 0
-        for n in self.lengths:
-            starts.append(total)
-            total += n
-        return tuple(starts)
+        """Where each sequence starts in the whole packed sequence."""
+        return tuple(accumulate(self.lengths, initial=0))[:-1]
 
     @cached_property
     def local_starts(self) -> tuple[int, ...]:
-        starts, total = [], 0
-        for n in self.local_lengths:
-            starts.append(total)
-            total += n
-        return tuple(starts)
+        """Where each sequence's share starts in a rank's packed shard."""
+        return tuple(accumulate(self.local_lengths, initial=0))[:-1]
 
     @property
     def local_total(self) -> int:
