@@ -74,16 +74,16 @@ def _backward_run(kernel: RunKernel, problem: AttentionProblem, run: Run, dy, at
     dv_acc = _accumulator(dv_view, (c * n2, run.seq_kv, kernel.v.shape[-1]), dtype)
     pse_grad = _pse_grad_target(run, dpse_source)
     inv_keep = 1.0 / problem.keep_prob
+    # With a sink, the run's rowsum(dY * O), for dsink's terms once the tiles are done (a few ops per run, not per tile)
+    run_d_sum = None if dsink_acc is None else torch.empty((c, problem.heads_q, run.seq_q), dtype=dtype, device=device)
     for i0 in range(0, run.seq_q, kernel.block_q):
         i1 = min(i0 + kernel.block_q, run.seq_q)
         q_tile = kernel.query_tile(i0, i1)
         dy_t = dy_all[:, :, i0:i1].to(dtype)
         # rowsum(dY * O) with O the forward output (after dropout), per docs/semantics/dropout.md.
         d_sum = (dy_t * o_all[:, :, i0:i1].to(dtype)).sum(-1)
-        if dsink_acc is not None:
-            terms = sinks.sink_grad_terms_from_rowsum(d_sum, max_all[:, :, i0:i1], sum_all[:, :, i0:i1],
-                                                      sinks.head_values(problem.sink, dtype, device))
-            dsink_acc += terms.sum(dim=(0, 2)).to(dsink_acc.dtype)
+        if run_d_sum is not None:
+            run_d_sum[:, :, i0:i1] = d_sum
         dy_g = group_rows(dy_t, n2)
         row_max = max_all[:, :, i0:i1].to(dtype).unsqueeze(-1)
         inv_sum = 1.0 / sum_all[:, :, i0:i1].to(dtype).unsqueeze(-1)
@@ -122,6 +122,10 @@ def _backward_run(kernel: RunKernel, problem: AttentionProblem, run: Run, dy, at
         _store(dq_view[:, :, i0:i1], dq_acc)
     _store(dk_view, dk_acc)
     _store(dv_view, dv_acc)
+    if run_d_sum is not None:
+        terms = sinks.sink_grad_terms_from_rowsum(run_d_sum, max_all, sum_all,
+                                                  sinks.head_values(problem.sink, dtype, device))
+        dsink_acc += terms.sum(dim=(0, 2)).to(dsink_acc.dtype)
 
 
 def _fused_backward(kernel: RunKernel, q_tile, i0: int, i1: int, dy_g, d_sum, row_max, inv_sum, dq_acc, dk_acc,

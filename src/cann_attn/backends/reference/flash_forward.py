@@ -411,6 +411,7 @@ class RunKernel:
         c, n2 = run.count, problem.heads_kv
         dv = self.v.shape[-1]
         block_q = self.forward_rows()
+        sink_heads = None if problem.sink is None else sinks.head_values(problem.sink, self.dtype, self.device)
         for i0 in range(0, run.seq_q, block_q):
             i1 = min(i0 + block_q, run.seq_q)
             rows = i1 - i0
@@ -422,11 +423,9 @@ class RunKernel:
                 self._fused_forward(q_tile, i0, i1, row_max, row_sum, acc)
             else:
                 self._forward_tiles(q_tile, i0, i1, row_max, row_sum, acc)
-            if problem.sink is not None:
+            if sink_heads is not None:
                 # The sink joins the finished running statistics before the fp32 output is normalised (and rounded).
-                factor = sinks.merge_into_rows_(row_max, row_sum, sinks.head_values(problem.sink, self.dtype,
-                                                                                     self.device))
-                acc.mul_(factor.view(c * n2, -1, 1))
+                acc.mul_(sinks.merge_into_rows_(row_max, row_sum, sink_heads).view(c * n2, -1, 1))
             # Rows without a visible key have row_sum 0 and acc 0 (their terms are all exactly 0): output 0. "!= 0",
             # not "> 0": a row with a NaN logit has a NaN sum and max and keeps them, with a NaN output, as the
             # formulas give (docs/semantics/invalid-rows.md covers rows without visible keys only); taking it for a row
