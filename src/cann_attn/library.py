@@ -48,6 +48,7 @@ from .ops.flash_attention_score import (
 )
 from .ops.flash_attention_score_grad import FlashAttentionScoreGradResult
 from .ops.flash_attention_score_grad import flash_attention_score_grad as _eager_flash_attention_score_grad
+from .ops.fused_infer_attention_score import FIA_LAYOUTS
 from .ops.fused_infer_attention_score import (
     fused_infer_attention_score as _eager_fused_infer_attention_score,
 )
@@ -469,20 +470,12 @@ def trans_quant_param(scale, offset=None, round_mode: int = 0) -> Tensor:
 
 
 # ============================================================ FusedInferAttentionScore (v1, v2), IncreFlashAttention
-_FIA_LAYOUTS = {
-    "BSH": ("BSH", "BSH"), "BSND": ("BSND", "BSND"), "BNSD": ("BNSD", "BNSD"), "BNSD_BSND": ("BNSD", "BSND"),
-    "BSH_NBSD": ("BSH", "NBSD"), "BSND_NBSD": ("BSND", "NBSD"), "BNSD_NBSD": ("BNSD", "NBSD"),
-    "BSH_BNSD": ("BSH", "BNSD"), "BSND_BNSD": ("BSND", "BNSD"),
-    "TND": ("TND", "TND"), "NTD": ("NTD", "NTD"), "TND_NTD": ("TND", "NTD"), "NTD_TND": ("NTD", "TND"),
-}
-
-
 def _fia_fake_outputs(query, value, num_heads, num_key_value_heads, input_layout, quant_scale2, softmax_lse_flag,
                       paged: bool = False):
     """(attention_out, softmax_lse) shapes and dtypes of FusedInferAttentionScore
     (docs/operators/fused_infer_attention_score.md); `paged`: value is a block cache (docs/semantics/paged-kv.md),
     whose 3-D form [block_num, block_size, H] packs the heads like BSH."""
-    q_layout, out_layout = _FIA_LAYOUTS.get(input_layout, ("BSH", "BSH"))
+    q_layout, out_layout = FIA_LAYOUTS.get(input_layout, ("BSH", "BSH"))
     heads_kv = num_key_value_heads or num_heads
     packs_heads = q_layout == "BSH" or (paged and value.dim() == 3)
     dim_v = value.shape[-1] // heads_kv if packs_heads else value.shape[-1]

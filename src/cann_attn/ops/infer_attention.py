@@ -14,7 +14,7 @@ from ..backends.reference import decode_forward, flash_forward, quant_attention
 from ..backends.triton.dense_plan import dense_unsupported
 from ..errors import ParamInvalidError, describe, require
 from ..problem import mask as masks
-from ..problem import quant
+from ..problem import quant, stats
 from ..problem.attention import AttentionProblem, Run, mask_runs
 from ..problem.pse import SequencePse
 from ..problem.stats import FLT_MAX, STAT_WIDTH
@@ -167,6 +167,20 @@ def sequence_runs(atten_mask, explicit_views, sparse_mode, act_q, act_kv, pre_to
 INVALID_LSE = float("-inf")
 
 
+def _invalid_row_stats(out: torch.Tensor, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """float32 row max / sum for `out`'s rows, prefilled with the invalid-row values: rows no kernel visits (beyond
+    the actual lengths, runs without keys) keep them (docs/semantics/invalid-rows.md)."""
+    return stats.allocate((*out.shape[:-1], STAT_WIDTH), torch.float32, device, keyless_rows=True)
+
+
+def _write_lse(softmax_lse: torch.Tensor, row_max: torch.Tensor, row_sum: torch.Tensor) -> None:
+    """softmax_lse = max + log(sum) of each row's statistics, `INVALID_LSE` for rows that see no key
+    (docs/operators/fused_infer_attention_score.md)."""
+    m, s = row_max[..., :1], row_sum[..., :1]
+    valid = m > -FLT_MAX
+    softmax_lse.copy_(torch.where(valid, m + torch.log(torch.where(valid, s, 1.0)), INVALID_LSE))
+
+
 def attend(
     query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, out: torch.Tensor, *, heads_kv: int, scale: float,
     atten_mask, mask_views, sparse_mode: int, act_q: list[int], act_kv: list[int], pre_tokens: int, next_tokens: int,
@@ -201,9 +215,7 @@ def attend(
         dense.forward(problem, query, key, value, out)
         return
     # Rows no kernel visits (beyond the actual lengths, runs without keys) keep the invalid-row statistics.
-    stat_shape = (*out.shape[:-1], STAT_WIDTH)
-    row_max = torch.full(stat_shape, -FLT_MAX, dtype=torch.float32, device=query.device)
-    row_sum = torch.full(stat_shape, FLT_MAX, dtype=torch.float32, device=query.device)
+    row_max, row_sum = _invalid_row_stats(out, query.device)
     if plan.output_dtype == torch.int8:
         dense = torch.zeros(out.shape, dtype=torch.float32, device=query.device)
         flash_forward.forward(problem, query, key, value, dense, row_max, row_sum)
@@ -211,9 +223,7 @@ def attend(
     else:
         dense.forward(problem, query, key, value, out, row_max, row_sum)
     if softmax_lse is not None:
-        m, s = row_max[..., :1], row_sum[..., :1]
-        valid = m > -FLT_MAX
-        softmax_lse.copy_(torch.where(valid, m + torch.log(torch.where(valid, s, 1.0)), INVALID_LSE))
+        _write_lse(softmax_lse, row_max, row_sum)
 
 
 def attend_paged(
@@ -245,12 +255,8 @@ def attend_paged(
     kernel = kernels("dense_forward", "triton") if resolved == "triton" else decode_forward
     row_max = row_sum = None
     if softmax_lse is not None:
-        stat_shape = (*out.shape[:-1], STAT_WIDTH)
-        row_max = torch.full(stat_shape, -FLT_MAX, dtype=torch.float32, device=query.device)
-        row_sum = torch.full(stat_shape, FLT_MAX, dtype=torch.float32, device=query.device)
+        row_max, row_sum = _invalid_row_stats(out, query.device)
     kernel.forward(problem, query, key, value, out, row_max, row_sum, block_table=block_table)
     if softmax_lse is not None:
-        m, s = row_max[..., :1], row_sum[..., :1]
-        valid = m > -FLT_MAX
-        softmax_lse.copy_(torch.where(valid, m + torch.log(torch.where(valid, s, 1.0)), INVALID_LSE))
+        _write_lse(softmax_lse, row_max, row_sum)
     return True
