@@ -10,6 +10,7 @@ from ..ops.fa_problem import build_problem
 from ..ops.flash_attention_score import FORWARD_MODES, INT_MAX
 from ..problem.context_blocks import sequence_window
 from ..problem.dropout import keep_prob_of
+from ..problem.lengths import require_same_sequence_count
 from . import comm
 from .blocks import ALIBI_TYPES, AttentionSetup
 from .plan import SequencePlan, lengths_of_ends
@@ -157,8 +158,7 @@ def _prepare(args: dict, group: comm.Group):
                                     "global cumulative lengths of the whole packed sequence on every rank")
         q_lengths = lengths_of_ends(_frozen(args["actual_seq_qlen"]), "actual_seq_qlen")
         kv_lengths = lengths_of_ends(_frozen(args["actual_seq_kvlen"]), "actual_seq_kvlen")
-        require(len(q_lengths) == len(kv_lengths), "actual_seq_kvlen",
-                f"{len(q_lengths)} entries like actual_seq_qlen", args["actual_seq_kvlen"])
+        require_same_sequence_count(q_lengths, kv_lengths, "actual_seq_qlen", "actual_seq_kvlen")
         batch = len(q_lengths)
     else:
         if args["actual_seq_qlen"] is not None or args["actual_seq_kvlen"] is not None:

@@ -20,6 +20,7 @@ from .. import autograd as single
 from ..errors import ParamInvalidError
 from ..ops.lightning_indexer import LightningIndexerResult, count_tokens_with_keys
 from ..ops.lightning_indexer import lightning_indexer as single_indexer
+from ..problem.lengths import require_same_sequence_count
 from . import comm
 from .plan import SequencePlan, lengths_of_ends
 
@@ -145,9 +146,8 @@ def _setup(name: str, tensors: dict, group, timeout, load_balance, layout: str, 
                                         f"cumulative lengths of the whole packed sequences on every rank")
             q_lengths = lengths_of_ends(q_ends, q_key)
             kv_lengths = lengths_of_ends(kv_ends, kv_key)
+            require_same_sequence_count(q_lengths, kv_lengths, q_key, kv_key)
             batch = len(q_lengths)
-            if len(kv_lengths) != batch:
-                raise ParamInvalidError(f"{kv_key}: expected {batch} entries like {q_key}, got {kv_ends!r}")
         else:
             if q_ends is not None or kv_ends is not None:
                 raise ParamInvalidError(f"{q_key}/{kv_key}: BSND under context parallelism takes whole sequences "

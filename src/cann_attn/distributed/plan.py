@@ -10,11 +10,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from functools import cached_property
-from itertools import accumulate
 
 import torch
 
 from ..errors import ParamInvalidError
+from ..problem.lengths import starts_of
 
 LOAD_BALANCES = ("head_tail", None)
 
@@ -85,12 +85,12 @@ class SequencePlan:
     @cached_property
     def global_starts(self) -> tuple[int, ...]:
         """Where each sequence starts in the whole packed sequence."""
-        return tuple(accumulate(self.lengths, initial=0))[:-1]
+        return tuple(starts_of(self.lengths))
 
     @cached_property
     def local_starts(self) -> tuple[int, ...]:
         """Where each sequence's share starts in a rank's packed shard."""
-        return tuple(accumulate(self.local_lengths, initial=0))[:-1]
+        return tuple(starts_of(self.local_lengths))
 
     @property
     def local_total(self) -> int:

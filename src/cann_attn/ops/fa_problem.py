@@ -17,7 +17,13 @@ from ..problem import pse as pses
 from ..problem import sink as sinks
 from ..problem import stats
 from ..problem.attention import AttentionProblem, Run, mask_runs
-from ..problem.lengths import cumulative_lengths, padding_tokens, starts_of, to_int_list
+from ..problem.lengths import (
+    cumulative_lengths,
+    padding_tokens,
+    require_same_sequence_count,
+    starts_of,
+    to_int_list,
+)
 
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 MAX_HEADS = 256
@@ -110,11 +116,7 @@ def validate_shapes(
         require(k.seq <= MAX_TOKENS, "key", f"T in 1..{MAX_TOKENS}", key)  # value's T equals key's (checked above)
         seq_q = cumulative_lengths(actual_seq_qlen, q.seq, "actual_seq_qlen", eod_padding=True)
         seq_kv = cumulative_lengths(actual_seq_kvlen, k.seq, "actual_seq_kvlen", eod_padding=True)
-        if len(seq_q) != len(seq_kv):
-            raise ParamInvalidError(
-                f"actual_seq_kvlen: expected as many sequences as actual_seq_qlen ({len(seq_q)}), "
-                f"got {len(seq_kv)}"
-            )
+        require_same_sequence_count(seq_q, seq_kv, "actual_seq_qlen", "actual_seq_kvlen")
         for b, (sq, skv) in enumerate(zip(seq_q, seq_kv, strict=True)):
             if sq > 0 and skv == 0:
                 raise ParamInvalidError(

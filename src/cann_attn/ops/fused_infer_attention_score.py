@@ -22,7 +22,13 @@ from ..backends.reference.workspace import Workspace
 from ..errors import ParamInvalidError, ParamNullptrError, describe, require, require_int
 from ..problem import antiquant as antiquants
 from ..problem import layout as layouts
-from ..problem.lengths import cumulative_lengths, per_batch_lengths, starts_of, to_int_list
+from ..problem.lengths import (
+    cumulative_lengths,
+    per_batch_lengths,
+    require_same_sequence_count,
+    starts_of,
+    to_int_list,
+)
 from ..traceable import traced_as_custom_op
 from .infer_attention import (
     INVALID_LSE,
@@ -256,11 +262,7 @@ def fused_infer_attention_score(
         # With a paged cache the key lengths are plain per-sequence counts, read with the page table below.
         act_kv_list = act_q_list if block_table is not None else cumulative_lengths(
             actual_seq_lengths_kv, k_seq, "actual_seq_lengths_kv")
-        if len(act_kv_list) != len(act_q_list):
-            raise ParamInvalidError(
-                f"actual_seq_lengths_kv: expected as many sequences as actual_seq_lengths ({len(act_q_list)}), "
-                f"got {len(act_kv_list)}"
-            )
+        require_same_sequence_count(act_q_list, act_kv_list, "actual_seq_lengths", "actual_seq_lengths_kv")
         batch = len(act_q_list)
         require(batch <= MAX_PACKED_BATCH, "actual_seq_lengths", f"at most {MAX_PACKED_BATCH} sequences", batch)
         decode = False

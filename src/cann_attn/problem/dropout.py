@@ -58,13 +58,12 @@ def drop_mask_numel(
     actual_seq_kvlen: Sequence[int] | torch.Tensor | None = None,
 ) -> int:
     """Number of mask elements: B*N1*Sq*Skv, or N1 * sum(Sq_b * Skv_b) for TND cumulative lengths."""
-    from .lengths import to_int_list
+    from .lengths import require_same_sequence_count, to_int_list
 
     if actual_seq_qlen is not None or actual_seq_kvlen is not None:
         q_ends = to_int_list(actual_seq_qlen, "actual_seq_qlen") or []
         kv_ends = to_int_list(actual_seq_kvlen, "actual_seq_kvlen") or []
-        if len(q_ends) != len(kv_ends):
-            raise ParamInvalidError("actual_seq_kvlen: expected as many entries as actual_seq_qlen")
+        require_same_sequence_count(q_ends, kv_ends, "actual_seq_qlen", "actual_seq_kvlen")
         total, pq, pk = 0, 0, 0
         for eq, ek in zip(q_ends, kv_ends, strict=True):
             total += (eq - pq) * (ek - pk)

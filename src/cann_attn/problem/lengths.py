@@ -93,6 +93,14 @@ def cumulative_lengths(value: IntList | None, total: int, param: str, *, eod_pad
     return lengths
 
 
+def require_same_sequence_count(q_lengths: Sequence[int], kv_lengths: Sequence[int], q_param: str,
+                                kv_param: str) -> None:
+    """Query and key/value lengths describe the same sequences, one entry each (docs/semantics/layouts.md)."""
+    if len(kv_lengths) != len(q_lengths):
+        raise ParamInvalidError(f"{kv_param}: expected as many sequences as {q_param} ({len(q_lengths)}), "
+                                f"got {len(kv_lengths)}")
+
+
 def padding_tokens(lengths: Sequence[int], total: int) -> int:
     """Tokens of a TND tensor past its last sequence (end-of-document padding): they produce 0 output, invalid-row
     statistics and zero gradients, and are never read as keys (docs/semantics/layouts.md)."""
