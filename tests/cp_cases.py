@@ -163,6 +163,13 @@ def run_fa_case(rank: int, world: int, device, case: dict) -> None:
                  None if naive is None else part(naive[i], which).cpu())
 
 
+def assert_no_failures(results: list[list[tuple[str, str | None, float]]]) -> None:
+    """Fails with every rank's failing cases, given `run_group`'s per-rank `run_cases` results."""
+    failures = [f"rank {rank} {name}: {failure}" for rank, per_rank in enumerate(results)
+                for name, failure, _ in per_rank if failure is not None]
+    assert not failures, "\n\n".join(failures)
+
+
 def run_cases(rank: int, world: int, device, cases: list[dict]) -> list[tuple[str, str | None, float]]:
     """(name, failure or None, seconds) of every case; a failing case does not stop the others."""
     results = []

@@ -19,19 +19,13 @@ from cann_attn.problem.dropout import positional_keep
 from cann_attn.testing.distributed import run_group
 
 
-def _report(results) -> None:
-    failures = [f"rank {rank} {name}: {failure}" for rank, per_rank in enumerate(results)
-                for name, failure, _ in per_rank if failure is not None]
-    assert not failures, "\n\n".join(failures)
-
-
 @pytest.mark.parametrize("world", [2, 4])
 def test_context_parallel_matches_single_process(world):
     cases = (cp_cases.shard_cases(world) + cp_cases.fa_matrix(world) + cp_cases.error_cases(world)
              + cp_cases.dsa_cases(world))
     results = run_group(world, cp_cases.run_cases, cases)
     assert [name for name, _, _ in results[0]] == [c["name"] for c in cases]
-    _report(results)
+    cp_cases.assert_no_failures(results)
 
 
 # ------------------------------------------------------------------------------------- rules, no process group

@@ -17,22 +17,16 @@ def _cases(world: int) -> list[dict]:
     return cp_cases.shard_cases(world) + cp_cases.fa_matrix(world) + cp_cases.dsa_cases(world)
 
 
-def _report(results) -> None:
-    failures = [f"rank {rank} {name}: {failure}" for rank, per_rank in enumerate(results)
-                for name, failure, _ in per_rank if failure is not None]
-    assert not failures, "\n\n".join(failures)
-
-
 def test_context_parallel_nccl_every_gpu():
     """One rank per visible GPU (skipped with fewer than 2)."""
     if not torch.cuda.is_available() or torch.cuda.device_count() < 2:
         pytest.skip("needs at least 2 CUDA GPUs")
     world = torch.cuda.device_count()
-    _report(run_group(world, cp_cases.run_cases, _cases(world), backend="nccl", deadline=900))
+    cp_cases.assert_no_failures(run_group(world, cp_cases.run_cases, _cases(world), backend="nccl", deadline=900))
 
 
 def test_context_parallel_nccl_single_rank():
     """A one-rank NCCL group on GPU 0: every case through NCCL collectives and the GPU kernels."""
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU")
-    _report(run_group(1, cp_cases.run_cases, _cases(1), backend="nccl", deadline=900))
+    cp_cases.assert_no_failures(run_group(1, cp_cases.run_cases, _cases(1), backend="nccl", deadline=900))

@@ -15,14 +15,12 @@ import cann_attn.torch_npu as torch_npu
 from fia_cases import rand, to_layout
 from paged_utils import paginate
 
+pytestmark = pytest.mark.usefixtures("single_thread")
+
 
 @pytest.fixture(autouse=True)
 def reference_backend(monkeypatch):
     monkeypatch.setenv("CANN_ATTN_BACKEND", "reference")
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
 
 
 def _caches(k, v, lengths, page, gen, cache_layout, rope=None):
