@@ -10,6 +10,7 @@ from ..ops.fa_problem import build_problem
 from ..ops.flash_attention_score import FORWARD_MODES, INT_MAX
 from ..problem.context_blocks import sequence_window
 from ..problem.dropout import keep_prob_of
+from ..problem.layout import head_dim_of
 from ..problem.lengths import require_same_sequence_count
 from . import comm
 from .blocks import ALIBI_TYPES, AttentionSetup
@@ -113,7 +114,7 @@ def flash_attention(
     comm.agree(group_info, signature, error)
     setup, plan, kv_plan, batch = prepared
     q = _packed(query, input_layout, head_num)
-    heads_kv = (key.shape[-1] // _head_dim(query, head_num, input_layout) if input_layout in ("BSH", "SBH")
+    heads_kv = (key.shape[-1] // head_dim_of(query, head_num, input_layout) if input_layout in ("BSH", "SBH")
                 else key.shape[-2])
     k, v = _packed(key, input_layout, heads_kv), _packed(value, input_layout, heads_kv)
     if method == "ring":
@@ -125,12 +126,6 @@ def flash_attention(
         out = HeadToSeq.apply(RingAttention.apply(heads, k_heads, v_heads, setup, RingOptions(single, True)),
                               group_info, plan)
     return _unpacked(out, input_layout, batch)
-
-
-def _head_dim(query: torch.Tensor, head_num: int, layout: str) -> int:
-    if layout in ("BSH", "SBH"):
-        return query.shape[-1] // head_num
-    return query.shape[-1]
 
 
 def _prepare(args: dict, group: comm.Group):
@@ -183,7 +178,7 @@ def _prepare(args: dict, group: comm.Group):
                                     sq, skv) for sq, skv in zip(q_lengths, kv_lengths, strict=True))
     head_offset, local_heads = 0, head_num
     if method == "ulysses":
-        dim = _head_dim(query, head_num, layout)
+        dim = head_dim_of(query, head_num, layout)
         heads_kv = key.shape[-1] // dim if layout in ("BSH", "SBH") else key.shape[-2]
         if head_num % group.world or heads_kv % group.world:
             raise ParamInvalidError(

@@ -57,6 +57,12 @@ def read_dims(
     return LayoutDims(None, shape[0], shape[1], shape[2])
 
 
+def head_dim_of(tensor: torch.Tensor, heads: int, layout: str) -> int:
+    """D of an already validated tensor of `heads` heads: H / heads in BSH and SBH (whose last dimension packs
+    H = N * D), else the last dimension (docs/semantics/layouts.md)."""
+    return tensor.shape[-1] // heads if layout in ("BSH", "SBH") else tensor.shape[-1]
+
+
 def as_bnsd(tensor: torch.Tensor, layout: str, heads: int) -> torch.Tensor:
     """[B, N, S, D] view of a BSH / SBH / BSND / BNSD(_BSND) tensor (no copy)."""
     if layout == "BSH":

@@ -16,6 +16,7 @@ from torch import Tensor
 from ..errors import ParamInvalidError
 from ..ops.flash_attention_score import INT_MAX
 from ..problem.dropout import drop_mask_numel, validate_drop_mask
+from ..problem.layout import head_dim_of
 from ..problem.lengths import ends_without_trailing_zeros
 from ._common import _ints
 from ._registry import npu_op
@@ -254,10 +255,6 @@ def _regenerate_drop_mask(query, key, head_num, layout, keep_prob, seed, offset,
     return _mask_at(_state_of(seed, offset), expected, keep_prob, query.device)
 
 
-def _head_dim(query: Tensor, head_num: int, layout: str) -> int:
-    return query.shape[-1] // head_num if layout in ("BSH", "SBH") else query.shape[-1]
-
-
 def _cat_rope(x: Tensor, rope: Tensor | None, layout: str, head_dim: int, rope_dim: int) -> Tensor:
     """[x ; rope] along the head dim (BSH/SBH: per head inside H)."""
     if rope is None:
@@ -280,8 +277,8 @@ def _split_rope(g: Tensor, layout: str, head_dim: int, rope_dim: int) -> tuple[T
 def _rope_dims(query: Tensor, query_rope: Tensor | None, key_rope: Tensor | None, head_num: int, layout: str):
     if (query_rope is None) != (key_rope is None):
         raise ParamInvalidError("query_rope/key_rope: give both rope tensors or neither")
-    head_dim = _head_dim(query, head_num, layout)
-    rope_dim = 0 if query_rope is None else _head_dim(query_rope, head_num, layout)
+    head_dim = head_dim_of(query, head_num, layout)
+    rope_dim = 0 if query_rope is None else head_dim_of(query_rope, head_num, layout)
     return head_dim, rope_dim
 
 
