@@ -245,6 +245,9 @@ def error_cases(world: int) -> list[dict]:
     return [
         dict(fa_case("error-ulysses-heads", world, method="ulysses", heads=world + 1, heads_kv=1), kind="fa_error",
              expect="divisible"),
+        # BNSD keeps N in dim 1: the key/value head count there (here 1), not dim -2 (the sequence), is split.
+        dict(fa_case("error-ulysses-kv-heads-BNSD", world, method="ulysses", layout="BNSD", heads_kv=1),
+             kind="fa_error", expect="divisible"),
         dict(fa_case("error-full-mask", world), kind="fa_error", full_mask=True,
              expect="context parallelism supports"),
         dict(fa_case("error-length", world, seq_q=3 * world, seq_kv=3 * world), kind="fa_error",

@@ -10,7 +10,7 @@ from ..ops.fa_problem import build_problem
 from ..ops.flash_attention_score import FORWARD_MODES, INT_MAX
 from ..problem.context_blocks import sequence_window
 from ..problem.dropout import keep_prob_of
-from ..problem.layout import head_dim_of
+from ..problem.layout import head_count_of, head_dim_of
 from ..problem.lengths import require_same_sequence_count
 from . import comm
 from .blocks import ALIBI_TYPES, AttentionSetup
@@ -114,8 +114,7 @@ def flash_attention(
     comm.agree(group_info, signature, error)
     setup, plan, kv_plan, batch = prepared
     q = _packed(query, input_layout, head_num)
-    heads_kv = (key.shape[-1] // head_dim_of(query, head_num, input_layout) if input_layout in ("BSH", "SBH")
-                else key.shape[-2])
+    heads_kv = head_count_of(key, head_dim_of(query, head_num, input_layout), input_layout)
     k, v = _packed(key, input_layout, heads_kv), _packed(value, input_layout, heads_kv)
     if method == "ring":
         out = RingAttention.apply(q, k, v, setup, RingOptions(group_info, overlap))
@@ -178,8 +177,7 @@ def _prepare(args: dict, group: comm.Group):
                                     sq, skv) for sq, skv in zip(q_lengths, kv_lengths, strict=True))
     head_offset, local_heads = 0, head_num
     if method == "ulysses":
-        dim = head_dim_of(query, head_num, layout)
-        heads_kv = key.shape[-1] // dim if layout in ("BSH", "SBH") else key.shape[-2]
+        heads_kv = head_count_of(key, head_dim_of(query, head_num, layout), layout)
         if head_num % group.world or heads_kv % group.world:
             raise ParamInvalidError(
                 f"head_num: Ulysses splits heads over the {group.world} ranks; expected head_num ({head_num}) and "

@@ -63,6 +63,14 @@ def head_dim_of(tensor: torch.Tensor, heads: int, layout: str) -> int:
     return tensor.shape[-1] // heads if layout in ("BSH", "SBH") else tensor.shape[-1]
 
 
+def head_count_of(tensor: torch.Tensor, head_dim: int, layout: str) -> int:
+    """N of an already validated tensor whose heads have `head_dim`: H / head_dim in BSH and SBH, dimension 1 in BNSD,
+    else dimension -2 (BSND, TND) (docs/semantics/layouts.md)."""
+    if layout in ("BSH", "SBH"):
+        return tensor.shape[-1] // head_dim
+    return tensor.shape[1] if layout == "BNSD" else tensor.shape[-2]
+
+
 def as_bnsd(tensor: torch.Tensor, layout: str, heads: int) -> torch.Tensor:
     """[B, N, S, D] view of a BSH / SBH / BSND / BNSD(_BSND) tensor (no copy)."""
     if layout == "BSH":
