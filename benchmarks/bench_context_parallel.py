@@ -2,7 +2,13 @@
 
 1. per-rank peak memory of causal FlashAttention forward + backward at S = 8k, 16k, 32k for P = 1, 2, 4 (ring,
    head_tail): the growth of each rank's resident set over the call (VmHWM after resetting it, minus the resident
-   set before) and the rank's shard sizes, next to the single-process `cann_attn.flash_attention` at the same S;
+   set before; the leaf copies of q/k/v the call makes are inside it) and the rank's shard sizes, next to the
+   single-process `cann_attn.flash_attention` at the same S; then, in a second call under torch.profiler's memory
+   tracking, where it goes: the saved activations (what autograd keeps for the backward, counted by
+   saved_tensors_hooks once per storage, split into the caller's inputs q/k/v and the new tensors), the ring's
+   communication buffers (every tensor received into, while alive: peak), the reference backend's score-tile
+   workspace (peak transient of one FlashAttentionScore(Grad) call above its inputs and outputs: bounded by a fixed
+   tile budget, not by S) and the peak of all torch-allocated bytes above what was live before the call; saved
    activations must scale as ~1/P;
 2. ring with overlap vs without, timed alternately in the same process group;
 3. bytes sent per rank per layer (forward + backward, counted by cann_attn.distributed) against the analytic
@@ -83,6 +89,135 @@ def memory_worker(rank: int, world: int, device, seq: int, plain: bool = False) 
             "shard_inputs_mib": shard_bytes / 2**20, "seconds": seconds}
 
 
+class _Breakdown:
+    """Where one forward + backward's memory goes (torch-allocated bytes; see the module docstring)."""
+
+    def __init__(self, leaves):
+        import weakref
+
+        self._weakref = weakref
+        self.inputs = {t.untyped_storage().data_ptr() for t in leaves}
+        self.saved: dict[int, tuple[int, bool]] = {}  # storage -> (bytes, is a caller input)
+        self.buffers_live = self.buffers_peak = 0
+        self.op_ranges: list[tuple[int, int]] = []  # profiler ns ranges of the FlashAttentionScore(Grad) calls
+
+    def pack(self, t: torch.Tensor):
+        ptr = t.untyped_storage().data_ptr()
+        self.saved.setdefault(ptr, (t.untyped_storage().nbytes(), ptr in self.inputs))
+        return t
+
+    def received(self, tensors) -> None:
+        for t in tensors:
+            size = t.numel() * t.element_size()
+            self.buffers_live += size
+            self.buffers_peak = max(self.buffers_peak, self.buffers_live)
+            self._weakref.finalize(t, self._released, size)
+
+    def _released(self, size: int) -> None:
+        self.buffers_live -= size
+
+
+def _patched(breakdown: _Breakdown):
+    """Wraps the ring's send/receive and its block operator calls (module attributes) for the breakdown."""
+    import contextlib
+
+    from cann_attn.distributed import blocks, comm
+
+    @contextlib.contextmanager
+    def patch():
+        send_recv, fwd, bwd = comm.send_recv, blocks.flash_attention_score, blocks.flash_attention_score_grad
+
+        def counted_send_recv(group, send, recv, *args):
+            breakdown.received(recv)
+            return send_recv(group, send, recv, *args)
+
+        def marked(fn, name):
+            def call(*args, **kwargs):
+                with torch.profiler.record_function(name):
+                    return fn(*args, **kwargs)
+            return call
+
+        comm.send_recv = counted_send_recv
+        blocks.flash_attention_score = marked(fwd, "cp_block_forward")
+        blocks.flash_attention_score_grad = marked(bwd, "cp_block_backward")
+        try:
+            yield
+        finally:
+            comm.send_recv, blocks.flash_attention_score, blocks.flash_attention_score_grad = send_recv, fwd, bwd
+    return patch()
+
+
+def _timeline(prof) -> tuple[list[tuple[int, int]], dict[str, list[tuple[int, int]]]]:
+    """(memory events (ns, bytes +alloc / -free) in time order, {range name: [(start, end)]}) of a profile."""
+    memory, ranges = [], {}
+    for event in prof.profiler.kineto_results.events():
+        if event.name() == "[memory]":
+            memory.append((event.start_ns(), event.nbytes()))
+        elif event.name().startswith("cp_"):
+            ranges.setdefault(event.name(), []).append((event.start_ns(), event.start_ns() + event.duration_ns()))
+    memory.sort()
+    return memory, ranges
+
+
+def _live_curve(memory):
+    times, live, total = [], [], 0
+    for ns, nbytes in memory:
+        total += nbytes
+        times.append(ns)
+        live.append(total)
+    return times, live
+
+
+def _workspace(times, live, ranges) -> int:
+    """Max over the ranges of (peak live bytes inside) - max(live at entry, live at exit): what a call needs beyond
+    its inputs and results while it runs."""
+    import bisect
+
+    worst = 0
+    for start, end in ranges:
+        i0, i1 = bisect.bisect_left(times, start), bisect.bisect_right(times, end)
+        entry = live[i0 - 1] if i0 > 0 else 0
+        leave = live[i1 - 1] if i1 > 0 else 0
+        inside = max(live[i0:i1], default=entry)
+        worst = max(worst, inside - max(entry, leave))
+    return worst
+
+
+def breakdown_worker(rank: int, world: int, device, seq: int, plain: bool = False) -> dict:
+    """One causal forward + backward under torch.profiler's memory tracking (see the module docstring)."""
+    from torch.profiler import ProfilerActivity, profile, record_function
+
+    import cann_attn
+    import cann_attn.distributed as cp
+
+    q, k, v, dy = _shards(rank, world, seq)
+    _layer(*(t[:, : 4 * world] for t in (q, k, v, dy)), plain=plain)  # warm-up
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    breakdown = _Breakdown(leaves)
+    kwargs = dict(sparse_mode=2, atten_mask=cann_attn.compressed_mask(2), scale_value=DIM**-0.5)
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof, _patched(breakdown):
+        with torch.autograd.graph.saved_tensors_hooks(breakdown.pack, lambda t: t), record_function("cp_forward"):
+            if plain:
+                out = cann_attn.flash_attention(*leaves, HEADS, "BSND", **kwargs)
+            else:
+                out = cp.flash_attention(*leaves, HEADS, "BSND", **kwargs)
+        with record_function("cp_backward"):
+            out.backward(dy)
+        del out
+    memory, ranges = _timeline(prof)
+    times, live = _live_curve(memory)
+    op_ranges = (ranges.get("cp_forward", []) + ranges.get("cp_backward", []) if plain
+                 else ranges.get("cp_block_forward", []) + ranges.get("cp_block_backward", []))
+    saved_inputs = sum(n for n, is_input in breakdown.saved.values() if is_input)
+    saved_new = sum(n for n, is_input in breakdown.saved.values() if not is_input)
+    grads = sum(t.grad.numel() * t.grad.element_size() for t in leaves)
+    mib = 2**-20
+    return {"rank": rank, "saved_new_mib": saved_new * mib, "saved_inputs_mib": saved_inputs * mib,
+            "gradients_mib": grads * mib, "buffers_peak_mib": breakdown.buffers_peak * mib,
+            "workspace_mib": _workspace(times, live, op_ranges) * mib,
+            "torch_peak_mib": max(live, default=0) * mib, "shard_mib": q.numel() * q.element_size() * mib}
+
+
 def overlap_worker(rank: int, world: int, device, seq: int, repeats: int) -> dict:
     import torch.distributed as dist
 
@@ -140,6 +275,17 @@ def main(argv=None) -> None:
         rank = run_group(1, memory_worker, seq, True, deadline=1800)[0]
         single.append({"seq": seq, "growth_mib": rank["growth_mib"], "seconds": rank["seconds"]})
         print(f"single-process cann_attn.flash_attention S={seq}: growth {rank['growth_mib']:.1f} MiB", flush=True)
+    breakdown = []
+    for seq in seqs:
+        for world in [0, *worlds]:  # 0: the single-process operator
+            ranks = run_group(max(world, 1), breakdown_worker, seq, world == 0, deadline=1800)
+            entry = {"seq": seq, "world": world if world else 1, "single_process": world == 0, "ranks": ranks}
+            entry.update({key: max(r[key] for r in ranks) for key in ranks[0] if key != "rank"})
+            breakdown.append(entry)
+            print(f"breakdown S={seq} {'single-process' if world == 0 else f'P={world}'}: saved new "
+                  f"{entry['saved_new_mib']:.2f} + inputs {entry['saved_inputs_mib']:.2f}, gradients "
+                  f"{entry['gradients_mib']:.2f}, buffers {entry['buffers_peak_mib']:.2f}, workspace "
+                  f"{entry['workspace_mib']:.2f}, torch peak {entry['torch_peak_mib']:.2f} MiB", flush=True)
     overlap = []
     for world in (2, 4):
         seq = seqs[0]
@@ -162,7 +308,7 @@ def main(argv=None) -> None:
                   flush=True)
     payload = {"benchmark": "context_parallel", "machine": machine_info("cpu"), "heads": HEADS, "dim": DIM,
                "dtype": "float32", "mask": "causal (sparse_mode 2), ring, head_tail", "memory": memory,
-               "single_process_memory": single,
+               "single_process_memory": single, "memory_breakdown": breakdown,
                "overlap": overlap, "volume": volume}
     out_dir = Path(args.out)
     name = "context_parallel_cpu" + ("_quick" if args.quick else "")

@@ -28,6 +28,13 @@ def test_context_parallel_matches_single_process(world):
     cp_cases.assert_no_failures(results)
 
 
+
+def test_ring_of_one_rank_matches_single_process():
+    """A ring of one rank computes each whole sequence in one block call (no chunks, no merge): still the
+    single-process operator, every ring case of the matrix."""
+    cases = [c for c in cp_cases.fa_matrix(1) if c["method"] == "ring"]
+    cp_cases.assert_no_failures(run_group(1, cp_cases.run_cases, cases))
+
 # ------------------------------------------------------------------------------------- rules, no process group
 @given(lower=st.one_of(st.none(), st.integers(-12, 12)), width=st.one_of(st.none(), st.integers(0, 12)),
        q_offset=st.integers(0, 12), kv_offset=st.integers(0, 12), rows=st.integers(1, 6), cols=st.integers(1, 6))

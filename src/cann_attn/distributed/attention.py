@@ -193,7 +193,10 @@ def _prepare(args: dict, group: comm.Group):
         else:
             seed = int(torch.randint(0, 2**62, (1,), generator=args["generator"]).item())
     starts = [_first(args["q_start_idx"]), _first(args["kv_start_idx"])]
-    setup_plans = (plan, kv_plan) if method == "ring" else (
+    # Ulysses computes whole sequences on its heads; so does a ring of one rank, whose shard is the whole sequence in
+    # order: one block call per sequence instead of the 2 x 2 head/tail chunk pairs (no merge, no accumulators).
+    whole = method == "ulysses" or group.world == 1
+    setup_plans = (plan, kv_plan) if not whole else (
         SequencePlan(tuple(q_lengths), 1, None), SequencePlan(tuple(kv_lengths), 1, None))
     setup = AttentionSetup(
         q_plan=setup_plans[0], kv_plan=setup_plans[1], windows=windows, head_num=local_heads, head_offset=head_offset,
