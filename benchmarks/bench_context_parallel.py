@@ -5,7 +5,8 @@
    set before; the leaf copies of q/k/v the call makes are inside it) and the rank's shard sizes, next to the
    single-process `cann_attn.flash_attention` at the same S; then, in a second call under torch.profiler's memory
    tracking, where it goes: the saved activations (what autograd keeps for the backward, counted by
-   saved_tensors_hooks once per storage, split into the caller's inputs q/k/v and the new tensors), the ring's
+   saved_tensors_hooks once per storage, split into the caller's inputs (q/k/v, the
+   compressed mask) and the new tensors), the ring's
    communication buffers (every tensor received into, while alive: peak), the reference backend's score-tile
    workspace (peak transient of one FlashAttentionScore(Grad) call above its inputs and outputs: bounded by a fixed
    tile budget, not by S) and the peak of all torch-allocated bytes above what was live before the call; saved
@@ -92,11 +93,11 @@ def memory_worker(rank: int, world: int, device, seq: int, plain: bool = False) 
 class _Breakdown:
     """Where one forward + backward's memory goes (torch-allocated bytes; see the module docstring)."""
 
-    def __init__(self, leaves):
+    def __init__(self, inputs):
         import weakref
 
         self._weakref = weakref
-        self.inputs = {t.untyped_storage().data_ptr() for t in leaves}
+        self.inputs = {t.untyped_storage().data_ptr() for t in inputs}
         self.saved: dict[int, tuple[int, bool]] = {}  # storage -> (bytes, is a caller input)
         self.buffers_live = self.buffers_peak = 0
         self.op_ranges: list[tuple[int, int]] = []  # profiler ns ranges of the FlashAttentionScore(Grad) calls
@@ -193,8 +194,8 @@ def breakdown_worker(rank: int, world: int, device, seq: int, plain: bool = Fals
     q, k, v, dy = _shards(rank, world, seq)
     _layer(*(t[:, : 4 * world] for t in (q, k, v, dy)), plain=plain)  # warm-up
     leaves = [t.clone().requires_grad_() for t in (q, k, v)]
-    breakdown = _Breakdown(leaves)
     kwargs = dict(sparse_mode=2, atten_mask=cann_attn.compressed_mask(2), scale_value=DIM**-0.5)
+    breakdown = _Breakdown([*leaves, kwargs["atten_mask"]])
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof, _patched(breakdown):
         with torch.autograd.graph.saved_tensors_hooks(breakdown.pack, lambda t: t), record_function("cp_forward"):
             if plain:
