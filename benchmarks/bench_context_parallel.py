@@ -323,7 +323,7 @@ def _plot(payload: dict, path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, 3, figsize=(15, 4.5))
+    fig, axes = plt.subplots(1, 4, figsize=(20, 4.5))
     seqs = sorted({m["seq"] for m in payload["memory"]})
     for world in sorted({m["world"] for m in payload["memory"]}):
         growth = [next(m["max_growth_mib"] for m in payload["memory"] if m["seq"] == s and m["world"] == world)
@@ -350,8 +350,28 @@ def _plot(payload: dict, path: Path) -> None:
     axes[2].set(xticks=list(xs), xticklabels=labels, ylabel="MiB sent per rank per layer",
                 title="communication volume (fwd+bwd)")
     axes[2].legend()
+    _plot_breakdown(axes[3], payload.get("memory_breakdown", []))
     fig.tight_layout()
     fig.savefig(path, dpi=110)
+
+
+def _plot_breakdown(axis, breakdown: list[dict]) -> None:
+    """Per-rank breakdown at the largest S: saved activations (new tensors), gradients, communication buffers,
+    the operator's tile workspace and the torch-allocated peak, for the single-process operator and P = 1, 2, 4."""
+    if not breakdown:
+        return
+    seq = max(b["seq"] for b in breakdown)
+    rows = [b for b in breakdown if b["seq"] == seq]
+    labels = ["single" if b["single_process"] else f"P={b['world']}" for b in rows]
+    parts = (("saved_new_mib", "saved activations"), ("gradients_mib", "gradients dq/dk/dv"),
+             ("buffers_peak_mib", "ring buffers (peak)"), ("workspace_mib", "tile workspace"),
+             ("torch_peak_mib", "torch peak (total)"))
+    width = 0.8 / len(parts)
+    for i, (key, label) in enumerate(parts):
+        axis.bar([x + (i - 2) * width for x in range(len(rows))], [b[key] for b in rows], width, label=label)
+    axis.set(xticks=list(range(len(rows))), xticklabels=labels, ylabel="MiB per rank",
+             title=f"where the memory goes, S = {seq}")
+    axis.legend(fontsize=8)
 
 
 if __name__ == "__main__":

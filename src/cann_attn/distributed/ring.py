@@ -138,9 +138,11 @@ def ring_backward(setup: AttentionSetup, options: RingOptions, query, key, value
     # (posted at the end of its previous step, at the same time as ours: waiting for it costs one hop).
     arriving = []
     for step in range(world):
-        shards.post(step)
+        # The dk/dv exchange first: once it has completed, the accumulator we sent is free before the next
+        # key/value shard's buffers are allocated (both were posted before this step's blocks anyway).
         comm.wait_all(group, arriving, f"ring backward gradient hop {step}")
         arriving = []
+        shards.post(step)
         for call in plan_calls(setup, rank, (rank - step) % world, query.device):
             g_q, g_k, g_v = block_backward(setup, call, query, shards.key, shards.value, d_out, out, smax, ssum)
             dq = _accumulate(dq, query.shape, call.q_rows, call.q_span, g_q, acc_dtype)
