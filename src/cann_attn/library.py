@@ -70,7 +70,7 @@ from .ops.lightning_indexer import (
 from .ops.prompt_flash_attention import prompt_flash_attention as _eager_prompt_flash_attention
 from .ops.ring_attention_update import RingAttentionUpdateResult
 from .ops.ring_attention_update import ring_attention_update as _eager_ring_attention_update
-from .ops.sparse_flash_attention import SparseFlashAttentionGradResult, SparseFlashAttentionResult
+from .ops.sparse_flash_attention import INT64_MAX, SparseFlashAttentionGradResult, SparseFlashAttentionResult
 from .ops.sparse_flash_attention import sparse_flash_attention as _eager_sparse_flash_attention
 from .ops.sparse_flash_attention import sparse_flash_attention_grad as _eager_sparse_flash_attention_grad
 from .problem.dropout import gen_drop_mask
@@ -99,7 +99,6 @@ __all__ = [
     "trans_quant_param",
 ]
 
-INT64_MAX = 2**63 - 1
 _MASK64 = (1 << 64) - 1
 
 

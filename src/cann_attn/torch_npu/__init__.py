@@ -34,8 +34,8 @@ are turned into lists with ``.tolist()`` (a graph break under torch.compile: pas
 """
 
 
+from ..ops.sparse_flash_attention import INT64_MAX  # noqa: F401  (re-exported for callers of the old module)
 from . import npu
-from ._common import INT64_MAX  # noqa: F401  (re-exported for callers of the old module)
 from ._fusion import (
     npu_fusion_attention,
     npu_fusion_attention_grad,

@@ -17,8 +17,7 @@ from ..errors import ParamInvalidError
 from ..ops.flash_attention_score import INT_MAX
 from ..problem.dropout import drop_mask_numel, validate_drop_mask
 from ..problem.layout import head_dim_of
-from ..problem.lengths import ends_without_trailing_zeros
-from ._common import _ints
+from ..problem.lengths import ends_without_trailing_zeros, to_int_list
 from ._registry import npu_op
 from ._rng import draw_state
 
@@ -302,9 +301,10 @@ def _fusion_attention(query, key, value, head_num, input_layout, *, pse, padding
     numels = _mask_numel(query, key, head_num, input_layout, q_ends, kv_ends)
     drop_mask, state = _forward_drop_mask(query, numels, keep_prob, dropout_mask, seed, offset)
     out, softmax_max, softmax_sum, softmax_out = torch.ops.cann_attn.flash_attention_score(
-        query, key, value, head_num, input_layout, pse, drop_mask, padding_mask, atten_mask, _ints(prefix, "prefix"),
-        q_ends, kv_ends, _ints(q_start_idx, "q_start_idx"), _ints(kv_start_idx, "kv_start_idx"), float(scale),
-        float(keep_prob), pre_tokens, next_tokens, inner_precise, sparse_mode, pse_type, softmax_layout, sink=sink,
+        query, key, value, head_num, input_layout, pse, drop_mask, padding_mask, atten_mask,
+        to_int_list(prefix, "prefix"), q_ends, kv_ends, to_int_list(q_start_idx, "q_start_idx"),
+        to_int_list(kv_start_idx, "kv_start_idx"), float(scale), float(keep_prob), pre_tokens,
+        next_tokens, inner_precise, sparse_mode, pse_type, softmax_layout, sink=sink,
     )
     return out, softmax_max, softmax_sum, softmax_out, state, numels
 
@@ -396,9 +396,9 @@ def _fusion_attention_grad(query, key, value, dy, head_num, input_layout, *, pse
                                       kv_ends)
     dq, dk, dv, dpse, dsink = torch.ops.cann_attn.flash_attention_score_grad(
         query, key, value, dy, head_num, input_layout, pse, drop_mask, padding_mask, atten_mask, softmax_max,
-        softmax_sum, softmax_in, attention_in, _ints(prefix, "prefix"), q_ends, kv_ends,
-        _ints(q_start_idx, "q_start_idx"), _ints(kv_start_idx, "kv_start_idx"), float(scale_value), float(keep_prob),
-        pre_tokens, next_tokens, inner_precise, sparse_mode, pse_type, softmax_layout, sink=sink,
+        softmax_sum, softmax_in, attention_in, to_int_list(prefix, "prefix"), q_ends, kv_ends,
+        to_int_list(q_start_idx, "q_start_idx"), to_int_list(kv_start_idx, "kv_start_idx"), float(scale_value),
+        float(keep_prob), pre_tokens, next_tokens, inner_precise, sparse_mode, pse_type, softmax_layout, sink=sink,
     )
     if pse is None:
         dpse = None  # op-plugin returns an undefined dpse without pse

@@ -9,9 +9,8 @@ Semantics: docs/operators/fused_infer_attention_score.md and docs/operators/incr
 from torch import Tensor
 
 from .. import library
+from ..ops.flash_attention_score import INT_MAX
 from ._registry import npu_op
-
-INT_MAX = 2147483647
 
 # Registered for the release switch and install() (torch.ops.npu.*); the current schema only.
 NPU_FUSED_INFER_ATTENTION_SCORE_SCHEMAS = {

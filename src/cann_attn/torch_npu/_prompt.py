@@ -4,7 +4,7 @@ import torch
 from torch import Tensor
 
 from .. import library
-from ._common import _ints
+from ..problem.lengths import to_int_list
 from ._registry import npu_op
 
 # The current default; torch_npu 7.1/7.2 had 2147473647 (sic), which use_release("7.2") restores.
@@ -48,8 +48,8 @@ def npu_prompt_flash_attention(
     """torch_npu.npu_prompt_flash_attention (PromptFlashAttentionV2, inference: not differentiable). The output
     dtype is int8 with quant_scale2, float16 for int8 inputs, else the query's. padding_mask is reserved."""
     return torch.ops.cann_attn.prompt_flash_attention(
-        query, key, value, pse_shift, atten_mask, _ints(actual_seq_lengths, "actual_seq_lengths"),
-        _ints(actual_seq_lengths_kv, "actual_seq_lengths_kv"), deq_scale1, quant_scale1, deq_scale2, quant_scale2,
+        query, key, value, pse_shift, atten_mask, to_int_list(actual_seq_lengths, "actual_seq_lengths"),
+        to_int_list(actual_seq_lengths_kv, "actual_seq_lengths_kv"), deq_scale1, quant_scale1, deq_scale2, quant_scale2,
         quant_offset2, num_heads, float(scale_value), pre_tokens, next_tokens, input_layout, num_key_value_heads,
         sparse_mode,
     )

@@ -4,7 +4,8 @@ import torch
 from torch import Tensor
 
 from ..errors import ParamInvalidError
-from ._common import INT64_MAX, _ints
+from ..ops.sparse_flash_attention import INT64_MAX
+from ..problem.lengths import to_int_list
 from ._registry import npu_op
 
 NPU_SPARSE_FLASH_ATTENTION_SCHEMAS = {
@@ -109,8 +110,8 @@ def npu_sparse_flash_attention(
     _check_attention_mode(attention_mode)
     out, softmax_max, softmax_sum = torch.ops.cann_attn.sparse_flash_attention(
         query, key, value, sparse_indices, float(scale_value), query_rope, key_rope,
-        _ints(actual_seq_lengths_query, "actual_seq_lengths_query"),
-        _ints(actual_seq_lengths_kv, "actual_seq_lengths_kv"), sparse_block_size, layout_query, sparse_mode,
+        to_int_list(actual_seq_lengths_query, "actual_seq_lengths_query"),
+        to_int_list(actual_seq_lengths_kv, "actual_seq_lengths_kv"), sparse_block_size, layout_query, sparse_mode,
         pre_tokens, next_tokens, block_table=block_table, layout_kv=layout_kv,
         sinks=None if sinks is None else sinks.detach(),
     )
@@ -134,8 +135,8 @@ def npu_sparse_flash_attention_grad(
     _check_attention_mode(attention_mode)
     return torch.ops.cann_attn.sparse_flash_attention_grad(
         query, key, value, sparse_indices, d_out, out, softmax_max, softmax_sum, float(scale_value),
-        sparse_block_size, query_rope, key_rope, _ints(actual_seq_qlen, "actual_seq_qlen"),
-        _ints(actual_seq_kvlen, "actual_seq_kvlen"), layout, sparse_mode, pre_tokens, next_tokens, True,
+        sparse_block_size, query_rope, key_rope, to_int_list(actual_seq_qlen, "actual_seq_qlen"),
+        to_int_list(actual_seq_kvlen, "actual_seq_kvlen"), layout, sparse_mode, pre_tokens, next_tokens, True,
     )[:5]
 
 
@@ -150,8 +151,8 @@ def npu_lightning_indexer(
     [T1, 1, K]; sparse_values is an empty (0,) tensor unless ``return_value``."""
     _check_paged_outputs(layout_key, "return_value", return_value)
     return torch.ops.cann_attn.lightning_indexer(
-        query, key, weights, _ints(actual_seq_lengths_query, "actual_seq_lengths_query"),
-        _ints(actual_seq_lengths_key, "actual_seq_lengths_key"), layout_query, sparse_count, sparse_mode,
+        query, key, weights, to_int_list(actual_seq_lengths_query, "actual_seq_lengths_query"),
+        to_int_list(actual_seq_lengths_key, "actual_seq_lengths_key"), layout_query, sparse_count, sparse_mode,
         return_value, block_table=block_table, layout_key=layout_key,
     )
 
@@ -168,6 +169,7 @@ def npu_sparse_lightning_indexer_grad_kl_loss(
     _check_sinks(sinks)
     return torch.ops.cann_attn.sparse_lightning_indexer_grad_kl_loss(
         query, key, query_index, key_index, weights, sparse_indices, softmax_max, softmax_sum, float(scale_value),
-        query_rope, key_rope, _ints(actual_seq_qlen, "actual_seq_qlen"), _ints(actual_seq_klen, "actual_seq_klen"),
+        query_rope, key_rope, to_int_list(actual_seq_qlen, "actual_seq_qlen"),
+        to_int_list(actual_seq_klen, "actual_seq_klen"),
         layout, sparse_mode, pre_tokens, next_tokens, True,
     )
