@@ -95,15 +95,12 @@ def _output_shape(layout: str, batch, seq: int, heads: int, dim: int) -> tuple[i
 
 def kv_bnsd(key: torch.Tensor, value: torch.Tensor, *, kv_layout: str, heads_kv: int, query_dtype: torch.dtype,
             antiquant: antiquants.KvAntiquant | None, prefix: tuple[torch.Tensor, torch.Tensor, int] | None,
-            key_rope: torch.Tensor | None, block_table: torch.Tensor | None = None
-            ) -> tuple[torch.Tensor, torch.Tensor]:
+            key_rope: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
     """The key and value every query row attends to, as [B, N2, S, D] tensors (views where nothing changes).
 
     In order: int8 key/value anti-quantised to the query dtype (`problem/antiquant.py`); the shared prefix
     (its first `len` positions) put in front of every batch's keys; key_rope appended to the key's head dim. The
-    PageAttention gather is `paged_infer.PagedKv.group_bnsd` (the operators do not call this with a block_table)."""
-    if block_table is not None:
-        raise ParamInvalidError("block_table: a paged cache is gathered by paged_infer, not kv_bnsd")
+    PageAttention gather is `paged_infer.PagedKv.group_bnsd`."""
     k = _bnsd(key, kv_layout, heads_kv)
     v = _bnsd(value, kv_layout, heads_kv)
     if antiquant is not None:
