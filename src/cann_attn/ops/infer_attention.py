@@ -181,6 +181,17 @@ def _write_lse(softmax_lse: torch.Tensor, row_max: torch.Tensor, row_sum: torch.
     softmax_lse.copy_(torch.where(valid, m + torch.log(torch.where(valid, s, 1.0)), INVALID_LSE))
 
 
+def _bnsd_problem(query, value, heads_kv, scale, atten_mask, mask_views, sparse_mode, act_q, act_kv, pre_tokens,
+                  next_tokens, pse_shift) -> AttentionProblem:
+    """The attention problem of [B, N, S, D] query / value views: one run per group of sequences with equal masks."""
+    return AttentionProblem(
+        layout="BNSD", batch=query.shape[0], heads_q=query.shape[1], heads_kv=heads_kv, dim_qk=query.shape[-1],
+        dim_v=value.shape[-1], scale=scale, keep_prob=1.0, softmax_layout="",
+        runs=sequence_runs(atten_mask, mask_views, sparse_mode, act_q, act_kv, pre_tokens, next_tokens, pse_shift,
+                           scale),
+    )
+
+
 def attend(
     query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, out: torch.Tensor, *, heads_kv: int, scale: float,
     atten_mask, mask_views, sparse_mode: int, act_q: list[int], act_kv: list[int], pre_tokens: int, next_tokens: int,
@@ -189,13 +200,8 @@ def attend(
     """Fill `out` ([B, N, Sq, Dv] view of the zero-initialised output) with attention over [B, N(kv), S, D] views,
     and `softmax_lse` ([B, N, Sq, 1] float32 view) when given: lse = max + log(sum) of the scaled, masked logits,
     `INVALID_LSE` for rows that see no key. `mask_views` are `validate_mask`'s per-batch views."""
-    batch, heads = query.shape[0], query.shape[1]
-    problem = AttentionProblem(
-        layout="BNSD", batch=batch, heads_q=heads, heads_kv=heads_kv, dim_qk=query.shape[-1], dim_v=value.shape[-1],
-        scale=scale, keep_prob=1.0, softmax_layout="",
-        runs=sequence_runs(atten_mask, mask_views, sparse_mode, act_q, act_kv, pre_tokens, next_tokens, pse_shift,
-                           scale),
-    )
+    problem = _bnsd_problem(query, value, heads_kv, scale, atten_mask, mask_views, sparse_mode, act_q, act_kv,
+                            pre_tokens, next_tokens, pse_shift)
     # With the tensors, the check also covers the kernels' int32 in-sequence offsets (no limit on S here).
     backend = select_backend(
         backend, query.device, op=op,
@@ -239,12 +245,8 @@ def attend_paged(
     neither applies (int8, or another reference case): the caller then gathers."""
     if query.dtype == torch.int8 or plan.output_dtype == torch.int8:
         return False
-    problem = AttentionProblem(
-        layout="BNSD", batch=query.shape[0], heads_q=query.shape[1], heads_kv=heads_kv, dim_qk=query.shape[-1],
-        dim_v=value.shape[-1], scale=scale, keep_prob=1.0, softmax_layout="",
-        runs=sequence_runs(atten_mask, mask_views, sparse_mode, act_q, act_kv, pre_tokens, next_tokens, pse_shift,
-                           scale),
-    )
+    problem = _bnsd_problem(query, value, heads_kv, scale, atten_mask, mask_views, sparse_mode, act_q, act_kv,
+                            pre_tokens, next_tokens, pse_shift)
     resolved = resolve_backend(backend, query.device, op, warn=False, unsupported=lambda: dense_unsupported(
         problem, query.dtype, output_dtype=plan.output_dtype, tensors={"q": query, "o": out}))
     if resolved == "reference" and not decode_forward.usable(problem, query, key, value):
