@@ -24,7 +24,7 @@ from .ops.fa_problem import build_problem
 from .ops.flash_attention_score import FORWARD_MODES, INT_MAX, flash_attention_score
 from .ops.flash_attention_score_grad import flash_attention_score_grad
 from .ops.lightning_indexer import sparse_lightning_indexer_grad_kl_loss
-from .ops.sparse_flash_attention import sparse_flash_attention, sparse_flash_attention_grad
+from .ops.sparse_flash_attention import INT64_MAX, sparse_flash_attention, sparse_flash_attention_grad
 from .problem.dropout import drop_mask_numel, gen_drop_mask, keep_prob_of
 
 
@@ -135,8 +135,7 @@ def flash_attention(
     drop_mask = None
     if 0.0 < keep_prob < 1.0:
         # Validated first, so that bad input raises the operator's own errors (docs/semantics/errors.md) as it does
-        # without
-        # dropout; the per-sequence lengths then size the mask for every layout (dense: B equal sequences).
+        # without dropout; the per-sequence lengths then size the mask for every layout (dense: B equal sequences).
         problem, shapes = build_problem(
             query, key, value, head_num, input_layout, pse=pse, drop_mask=None, atten_mask=atten_mask, prefix=prefix,
             actual_seq_qlen=actual_seq_qlen, actual_seq_kvlen=actual_seq_kvlen, q_start_idx=q_start_idx,
@@ -204,17 +203,17 @@ def sparse_attention(
     sparse_block_size: int = 1,
     layout: str = "BSND",
     sparse_mode: int = 3,
-    pre_tokens: int = 2**63 - 1,
-    next_tokens: int = 2**63 - 1,
+    pre_tokens: int = INT64_MAX,
+    next_tokens: int = INT64_MAX,
     deterministic: bool = False,
     backend: str = "auto",
     sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Differentiable DSA sparse attention (docs/operators/sparse_flash_attention.md): returns attention_out; gradients
-    flow to query, key,
-    value, query_rope and key_rope through SparseFlashAttentionGrad. DSA passes the same latent as key and value;
-    autograd then adds both gradients. `deterministic` is forwarded to the grad op. `sinks` (float32 [N1], one
-    softmax logit per query head, docs/semantics/sinks.md) is a leaf that receives its gradient too."""
+    flow to query, key, value, query_rope and key_rope through SparseFlashAttentionGrad. DSA passes the same latent
+    as key and value; autograd then adds both gradients. `deterministic` is forwarded to the grad op. `sinks`
+    (float32 [N1], one softmax logit per query head, docs/semantics/sinks.md) is a leaf that receives its gradient
+    too."""
     options = dict(
         actual_seq_lengths_query=_frozen(actual_seq_lengths_query),
         actual_seq_lengths_kv=_frozen(actual_seq_lengths_kv), sparse_block_size=sparse_block_size, layout=layout,
@@ -269,16 +268,16 @@ def indexer_kl_loss(
     actual_seq_lengths_key=None,
     layout: str = "BSND",
     sparse_mode: int = 3,
-    pre_tokens: int = 2**63 - 1,
-    next_tokens: int = 2**63 - 1,
+    pre_tokens: int = INT64_MAX,
+    next_tokens: int = INT64_MAX,
     deterministic: bool = False,
     reduction: str = "sum",
     backend: str = "auto",
 ) -> torch.Tensor:
     """Differentiable indexer KL loss (docs/operators/lightning_indexer.md): a scalar; gradients flow to query_index,
-    key_index and
-    weights (the op's documented gradients: dI = q - p). `reduction="mean"` divides the summed loss by the number
-    of query tokens with at least one valid selected key. query/key/rope and the statistics get no gradient."""
+    key_index and weights (the op's documented gradients: dI = q - p). `reduction="mean"` divides the summed loss by
+    the number of query tokens with at least one valid selected key. query/key/rope and the statistics get no
+    gradient."""
     if reduction not in ("sum", "mean"):
         raise ParamInvalidError(f"reduction: expected 'sum' or 'mean', got {reduction!r}")
     options = dict(query_rope=query_rope, key_rope=key_rope, actual_seq_lengths_query=actual_seq_lengths_query,
