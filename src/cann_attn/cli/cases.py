@@ -55,6 +55,8 @@ import torch
 
 import cann_attn
 
+from ..problem.lengths import starts_of
+
 __all__ = [
     "CASES",
     "Call",
@@ -1450,7 +1452,7 @@ def _ring_named(gen: torch.Generator, layout: str, dtype: torch.dtype, heads: in
     # the first half of every sequence's keys (top-left causal, mode 2) and the second half (bottom-right, mode 3):
     # together exactly causal attention; the rows before the second half see none of its keys (invalid rows).
     halves = [n // 2 for n in lengths]
-    starts = [sum(lengths[:i]) for i in range(len(lengths))]
+    starts = starts_of(lengths)
     first = [p for st, h in zip(starts, halves, strict=True) for p in range(st, st + h)]
     second = [p for st, n, h in zip(starts, lengths, halves, strict=True) for p in range(st + h, st + n)]
     prev = partial(key[first], value[first], 2, lengths, halves)
