@@ -69,7 +69,7 @@ class SparseProblem:
         """[S_b, ...] keys of sequence b of a key-side tensor; from a paged cache a copy of its L_b tokens only
         (docs/semantics/paged-kv.md: no other block is read)."""
         if self.pages is not None:
-            return self.pages.sequence(t, b)
+            return self.pages.gather_tokens(t, [b])
         if self.layout == "TND":
             _, start, length = self.kv_spans[b]
             return t[start : start + length]

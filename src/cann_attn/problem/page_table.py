@@ -78,21 +78,6 @@ class PageTable:
         positions = positions.to(device=self.table.device, dtype=torch.int64)
         return self.blocks_of(b)[positions // self.block_size], positions % self.block_size
 
-    def gather(self, cache: torch.Tensor, b: int, positions: torch.Tensor, token_dim: int = 1) -> torch.Tensor:
-        """cache entries of logical positions of sequence b: [len(positions), *the other non-block dims] for a
-        cache [block_num, block_size, ...] (token_dim=1) or [block_num, N, block_size, D] (token_dim=2, result
-        [len, N, D]). A copy of just those tokens: no other block or slot is read."""
-        blocks, slots = self.locate(b, positions)
-        blocks, slots = blocks.to(cache.device), slots.to(cache.device)
-        if token_dim == 1:
-            return cache[blocks, slots]
-        return cache[blocks, :, slots]
-
-    def sequence(self, cache: torch.Tensor, b: int, token_dim: int = 1) -> torch.Tensor:
-        """The L_b keys of sequence b, [L_b, ...] in logical order: what a contiguous cache would hold."""
-        positions = torch.arange(self.kv_lengths[b], device=self.table.device)
-        return self.gather(cache, b, positions, token_dim)
-
     def _blocks_follow(self, tokens: torch.Tensor) -> bool:
         """Whether a [block_num, block_size, ...] view's blocks follow one another in memory (its first two dims
         merge into one row axis without a copy)."""
