@@ -22,6 +22,7 @@ from .sparse_flash_attention import (
     _deterministic_guard,
     kv_layout,
     paged_sequence_spans,
+    require_key_rank,
     resolve_deterministic,
     sequence_spans,
 )
@@ -51,10 +52,7 @@ def _check_common(query_index, key_index, weights, layout, sparse_mode, allowed_
         raise ParamInvalidError(f"sparse_mode: expected one of {list(allowed_modes)}, got {sparse_mode!r}")
     rank = 4 if layout == "BSND" else 3
     require(query_index.dim() == rank, "query_index", f"a {rank}-D tensor for layout {layout}", query_index)
-    layout_key = layout if layout_key is None else layout_key
-    key_rank = 3 if layout_key == "TND" else 4
-    key_shape = "[block_num, block_size, 1, D]" if layout_key == PAGED_KV_LAYOUT else f"layout {layout_key}"
-    require(key_index.dim() == key_rank, "key_index", f"a {key_rank}-D tensor for {key_shape}", key_index)
+    require_key_rank(key_index, "key_index", layout if layout_key is None else layout_key)
     _require_heads(query_index, "query_index", "Nidx1")
     require(key_index.shape[-2] == 1, "key_index", "Nidx2 = 1", key_index)
     require(key_index.shape[-1] == query_index.shape[-1], "key_index", f"head dim {query_index.shape[-1]}", key_index)

@@ -116,10 +116,8 @@ def validate_sparse(query, key, value, sparse_indices, scale_value, *, query_rop
     rank = 4 if layout == "BSND" else 3
     for name, t in (("query", query), ("sparse_indices", sparse_indices)):
         require(t.dim() == rank, name, f"a {rank}-D tensor for layout {layout}", t)
-    kv_rank = 3 if layout_kv == "TND" else 4
-    kv_shape = "[block_num, block_size, 1, D]" if layout_kv == PAGED_KV_LAYOUT else f"layout {layout_kv}"
     for name, t in (("key", key), ("value", value)):
-        require(t.dim() == kv_rank, name, f"a {kv_rank}-D tensor for {kv_shape}", t)
+        require_key_rank(t, name, layout_kv)
     if (query_rope is None) != (key_rope is None):
         raise ParamInvalidError("query_rope/key_rope: give both rope tensors or neither")
     if query_rope is not None:
@@ -177,6 +175,14 @@ def kv_layout(layout: str, layout_kv: str | None, block_table, param: str) -> st
             raise ParamInvalidError(f"{param}: expected the query's layout {layout!r} (or '{PAGED_KV_LAYOUT}'), "
                                     f"got {layout_kv!r}")
     return layout_kv
+
+
+def require_key_rank(t: torch.Tensor, name: str, layout_kv: str) -> None:
+    """A key-side tensor has the rank of its layout: TND 3-D; BSND and a paged cache [block_num, block_size, 1, D]
+    4-D (docs/semantics/paged-kv.md)."""
+    rank = 3 if layout_kv == "TND" else 4
+    shape = "[block_num, block_size, 1, D]" if layout_kv == PAGED_KV_LAYOUT else f"layout {layout_kv}"
+    require(t.dim() == rank, name, f"a {rank}-D tensor for {shape}", t)
 
 
 def paged_sequence_spans(layout: str, query: torch.Tensor, cache: torch.Tensor, actual_q, actual_kv, block_table,
