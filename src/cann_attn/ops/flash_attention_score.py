@@ -13,7 +13,7 @@ from ..problem import layout as layouts
 from ..problem import sink as sinks
 from ..problem import stats
 from ..traceable import traced_as_custom_op
-from .fa_problem import build_problem
+from .fa_problem import FaShapes, build_problem
 
 INT_MAX = 2147483647
 FORWARD_MODES = (0, 1, 2, 3, 4, 5, 6, 7, 8)
@@ -121,25 +121,24 @@ def _run(args: dict, allowed_modes: tuple[int, ...], op: str) -> FlashAttentionS
     qkv = {"q": query, "k": key, "v": value}
     backend = select_backend(args["backend"], query.device, op=op,
                              unsupported=lambda: dense_unsupported(problem, query.dtype, tensors=qkv))
-    tnd = problem.tnd
-    out_shape = layouts.output_shape(
-        problem.layout, shapes.batch, shapes.total_q, shapes.heads_q, shapes.dim_v
-    )
-    out = torch.zeros(out_shape, dtype=query.dtype, device=query.device)
-    stat_shape = stats.stats_shape(tnd, shapes.batch, shapes.heads_q, shapes.total_q)
-    stat_dtype = stats.accumulation_dtype(query.dtype)
-    softmax_max, softmax_sum = stats.allocate(stat_shape, stat_dtype, query.device,
-                                              keyless_rows=problem.has_keyless_rows or shapes.padding_q > 0)
-    dense_forward(problem, backend, query, key, value, out, softmax_max, softmax_sum)
+    out, softmax_max, softmax_sum = dense_forward(problem, shapes, backend, query, key, value)
     softmax_out = torch.empty(0, dtype=query.dtype, device=query.device)
     return FlashAttentionScoreResult(out, softmax_max, softmax_sum, softmax_out)
 
 
-
-def dense_forward(problem, backend: str, query, key, value, out, softmax_max, softmax_sum) -> None:
-    """The backend's dense forward into preallocated outputs; with a sink, rows of runs without keys (which no kernel
-    visits) get the sink's statistics (docs/semantics/sinks.md)."""
+def dense_forward(problem, shapes: FaShapes, backend: str, query, key, value
+                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """attention_out, softmax_max, softmax_sum of a validated problem (the forward, and the grad when it recomputes
+    them). Rows no kernel visits (runs without keys, TND end-of-document padding) keep 0 output and invalid-row
+    statistics (docs/semantics/invalid-rows.md); with a sink, rows of runs without keys get the sink's statistics
+    (docs/semantics/sinks.md)."""
+    out_shape = layouts.output_shape(problem.layout, shapes.batch, shapes.total_q, shapes.heads_q, shapes.dim_v)
+    out = torch.zeros(out_shape, dtype=query.dtype, device=query.device)
+    stat_shape = stats.stats_shape(problem.tnd, shapes.batch, shapes.heads_q, shapes.total_q)
+    softmax_max, softmax_sum = stats.allocate(stat_shape, stats.accumulation_dtype(query.dtype), query.device,
+                                              keyless_rows=problem.has_keyless_rows or shapes.padding_q > 0)
     if out.numel() > 0:
         kernels("dense_forward", backend).forward(problem, query, key, value, out, softmax_max, softmax_sum)
     if problem.sink is not None:
         sinks.finish_keyless_rows(problem, out, softmax_max, softmax_sum)
+    return out, softmax_max, softmax_sum

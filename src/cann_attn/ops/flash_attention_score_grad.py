@@ -110,10 +110,7 @@ def flash_attention_score_grad(
                 require(t.is_contiguous(), name, "a contiguous tensor with TND and softmax_layout '' (its memory "
                         "holds per-sequence [N1, Sq, 8] blocks)", t)
     if softmax_max is None or attention_in is None:
-        recomputed_out = torch.zeros(out_shape, dtype=query.dtype, device=query.device)
-        new_max, new_sum = stats.allocate(stat_shape, stat_dtype, query.device,
-                                          keyless_rows=problem.has_keyless_rows or shapes.padding_q > 0)
-        dense_forward(problem, backend, query, key, value, recomputed_out, new_max, new_sum)
+        recomputed_out, new_max, new_sum = dense_forward(problem, shapes, backend, query, key, value)
         if softmax_max is None:
             softmax_max, softmax_sum = new_max, new_sum
         if attention_in is None:
