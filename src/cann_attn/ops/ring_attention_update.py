@@ -11,6 +11,7 @@ import torch
 from ..backends import select_backend
 from ..backends.reference import merge as reference
 from ..errors import ParamInvalidError, ParamNullptrError, describe, require
+from ..problem.layout import head_dim_of
 from ..problem.lengths import zero_based_cumulative_lengths
 from ..problem.stats import STAT_WIDTH, tnd_stat_rows
 from ..traceable import traced_as_custom_op
@@ -152,7 +153,7 @@ def ring_attention_update(
     if input_layout == "TND":
         layout = "TND" if input_softmax_layout == "TND" else ""
         index = tnd_stat_rows(lengths, prev_attn_out.shape[0], heads, layout, prev_attn_out.device).reshape(-1)
-    head_dim = prev_attn_out.shape[-1] // heads if input_layout == "SBH" else prev_attn_out.shape[-1]
+    head_dim = head_dim_of(prev_attn_out, heads, input_layout)
     out_rows = [t.reshape(-1, head_dim) for t in attn]
     max_p, sum_p, max_c, sum_c = (_stat_rows(t, input_layout, index) for t in stats)
 
