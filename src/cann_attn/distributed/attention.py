@@ -11,10 +11,10 @@ from ..ops.flash_attention_score import FORWARD_MODES, INT_MAX
 from ..problem.context_blocks import sequence_window
 from ..problem.dropout import keep_prob_of
 from ..problem.layout import head_count_of, head_dim_of
-from ..problem.lengths import require_same_sequence_count
+from ..problem.lengths import lengths_of_ends, require_same_sequence_count
 from . import comm
 from .blocks import ALIBI_TYPES, AttentionSetup
-from .plan import SequencePlan, lengths_of_ends
+from .plan import SequencePlan
 from .ring import RingAttention, RingOptions
 from .ulysses import HeadToSeq, SeqToHead
 

@@ -20,9 +20,9 @@ from .. import autograd as single
 from ..errors import ParamInvalidError
 from ..ops.lightning_indexer import LightningIndexerResult, count_tokens_with_keys
 from ..ops.lightning_indexer import lightning_indexer as single_indexer
-from ..problem.lengths import require_same_sequence_count
+from ..problem.lengths import lengths_of_ends, require_same_sequence_count
 from . import comm
-from .plan import SequencePlan, lengths_of_ends
+from .plan import SequencePlan
 
 
 @dataclass(frozen=True)

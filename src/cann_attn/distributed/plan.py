@@ -32,23 +32,6 @@ def chunk_count(world: int, load_balance: str | None) -> int:
     return 2 * world if load_balance == "head_tail" else world
 
 
-def lengths_of_ends(ends, name: str) -> list[int]:
-    """Cumulative ends without a leading 0 (docs/semantics/layouts.md) -> per-sequence lengths."""
-    if isinstance(ends, torch.Tensor):
-        ends = ends.tolist()
-    try:
-        ends = [int(e) for e in ends]
-    except TypeError as exc:
-        raise ParamInvalidError(f"{name}: expected cumulative sequence ends (ints), got {ends!r}") from exc
-    lengths, previous = [], 0
-    for end in ends:
-        if end < previous:
-            raise ParamInvalidError(f"{name}: cumulative ends must not decrease, got {ends}")
-        lengths.append(end - previous)
-        previous = end
-    return lengths
-
-
 @dataclass(frozen=True)
 class SequencePlan:
     """The split of sequences of the given global lengths over `world` ranks."""

@@ -5,8 +5,9 @@ from __future__ import annotations
 import torch
 
 from ..errors import ParamInvalidError
+from ..problem.lengths import lengths_of_ends
 from . import comm
-from .plan import SequencePlan, lengths_of_ends
+from .plan import SequencePlan
 
 
 def _plan(x: torch.Tensor, seq_dim: int, world: int, load_balance, actual_seq_len, *, local: bool) -> SequencePlan:

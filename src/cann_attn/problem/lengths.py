@@ -73,6 +73,29 @@ def cumulative_lengths(value: IntList | None, total: int, param: str, *, eod_pad
         raise ParamNullptrError(f"{param}: required for the TND layout (cumulative sequence ends), got None")
     if len(ends) == 0:
         raise ParamInvalidError(f"{param}: expected at least one cumulative length, got []")
+    lengths = _differences(ends, param)
+    previous = ends[-1]
+    if eod_padding and previous > total:
+        raise ParamInvalidError(
+            f"{param}: the last cumulative length must be at most the tensor's T={total}, got {ends}"
+        )
+    if not eod_padding and previous != total:
+        raise ParamInvalidError(
+            f"{param}: the last cumulative length must equal the tensor's T={total}, got {ends}"
+        )
+    return lengths
+
+
+def lengths_of_ends(value: IntList | None, param: str) -> list[int]:
+    """Per-sequence lengths from cumulative ends without a leading 0 when no tensor fixes the total (context-parallel
+    plans, where the ends describe the whole sequence and every rank holds a part; docs/semantics/layouts.md)."""
+    ends = to_int_list(value, param)
+    if ends is None:
+        raise ParamInvalidError(f"{param}: expected cumulative sequence ends (ints), got None")
+    return _differences(ends, param)
+
+
+def _differences(ends: list[int], param: str) -> list[int]:
     previous = 0
     lengths = []
     for end in ends:
@@ -82,14 +105,6 @@ def cumulative_lengths(value: IntList | None, total: int, param: str, *, eod_pad
             )
         lengths.append(end - previous)
         previous = end
-    if eod_padding and previous > total:
-        raise ParamInvalidError(
-            f"{param}: the last cumulative length must be at most the tensor's T={total}, got {ends}"
-        )
-    if not eod_padding and previous != total:
-        raise ParamInvalidError(
-            f"{param}: the last cumulative length must equal the tensor's T={total}, got {ends}"
-        )
     return lengths
 
 
