@@ -74,6 +74,7 @@ from .ops.sparse_flash_attention import INT64_MAX, SparseFlashAttentionGradResul
 from .ops.sparse_flash_attention import sparse_flash_attention as _eager_sparse_flash_attention
 from .ops.sparse_flash_attention import sparse_flash_attention_grad as _eager_sparse_flash_attention_grad
 from .problem.dropout import gen_drop_mask
+from .problem.layout import BATCH_SEQ_DIMS
 from .problem.lengths import to_int_list
 from .problem.page_table import PAGED_KV_LAYOUT
 from .problem.quant import trans_quant_param as _eager_trans_quant_param
@@ -244,7 +245,7 @@ def _fa_stat_shape(query: Tensor, head_num: int, layout: str) -> tuple:
     """softmax_max / softmax_sum: [B, N1, Sq, 8], TND [T, N1, 8] (docs/semantics/softmax-stats.md)."""
     if layout == "TND":
         return (query.shape[0], head_num, 8)
-    batch, seq = {"BSH": (0, 1), "SBH": (1, 0), "BSND": (0, 1), "BNSD": (0, 2)}[layout]
+    batch, seq = BATCH_SEQ_DIMS[layout]
     return (query.shape[batch], head_num, query.shape[seq], 8)
 
 

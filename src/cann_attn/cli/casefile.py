@@ -56,6 +56,7 @@ import torch
 
 import cann_attn
 
+from ..problem.layout import BATCH_SEQ_DIMS
 from . import UsageError
 from . import cases as registry
 from .tensorio import DTYPES, canonical_dtype, entry_files, find_entry, parse_dtype, read_entry, read_manifest, read_npy
@@ -464,7 +465,7 @@ def _drop_mask(field_: str, gen: torch.Generator, named: Mapping[str, Any], para
         qlen, kvlen = _need(field_, named, "actual_seq_qlen", "actual_seq_kvlen")
         numel = cann_attn.drop_mask_numel(head_num, actual_seq_qlen=qlen, actual_seq_kvlen=kvlen)
     else:
-        dims = {"BSH": (0, 1), "SBH": (1, 0), "BSND": (0, 1), "BNSD": (0, 2)}.get(layout)
+        dims = BATCH_SEQ_DIMS.get(layout)
         if dims is None:
             raise CaseError(f"params.input_layout: unknown layout {layout!r}")
         b, s = dims

@@ -13,6 +13,8 @@ import torch
 from ..errors import ParamInvalidError, describe
 
 FA_LAYOUTS = ("BSH", "SBH", "BSND", "BNSD", "TND")
+# The dimensions holding B and S in each batched FA layout (TND has no batch dimension).
+BATCH_SEQ_DIMS = {"BSH": (0, 1), "SBH": (1, 0), "BSND": (0, 1), "BNSD": (0, 2)}
 
 
 @dataclass(frozen=True)

@@ -16,7 +16,7 @@ from torch import Tensor
 from ..errors import ParamInvalidError
 from ..ops.flash_attention_score import INT_MAX
 from ..problem.dropout import drop_mask_numel, validate_drop_mask
-from ..problem.layout import head_dim_of
+from ..problem.layout import BATCH_SEQ_DIMS, head_dim_of
 from ..problem.lengths import ends_without_trailing_zeros, to_int_list
 from ._registry import npu_op
 from ._rng import draw_state
@@ -196,9 +196,9 @@ def _mask_numel(query: Tensor, key: Tensor, head_num: int, layout: str, q_ends, 
     """Elements of the logical keep mask: B*N1*Sq*Skv, TND N1*sum(Sq_b*Skv_b) (docs/semantics/dropout.md)."""
     if layout == "TND":
         return drop_mask_numel(head_num, actual_seq_qlen=q_ends, actual_seq_kvlen=kv_ends)
-    if layout not in ("BSH", "SBH", "BSND", "BNSD"):
+    if layout not in BATCH_SEQ_DIMS:
         raise ParamInvalidError(f"input_layout: expected one of BSH, SBH, BSND, BNSD, TND, got {layout!r}")
-    batch, seq = {"BSH": (0, 1), "SBH": (1, 0), "BSND": (0, 1), "BNSD": (0, 2)}[layout]
+    batch, seq = BATCH_SEQ_DIMS[layout]
     return drop_mask_numel(head_num, batch=query.shape[batch], seq_q=query.shape[seq], seq_kv=key.shape[seq])
 
 
