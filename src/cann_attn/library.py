@@ -49,6 +49,8 @@ from .ops.flash_attention_score import (
 from .ops.flash_attention_score_grad import FlashAttentionScoreGradResult
 from .ops.flash_attention_score_grad import flash_attention_score_grad as _eager_flash_attention_score_grad
 from .ops.fused_infer_attention_score import FIA_LAYOUTS
+from .ops.fused_infer_attention_score import PACKED as FIA_PACKED
+from .ops.fused_infer_attention_score import _output_shape as _fia_output_shape
 from .ops.fused_infer_attention_score import (
     fused_infer_attention_score as _eager_fused_infer_attention_score,
 )
@@ -479,20 +481,16 @@ def _fia_fake_outputs(query, value, num_heads, num_key_value_heads, input_layout
     heads_kv = num_key_value_heads or num_heads
     packs_heads = q_layout == "BSH" or (paged and value.dim() == 3)
     dim_v = value.shape[-1] // heads_kv if packs_heads else value.shape[-1]
-    if q_layout in ("TND", "NTD"):
-        tokens = query.shape[0] if q_layout == "TND" else query.shape[1]
-        batch = seq = None
+    if q_layout in FIA_PACKED:
+        batch, seq = None, query.shape[0 if q_layout == "TND" else 1]  # seq: the token count T
     else:
-        batch = query.shape[0]
-        seq = query.shape[2] if q_layout == "BNSD" else query.shape[1]
-    shapes = {"BSH": (batch, seq, num_heads * dim_v), "BSND": (batch, seq, num_heads, dim_v),
-              "BNSD": (batch, num_heads, seq, dim_v), "NBSD": (num_heads, batch, seq, dim_v)}
-    if q_layout in ("TND", "NTD"):
-        shapes = {"TND": (tokens, num_heads, dim_v), "NTD": (num_heads, tokens, dim_v)}
-    out = query.new_empty(shapes[out_layout], dtype=_pfa_output_dtype(query.dtype, quant_scale2))
+        batch_dim, seq_dim = BATCH_SEQ_DIMS[q_layout]
+        batch, seq = query.shape[batch_dim], query.shape[seq_dim]
+    out = query.new_empty(_fia_output_shape(out_layout, batch, seq, num_heads, dim_v),
+                          dtype=_pfa_output_dtype(query.dtype, quant_scale2))
     if not softmax_lse_flag:
         return out, query.new_empty((1,), dtype=torch.float32)
-    lse_shape = (tokens, num_heads, 1) if q_layout in ("TND", "NTD") else (batch, num_heads, seq, 1)
+    lse_shape = (seq, num_heads, 1) if batch is None else (batch, num_heads, seq, 1)
     return out, query.new_empty(lse_shape, dtype=torch.float32)
 
 
