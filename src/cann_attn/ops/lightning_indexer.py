@@ -65,8 +65,7 @@ def _require_heads(t: torch.Tensor, name: str, label: str) -> None:
     8..64, powers of two) are the NPU kernel's tilings, not semantics, so any positive count is accepted. Zero heads
     describe no indexer / attention: every index score would be the empty sum 0 and the 1/N1 head mean of the KL
     target (docs/operators/lightning_indexer.md) is undefined. A query without tokens is an empty problem and returns
-    empty results
-    whatever its head count (docs/semantics/errors.md)."""
+    empty results whatever its head count (docs/semantics/errors.md)."""
     if t.shape[:-2].numel() > 0:
         require(t.shape[-2] >= 1, name, f"{label} >= 1 heads", t)
 
@@ -91,8 +90,7 @@ def lightning_indexer(
 
     Mode 3 allows key s for row t iff s <= Skv - Sq + t (mode 0: every key). Ties go to the smaller index; row t
     holds min(K, #allowed) indices in descending score order, then -1 (docs/operators/lightning_indexer.md). Output
-    int32
-    [B, S1, 1, K] or [T1, 1, K]; with `return_value` also the scores at those positions in the query's dtype
+    int32 [B, S1, 1, K] or [T1, 1, K]; with `return_value` also the scores at those positions in the query's dtype
     (-inf in -1 slots). BSND rows beyond the actual query length are all -1.
 
     Paged key cache (`layout_key="PA_BSND"`, implied by a `block_table`): key_index is [block_num, block_size, 1, D],

@@ -135,9 +135,8 @@ def validate_sparse(query, key, value, sparse_indices, scale_value, *, query_rop
     require(heads <= MAX_HEADS and (heads >= 1 or query.numel() == 0), "query", f"N1 in 1..{MAX_HEADS}", query)
     require(key.shape[-1] == query.shape[-1], "key", f"head dim {query.shape[-1]} like the query", key)
     require(value.shape[:-1] == key.shape[:-1], "value", f"key's leading dims {list(key.shape[:-1])}", value)
-    # kD >= vD (docs/semantics/layouts.md): value's head dim may be smaller than key's, never larger. An empty query (D
-    # = 0
-    # included) returns directly (docs/semantics/errors.md).
+    # kD >= vD (docs/semantics/layouts.md): value's head dim may be smaller than key's, never larger. An empty query
+    # (D = 0 included) returns directly (docs/semantics/errors.md).
     require(query.numel() == 0 or value.shape[-1] <= key.shape[-1], "value",
             f"head dim <= the key's {key.shape[-1]} (kD >= vD)", value)
     require(sparse_indices.shape[:-2] == query.shape[:-2] and sparse_indices.shape[-2] == 1, "sparse_indices",

@@ -38,9 +38,8 @@ def trans_quant_param(scale: torch.Tensor, offset: torch.Tensor | None = None, r
     word = (the scale's high 19 bits: sign, exponent, 10 mantissa bits, in place) OR (1 << 46); with `offset`, its
     value rounded to an int9 is placed in bits 37..45 (the quantization offset field of the same word).
     round_mode 0 (default) truncates the 13 low mantissa bits (fp32 bits AND 0xFFFFE000,
-    docs/operators/prompt_flash_attention.md);
-    round_mode 1 ("R_INT", TransQuantParamV2 / torch_npu's npu_trans_quant_param) rounds them instead:
-    `_fp19_rounded`."""
+    docs/operators/prompt_flash_attention.md); round_mode 1 ("R_INT", TransQuantParamV2 / torch_npu's
+    npu_trans_quant_param) rounds them instead: `_fp19_rounded`."""
     if not isinstance(scale, torch.Tensor):
         scale = torch.tensor(scale, dtype=torch.float32)
     if scale.dtype != torch.float32:

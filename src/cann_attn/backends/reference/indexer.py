@@ -33,8 +33,7 @@ KL_CLAMP = 1e-8
 # column-invariant, but the weight reduction (the bmm in index_scores) gives a column-position-dependent last bit
 # when the row stride is no multiple of 8 floats (Skv = 257: 94 of 257 columns differ from an identical key's),
 # so identical keys broke the tie rule of docs/operators/lightning_indexer.md ("ties to the smaller index"). 16 fp32 =
-# 64 bytes also
-# covers AVX-512; the aligned bmm is no slower (at most 15 extra zero keys).
+# 64 bytes also covers AVX-512; the aligned bmm is no slower (at most 15 extra zero keys).
 KEY_ALIGN = 16
 
 
@@ -87,8 +86,7 @@ def _target_distribution(q_main: torch.Tensor, q_rope: torch.Tensor | None, k_ma
                          row_sum: torch.Tensor, scale: float, ws: Workspace) -> torch.Tensor:
     """p [rows, W]: the main-attention probabilities of each row's selected keys `tokens` [rows, W], averaged over
     the N1 heads (docs/operators/lightning_indexer.md), from q_main [rows, N1, D] (+ q_rope [rows, N1, Dr]) and k_main
-    [Skv, D + Dr];
-    exactly 0 on invalid entries (`valid` False).
+    [Skv, D + Dr]; exactly 0 on invalid entries (`valid` False).
 
     exp(z - m) / l is taken as 2^(z' - (m + ln l) log2 e) with z' = (scale log2 e q) . k: the shift rides in the
     GEMM (baddbmm), leaving one threshold and one exp2 pass. Rows go in TARGET_ROW_TILE sub-tiles so the gathered

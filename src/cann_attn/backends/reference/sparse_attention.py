@@ -14,8 +14,7 @@ and values: NaN + -inf and 0 * NaN are NaN. A sequence with a non-finite key or 
 non-finite query, d_out or out row) therefore takes the gather path with the rows of invalid entries zeroed and
 their logits/gradients set (not added) to -inf/0, so that only the selected keys reach a row and a row reaches
 only the keys it selected (docs/operators/sparse_flash_attention.md: P is the softmax over the selected set). The
-checks cost one pass over
-K and V (and the query-side tensors) per sequence; the all-finite fast paths are unchanged.
+checks cost one pass over K and V (and the query-side tensors) per sequence; the all-finite fast paths are unchanged.
 
 Token selections (block size 1) in fp32 on the CPU take the native loops instead (`native`, C): each row's logits,
 exponentials and weighted sums are formed from its valid entries' K/V rows read in place, which needs neither the
