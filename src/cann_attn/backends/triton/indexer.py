@@ -32,6 +32,7 @@ from .sparse_attention import (
     _rows3,
     deterministic_scatter_add,
     laid_out_like,
+    paged_key_slots,
 )
 from .sparse_plan import RowTables, interpreting
 
@@ -81,8 +82,8 @@ def _index_keys_kernel(QI, KI, W, KV_START, THR, KEYS, BT, row0, width,
         w = tl.load(W + r * stride_wt + heads, mask=h_ok, other=0.0).to(tl.float32)
         kv0 = tl.load(KV_START + r)
         if PAGE > 0:
-            block = tl.load(BT + kv0 + cols // PAGE, mask=allowed, other=0).to(tl.int64)
-            k_off = block * stride_kb + (cols % PAGE) * stride_kt
+            block, slot = paged_key_slots(kv0 + cols, kv0, allowed, BT, PAGE)
+            k_off = block * stride_kb + slot * stride_kt
         else:
             k_off = (kv0 + cols) * stride_kt
         k = tl.load(KI + k_off[:, None] + offs_d[None, :], mask=allowed[:, None] & d_ok[None, :], other=0.0)
