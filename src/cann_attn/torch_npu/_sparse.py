@@ -6,6 +6,7 @@ from torch import Tensor
 from ..errors import ParamInvalidError
 from ..ops.sparse_flash_attention import INT64_MAX
 from ..problem.lengths import to_int_list
+from ..problem.page_table import PAGED_KV_LAYOUT
 from ._registry import npu_op
 
 NPU_SPARSE_FLASH_ATTENTION_SCHEMAS = {
@@ -71,7 +72,7 @@ NPU_SPARSE_LIGHTNING_INDEXER_GRAD_KL_LOSS_SCHEMAS = {
 def _check_paged_outputs(layout_kv: str, flag: str, value: bool) -> None:
     """``return_softmax_lse`` / ``return_value`` are "仅在训练且layout_kv不为PA_BSND场景支持" (torch_npu docs):
     a paged cache (docs/semantics/paged-kv.md) returns the attention output / indices only."""
-    if value and layout_kv == "PA_BSND":
+    if value and layout_kv == PAGED_KV_LAYOUT:
         raise ParamInvalidError(f"{flag}: expected False with a paged cache (layout_kv='PA_BSND'), got True")
 
 
