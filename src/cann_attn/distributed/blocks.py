@@ -17,7 +17,7 @@ import torch
 from ..ops.flash_attention_score import flash_attention_score
 from ..ops.flash_attention_score_grad import flash_attention_score_grad
 from ..problem.context_blocks import BlockMask, Window, block_mask
-from ..problem.dropout import pack_bits, positional_keep
+from ..problem.dropout import block_elements, pack_bits, positional_keep, sequence_bases
 from ..problem.stats import STAT_WIDTH, accumulation_dtype
 from .plan import SequencePlan
 
@@ -48,11 +48,8 @@ class AttentionSetup:
     drop_bases: tuple[int, ...] = field(default=())
 
     def __post_init__(self):
-        bases, total = [], 0
-        for sq, skv in zip(self.q_plan.lengths, self.kv_plan.lengths, strict=True):
-            bases.append(total)
-            total += self.total_heads * sq * skv
-        object.__setattr__(self, "drop_bases", tuple(bases))
+        object.__setattr__(self, "drop_bases", sequence_bases(self.total_heads, self.q_plan.lengths,
+                                                              self.kv_plan.lengths))
 
 
 @dataclass(frozen=True)
@@ -124,14 +121,11 @@ def drop_mask(setup: AttentionSetup, call: BlockCall, device) -> torch.Tensor | 
     problem (positional_keep keyed by its global element index), so the bits do not depend on the world size."""
     if setup.keep_prob >= 1.0:
         return None
-    parts = []
-    for b, qo, ko, rows, cols in zip(call.seqs, call.q_offsets, call.kv_offsets, call.rows, call.cols, strict=True):
-        sq, skv = setup.q_plan.lengths[b], setup.kv_plan.lengths[b]
-        heads = torch.arange(setup.head_offset, setup.head_offset + setup.head_num, dtype=torch.int64,
-                             device=device).view(-1, 1, 1)
-        i = torch.arange(qo, qo + rows, dtype=torch.int64, device=device).view(1, -1, 1)
-        j = torch.arange(ko, ko + cols, dtype=torch.int64, device=device).view(1, 1, -1)
-        parts.append((setup.drop_bases[b] + heads * (sq * skv) + i * skv + j).reshape(-1))
+    heads = range(setup.head_offset, setup.head_offset + setup.head_num)
+    parts = [block_elements(setup.drop_bases[b], setup.q_plan.lengths[b], setup.kv_plan.lengths[b], heads,
+                            range(qo, qo + rows), range(ko, ko + cols), device)
+             for b, qo, ko, rows, cols in zip(call.seqs, call.q_offsets, call.kv_offsets, call.rows, call.cols,
+                                              strict=True)]
     return pack_bits(positional_keep(setup.seed, torch.cat(parts), setup.keep_prob))
 
 

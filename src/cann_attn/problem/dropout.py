@@ -146,6 +146,26 @@ class SequenceDropout:
         return ((byte >> (element & 7).to(torch.uint8)) & 1).bool().to(device)
 
 
+def sequence_bases(heads: int, seq_q: Sequence[int], seq_kv: Sequence[int]) -> tuple[int, ...]:
+    """Element index of each sequence's first element: sequence b is an [N1, Sq_b, Skv_b] block and the blocks
+    follow one another (docs/semantics/dropout.md)."""
+    bases, total = [], 0
+    for sq, skv in zip(seq_q, seq_kv, strict=True):
+        bases.append(total)
+        total += heads * sq * skv
+    return tuple(bases)
+
+
+def block_elements(base: int, seq_q: int, seq_kv: int, heads: range, rows: range, cols: range,
+                   device=None) -> torch.Tensor:
+    """[len(heads) * len(rows) * len(cols)] int64, head-major: the element indices of a block of the sequence whose
+    first element is `base` (element = base + h * Sq * Skv + i * Skv + j, docs/semantics/dropout.md)."""
+    h = torch.arange(heads.start, heads.stop, dtype=torch.int64, device=device).view(-1, 1, 1)
+    i = torch.arange(rows.start, rows.stop, dtype=torch.int64, device=device).view(1, -1, 1)
+    j = torch.arange(cols.start, cols.stop, dtype=torch.int64, device=device).view(1, 1, -1)
+    return (base + h * (seq_q * seq_kv) + i * seq_kv + j).reshape(-1)
+
+
 # ------------------------------------------------------------------------------------------ positional keep bits
 # Context parallelism draws each keep bit from its element's position instead of a generator stream, so that the
 # mask of a block computed on any rank, at any world size, is the matching part of one logical mask
