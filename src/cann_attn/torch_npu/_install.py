@@ -60,7 +60,7 @@ def _register_ops() -> None:
         library.define(op.schema(release).text)
         # CompositeImplicitAutograd: the call decomposes into our function, whose cann_attn custom ops carry the
         # autograd and fake (torch.compile) registrations.
-        library.impl(name, _registry._WRAPPERS[name], "CompositeImplicitAutograd")
+        library.impl(name, op.wrapper, "CompositeImplicitAutograd")
         _STATE["defined"].add(name)
 
 

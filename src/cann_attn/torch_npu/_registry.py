@@ -107,11 +107,13 @@ def parse_schema(text: str) -> Schema:
 
 @dataclass
 class NpuOp:
-    """One torch_npu operator: its implementation (current-release signature) and its schema per release."""
+    """One torch_npu operator: its implementation (current-release signature), its schema per release and the
+    public function that calls the implementation as the active release spells it."""
 
     name: str
     impl: Callable
     schemas: dict[str, Schema]  # release -> schema; a release without the operator is absent
+    wrapper: Callable | None = None  # set by npu_op
 
     def schema(self, release: str) -> Schema:
         """The release's schema; releases older than the operator get its oldest one (the function stays
@@ -150,14 +152,10 @@ def use_release(release: str) -> str:
 
 
 def _apply_signature(op: NpuOp, release: str) -> None:
-    wrapper = _WRAPPERS[op.name]
     if release == CURRENT or release not in op.schemas:
-        wrapper.__signature__ = inspect.signature(op.impl)
+        op.wrapper.__signature__ = inspect.signature(op.impl)
     else:
-        wrapper.__signature__ = op.schemas[release].signature()
-
-
-_WRAPPERS: dict[str, Callable] = {}
+        op.wrapper.__signature__ = op.schemas[release].signature()
 
 
 def npu_op(schemas: dict[tuple[str, ...], str]) -> Callable[[Callable], Callable]:
@@ -178,8 +176,8 @@ def npu_op(schemas: dict[tuple[str, ...], str]) -> Callable[[Callable], Callable
                 return impl(*args, **kwargs)
             return _call_as(op, op.schemas[release], release, args, kwargs)
 
+        op.wrapper = call
         OPS[op.name] = op
-        _WRAPPERS[op.name] = call
         _apply_signature(op, _active["release"])
         return call
 
