@@ -363,7 +363,7 @@ def _pse_run(spec: _PseSpec, tnd: bool, b0: int, count: int, sq: int, skv: int, 
     if spec.form == "alibi":
         return pses.SequencePse(spec.pse_type, scale, sq, skv, slopes=pses.slopes_for(pse, b0, count),
                                 q_start=spec.q_start, kv_start=spec.kv_start)
-    source = pse if pse.shape[0] == 1 else pse[b0 : b0 + count]
+    source = pses.batch_rows(pse, b0, count)
     rows = source.shape[2]
     if tnd:
         used_rows = min(rows, sq)

@@ -22,6 +22,7 @@ from ..backends.reference.workspace import Workspace
 from ..errors import ParamInvalidError, ParamNullptrError, describe, require, require_int
 from ..problem import antiquant as antiquants
 from ..problem import layout as layouts
+from ..problem import pse as pses
 from ..problem.lengths import (
     cumulative_lengths,
     per_batch_lengths,
@@ -552,7 +553,7 @@ def fused_infer_attention_score(
         for group in length_groups(act_q_list, act_kv_list):
             g = slice(group.start, group.stop)
             k_g, v_g = pages.group_bnsd(group, workspace)
-            pse_g = None if pse_shift is None else pse_shift if pse_shift.shape[0] == 1 else pse_shift[g]
+            pse_g = None if pse_shift is None else pses.batch_rows(pse_shift, group.start, len(group))
             attend(q4[g], k_g, v_g, out4[g], atten_mask=mask, mask_views=None if mask_views is None else mask_views[g],
                    act_q=act_q_list[g], act_kv=act_kv_list[g], pse_shift=pse_g,
                    softmax_lse=None if lse4 is None else lse4[g], **common)
@@ -579,8 +580,7 @@ def fused_infer_attention_score(
         views = None if mask_views is None else [mask_views[b][..., q0:q_end, kv0:kv_end]]
         pse_b = None
         if pse_shift is not None:
-            source = pse_shift if pse_shift.shape[0] == 1 else pse_shift[b : b + 1]
-            pse_b = source[:, :, q0:q_end, kv0:kv_end]
+            pse_b = pses.batch_rows(pse_shift, b, 1)[:, :, q0:q_end, kv0:kv_end]
         attend(q4[b : b + 1, :, q0:q_end], k_all[b : b + 1, :, kv0:kv_end], v_all[b : b + 1, :, kv0:kv_end],
                out4[b : b + 1, :, q0:q_end], atten_mask=mask,
                mask_views=views, act_q=[sq], act_kv=[skv], pse_shift=pse_b,

@@ -16,7 +16,7 @@ from ..errors import ParamInvalidError, describe, require
 from ..problem import mask as masks
 from ..problem import quant, stats
 from ..problem.attention import AttentionProblem, Run, mask_runs
-from ..problem.pse import SequencePse
+from ..problem.pse import SequencePse, batch_rows
 from ..problem.stats import FLT_MAX, STAT_WIDTH
 
 MASK_DTYPES = (torch.bool, torch.int8, torch.uint8)
@@ -156,8 +156,7 @@ def sequence_runs(atten_mask, explicit_views, sparse_mode, act_q, act_kv, pre_to
         m = seq_masks[b0]
         pse = None
         if pse_shift is not None:
-            source = pse_shift if pse_shift.shape[0] == 1 else pse_shift[b0 : b0 + count]
-            pse = SequencePse(0, scale, m.seq_q, m.seq_kv, source=source)
+            pse = SequencePse(0, scale, m.seq_q, m.seq_kv, source=batch_rows(pse_shift, b0, count))
         runs.append(Run(b0, count, m.seq_q, m.seq_kv, 0, 0, m, pse))
     return runs
 

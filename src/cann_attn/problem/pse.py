@@ -173,6 +173,12 @@ def slopes_for(pse: torch.Tensor, b0: int, count: int) -> torch.Tensor:
     return pse.view(1, -1) if pse.dim() == 1 else pse[b0 : b0 + count]
 
 
+def batch_rows(pse: torch.Tensor, b0: int, count: int) -> torch.Tensor:
+    """The [count or 1, ...] rows of a [B or 1, ...] pse for sequences b0 .. b0 + count - 1: a batch dim of 1 is
+    shared by every sequence (docs/semantics/pse.md)."""
+    return pse if pse.shape[0] == 1 else pse[b0 : b0 + count]
+
+
 def compressed_pse_allowed(
     sparse_mode: int, next_tokens: int, has_mask: bool, seq_q: int, seq_kv: int
 ) -> bool:
