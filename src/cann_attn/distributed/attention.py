@@ -6,7 +6,7 @@ import torch
 
 from ..autograd import _frozen
 from ..errors import ParamInvalidError, require
-from ..ops.fa_problem import build_problem
+from ..ops.fa_problem import build_problem, start_index
 from ..ops.flash_attention_score import FORWARD_MODES, INT_MAX
 from ..problem.context_blocks import sequence_window
 from ..problem.dropout import keep_prob_of
@@ -192,7 +192,7 @@ def _prepare(args: dict, group: comm.Group):
             seed = int(args["dropout_seed"])
         else:
             seed = int(torch.randint(0, 2**62, (1,), generator=args["generator"]).item())
-    starts = [_first(args["q_start_idx"]), _first(args["kv_start_idx"])]
+    starts = [start_index(args["q_start_idx"], "q_start_idx"), start_index(args["kv_start_idx"], "kv_start_idx")]
     # Ulysses computes whole sequences on its heads; so does a ring of one rank, whose shard is the whole sequence in
     # order: one block call per sequence instead of the 2 x 2 head/tail chunk pairs (no merge, no accumulators).
     whole = method == "ulysses" or group.world == 1
@@ -211,16 +211,6 @@ def _prepare(args: dict, group: comm.Group):
         starts=starts, q_lengths=q_lengths, kv_lengths=kv_lengths, overlap=args["overlap"],
         inner_precise=args["inner_precise"], backend=args["backend"])
     return (setup, plan, kv_plan, batch), signature
-
-
-def _first(start) -> int:
-    if start is None:
-        return 0
-    if isinstance(start, torch.Tensor):
-        start = start.reshape(-1).tolist()
-    if isinstance(start, int):
-        return start
-    return int(start[0]) if len(start) else 0
 
 
 def dropout_mask(seed: int, keep_prob: float, head_num: int, *, batch: int | None = None, seq_q: int | None = None,

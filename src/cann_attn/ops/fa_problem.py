@@ -246,7 +246,9 @@ class _PseSpec:
     kv_start: int = 0
 
 
-def _start_index(value, param: str) -> int:
+def start_index(value, param: str) -> int:
+    """The ALiBi start index of q_start_idx / kv_start_idx: its first value, 0 when absent or empty
+    (docs/semantics/pse.md)."""
     values = to_int_list(value, param)
     return 0 if not values else values[0]
 
@@ -261,8 +263,8 @@ def _validate_pse(pse, pse_type, query, shapes: FaShapes, tnd, sparse_mode, next
         _check_tnd_pse_allowed(shapes, sparse_mode, has_mask, pse_type)
     if pse_type in pses.ALIBI_TYPES:
         pses.validate_slopes(pse, shapes.batch, shapes.heads_q)
-        return _PseSpec(pse, pse_type, "alibi", _start_index(q_start_idx, "q_start_idx"),
-                        _start_index(kv_start_idx, "kv_start_idx"))
+        return _PseSpec(pse, pse_type, "alibi", start_index(q_start_idx, "q_start_idx"),
+                        start_index(kv_start_idx, "kv_start_idx"))
     require(pse.dtype == query.dtype, "pse", f"the query's dtype {query.dtype} for pse_type {pse_type}", pse)
     if tnd:
         max_q, max_kv = max(shapes.seq_q), max(shapes.seq_kv)
