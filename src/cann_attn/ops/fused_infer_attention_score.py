@@ -82,7 +82,7 @@ def _bnsd(tensor: torch.Tensor, layout: str, heads: int) -> torch.Tensor:
 def _packed_rows(tensor: torch.Tensor, layout: str, start: int, length: int) -> torch.Tensor:
     """[1, N, length, D] view of one sequence of a TND / NTD tensor."""
     if layout == "TND":
-        return tensor[start : start + length].permute(1, 0, 2).unsqueeze(0)
+        return layouts.tnd_run(tensor, start, 1, length)
     return tensor[:, start : start + length].unsqueeze(0)
 
 
