@@ -1,13 +1,12 @@
 """How much of the ALiBi benchmark case could any faithful kernel skip? (issue 2/3 target (d), ALiBi >= 1.5x SDPA)
 
-SDPA given the materialised ALiBi bias runs at the speed of unmasked SDPA on the CPU (its flash kernel reads the
-bias tile by tile; benchmarks/results/fa_forward_cpu.json: (d) and (a) take the same time), so 1.5x SDPA means doing
-at most 1/1.5 of SDPA's work at SDPA's GEMM speed. Without changing a result bit, a kernel may skip only the terms
-exp(s - max) that softmax_exp flushes to exactly 0 ((s - max) * log2(e) <= -126; docs/semantics/pse.md,
-docs/semantics/precision.md).
-This script computes, in float64 on the benchmark's own inputs (B=1, N=8, S=2048, D=128, slopes 2^-1 .. 2^-8, the
-seed of bench_fa_forward.make_qkv), the share of such terms per head, at element level (a bound no kernel can beat,
-with every logit known in advance) and at tile granularities, and the speed-up over doing every tile that it allows.
+SDPA given the materialised ALiBi bias runs at the speed of unmasked SDPA on the CPU (its flash kernel reads the bias
+tile by tile; benchmarks/results/fa_forward_cpu.json: (d) and (a) take the same time), so 1.5x SDPA means doing at most
+1/1.5 of SDPA's work at SDPA's GEMM speed. Without changing a result bit, a kernel may skip only the terms exp(s - max)
+that softmax_exp flushes to exactly 0 ((s - max) * log2(e) <= -126; docs/semantics/pse.md, docs/semantics/precision.md).
+This script computes, in float64 on the benchmark's own inputs (B=1, N=8, S=2048, D=128, slopes 2^-1 .. 2^-8, the seed
+of bench_fa_forward.make_qkv), the share of such terms per head, at element level (a bound no kernel can beat, with
+every logit known in advance) and at tile granularities, and the speed-up over doing every tile that it allows.
 
     python benchmarks/alibi_skip_bound.py [--out DIR]
 

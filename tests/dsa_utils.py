@@ -175,11 +175,10 @@ class SFACase:
         return leaves, res
 
     def oracle_grads(self, compute_dtype=F64, given_out: torch.Tensor | None = None) -> dict:
-        """Gradients by autograd through the oracle. With `given_out` (the attention_out handed to the grad op),
-        the golden of the grad as docs/operators/sparse_flash_attention.md defines it: Dl = rowsum(dO * given_out), not
-        the exact
-        forward's. A loss term c * lse with c = rowsum(dO * (O_exact - given_out)) (a constant) moves
-        dS = P (dP - Dl) by exactly P * c, since d lse / dz = P."""
+        """Gradients by autograd through the oracle. With `given_out` (the attention_out handed to the grad op), the
+        golden of the grad as docs/operators/sparse_flash_attention.md defines it: Dl = rowsum(dO * given_out), not the
+        exact forward's. A loss term c * lse with c = rowsum(dO * (O_exact - given_out)) (a constant) moves dS = P (dP -
+        Dl) by exactly P * c, since d lse / dz = P."""
         leaves, (out, _, _, lse) = self.oracle(compute_dtype, requires_grad=True, return_lse=True)
         names = [n for n, t in leaves.items() if t is not None]
         if out.requires_grad:
@@ -334,8 +333,8 @@ class IndexerCase:
 
     def kl_compacted(self, indices: torch.Tensor) -> torch.Tensor:
         """The entries the KL rule uses (docs/operators/lightning_indexer.md: -1 / out-of-range skipped, no early stop)
-        moved to the
-        front, then -1: the SFA forward over these gives statistics with sum_j p_j = 1 over the KL selection."""
+        moved to the front, then -1: the SFA forward over these gives statistics with sum_j p_j = 1 over the KL
+        selection."""
         out = torch.full_like(indices, -1)
         for span in self.spans:
             for t in range(span.q_len):

@@ -1,5 +1,5 @@
-"""Helpers of the FlashAttentionScoreGradV2 tests: random cases, masks of every sparse mode, and the golden
-gradients (torch.autograd through the float64 oracle; docs/semantics/dropout.md, docs/semantics/softmax-stats.md,
+"""Helpers of the FlashAttentionScoreGradV2 tests: random cases, masks of every sparse mode, and the golden gradients
+(torch.autograd through the float64 oracle; docs/semantics/dropout.md, docs/semantics/softmax-stats.md,
 docs/semantics/precision.md)."""
 
 from __future__ import annotations

@@ -1,7 +1,6 @@
-"""Shared helpers of the prompt_flash_attention tests: random inputs in any PFA layout, int8 scales, per-channel
-quant tensors, and `check_pfa`, which runs the op and the independent oracle (cann_attn.testing.pfa_oracle) and
-compares them (float outputs: docs/semantics/precision.md rules; int8 outputs: exact but for near-tie rounding
-steps)."""
+"""Shared helpers of the prompt_flash_attention tests: random inputs in any PFA layout, int8 scales, per-channel quant
+tensors, and `check_pfa`, which runs the op and the independent oracle (cann_attn.testing.pfa_oracle) and compares them
+(float outputs: docs/semantics/precision.md rules; int8 outputs: exact but for near-tie rounding steps)."""
 
 from __future__ import annotations
 

@@ -1,6 +1,5 @@
 """The differentiable wrappers report bad input with the operators' own errors (docs/semantics/errors.md), also on the
-paths
-that size something before calling the operator: the dropout mask of `flash_attention` and the token count of
+paths that size something before calling the operator: the dropout mask of `flash_attention` and the token count of
 `indexer_kl_loss(reduction="mean")`."""
 
 from __future__ import annotations

@@ -373,8 +373,7 @@ def test_empty_query_gives_empty_dq_and_zero_dkdv(rng):
 @pytest.mark.parametrize("layout", ["BSH", "BNSD"])
 def test_empty_key_gives_zero_gradients(rng, layout, with_pse):
     """Dense Skv = 0 with Sq > 0: the forward's invalid-row statistics (docs/semantics/invalid-rows.md) and the
-    recomputation path
-    both give dq = 0 (and an all-zero dpse), with no NaN from the -FLT_MAX / +FLT_MAX statistics."""
+    recomputation path both give dq = 0 (and an all-zero dpse), with no NaN from the -FLT_MAX / +FLT_MAX statistics."""
     case = GradCase(layout, rng, b=2, n1=2, sq=6, skv=0)
     kw = {**case.kw}
     if with_pse:

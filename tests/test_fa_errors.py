@@ -1,9 +1,9 @@
 """One test per documented FlashAttentionScore / FlashAttentionVarLenScore constraint.
 
-Sources: docs/semantics/layouts.md, docs/semantics/masks.md, docs/semantics/invalid-rows.md, docs/semantics/pse.md,
-docs/semantics/dropout.md, docs/semantics/softmax-stats.md, docs/semantics/errors.md, and the 约束说明 of
-FlashAttentionVarLenScore.md.
-Each test checks the error type, its aclnn status code and a message naming the Python parameter.
+Sources: docs/semantics/layouts.md, docs/semantics/masks.md, docs/semantics/invalid-rows.md,
+docs/semantics/pse.md, docs/semantics/dropout.md, docs/semantics/softmax-stats.md, docs/semantics/errors.md,
+and the 约束说明 of FlashAttentionVarLenScore.md. Each test checks the error type, its aclnn status code and a
+message naming the Python parameter.
 """
 
 from __future__ import annotations

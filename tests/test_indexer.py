@@ -103,10 +103,9 @@ def test_ties_go_to_the_smaller_index(layout, dtype, rng):
 @pytest.mark.parametrize("mode", [0, 3])
 @pytest.mark.parametrize("dtype", [F32, BF16], ids=DT_IDS.get)
 def test_ties_between_identical_keys(dtype, mode, s2, rng):
-    """Realistic head dims (D = 128, Nidx1 = 16): key s is a copy of key s % 8, so the keys of a group score
-    exactly alike and the group's selected members must be its smallest allowed indices in increasing order, with
-    bitwise-equal values (docs/operators/lightning_indexer.md, "ties to the smaller index"). Key counts that are no
-    multiple of 8 once
+    """Realistic head dims (D = 128, Nidx1 = 16): key s is a copy of key s % 8, so the keys of a group score exactly
+    alike and the group's selected members must be its smallest allowed indices in increasing order, with bitwise-equal
+    values (docs/operators/lightning_indexer.md, "ties to the smaller index"). Key counts that are no multiple of 8 once
     made copies score 1 ulp apart by column position."""
     s1, n_idx, d, groups, k = 70, 16, 128, 8, 64
     qi = torch.randn(1, s1, n_idx, d, generator=rng).to(dtype)
@@ -310,8 +309,7 @@ def test_kl_selection_rule_first_k_entries(rng):
 
 def test_kl_gradient_is_the_documented_one(rng):
     """dI = Softmax(I) - p (docs/operators/lightning_indexer.md), not the autograd of the clamped loss: with large
-    index scores some
-    q_j < 1e-8, where the two differ. The op must match the documented gradient."""
+    index scores some q_j < 1e-8, where the two differ. The op must match the documented gradient."""
     case = IndexerCase("BSND", gen=rng, b=1, s1=6, s2=10, n_idx=4, dtype=F64).kl_inputs(6, style="topk")
     case.weights = case.weights * 40  # float64: large scores are ill-conditioned in fp32
     res = case.check_kl()

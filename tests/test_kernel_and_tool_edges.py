@@ -97,8 +97,7 @@ def test_small_but_normal_softmax_terms_are_not_flushed() -> None:
 def test_sfa_row_selecting_a_nan_key_has_nan_max_not_the_sentinel() -> None:
     """Row t > 0 selects token t only, row 0 nothing (so the tile is not all valid); key 5 is NaN. Row 5 has a valid
     selected key, so its softmax_max is NaN like the oracle's, not -2e38 (docs/semantics/invalid-rows.md keeps the
-    sentinel for
-    rows with nothing selected)."""
+    sentinel for rows with nothing selected)."""
 
     case = SFACase("BSND", gen=torch.Generator().manual_seed(2), b=1, s1=8, s2=12, n1=2, d=8, d_rope=4, k=4,
                    mode=3)

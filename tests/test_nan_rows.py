@@ -1,10 +1,9 @@
 """NaN input is not a fully masked row: FlashAttentionScore keeps NaN where the formulas give it.
 
 docs/semantics/invalid-rows.md turns rows *without a visible key* into 0 output with -FLT_MAX / +FLT_MAX statistics. A
-row whose
-logits hold a NaN has visible keys: its max and sum are NaN and so is its output, as the float64 oracle computes
-them. Both backends used to test validity with "sum > 0", which a NaN sum fails: the reference backend wrote the
-invalid-row statistics beside a NaN output, and the Triton kernel a zero output (NaN input passed off as a masked
+row whose logits hold a NaN has visible keys: its max and sum are NaN and so is its output, as the float64 oracle
+computes them. Both backends used to test validity with "sum > 0", which a NaN sum fails: the reference backend wrote
+the invalid-row statistics beside a NaN output, and the Triton kernel a zero output (NaN input passed off as a masked
 row). Every other row must be unaffected.
 """
 

@@ -507,9 +507,8 @@ def test_float_in_int8_out_fully_masked_row_is_zero_with_offset(dtype, rng):
 
 
 def test_float_in_int8_out_zero_kv_length_is_zero_with_offset(rng):
-    """actual_seq_lengths_kv = 0 for a batch: that batch's output is all zero (docs/semantics/invalid-rows.md), also
-    for int8
-    output with a nonzero offset (mode 0 without a mask is never intercepted)."""
+    """actual_seq_lengths_kv = 0 for a batch: that batch's output is all zero (docs/semantics/invalid-rows.md), also for
+    int8 output with a nonzero offset (mode 0 without a mask is never intercepted)."""
     q, k, v = make_qkv("BSH", rng, b=2, n=2, sq=4, skv=6, d=8, dtype=torch.float16)
     out = check_pfa(
         q,

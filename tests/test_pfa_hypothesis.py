@@ -1,11 +1,10 @@
 """Hypothesis fuzzing of prompt_flash_attention over random VALID configurations against the independent oracle.
 
-Drawn: layout, B, GQA (N2, G), Sq/Skv, D, input dtype (fp16 / bf16 / int8), actual-length lists (None, one value,
-B values, more than B), sparse mode 0..4 with a mask of any documented shape and dtype, pre/next (non-empty band),
+Drawn: layout, B, GQA (N2, G), Sq/Skv, D, input dtype (fp16 / bf16 / int8), actual-length lists (None, one value, B
+values, more than B), sparse mode 0..4 with a mask of any documented shape and dtype, pre/next (non-empty band),
 pse_shift (batch 1 or B, larger than needed), scale, output quantization (per-tensor or per-channel, fp32 or bf16
 scales, with a zero or nonzero offset where the interception rule of docs/operators/prompt_flash_attention.md allows),
-deq scales as FLOAT32
-or trans_quant_param words.
+deq scales as FLOAT32 or trans_quant_param words.
 """
 
 from __future__ import annotations

@@ -297,9 +297,8 @@ def test_huge_indices_are_skipped(layout, bs, idx_dtype, huge, rng):
         torch.testing.assert_close(getattr(grads, name), getattr(grads2, name), rtol=0, atol=0)
 
 
-# ----------------------------------------------------------------------------------------------------------
-# Non-finite keys / values: only the selected ones reach a row (docs/operators/sparse_flash_attention.md: P is the
-# softmax over the
+# ---------------------------------------------------------------------------------------------------------- Non-finite
+# keys / values: only the selected ones reach a row (docs/operators/sparse_flash_attention.md: P is the softmax over the
 # selected set)
 # ----------------------------------------------------------------------------------------------------------
 NONFINITE_TARGETS = {"key": "key", "value": "value", "key_rope": "key_rope", "latent": "key"}
@@ -665,9 +664,8 @@ def test_tnd_bsnd_agree(rng):
 @pytest.mark.parametrize("mode", [0, 3])
 def test_bsnd_zero_kv_length(mode, rng):
     """BSND batch with Lk_b = 0 and Lq_b > 0: every row has thr <= 0, so (docs/operators/sparse_flash_attention.md) the
-    rows output 0 with
-    softmax_max = -2e38 / softmax_sum = 0 -- or the call is rejected as a documented ParamInvalidError naming
-    actual_seq_lengths_kv. Any other exception (IndexError...) is a bug."""
+    rows output 0 with softmax_max = -2e38 / softmax_sum = 0 -- or the call is rejected as a documented
+    ParamInvalidError naming actual_seq_lengths_kv. Any other exception (IndexError...) is a bug."""
     case = SFACase("BSND", gen=rng, b=2, s1=4, s2=6, q_lens=[4, 3], kv_lens=[0, 6], k=3, mode=mode, style="random")
     try:
         fwd = case.forward()

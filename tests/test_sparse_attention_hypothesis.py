@@ -75,7 +75,6 @@ def test_sparse_attention_random_configs(cfg):
 @given(sfa_configs(dtypes=(F16, BF16)))
 def test_sparse_attention_random_configs_half(cfg):
     # The grad's Dl = rowsum(dO * out) uses the given fp16/bf16 `out` (docs/operators/sparse_flash_attention.md); the
-    # golden does the same
-    # (dsa_utils.oracle_grads). Against the exact forward's gradient instead, rows where dS = P (dP - Dl) nearly
-    # cancels (duplicated selections, or a single selected block) failed by several bf16 ulps.
+    # golden does the same (dsa_utils.oracle_grads). Against the exact forward's gradient instead, rows where dS = P (dP
+    # - Dl) nearly cancels (duplicated selections, or a single selected block) failed by several bf16 ulps.
     _run(cfg)

@@ -1038,9 +1038,9 @@ def random_sparse_indices(
     actual_seq_lengths_kv=None,
     dtype: torch.dtype = torch.int32,
 ) -> torch.Tensor:
-    """sparse_indices [B, S1, 1, K] / [T1, 1, K] as a top-k producer writes them: for each row, up to K distinct
-    blocks it may see (docs/operators/sparse_flash_attention.md), in random order, then -1; rows beyond the actual
-    query length all -1."""
+    """sparse_indices [B, S1, 1, K] / [T1, 1, K] as a top-k producer writes them: for each row, up to K distinct blocks
+    it may see (docs/operators/sparse_flash_attention.md), in random order, then -1; rows beyond the actual query length
+    all -1."""
     from ..testing.dsa_oracle import sequence_spans
 
     spans = sequence_spans(layout, query_shape, key_shape, actual_seq_lengths_query, actual_seq_lengths_kv)

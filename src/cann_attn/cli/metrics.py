@@ -10,18 +10,16 @@ Floating-point tensors (threshold dtype = the output's dtype, or the one asked f
   a gate only with ``strict``. Non-finite values equal on both sides (the -inf of empty top-k slots) count as
   exact, as in the Ascend rule.
 
-A non-finite actual value where the golden holds another value (a NaN, or an infinity the golden lacks) fails
-the tensor whatever the counts: torch_npu's assertRtolEqual rejects mismatching NaN positions, and
-docs/semantics/index.md
-3 promises no NaN outputs. An actual whose dtype differs from the golden's fails too (``dtype_problem``): the
-rule's thresholds are those of the golden's dtype, and a lower-precision actual would otherwise be measured
-against a golden rounded to its own dtype.
+A non-finite actual value where the golden holds another value (a NaN, or an infinity the golden lacks) fails the tensor
+whatever the counts: torch_npu's assertRtolEqual rejects mismatching NaN positions, and docs/semantics/invalid-rows.md
+promises no NaN outputs. An actual whose dtype differs from the golden's fails too (``dtype_problem``): the rule's
+thresholds are those of the golden's dtype, and a lower-precision actual would otherwise be measured against a golden
+rounded to its own dtype.
 
 Integer tensors: int8 (quantized outputs) pass when every element is within one int8 step of the golden
-(docs/operators/prompt_flash_attention.md: the NPU may round an intermediate value to fp16 and land one step away);
-with ``strict`` at
-most 0.1% of the elements (at least one) may be one step off. Other integer and bool tensors (indices) must
-match exactly.
+(docs/operators/prompt_flash_attention.md: the NPU may round an intermediate value to fp16 and land one step away); with
+``strict`` at most 0.1% of the elements (at least one) may be one step off. Other integer and bool tensors (indices)
+must match exactly.
 
 The computations are those of ``cann_attn.testing.precision`` (the rules the test suite applies).
 """

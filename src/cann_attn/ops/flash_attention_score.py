@@ -58,13 +58,11 @@ def flash_attention_score(
     """Training forward of FlashAttentionScore: softmax(mask(S)) with dropout, times value.
 
     Layouts BSH, SBH, BSND, BNSD, TND (docs/semantics/layouts.md); masks via sparse_mode 0..8, pre/next_tokens, prefix
-    and
-    atten_mask (2); fully masked rows give 0 with softmax_max = -FLT_MAX, softmax_sum = FLT_MAX (3); pse types
-    0..3 with q/kv start indices (4); dropout from the bit-packed `drop_mask` with `keep_prob` (5). Returns
-    attention_out (query layout, value's D), softmax_max / softmax_sum ([B,N1,Sq,8]; TND [T,N1,8] laid out as
-    `softmax_layout` says, 6) and an empty softmax_out. `padding_mask` is reserved and ignored. `sink` (float32
-    [N1], optional) adds one logit per query head to every row's softmax, dropped before P V; the statistics then
-    include it (docs/semantics/sinks.md).
+    and atten_mask (2); fully masked rows give 0 with softmax_max = -FLT_MAX, softmax_sum = FLT_MAX (3); pse types 0..3
+    with q/kv start indices (4); dropout from the bit-packed `drop_mask` with `keep_prob` (5). Returns attention_out
+    (query layout, value's D), softmax_max / softmax_sum ([B,N1,Sq,8]; TND [T,N1,8] laid out as `softmax_layout` says,
+    6) and an empty softmax_out. `padding_mask` is reserved and ignored. `sink` (float32 [N1], optional) adds one logit
+    per query head to every row's softmax, dropped before P V; the statistics then include it (docs/semantics/sinks.md).
     """
     return _run(locals(), FORWARD_MODES, "flash_attention_score")
 

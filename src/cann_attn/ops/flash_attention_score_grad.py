@@ -98,10 +98,10 @@ def flash_attention_score_grad(
     stat_dtype = stats.accumulation_dtype(query.dtype)
     if softmax_max is not None:
         # Non-contiguous statistics are supported (GradV2 table, softmaxMax/SumOptional: 非连续Tensor √): the
-        # kernels read them through strided views by logical index. Only TND with softmax_layout "" is refused:
-        # there the [T, N1, 8] tensor's memory holds per-sequence [N1, Sq_b, 8] blocks
-        # (docs/semantics/softmax-stats.md), so its
-        # meaning lies in the memory order, which a strided view does not have.
+        # kernels read them through strided views by logical index. Only TND with softmax_layout "" is
+        # refused: there the [T, N1, 8] tensor's memory holds per-sequence [N1, Sq_b, 8] blocks
+        # (docs/semantics/softmax-stats.md), so its meaning lies in the memory order, which a strided view
+        # does not have.
         memory_layout = problem.tnd and problem.softmax_layout == ""
         for name, t in (("softmax_max", softmax_max), ("softmax_sum", softmax_sum)):
             require(isinstance(t, torch.Tensor) and t.dtype in (torch.float32, stat_dtype)

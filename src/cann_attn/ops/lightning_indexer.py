@@ -163,13 +163,11 @@ def sparse_lightning_indexer_grad_kl_loss(
 ) -> SparseLightningIndexerGradKLLossResult:
     """KL loss between the main attention's head-averaged distribution and the indexer's, with its gradients.
 
-    Target p_j = mean_h exp(scale * (q_h.k_j + qr_h.kr_j) - softmax_max[h]) / softmax_sum[h] over the selected keys
-    (SFA statistics), indexer distribution q = softmax(I[t, idx]); loss = sum over all tokens of
-    sum_j p'_j (log p'_j - log q'_j) with p', q' clamped at 1e-8 (fp32, shape [1]). Gradients: dI = q - p,
-    dW, d_query_index, and d_key_index scatter-added (docs/operators/lightning_indexer.md). No gradient flows to
-    query/key/rope.
-    `deterministic=True` or torch.use_deterministic_algorithms(True) makes GPU scatter-adds deterministic (the CPU
-    reference always is).
+    Target p_j = mean_h exp(scale * (q_h.k_j + qr_h.kr_j) - softmax_max[h]) / softmax_sum[h] over the selected keys (SFA
+    statistics), indexer distribution q = softmax(I[t, idx]); loss = sum over all tokens of sum_j p'_j (log p'_j - log
+    q'_j) with p', q' clamped at 1e-8 (fp32, shape [1]). Gradients: dI = q - p, dW, d_query_index, and d_key_index
+    scatter-added (docs/operators/lightning_indexer.md). No gradient flows to query/key/rope. `deterministic=True` or
+    torch.use_deterministic_algorithms(True) makes GPU scatter-adds deterministic (the CPU reference always is).
     """
     _check_common(query_index, key_index, weights, layout, sparse_mode, (3,))
     for name, t in (("query", query), ("key", key)):
@@ -191,9 +189,9 @@ def sparse_lightning_indexer_grad_kl_loss(
         require(query_rope.shape[:-1] == query.shape[:-1], "query_rope", f"leading dims {list(query.shape[:-1])}",
                 query_rope)
         require(key_rope.shape[:-1] == key.shape[:-1], "key_rope", f"leading dims {list(key.shape[:-1])}", key_rope)
-        # Q = [query ; query_rope] and K = [key ; key_rope] (docs/operators/lightning_indexer.md): both rope tensors
-        # carry the same Dr
-        # (seed 参数说明, queryRope (B,S1,N1,Dr) / keyRope (B,S2,N2,Dr)); a mismatch would broadcast or crash.
+        # Q = [query ; query_rope] and K = [key ; key_rope] (docs/operators/lightning_indexer.md): both rope
+        # tensors carry the same Dr (seed 参数说明, queryRope (B,S1,N1,Dr) / keyRope (B,S2,N2,Dr)); a mismatch
+        # would broadcast or crash.
         require(key_rope.shape[-1] == query_rope.shape[-1], "key_rope", f"rope dim Dr = {query_rope.shape[-1]} like "
                 "query_rope", key_rope)
     require(sparse_indices.shape[:-2] == query_index.shape[:-2] and sparse_indices.shape[-2] == 1, "sparse_indices",

@@ -303,10 +303,9 @@ def sparse_flash_attention(
 
     MLA-absorbed MQA (N2 = 1): Q = [query ; query_rope], K = [key ; key_rope], V = value; z = scale * Q.K over the
     selected blocks of `sparse_block_size` tokens, P = softmax(z), out = P V (docs/operators/sparse_flash_attention.md).
-    Layouts BSND (optional
-    per-batch actual lengths) and TND (cumulative ends). sparse_mode 3 (causal, bottom-right) or 0. Returns
-    attention_out (query's shape with value's D), softmax_max / softmax_sum ([B, 1, S1, N1] or [1, T1, N1]); rows
-    with nothing selected give 0 with max = -2e38, sum = 0. pre_tokens/next_tokens must be 2147483647 or 2**63-1
+    Layouts BSND (optional per-batch actual lengths) and TND (cumulative ends). sparse_mode 3 (causal, bottom-right) or
+    0. Returns attention_out (query's shape with value's D), softmax_max / softmax_sum ([B, 1, S1, N1] or [1, T1, N1]);
+    rows with nothing selected give 0 with max = -2e38, sum = 0. pre_tokens/next_tokens must be 2147483647 or 2**63-1
     (no sliding window, the only supported value). An empty query returns these initial outputs directly.
 
     Paged key/value cache (`layout_kv="PA_BSND"`, implied by a `block_table`): key, value and key_rope are
@@ -441,8 +440,8 @@ def sparse_flash_attention_grad(
     deterministic = resolve_deterministic(deterministic)
     d_sinks = None if sinks is None else _sink_grads(problem, d_out, out, softmax_max, softmax_sum, sinks)
     if query.numel() == 0:
-        # Empty query: "直接返回" (seed :560, docs/semantics/errors.md); no row selects anything, so all gradients are
-        # 0.
+        # Empty query: "直接返回" (seed :560, docs/semantics/errors.md); no row selects anything, so all gradients
+        # are 0.
         return SparseFlashAttentionGradResult(*_zero_grads(query, key, value, query_rope, key_rope), d_sinks)
     if select_backend(backend, query.device, op="sparse_flash_attention_grad",
                       unsupported=lambda: sparse_unsupported(query, key, value, query_rope)) == "triton":

@@ -89,9 +89,8 @@ def indexer_selection(
     indices: torch.Tensor, rows: torch.Tensor, *, sparse_mode: int, seq_q: int, seq_kv: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """SparseLightningIndexerGradKLLoss rule (docs/operators/lightning_indexer.md): of the first k_t = min(K, thr(t))
-    entries of row t,
-    those equal to -1 or outside [0, thr) are skipped (no early stop). Returns (tokens [rows, W] clamped to 0
-    where invalid, valid [rows, W])."""
+    entries of row t, those equal to -1 or outside [0, thr) are skipped (no early stop). Returns (tokens [rows, W]
+    clamped to 0 where invalid, valid [rows, W])."""
     idx = indices.to(torch.int64)
     thr = causal_threshold(sparse_mode, seq_q, seq_kv, rows).clamp(min=0, max=seq_kv)
     examined = thr.clamp(max=idx.shape[-1])

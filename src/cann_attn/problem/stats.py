@@ -29,10 +29,9 @@ def check_softmax_layout(softmax_layout: str) -> str:
 
 def allocate(shape: tuple[int, ...], dtype: torch.dtype, device, *, keyless_rows: bool
              ) -> tuple[torch.Tensor, torch.Tensor]:
-    """softmax_max / softmax_sum outputs. Kernels write the rows of every run that has keys; a run without keys
-    (dense Skv = 0 with Sq > 0) has rows with no visible column that no kernel visits, so with `keyless_rows`
-    they are prefilled with the invalid-row values (docs/semantics/invalid-rows.md: never garbage) for every backend
-    alike."""
+    """softmax_max / softmax_sum outputs. Kernels write the rows of every run that has keys; a run without keys (dense
+    Skv = 0 with Sq > 0) has rows with no visible column that no kernel visits, so with `keyless_rows` they are
+    prefilled with the invalid-row values (docs/semantics/invalid-rows.md: never garbage) for every backend alike."""
     if keyless_rows:
         return (torch.full(shape, -FLT_MAX, dtype=dtype, device=device),
                 torch.full(shape, FLT_MAX, dtype=dtype, device=device))

@@ -6,10 +6,9 @@ literal per-row Python loop over the row's index entries, so that it can serve a
 It validates almost nothing: feed it valid inputs.
 
 - `sparse_attention_oracle`: SparseFlashAttention forward, returning (out, softmax_max, softmax_sum). It is
-  differentiable w.r.t. query, key, value, query_rope and key_rope through torch.autograd: the gradients of
-  ``(out * d_out).sum()`` are the goldens of SparseFlashAttentionGrad (docs/operators/sparse_flash_attention.md states
-  the grad formulas,
-  which are exactly the derivative of this forward).
+  differentiable w.r.t. query, key, value, query_rope and key_rope through torch.autograd: the gradients of ``(out *
+  d_out).sum()`` are the goldens of SparseFlashAttentionGrad (docs/operators/sparse_flash_attention.md states the grad
+  formulas, which are exactly the derivative of this forward).
 - `lightning_indexer_oracle` / `indexer_score_matrix`: index scores, top-k with ties to the smaller index.
 - `indexer_kl_loss_oracle`: the SparseLightningIndexerGradKLLoss loss, differentiable w.r.t. query_index,
   key_index and weights, with the DOCUMENTED gradient dI_j = q_j - p_j (see its docstring).
@@ -386,8 +385,8 @@ def indexer_kl_loss_oracle(
       value_t = sum_j p'_j (log p'_j - log q'_j),   p' = max(p, 1e-8), q' = max(q, 1e-8).
 
     Gradient convention. The operator documents dI_j = Softmax(I)_j - p_j (docs/operators/lightning_indexer.md), which
-    is NOT the
-    autograd of the clamped value (that differs wherever q_j < 1e-8, which is common). So the returned loss is
+    is NOT the autograd of the clamped value (that differs wherever q_j < 1e-8, which is common). So the returned loss
+    is
       value.detach() + (g - g.detach())   with the gradient path   g = logsumexp_j(I_j) - sum_j p_j I_j,
     whose value is the clamped KL and whose autograd w.r.t. I is exactly q_j - p_j. When sum_j p_j = 1 (the
     statistics come from the SFA forward over the same selection, as in DSA training), g equals

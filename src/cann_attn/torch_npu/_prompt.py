@@ -59,7 +59,6 @@ def npu_prompt_flash_attention(
 def npu_trans_quant_param(scale: Tensor, offset: Tensor | None = None, round_mode: int | None = 0) -> Tensor:
     """torch_npu.npu_trans_quant_param: float32 scales (and offsets) -> UINT64 deq-scale words, returned as int64
     (docs/operators/prompt_flash_attention.md). ``round_mode`` 0 truncates the scale to its high 19 bits, 1 (R_INT)
-    rounds it to nearest, ties
-    to even; None (torch_npu's ``int?``) means 0."""
+    rounds it to nearest, ties to even; None (torch_npu's ``int?``) means 0."""
     return library.trans_quant_param(scale, offset, 0 if round_mode is None else round_mode)
 

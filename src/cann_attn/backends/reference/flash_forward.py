@@ -426,11 +426,10 @@ class RunKernel:
             if sink_heads is not None:
                 # The sink joins the finished running statistics before the fp32 output is normalised (and rounded).
                 acc.mul_(sinks.merge_into_rows_(row_max, row_sum, sink_heads).view(c * n2, -1, 1))
-            # Rows without a visible key have row_sum 0 and acc 0 (their terms are all exactly 0): output 0. "!= 0",
-            # not "> 0": a row with a NaN logit has a NaN sum and max and keeps them, with a NaN output, as the
-            # formulas give (docs/semantics/invalid-rows.md covers rows without visible keys only); taking it for a row
-            # without keys
-            # would pass NaN input off as a fully masked row.
+            # Rows without a visible key have row_sum 0 and acc 0 (their terms are all exactly 0): output 0. "!= 0", not
+            # "> 0": a row with a NaN logit has a NaN sum and max and keeps them, with a NaN output, as the formulas
+            # give (docs/semantics/invalid-rows.md covers rows without visible keys only); taking it for a row without
+            # keys would pass NaN input off as a fully masked row.
             valid = row_sum != 0
             denom = torch.where(valid, row_sum * problem.keep_prob, 1.0).view(c, problem.heads_q, rows, 1)
             # One pass: divided in fp32 and rounded once on the store into the output's dtype.

@@ -376,9 +376,9 @@ def backward_sequence(seq: SparseSequence, d_out: torch.Tensor, out: torch.Tenso
                                                                   out=ws.take("dp", p.shape, dtype))
             ds = dp.sub_(d_sum).mul_(p)
             if isolate and not tk.all_valid:
-                # Exactly 0 for invalid entries, whatever their row's statistics (a row that selected a NaN key
-                # has NaN ones): their dK rows are added into token 0 (docs/operators/sparse_flash_attention.md:
-                # selected keys only).
+                # Exactly 0 for invalid entries, whatever their row's statistics (a row that selected a NaN key has NaN
+                # ones): their dK rows are added into token 0 (docs/operators/sparse_flash_attention.md: selected keys
+                # only).
                 invalid = ~tk.sel.valid.unsqueeze(1)
                 p.masked_fill_(invalid, 0.0)
                 ds.masked_fill_(invalid, 0.0)

@@ -9,8 +9,8 @@ caller's tensors. Each `Run` is expanded into its `count` sequences; sequence s 
   [j < prefix]) and not explicit[i, j], with None bounds replaced by the sentinels `NO_LOWER` / `NO_UPPER` and a
   missing prefix by 0 (j < 0 is never true);
 - element offsets of row 0 / head 0 of every tensor it touches (query-like: q, out, dy, dq; key-like: k, v, dk,
-  dv); head / sequence / dim strides are per tensor and uniform across sequences (they come from the tensor's
-  layout, docs/semantics/layouts.md);
+  dv); head / sequence / dim strides are per tensor and uniform across sequences (they come from the tensor's layout,
+  docs/semantics/layouts.md);
 - the explicit-mask offset, the pse offset (row0/col0 folded in) and its compressed flag, the ALiBi slope
   offset (4), the dropout base element (5) and the softmax-statistics offset with its per-sequence head stride
   (6: TND softmax_layout "" stores per-sequence [N1, Sq_b, 8] blocks, so the head stride is 8 * Sq_b).

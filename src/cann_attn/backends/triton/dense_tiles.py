@@ -188,8 +188,7 @@ def bias_log2(PSE, pse_base, SLOPES, slope_addr, i2, j2, seq_q, seq_kv, compress
 @device_function
 def keep_bits(DROP, drop_base, h, i2, j2, seq_q, seq_kv):
     """Dropout keep bits (docs/semantics/dropout.md): element e = base + h*Sq*Skv + i*Skv + j, bit (e & 7) of byte e >>
-    3,
-    LSB first; 64-bit element indices (masks exceed 2^31 bits at long sequences)."""
+    3, LSB first; 64-bit element indices (masks exceed 2^31 bits at long sequences)."""
     inb = (i2 < seq_q) & (j2 < seq_kv)
     e = drop_base + (h.to(tl.int64) * seq_q + i2.to(tl.int64)) * seq_kv + j2.to(tl.int64)
     byte = tl.load(DROP + (e >> 3), mask=inb, other=0).to(tl.int32)
