@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 
 from ..problem.merge import merge_blocks
-from ..problem.stats import FLT_MAX, accumulation_dtype
+from ..problem.stats import accumulation_dtype, allocate
 from . import comm
 from .blocks import AttentionSetup, block_backward, block_forward, plan_calls, take
 
@@ -71,8 +71,8 @@ def ring_forward(setup: AttentionSetup, options: RingOptions, query, key, value)
     acc_dtype = accumulation_dtype(query.dtype)
     heads, rows_total, dim_v = setup.head_num, query.shape[0], value.shape[-1]
     out_tnd = None  # [T, N, Dv]; its [N, T, Dv] view is the layout of the blocks and of the merge
-    smax = torch.full((heads, rows_total), -FLT_MAX, dtype=acc_dtype, device=query.device)
-    ssum = torch.full((heads, rows_total), FLT_MAX, dtype=acc_dtype, device=query.device)
+    # Rows no block reaches keep the invalid-row statistics, as in the single-process operator.
+    smax, ssum = allocate((heads, rows_total), acc_dtype, query.device, keyless_rows=True)
     shards = _KeyValueHops(options, key, value, "forward")
     touched: set[tuple[int, int]] = set()  # (sequence, query slot) whose rows hold a block already
     for step in range(world):
