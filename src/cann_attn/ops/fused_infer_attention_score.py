@@ -384,8 +384,6 @@ def fused_infer_attention_score(
             antiquant = antiquants.separate(
                 key_antiquant_scale, key_antiquant_offset, value_antiquant_scale, value_antiquant_offset,
                 key_antiquant_mode, value_antiquant_mode, query_dtype=query.dtype, decode=decode, dims=kv_dims,
-                names=("key_antiquant_scale", "key_antiquant_offset", "value_antiquant_scale",
-                       "value_antiquant_offset", "key_antiquant_mode", "value_antiquant_mode"),
             )
         else:
             raise ParamInvalidError("antiquant_scale: int8 key/value with a float query need antiquant_scale or "

@@ -154,12 +154,12 @@ def combined(antiquant_scale, antiquant_offset, antiquant_mode, *, query_dtype: 
 
 
 def separate(key_scale, key_offset, value_scale, value_offset, key_mode, value_mode, *, query_dtype: torch.dtype,
-             decode: bool, dims: tuple[int, int, int, int], names: tuple[str, str, str, str, str, str]
-             ) -> KvAntiquant:
-    """`key_antiquant_*` / `value_antiquant_*` (names: the caller's spelling of the six parameters). Both scales
+             decode: bool, dims: tuple[int, int, int, int]) -> KvAntiquant:
+    """`key_antiquant_*` / `value_antiquant_*` (errors name them so; FIA v2 renames its own spelling). Both scales
     or neither, both offsets or neither; the modes must agree except key 0 with value 1. Factors are float32 or
     the query's dtype."""
-    ks, ko, vs, vo, km, vm = names
+    ks, ko, vs, vo = "key_antiquant_scale", "key_antiquant_offset", "value_antiquant_scale", "value_antiquant_offset"
+    km, vm = "key_antiquant_mode", "value_antiquant_mode"
     if (key_scale is None) != (value_scale is None):
         raise ParamInvalidError(f"{ks}/{vs}: must be given together, got only {ks if key_scale is not None else vs}")
     if (key_offset is None) != (value_offset is None):
