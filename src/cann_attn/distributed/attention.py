@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from itertools import accumulate
+
 import torch
 
 from ..autograd import _frozen
@@ -163,8 +165,7 @@ def _prepare(args: dict, group: comm.Group):
         kv_lengths = [key.shape[dim] * group.world] * batch
     plan = SequencePlan(tuple(q_lengths), group.world, load_balance)
     kv_plan = SequencePlan(tuple(kv_lengths), group.world, load_balance)
-    local_q = [sum(plan.local_lengths[:i + 1]) for i in range(batch)]
-    local_kv = [sum(kv_plan.local_lengths[:i + 1]) for i in range(batch)]
+    local_q, local_kv = list(accumulate(plan.local_lengths)), list(accumulate(kv_plan.local_lengths))
     # The operator's own validation of this rank's shards (shapes, dtypes, heads, mask, pse, band).
     build_problem(query, key, value, head_num, layout, pse=pse, drop_mask=None, atten_mask=mask, prefix=None,
                   actual_seq_qlen=local_q if tnd else None, actual_seq_kvlen=local_kv if tnd else None,
