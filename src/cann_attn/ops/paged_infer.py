@@ -66,12 +66,11 @@ class PagedKv:
     value: torch.Tensor
     key_rope: torch.Tensor | None
     shape: CacheShape
-    heads_kv: int
 
     def _tokens(self, cache: torch.Tensor) -> torch.Tensor:
         """[block_num, block_size, N2, d] view of a cache in either layout."""
         if self.shape.token_dim == 1:
-            return cache.view(cache.shape[0], cache.shape[1], self.heads_kv, -1)
+            return cache.view(cache.shape[0], cache.shape[1], self.shape.heads, -1)
         return cache.permute(0, 2, 1, 3)
 
     def cache_views(self) -> tuple[torch.Tensor, torch.Tensor]:
@@ -88,8 +87,8 @@ class PagedKv:
         length = self.pages.kv_lengths[batches[0]]
         parts = [self.key] + ([] if self.key_rope is None else [self.key_rope])
         dims = [self._tokens(t).shape[-1] for t in parts]
-        k_shape = (len(batches), self.heads_kv, length, sum(dims))
-        v_shape = (len(batches), self.heads_kv, length, self._tokens(self.value).shape[-1])
+        k_shape = (len(batches), self.shape.heads, length, sum(dims))
+        v_shape = (len(batches), self.shape.heads, length, self._tokens(self.value).shape[-1])
         if workspace is None:
             k = torch.empty(k_shape, dtype=self.key.dtype, device=self.key.device)
             v = torch.empty(v_shape, dtype=self.value.dtype, device=self.value.device)
@@ -123,7 +122,7 @@ def paged_kv(key: torch.Tensor, value: torch.Tensor, key_rope: torch.Tensor | No
                                 f"({describe(key)}), got {block_size}")
     pages = page_table(block_table, block_size=shape.block_size, block_count=shape.block_num,
                        kv_lengths=kv_lengths, batch=batch, rule=rule, lengths_param="actual_seq_lengths_kv")
-    return PagedKv(pages, key, value, key_rope, shape, heads_kv)
+    return PagedKv(pages, key, value, key_rope, shape)
 
 
 def length_groups(act_q: list[int], act_kv: list[int]) -> list[range]:
