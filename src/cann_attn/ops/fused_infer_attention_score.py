@@ -301,6 +301,13 @@ def fused_infer_attention_score(
         raise ParamInvalidError(f"input_layout: {input_layout} is documented for MLA only (query_rope/key_rope)")
 
     # ---- MLA rope
+    # Inputs neither MLA rope nor the packed layouts take.
+    rope_and_packed_exclude = (
+        ("pse_shift", pse_shift), ("key_shared_prefix", key_shared_prefix),
+        ("query_padding_size", query_padding_size), ("kv_padding_size", kv_padding_size),
+        ("antiquant_scale", antiquant_scale), ("key_antiquant_scale", key_antiquant_scale),
+        ("dequant_scale1", dequant_scale1), ("quant_scale2", quant_scale2),
+    )
     if rope:
         if query_rope is None or key_rope is None:
             raise ParamInvalidError("query_rope/key_rope: must be given together")
@@ -319,10 +326,7 @@ def fused_infer_attention_score(
                 raise ParamInvalidError(f"sparse_mode: MLA with D=512 supports 0, 3 and 4, got {sparse_mode}")
             if softmax_lse_flag:
                 raise ParamInvalidError("softmax_lse_flag: not supported for MLA with D=512")
-        for name, t in (("pse_shift", pse_shift), ("key_shared_prefix", key_shared_prefix),
-                        ("query_padding_size", query_padding_size), ("kv_padding_size", kv_padding_size),
-                        ("antiquant_scale", antiquant_scale), ("key_antiquant_scale", key_antiquant_scale),
-                        ("dequant_scale1", dequant_scale1), ("quant_scale2", quant_scale2)):
+        for name, t in rope_and_packed_exclude:
             _not_supported(name, t, "not supported with query_rope/key_rope (MLA)")
     # ---- packed layouts
     if packed:
@@ -333,10 +337,7 @@ def fused_infer_attention_score(
             )
         if rope and q_dim == 128:
             require(v_dim == 128, "value", "head dim 128 with rope", value)
-        for name, t in (("pse_shift", pse_shift), ("key_shared_prefix", key_shared_prefix),
-                        ("query_padding_size", query_padding_size), ("kv_padding_size", kv_padding_size),
-                        ("antiquant_scale", antiquant_scale), ("key_antiquant_scale", key_antiquant_scale),
-                        ("dequant_scale1", dequant_scale1), ("quant_scale2", quant_scale2)):
+        for name, t in rope_and_packed_exclude:
             _not_supported(name, t, f"not supported with layout {input_layout}")
         if atten_mask is not None and sparse_mode in (0, 1):
             raise ParamInvalidError(
