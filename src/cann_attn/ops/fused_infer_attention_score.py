@@ -31,8 +31,15 @@ from ..problem.lengths import (
     to_int_list,
 )
 from ..traceable import traced_as_custom_op
+from .flash_attention_score import INT_MAX
 from .infer_attention import (
     INVALID_LSE,
+    MAX_BATCH,
+    MAX_BATCH_UNALIGNED,
+    MAX_GROUP,
+    MAX_HEAD_DIM,
+    MAX_HEADS,
+    MAX_HIDDEN,
     attend,
     attend_paged,
     quant_plan,
@@ -42,7 +49,6 @@ from .infer_attention import (
 )
 from .paged_infer import cache_shape, fia_block_sizes, length_groups, paged_kv
 
-INT_MAX = 2147483647
 # input_layout -> (layout of query, key and value; layout of the output).
 FIA_LAYOUTS = {
     "BSH": ("BSH", "BSH"), "BSND": ("BSND", "BSND"), "BNSD": ("BNSD", "BNSD"), "BNSD_BSND": ("BNSD", "BSND"),
@@ -54,8 +60,6 @@ PACKED = ("TND", "NTD")
 # Layouts the documentation lists only for MLA with D = 128 (query_rope / key_rope given).
 ROPE_ONLY_LAYOUTS = ("NTD", "BSH_BNSD", "BSND_BNSD")
 INT8_OUT_LAYOUTS = ("BSH", "BSND", "BNSD", "BNSD_BSND")
-MAX_BATCH, MAX_HEADS, MAX_HEAD_DIM, MAX_GROUP = 65536, 256, 512, 64
-MAX_BATCH_UNALIGNED, MAX_HIDDEN = 128, 65535
 MAX_DECODE_KV = 262144
 MAX_PACKED_BATCH = 4096
 ROPE_DIM = 64

@@ -20,6 +20,10 @@ from ..problem.pse import SequencePse, batch_rows
 from ..problem.stats import FLT_MAX, STAT_WIDTH
 
 MASK_DTYPES = (torch.bool, torch.int8, torch.uint8)
+# PromptFlashAttention's documented shape limits, which FIA's prefill branch keeps
+# (docs/operators/prompt_flash_attention.md, docs/operators/fused_infer_attention_score.md).
+MAX_BATCH, MAX_HEADS, MAX_HEAD_DIM, MAX_GROUP = 65536, 256, 512, 64
+MAX_BATCH_UNALIGNED, MAX_HIDDEN = 128, 65535
 
 
 def validate_mask(atten_mask, sparse_mode, batch, heads, seq_q, seq_kv, pre_tokens, next_tokens):

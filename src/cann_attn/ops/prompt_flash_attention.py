@@ -8,7 +8,14 @@ from ..errors import ParamInvalidError, ParamNullptrError, require, require_int
 from ..problem import layout as layouts
 from ..problem.lengths import per_batch_lengths
 from ..traceable import traced_as_custom_op
+from .flash_attention_score import INT_MAX
 from .infer_attention import (
+    MAX_BATCH,
+    MAX_BATCH_UNALIGNED,
+    MAX_GROUP,
+    MAX_HEAD_DIM,
+    MAX_HEADS,
+    MAX_HIDDEN,
     attend,
     quant_plan,
     reject_offset_with_invalid_rows,
@@ -16,11 +23,8 @@ from .infer_attention import (
     validate_pse_shift,
 )
 
-INT_MAX = 2147483647
 PFA_LAYOUTS = ("BSH", "BSND", "BNSD", "BNSD_BSND")
 PFA_MODES = (0, 1, 2, 3, 4)
-MAX_BATCH, MAX_HEADS, MAX_HEAD_DIM, MAX_GROUP = 65536, 256, 512, 64
-MAX_BATCH_UNALIGNED, MAX_HIDDEN = 128, 65535
 
 
 @traced_as_custom_op
