@@ -29,7 +29,7 @@ import torch
 
 from ...problem import sink as sinks
 from ...problem.attention import AttentionProblem, Run
-from ...problem.mask import TileState
+from ...problem.mask import TileState, add_mask_bias, mask_bias
 from ...problem.pse import ALIBI_TYPES
 from ...problem.stats import FLT_MAX, accumulation_dtype
 from . import native
@@ -282,18 +282,18 @@ class RunKernel:
             out.baddbmm_(q_tile[entries], kt)
         s = out.view(c, n_heads, rows, cols)
         if state is TileState.PARTIAL:
-            mask_bias = self._mask_bias(i0, i1, j0, j1)
-            s.add_(mask_bias)
-            if not self.finite_inputs:
-                # A masked element is excluded whatever its logit: NaN + -inf stays NaN, so with a NaN or inf in Q
-                # or K the hidden elements are set to -inf (masked_fill is ~20x slower than the add, hence only here).
-                s.masked_fill_(mask_bias == float("-inf"), float("-inf"))
+            add_mask_bias(s, self._mask_bias(i0, i1, j0, j1), finite=self.finite_inputs, in_place=True)
         return s
 
     @functools.cached_property
     def finite_inputs(self) -> bool:
-        """No NaN or inf in the run's query and key rows (then every logit is finite up to fp32 overflow)."""
-        return bool(torch.isfinite(self.q_all).all()) and bool(torch.isfinite(self.k).all())
+        """No NaN or inf in the run's query and key rows and pse tensor (then every logit is finite up to fp32
+        overflow), tested on sums as `sparse_attention.all_finite` does: an overflowing sum only costs the slower
+        form of `add_mask_bias`."""
+        pse = self.run.pse
+        tensors = (self.q_all, self.k) if pse is None or pse.source is None else (self.q_all, self.k, pse.source)
+        return all(bool(t.sum(dtype=torch.float64 if t.dtype == torch.float64 else torch.float32).isfinite())
+                   for t in tensors)
 
     def pse_tile(self, q_tile: torch.Tensor, i0: int, i1: int, j0: int, j1: int, entries: slice) -> torch.Tensor | None:
         """The pse of the tile for the GEMM batch `entries`: None where there is none or where ALiBi's rank-2 form
@@ -318,9 +318,7 @@ class RunKernel:
         key = self.run.mask.tile_key(i0, i1, j0, j1)
         bias = self._mask_biases.get(key) if key is not None else None
         if bias is None:
-            masked = self.run.mask.masked_tile(i0, i1, j0, j1, self.device)
-            bias = torch.zeros(masked.shape, dtype=self.dtype, device=self.device)
-            bias.masked_fill_(masked, float("-inf"))
+            bias = mask_bias(self.run.mask.masked_tile(i0, i1, j0, j1, self.device), self.dtype)
             if key is not None:
                 self._mask_biases[key] = bias
         return bias
@@ -377,7 +375,9 @@ class RunKernel:
         mask = self._mask_bias(i0, i1, j0, j1) if state is TileState.PARTIAL else None
         if pse_tile is None and (mask is None or mask.numel() == rows * cols):
             return native.BiasTiles([None if mask is None else mask.reshape(rows, cols)], rows)
-        total = pse_tile if mask is None else mask if pse_tile is None else pse_tile + mask
+        # The native loops set -inf where the bias is -inf, which the masked-logit rule needs whatever the pse.
+        total = pse_tile if mask is None else mask if pse_tile is None else \
+            add_mask_bias(pse_tile, mask, finite=self.finite_inputs, in_place=False)
         total = total.expand(run.count, heads.stop - heads.start, rows, cols).contiguous()
         entry_rows = self.problem.heads_q // self.problem.heads_kv * rows
         return native.BiasTiles([total], entry_rows, entry_rows * cols)
