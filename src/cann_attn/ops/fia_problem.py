@@ -1,0 +1,589 @@
+"""Validation of FusedInferAttentionScore's parameters (v1; v2 and IncreFlashAttention rename into it) and
+construction of its canonical description, `FiaProblem` (docs/operators/fused_infer_attention_score.md,
+docs/operators/incre_flash_attention.md, docs/semantics/paged-kv.md).
+
+`build_fia_problem` reads the layouts, lengths, paged caches, MLA rope, KV anti-quantisation, shared prefix, left
+padding, masks, pse_shift and int8 output steps, rejecting what the documentation rejects, and returns everything
+the operator's dispatch needs; it writes nothing and computes no attention.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..errors import ParamInvalidError, ParamNullptrError, describe, require, require_int
+from ..problem import antiquant as antiquants
+from ..problem import layout as layouts
+from ..problem.lengths import cumulative_lengths, per_batch_lengths, require_same_sequence_count, to_int_list
+from .flash_attention_score import INT_MAX
+from .infer_attention import (
+    MAX_BATCH,
+    MAX_BATCH_UNALIGNED,
+    MAX_GROUP,
+    MAX_HEAD_DIM,
+    MAX_HEADS,
+    MAX_HIDDEN,
+    QuantPlan,
+    quant_plan,
+    reject_offset_with_invalid_rows,
+    validate_mask,
+    validate_pse_shift,
+)
+from .paged_infer import PagedKv, cache_shape, fia_block_sizes, paged_kv
+
+# input_layout -> (layout of query, key and value; layout of the output).
+FIA_LAYOUTS = {
+    "BSH": ("BSH", "BSH"), "BSND": ("BSND", "BSND"), "BNSD": ("BNSD", "BNSD"), "BNSD_BSND": ("BNSD", "BSND"),
+    "BSH_NBSD": ("BSH", "NBSD"), "BSND_NBSD": ("BSND", "NBSD"), "BNSD_NBSD": ("BNSD", "NBSD"),
+    "BSH_BNSD": ("BSH", "BNSD"), "BSND_BNSD": ("BSND", "BNSD"),
+    "TND": ("TND", "TND"), "NTD": ("NTD", "NTD"), "TND_NTD": ("TND", "NTD"), "NTD_TND": ("NTD", "TND"),
+}
+PACKED = ("TND", "NTD")
+# Layouts the documentation lists only for MLA with D = 128 (query_rope / key_rope given).
+ROPE_ONLY_LAYOUTS = ("NTD", "BSH_BNSD", "BSND_BNSD")
+INT8_OUT_LAYOUTS = ("BSH", "BSND", "BNSD", "BNSD_BSND")
+MAX_DECODE_KV = 262144
+MAX_PACKED_BATCH = 4096
+ROPE_DIM = 64
+MLA_DIMS = (128, 512)
+FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+@dataclass(frozen=True)
+class FiaProblem:
+    """One validated FusedInferAttentionScore call: what to attend, over which keys, with which masks and outputs.
+
+    `act_q` / `act_kv` are per-sequence lengths (key lengths without the shared prefix); `sparse_mode`,
+    `pre_tokens` and `next_tokens` are the effective ones (decode and left padding drop the band); `atten_mask` is
+    the mask as the kernels read it ([B, KV_S] decode masks viewed as [B, 1, 1, KV_S]) and `mask_views` its
+    per-batch views for modes 0/1."""
+
+    query: torch.Tensor
+    key: torch.Tensor
+    value: torch.Tensor
+    query_rope: torch.Tensor | None
+    key_rope: torch.Tensor | None
+    input_layout: str
+    q_layout: str
+    out_layout: str
+    batch: int
+    q_seq: int  # Q_S, or T of a packed layout
+    k_seq: int  # KV_S of the key tensor (the page table's reach with PageAttention)
+    num_heads: int
+    heads_kv: int
+    q_dim: int
+    v_dim: int
+    decode: bool
+    act_q: list[int]
+    act_kv: list[int]
+    pages: PagedKv | None
+    antiquant: antiquants.KvAntiquant | None
+    prefix: tuple[torch.Tensor, torch.Tensor, int] | None
+    q_pad: int | None
+    kv_pad: int | None
+    sparse_mode: int
+    pre_tokens: int
+    next_tokens: int
+    atten_mask: torch.Tensor | None
+    mask_views: list | None
+    pse_shift: torch.Tensor | None
+    plan: QuantPlan
+    scale: float
+    softmax_lse_flag: bool
+
+    @property
+    def packed(self) -> bool:
+        return self.q_layout in PACKED
+
+    @property
+    def rope(self) -> bool:
+        return self.key_rope is not None
+
+    @property
+    def prefix_len(self) -> int:
+        return 0 if self.prefix is None else self.prefix[2]
+
+    @property
+    def left_padding(self) -> bool:
+        return self.q_pad is not None or self.kv_pad is not None
+
+    def padded_window(self, b: int) -> tuple[int, int, int, int]:
+        """(q0, q_end, kv0, kv_end): where batch b's valid query and key rows lie under left padding (they end
+        `padding` positions before S; without a padding they start at 0)."""
+        sq, skv = self.act_q[b], self.act_kv[b]
+        q_end = self.q_seq - self.q_pad if self.q_pad is not None else sq
+        kv_end = self.k_seq - self.kv_pad if self.kv_pad is not None else skv
+        return q_end - sq, q_end, kv_end - skv, kv_end
+
+
+def read_dims(tensor: torch.Tensor, layout: str, heads: int, param: str, heads_param: str):
+    """(batch or None, S or T, N, D) of a tensor in a query/key layout (BSH, BSND, BNSD, TND, NTD)."""
+    if layout == "NTD":
+        require(tensor.dim() == 3, param, "a 3-D [N, T, D] tensor for layout NTD", tensor)
+        return None, tensor.shape[1], tensor.shape[0], tensor.shape[2]
+    dims = layouts.read_dims(tensor, layout, heads, param, heads_param)
+    return dims.batch, dims.seq, dims.heads, dims.head_dim
+
+
+def output_shape(layout: str, batch, seq: int, heads: int, dim: int) -> tuple[int, ...]:
+    """attention_out's shape in an FIA output layout (NBSD and NTD included)."""
+    if layout == "NBSD":
+        return (heads, batch, seq, dim)
+    if layout == "NTD":
+        return (heads, seq, dim)
+    return layouts.output_shape(layout, batch, seq, heads, dim)
+
+
+def not_supported(param: str, value, what: str = "") -> None:
+    if value is not None:
+        raise ParamInvalidError(f"{param}: {what or 'not supported yet'}, got {describe(value)}")
+
+
+def _padding(value, param: str) -> int | None:
+    """query_padding_size / kv_padding_size: one int64 value (negative counts as 0)."""
+    if value is None:
+        return None
+    require(isinstance(value, torch.Tensor) and value.numel() == 1
+            and not value.is_floating_point() and value.dtype != torch.bool,
+            param, "an integer tensor with one element", value)
+    return max(0, int(value.reshape(()).item()))
+
+
+@dataclass(frozen=True)
+class _Shapes:
+    """Batch, S, N and D of query, key and value as the layout (or the paged cache) gives them."""
+
+    qb: int | None
+    q_seq: int
+    q_heads: int
+    q_dim: int
+    kb: int | None
+    k_seq: int
+    k_heads: int
+    k_dim: int
+    vb: int | None
+    v_seq: int
+    v_heads: int
+    v_dim: int
+
+
+def _check_inputs(query, key, value, input_layout, int_params: dict, num_heads, num_key_value_heads,
+                  softmax_lse_flag) -> bool:
+    """Tensors, dtypes, layout and integer attributes; returns whether key/value are int8 under a float query."""
+    for name, t in (("query", query), ("key", key), ("value", value)):
+        if t is None:
+            raise ParamNullptrError(f"{name}: a required input, got None")
+        require(isinstance(t, torch.Tensor), name, "a torch.Tensor", t)
+    require(query.dtype in (*FLOAT_DTYPES, torch.int8), "query", "dtype float16, bfloat16 or int8", query)
+    if key.dtype == torch.int32:
+        raise ParamInvalidError(f"key: int4 key/value (packed in int32) are not supported yet, got {describe(key)}")
+    int8_kv = key.dtype == torch.int8 and query.dtype != torch.int8
+    require(key.dtype == query.dtype or int8_kv, "key", f"the query's dtype {query.dtype} or int8", key)
+    require(value.dtype == key.dtype, "value", f"the key's dtype {key.dtype}", value)
+    if not isinstance(input_layout, str) or input_layout not in FIA_LAYOUTS:
+        raise ParamInvalidError(f"input_layout: expected one of {list(FIA_LAYOUTS)}, got {input_layout!r}")
+    for name, v_ in int_params.items():
+        require_int(v_, name)
+    if num_heads <= 0:
+        raise ParamInvalidError(f"num_heads: expected a positive int, got {num_heads!r}")
+    if num_key_value_heads < 0:
+        raise ParamInvalidError(f"num_key_value_heads: expected an int >= 0, got {num_key_value_heads!r}")
+    if not isinstance(softmax_lse_flag, bool):
+        raise ParamInvalidError(f"softmax_lse_flag: expected a bool, got {softmax_lse_flag!r}")
+    return int8_kv
+
+
+def _read_shapes(query, key, value, block_table, q_layout, num_heads, heads_kv, num_key_value_heads) -> _Shapes:
+    """The shapes of query, key and value, checked against the head counts, each other and the size limits."""
+    qb, q_seq, q_heads, q_dim = read_dims(query, q_layout, num_heads, "query", "num_heads")
+    if block_table is None:
+        kb, k_seq, k_heads, k_dim = read_dims(key, q_layout, heads_kv, "key", "num_key_value_heads")
+        vb, v_seq, v_heads, v_dim = read_dims(value, q_layout, heads_kv, "value", "num_key_value_heads")
+    else:
+        # PageAttention: key/value are block caches; KV_S (what masks and pse_shift cover) is the table's reach.
+        k_cache = cache_shape(key, "key", heads_kv, q_layout)
+        v_cache = cache_shape(value, "value", heads_kv, q_layout)
+        require(isinstance(block_table, torch.Tensor) and block_table.dim() == 2, "block_table",
+                "a 2-D int32 tensor [B, max blocks per sequence]", block_table)
+        kb = vb = qb
+        k_seq = v_seq = block_table.shape[1] * k_cache.block_size
+        k_heads, k_dim, v_heads, v_dim = k_cache.heads, k_cache.dim, v_cache.heads, v_cache.dim
+    packed = q_layout in PACKED
+    if q_heads != num_heads:
+        raise ParamInvalidError(f"num_heads: expected the query's head count N={q_heads}, got {num_heads}")
+    if q_layout != "BSH" and k_heads != heads_kv:
+        raise ParamInvalidError(
+            f"num_key_value_heads: expected the key's head count N={k_heads} (0 means num_heads), "
+            f"got {num_key_value_heads}"
+        )
+    if num_heads % heads_kv != 0 or num_heads // heads_kv > MAX_GROUP:
+        raise ParamInvalidError(
+            f"num_key_value_heads: num_heads={num_heads} must be a multiple of it with a ratio <= {MAX_GROUP}, "
+            f"got {heads_kv}"
+        )
+    require(num_heads <= MAX_HEADS, "num_heads", f"at most {MAX_HEADS}", num_heads)
+    require(heads_kv <= MAX_HEADS, "num_key_value_heads", f"at most {MAX_HEADS}", heads_kv)
+    require(k_dim == q_dim, "key", f"head dim D={q_dim} like the query", key)
+    require(vb == kb and v_seq == k_seq and v_heads == k_heads, "value", f"the key's B, S and N {list(key.shape)}",
+            value)
+    require(v_dim == k_dim or (packed and q_dim == 192 and v_dim == 128), "value",
+            f"head dim D={k_dim} like the key", value)
+    if not packed:
+        require(kb == qb, "key", f"batch B={qb} like the query", key)
+        require(qb <= MAX_BATCH, "query", f"batch B <= {MAX_BATCH}", query)
+    require(q_dim <= MAX_HEAD_DIM and (q_dim >= 1 or query.numel() == 0), "query", f"head dim D in 1..{MAX_HEAD_DIM}",
+            query)
+    return _Shapes(qb, q_seq, q_heads, q_dim, kb, k_seq, k_heads, k_dim, vb, v_seq, v_heads, v_dim)
+
+
+def _check_rope(query, key, query_rope, key_rope, *, q_layout, num_heads, heads_kv, q_dim, sparse_mode,
+                softmax_lse_flag, excluded) -> None:
+    """MLA: query_rope / key_rope (D = 64) beside a query of D 128 or 512 (docs/operators/
+    fused_infer_attention_score.md, "MLA")."""
+    if query_rope is None or key_rope is None:
+        raise ParamInvalidError("query_rope/key_rope: must be given together")
+    require(query_rope.dtype == query.dtype, "query_rope", f"the query's dtype {query.dtype}", query_rope)
+    require(key_rope.dtype == query.dtype, "key_rope", f"the query's dtype {query.dtype}", key_rope)
+    require(q_dim in MLA_DIMS, "query", f"head dim D in {MLA_DIMS} with query_rope", query)
+    exp_q = (*query.shape[:-1], ROPE_DIM if q_layout != "BSH" else num_heads * ROPE_DIM)
+    require(tuple(query_rope.shape) == exp_q, "query_rope", f"shape {list(exp_q)} (D={ROPE_DIM})", query_rope)
+    exp_k = (*key.shape[:-1], ROPE_DIM if q_layout != "BSH" else heads_kv * ROPE_DIM)
+    require(tuple(key_rope.shape) == exp_k, "key_rope", f"shape {list(exp_k)} (D={ROPE_DIM})", key_rope)
+    if q_dim == 512:
+        require(heads_kv == 1, "num_key_value_heads", "1 for MLA with D=512", heads_kv)
+        require(num_heads in (1, 2, 4, 8, 16, 32, 64, 128), "num_heads", "1, 2, 4, ..., 128 for MLA with D=512",
+                num_heads)
+        if sparse_mode not in (0, 3, 4):
+            raise ParamInvalidError(f"sparse_mode: MLA with D=512 supports 0, 3 and 4, got {sparse_mode}")
+        if softmax_lse_flag:
+            raise ParamInvalidError("softmax_lse_flag: not supported for MLA with D=512")
+    for name, t in excluded:
+        not_supported(name, t, "not supported with query_rope/key_rope (MLA)")
+
+
+def _check_packed(input_layout, value, q_dim, v_dim, rope, atten_mask, sparse_mode, excluded) -> None:
+    """TND / NTD: the head dims and inputs the packed layouts take."""
+    if not rope and not (q_dim == v_dim == 128 or (q_dim == 192 and v_dim in (128, 192))):
+        raise ParamInvalidError(
+            f"query: layout {input_layout} without rope needs D=128 (or D=192 with value D 128/192), got "
+            f"query D={q_dim}, value D={v_dim}"
+        )
+    if rope and q_dim == 128:
+        require(v_dim == 128, "value", "head dim 128 with rope", value)
+    for name, t in excluded:
+        not_supported(name, t, f"not supported with layout {input_layout}")
+    if atten_mask is not None and sparse_mode in (0, 1):
+        raise ParamInvalidError(
+            f"atten_mask: explicit masks (sparse_mode 0/1) with layout {input_layout} are not supported yet; "
+            f"use sparse_mode 2, 3 or 4"
+        )
+
+
+def _kv_antiquant(query, *, int8_kv, decode, kv_dims, antiquant_scale, antiquant_offset, key_antiquant_scale,
+                  key_antiquant_offset, value_antiquant_scale, value_antiquant_offset, antiquant_mode,
+                  key_antiquant_mode, value_antiquant_mode) -> antiquants.KvAntiquant | None:
+    """The KV anti-quantisation factors of int8 key/value under a float query (`problem/antiquant.py`)."""
+    separate_given = key_antiquant_scale is not None or value_antiquant_scale is not None \
+        or key_antiquant_offset is not None or value_antiquant_offset is not None
+    combined_given = antiquant_scale is not None or antiquant_offset is not None
+    antiquant = None
+    if int8_kv:
+        require(query.dtype in (torch.float16, torch.bfloat16), "query",
+                "float16 or bfloat16 with int8 key/value (anti-quantisation)", query)
+        if not decode:
+            require(query.dtype == torch.float16, "query", "float16 with int8 key/value when Q_S > 1", query)
+        if combined_given and separate_given:
+            raise ParamInvalidError("antiquant_scale: give either antiquant_* or key_/value_antiquant_*, not both")
+        if combined_given:
+            if antiquant_scale is None:
+                raise ParamInvalidError("antiquant_offset: only allowed together with antiquant_scale")
+            antiquant = antiquants.combined(antiquant_scale, antiquant_offset, antiquant_mode,
+                                            query_dtype=query.dtype, decode=decode, dims=kv_dims)
+        elif separate_given:
+            if key_antiquant_scale is None or value_antiquant_scale is None:
+                raise ParamInvalidError("key_antiquant_scale/value_antiquant_scale: must be given together")
+            antiquant = antiquants.separate(
+                key_antiquant_scale, key_antiquant_offset, value_antiquant_scale, value_antiquant_offset,
+                key_antiquant_mode, value_antiquant_mode, query_dtype=query.dtype, decode=decode, dims=kv_dims,
+            )
+        else:
+            raise ParamInvalidError("antiquant_scale: int8 key/value with a float query need antiquant_scale or "
+                                    "key_antiquant_scale/value_antiquant_scale, got None")
+    else:
+        for name, t in (("antiquant_scale", antiquant_scale), ("antiquant_offset", antiquant_offset),
+                        ("key_antiquant_scale", key_antiquant_scale), ("key_antiquant_offset", key_antiquant_offset),
+                        ("value_antiquant_scale", value_antiquant_scale),
+                        ("value_antiquant_offset", value_antiquant_offset)):
+            not_supported(name, t, "only with int8 key/value and a float16/bfloat16 query")
+    for name, mode in (("antiquant_mode", antiquant_mode), ("key_antiquant_mode", key_antiquant_mode),
+                       ("value_antiquant_mode", value_antiquant_mode)):
+        require_int(mode, name)
+        if mode != 0 and antiquant is None:
+            raise ParamInvalidError(f"{name}: only with KV anti-quantisation, got {mode}")
+    return antiquant
+
+
+def _shared_prefix(query, key, key_shared_prefix, value_shared_prefix, actual_shared_prefix_len, *, q_layout,
+                   heads_kv, k_dim, antiquant) -> tuple[torch.Tensor, torch.Tensor, int] | None:
+    """(key prefix, value prefix, length used) of the system prefix every batch's keys start with, or None."""
+    if key_shared_prefix is None and value_shared_prefix is None:
+        if actual_shared_prefix_len is not None:
+            raise ParamInvalidError("actual_shared_prefix_len: only with key_shared_prefix/value_shared_prefix")
+        return None
+    if key_shared_prefix is None or value_shared_prefix is None:
+        raise ParamInvalidError("key_shared_prefix/value_shared_prefix: must be given together")
+    if query.dtype == torch.int8:
+        raise ParamInvalidError("key_shared_prefix: not supported with int8 query/key/value")
+    for name, t in (("key_shared_prefix", key_shared_prefix), ("value_shared_prefix", value_shared_prefix)):
+        require(isinstance(t, torch.Tensor) and t.dtype == key.dtype and t.dim() == key.dim(), name,
+                f"a {key.dim()}-D tensor of the key's dtype {key.dtype}", t)
+        pb, _, ph, pd = read_dims(t, q_layout, heads_kv, name, "num_key_value_heads")
+        require(pb == 1 and ph == heads_kv and pd == k_dim, name,
+                f"batch 1 with the key's N={heads_kv} and D={k_dim}", t)
+    p_seq = read_dims(key_shared_prefix, q_layout, heads_kv, "key_shared_prefix", "")[1]
+    require(read_dims(value_shared_prefix, q_layout, heads_kv, "value_shared_prefix", "")[1] == p_seq,
+            "value_shared_prefix", f"the key prefix's S={p_seq}", value_shared_prefix)
+    if antiquant is not None and antiquant.per_token:
+        raise ParamInvalidError("key_shared_prefix: per-token anti-quantisation of a shared prefix is not "
+                                "supported yet")
+    lengths = to_int_list(actual_shared_prefix_len, "actual_shared_prefix_len")
+    if lengths is None:
+        return key_shared_prefix, value_shared_prefix, p_seq
+    if len(lengths) != 1 or not 0 <= lengths[0] <= p_seq:
+        raise ParamInvalidError(
+            f"actual_shared_prefix_len: expected one value in [0, {p_seq}] (the prefix's S), got {lengths}"
+        )
+    return key_shared_prefix, value_shared_prefix, lengths[0]
+
+
+def build_fia_problem(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    *,
+    pse_shift: torch.Tensor | None = None,
+    atten_mask: torch.Tensor | None = None,
+    actual_seq_lengths=None,
+    actual_seq_lengths_kv=None,
+    dequant_scale1: torch.Tensor | None = None,
+    quant_scale1: torch.Tensor | None = None,
+    dequant_scale2: torch.Tensor | None = None,
+    quant_scale2: torch.Tensor | None = None,
+    quant_offset2: torch.Tensor | None = None,
+    antiquant_scale: torch.Tensor | None = None,
+    antiquant_offset: torch.Tensor | None = None,
+    key_antiquant_scale: torch.Tensor | None = None,
+    key_antiquant_offset: torch.Tensor | None = None,
+    value_antiquant_scale: torch.Tensor | None = None,
+    value_antiquant_offset: torch.Tensor | None = None,
+    block_table: torch.Tensor | None = None,
+    query_padding_size: torch.Tensor | None = None,
+    kv_padding_size: torch.Tensor | None = None,
+    key_shared_prefix: torch.Tensor | None = None,
+    value_shared_prefix: torch.Tensor | None = None,
+    actual_shared_prefix_len=None,
+    query_rope: torch.Tensor | None = None,
+    key_rope: torch.Tensor | None = None,
+    key_rope_antiquant_scale: torch.Tensor | None = None,
+    num_heads: int = 1,
+    scale: float = 1.0,
+    pre_tokens: int = INT_MAX,
+    next_tokens: int = INT_MAX,
+    input_layout: str = "BSH",
+    num_key_value_heads: int = 0,
+    sparse_mode: int = 0,
+    inner_precise: int = 0,
+    block_size: int = 0,
+    antiquant_mode: int = 0,
+    key_antiquant_mode: int = 0,
+    value_antiquant_mode: int = 0,
+    softmax_lse_flag: bool = False,
+) -> FiaProblem:
+    """Validate one npu_fused_infer_attention_score call (v1 argument names) and describe it
+    (docs/operators/fused_infer_attention_score.md). Raises ParamInvalidError / ParamNullptrError naming the
+    parameter; reads the inputs only."""
+    int8_kv = _check_inputs(
+        query, key, value, input_layout,
+        {"num_heads": num_heads, "num_key_value_heads": num_key_value_heads, "sparse_mode": sparse_mode,
+         "pre_tokens": pre_tokens, "next_tokens": next_tokens, "inner_precise": inner_precise,
+         "block_size": block_size},
+        num_heads, num_key_value_heads, softmax_lse_flag)
+    q_layout, out_layout = FIA_LAYOUTS[input_layout]
+    packed = q_layout in PACKED
+    heads_kv = num_key_value_heads or num_heads
+    shapes = _read_shapes(query, key, value, block_table, q_layout, num_heads, heads_kv, num_key_value_heads)
+    q_seq, k_seq, q_dim, k_dim, v_dim = shapes.q_seq, shapes.k_seq, shapes.q_dim, shapes.k_dim, shapes.v_dim
+
+    # ---- packed (TND / NTD) lengths; everything else has B
+    if packed:
+        act_q_list = cumulative_lengths(actual_seq_lengths, q_seq, "actual_seq_lengths")
+        # With a paged cache the key lengths are plain per-sequence counts, read with the page table below.
+        act_kv_list = act_q_list if block_table is not None else cumulative_lengths(
+            actual_seq_lengths_kv, k_seq, "actual_seq_lengths_kv")
+        require_same_sequence_count(act_q_list, act_kv_list, "actual_seq_lengths", "actual_seq_lengths_kv")
+        batch = len(act_q_list)
+        require(batch <= MAX_PACKED_BATCH, "actual_seq_lengths", f"at most {MAX_PACKED_BATCH} sequences", batch)
+        decode = False
+    else:
+        batch = shapes.qb
+        decode = q_seq == 1
+    rope = query_rope is not None or key_rope is not None
+
+    # ---- PageAttention (docs/semantics/paged-kv.md)
+    pages = None
+    if block_table is not None:
+        for name, t in (("query_padding_size", query_padding_size), ("kv_padding_size", kv_padding_size),
+                        ("key_shared_prefix", key_shared_prefix)):
+            not_supported(name, t, "not supported with PageAttention (block_table)")
+        if query.dtype == torch.int8:
+            raise ParamInvalidError("query: int8 query/key/value are not supported with PageAttention (block_table)")
+        if int8_kv:
+            raise ParamInvalidError("key: int8 key/value (anti-quantisation) with PageAttention are not supported "
+                                    "yet")
+        rule = fia_block_sizes(decode=decode, wide=packed or (rope and q_dim == 512), int8_kv=int8_kv)
+        pages = paged_kv(key, value, key_rope if rope else None, block_table, block_size=block_size,
+                         kv_lengths=actual_seq_lengths_kv, batch=batch, heads_kv=heads_kv, q_layout=q_layout,
+                         rule=rule)
+        if packed:
+            act_kv_list = list(pages.pages.kv_lengths)
+    elif block_size != 0:
+        raise ParamInvalidError(f"block_size: only used by PageAttention (with block_table), got {block_size}")
+    not_supported("key_rope_antiquant_scale", key_rope_antiquant_scale, "reserved by the documentation")
+    if inner_precise not in (0, 1, 2, 3) or (decode and inner_precise not in (0, 1)):
+        raise ParamInvalidError(
+            f"inner_precise: expected {'0 or 1 when Q_S = 1' if decode else '0..3'}, got {inner_precise}"
+        )
+    if input_layout in ("BNSD_BSND", "BNSD_NBSD") and q_seq == 1:
+        raise ParamInvalidError(f"input_layout: {input_layout} needs Q_S > 1, got Q_S=1")
+    if input_layout == "BNSD_NBSD" and q_seq > 16:
+        raise ParamInvalidError(f"input_layout: BNSD_NBSD needs Q_S <= 16, got Q_S={q_seq}")
+    if input_layout in ROPE_ONLY_LAYOUTS and not rope:
+        raise ParamInvalidError(f"input_layout: {input_layout} is documented for MLA only (query_rope/key_rope)")
+
+    # ---- MLA rope and the packed layouts: the inputs neither takes
+    rope_and_packed_exclude = (
+        ("pse_shift", pse_shift), ("key_shared_prefix", key_shared_prefix),
+        ("query_padding_size", query_padding_size), ("kv_padding_size", kv_padding_size),
+        ("antiquant_scale", antiquant_scale), ("key_antiquant_scale", key_antiquant_scale),
+        ("dequant_scale1", dequant_scale1), ("quant_scale2", quant_scale2),
+    )
+    if rope:
+        _check_rope(query, key, query_rope, key_rope, q_layout=q_layout, num_heads=num_heads, heads_kv=heads_kv,
+                    q_dim=q_dim, sparse_mode=sparse_mode, softmax_lse_flag=softmax_lse_flag,
+                    excluded=rope_and_packed_exclude)
+    if packed:
+        _check_packed(input_layout, value, q_dim, v_dim, rope, atten_mask, sparse_mode, rope_and_packed_exclude)
+    # ---- dtype rules of each branch
+    if decode and query.dtype == torch.int8:
+        raise ParamInvalidError("query: int8 query/key/value (full quantisation) is not supported when Q_S = 1")
+    if not decode and not packed:
+        alignment = 32 if query.dtype == torch.int8 else 16
+        if q_dim % alignment != 0:
+            require(batch <= MAX_BATCH_UNALIGNED, "query",
+                    f"batch B <= {MAX_BATCH_UNALIGNED} when D={q_dim} is not a multiple of {alignment}", query)
+        if q_layout in ("BSH", "BSND"):
+            require(num_heads * q_dim < MAX_HIDDEN, "query", f"N * D < {MAX_HIDDEN} for layout {q_layout}", query)
+        if sparse_mode not in (0, 1, 2, 3, 4):
+            raise ParamInvalidError(f"sparse_mode: Q_S > 1 supports 0..4, got {sparse_mode}")
+    if decode:
+        require(k_seq <= MAX_DECODE_KV, "key", f"KV_S <= {MAX_DECODE_KV} when Q_S = 1", key)
+        if rope and sparse_mode not in (0, 3, 4):
+            raise ParamInvalidError(f"sparse_mode: MLA supports 0, 3 and 4, got {sparse_mode}")
+
+    antiquant = _kv_antiquant(
+        query, int8_kv=int8_kv, decode=decode, kv_dims=(batch, heads_kv, k_seq, k_dim),
+        antiquant_scale=antiquant_scale, antiquant_offset=antiquant_offset,
+        key_antiquant_scale=key_antiquant_scale, key_antiquant_offset=key_antiquant_offset,
+        value_antiquant_scale=value_antiquant_scale, value_antiquant_offset=value_antiquant_offset,
+        antiquant_mode=antiquant_mode, key_antiquant_mode=key_antiquant_mode,
+        value_antiquant_mode=value_antiquant_mode)
+    prefix = _shared_prefix(query, key, key_shared_prefix, value_shared_prefix, actual_shared_prefix_len,
+                            q_layout=q_layout, heads_kv=heads_kv, k_dim=k_dim, antiquant=antiquant)
+    prefix_len = 0 if prefix is None else prefix[2]
+
+    # ---- left padding
+    q_pad = _padding(query_padding_size, "query_padding_size")
+    kv_pad = _padding(kv_padding_size, "kv_padding_size")
+    if q_pad is not None:
+        if decode:
+            raise ParamInvalidError("query_padding_size: only takes effect when Q_S > 1")
+        if actual_seq_lengths is None:
+            raise ParamInvalidError("query_padding_size: needs actual_seq_lengths (left padding)")
+    if kv_pad is not None and actual_seq_lengths_kv is None:
+        raise ParamInvalidError("kv_padding_size: needs actual_seq_lengths_kv (left padding)")
+    left_padding = q_pad is not None or kv_pad is not None
+    if left_padding and prefix is not None:
+        raise ParamInvalidError("key_shared_prefix: not supported with left padding")
+
+    # ---- lengths of the dense layouts
+    if not packed:
+        act_q_list = [1] * batch if decode else per_batch_lengths(actual_seq_lengths, "actual_seq_lengths", batch,
+                                                                   q_seq)
+        act_kv_list = list(pages.pages.kv_lengths) if pages is not None else per_batch_lengths(
+            actual_seq_lengths_kv, "actual_seq_lengths_kv", batch, k_seq)
+    kv_total = k_seq + prefix_len  # the KV_S that masks and pse_shift cover
+
+    # ---- masks and pse: decode has no band; its mask may be [B, KV_S]
+    mode, pre, nxt = sparse_mode, pre_tokens, next_tokens
+    mask = atten_mask
+    if decode and not rope:
+        mode, pre, nxt = 0, INT_MAX, INT_MAX
+        if isinstance(mask, torch.Tensor) and mask.dim() == 2 and mask.shape[0] == batch and batch != 1:
+            mask = mask.view(batch, 1, 1, mask.shape[1])
+    if left_padding and mode == 0:
+        pre, nxt = INT_MAX, INT_MAX  # the documentation: left padding ignores pre/next_tokens in mode 0
+    seq_q_mask = 1 if decode else (q_seq if not packed else max(act_q_list, default=0))
+    mask_views = validate_mask(mask, mode, batch, num_heads, seq_q_mask, 0 if packed else kv_total, pre, nxt)
+    if pse_shift is not None:
+        validate_pse_shift(pse_shift, query, batch, num_heads, seq_q_mask, kv_total)
+        if decode:
+            require(pse_shift.shape[2] == 1, "pse_shift", "[B or 1, N, 1, KV_S] when Q_S = 1", pse_shift)
+            require(q_dim % 16 == 0, "query", "head dim D divisible by 16 with pse_shift when Q_S = 1", query)
+            require(pse_shift.dtype == query.dtype, "pse_shift", f"the query's dtype {query.dtype}", pse_shift)
+
+    # ---- int8 (PromptFlashAttention's rules)
+    plan = quant_plan(query, dequant_scale1, quant_scale1, dequant_scale2, quant_scale2, quant_offset2,
+                      out_layout if out_layout != "NBSD" else "BNSD", num_heads, q_dim)
+    if plan.output_dtype == torch.int8:
+        if input_layout not in INT8_OUT_LAYOUTS:
+            raise ParamInvalidError(f"quant_scale2: int8 output supports layouts {list(INT8_OUT_LAYOUTS)}, got "
+                                    f"{input_layout}")
+        if quant_scale2.numel() > 1 and (left_padding or softmax_lse_flag or q_dim % 32 != 0):
+            raise ParamInvalidError("quant_scale2: per-channel int8 output is not supported with left padding, "
+                                    "softmax_lse_flag or D not a multiple of 32")
+        if sparse_mode == 4 and (pre_tokens < 0 or next_tokens < 0) and not decode:
+            raise ParamInvalidError("quant_scale2: int8 output does not support sparse_mode 4 with negative "
+                                    "pre_tokens/next_tokens")
+        if plan.offset_nonzero and not decode:
+            reject_offset_with_invalid_rows(mask is not None, mode, act_q_list,
+                                            [a + prefix_len for a in act_kv_list], pre, nxt)
+    if query.dtype == torch.int8 and softmax_lse_flag:
+        raise ParamInvalidError("softmax_lse_flag: not supported with int8 query/key/value yet")
+
+    problem = FiaProblem(
+        query=query, key=key, value=value, query_rope=query_rope if rope else None,
+        key_rope=key_rope if rope else None, input_layout=input_layout, q_layout=q_layout, out_layout=out_layout,
+        batch=batch, q_seq=q_seq, k_seq=k_seq, num_heads=num_heads, heads_kv=heads_kv, q_dim=q_dim, v_dim=v_dim,
+        decode=decode, act_q=act_q_list, act_kv=act_kv_list, pages=pages, antiquant=antiquant, prefix=prefix,
+        q_pad=q_pad, kv_pad=kv_pad, sparse_mode=mode, pre_tokens=pre, next_tokens=nxt, atten_mask=mask,
+        mask_views=mask_views, pse_shift=pse_shift, plan=plan, scale=float(scale),
+        softmax_lse_flag=softmax_lse_flag,
+    )
+    if left_padding:
+        _check_padded_windows(problem)
+    return problem
+
+
+def _check_padded_windows(p: FiaProblem) -> None:
+    """Every batch's left-padded rows must start inside the tensors; when Q_S = 1 a key window outside them
+    gives zeros instead (the documentation)."""
+    for b in range(p.batch):
+        q0, _, kv0, kv_end = p.padded_window(b)
+        if p.q_pad is not None and q0 < 0:
+            raise ParamInvalidError(f"query_padding_size: batch {b} starts at Q_S - padding - actual length = {q0} "
+                                    f"< 0")
+        if (kv0 < 0 or kv_end < 0) and not p.decode:
+            raise ParamInvalidError(f"kv_padding_size: batch {b} starts at KV_S - padding - actual length = {kv0} "
+                                    f"< 0")
