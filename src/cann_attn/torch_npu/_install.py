@@ -57,10 +57,12 @@ def _register_ops() -> None:
     for name, op in _registry.OPS.items():
         if name in _STATE["defined"]:
             continue
-        library.define(op.schema(release).text)
+        schema = op.schema(release)
+        library.define(schema.text)
         # CompositeImplicitAutograd: the call decomposes into our function, whose cann_attn custom ops carry the
-        # autograd and fake (torch.compile) registrations.
-        library.impl(name, op.wrapper, "CompositeImplicitAutograd")
+        # autograd and fake (torch.compile) registrations. The schema's name carries its overload
+        # ("_npu_dropout_gen_mask.Tensor").
+        library.impl(schema.name, op.wrapper, "CompositeImplicitAutograd")
         _STATE["defined"].add(name)
 
 
