@@ -6,9 +6,10 @@ row's keys through memory and runs batched GEMMs with M = 16; the fused C loops 
 measured ~1.6x faster (benchmarks/bench_sparse_attention.py). They compute only sums over the entries the Python
 code marks valid; every rule (selection, statistics conventions, normalisation) stays in Python.
 
-The C file is compiled on first use with the system C compiler (`$CC`, else `cc`) into a per-user cache
-(`$CANN_ATTN_CACHE_DIR`, else `$XDG_CACHE_HOME/cann_attn` or `~/.cache/cann_attn`), named by a hash of the source
-and flags, and loaded with ctypes: no build step at install time and no dependency beyond a compiler. Without a
+The C file is compiled on first use with the system C compiler (`$CC`, a command with arguments, else `cc`) into a
+per-user cache (`$CANN_ATTN_CACHE_DIR`, an absolute path, else `$XDG_CACHE_HOME/cann_attn` or `~/.cache/cann_attn`),
+named by a hash of the source, compiler and flags, and loaded with ctypes: no build step at install time and no
+dependency beyond a compiler; a cached file that does not load is rebuilt. Without a
 compiler, on a CPU without AVX2/FMA, or with `CANN_ATTN_NATIVE=0`, `library()` is None (with one warning when a
 compile or load failed) and the kernels take their PyTorch path, which gives the same results up to rounding.
 
@@ -28,6 +29,7 @@ import ctypes
 import hashlib
 import os
 import platform
+import shlex
 import subprocess
 import tempfile
 import threading
@@ -79,15 +81,31 @@ def enabled_by_environment() -> bool:
     return os.environ.get(ENV_SWITCH, "1").strip().lower() not in ("0", "false", "off", "no")
 
 
-def cache_dir() -> Path:
-    explicit = os.environ.get("CANN_ATTN_CACHE_DIR")
-    if explicit:
-        return Path(explicit)
+CACHE_DIR_VARIABLE = "CANN_ATTN_CACHE_DIR"
+
+
+def default_cache_dir() -> Path:
     return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "cann_attn"
 
 
-def _compiler() -> str:
-    return os.environ.get("CC") or "cc"
+def cache_dir() -> Path:
+    """$CANN_ATTN_CACHE_DIR (`~` expanded), else the per-user default. A relative path would name a different
+    directory from every working directory (a fresh build in each), so it is refused with a warning and the
+    default is used (docs/guides/backends.md)."""
+    explicit = os.environ.get(CACHE_DIR_VARIABLE)
+    if not explicit:
+        return default_cache_dir()
+    path = Path(explicit).expanduser()
+    if not path.is_absolute():
+        warnings.warn(f"cann_attn: {CACHE_DIR_VARIABLE}={explicit!r} is not an absolute path and is ignored; the "
+                      f"native loops are cached in {default_cache_dir()}", RuntimeWarning, stacklevel=4)
+        return default_cache_dir()
+    return path
+
+
+def _compiler() -> list[str]:
+    """$CC split like a shell would (`CC="gcc -O0"` or `CC="ccache cc"` is a command with arguments), else cc."""
+    return shlex.split(os.environ.get("CC") or "") or ["cc"]
 
 
 def _build(target: Path) -> None:
@@ -97,7 +115,7 @@ def _build(target: Path) -> None:
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
     os.close(fd)
     try:
-        subprocess.run([_compiler(), *FLAGS, str(SOURCE), "-o", tmp], check=True, capture_output=True, text=True,
+        subprocess.run([*_compiler(), *FLAGS, str(SOURCE), "-o", tmp], check=True, capture_output=True, text=True,
                        timeout=120)
         os.replace(tmp, target)
     finally:
@@ -105,25 +123,41 @@ def _build(target: Path) -> None:
             os.unlink(tmp)
 
 
+def _open(target: Path) -> ctypes.CDLL:
+    """The cached library, built first where it is missing, and rebuilt once where the cached file does not load
+    (a 0-byte or truncated file left by a crash or a full disk would otherwise send every later process to the
+    PyTorch path). The rebuild replaces the file atomically, so a process loading it meanwhile sees either file."""
+    if not target.exists():
+        _build(target)
+        return ctypes.CDLL(str(target))
+    try:
+        return ctypes.CDLL(str(target))
+    except OSError:
+        _build(target)
+        return ctypes.CDLL(str(target))
+
+
+def library_path() -> Path:
+    """Where the library built from SOURCE with the current compiler command and FLAGS is cached."""
+    digest = hashlib.sha256(SOURCE.read_bytes() + " ".join((*_compiler(), *FLAGS)).encode()).hexdigest()[:16]
+    return cache_dir() / f"attention_loops-{digest}.so"
+
+
 def _load() -> ctypes.CDLL | None:
     if platform.machine().lower() not in ("x86_64", "amd64"):
         return None
-    digest = hashlib.sha256(SOURCE.read_bytes() + " ".join((_compiler(), *FLAGS)).encode()).hexdigest()[:16]
-    target = cache_dir() / f"attention_loops-{digest}.so"
     try:
-        if not target.exists():
-            _build(target)
-        lib = ctypes.CDLL(str(target))
-    except (OSError, subprocess.SubprocessError) as exc:
+        lib = _open(library_path())
+        for name, argtypes in _SIGNATURES.items():
+            fn = getattr(lib, name)
+            fn.argtypes = argtypes
+            fn.restype = ctypes.c_int if name in _INT_RESULTS else ctypes.c_int64 if name in _INT64_RESULTS else None
+    except (OSError, AttributeError, subprocess.SubprocessError) as exc:
         detail = getattr(exc, "stderr", None) or str(exc)
         warnings.warn(f"cann_attn: the native CPU loops could not be built or loaded ({detail.strip()[:300]}); "
                       f"the reference backend uses its PyTorch path (set {ENV_SWITCH}=0 to silence this)",
                       RuntimeWarning, stacklevel=3)
         return None
-    for name, argtypes in _SIGNATURES.items():
-        fn = getattr(lib, name)
-        fn.argtypes = argtypes
-        fn.restype = ctypes.c_int if name in _INT_RESULTS else ctypes.c_int64 if name in _INT64_RESULTS else None
     if not lib.cann_attn_cpu_supported():
         return None
     sgemm = _torch_sgemm()
