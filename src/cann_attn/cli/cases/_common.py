@@ -1,0 +1,207 @@
+"""The registry of ``cann-attn verify`` cases and ``cann-attn golden`` operators, and the helpers every family shares.
+
+See the package docstring (``cann_attn.cli.cases``) for what a case and an operator record hold.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+import cann_attn
+
+Outputs = Mapping[str, torch.Tensor]
+F16, BF16, F32, I8 = torch.float16, torch.bfloat16, torch.float32, torch.int8
+
+
+@dataclass(frozen=True)
+class Call:
+    """Positional and keyword arguments of one operator (and oracle) call."""
+
+    args: tuple = ()
+    kwargs: dict[str, Any] = field(default_factory=dict)
+
+    def map_tensors(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> Call:
+        """A copy with `fn` applied to every tensor (also inside lists and tuples)."""
+        return Call(tuple(_map(a, fn) for a in self.args), {k: _map(v, fn) for k, v in self.kwargs.items()})
+
+
+def _map(value: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
+    if isinstance(value, torch.Tensor):
+        return fn(value)
+    if isinstance(value, (list, tuple)):
+        return type(value)(_map(v, fn) for v in value)
+    return value
+
+
+@dataclass(frozen=True)
+class Case:
+    """One verification case: see the module docstring."""
+
+    op: str
+    name: str
+    dtype: torch.dtype
+    shape: str
+    build: Callable[[torch.Generator], Call]
+    run: Callable[[Call], Outputs]
+    oracle: Callable[[Call], Outputs]
+    quick: bool = True
+    naive: Callable[[Call], Outputs] | None = None
+
+
+CASES: list[Case] = []
+
+
+def register(*cases: Case) -> None:
+    """Add cases to the registry (names must be unique per operator)."""
+    for case in cases:
+        if any(c.op == case.op and c.name == case.name for c in CASES):
+            raise ValueError(f"duplicate verify case {case.op}/{case.name}")
+        CASES.append(case)
+
+
+def cases_for(op: str | None = None, quick: bool = False) -> list[Case]:
+    """Registered cases of operator `op` (all operators if None) whose operator exists in ``cann_attn``."""
+    return [
+        c for c in CASES if (op is None or c.op == op) and (c.quick or not quick) and hasattr(cann_attn, c.op)
+    ]
+
+
+def outputs_of(op_name: str, names: Sequence[str]) -> Callable[[Call], Outputs]:
+    """A ``run`` function: call ``cann_attn.<op_name>`` and name the first ``len(names)`` results."""
+
+    def run(call: Call) -> Outputs:
+        result = getattr(cann_attn, op_name)(*call.args, **call.kwargs)
+        if isinstance(result, torch.Tensor):
+            result = (result,)
+        return dict(zip(names, result, strict=False))
+
+    return run
+
+
+def randn(gen: torch.Generator, shape: Sequence[int], dtype: torch.dtype, std: float = 1.0) -> torch.Tensor:
+    """Seeded normal values, drawn in fp32 and cast (the same numbers for every dtype)."""
+    return (torch.randn(tuple(shape), generator=gen, dtype=torch.float32) * std).to(dtype)
+
+
+
+def cumulative(lens: Sequence[int]) -> list[int]:
+    ends, total = [], 0
+    for n in lens:
+        total += n
+        ends.append(total)
+    return ends
+
+
+def layout_shape(layout: str, batch: int, seq: int, heads: int, dim: int, total: int) -> tuple[int, ...]:
+    return {
+        "BSH": (batch, seq, heads * dim),
+        "SBH": (seq, batch, heads * dim),
+        "BSND": (batch, seq, heads, dim),
+        "BNSD": (batch, heads, seq, dim),
+        "TND": (total, heads, dim),
+    }[layout]
+
+def int8_values(gen: torch.Generator, shape: Sequence[int]) -> torch.Tensor:
+    """Seeded int8 values uniform in [-127, 127]."""
+    return torch.randint(-127, 128, tuple(shape), generator=gen, dtype=torch.int64).to(torch.int8)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Arguments by name (the operators' signatures; used by the cases below and by ``cann-attn golden``)
+# ---------------------------------------------------------------------------------------------------------
+@functools.cache
+def op_signature(op: str) -> inspect.Signature:
+    """The signature of ``cann_attn.<op>``."""
+    return inspect.signature(getattr(cann_attn, op))
+
+
+def tensor_parameters(op: str) -> tuple[str, ...]:
+    """The parameters of `op` annotated as tensors, in signature order."""
+    return tuple(n for n, p in op_signature(op).parameters.items() if "Tensor" in str(p.annotation))
+
+
+def bind(op: str, named: Mapping[str, Any]) -> Call:
+    """The `Call` of `op` for arguments given by name: the parameters before ``*`` positionally (their defaults
+    filled in), the keyword-only ones as given. Raises TypeError for an unknown or missing argument."""
+    params = op_signature(op).parameters
+    unknown = sorted(set(named) - set(params))
+    if unknown:
+        raise TypeError(f"{op}: unknown argument {unknown[0]!r}")
+    args, kwargs = [], {}
+    for name, p in params.items():
+        if p.kind is inspect.Parameter.POSITIONAL_OR_KEYWORD:
+            if name in named:
+                args.append(named[name])
+            elif p.default is not inspect.Parameter.empty:
+                args.append(p.default)
+            else:
+                raise TypeError(f"{op}: missing required argument {name!r}")
+        elif name in named:
+            kwargs[name] = named[name]
+    return Call(tuple(args), kwargs)
+
+
+def by_name(op: str, call: Call) -> dict[str, Any]:
+    """The arguments of a `Call` of `op` by parameter name (the inverse of `bind`)."""
+    return dict(op_signature(op).bind(*call.args, **call.kwargs).arguments)
+
+
+def without(named: Mapping[str, Any], *names: str) -> dict[str, Any]:
+    return {k: v for k, v in named.items() if k not in names and k != "backend"}
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Operators: output names, output dtypes, golden, and the inputs a grad op takes from its forward
+# ---------------------------------------------------------------------------------------------------------
+DTypes = Callable[[Mapping[str, Any]], dict[str, torch.dtype]]
+
+
+@dataclass(frozen=True)
+class Operator:
+    """What ``cann-attn golden`` needs to know about an operator beyond its signature.
+
+    - ``outputs``: names of the results, in order (``outputs_of``);
+    - ``golden(call) -> {name: tensor}``: float64 goldens (integer outputs as integers) of the outputs the
+      reference defines for this call (e.g. no ``dpse`` without a pse tensor);
+    - ``output_dtypes(named) -> {name: dtype}``: the dtype of each output (goldens are cast to it);
+    - ``state`` / ``derive(named) -> {name: tensor}``: the inputs a grad op takes from its forward (softmax
+      statistics, forward output), computed with the float64 forward oracle when not given.
+    """
+
+    name: str
+    outputs: tuple[str, ...]
+    golden: Callable[[Call], Outputs]
+    output_dtypes: DTypes
+    state: tuple[str, ...] = ()
+    derive: Callable[[Mapping[str, Any]], dict[str, torch.Tensor]] | None = None
+
+
+OPERATORS: dict[str, Operator] = {}
+
+
+def register_operator(op: Operator) -> None:
+    OPERATORS[op.name] = op
+
+
+def same_dtype(**pairs: str) -> DTypes:
+    """Output dtypes: output name -> the input whose dtype it has, or a fixed dtype name ("float32", "int32")."""
+
+    def dtypes(named: Mapping[str, Any]) -> dict[str, torch.dtype]:
+        out = {}
+        for output, source in pairs.items():
+            fixed = getattr(torch, source, None)
+            if isinstance(fixed, torch.dtype):
+                out[output] = fixed
+            elif isinstance(named.get(source), torch.Tensor):
+                out[output] = named[source].dtype
+        return out
+
+    return dtypes
+
+

@@ -1,0 +1,159 @@
+"""FusedInferAttentionScore (v1, v2) and IncreFlashAttention: cases and goldens (``cann_attn.testing.fia_oracle``,
+v2 / IFA parameters renamed to their v1 spelling)."""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+
+import cann_attn
+
+from ._common import (
+    BF16,
+    F16,
+    F32,
+    Call,
+    Case,
+    DTypes,
+    Operator,
+    Outputs,
+    by_name,
+    int8_values,
+    layout_shape,
+    outputs_of,
+    randn,
+    register,
+    register_operator,
+    without,
+)
+
+# v2 / IFA parameter -> FIA v1 parameter of the oracle.
+_V2_TO_V1 = {"actual_seq_qlen": "actual_seq_lengths", "actual_seq_kvlen": "actual_seq_lengths_kv",
+             "dequant_scale_key": "key_antiquant_scale", "dequant_offset_key": "key_antiquant_offset",
+             "dequant_scale_value": "value_antiquant_scale", "dequant_offset_value": "value_antiquant_offset",
+             "quant_scale_out": "quant_scale2", "quant_offset_out": "quant_offset2", "num_query_heads": "num_heads",
+             "softmax_scale": "scale", "return_softmax_lse": "softmax_lse_flag", "key_quant_mode": "key_antiquant_mode",
+             "value_quant_mode": "value_antiquant_mode"}
+_IFA_TO_V1 = {"actual_seq_lengths": "actual_seq_lengths_kv", "scale_value": "scale"}
+
+
+def _fia_golden(op: str) -> Callable[[Call], Outputs]:
+    def golden(call: Call) -> Outputs:
+        from ...testing.fia_oracle import fia_oracle
+
+        named = without(by_name(op, call))
+        renames = {"fused_infer_attention_score_v2": _V2_TO_V1, "incre_flash_attention": _IFA_TO_V1}.get(op, {})
+        named = {renames.get(k, k): v for k, v in named.items()}
+        accepted = inspect.signature(fia_oracle).parameters
+        q, k, v = named.pop("query"), named.pop("key"), named.pop("value")
+        out, lse = fia_oracle(q, k, v, **{k_: v_ for k_, v_ in named.items() if k_ in accepted})
+        result = {"attention_out": out}
+        if lse is not None:
+            result["softmax_lse"] = lse
+        return result
+
+    return golden
+
+
+def _fia_dtypes(scale2: str) -> DTypes:
+    def dtypes(named: Mapping[str, Any]) -> dict[str, torch.dtype]:
+        q = named["query"].dtype
+        out = torch.int8 if named.get(scale2) is not None else torch.float16 if q == torch.int8 else q
+        return {"attention_out": out, "softmax_lse": torch.float32}
+
+    return dtypes
+
+
+register_operator(Operator("fused_infer_attention_score", ("attention_out", "softmax_lse"),
+                            _fia_golden("fused_infer_attention_score"), _fia_dtypes("quant_scale2")))
+register_operator(Operator("fused_infer_attention_score_v2", ("attention_out", "softmax_lse"),
+                            _fia_golden("fused_infer_attention_score_v2"), _fia_dtypes("quant_scale_out")))
+register_operator(Operator("incre_flash_attention", ("attention_out",), _fia_golden("incre_flash_attention"),
+                            _fia_dtypes("quant_scale2")))
+
+
+def fia_case(name: str, op: str = "fused_infer_attention_score", *, layout: str, dtype: torch.dtype, b: int = 1,
+             n: int = 4, n_kv: int | None = None, sq: int = 64, skv: int | None = None, d: int = 64,
+             kv_dtype: torch.dtype | None = None, extras: Callable[[torch.Generator], dict[str, Any]] | None = None,
+             **kwargs: Any) -> Case:
+    """A FusedInferAttentionScore / v2 / IncreFlashAttention case: random inputs in a dense `layout`; `extras(gen)`
+    adds tensor keyword arguments, `kwargs` the scalar ones (in the operator's own spelling)."""
+    n_kv = n if n_kv is None else n_kv
+    skv = sq if skv is None else skv
+    heads_name = {"fused_infer_attention_score_v2": "num_query_heads"}.get(op, "num_heads")
+    scale_name = {"fused_infer_attention_score_v2": "softmax_scale", "incre_flash_attention": "scale_value"}.get(
+        op, "scale")
+    kwargs = {heads_name: n, "input_layout": layout, "num_key_value_heads": n_kv, scale_name: d**-0.5, **kwargs}
+    base = layout.split("_")[0]
+
+    def build(gen: torch.Generator) -> Call:
+        def draw(heads: int, seq: int, dt: torch.dtype) -> torch.Tensor:
+            shape = layout_shape(base, b, seq, heads, d, b * seq)
+            return int8_values(gen, shape) if dt == torch.int8 else randn(gen, shape, dt)
+
+        q = draw(n, sq, dtype)
+        k, v = draw(n_kv, skv, kv_dtype or dtype), draw(n_kv, skv, kv_dtype or dtype)
+        return Call((q, k, v), {**kwargs, **(extras(gen) if extras else {})})
+
+    heads = f"N{n}" if n_kv == n else f"N{n}/{n_kv}"
+    outputs = ("attention_out",) if op == "incre_flash_attention" else ("attention_out", "softmax_lse")
+    return Case(op=op, name=name, dtype=dtype, shape=f"{layout} B{b} {heads} S{sq}x{skv} D{d}", build=build,
+                run=outputs_of(op, outputs), oracle=_fia_golden(op))
+
+
+def _kv_scales(shape: tuple[int, ...], dtype: torch.dtype, *, separate: str = "", offset: bool = False):
+    """Anti-quantisation factors in [0.01, 0.03] (int8 keys of std ~70 -> O(1) values): combined
+    `antiquant_scale` (and offset), or with `separate` = "v1" / "v2" the key/value parameters of that spelling."""
+
+    def build(gen: torch.Generator) -> dict[str, Any]:
+        def factor() -> torch.Tensor:
+            return (0.01 + 0.02 * torch.rand(shape, generator=gen)).to(dtype)
+
+        if not separate:
+            out = {"antiquant_scale": factor()}
+            if offset:
+                out["antiquant_offset"] = torch.randn(shape, generator=gen).to(dtype)
+            return out
+        names = ("key_antiquant_scale", "value_antiquant_scale") if separate == "v1" else (
+            "dequant_scale_key", "dequant_scale_value")
+        return {names[0]: factor(), names[1]: factor()}
+
+    return build
+
+
+register(
+    fia_case("bnsd_gqa_lse", layout="BNSD", dtype=F16, b=2, n=8, n_kv=2, sq=64, skv=96, softmax_lse_flag=True),
+    fia_case("bsh_causal_mode3_lse", layout="BSH", dtype=BF16, b=2, n=4, n_kv=1, sq=48, skv=80, sparse_mode=3,
+             extras=lambda gen: {"atten_mask": cann_attn.compressed_mask(3)}, softmax_lse_flag=True),
+    fia_case("bsnd_decode_actual_kv", layout="BSND", dtype=F16, b=4, n=8, n_kv=2, sq=1, skv=160,
+             actual_seq_lengths_kv=[160, 7, 99, 31], softmax_lse_flag=True),
+    fia_case("bnsd_nbsd_out", layout="BNSD_NBSD", dtype=F32, b=2, n=4, sq=12, skv=40),
+    fia_case("decode_antiquant_per_token", layout="BSH", dtype=F16, b=2, n=4, n_kv=2, sq=1, skv=64, d=64,
+             kv_dtype=torch.int8, extras=_kv_scales((1, 2, 64), F32, separate="v1"), key_antiquant_mode=1,
+             value_antiquant_mode=1),
+    fia_case("prefill_antiquant_per_channel", layout="BNSD", dtype=F16, b=1, n=4, sq=32, skv=48,
+             kv_dtype=torch.int8, extras=_kv_scales((2, 4, 1, 64), F16, offset=True)),
+    fia_case("shared_prefix_decode", layout="BNSD", dtype=F16, b=3, n=4, sq=1, skv=24, actual_seq_lengths_kv=[24, 5, 0],
+             extras=lambda gen: {"key_shared_prefix": randn(gen, (1, 4, 40, 64), F16),
+                                 "value_shared_prefix": randn(gen, (1, 4, 40, 64), F16)},
+             actual_shared_prefix_len=[33], softmax_lse_flag=True),
+    fia_case("mla_rope_d512_decode", layout="BSND", dtype=BF16, b=2, n=8, n_kv=1, sq=1, skv=64, d=512,
+             extras=lambda gen: {"query_rope": randn(gen, (2, 1, 8, 64), BF16),
+                                 "key_rope": randn(gen, (2, 64, 1, 64), BF16)}),
+    fia_case("int8_out_left_padding", layout="BSND", dtype=F16, b=2, n=2, sq=24, skv=40,
+             actual_seq_lengths=[16, 20], actual_seq_lengths_kv=[30, 36], sparse_mode=3,
+             extras=lambda gen: {"atten_mask": cann_attn.compressed_mask(3), "quant_scale2": torch.tensor([40.0]),
+                                 "query_padding_size": torch.tensor([3]), "kv_padding_size": torch.tensor([2])}),
+    fia_case("v2_decode_antiquant", op="fused_infer_attention_score_v2", layout="BNSD", dtype=BF16, b=2, n=4,
+             n_kv=2, sq=1, skv=48, kv_dtype=torch.int8, extras=_kv_scales((2, 64), BF16, separate="v2"),
+             actual_seq_kvlen=[48, 13], return_softmax_lse=True),
+    fia_case("ifa_bsh_gqa", op="incre_flash_attention", layout="BSH", dtype=F16, b=4, n=8, n_kv=2, sq=1, skv=96,
+             actual_seq_lengths=[96, 1, 50, 77]),
+    fia_case("ifa_antiquant_mask", op="incre_flash_attention", layout="BNSD", dtype=F16, b=2, n=4, sq=1, skv=64,
+             kv_dtype=torch.int8, extras=lambda gen: {**_kv_scales((2, 4, 1, 64), F16, offset=True)(gen),
+                                                      "atten_mask": torch.rand(2, 64, generator=gen) < 0.2}),
+)
+
