@@ -50,7 +50,7 @@ from ._infer import (
     npu_fused_infer_attention_score_v2,
     npu_incre_flash_attention,
 )
-from ._install import TorchNpuPresentError, install
+from ._install import TorchNpuPresentError, install, installed, uninstall
 from ._merge import npu_attention_update, npu_ring_attention_update
 from ._prompt import PFA_PRE_TOKENS, npu_prompt_flash_attention, npu_trans_quant_param  # noqa: F401
 from ._registry import CURRENT, OPS, RELEASE_ENV, RELEASES, active_release, npu_op, use_release
@@ -76,6 +76,7 @@ __all__ = [
     "active_release",
     "get_rng_state",
     "install",
+    "installed",
     "manual_seed",
     "npu",
     "npu_attention_update",
@@ -97,5 +98,6 @@ __all__ = [
     "npu_sparse_lightning_indexer_grad_kl_loss",
     "npu_trans_quant_param",
     "set_rng_state",
+    "uninstall",
     "use_release",
 ]

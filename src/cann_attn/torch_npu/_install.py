@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import sys
+from collections.abc import Iterator
 
 import torch
 
-from . import _registry, _rng
+from . import _device, _registry, _rng
 
 _STATE: dict = {"library": None, "defined": set(), "manual_seed": None}
 
@@ -26,14 +28,24 @@ def _real_torch_npu_origin(package) -> str | None:
     return None if spec is None else (spec.origin or "an importable torch_npu package")
 
 
-def install(release: str | None = None) -> None:
+def install(device: str | torch.device | None = None, *, release: str | None = None) -> None:
     """Opt-in, once at a program's entry point, before code that imports torch_npu runs.
 
     Afterwards ``import torch_npu`` (and ``torch_npu.npu``) yields :mod:`cann_attn.torch_npu`, every registered
     spelling resolves as ``torch.ops.npu.<op>`` (torch.library namespace ``npu``, schema of the active release;
-    ``release`` switches it first, like :func:`use_release`), and ``torch.manual_seed`` also seeds the dropout
-    generator (torch_npu seeds the NPU generators through the same call). Calling it again registers operators
-    added since. Raises :class:`TorchNpuPresentError` when the real torch_npu is importable.
+    ``release`` switches it first, like :func:`use_release`), ``torch.manual_seed`` also seeds the dropout
+    generator (torch_npu seeds the NPU generators through the same call), and the npu device is mapped to
+    ``device``: ``x.npu()``, ``x.to("npu:0")``, ``device="npu"``, ``torch.npu.*`` act on it (the list:
+    docs/guides/torch_npu.md, "The npu device"). Calling it again registers operators added since and changes
+    the device when one is given. :func:`uninstall` undoes it; :func:`installed` is the scoped form.
+
+    Args:
+        device: ``"cpu"``, ``"cuda"`` or ``"cuda:i"``; None picks CUDA when a GPU is available, else the CPU.
+        release: a torch_npu release for the ``torch.ops.npu`` schemas (``"7.2"``...), see :func:`use_release`.
+
+    Raises:
+        TorchNpuPresentError: the real torch_npu is importable.
+        ValueError: ``device`` is not a CPU or an available CUDA device.
     """
     package = sys.modules[__package__]
     origin = _real_torch_npu_origin(package)
@@ -41,12 +53,38 @@ def install(release: str | None = None) -> None:
         raise TorchNpuPresentError(
             f"cann_attn.torch_npu.install(): the real torch_npu is importable ({origin}); use it on an NPU machine, "
             "or import cann_attn.torch_npu as torch_npu without install() to run these operators off the NPU")
+    # Called again without a device (an example's own install() line after a test's install("cpu")): keep it.
+    target = _device.target() if device is None and _device.target() is not None else _device.resolve_target(device)
     if release is not None:
         _registry.use_release(release)
     sys.modules["torch_npu"] = package
     sys.modules["torch_npu.npu"] = package.npu
     _register_ops()
     _seed_with_torch()
+    _device.map_npu_device(target, package.npu)
+
+
+def uninstall() -> None:
+    """Undo :func:`install`: torch's functions, ``torch.manual_seed`` and ``sys.modules`` as they were, no
+    ``torch.npu``. The ``torch.ops.npu`` operators stay defined (torch.library cannot drop a schema while it may be
+    referenced) and ``torch.device("npu")`` keeps parsing (torch cannot rename its PrivateUse1 device twice)."""
+    _device.unmap_npu_device()
+    if _STATE["manual_seed"] is not None:
+        torch.manual_seed = _STATE["manual_seed"]
+        _STATE["manual_seed"] = None
+    for name in ("torch_npu", "torch_npu.npu"):
+        if sys.modules.get(name) in (sys.modules[__package__], sys.modules[__package__].npu):
+            del sys.modules[name]
+
+
+@contextlib.contextmanager
+def installed(device: str | torch.device | None = None, *, release: str | None = None) -> Iterator[None]:
+    """``with installed("cpu"):`` :func:`install` for the block, :func:`uninstall` after it."""
+    install(device, release=release)
+    try:
+        yield
+    finally:
+        uninstall()
 
 
 def _register_ops() -> None:
