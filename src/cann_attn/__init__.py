@@ -4,10 +4,16 @@ Public API: docs/design.md. Semantics: docs/semantics/ (docstrings cite its sect
 """
 
 from . import library  # noqa: F401  (registers the cann_attn::* custom ops)
-from .autograd import flash_attention, indexer_kl_loss, sparse_attention
+from .autograd import dense_indexer_kl_loss, flash_attention, indexer_kl_loss, sparse_attention
 from .backends import BackendFallbackWarning
 from .errors import AclnnError, ParamInvalidError, ParamNullptrError
 from .ops.attention_update import AttentionUpdateResult, attention_update
+from .ops.dense_indexer import (
+    DenseLightningIndexerGradKLLossResult,
+    DenseLightningIndexerSoftmaxLseResult,
+    dense_lightning_indexer_grad_kl_loss,
+    dense_lightning_indexer_softmax_lse,
+)
 from .ops.flash_attention_score import (
     FlashAttentionScoreResult,
     flash_attention_score,
@@ -40,6 +46,8 @@ __all__ = [
     "AclnnError",
     "AttentionUpdateResult",
     "BackendFallbackWarning",
+    "DenseLightningIndexerGradKLLossResult",
+    "DenseLightningIndexerSoftmaxLseResult",
     "FlashAttentionScoreGradResult",
     "FlashAttentionScoreResult",
     "LightningIndexerResult",
@@ -52,6 +60,9 @@ __all__ = [
     "__version__",
     "attention_update",
     "compressed_mask",
+    "dense_indexer_kl_loss",
+    "dense_lightning_indexer_grad_kl_loss",
+    "dense_lightning_indexer_softmax_lse",
     "drop_mask_numel",
     "flash_attention",
     "flash_attention_score",

@@ -20,6 +20,7 @@ from . import library
 from .backends import resolve_backend
 from .backends.triton.dense_plan import dense_unsupported
 from .errors import ParamInvalidError, require, require_bool
+from .ops.dense_indexer import dense_lightning_indexer_grad_kl_loss
 from .ops.fa_problem import build_problem
 from .ops.flash_attention_score import FORWARD_MODES, INT_MAX, flash_attention_score
 from .ops.flash_attention_score_grad import flash_attention_score_grad
@@ -288,3 +289,57 @@ def indexer_kl_loss(
                                             for t in (query, key, softmax_max, softmax_sum))
     return _IndexerKLLossFunction.apply(query_index, key_index, weights, query, key, sparse_indices, softmax_max,
                                         softmax_sum, scale_value, options, reduction == "mean")
+
+
+class _DenseIndexerKLLossFunction(torch.autograd.Function):
+    """Forward and gradients from one DenseLightningIndexerGradKLLoss call; backward scales them."""
+
+    @staticmethod
+    def forward(ctx, query_index, key_index, weights, query, key, softmax_max, softmax_sum, softmax_max_index,
+                softmax_sum_index, scale_value, options: dict):
+        result = dense_lightning_indexer_grad_kl_loss(query, key, query_index, key_index, weights, softmax_max,
+                                                      softmax_sum, softmax_max_index, softmax_sum_index, scale_value,
+                                                      **options)
+        ctx.save_for_backward(result.d_query_index, result.d_key_index, result.d_weights)
+        return result.loss.reshape(())
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad_loss):
+        d_qi, d_ki, d_w = ctx.saved_tensors
+        return (d_qi * grad_loss).to(d_qi.dtype), (d_ki * grad_loss).to(d_ki.dtype), \
+            (d_w * grad_loss).to(d_w.dtype), None, None, None, None, None, None, None, None
+
+
+def dense_indexer_kl_loss(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    query_index: torch.Tensor,
+    key_index: torch.Tensor,
+    weights: torch.Tensor,
+    softmax_max: torch.Tensor,
+    softmax_sum: torch.Tensor,
+    softmax_max_index: torch.Tensor,
+    softmax_sum_index: torch.Tensor,
+    scale_value: float,
+    *,
+    query_rope: torch.Tensor | None = None,
+    key_rope: torch.Tensor | None = None,
+    actual_seq_qlen=None,
+    actual_seq_klen=None,
+    layout: str = "BSND",
+    sparse_mode: int = 3,
+    pre_tokens: int = INT64_MAX,
+    next_tokens: int = INT64_MAX,
+) -> torch.Tensor:
+    """Differentiable dense indexer KL loss (docs/operators/dense_lightning_indexer.md): the summed loss as a scalar
+    whose backward gives DenseLightningIndexerGradKLLoss's gradients (dI = q - p) to query_index, key_index and
+    weights. query/key/rope and the four statistics get no gradient."""
+    options = dict(query_rope=query_rope, key_rope=key_rope, actual_seq_qlen=actual_seq_qlen,
+                   actual_seq_klen=actual_seq_klen, layout=layout, sparse_mode=sparse_mode, pre_tokens=pre_tokens,
+                   next_tokens=next_tokens)
+    query, key, softmax_max, softmax_sum, softmax_max_index, softmax_sum_index = (
+        t.detach() if isinstance(t, torch.Tensor) else t
+        for t in (query, key, softmax_max, softmax_sum, softmax_max_index, softmax_sum_index))
+    return _DenseIndexerKLLossFunction.apply(query_index, key_index, weights, query, key, softmax_max, softmax_sum,
+                                             softmax_max_index, softmax_sum_index, scale_value, options)

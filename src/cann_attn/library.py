@@ -1027,3 +1027,13 @@ def attention_update(lse, local_out, update_type: int, *, backend: str = "auto")
     update_type == 0)."""
     out, lse_out = torch.ops.cann_attn.attention_update(list(lse), list(local_out), update_type, backend)
     return AttentionUpdateResult(out, _none_if_placeholder(lse_out, update_type == 1))
+
+
+# The dense indexer pair and the quantised DSA inference operators live in their own module (library_quant.py);
+# their wrappers are re-exported here, where `traced_as_custom_op` looks them up.
+from .library_quant import (  # noqa: E402
+    dense_lightning_indexer_grad_kl_loss,
+    dense_lightning_indexer_softmax_lse,
+)
+
+__all__ += ["dense_lightning_indexer_grad_kl_loss", "dense_lightning_indexer_softmax_lse"]

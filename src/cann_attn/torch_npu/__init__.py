@@ -53,6 +53,10 @@ from ._infer import (
 from ._install import TorchNpuPresentError, install, installed, uninstall
 from ._merge import npu_attention_update, npu_ring_attention_update
 from ._prompt import PFA_PRE_TOKENS, npu_prompt_flash_attention, npu_trans_quant_param  # noqa: F401
+from ._quant_dsa import (
+    npu_dense_lightning_indexer_grad_kl_loss,
+    npu_dense_lightning_indexer_softmax_lse,
+)
 from ._registry import CURRENT, OPS, RELEASE_ENV, RELEASES, active_release, npu_op, use_release
 from ._registry import _release_from_environment as _apply_environment
 from ._rng import _RNG_STATE, get_rng_state, manual_seed, set_rng_state  # noqa: F401
@@ -80,6 +84,8 @@ __all__ = [
     "manual_seed",
     "npu",
     "npu_attention_update",
+    "npu_dense_lightning_indexer_grad_kl_loss",
+    "npu_dense_lightning_indexer_softmax_lse",
     "npu_fused_infer_attention_score",
     "npu_fused_infer_attention_score_v2",
     "npu_fusion_attention",

@@ -1,0 +1,86 @@
+"""Custom ops (``torch.ops.cann_attn.*``) of the dense indexer pair and the quantised DSA inference operators, in
+the style of :mod:`cann_attn.library` (which re-exports the Python wrappers below, so ``traced_as_custom_op`` finds
+them there): each op runs the eager operator, a fake twin gives shapes and dtypes, and the wrapper converts length
+tensors to int lists."""
+
+import torch
+from torch import Tensor
+
+from .ops.dense_indexer import (
+    DenseLightningIndexerGradKLLossResult,
+    DenseLightningIndexerSoftmaxLseResult,
+)
+from .ops.dense_indexer import dense_lightning_indexer_grad_kl_loss as _eager_dense_grad_kl_loss
+from .ops.dense_indexer import dense_lightning_indexer_softmax_lse as _eager_dense_softmax_lse
+from .ops.sparse_flash_attention import INT64_MAX
+from .problem.lengths import to_int_list
+from .problem.stats import accumulation_dtype
+
+
+def _index_stat_shape(query_index: Tensor, layout: str) -> tuple[int, ...]:
+    return (1, query_index.shape[0]) if layout == "TND" else (query_index.shape[0], 1, query_index.shape[1])
+
+
+# ====================================================================== the dense indexer pair
+@torch.library.custom_op("cann_attn::dense_lightning_indexer_softmax_lse", mutates_args=())
+def _dense_lse_op(
+    query_index: Tensor, key_index: Tensor, weights: Tensor, actual_seq_qlen: list[int] | None = None,
+    actual_seq_klen: list[int] | None = None, layout: str = "BSND", sparse_mode: int = 3,
+    pre_tokens: int = INT64_MAX, next_tokens: int = INT64_MAX,
+) -> tuple[Tensor, Tensor]:
+    """DenseLightningIndexerSoftmaxLse -> (softmax_max_index, softmax_sum_index)."""
+    return tuple(_eager_dense_softmax_lse(
+        query_index, key_index, weights, actual_seq_qlen=actual_seq_qlen, actual_seq_klen=actual_seq_klen,
+        layout=layout, sparse_mode=sparse_mode, pre_tokens=pre_tokens, next_tokens=next_tokens))
+
+
+@_dense_lse_op.register_fake
+def _(query_index, key_index, weights, actual_seq_qlen=None, actual_seq_klen=None, layout="BSND", *args, **kwargs):
+    shape = _index_stat_shape(query_index, layout)
+    dtype = accumulation_dtype(query_index.dtype)
+    return query_index.new_empty(shape, dtype=dtype), query_index.new_empty(shape, dtype=dtype)
+
+
+def dense_lightning_indexer_softmax_lse(
+    query_index: Tensor, key_index: Tensor, weights: Tensor, *, actual_seq_qlen=None, actual_seq_klen=None,
+    layout: str = "BSND", sparse_mode: int = 3, pre_tokens: int = INT64_MAX, next_tokens: int = INT64_MAX,
+) -> DenseLightningIndexerSoftmaxLseResult:
+    """``cann_attn.dense_lightning_indexer_softmax_lse`` through its custom op."""
+    return DenseLightningIndexerSoftmaxLseResult(*torch.ops.cann_attn.dense_lightning_indexer_softmax_lse(
+        query_index, key_index, weights, to_int_list(actual_seq_qlen, "actual_seq_qlen"),
+        to_int_list(actual_seq_klen, "actual_seq_klen"), layout, sparse_mode, pre_tokens, next_tokens))
+
+
+@torch.library.custom_op("cann_attn::dense_lightning_indexer_grad_kl_loss", mutates_args=())
+def _dense_kl_op(
+    query: Tensor, key: Tensor, query_index: Tensor, key_index: Tensor, weights: Tensor, softmax_max: Tensor,
+    softmax_sum: Tensor, softmax_max_index: Tensor, softmax_sum_index: Tensor, scale_value: float,
+    query_rope: Tensor | None = None, key_rope: Tensor | None = None, actual_seq_qlen: list[int] | None = None,
+    actual_seq_klen: list[int] | None = None, layout: str = "BSND", sparse_mode: int = 3,
+    pre_tokens: int = INT64_MAX, next_tokens: int = INT64_MAX,
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """DenseLightningIndexerGradKLLoss -> (d_query_index, d_key_index, d_weights, loss)."""
+    return tuple(_eager_dense_grad_kl_loss(
+        query, key, query_index, key_index, weights, softmax_max, softmax_sum, softmax_max_index, softmax_sum_index,
+        scale_value, query_rope=query_rope, key_rope=key_rope, actual_seq_qlen=actual_seq_qlen,
+        actual_seq_klen=actual_seq_klen, layout=layout, sparse_mode=sparse_mode, pre_tokens=pre_tokens,
+        next_tokens=next_tokens))
+
+
+@_dense_kl_op.register_fake
+def _(query, key, query_index, key_index, weights, *args, **kwargs):
+    loss = query.new_empty((1,), dtype=accumulation_dtype(query_index.dtype))
+    return torch.empty_like(query_index), torch.empty_like(key_index), torch.empty_like(weights), loss
+
+
+def dense_lightning_indexer_grad_kl_loss(
+    query: Tensor, key: Tensor, query_index: Tensor, key_index: Tensor, weights: Tensor, softmax_max: Tensor,
+    softmax_sum: Tensor, softmax_max_index: Tensor, softmax_sum_index: Tensor, scale_value: float, *,
+    query_rope: Tensor | None = None, key_rope: Tensor | None = None, actual_seq_qlen=None, actual_seq_klen=None,
+    layout: str = "BSND", sparse_mode: int = 3, pre_tokens: int = INT64_MAX, next_tokens: int = INT64_MAX,
+) -> DenseLightningIndexerGradKLLossResult:
+    """``cann_attn.dense_lightning_indexer_grad_kl_loss`` through its custom op."""
+    return DenseLightningIndexerGradKLLossResult(*torch.ops.cann_attn.dense_lightning_indexer_grad_kl_loss(
+        query, key, query_index, key_index, weights, softmax_max, softmax_sum, softmax_max_index, softmax_sum_index,
+        float(scale_value), query_rope, key_rope, to_int_list(actual_seq_qlen, "actual_seq_qlen"),
+        to_int_list(actual_seq_klen, "actual_seq_klen"), layout, sparse_mode, pre_tokens, next_tokens))

@@ -1,0 +1,130 @@
+"""Independent float64 oracles for the dense indexer pair and the quantised DSA inference operators, written from
+their torch_npu pages (docs/operators/dense_lightning_indexer.md, docs/operators/quant_dsa.md): one query row at a
+time, nothing imported from ``cann_attn`` outside this testing package. They validate nothing: feed valid inputs.
+
+- `dense_softmax_lse_oracle`: npu_dense_lightning_indexer_softmax_lse.
+- `dense_kl_loss_oracle`: npu_dense_lightning_indexer_grad_kl_loss's loss, differentiable w.r.t. query_index,
+  key_index and weights; its autograd gradient is the documented one (dI = q - p) because q is taken from the given
+  statistics and the clamp only enters inside the logarithm's value (see its docstring).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .dsa_oracle import INVALID_MAX, KL_CLAMP, sequence_spans
+
+F64 = torch.float64
+
+
+def _visible_keys(t: int, seq_q: int, seq_kv: int) -> int:
+    """Mode 3 (the only documented mode): row t sees keys [0, Skv - Sq + t + 1), clipped to [0, Skv]."""
+    return max(0, min(seq_kv, seq_kv - seq_q + t + 1))
+
+
+def _index_row(q_idx_row: torch.Tensor, k_idx: torch.Tensor, w_row: torch.Tensor) -> torch.Tensor:
+    """I[s] = sum_h w[h] ReLU(q[h] . k[s]) for one row: q [H, D], k [S, D], w [H] (float64)."""
+    dots = (q_idx_row.to(F64).unsqueeze(1) * k_idx.to(F64).unsqueeze(0)).sum(-1)  # [H, S]
+    return (w_row.to(F64).unsqueeze(1) * torch.relu(dots)).sum(0)
+
+
+def dense_softmax_lse_oracle(query_index, key_index, weights, *, actual_seq_qlen=None, actual_seq_klen=None,
+                             layout: str = "BSND") -> tuple[torch.Tensor, torch.Tensor]:
+    """(softmax_max_index, softmax_sum_index) in float64: (B, 1, S1) or (1, T1); rows without a visible key hold
+    INVALID_MAX and 0."""
+    spans = sequence_spans(layout, query_index.shape, key_index.shape, actual_seq_qlen, actual_seq_klen)
+    shape = (1, query_index.shape[0]) if layout == "TND" else (query_index.shape[0], 1, query_index.shape[1])
+    row_max = torch.full(shape, INVALID_MAX, dtype=F64)
+    row_sum = torch.zeros(shape, dtype=F64)
+    for span in spans:
+        q_rows, k_rows, w_rows = span.q_rows(query_index), span.kv_rows(key_index)[:, 0], span.q_rows(weights)
+        for t in range(span.q_len):
+            n = _visible_keys(t, span.q_len, span.kv_len)
+            if n == 0:
+                continue
+            scores = _index_row(q_rows[t], k_rows[:n], w_rows[t])
+            m = scores.max()
+            at = (0, span.q_start + t) if layout == "TND" else (span.batch, 0, t)
+            row_max[at] = m
+            row_sum[at] = torch.exp(scores - m).sum()
+    return row_max, row_sum
+
+
+def dense_kl_loss_oracle(query, key, query_index, key_index, weights, softmax_max, softmax_sum, softmax_max_index,
+                         softmax_sum_index, scale_value: float, *, query_rope=None, key_rope=None,
+                         actual_seq_qlen=None, actual_seq_klen=None, layout: str = "BSND") -> torch.Tensor:
+    """The summed dense KL loss (float64 scalar), one row at a time.
+
+    For row t and each visible key s (mode 3): p_s = (1/N1) sum_h exp(scale * ([q_h; qr_h] . [k_{s,h//G};
+    kr_{s,h//G}]) - softmax_max[h]) / softmax_sum[h], with softmax_max[b, n2, t, g] belonging to head h = n2 * G + g;
+    q_s = exp(I[t, s] - softmax_max_index[t]) / softmax_sum_index[t]; loss += sum_s p_s (log max(p_s, 1e-8) -
+    log max(q_s, 1e-8)).
+
+    Autograd of this value w.r.t. I gives -p_s d(log q'_s) = -p_s wherever q_s > 1e-8 (q has the given, constant
+    statistics), and 0 where the clamp holds. The documented gradient is dI = q - p everywhere; tests compare the
+    operator's gradients with `dense_kl_grad_oracle` instead, which states that formula directly.
+    """
+    spans = sequence_spans(layout, query_index.shape, key_index.shape, actual_seq_qlen, actual_seq_klen)
+    heads, heads_kv = query.shape[-2], key.shape[-2]
+    group = heads // heads_kv
+    total = torch.zeros((), dtype=F64)
+    for span in spans:
+        for t in range(span.q_len):
+            n = _visible_keys(t, span.q_len, span.kv_len)
+            if n == 0:
+                continue
+            p, q = _row_distributions(span, t, n, query, key, query_index, key_index, weights, softmax_max,
+                                      softmax_sum, softmax_max_index, softmax_sum_index, scale_value, query_rope,
+                                      key_rope, layout, heads, group)
+            total = total + (p * (p.clamp_min(KL_CLAMP).log() - q.clamp_min(KL_CLAMP).log())).sum()
+    return total
+
+
+def _row_distributions(span, t, n, query, key, query_index, key_index, weights, softmax_max, softmax_sum,
+                       softmax_max_index, softmax_sum_index, scale_value, query_rope, key_rope, layout, heads, group):
+    """(p [n], q [n]) of row t of `span` over its n visible keys (q keeps its autograd graph)."""
+    q_vec = span.q_rows(query)[t].to(F64)
+    k_mat = span.kv_rows(key)[:n].to(F64)
+    if query_rope is not None:
+        q_vec = torch.cat([q_vec, span.q_rows(query_rope)[t].to(F64)], -1)
+        k_mat = torch.cat([k_mat, span.kv_rows(key_rope)[:n].to(F64)], -1)
+    p = torch.zeros(n, dtype=F64)
+    for h in range(heads):
+        n2, g = divmod(h, group)
+        if layout == "TND":
+            m, s = softmax_max[n2, span.q_start + t, g], softmax_sum[n2, span.q_start + t, g]
+        else:
+            m, s = softmax_max[span.batch, n2, t, g], softmax_sum[span.batch, n2, t, g]
+        z = scale_value * (k_mat[:, n2] * q_vec[h]).sum(-1)
+        p = p + torch.exp(z - float(m)) / float(s)
+    p = p / heads
+    at = (0, span.q_start + t) if layout == "TND" else (span.batch, 0, t)
+    scores = _index_row(span.q_rows(query_index)[t], span.kv_rows(key_index)[:n, 0], span.q_rows(weights)[t])
+    q = torch.exp(scores - float(softmax_max_index[at])) / float(softmax_sum_index[at])
+    return p.detach(), q
+
+
+def dense_kl_grad_oracle(query, key, query_index, key_index, weights, softmax_max, softmax_sum, softmax_max_index,
+                         softmax_sum_index, scale_value: float, *, query_rope=None, key_rope=None,
+                         actual_seq_qlen=None, actual_seq_klen=None, layout: str = "BSND"):
+    """(d_query_index, d_key_index, d_weights) in float64 from the documented gradient dI = q - p: autograd of
+    sum_s (q_s - p_s) * I_s with (q - p) held constant, i.e. dI pushed through I = sum_h w_h ReLU(q_h . k_s)."""
+    spans = sequence_spans(layout, query_index.shape, key_index.shape, actual_seq_qlen, actual_seq_klen)
+    heads, heads_kv = query.shape[-2], key.shape[-2]
+    group = heads // heads_kv
+    qi = query_index.detach().to(F64).requires_grad_()
+    ki = key_index.detach().to(F64).requires_grad_()
+    w = weights.detach().to(F64).requires_grad_()
+    surrogate = torch.zeros((), dtype=F64)
+    for span in spans:
+        for t in range(span.q_len):
+            n = _visible_keys(t, span.q_len, span.kv_len)
+            if n == 0:
+                continue
+            p, q = _row_distributions(span, t, n, query, key, qi, ki, w, softmax_max, softmax_sum, softmax_max_index,
+                                      softmax_sum_index, scale_value, query_rope, key_rope, layout, heads, group)
+            scores = _index_row(span.q_rows(qi)[t], span.kv_rows(ki)[:n, 0], span.q_rows(w)[t])
+            surrogate = surrogate + ((q.detach() - p) * scores).sum()
+    if not surrogate.requires_grad:
+        return torch.zeros_like(qi), torch.zeros_like(ki), torch.zeros_like(w)
+    return torch.autograd.grad(surrogate, (qi, ki, w), allow_unused=True, materialize_grads=True)
