@@ -8,6 +8,7 @@ tile. The mode table lives in `sequence_mask` and nowhere else.
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass
 from enum import Enum
 
@@ -175,14 +176,19 @@ def validate_compressed_mask(atten_mask: torch.Tensor, sparse_mode: int) -> None
         )
 
 
+# Built once per (kind, device) and never modified afterwards (`compressed_mask` hands out clones); the lock keeps
+# threads that race on the first call from building it twice (docs/guides/backends.md, "Threads").
 _MASK_CACHE: dict[tuple[int, str], torch.Tensor] = {}
+_MASK_CACHE_LOCK = threading.Lock()
 
 
 def _cached_compressed_mask(sparse_mode: int, device: torch.device) -> torch.Tensor:
     key = (6 if sparse_mode == 6 else 2, str(device))
-    if key not in _MASK_CACHE:
-        _MASK_CACHE[key] = _build_compressed_mask(sparse_mode, device)
-    return _MASK_CACHE[key]
+    with _MASK_CACHE_LOCK:
+        mask = _MASK_CACHE.get(key)
+        if mask is None:
+            mask = _MASK_CACHE[key] = _build_compressed_mask(sparse_mode, device)
+    return mask
 
 
 def check_mask_dtype(atten_mask: torch.Tensor, allowed: tuple[torch.dtype, ...]) -> None:

@@ -16,6 +16,8 @@ sum +FLT_MAX (section 3).
 
 from __future__ import annotations
 
+import threading
+
 import torch
 import triton
 import triton.language as tl
@@ -192,15 +194,18 @@ def _gpu_configs() -> list[triton.Config]:
 
 TUNE_KEY = ["DQK", "DV", "HAS_MASK", "PSE_KIND", "HAS_DROP", "BANDED", "GROUP", "OFF_ALIGN"]
 _tuned: dict[str, object] = {}
+_tuned_lock = threading.Lock()
 
 
 def _launcher(name: str, kernel, configs, reset_to_zero: list[str] | None = None):
-    """The autotuned kernel on a GPU (built once), the plain kernel in the interpreter."""
+    """The autotuned kernel on a GPU (built once, under a lock: threads launching together share one autotuner and
+    its timings), the plain kernel in the interpreter."""
     if INTERPRET:
         return kernel
-    if name not in _tuned:
-        _tuned[name] = triton.autotune(configs, key=TUNE_KEY, reset_to_zero=reset_to_zero)(kernel)
-    return _tuned[name]
+    with _tuned_lock:
+        if name not in _tuned:
+            _tuned[name] = triton.autotune(configs, key=TUNE_KEY, reset_to_zero=reset_to_zero)(kernel)
+        return _tuned[name]
 
 
 def interpreter_block(plan: DensePlan) -> int:
