@@ -38,6 +38,7 @@ from .ops.sparse_flash_attention import (
 )
 from .problem.dropout import drop_mask_numel, gen_drop_mask
 from .problem.mask import compressed_mask
+from .problem.precision import precision
 from .problem.quant import trans_quant_param
 
 __version__ = "0.1.0"
@@ -74,6 +75,7 @@ __all__ = [
     "incre_flash_attention",
     "indexer_kl_loss",
     "lightning_indexer",
+    "precision",
     "prompt_flash_attention",
     "ring_attention_update",
     "sparse_attention",

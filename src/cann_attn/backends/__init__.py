@@ -11,6 +11,9 @@
 The environment variable CANN_ATTN_BACKEND=triton makes "auto" prefer Triton on every device (the interpreter
 on CPU) while still falling back where the kernels do not support a case; CI runs the whole operator test
 matrix that way. CANN_ATTN_BACKEND=reference pins "auto" to the reference backend.
+
+In the "npu" precision mode (`cann_attn.precision("npu")`, docs/semantics/precision.md) the Triton kernels are no
+candidate: "auto" computes on the reference backend (warning on CUDA tensors), "triton" raises ParamInvalidError.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ from types import ModuleType
 import torch
 
 from ..errors import ParamInvalidError
+from ..problem.precision import npu_mode
 
 BACKENDS = ("auto", "reference", "triton")
 PREFERENCE_ENV = "CANN_ATTN_BACKEND"
@@ -102,6 +106,8 @@ def resolve_backend(
 
 
 def _triton_reason(device: torch.device, unsupported: Callable[[], str | None] | None) -> str | None:
+    if npu_mode():
+        return 'the "npu" precision mode (docs/semantics/precision.md) is computed by the reference backend only'
     reason = triton_unavailable_reason(device)
     if reason is not None:
         return reason

@@ -7,11 +7,12 @@ from typing import NamedTuple
 import torch
 
 from ..backends import kernels, select_backend
+from ..backends.reference import npu_attention
 from ..backends.triton.dense_plan import dense_unsupported
 from ..errors import ParamInvalidError
 from ..problem import layout as layouts
+from ..problem import precision, stats
 from ..problem import sink as sinks
-from ..problem import stats
 from ..traceable import traced_as_custom_op
 from .fa_problem import FaShapes, build_problem
 
@@ -135,7 +136,10 @@ def dense_forward(problem, shapes: FaShapes, backend: str, query, key, value
     stat_shape = stats.stats_shape(problem.tnd, shapes.batch, shapes.heads_q, shapes.total_q)
     softmax_max, softmax_sum = stats.allocate(stat_shape, stats.accumulation_dtype(query.dtype), query.device,
                                               keyless_rows=problem.has_keyless_rows or shapes.padding_q > 0)
-    if out.numel() > 0:
+    if out.numel() > 0 and precision.npu_mode():
+        npu_attention.forward(problem, precision.fa_pipeline(query.dtype), query, key, value, out, softmax_max,
+                              softmax_sum)
+    elif out.numel() > 0:
         kernels("dense_forward", backend).forward(problem, query, key, value, out, softmax_max, softmax_sum)
     if problem.sink is not None:
         sinks.finish_keyless_rows(problem, out, softmax_max, softmax_sum)

@@ -8,10 +8,11 @@ from typing import NamedTuple
 import torch
 
 from ..backends import kernels, select_backend
+from ..backends.reference import npu_attention
 from ..backends.triton.dense_plan import dense_unsupported
 from ..errors import ParamInvalidError, ParamNullptrError, require
 from ..problem import layout as layouts
-from ..problem import stats
+from ..problem import precision, stats
 from ..traceable import traced_as_custom_op
 from .fa_problem import build_problem
 from .flash_attention_score import dense_forward
@@ -123,7 +124,10 @@ def flash_attention_score_grad(
     dpse_acc = torch.zeros(pse.shape, dtype=stat_dtype, device=pse.device) if has_pse_tensor else None
     # The backends add the sink's gradient terms (docs/semantics/sinks.md) where they form rowsum(dY * O) anyway.
     dsink_acc = None if problem.sink is None else torch.zeros(problem.heads_q, dtype=stat_dtype, device=dy.device)
-    if query.numel() > 0 and key.numel() > 0:
+    if query.numel() > 0 and key.numel() > 0 and precision.npu_mode():
+        npu_attention.backward(problem, precision.fa_grad_pipeline(query.dtype), query, key, value, dy, attention_in,
+                               softmax_max, softmax_sum, dq, dk, dv, dpse_acc, dsink_acc=dsink_acc)
+    elif query.numel() > 0 and key.numel() > 0:
         kernels("dense_backward", backend).backward(problem, query, key, value, dy, attention_in, softmax_max,
                                                     softmax_sum, dq, dk, dv, dpse_acc, dsink_acc=dsink_acc)
     dpse = dpse_acc.to(pse.dtype) if dpse_acc is not None else None

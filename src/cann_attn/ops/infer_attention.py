@@ -10,11 +10,11 @@ from __future__ import annotations
 import torch
 
 from ..backends import kernels, resolve_backend, select_backend
-from ..backends.reference import decode_forward, flash_forward, quant_attention
+from ..backends.reference import decode_forward, flash_forward, npu_attention, quant_attention
 from ..backends.triton.dense_plan import dense_unsupported
 from ..errors import ParamInvalidError, describe, require
 from ..problem import mask as masks
-from ..problem import quant, stats
+from ..problem import precision, quant, stats
 from ..problem.attention import AttentionProblem, Run, mask_runs
 from ..problem.pse import SequencePse, batch_rows
 from ..problem.stats import FLT_MAX, STAT_WIDTH
@@ -199,10 +199,12 @@ def attend(
     query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, out: torch.Tensor, *, heads_kv: int, scale: float,
     atten_mask, mask_views, sparse_mode: int, act_q: list[int], act_kv: list[int], pre_tokens: int, next_tokens: int,
     pse_shift, plan: QuantPlan, backend: str, op: str, softmax_lse: torch.Tensor | None = None,
+    inner_precise: int = 1,
 ) -> None:
     """Fill `out` ([B, N, Sq, Dv] view of the zero-initialised output) with attention over [B, N(kv), S, D] views,
     and `softmax_lse` ([B, N, Sq, 1] float32 view) when given: lse = max + log(sum) of the scaled, masked logits,
-    `INVALID_LSE` for rows that see no key. `mask_views` are `validate_mask`'s per-batch views."""
+    `INVALID_LSE` for rows that see no key. `mask_views` are `validate_mask`'s per-batch views. `inner_precise`
+    picks the kernel's pipeline in the "npu" precision mode (docs/semantics/precision.md)."""
     problem = _bnsd_problem(query, value, heads_kv, scale, atten_mask, mask_views, sparse_mode, act_q, act_kv,
                             pre_tokens, next_tokens, pse_shift)
     # With the tensors, the check also covers the kernels' int32 in-sequence offsets (no limit on S here).
@@ -212,6 +214,11 @@ def attend(
                                               tensors={"q": query, "k": key, "v": value}),
     )
     if query.numel() == 0:
+        return
+    if precision.npu_mode():
+        pipeline = precision.infer_pipeline(op, query.dtype, key.dtype, plan.output_dtype, inner_precise,
+                                            query.shape[2])
+        _attend_npu(problem, pipeline, query, key, value, out, plan, softmax_lse)
         return
     if query.dtype == torch.int8:
         quant_attention.forward(problem, query, key, value, out, plan)
@@ -235,6 +242,21 @@ def attend(
         _write_lse(softmax_lse, row_max, row_sum)
 
 
+def _attend_npu(problem: AttentionProblem, pipeline: precision.AttentionPipeline, query, key, value, out, plan,
+                softmax_lse) -> None:
+    """`attend` in the "npu" precision mode: the kernel's rounding pipeline; an int8 output quantises its result."""
+    row_max, row_sum = _invalid_row_stats(out, query.device)
+    quant_inputs = plan if query.dtype == torch.int8 else None
+    if plan.output_dtype == torch.int8:
+        dense = torch.zeros(out.shape, dtype=torch.float32, device=query.device)
+        npu_attention.forward(problem, pipeline, query, key, value, dense, row_max, row_sum, quant=quant_inputs)
+        quant_attention.quantize_output(problem, dense, row_max[..., 0] > -FLT_MAX, out, plan)
+    else:
+        npu_attention.forward(problem, pipeline, query, key, value, out, row_max, row_sum, quant=quant_inputs)
+    if softmax_lse is not None:
+        _write_lse(softmax_lse, row_max, row_sum)
+
+
 def attend_paged(
     query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, out: torch.Tensor, *, block_table: torch.Tensor,
     heads_kv: int, scale: float, atten_mask, mask_views, sparse_mode: int, act_q: list[int], act_kv: list[int],
@@ -246,7 +268,7 @@ def attend_paged(
     case it supports through the table; on the reference backend the decode loop does (one query token, no mask or
     pse), the loop contiguous caches take, so the bits are the same. Returns False, computing nothing, where
     neither applies (int8, or another reference case): the caller then gathers."""
-    if query.dtype == torch.int8 or plan.output_dtype == torch.int8:
+    if query.dtype == torch.int8 or plan.output_dtype == torch.int8 or precision.npu_mode():
         return False
     problem = _bnsd_problem(query, value, heads_kv, scale, atten_mask, mask_views, sparse_mode, act_q, act_kv,
                             pre_tokens, next_tokens, pse_shift)

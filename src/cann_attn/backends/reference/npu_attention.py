@@ -1,0 +1,189 @@
+"""The "npu" precision mode of the dense attention kernels: the problem's own masks, pse, dropout, lengths and sinks,
+rounded where the NPU kernel rounds (`problem.precision.AttentionPipeline` / `GradPipeline`;
+docs/semantics/precision.md).
+
+A straightforward tiled PyTorch loop, separate from the "exact" kernels (which it leaves untouched): per query tile
+of `BLOCK_Q` rows and per key block of the pipeline's width, the scores, logits, probabilities, P V products and the
+running output each pass through their stage's Cast; the row max and sum stay fp32, the division comes last. GEMMs
+run in float64 and are rounded once at their stage: the cube accumulates in fp32 in an order no source states, and
+an exact sum rounded once is the order-free choice (fp32 BLAS sums would change with the thread count). The
+int8 PromptFlashAttention path quantises P and dequantises the products as `quant_attention` does, in the pipeline's
+fp16 stages. The backward recomputes P from the saved statistics and rounds P and dS before their GEMMs.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ...problem import sink as sinks
+from ...problem.attention import AttentionProblem, Run
+from ...problem.mask import TileState
+from ...problem.precision import AttentionPipeline, GradPipeline
+from ...problem.quant import round_to_fp16, round_to_int8
+from ...problem.stats import FLT_MAX
+from .flash_forward import group_rows, key_tiles, write_stat
+
+BLOCK_Q = 128
+
+
+def _gemm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """a @ b (batched) in float64: exact for fp16/bf16 operands up to the float64 rounding of long sums."""
+    return torch.bmm(a.to(torch.float64), b.to(torch.float64))
+
+
+@torch.no_grad()
+def forward(problem: AttentionProblem, pipeline: AttentionPipeline, query, key, value, out, softmax_max=None,
+            softmax_sum=None, quant=None) -> None:
+    """Fill `out` (query layout) and, when given, the [.., 8] statistics for every run with keys, rounding as
+    `pipeline` says. `quant` (int8 PromptFlashAttention's `QuantPlan`) dequantises int8 inputs; `out` is then the
+    fp16 (or fp32, for a later int8 quantisation) result."""
+    for run in problem.runs:
+        if run.seq_q > 0 and run.seq_kv > 0:
+            max_view = None if softmax_max is None else problem.stat_view(softmax_max, run)
+            sum_view = None if softmax_sum is None else problem.stat_view(softmax_sum, run)
+            _forward_run(problem, pipeline, run, query, key, value, problem.q_view(out, run), max_view, sum_view,
+                         quant)
+
+
+def _scale(pipeline: AttentionPipeline, scale: float) -> torch.Tensor:
+    """The softmax scale as the kernel holds it: a constant of the logits' dtype (static_cast<computeType>)."""
+    return pipeline.logits(torch.tensor(scale, dtype=torch.float64).to(torch.float32))
+
+
+def _logits(problem: AttentionProblem, pipeline: AttentionPipeline, run: Run, q_tile, k, i0, i1, j0, j1,
+            state: TileState, quant) -> torch.Tensor:
+    """Masked logits of one tile [c, N1, rows, cols] in fp32, rounded at the scores and logits stages."""
+    c, rows, cols = run.count, i1 - i0, j1 - j0
+    s = _gemm(q_tile, k[:, j0:j1].transpose(1, 2))
+    # int8: the int32 products dequantised by the cube's fixpipe into fp16 (one rounding)
+    s = pipeline.scores(s) if quant is None else round_to_fp16(s * quant.deq1).to(torch.float32)
+    s = pipeline.logits(s.view(c, problem.heads_q, rows, cols) * _scale(pipeline, problem.scale))
+    if run.pse is not None:
+        s = pipeline.logits(s + pipeline.logits(run.pse.tile(i0, i1, j0, j1, s.device, torch.float32)))
+    if state is TileState.PARTIAL:
+        s.masked_fill_(run.mask.masked_tile(i0, i1, j0, j1, s.device), float("-inf"))
+    return s
+
+
+def _forward_run(problem: AttentionProblem, pipeline: AttentionPipeline, run: Run, query, key, value, out_view,
+                 max_view, sum_view, quant) -> None:
+    c, n2, heads = run.count, problem.heads_kv, problem.heads_q
+    q_all = problem.q_view(query, run).to(torch.float32)
+    k = problem.kv_view(key, run).to(torch.float32).reshape(c * n2, run.seq_kv, -1)
+    v = problem.kv_view(value, run).to(torch.float32).reshape(c * n2, run.seq_kv, -1)
+    dv = v.shape[-1]
+    sink_heads = None if problem.sink is None else sinks.head_values(problem.sink, torch.float32, query.device)
+    for i0 in range(0, run.seq_q, BLOCK_Q):
+        i1 = min(i0 + BLOCK_Q, run.seq_q)
+        rows = i1 - i0
+        q_tile = group_rows(q_all[:, :, i0:i1], n2)
+        row_max = torch.full((c, heads, rows), float("-inf"), device=query.device)
+        row_sum = torch.zeros_like(row_max)
+        acc = torch.zeros((c, heads, rows, dv), device=query.device)
+        for j0, j1, state in key_tiles(run, i0, i1, pipeline.block):
+            s = _logits(problem, pipeline, run, q_tile, k, i0, i1, j0, j1, state, quant)
+            new_max = torch.maximum(row_max, s.amax(-1))
+            shift = torch.where(new_max == float("-inf"), 0.0, new_max)
+            p = torch.exp(s - shift.unsqueeze(-1))
+            correction = torch.exp(row_max - shift)
+            row_sum = row_sum * correction + p.sum(-1)
+            row_max = new_max
+            if run.dropout is not None:
+                keep = run.dropout.keep_tile(i0, i1, j0, j1, p.device).to(torch.float32)
+                p = p * (keep / problem.keep_prob if pipeline.dropout_in_probabilities else keep)
+            products = _products(pipeline, pipeline.probabilities(p), v, j0, j1, quant).view(acc.shape)
+            scaled = pipeline.accumulator(acc * pipeline.accumulator(correction).unsqueeze(-1))
+            acc = pipeline.accumulator(scaled + products)
+        if sink_heads is not None:
+            acc = pipeline.accumulator(acc * sinks.merge_into_rows_(row_max, row_sum, sink_heads).unsqueeze(-1))
+        valid = row_sum != 0
+        keep_prob = 1.0 if pipeline.dropout_in_probabilities else problem.keep_prob
+        divisor = pipeline.divisor(torch.where(valid, row_sum * keep_prob, 1.0)).unsqueeze(-1)
+        out_view[:, :, i0:i1] = pipeline.output(acc / divisor).masked_fill_(~valid.unsqueeze(-1), 0.0)
+        if max_view is not None:
+            write_stat(max_view[:, :, i0:i1], torch.where(valid, row_max, -FLT_MAX))
+            write_stat(sum_view[:, :, i0:i1], torch.where(valid, row_sum, FLT_MAX))
+
+
+def _products(pipeline: AttentionPipeline, p: torch.Tensor, v: torch.Tensor, j0: int, j1: int, quant) -> torch.Tensor:
+    """P V of one key block, [c * N2, G * rows, Dv], rounded at the products stage; int8 inputs quantise P with
+    quant_scale1 first and dequantise the int32 products with deq_scale2 (one fp16 rounding)."""
+    cols = p.shape[-1]
+    p = p.reshape(v.shape[0], -1, cols)
+    if quant is None:
+        return pipeline.products(_gemm(p, v[:, j0:j1]))
+    p_q = round_to_int8(pipeline.probabilities(p * quant.quant1)).to(torch.float32)
+    return round_to_fp16(_gemm(p_q, v[:, j0:j1]) * quant.deq2).to(torch.float32)
+
+
+@torch.no_grad()
+def backward(problem: AttentionProblem, pipeline: GradPipeline, query, key, value, dy, attention_in, softmax_max,
+             softmax_sum, dq, dk, dv, dpse_source: torch.Tensor | None, dsink_acc: torch.Tensor | None = None) -> None:
+    """The gradients of every run (as `flash_backward.backward`), P and dS rounded before their GEMMs and the
+    gradients rounded once at the end, as `pipeline` says."""
+    for run in problem.runs:
+        if run.seq_kv == 0:
+            continue
+        dk_view, dv_view = problem.kv_view(dk, run), problem.kv_view(dv, run)
+        if run.seq_q == 0:
+            dk_view.zero_()
+            dv_view.zero_()
+            continue
+        _backward_run(problem, pipeline, run, query, key, value, dy, attention_in, softmax_max, softmax_sum,
+                      problem.q_view(dq, run), dk_view, dv_view, dpse_source, dsink_acc)
+
+
+def _backward_run(problem: AttentionProblem, pipeline: GradPipeline, run: Run, query, key, value, dy, attention_in,
+                  softmax_max, softmax_sum, dq_view, dk_view, dv_view, dpse_source, dsink_acc) -> None:
+    c, n2, heads = run.count, problem.heads_kv, problem.heads_q
+    f32 = torch.float32
+    q_all = problem.q_view(query, run).to(f32)
+    k = problem.kv_view(key, run).to(f32).reshape(c * n2, run.seq_kv, -1)
+    v = problem.kv_view(value, run).to(f32).reshape(c * n2, run.seq_kv, -1)
+    dy_all, o_all = problem.q_view(dy, run).to(f32), problem.q_view(attention_in, run).to(f32)
+    max_all = problem.stat_view(softmax_max, run)[..., 0].to(f32)
+    sum_all = problem.stat_view(softmax_sum, run)[..., 0].to(f32)
+    dk_acc, dv_acc = torch.zeros_like(k), torch.zeros_like(v)
+    pse = run.pse
+    pse_grad = None
+    if dpse_source is not None and pse is not None and pse.source is not None:
+        pse_grad = dpse_source if dpse_source.shape[0] == 1 else dpse_source[run.b0 : run.b0 + run.count]
+    d_sum_all = (dy_all * o_all).sum(-1)
+    scale = float(problem.scale)
+    for i0 in range(0, run.seq_q, BLOCK_Q):
+        i1 = min(i0 + BLOCK_Q, run.seq_q)
+        rows = i1 - i0
+        q_tile = group_rows(q_all[:, :, i0:i1], n2)
+        dy_g = group_rows(dy_all[:, :, i0:i1], n2)
+        d_sum = d_sum_all[:, :, i0:i1].unsqueeze(-1)
+        row_max = max_all[:, :, i0:i1].unsqueeze(-1)
+        row_sum = sum_all[:, :, i0:i1].unsqueeze(-1)
+        dq_acc = torch.zeros_like(q_tile)
+        for j0, j1, state in key_tiles(run, i0, i1, BLOCK_Q * 4):
+            cols = j1 - j0
+            s = _gemm(q_tile, k[:, j0:j1].transpose(1, 2)).to(f32).view(c, heads, rows, cols) * scale
+            if pse is not None:
+                s = s + pse.tile(i0, i1, j0, j1, s.device, f32)
+            if state is TileState.PARTIAL:
+                s.masked_fill_(run.mask.masked_tile(i0, i1, j0, j1, s.device), float("-inf"))
+            p = torch.exp(s - row_max) / row_sum
+            dp = _gemm(dy_g, v[:, j0:j1].transpose(1, 2)).to(f32).view(p.shape)
+            p_drop = p
+            if run.dropout is not None:
+                keep = run.dropout.keep_tile(i0, i1, j0, j1, p.device).to(f32) / problem.keep_prob
+                p_drop, dp = p * keep, dp * keep
+            p_cast = pipeline.probabilities(p_drop).view(c * n2, -1, cols)
+            dv_acc[:, j0:j1] += _gemm(p_cast.transpose(1, 2), dy_g).to(f32)
+            ds = p * (dp - d_sum)
+            if pse_grad is not None:
+                pse.accumulate_grad(pse_grad, i0, i1, j0, j1, ds)
+            ds_g = pipeline.score_grad(ds).view(c * n2, -1, cols)
+            dq_acc += _gemm(ds_g, k[:, j0:j1, : problem.dim_qk]).to(f32)
+            dk_acc[:, j0:j1] += _gemm(ds_g.transpose(1, 2), q_tile[..., : problem.dim_qk]).to(f32)
+        dq_view[:, :, i0:i1] = pipeline.outputs(dq_acc * scale).view(c, heads, rows, -1)
+    dk_view.copy_(pipeline.outputs(dk_acc * scale).view(dk_view.shape))
+    dv_view.copy_(pipeline.outputs(dv_acc).view(dv_view.shape))
+    if dsink_acc is not None:
+        terms = sinks.sink_grad_terms_from_rowsum(d_sum_all, max_all, sum_all,
+                                                  sinks.head_values(problem.sink, f32, query.device))
+        dsink_acc += terms.sum(dim=(0, 2)).to(dsink_acc.dtype)

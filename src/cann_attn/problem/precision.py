@@ -1,0 +1,231 @@
+"""Precision modes and the NPU kernels' rounding pipelines, described once (docs/semantics/precision.md).
+
+Two modes:
+
+- ``"exact"`` (the default): the operators' formulas in fp32 (float64 in the oracle), rounded once to each output's
+  dtype. Nothing here touches that path.
+- ``"npu"``: every operator rounds where the Ascend A2/A3 kernels round: each stage of its pipeline (the QK^T
+  product, the scaled logits, the probabilities fed to P V, the P V product, the running output, the row-sum divisor,
+  the outputs; for the gradients P and dS before their GEMMs) has a dtype and a rounding mode, read from the public
+  kernel sources (the table of docs/semantics/precision.md cites file and line for each).
+
+The mode comes from ``cann_attn.precision("npu")`` (a context manager, per thread and per asyncio task), else from the
+environment variable ``CANN_ATTN_PRECISION`` (read at each call), else ``"exact"``. The reference backend computes
+"npu" mode; the Triton kernels do not (yet): ``backend="auto"`` then runs the reference backend (with a
+``BackendFallbackWarning`` on CUDA tensors), ``backend="triton"`` raises ParamInvalidError.
+
+The pipelines (`AttentionPipeline`, `GradPipeline`) are what the reference backend and the golden tool read; the
+independent recipes of ``cann_attn.testing.npu_recipes`` are written from the kernel sources, not from them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+
+from ..errors import ParamInvalidError
+
+__all__ = [
+    "HALF_AWAY",
+    "HALF_EVEN",
+    "MODES",
+    "PRECISION_ENV",
+    "AttentionPipeline",
+    "Cast",
+    "GradPipeline",
+    "current_mode",
+    "fa_grad_pipeline",
+    "fa_pipeline",
+    "ifa_pipeline",
+    "infer_pipeline",
+    "npu_mode",
+    "pfa_pipeline",
+    "precision",
+    "round_float",
+    "round_half_away",
+]
+
+MODES = ("exact", "npu")
+PRECISION_ENV = "CANN_ATTN_PRECISION"
+_MODE: contextvars.ContextVar[str | None] = contextvars.ContextVar("cann_attn_precision", default=None)
+
+
+def _check(mode: str, where: str) -> str:
+    if mode not in MODES:
+        raise ParamInvalidError(f"{where}: expected one of {list(MODES)}, got {mode!r}")
+    return mode
+
+
+def current_mode() -> str:
+    """The precision mode of this call: the innermost `precision` block, else `CANN_ATTN_PRECISION`, else "exact"."""
+    mode = _MODE.get()
+    if mode is not None:
+        return mode
+    return _check(os.environ.get(PRECISION_ENV, "").strip().lower() or "exact", PRECISION_ENV)
+
+
+def npu_mode() -> bool:
+    """True when this call computes the NPU pipelines (`current_mode() == "npu"`)."""
+    return current_mode() == "npu"
+
+
+@contextlib.contextmanager
+def precision(mode: str) -> Iterator[None]:
+    """Compute every operator called inside the block in precision `mode` ("exact" or "npu"); it wins over
+    `CANN_ATTN_PRECISION`, for this thread (or asyncio task) only. Blocks nest."""
+    token = _MODE.set(_check(mode, "precision"))
+    try:
+        yield
+    finally:
+        _MODE.reset(token)
+
+
+# Rounding modes of a cast. The Ascend vector Cast names them RoundMode::CAST_ROUND (half away from zero) and
+# RoundMode::CAST_RINT (half to even); arithmetic results and the cube's fixpipe outputs round to nearest, ties to
+# even (IEEE), which is also what a PyTorch `.to(dtype)` does.
+HALF_AWAY = "half_away"
+HALF_EVEN = "half_even"
+
+
+_FRACTION_BITS = {torch.float16: (10, -14), torch.bfloat16: (7, -126)}  # fraction bits, smallest normal exponent
+
+
+def round_float(x: torch.Tensor, dtype: torch.dtype, rounding: str = HALF_EVEN) -> torch.Tensor:
+    """`x` (any float dtype, float64 included) rounded ONCE to float16 or bfloat16, ties to even or away from zero
+    (RoundMode::CAST_RINT / CAST_ROUND); returned in `dtype`. Going through fp32 first could round twice."""
+    bits, emin = _FRACTION_BITS[dtype]
+    wide = x.to(torch.float64)
+    _, exponent = torch.frexp(wide)  # |x| = m * 2**exponent with m in [0.5, 1)
+    spacing = torch.exp2((exponent - 1).clamp(min=emin).to(torch.float64) - bits)
+    steps = wide.abs() / spacing  # exact: a power-of-two division
+    whole = torch.floor(steps)
+    fraction = steps - whole
+    tie_up = torch.ones_like(whole, dtype=torch.bool) if rounding == HALF_AWAY else torch.remainder(whole, 2) == 1
+    up = (fraction > 0.5) | ((fraction == 0.5) & tie_up)
+    rounded = torch.copysign((whole + up.to(torch.float64)) * spacing, wide)
+    return torch.where(torch.isfinite(wide), rounded, wide).to(dtype)
+
+
+def round_half_away(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """`x` rounded to `dtype` (float16 or bfloat16), ties away from zero (RoundMode::CAST_ROUND)."""
+    return round_float(x, dtype, HALF_AWAY)
+
+
+@dataclass(frozen=True)
+class Cast:
+    """One rounding point: values leave this stage as `dtype`, rounded `rounding` (HALF_EVEN or HALF_AWAY)."""
+
+    dtype: torch.dtype
+    rounding: str = HALF_EVEN
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        """`x` (fp32, or a float64 GEMM result) rounded once to this stage and widened back to fp32 (the precision
+        the next stage computes in)."""
+        if self.dtype == torch.float32:
+            return x.to(torch.float32)
+        return round_float(x, self.dtype, self.rounding).to(torch.float32)
+
+    def describe(self) -> str:
+        name = str(self.dtype).removeprefix("torch.").replace("float16", "fp16").replace("bfloat16", "bf16")
+        name = name.replace("float32", "fp32")
+        return name if self.dtype == torch.float32 else f"{name}, {self.rounding.replace('_', ' ')}"
+
+
+FP32 = Cast(torch.float32)
+
+
+@dataclass(frozen=True)
+class AttentionPipeline:
+    """Where a forward kernel rounds. Every stage computes in fp32 from its inputs, then rounds to its Cast:
+
+    scores = Q K^T (the GEMM accumulates in fp32); logits = scores * scale (the scale itself first rounded to
+    `logits`' dtype) + pse, masked; row max and row sum in fp32 (online, per key block of `block`); probabilities =
+    exp(logits - max) (with FA's dropout scale folded in when `dropout_in_probabilities`); products = P V;
+    accumulator = accumulator * exp(old max - new max) + products; output = accumulator / divisor(row sum).
+    """
+
+    operator: str
+    scores: Cast
+    logits: Cast
+    probabilities: Cast
+    products: Cast
+    accumulator: Cast
+    divisor: Cast
+    output: Cast
+    dropout_in_probabilities: bool = False
+    # The kernels' key block (columns of one online-softmax step): rounding of an fp16 accumulator depends on it.
+    block: int = 512
+
+    def stages(self) -> dict[str, Cast]:
+        return {"scores": self.scores, "logits": self.logits, "probabilities": self.probabilities,
+                "products": self.products, "accumulator": self.accumulator, "divisor": self.divisor,
+                "output": self.output}
+
+
+@dataclass(frozen=True)
+class GradPipeline:
+    """Where FlashAttentionScoreGrad rounds: D = rowsum(dy * y) in fp32 from the widened inputs; P recomputed in fp32
+    from the saved statistics, dropout applied, rounded to `probabilities` before dV = P^T dy; dP = dy V^T in fp32;
+    dS = P (dP - D) in fp32, rounded to `score_grad` before dQ = dS K and dK = dS^T Q (fp32 accumulation, times the
+    scale in fp32); every gradient rounded to `outputs`."""
+
+    operator: str
+    probabilities: Cast
+    score_grad: Cast
+    outputs: Cast
+
+
+def _half_away(dtype: torch.dtype) -> Cast:
+    return FP32 if dtype == torch.float32 else Cast(dtype, HALF_AWAY)
+
+
+def pfa_pipeline(dtype: torch.dtype, inner_precise: int) -> AttentionPipeline:
+    """PromptFlashAttention (and FIA's prefill kernel) for input `dtype`: fp16 with `inner_precise` bit 0 set
+    (high performance) computes in fp16 (matmul outputs, scale, softmax, P V, the running output and the division);
+    fp16 with bit 0 clear (high precision) and bf16 compute in fp32, cast P and the output half away; int8 computes
+    in fp16 like the high-performance mode (its P is quantised on top: `quant_attention`)."""
+    if dtype == torch.int8 or (dtype == torch.float16 and inner_precise & 1):
+        half = Cast(torch.float16)
+        return AttentionPipeline("prompt_flash_attention", scores=half, logits=half, probabilities=half,
+                                 products=half, accumulator=half, divisor=Cast(torch.float16, HALF_AWAY),
+                                 output=half)
+    return AttentionPipeline("prompt_flash_attention", scores=FP32, logits=FP32, probabilities=_half_away(dtype),
+                             products=FP32, accumulator=FP32, divisor=FP32, output=_half_away(dtype))
+
+
+def fa_pipeline(dtype: torch.dtype) -> AttentionPipeline:
+    """FlashAttentionScore forward: fp32 throughout (fp16 inputs take the FLOAT16_PRECISION template whatever
+    inner_precise says); P, with the dropout scale applied, cast to the input dtype half away before P V; the
+    output cast half away."""
+    return AttentionPipeline("flash_attention_score", scores=FP32, logits=FP32, probabilities=_half_away(dtype),
+                             products=FP32, accumulator=FP32, divisor=FP32, output=_half_away(dtype),
+                             dropout_in_probabilities=True)
+
+
+def ifa_pipeline(kv_dtype: torch.dtype, out_dtype: torch.dtype) -> AttentionPipeline:
+    """IncreFlashAttention (and FIA's decode kernel): fp32 throughout; P cast to the KV dtype half away before P V;
+    a bf16 output rounds half to even, an fp16 one half away."""
+    output = Cast(out_dtype, HALF_EVEN) if out_dtype == torch.bfloat16 else _half_away(out_dtype)
+    return AttentionPipeline("incre_flash_attention", scores=FP32, logits=FP32, probabilities=_half_away(kv_dtype),
+                             products=FP32, accumulator=FP32, divisor=FP32, output=output)
+
+
+def infer_pipeline(op: str, dtype: torch.dtype, kv_dtype: torch.dtype, out_dtype: torch.dtype, inner_precise: int,
+                   seq_q: int) -> AttentionPipeline:
+    """The pipeline of an inference operator's kernel: IncreFlashAttention, and FusedInferAttentionScore with one
+    query token, run the IFA kernel; PromptFlashAttention and FIA's prefill the PFA kernel with `inner_precise`
+    (torch_npu's npu_prompt_flash_attention passes 1)."""
+    if op == "incre_flash_attention" or (op.startswith("fused_infer_attention_score") and seq_q == 1):
+        return ifa_pipeline(kv_dtype, out_dtype if out_dtype != torch.int8 else dtype)
+    return pfa_pipeline(dtype, inner_precise)
+
+
+def fa_grad_pipeline(dtype: torch.dtype) -> GradPipeline:
+    """FlashAttentionScoreGrad: P and dS cast to the input dtype half away before their GEMMs; gradients half away."""
+    cast = _half_away(dtype)
+    return GradPipeline("flash_attention_score_grad", probabilities=cast, score_grad=cast, outputs=cast)

@@ -1,0 +1,213 @@
+"""Independent recipes of the NPU kernels' rounding, for tests of the "npu" precision mode
+(docs/semantics/precision.md).
+
+Written from the public kernel sources (Ascend ops-transformer `op_kernel` code; the table of the precision page
+cites file and line for each cast) and from op-plugin's test goldens, not from cann_attn's kernels or its pipeline
+descriptions: each recipe forms the whole [Sq, Skv] score matrix of a small BNSD problem in fp32 and rounds, in
+one place each, where the kernel does. Rounding is done here from float64 by explicit spacing arithmetic (another
+route than `problem.precision`'s), half to even or half away from zero.
+
+`assert_within_ulps` is the gate: at most 2 ulps of the output dtype, except a tail of at most 0.5% of the elements,
+which must still be within 4 ulps of their row's largest value (nearly cancelling sums).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+__all__ = [
+    "assert_within_ulps",
+    "fa_grad_recipe",
+    "fa_recipe",
+    "ifa_recipe",
+    "op_plugin_pfa_golden",
+    "pfa_recipe",
+    "rnd",
+    "ulp",
+    "ulp_errors",
+]
+
+_FORMAT = {torch.float16: (10, -14), torch.bfloat16: (7, -126)}  # fraction bits, smallest normal exponent
+
+
+def ulp(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The spacing of `dtype` at |x| (float64): 2^(e - fraction bits) with 2^e <= |x| < 2^(e+1), subnormals fixed."""
+    if dtype == torch.float32:
+        bits, emin = 23, -126
+    else:
+        bits, emin = _FORMAT[dtype]
+    x = x.to(torch.float64).abs()
+    _, exponent = torch.frexp(x)  # |x| = m * 2^exponent, m in [0.5, 1)
+    return torch.exp2((exponent - 1).clamp(min=emin).to(torch.float64) - bits)
+
+
+def rnd(x: torch.Tensor, dtype: torch.dtype, away: bool = False) -> torch.Tensor:
+    """`x` rounded once to `dtype` (half to even, or half away from zero with `away`), returned as float32."""
+    if dtype == torch.float32:
+        return x.to(torch.float32)
+    x = x.to(torch.float64)
+    spacing = ulp(x, dtype)
+    steps = x.abs() / spacing
+    rounded = torch.floor(steps + 0.5) if away else torch.round(steps)
+    result = (torch.sign(x) * rounded * spacing).to(dtype)
+    return torch.where(torch.isfinite(x), result, x.to(dtype)).to(torch.float32)
+
+
+def _softmax_parts(s: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(row max, exp(s - max), row sum) in fp32; rows without a finite logit give 0 terms."""
+    m = s.amax(-1, keepdim=True)
+    m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
+    e = torch.exp(s - m)
+    return m, e, e.sum(-1, keepdim=True)
+
+
+def _matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """a @ b in float64: the cube's fp32 accumulation taken as exact (its order is not public); callers round."""
+    return a.to(torch.float64) @ b.to(torch.float64)
+
+
+def _expand_kv(t: torch.Tensor, heads: int) -> torch.Tensor:
+    return t.repeat_interleave(heads // t.shape[1], dim=1)
+
+
+def pfa_recipe(q, k, v, scale: float, inner_precise: int = 1, mask: torch.Tensor | None = None,
+               pse: torch.Tensor | None = None, int8: dict | None = None) -> torch.Tensor:
+    """PromptFlashAttention on BNSD tensors, one key block (Skv within the kernel's block).
+
+    fp16 with inner_precise bit 0 set, and int8 (prompt_flash_attention_base.h: mmOutputType and softmaxType half):
+    S = half(Q K^T) (int8: half(int32 * deq_scale1)); S = half(S * half(scale)) (x910.h Muls in computeType);
+    + pse in half; max / sum fp32 (SoftmaxFlashV2 with float max/sum); P = half(exp(S - max)); int8:
+    P = int8(half(P * quant_scale1)), PV = half(int32 * deq_scale2); else PV = half(P V);
+    O = half(PV / half_away(sum)) (Bmm2UpdateDivNoTail casts the sum CAST_ROUND, divides in half).
+    fp16 with bit 0 clear, and bf16: fp32 throughout, P = half_away(exp(S - max)) to the input dtype (x910.h
+    SoftmaxResCopyOut, CAST_ROUND), O = half_away(PV / sum) (x910_base.h DataCopyTransposeOut, CAST_ROUND).
+    `mask`: True = masked, broadcast to [B, N, Sq, Skv]. `int8`: deq1, quant1, deq2 floats.
+    """
+    heads = q.shape[1]
+    k, v = _expand_kv(k, heads), _expand_kv(v, heads)
+    low = int8 is not None or (q.dtype == torch.float16 and inner_precise & 1)
+    if int8 is not None:
+        s = rnd(_matmul(q, k.transpose(-1, -2)) * int8["deq1"], torch.float16)
+    else:
+        s = _matmul(q, k.transpose(-1, -2))
+    if low:
+        half = torch.float16
+        s = rnd(rnd(s, half) * rnd(torch.tensor(scale), half), half)
+        if pse is not None:
+            s = rnd(s + pse.float(), half)
+    else:
+        s = s.float() * scale
+        if pse is not None:
+            s = s + pse.float()
+    if mask is not None:
+        s = s.masked_fill(mask, float("-inf"))
+    _, e, total = _softmax_parts(s)
+    if not low:
+        p = rnd(e, q.dtype, away=True)
+        o = rnd(_matmul(p, v).float() / total, q.dtype, away=True)
+        return o.masked_fill(total == 0, 0.0)
+    p = rnd(e, torch.float16)
+    if int8 is not None:
+        p_q = torch.round(rnd(p * int8["quant1"], torch.float16)).clamp(-128, 127)
+        pv = rnd(_matmul(p_q, v) * int8["deq2"], torch.float16)
+    else:
+        pv = rnd(_matmul(p, v), torch.float16)
+    o = rnd(pv / rnd(total, torch.float16, away=True), torch.float16)
+    return o.masked_fill(total == 0, 0.0)
+
+
+def fa_recipe(q, k, v, scale: float, mask: torch.Tensor | None = None,
+              keep: torch.Tensor | None = None, keep_prob: float = 1.0) -> tuple[torch.Tensor, torch.Tensor,
+                                                                              torch.Tensor]:
+    """FlashAttentionScore forward on BNSD tensors: (out, row max, row sum). fp32 throughout (fp16 takes the
+    FLOAT16_PRECISION template, flash_attention_score.cpp); S = (Q K^T) * scale; max / sum fp32; P = exp(S - max),
+    times keep / keep_prob, cast half away to the input dtype (s1s2_bn2gs1.h, Cast CAST_ROUND before bmm2);
+    O = half_away(PV / sum) (Cast CAST_ROUND of the attention output)."""
+    heads = q.shape[1]
+    k, v = _expand_kv(k, heads), _expand_kv(v, heads)
+    s = _matmul(q, k.transpose(-1, -2)).float() * scale
+    if mask is not None:
+        s = s.masked_fill(mask, float("-inf"))
+    m, e, total = _softmax_parts(s)
+    if keep is not None:
+        e = e * keep.float() / keep_prob
+    p = rnd(e, q.dtype, away=True)
+    o = rnd(_matmul(p, v).float() / total, q.dtype, away=True).masked_fill(total == 0, 0.0)
+    return o, m.squeeze(-1), total.squeeze(-1)
+
+
+def fa_grad_recipe(q, k, v, dy, out, row_max, row_sum, scale: float, mask: torch.Tensor | None = None):
+    """FlashAttentionScoreGrad on BNSD tensors: (dq, dk, dv). D = rowsum(dy * out) in fp32 (SoftmaxGradFront on
+    the widened inputs); P = exp(S - max) / sum in fp32, cast half away before dV = P^T dy (grad s1s2_bn2gs1s2.h,
+    "cast fp322bf16" CAST_ROUND); dP = dy V^T; dS = P (dP - D) in fp32, cast half away before dQ = dS K and
+    dK = dS^T Q (CAST_ROUND); dq, dk times the scale in fp32, every gradient cast half away (grad_post.h)."""
+    heads, heads_kv = q.shape[1], k.shape[1]
+    group = heads // heads_kv
+    ke, ve = _expand_kv(k, heads).float(), _expand_kv(v, heads).float()
+    s = _matmul(q, ke.transpose(-1, -2)).float() * scale
+    if mask is not None:
+        s = s.masked_fill(mask, float("-inf"))
+    p = torch.exp(s - row_max.float().unsqueeze(-1)) / row_sum.float().unsqueeze(-1)
+    dyf = dy.float()
+    d = (dyf * out.float()).sum(-1, keepdim=True)
+    dv = _matmul(rnd(p, q.dtype, away=True).transpose(-1, -2), dyf).float()
+    ds = rnd(p * (_matmul(dyf, ve.transpose(-1, -2)).float() - d), q.dtype, away=True)
+    dq = _matmul(ds, ke).float() * scale
+    dk = _matmul(ds.transpose(-1, -2), q).float() * scale
+
+    def fold(t):  # a GQA group's gradients sum into its kv head
+        return t.reshape(t.shape[0], heads_kv, group, *t.shape[2:]).sum(2)
+
+    return (rnd(dq, q.dtype, away=True), rnd(fold(dk), q.dtype, away=True), rnd(fold(dv), q.dtype, away=True))
+
+
+def ifa_recipe(q, k, v, scale: float) -> torch.Tensor:
+    """IncreFlashAttention (and FIA with one query token) on BNSD tensors: fp32 throughout (preload.h `T = float`);
+    S = (Q K^T) * scale; P = exp(S - max) cast half away to the KV dtype before P V (CAST_ROUND); the output
+    divided in fp32 and cast half to even for bf16 (CAST_RINT), half away for fp16 (CAST_ROUND)."""
+    heads = q.shape[1]
+    k, v = _expand_kv(k, heads), _expand_kv(v, heads)
+    s = _matmul(q, k.transpose(-1, -2)).float() * scale
+    _, e, total = _softmax_parts(s)
+    p = rnd(e, k.dtype, away=True)
+    return rnd(_matmul(p, v).float() / total, q.dtype, away=q.dtype != torch.bfloat16)
+
+
+def op_plugin_pfa_golden(q, k, v, scale: float) -> torch.Tensor:
+    """op-plugin's own PFA golden (test/test_custom_ops/test_prompt_flash_attention.py, `supported_op_exec`), as its
+    fp16 NPU tensors compute it: half(Q K^T) (fp32 accumulation), times the Python scale (a half scalar on a half
+    tensor) into half, softmax in fp32 cast to half (normalised), then half(P V)."""
+    heads = q.shape[1]
+    k, v = _expand_kv(k, heads), _expand_kv(v, heads)
+    half_scale = rnd(torch.tensor(scale), q.dtype)
+    s = rnd(rnd(_matmul(q, k.transpose(-1, -2)), q.dtype) * half_scale, q.dtype)
+    p = rnd(torch.softmax(s, dim=-1), q.dtype)
+    return rnd(_matmul(p, v), q.dtype)
+
+
+def ulp_errors(actual: torch.Tensor, recipe: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """(|actual - recipe| in ulps of the recipe's value, the same in ulps of the row's largest |recipe|)."""
+    a, r = actual.to(torch.float64), recipe.to(torch.float64)
+    diff = (a - r).abs()
+    diff = torch.where((a == r) | (a.isnan() & r.isnan()), torch.zeros_like(diff), diff)
+    row_top = r.abs().amax(-1, keepdim=True)
+    return diff / ulp(r, dtype), diff / ulp(row_top, dtype)
+
+
+def assert_within_ulps(actual: torch.Tensor, recipe: torch.Tensor, dtype: torch.dtype | None = None,
+                       name: str = "output", ulps: float = 2.0, tail: float = 0.005, row_ulps: float = 4.0) -> dict:
+    """At most `ulps` ulps of `dtype` (default: actual's) from the recipe, except at most `tail` of the elements,
+    which must be within `row_ulps` ulps of their row's largest value. Returns the measured figures."""
+    dtype = actual.dtype if dtype is None else dtype
+    if tuple(actual.shape) != tuple(recipe.shape):
+        raise AssertionError(f"{name}: shape {tuple(actual.shape)} != recipe {tuple(recipe.shape)}")
+    own, row = ulp_errors(actual, recipe, dtype)
+    beyond = own > ulps
+    figures = {"max_ulps": float(own.max()) if own.numel() else 0.0,
+               "tail_fraction": float(beyond.double().mean()) if own.numel() else 0.0,
+               "tail_max_row_ulps": float(row[beyond].max()) if bool(beyond.any()) else 0.0}
+    if figures["tail_fraction"] > tail or figures["tail_max_row_ulps"] > row_ulps or math.isnan(figures["max_ulps"]):
+        raise AssertionError(f"{name}: not within {ulps} ulps of the recipe ({figures})")
+    return figures

@@ -1,0 +1,221 @@
+"""The "npu" precision mode (docs/semantics/precision.md): mode selection, the rounding primitives, and each
+operator against the independent recipes of cann_attn.testing.npu_recipes (within 2 ulps of the output dtype)."""
+
+from __future__ import annotations
+
+import math
+import threading
+
+import pytest
+import torch
+
+import cann_attn
+from cann_attn import ParamInvalidError
+from cann_attn.problem import precision as prec
+from cann_attn.testing.npu_recipes import (
+    assert_within_ulps,
+    fa_grad_recipe,
+    fa_recipe,
+    op_plugin_pfa_golden,
+    pfa_recipe,
+    rnd,
+)
+
+HALF_TYPES = [torch.float16, torch.bfloat16]
+
+
+# --- mode selection ---------------------------------------------------------------------------------------------
+
+def test_default_is_exact(monkeypatch):
+    monkeypatch.delenv(prec.PRECISION_ENV, raising=False)
+    assert prec.current_mode() == "exact"
+
+
+def test_env_read_at_each_call_and_context_wins(monkeypatch):
+    monkeypatch.setenv(prec.PRECISION_ENV, "npu")
+    assert prec.npu_mode()
+    with cann_attn.precision("exact"):
+        assert prec.current_mode() == "exact"
+        with cann_attn.precision("npu"):
+            assert prec.npu_mode()
+        assert not prec.npu_mode()
+    monkeypatch.setenv(prec.PRECISION_ENV, "exact")
+    assert not prec.npu_mode()
+
+
+def test_bad_modes_name_their_source(monkeypatch):
+    with pytest.raises(ParamInvalidError, match="precision"), cann_attn.precision("fp16"):
+        pass
+    monkeypatch.setenv(prec.PRECISION_ENV, "fast")
+    with pytest.raises(ParamInvalidError, match=prec.PRECISION_ENV):
+        prec.current_mode()
+
+
+def test_context_is_per_thread(monkeypatch):
+    monkeypatch.delenv(prec.PRECISION_ENV, raising=False)
+    seen = []
+    with cann_attn.precision("npu"):
+        worker = threading.Thread(target=lambda: seen.append(prec.current_mode()))
+        worker.start()
+        worker.join()
+        assert prec.npu_mode()
+    assert seen == ["exact"]
+
+
+def test_triton_backend_refused_and_auto_falls_back(monkeypatch):
+    monkeypatch.delenv(prec.PRECISION_ENV, raising=False)
+    q = torch.randn(1, 1, 4, 16, dtype=torch.float16)
+    with cann_attn.precision("npu"):
+        with pytest.raises(ParamInvalidError, match="npu"):
+            cann_attn.flash_attention_score(q, q, q, 1, "BNSD", backend="triton")
+        cann_attn.flash_attention_score(q, q, q, 1, "BNSD", backend="auto")  # reference, no error on CPU
+
+
+# --- rounding primitives ----------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("dtype,step", [(torch.float16, 2.0**-10), (torch.bfloat16, 2.0**-7)])
+def test_round_float_ties(dtype, step):
+    ties = torch.tensor([1 + step / 2, 1 + 1.5 * step, -(1 + step / 2), 2 + step], dtype=torch.float64)
+    even = prec.round_float(ties, dtype, prec.HALF_EVEN).double()
+    away = prec.round_float(ties, dtype, prec.HALF_AWAY).double()
+    assert even.tolist() == [1.0, 1 + 2 * step, -1.0, 2.0]
+    assert away.tolist() == [1 + step, 1 + 2 * step, -(1 + step), 2 + 2 * step]
+
+
+@pytest.mark.parametrize("dtype", HALF_TYPES)
+def test_round_float_matches_torch_off_ties_and_rounds_once(dtype):
+    x = torch.randn(10000, dtype=torch.float32) * 100
+    assert torch.equal(prec.round_float(x, dtype), x.to(dtype))
+    away = prec.round_half_away(x, dtype)
+    differ = away != x.to(dtype)  # only at ties (about 1 in 2^13 fp32 values for fp16), and upward in magnitude
+    assert int(differ.sum()) < 20
+    assert bool((away[differ].double().abs() > x[differ].double().abs()).all())
+    assert torch.equal(prec.round_float(torch.tensor([float("inf"), -float("inf"), 1e6]), torch.float16),
+                       torch.tensor([float("inf"), -float("inf"), float("inf")], dtype=torch.float16))
+    # Just above a tie in float64, below it after an fp32 rounding: one rounding goes up.
+    above = torch.tensor([1 + 2.0**-11 + 2.0**-40], dtype=torch.float64)
+    assert prec.round_float(above, torch.float16).item() == 1 + 2.0**-10
+
+
+def test_recipe_rounding_agrees_with_library_rounding():
+    x = torch.cat([torch.randn(5000, dtype=torch.float64), torch.tensor([1 + 2.0**-11, -(1 + 2.0**-11)])])
+    for away in (False, True):
+        mode = prec.HALF_AWAY if away else prec.HALF_EVEN
+        assert torch.equal(rnd(x, torch.float16, away), prec.round_float(x, torch.float16, mode).float())
+
+
+# --- operators against the recipes ------------------------------------------------------------------------------
+
+def _inputs(dtype, heads=4, heads_kv=2, sq=48, skv=160, d=64, amp=2.0, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    q = (torch.randn(1, heads, sq, d, generator=g) * amp).to(dtype)
+    k = (torch.randn(1, heads_kv, skv, d, generator=g) * amp).to(dtype)
+    v = torch.randn(1, heads_kv, skv, d, generator=g).to(dtype)
+    return q, k, v
+
+
+def _random_mask(sq, skv, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    mask = torch.rand(sq, skv, generator=g) < 0.3
+    mask[:, 0] = False
+    return mask
+
+
+@pytest.mark.parametrize("dtype", HALF_TYPES)
+def test_pfa_npu_mode_within_two_ulps(dtype):
+    q, k, v = _inputs(dtype)
+    mask = _random_mask(q.shape[2], k.shape[2])
+    pse = (torch.randn(1, 4, q.shape[2], k.shape[2]) * 0.5).to(dtype)
+    kwargs = dict(num_heads=4, num_key_value_heads=2, input_layout="BNSD", scale_value=0.125, atten_mask=mask,
+                  pse_shift=pse, next_tokens=2**31 - 1)  # PFA's next_tokens defaults to 0 (causal)
+    with cann_attn.precision("npu"):
+        out = cann_attn.prompt_flash_attention(q, k, v, **kwargs)
+    # torch_npu's npu_prompt_flash_attention passes inner_precise=1: fp16 runs the high-performance (fp16) pipeline.
+    assert_within_ulps(out, pfa_recipe(q, k, v, 0.125, 1, mask=mask, pse=pse))
+    exact = cann_attn.prompt_flash_attention(q, k, v, **kwargs)
+    if dtype == torch.float16:  # the recipe tells the fp16 pipeline from the fp32 one
+        with pytest.raises(AssertionError):
+            assert_within_ulps(exact, pfa_recipe(q, k, v, 0.125, 1, mask=mask, pse=pse))
+
+
+def test_pfa_int8_npu_mode_within_two_ulps():
+    g = torch.Generator().manual_seed(3)
+    q = torch.randint(-60, 60, (1, 2, 32, 64), generator=g, dtype=torch.int8)
+    k = torch.randint(-60, 60, (1, 2, 96, 64), generator=g, dtype=torch.int8)
+    v = torch.randint(-60, 60, (1, 2, 96, 64), generator=g, dtype=torch.int8)
+    scales = {"deq1": 1.0 / 512, "quant1": 100.0, "deq2": 1.0 / 4096}
+    kwargs = dict(num_heads=2, input_layout="BNSD", scale_value=0.125,
+                  deq_scale1=torch.tensor([scales["deq1"]]), quant_scale1=torch.tensor([scales["quant1"]]),
+                  deq_scale2=torch.tensor([scales["deq2"]]))
+    with cann_attn.precision("npu"):
+        out = cann_attn.prompt_flash_attention(q, k, v, **kwargs)
+    assert out.dtype == torch.float16
+    assert_within_ulps(out, pfa_recipe(q, k, v, 0.125, int8=scales))
+
+
+def test_pfa_scale_128_matches_op_plugin_golden():
+    """Logits near 128 (q, k ~ N(0, 128^0.5), D = 128): the fp16 QK^T rounding moves whole rows; "npu" mode follows
+    op-plugin's own golden where the exact golden does not."""
+    d = 128
+    scale = 1 / math.sqrt(d)
+    q, k, v = _inputs(torch.float16, heads=2, heads_kv=2, sq=128, skv=256, d=d, amp=128**0.5, seed=0)
+    golden = op_plugin_pfa_golden(q, k, v, scale)
+    kwargs = dict(num_heads=2, input_layout="BNSD", scale_value=scale)
+    with cann_attn.precision("npu"):
+        npu = cann_attn.prompt_flash_attention(q, k, v, **kwargs)
+    assert_within_ulps(npu, golden, name="npu mode vs op-plugin golden")
+    exact = cann_attn.prompt_flash_attention(q, k, v, **kwargs)
+    assert float((exact.float() - golden).abs().max()) > 0.1
+    with pytest.raises(AssertionError):
+        assert_within_ulps(exact, golden)
+
+
+@pytest.mark.parametrize("dtype", HALF_TYPES)
+def test_fa_forward_npu_mode_within_two_ulps(dtype):
+    q, k, v = _inputs(dtype)
+    mask = _random_mask(q.shape[2], k.shape[2])
+    with cann_attn.precision("npu"):
+        result = cann_attn.flash_attention_score(q, k, v, 4, "BNSD", atten_mask=mask, scale_value=0.125)
+    out, row_max, row_sum = fa_recipe(q, k, v, 0.125, mask=mask)
+    assert_within_ulps(result.attention_out, out)
+    torch.testing.assert_close(result.softmax_max[..., 0], row_max, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(result.softmax_sum[..., 0], row_sum, rtol=1e-5, atol=0)
+
+
+@pytest.mark.parametrize("dtype", HALF_TYPES)
+def test_fa_grad_npu_mode_within_two_ulps(dtype):
+    q, k, v = _inputs(dtype)
+    mask = _random_mask(q.shape[2], k.shape[2])
+    dy = torch.randn(q.shape, generator=torch.Generator().manual_seed(5)).to(dtype)
+    with cann_attn.precision("npu"):
+        fwd = cann_attn.flash_attention_score(q, k, v, 4, "BNSD", atten_mask=mask, scale_value=0.125)
+        grads = cann_attn.flash_attention_score_grad(
+            q, k, v, dy, 4, "BNSD", atten_mask=mask, attention_in=fwd.attention_out, softmax_max=fwd.softmax_max,
+            softmax_sum=fwd.softmax_sum, scale_value=0.125)
+    expected = fa_grad_recipe(q, k, v, dy, fwd.attention_out, fwd.softmax_max[..., 0], fwd.softmax_sum[..., 0],
+                              0.125, mask=mask)
+    for name, actual, recipe in zip(("dq", "dk", "dv"), grads[:3], expected, strict=True):
+        assert_within_ulps(actual, recipe, name=name)
+
+
+def test_exact_mode_is_untouched_by_the_switch(monkeypatch):
+    """"exact" outputs are the same bits whether the mode is unset, set to "exact" by the environment or by the
+    context manager, and after an "npu" call."""
+    q, k, v = _inputs(torch.float16)
+    monkeypatch.delenv(prec.PRECISION_ENV, raising=False)
+
+    def run():
+        fa = cann_attn.flash_attention_score(q, k, v, 4, "BNSD", scale_value=0.125)
+        pfa = cann_attn.prompt_flash_attention(q, k, v, num_heads=4, num_key_value_heads=2, input_layout="BNSD",
+                                               scale_value=0.125)
+        return [fa.attention_out, fa.softmax_max, fa.softmax_sum, pfa]
+
+    before = run()
+    with cann_attn.precision("npu"):
+        run()
+    with cann_attn.precision("exact"):
+        ctx = run()
+    monkeypatch.setenv(prec.PRECISION_ENV, "exact")
+    env = run()
+    for a, b, c in zip(before, ctx, env, strict=True):
+        assert torch.equal(a, b) and torch.equal(a, c)
