@@ -29,6 +29,7 @@ from .ops.lightning_indexer import (
     sparse_lightning_indexer_grad_kl_loss,
 )
 from .ops.prompt_flash_attention import prompt_flash_attention
+from .ops.quant_dsa import quant_lightning_indexer
 from .ops.ring_attention_update import RingAttentionUpdateResult, ring_attention_update
 from .ops.sparse_flash_attention import (
     SparseFlashAttentionGradResult,
@@ -77,6 +78,7 @@ __all__ = [
     "lightning_indexer",
     "precision",
     "prompt_flash_attention",
+    "quant_lightning_indexer",
     "ring_attention_update",
     "sparse_attention",
     "sparse_flash_attention",

@@ -1034,6 +1034,7 @@ def attention_update(lse, local_out, update_type: int, *, backend: str = "auto")
 from .library_quant import (  # noqa: E402
     dense_lightning_indexer_grad_kl_loss,
     dense_lightning_indexer_softmax_lse,
+    quant_lightning_indexer,
 )
 
-__all__ += ["dense_lightning_indexer_grad_kl_loss", "dense_lightning_indexer_softmax_lse"]
+__all__ += ["dense_lightning_indexer_grad_kl_loss", "dense_lightning_indexer_softmax_lse", "quant_lightning_indexer"]

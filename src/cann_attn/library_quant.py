@@ -12,6 +12,7 @@ from .ops.dense_indexer import (
 )
 from .ops.dense_indexer import dense_lightning_indexer_grad_kl_loss as _eager_dense_grad_kl_loss
 from .ops.dense_indexer import dense_lightning_indexer_softmax_lse as _eager_dense_softmax_lse
+from .ops.quant_dsa import quant_lightning_indexer as _eager_quant_lightning_indexer
 from .ops.sparse_flash_attention import INT64_MAX
 from .problem.lengths import to_int_list
 from .problem.stats import accumulation_dtype
@@ -84,3 +85,45 @@ def dense_lightning_indexer_grad_kl_loss(
         query, key, query_index, key_index, weights, softmax_max, softmax_sum, softmax_max_index, softmax_sum_index,
         float(scale_value), query_rope, key_rope, to_int_list(actual_seq_qlen, "actual_seq_qlen"),
         to_int_list(actual_seq_klen, "actual_seq_klen"), layout, sparse_mode, pre_tokens, next_tokens))
+
+
+# ====================================================================== QuantLightningIndexer
+@torch.library.custom_op("cann_attn::quant_lightning_indexer", mutates_args=())
+def _quant_li_op(
+    query: Tensor, key: Tensor, weights: Tensor, query_dequant_scale: Tensor, key_dequant_scale: Tensor,
+    query_quant_mode: int = 0, key_quant_mode: int = 0, actual_seq_lengths_query: list[int] | None = None,
+    actual_seq_lengths_key: list[int] | None = None, block_table: Tensor | None = None, layout: str = "BSND",
+    layout_key: str = "", sparse_count: int = 2048, sparse_mode: int = 3, pre_tokens: int = INT64_MAX,
+    next_tokens: int = INT64_MAX, query_dtype: int | None = None, key_dtype: int | None = None,
+    backend: str = "auto",
+) -> Tensor:
+    """QuantLightningIndexer -> sparse_indices (int32)."""
+    return _eager_quant_lightning_indexer(
+        query, key, weights, query_dequant_scale, key_dequant_scale, query_quant_mode, key_quant_mode,
+        actual_seq_lengths_query=actual_seq_lengths_query, actual_seq_lengths_key=actual_seq_lengths_key,
+        block_table=block_table, layout=layout, layout_key=layout_key or None, sparse_count=sparse_count,
+        sparse_mode=sparse_mode, pre_tokens=pre_tokens, next_tokens=next_tokens, query_dtype=query_dtype,
+        key_dtype=key_dtype, backend=backend).clone()
+
+
+@_quant_li_op.register_fake
+def _(query, key, weights, query_dequant_scale, key_dequant_scale, query_quant_mode=0, key_quant_mode=0,
+      actual_seq_lengths_query=None, actual_seq_lengths_key=None, block_table=None, layout="BSND", layout_key="",
+      sparse_count=2048, *args, **kwargs):
+    return query.new_empty((*query.shape[:-2], 1, sparse_count), dtype=torch.int32)
+
+
+def quant_lightning_indexer(
+    query: Tensor, key: Tensor, weights: Tensor, query_dequant_scale: Tensor, key_dequant_scale: Tensor,
+    query_quant_mode: int = 0, key_quant_mode: int = 0, *, actual_seq_lengths_query=None,
+    actual_seq_lengths_key=None, block_table: Tensor | None = None, layout: str = "BSND",
+    layout_key: str | None = None, sparse_count: int = 2048, sparse_mode: int = 3, pre_tokens: int = INT64_MAX,
+    next_tokens: int = INT64_MAX, query_dtype: int | None = None, key_dtype: int | None = None,
+    backend: str = "auto",
+) -> Tensor:
+    """``cann_attn.quant_lightning_indexer`` through its custom op."""
+    return torch.ops.cann_attn.quant_lightning_indexer(
+        query, key, weights, query_dequant_scale, key_dequant_scale, query_quant_mode, key_quant_mode,
+        to_int_list(actual_seq_lengths_query, "actual_seq_lengths_query"),
+        to_int_list(actual_seq_lengths_key, "actual_seq_lengths_key"), block_table, layout, layout_key or "",
+        sparse_count, sparse_mode, pre_tokens, next_tokens, query_dtype, key_dtype, backend)

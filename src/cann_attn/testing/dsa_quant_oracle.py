@@ -128,3 +128,44 @@ def dense_kl_grad_oracle(query, key, query_index, key_index, weights, softmax_ma
     if not surrogate.requires_grad:
         return torch.zeros_like(qi), torch.zeros_like(ki), torch.zeros_like(w)
     return torch.autograd.grad(surrogate, (qi, ki, w), allow_unused=True, materialize_grads=True)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# QuantLightningIndexer (docs/operators/quant_dsa.md)
+# ----------------------------------------------------------------------------------------------------------
+def quant_index_scores_oracle(query, key, weights, query_scale, key_scale, *, actual_seq_lengths_query=None,
+                              actual_seq_lengths_key=None, layout: str = "BSND", sparse_mode: int = 3
+                              ) -> torch.Tensor:
+    """float64 scores I[t, s] = sum_h W[t, h] ReLU((Sq[t, h] Sk[s]) (Q[t, h] . K[s])) of the allowed keys, -inf
+    elsewhere: [B, S1, S2] (BSND) or [T1, max Skv] (TND). Contiguous key / key_scale only (rebuild a paged cache
+    first)."""
+    spans = sequence_spans(layout, query.shape, key.shape, actual_seq_lengths_query, actual_seq_lengths_key)
+    if layout == "TND":
+        scores = torch.full((query.shape[0], max((s.kv_len for s in spans), default=0)), float("-inf"), dtype=F64)
+    else:
+        scores = torch.full((query.shape[0], query.shape[1], key.shape[1]), float("-inf"), dtype=F64)
+    for span in spans:
+        q, w, sq = span.q_rows(query).to(F64), span.q_rows(weights).to(F64), span.q_rows(query_scale).to(F64)
+        k, sk = span.kv_rows(key)[:, 0].to(F64), span.kv_rows(key_scale)[:, 0].to(F64)
+        for t in range(span.q_len):
+            thr = span.kv_len - span.q_len + t + 1 if sparse_mode == 3 else span.kv_len
+            n = max(0, min(span.kv_len, thr))
+            if n == 0:
+                continue
+            dots = (q[t].unsqueeze(1) * k[:n].unsqueeze(0)).sum(-1)  # [H, n]
+            scaled = (sq[t].unsqueeze(1) * sk[:n].unsqueeze(0)) * dots
+            scores[span.q_token(t)][:n] = (w[t].unsqueeze(1) * torch.relu(scaled)).sum(0)
+    return scores
+
+
+def top_k_oracle(scores: torch.Tensor, sparse_count: int) -> torch.Tensor:
+    """int32 [*lead, 1, K] indices of the finite scores of each row, descending, ties to the smaller index (a
+    literal sort on (-score, s)), then -1."""
+    lead = scores.shape[:-1]
+    rows = scores.reshape(-1, scores.shape[-1]).tolist()
+    out = torch.full((len(rows), sparse_count), -1, dtype=torch.int32)
+    for r, row in enumerate(rows):
+        order = sorted((s for s, v in enumerate(row) if v != float("-inf")), key=lambda s: (-row[s], s))
+        for e, s in enumerate(order[:sparse_count]):
+            out[r, e] = s
+    return out.view(*lead, 1, sparse_count)

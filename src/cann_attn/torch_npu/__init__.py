@@ -56,6 +56,7 @@ from ._prompt import PFA_PRE_TOKENS, npu_prompt_flash_attention, npu_trans_quant
 from ._quant_dsa import (
     npu_dense_lightning_indexer_grad_kl_loss,
     npu_dense_lightning_indexer_softmax_lse,
+    npu_quant_lightning_indexer,
 )
 from ._registry import CURRENT, OPS, RELEASE_ENV, RELEASES, active_release, npu_op, use_release
 from ._registry import _release_from_environment as _apply_environment
@@ -98,6 +99,7 @@ __all__ = [
     "npu_lightning_indexer",
     "npu_op",
     "npu_prompt_flash_attention",
+    "npu_quant_lightning_indexer",
     "npu_ring_attention_update",
     "npu_sparse_flash_attention",
     "npu_sparse_flash_attention_grad",

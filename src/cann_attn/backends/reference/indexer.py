@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import torch
 
+from ...problem.dequant import score_scales
 from ...problem.sparse import allowed_keys, indexer_selection
 from ...problem.stats import accumulation_dtype
 from . import native
@@ -45,24 +46,36 @@ def _sortable(scores: torch.Tensor) -> torch.Tensor:
     return (ordered << 32) | (0xFFFFFFFF - cols)
 
 
-def index_scores(q_idx: torch.Tensor, k_idx: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-    """[rows, Skv] scores of query rows q_idx [rows, H, D] against keys k_idx [Skv, D], weights [rows, H]."""
+def index_scores(q_idx: torch.Tensor, k_idx: torch.Tensor, weights: torch.Tensor,
+                 q_scale: torch.Tensor | None = None, k_scale: torch.Tensor | None = None) -> torch.Tensor:
+    """[rows, Skv] scores of query rows q_idx [rows, H, D] against keys k_idx [Skv, D], weights [rows, H]. With
+    q_scale [rows, H] and k_scale [Skv] (QuantLightningIndexer) each dot product is first scaled by
+    q_scale[t, h] * k_scale[s] (problem/dequant.py)."""
     rows, heads, dim = q_idx.shape
-    relu = torch.relu(q_idx.reshape(rows * heads, dim) @ k_idx.transpose(0, 1)).view(rows, heads, -1)
-    return torch.bmm(weights.unsqueeze(1), relu).squeeze(1)
+    dots = (q_idx.reshape(rows * heads, dim) @ k_idx.transpose(0, 1)).view(rows, heads, -1)
+    if q_scale is not None:
+        dots.mul_(score_scales(q_scale, k_scale).to(dots.dtype))
+    return torch.bmm(weights.unsqueeze(1), dots.relu_()).squeeze(1)
 
 
 @torch.no_grad()  # kernels fill preallocated outputs; autograd pairs the ops one level up
 def top_k_sequence(q_idx, k_idx, weights, *, sparse_mode: int, seq_q: int, seq_kv: int, k: int,
-                   indices_out: torch.Tensor, values_out: torch.Tensor | None) -> None:
-    """Fill indices_out [Sq, K] (int32, -1 padded) and values_out [Sq, K] for one sequence."""
+                   indices_out: torch.Tensor, values_out: torch.Tensor | None,
+                   q_scale: torch.Tensor | None = None, k_scale: torch.Tensor | None = None) -> None:
+    """Fill indices_out [Sq, K] (int32, -1 padded) and values_out [Sq, K] for one sequence; q_scale [Sq, H] and
+    k_scale [Skv] dequantise int8 / fp8 inputs (QuantLightningIndexer, computed in fp32)."""
     dtype = accumulation_dtype(q_idx.dtype)
     k_all = torch.zeros((-(-seq_kv // KEY_ALIGN) * KEY_ALIGN, k_idx.shape[-1]), dtype=dtype, device=k_idx.device)
     k_all[:seq_kv] = k_idx
+    k_scale_all = None
+    if k_scale is not None:
+        k_scale_all = torch.zeros(k_all.shape[0], dtype=torch.float32, device=k_idx.device)
+        k_scale_all[:seq_kv] = k_scale
     for t0 in range(0, seq_q, ROW_TILE):
         t1 = min(t0 + ROW_TILE, seq_q)
         rows = torch.arange(t0, t1, device=q_idx.device)
-        scores = index_scores(q_idx[t0:t1].to(dtype), k_all, weights[t0:t1].to(dtype))[:, :seq_kv]
+        scores = index_scores(q_idx[t0:t1].to(dtype), k_all, weights[t0:t1].to(dtype),
+                              None if q_scale is None else q_scale[t0:t1], k_scale_all)[:, :seq_kv]
         allowed = allowed_keys(sparse_mode, seq_q, seq_kv, rows)
         cols = torch.arange(seq_kv, device=q_idx.device).view(1, -1)
         disallowed = cols >= allowed.view(-1, 1)

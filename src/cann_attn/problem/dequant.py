@@ -1,0 +1,67 @@
+"""Dequantisation of the quantised DSA inference operators (docs/operators/quant_dsa.md), the one place it lives.
+
+QuantLightningIndexer (per-token-head, mode 0): an int8 / float8_e4m3fn query row h of token t and key s meet as
+(Scale_Q[t, h] * Scale_K[s]) * (Q[t, h] . K[s]): the dot product of the quantised values (exact in fp32 for int8 and
+D <= 1024), scaled by the outer product of the two scales, before the ReLU (torch_npu npu_quant_lightning_indexer,
+计算公式).
+
+KvQuantSparseFlashAttention (per-tile, mode 2, `quant_scale_repo_mode` 1 "combine"): each cache row holds, side by
+side along D, the quantised latent (512 int8 / fp8 values), the rope part (64 values of the query's dtype, as
+bytes) and one float32 scale per `tile_size` = 128 latent values (as bytes): 512 + 64 * 2 + 4 * 4 = 656 bytes. The
+latent is dequantised as x * scale of its tile, taken in fp32 and rounded once to the query's dtype: the formula
+FIA's KV antiquant uses (problem/antiquant.py `dequantize`, (x + offset) * scale in fp32, rounded once) with no
+offset (op-plugin's CPU golden of the operator does the same).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+QUANT_DTYPES = (torch.int8, torch.float8_e4m3fn)
+# KvQuantSparseFlashAttention's only documented combined layout: D_nope, D_rope, tile (attention_mode 2,
+# rope_head_dim 64, tile_size 128).
+LATENT_DIM, ROPE_DIM, TILE_SIZE = 512, 64, 128
+SCALE_BYTES = 4
+
+
+def score_scales(query_scale: torch.Tensor, key_scale: torch.Tensor) -> torch.Tensor:
+    """Scale_Q @ Scale_K^T of a tile: query_scale [rows, H] and key_scale [S] -> [rows, H, S] fp32 factors of the
+    quantised dot products (fp16 x fp16 products are exact in fp32)."""
+    return query_scale.to(torch.float32).unsqueeze(-1) * key_scale.to(torch.float32).view(1, 1, -1)
+
+
+def dequantize_tiles(x: torch.Tensor, scales: torch.Tensor, tile: int, dtype: torch.dtype) -> torch.Tensor:
+    """x [..., n * tile] (int8 / fp8) times the fp32 scale of its tile, scales [..., n], in fp32, rounded once to
+    `dtype` (a new tensor)."""
+    values = x.to(torch.float32).unflatten(-1, (scales.shape[-1], tile))
+    return (values * scales.to(torch.float32).unsqueeze(-1)).flatten(-2).to(dtype)
+
+
+@dataclass(frozen=True)
+class CombinedCache:
+    """Views into a combined KV cache [..., 656 bytes] (no copy): the quantised latent, the rope part in the query's
+    dtype and the per-tile fp32 scales."""
+
+    latent: torch.Tensor
+    rope: torch.Tensor
+    scales: torch.Tensor
+
+    def dequantized(self, dtype: torch.dtype) -> torch.Tensor:
+        """The latent dequantised to `dtype` (no rope)."""
+        return dequantize_tiles(self.latent, self.scales, TILE_SIZE, dtype)
+
+
+def combined_width(query_dtype: torch.dtype) -> int:
+    """Bytes per cache row: latent + rope in the query's dtype + one fp32 scale per tile (656 for fp16 / bf16)."""
+    return LATENT_DIM + ROPE_DIM * torch.empty((), dtype=query_dtype).element_size() + \
+        SCALE_BYTES * (LATENT_DIM // TILE_SIZE)
+
+
+def split_combined(cache: torch.Tensor, query_dtype: torch.dtype) -> CombinedCache:
+    """The three parts of a combined cache row (the caller has checked its width, `combined_width`)."""
+    rope_end = LATENT_DIM + ROPE_DIM * torch.empty((), dtype=query_dtype).element_size()
+    as_bytes = cache.view(torch.uint8) if cache.dtype != torch.uint8 else cache
+    return CombinedCache(cache[..., :LATENT_DIM], as_bytes[..., LATENT_DIM:rope_end].view(query_dtype),
+                         as_bytes[..., rope_end:].view(torch.float32))
