@@ -321,7 +321,17 @@ def test_install_then_import_torch_npu_and_call_torch_ops_npu():
                                                         softmax_max=out[1], softmax_sum=out[2],
                                                         attention_in=out[0], scale_value=0.3)
         assert len(grads) == 5 and grads[3] is None and grads[4].shape == (0,)
-        assert all(hasattr(torch.ops.npu, name) for name in cann_attn.torch_npu.OPS)
+        assert all(hasattr(getattr(torch.ops, op.namespace), name) for name, op in cann_attn.torch_npu.OPS.items())
+        assert {op.namespace for op in cann_attn.torch_npu.OPS.values()} == {"npu", "atb"}
+        x16 = torch.randn(3, 2, 8).half()
+        out16 = torch.empty_like(x16)
+        assert torch.ops.atb._npu_flash_attention_unpad(x16, x16, x16, torch.tensor([1, 2], dtype=torch.int32), 0.3,
+                                                        2, 2, out16) is None
+        ref16 = torch.empty_like(x16)
+        torch_npu._npu_flash_attention_unpad(x16, x16, x16, torch.tensor([1, 2], dtype=torch.int32), 0.3, 2, 2, ref16)
+        assert torch.equal(out16, ref16)
+        mask = torch.ops.npu._npu_dropout_gen_mask(x16, [40], 0.5, 3, 0)
+        assert torch.equal(mask, torch_npu._npu_dropout_gen_mask(x16, [40], 0.5, 3, 0)) and mask.shape == (16,)
         pfa = lambda q: torch.ops.npu.npu_prompt_flash_attention(q, q, q, num_heads=2, scale_value=0.3)
         x = q.detach()
         assert torch.equal(torch.compile(pfa, fullgraph=True, backend="aot_eager")(x), pfa(x))

@@ -18,7 +18,6 @@ import contextlib
 
 import torch
 
-from ..backends.reference.workspace import Workspace
 from ..errors import ParamInvalidError, ParamNullptrError
 from ..problem import antiquant as antiquants
 from ..problem import layout as layouts
@@ -28,8 +27,7 @@ from ..traceable import traced_as_custom_op
 from .fia_problem import FIA_LAYOUTS, PACKED, ROPE_DIM, FiaProblem, build_fia_problem, not_supported
 from .fia_problem import output_shape as _output_shape
 from .flash_attention_score import INT_MAX
-from .infer_attention import INVALID_LSE, attend, attend_paged
-from .paged_infer import length_groups
+from .infer_attention import INVALID_LSE, attend, attend_pages
 
 __all__ = ["FIA_LAYOUTS", "PACKED", "fused_infer_attention_score", "fused_infer_attention_score_v2", "kv_bnsd",
            "renamed_errors"]
@@ -170,7 +168,9 @@ def _dispatch(p: FiaProblem, out: torch.Tensor, lse: torch.Tensor | None, backen
     if p.packed:
         _attend_packed(p, q_in, out, lse, common)
     elif p.pages is not None:
-        _attend_paged(p, _bnsd(q_in, p.q_layout, p.num_heads), _bnsd(out, p.out_layout, p.num_heads), lse, common)
+        attend_pages(p.pages, _bnsd(q_in, p.q_layout, p.num_heads), _bnsd(out, p.out_layout, p.num_heads),
+                     atten_mask=p.atten_mask, mask_views=p.mask_views, act_q=p.act_q, act_kv=p.act_kv,
+                     pse_shift=p.pse_shift, softmax_lse=lse, **common)
     else:
         k_all, v_all = kv_bnsd(p.key, p.value, kv_layout=p.q_layout, heads_kv=p.heads_kv,
                                query_dtype=p.query.dtype, antiquant=p.antiquant, prefix=p.prefix,
@@ -201,28 +201,6 @@ def _attend_packed(p: FiaProblem, q_in: torch.Tensor, out: torch.Tensor, lse: to
         lse_b = None if lse is None else _packed_rows(lse, "TND", q_starts[b], sq)
         attend(q_b, k_b, v_b, out_b, atten_mask=p.atten_mask, mask_views=None, act_q=[sq], act_kv=[skv],
                pse_shift=None, softmax_lse=lse_b, **common)
-
-
-def _attend_paged(p: FiaProblem, q4: torch.Tensor, out4: torch.Tensor, lse4: torch.Tensor | None,
-                  common: dict) -> None:
-    """PageAttention over [B, N, S, D] query / output views."""
-    k_view, v_view = p.pages.cache_views()
-    # In place through the table where a kernel can (Triton, the reference decode loop); rope keys need the
-    # key ++ rope rows assembled, so MLA gathers.
-    if p.key_rope is None and attend_paged(
-            q4, k_view, v_view, out4, block_table=p.pages.pages.table.to(q4.device), atten_mask=p.atten_mask,
-            mask_views=p.mask_views, act_q=p.act_q, act_kv=p.act_kv, pse_shift=p.pse_shift,
-            softmax_lse=lse4, **common):
-        return
-    # Per group of equal-length sequences (the attention's own batched runs): only their tokens are gathered.
-    workspace = Workspace(q4.device)
-    for group in length_groups(p.act_q, p.act_kv):
-        g = slice(group.start, group.stop)
-        k_g, v_g = p.pages.group_bnsd(group, workspace)
-        pse_g = None if p.pse_shift is None else pses.batch_rows(p.pse_shift, group.start, len(group))
-        attend(q4[g], k_g, v_g, out4[g], atten_mask=p.atten_mask,
-               mask_views=None if p.mask_views is None else p.mask_views[g], act_q=p.act_q[g], act_kv=p.act_kv[g],
-               pse_shift=pse_g, softmax_lse=None if lse4 is None else lse4[g], **common)
 
 
 def _attend_left_padded(p: FiaProblem, q4, k_all, v_all, out4, lse4, common: dict) -> None:

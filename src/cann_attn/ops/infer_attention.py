@@ -11,6 +11,7 @@ import torch
 
 from ..backends import kernels, resolve_backend, select_backend
 from ..backends.reference import decode_forward, flash_forward, npu_attention, quant_attention
+from ..backends.reference.workspace import Workspace
 from ..backends.triton.dense_plan import dense_unsupported
 from ..errors import ParamInvalidError, describe, require
 from ..problem import mask as masks
@@ -18,6 +19,7 @@ from ..problem import precision, quant, stats
 from ..problem.attention import AttentionProblem, Run, mask_runs
 from ..problem.pse import SequencePse, batch_rows
 from ..problem.stats import FLT_MAX, STAT_WIDTH
+from .paged_infer import PagedKv, length_groups
 
 MASK_DTYPES = (torch.bool, torch.int8, torch.uint8)
 # PromptFlashAttention's documented shape limits, which FIA's prefill branch keeps
@@ -287,3 +289,26 @@ def attend_paged(
     if softmax_lse is not None:
         _write_lse(softmax_lse, row_max, row_sum)
     return True
+
+
+def attend_pages(pages: PagedKv, query: torch.Tensor, out: torch.Tensor, *, atten_mask, mask_views,
+                 act_q: list[int], act_kv: list[int], pse_shift, softmax_lse: torch.Tensor | None = None,
+                 **common) -> None:
+    """`attend` over the paged caches `pages` for [B, N, S, D] query / output views (docs/semantics/paged-kv.md):
+    in place through the table where a kernel can (`attend_paged`); else, and with rope keys (the key ++ rope rows
+    must be assembled), per group of equal-length sequences (the attention's own batched runs), gathering only
+    their tokens. `common` are `attend`'s remaining keywords."""
+    k_view, v_view = pages.cache_views()
+    if pages.key_rope is None and attend_paged(
+            query, k_view, v_view, out, block_table=pages.pages.table.to(query.device), atten_mask=atten_mask,
+            mask_views=mask_views, act_q=act_q, act_kv=act_kv, pse_shift=pse_shift, softmax_lse=softmax_lse,
+            **common):
+        return
+    workspace = Workspace(query.device)
+    for group in length_groups(act_q, act_kv):
+        g = slice(group.start, group.stop)
+        k_g, v_g = pages.group_bnsd(group, workspace)
+        pse_g = None if pse_shift is None else batch_rows(pse_shift, group.start, len(group))
+        attend(query[g], k_g, v_g, out[g], atten_mask=atten_mask,
+               mask_views=None if mask_views is None else mask_views[g], act_q=act_q[g], act_kv=act_kv[g],
+               pse_shift=pse_g, softmax_lse=None if softmax_lse is None else softmax_lse[g], **common)

@@ -10,7 +10,7 @@ up to 512; Q_S > 1 a multiple of 128 in [128, 512]; MLA with D = 512 and the pac
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -66,6 +66,10 @@ class PagedKv:
     value: torch.Tensor
     key_rope: torch.Tensor | None
     shape: CacheShape
+
+    def select(self, batches: range) -> PagedKv:
+        """The caches as seen by the consecutive sequences `batches` alone."""
+        return replace(self, pages=self.pages.select(batches))
 
     def _tokens(self, cache: torch.Tensor) -> torch.Tensor:
         """[block_num, block_size, N2, d] view of a cache in either layout."""

@@ -65,6 +65,11 @@ class PageTable:
     def batch(self) -> int:
         return len(self.kv_lengths)
 
+    def select(self, batches: range) -> PageTable:
+        """The table of the consecutive sequences `batches`, as a batch of its own (rows are views)."""
+        return PageTable(self.table[batches.start : batches.stop], self.block_size, self.block_count,
+                         self.kv_lengths[batches.start : batches.stop])
+
     def blocks_used(self, b: int) -> int:
         """Table entries sequence b reads: ceil(L_b / block_size)."""
         return -(-self.kv_lengths[b] // self.block_size)

@@ -36,6 +36,13 @@ are turned into lists with ``.tolist()`` (a graph break under torch.compile: pas
 
 from ..ops.sparse_flash_attention import INT64_MAX  # noqa: F401  (re-exported for callers of the old module)
 from . import npu
+from ._atb import (  # noqa: F401  (torch_npu's private ATB spellings, not in __all__)
+    _npu_flash_attention,
+    _npu_flash_attention_unpad,
+    _npu_paged_attention,
+    _npu_paged_attention_get_workspace,
+    _npu_paged_attention_splitfuse,
+)
 from ._dropout import _npu_dropout_gen_mask  # noqa: F401  (torch_npu's private spelling, not in __all__)
 from ._fusion import (
     npu_fusion_attention,

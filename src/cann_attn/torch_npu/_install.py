@@ -11,7 +11,7 @@ import torch
 
 from . import _device, _registry, _rng
 
-_STATE: dict = {"library": None, "defined": set(), "manual_seed": None}
+_STATE: dict = {"libraries": {}, "defined": set(), "manual_seed": None}
 
 
 class TorchNpuPresentError(RuntimeError):
@@ -32,7 +32,8 @@ def install(device: str | torch.device | None = None, *, release: str | None = N
     """Opt-in, once at a program's entry point, before code that imports torch_npu runs.
 
     Afterwards ``import torch_npu`` (and ``torch_npu.npu``) yields :mod:`cann_attn.torch_npu`, every registered
-    spelling resolves as ``torch.ops.npu.<op>`` (torch.library namespace ``npu``, schema of the active release;
+    spelling resolves as ``torch.ops.npu.<op>`` (the ATB ones as ``torch.ops.atb.<op>``, as torch_npu registers
+    them; torch.library namespaces ``npu`` / ``atb``, schema of the active release;
     ``release`` switches it first, like :func:`use_release`), ``torch.manual_seed`` also seeds the dropout
     generator (torch_npu seeds the NPU generators through the same call), and the npu device is mapped to
     ``device``: ``x.npu()``, ``x.to("npu:0")``, ``device="npu"``, ``torch.npu.*`` act on it (the list:
@@ -88,13 +89,14 @@ def installed(device: str | torch.device | None = None, *, release: str | None =
 
 
 def _register_ops() -> None:
-    if _STATE["library"] is None:
-        _STATE["library"] = torch.library.Library("npu", "FRAGMENT")
-    library = _STATE["library"]
+    libraries = _STATE["libraries"]
     release = _registry.active_release()
     for name, op in _registry.OPS.items():
         if name in _STATE["defined"]:
             continue
+        if op.namespace not in libraries:
+            libraries[op.namespace] = torch.library.Library(op.namespace, "FRAGMENT")
+        library = libraries[op.namespace]
         schema = op.schema(release)
         library.define(schema.text)
         # CompositeImplicitAutograd: the call decomposes into our function, whose cann_attn custom ops carry the

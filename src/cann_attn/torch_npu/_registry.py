@@ -114,6 +114,7 @@ class NpuOp:
     impl: Callable
     schemas: dict[str, Schema]  # release -> schema; a release without the operator is absent
     wrapper: Callable | None = None  # set by npu_op
+    namespace: str = "npu"  # torch.ops.<namespace>: "npu" (op_plugin_functions.yaml) or "atb" (op_plugin/ops/atb)
 
     def schema(self, release: str) -> Schema:
         """The release's schema; releases older than the operator get its oldest one (the function stays
@@ -158,16 +159,17 @@ def _apply_signature(op: NpuOp, release: str) -> None:
         op.wrapper.__signature__ = op.schemas[release].signature()
 
 
-def npu_op(schemas: dict[tuple[str, ...], str]) -> Callable[[Callable], Callable]:
+def npu_op(schemas: dict[tuple[str, ...], str], namespace: str = "npu") -> Callable[[Callable], Callable]:
     """Register a torch_npu spelling with its op-plugin schema text, keyed by the releases that have that text
-    (``"current"`` required; a release left out does not have the operator)."""
+    (``"current"`` required; a release left out does not have the operator). `namespace` is the torch.library
+    namespace install() defines it in: "npu", or "atb" for the ATB operators (torch.ops.atb.*)."""
 
     parsed = {release: parse_schema(text) for releases, text in schemas.items() for release in releases}
     if CURRENT not in parsed or any(r not in RELEASES for r in parsed):
         raise ValueError(f"schemas: expected releases among {RELEASES} including {CURRENT!r}, got {list(parsed)}")
 
     def register(impl: Callable) -> Callable:
-        op = NpuOp(impl.__name__, impl, parsed)
+        op = NpuOp(impl.__name__, impl, parsed, namespace=namespace)
 
         @functools.wraps(impl)
         def call(*args, **kwargs):

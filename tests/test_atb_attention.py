@@ -1,0 +1,283 @@
+"""The ATB attention operators vLLM calls through torch_npu (docs/operators/atb_attention.md), against the float64
+oracle of cann_attn.testing.atb_oracle, with the arguments built the way vllm-ascend builds them: context_lens and
+seq_len int32 on the host, block tables whose unused entries hold -1, stale or out-of-range ids, poisoned (NaN)
+pages wherever nothing may be read, GQA, value heads narrower than the key's, float16 and bfloat16 additive masks."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import cann_attn.torch_npu as torch_npu
+from cann_attn.errors import ParamInvalidError, ParamNullptrError
+from cann_attn.testing.atb_oracle import (
+    paged_attention_oracle,
+    self_attention_oracle,
+    splitfuse_oracle,
+)
+from paged_utils import paginate
+
+pytestmark = pytest.mark.usefixtures("single_thread")
+
+TOL = {torch.float16: dict(rtol=2e-3, atol=2e-3), torch.bfloat16: dict(rtol=1.6e-2, atol=1.6e-2)}
+
+
+def _host_int32(values) -> torch.Tensor:
+    return torch.tensor(values, dtype=torch.int32)  # vllm-ascend keeps seq_lens / query lens on the CPU
+
+
+def causal_additive_mask(size: int, dtype: torch.dtype) -> torch.Tensor:
+    """vllm-ascend's AttentionMaskBuilder310.gen_causal_additive_mask: 0 on and below the diagonal, -inf above."""
+    upper = ~torch.ones(size, size, dtype=torch.bool).tril_()
+    return torch.zeros(size, size, dtype=dtype).masked_fill_(upper, float("-inf"))
+
+
+def _cache(kv_lens, heads_kv, dim, dim_v, block_size, dtype, gen):
+    keys = [torch.randn(n, heads_kv, dim, generator=gen).to(dtype) for n in kv_lens]
+    values = [torch.randn(n, heads_kv, dim_v, generator=gen).to(dtype) for n in kv_lens]
+    caches, table = paginate({"key": keys, "value": values}, block_size, gen)
+    return caches["key"], caches["value"], table
+
+
+def _sentinel(shape, dtype) -> torch.Tensor:
+    return torch.full(shape, 7.0, dtype=dtype)
+
+
+# ------------------------------------------------------------------------------------------- _npu_paged_attention
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize(("heads", "heads_kv", "dim", "dim_v"), [(4, 2, 32, 32), (4, 1, 48, 16), (2, 0, 16, 16)])
+def test_paged_attention_decode_matches_the_oracle(dtype, heads, heads_kv, dim, dim_v, rng):
+    """One decode token per sequence (vllm-ascend forward_paged_attention); num_kv_heads=0 means num_heads."""
+    kv_lens = [37, 1, 16, 64, 0]
+    n_kv = heads_kv or heads
+    key_cache, value_cache, table = _cache(kv_lens, n_kv, dim, dim_v, 16, dtype, rng)
+    query = torch.randn(len(kv_lens), heads, dim, generator=rng).to(dtype)
+    out = torch.empty(len(kv_lens), heads, dim_v, dtype=dtype)
+    context_lens = _host_int32(kv_lens)
+    result = torch_npu._npu_paged_attention(query, key_cache, value_cache, heads_kv, heads, dim ** -0.5, table,
+                                            context_lens, out)
+    assert result is None  # `-> ()`: the result is in `out`
+    golden = paged_attention_oracle(query, key_cache, value_cache, heads_kv, heads, dim ** -0.5, table, context_lens)
+    assert torch.isfinite(out).all()  # nothing read from the NaN pages or through -1 / stale entries
+    torch.testing.assert_close(out.double(), golden, **TOL[dtype])
+    assert not out[-1].any()  # a sequence without keys gives zeros
+
+
+def test_paged_attention_keyword_call_and_workspace_as_vllm_graph_capture_makes_them(rng):
+    """vllm_ascend/attention/utils.py: get_workspace with the same arguments, then the call with workspace=."""
+    key_cache, value_cache, table = _cache([20, 9], 2, 16, 16, 16, torch.float16, rng)
+    query = torch.randn(2, 4, 16, generator=rng).half()
+    out = torch.empty(2, 4, 16, dtype=torch.float16)
+    kw = dict(query=query, key_cache=key_cache, value_cache=value_cache, num_kv_heads=2, num_heads=4,
+              scale_value=0.25, block_table=table, context_lens=_host_int32([20, 9]), out=out)
+    workspace = torch_npu._npu_paged_attention_get_workspace(**kw)
+    assert workspace.dtype == torch.uint8
+    torch_npu._npu_paged_attention(**kw, workspace=workspace)
+    torch.testing.assert_close(out.double(), paged_attention_oracle(query, key_cache, value_cache, 2, 4, 0.25, table,
+                                                                    [20, 9]), **TOL[torch.float16])
+
+
+# -------------------------------------------------------------------------------- _npu_paged_attention_splitfuse
+def splitfuse_mask(q_lens, kv_lens, max_seq_len, dtype):
+    """vllm-ascend AttentionMaskBuilder310.get_splitfuse_mask: the causal rows of each query token's position."""
+    positions = [p for ql, cl in zip(q_lens, kv_lens, strict=True) for p in range(cl - ql, cl)]
+    return causal_additive_mask(max_seq_len, dtype).index_select(0, torch.tensor(positions))
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_splitfuse_mixing_a_chunk_a_fresh_prompt_and_decodes_matches_the_oracle(dtype, rng):
+    """A chunk of 8 after 20 cached tokens, a fresh prompt of 12, three decodes: chunked prefill as vLLM batches it."""
+    q_lens, kv_lens = [8, 12, 1, 1, 1], [28, 12, 33, 5, 17]
+    heads, heads_kv, dim = 4, 2, 32
+    key_cache, value_cache, table = _cache(kv_lens, heads_kv, dim, dim, 16, dtype, rng)
+    query = torch.randn(sum(q_lens), heads, dim, generator=rng).to(dtype)
+    mask = splitfuse_mask(q_lens, kv_lens, 40, dtype)
+    out = torch.empty(sum(q_lens), heads, dim, dtype=dtype)
+    torch_npu._npu_paged_attention_splitfuse(
+        query=query, key_cache=key_cache, value_cache=value_cache, mask=mask, block_table=table,
+        seq_len=_host_int32(q_lens), context_lens=_host_int32(kv_lens), num_kv_heads=heads_kv, num_heads=heads,
+        scale_value=dim ** -0.5, out=out)
+    golden = splitfuse_oracle(query, key_cache, value_cache, table, kv_lens, mask, q_lens, heads_kv, heads,
+                              dim ** -0.5)
+    torch.testing.assert_close(out.double(), golden, **TOL[dtype])
+
+
+def test_splitfuse_reads_the_mask_rows_of_each_token(rng):
+    """op-plugin's test_atb_paged_attention_splitfuse mask (-10000 / 0 rows, bfloat16) and a random additive mask:
+    each token adds its own row, so a permuted mask changes the result."""
+    q_lens, kv_lens = [3, 1], [7, 4]
+    key_cache, value_cache, table = _cache(kv_lens, 1, 16, 8, 16, torch.bfloat16, rng)
+    query = torch.randn(4, 2, 16, generator=rng).bfloat16()
+    mask = torch.randn(4, 9, generator=rng).bfloat16()
+    args = dict(key_cache=key_cache, value_cache=value_cache, block_table=table, context_lens=_host_int32(kv_lens),
+                seq_len=_host_int32(q_lens), num_kv_heads=1, num_heads=2, scale_value=0.3)
+    out = torch.empty(4, 2, 8, dtype=torch.bfloat16)
+    torch_npu._npu_paged_attention_splitfuse(query, mask=mask, out=out, **args)
+    golden = splitfuse_oracle(query, key_cache, value_cache, table, kv_lens, mask, q_lens, 1, 2, 0.3)
+    torch.testing.assert_close(out.double(), golden, **TOL[torch.bfloat16])
+    flipped = torch.empty_like(out)
+    torch_npu._npu_paged_attention_splitfuse(query, mask=mask.flip(0), out=flipped, **args)
+    assert not torch.equal(flipped, out)
+
+
+# -------------------------------------------------------------------- _npu_flash_attention / _npu_flash_attention_unpad
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_flash_attention_with_the_shared_causal_mask_matches_the_oracle(dtype, rng):
+    """vllm-ascend 310P prefill: packed prompts, a [max_seqlen, max_seqlen] -inf causal mask, seq_len on the host;
+    GQA and a value head size below the key's (op-plugin's test_atb_flash_attention draws embed_v < embed)."""
+    seq = [5, 9, 9, 3]
+    heads, heads_kv, dim, dim_v = 4, 2, 32, 24
+    query = torch.randn(sum(seq), heads, dim, generator=rng).to(dtype)
+    key = torch.randn(sum(seq), heads_kv, dim, generator=rng).to(dtype)
+    value = torch.randn(sum(seq), heads_kv, dim_v, generator=rng).to(dtype)
+    mask = causal_additive_mask(16, dtype)
+    out = torch.empty(sum(seq), heads, dim_v, dtype=dtype)
+    torch_npu._npu_flash_attention(query=query, key=key, value=value, mask=mask, seq_len=_host_int32(seq),
+                                   scale_value=dim ** -0.5, num_heads=heads, num_kv_heads=heads_kv, out=out)
+    golden = self_attention_oracle(query, key, value, seq, dim ** -0.5, mask)
+    torch.testing.assert_close(out.double(), golden, **TOL[dtype])
+
+
+def test_flash_attention_with_a_mask_per_sequence(rng):
+    seq = [4, 6]
+    query = torch.randn(10, 2, 16, generator=rng).half()
+    key, value = (torch.randn(10, 2, 16, generator=rng).half() for _ in range(2))
+    mask = torch.randn(2, 6, 6, generator=rng).half()
+    out = torch.empty(10, 2, 16, dtype=torch.float16)
+    torch_npu._npu_flash_attention(query, key, value, mask, _host_int32(seq), 0.25, 2, 2, out)
+    torch.testing.assert_close(out.double(), self_attention_oracle(query, key, value, seq, 0.25, mask),
+                               **TOL[torch.float16])
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_flash_attention_unpad_matches_the_oracle(dtype, rng):
+    """vllm-ascend's encoder path (device_op.npu_flash_attention): no mask, every token sees its whole sequence."""
+    seq = [7, 1, 12]
+    query = torch.randn(20, 4, 32, generator=rng).to(dtype)
+    key, value = (torch.randn(20, 1, 32, generator=rng).to(dtype) for _ in range(2))
+    out = torch.empty_like(query)
+    torch_npu._npu_flash_attention_unpad(query=query, key=key, value=value, seq_len=_host_int32(seq),
+                                         scale_value=32 ** -0.5, num_heads=4, num_kv_heads=1, out=out)
+    torch.testing.assert_close(out.double(), self_attention_oracle(query, key, value, seq, 32 ** -0.5),
+                               **TOL[dtype])
+
+
+# --------------------------------------------------------------------------------------------------- bad input
+def _paged_args(rng):
+    key_cache, value_cache, table = _cache([20, 9], 2, 16, 16, 16, torch.float16, rng)
+    return dict(query=torch.randn(2, 4, 16, generator=rng).half(), key_cache=key_cache, value_cache=value_cache,
+                num_kv_heads=2, num_heads=4, scale_value=0.25, block_table=table,
+                context_lens=_host_int32([20, 9]), out=_sentinel((2, 4, 16), torch.float16))
+
+
+PAGED_BAD = [
+    ({"num_heads": 0}, "num_heads"),
+    ({"num_kv_heads": 3}, "num_kv_heads"),
+    ({"num_kv_heads": -1}, "num_kv_heads"),
+    ({"query": "q"}, "query"),
+    ({"query": lambda a: a["query"].float()}, "query"),
+    ({"query": lambda a: a["query"][:, :3]}, "query"),
+    ({"key_cache": lambda a: a["key_cache"].bfloat16()}, "key_cache"),
+    ({"key_cache": lambda a: a["key_cache"][..., :8]}, "key_cache"),
+    ({"key_cache": lambda a: a["key_cache"][:, :, :1]}, "key_cache"),
+    ({"value_cache": lambda a: a["value_cache"][:-1]}, "value_cache"),
+    ({"key_cache": lambda a: a["key_cache"][:, :8], "value_cache": lambda a: a["value_cache"][:, :8]}, "key_cache"),
+    ({"block_table": lambda a: a["block_table"].long()}, "block_table"),
+    ({"block_table": lambda a: a["block_table"][:1]}, "block_table"),
+    ({"block_table": lambda a: torch.full_like(a["block_table"], -1)}, "block_table"),
+    ({"context_lens": lambda a: a["context_lens"].long()}, "context_lens"),
+    ({"context_lens": _host_int32([20])}, "context_lens"),
+    ({"context_lens": _host_int32([20, -1])}, "context_lens"),
+    ({"context_lens": _host_int32([20, 200])}, "block_table"),
+    ({"scale_value": "x"}, "scale_value"),
+    ({"out": lambda a: a["out"][:, :, :8]}, "out"),
+    ({"out": lambda a: a["out"].bfloat16()}, "out"),
+]
+
+
+def _apply(args: dict, change: dict) -> dict:
+    return args | {k: (v(args) if callable(v) else v) for k, v in change.items()}
+
+
+@pytest.mark.parametrize(("change", "param"), PAGED_BAD)
+def test_paged_attention_bad_input_names_the_parameter_and_leaves_out_untouched(change, param, rng):
+    args = _apply(_paged_args(rng), change)
+    out = args["out"]
+    with pytest.raises(ParamInvalidError, match=rf"\] {param}:"):
+        torch_npu._npu_paged_attention(**args)
+    if isinstance(out, torch.Tensor):
+        assert (out == 7).all()
+
+
+@pytest.mark.parametrize("missing", ["query", "block_table", "context_lens", "out", "key_cache"])
+def test_paged_attention_missing_tensor_is_a_nullptr_error(missing, rng):
+    args = _paged_args(rng) | {missing: None}
+    with pytest.raises(ParamNullptrError, match=rf"\] {missing}:"):
+        torch_npu._npu_paged_attention(**args)
+
+
+def _splitfuse_args(rng):
+    q_lens, kv_lens = [3, 1], [7, 4]
+    key_cache, value_cache, table = _cache(kv_lens, 2, 16, 16, 16, torch.float16, rng)
+    return dict(query=torch.randn(4, 4, 16, generator=rng).half(), key_cache=key_cache, value_cache=value_cache,
+                block_table=table, context_lens=_host_int32(kv_lens), mask=splitfuse_mask(q_lens, kv_lens, 8,
+                                                                                           torch.float16),
+                seq_len=_host_int32(q_lens), num_kv_heads=2, num_heads=4, scale_value=0.25,
+                out=_sentinel((4, 4, 16), torch.float16))
+
+
+SPLITFUSE_BAD = [
+    ({"seq_len": _host_int32([3, 2])}, "seq_len"),
+    ({"seq_len": _host_int32([4, 0]), "context_lens": _host_int32([3, 4])}, "seq_len"),
+    ({"context_lens": _host_int32([7])}, "context_lens"),
+    ({"mask": lambda a: a["mask"].bfloat16()}, "mask"),
+    ({"mask": lambda a: a["mask"][:3]}, "mask"),
+    ({"mask": lambda a: a["mask"][:, :6]}, "mask"),
+    ({"out": lambda a: a["out"][:3]}, "out"),
+]
+
+
+@pytest.mark.parametrize(("change", "param"), SPLITFUSE_BAD)
+def test_splitfuse_bad_input_names_the_parameter(change, param, rng):
+    args = _apply(_splitfuse_args(rng), change)
+    with pytest.raises(ParamInvalidError, match=rf"\] {param}:"):
+        torch_npu._npu_paged_attention_splitfuse(**args)
+    assert (args["out"] == 7).all()
+
+
+def _flash_args(rng):
+    return dict(query=torch.randn(10, 4, 16, generator=rng).half(), key=torch.randn(10, 2, 16, generator=rng).half(),
+                value=torch.randn(10, 2, 8, generator=rng).half(), mask=causal_additive_mask(6, torch.float16),
+                seq_len=_host_int32([4, 6]), scale_value=0.25, num_heads=4, num_kv_heads=2,
+                out=_sentinel((10, 4, 8), torch.float16))
+
+
+FLASH_BAD = [
+    ({"seq_len": _host_int32([4, 5])}, "seq_len"),
+    ({"seq_len": torch.tensor([4, 6])}, "seq_len"),
+    ({"key": lambda a: a["key"][:9]}, "key"),
+    ({"key": lambda a: a["key"][..., :8]}, "key"),
+    ({"value": lambda a: a["value"][:, :1]}, "value"),
+    ({"mask": lambda a: a["mask"][:5, :5]}, "mask"),
+    ({"mask": lambda a: a["mask"].expand(3, 6, 6)}, "mask"),
+    ({"mask": lambda a: a["mask"].float()}, "mask"),
+    ({"out": lambda a: a["out"][..., :4]}, "out"),
+    ({"num_kv_heads": 3}, "num_kv_heads"),
+]
+
+
+@pytest.mark.parametrize(("change", "param"), FLASH_BAD)
+def test_flash_attention_bad_input_names_the_parameter(change, param, rng):
+    args = _apply(_flash_args(rng), change)
+    with pytest.raises(ParamInvalidError, match=rf"\] {param}:"):
+        torch_npu._npu_flash_attention(**args)
+    assert (args["out"] == 7).all()
+    unpad = {k: v for k, v in args.items() if k != "mask"}
+    if param != "mask":
+        with pytest.raises(ParamInvalidError, match=rf"\] {param}:"):
+            torch_npu._npu_flash_attention_unpad(**unpad)
+
+
+def test_flash_attention_requires_its_mask(rng):
+    with pytest.raises(ParamNullptrError, match=r"\] mask:"):
+        torch_npu._npu_flash_attention(**(_flash_args(rng) | {"mask": None}))
