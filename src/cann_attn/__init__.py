@@ -7,6 +7,7 @@ from . import library  # noqa: F401  (registers the cann_attn::* custom ops)
 from .autograd import dense_indexer_kl_loss, flash_attention, indexer_kl_loss, sparse_attention
 from .backends import BackendFallbackWarning
 from .errors import AclnnError, ParamInvalidError, ParamNullptrError
+from .ops import atb_attention as atb
 from .ops.attention_update import AttentionUpdateResult, attention_update
 from .ops.dense_indexer import (
     DenseLightningIndexerGradKLLossResult,
@@ -60,6 +61,7 @@ __all__ = [
     "SparseFlashAttentionResult",
     "SparseLightningIndexerGradKLLossResult",
     "__version__",
+    "atb",
     "attention_update",
     "compressed_mask",
     "dense_indexer_kl_loss",
