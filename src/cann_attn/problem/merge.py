@@ -73,7 +73,13 @@ def merge_blocks(
     weight_a = sum_a * torch.exp(max_a - merged_max)
     weight_b = sum_b * torch.exp(max_b - merged_max)
     merged_sum = weight_a + weight_b
-    blended = out_a * (weight_a / merged_sum).unsqueeze(-1) + out_b * (weight_b / merged_sum).unsqueeze(-1)
+    # Each weight is at most its block's sum, but two sums near FLT_MAX add up to inf (the merged sum then is inf,
+    # as the true value exceeds the format), and w / inf = 0 would zero the output. There the blend's ratios come
+    # from the halved weights, an exact scaling: the output stays the weighted mean. Other rows keep their bits.
+    half = torch.where(merged_sum.isinf() & weight_a.isfinite() & weight_b.isfinite(), 0.5, 1.0)
+    weight_a, weight_b = weight_a * half, weight_b * half
+    total = weight_a + weight_b
+    blended = out_a * (weight_a / total).unsqueeze(-1) + out_b * (weight_b / total).unsqueeze(-1)
 
     both = empty_a & empty_b
     invalid_max = torch.full_like(merged_max, -FLT_MAX)

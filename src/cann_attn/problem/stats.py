@@ -21,6 +21,26 @@ def accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
+# Bound on |P V| accumulations: with every p_j <= 1, |sum_j p_j v_j| <= Skv * max|v|; kept below 2^126 leaves room
+# for the sink's and the correction's factors (<= 1) and for summation rounding.
+ACCUMULATION_LIMIT = 2.0**126
+
+
+def value_column_scales(column_max: torch.Tensor, seq_kv: int) -> torch.Tensor | None:
+    """The overflow rule of P V (docs/semantics/precision.md, "Values near the float maximum"): the exact powers of
+    two 2^-k, per value column (`column_max` = max |v| over the keys, any shape), by which V is scaled before the
+    accumulation so that seq_kv * max|v| * 2^-k stays below ACCUMULATION_LIMIT; the output is then divided by
+    row_sum * 2^-k. A power of two changes no bit of a normal number, so only inputs whose accumulation would
+    overflow (a finite answer near FLT_MAX turned into inf) are affected. None where no column needs it (k = 0
+    everywhere, and always for non-finite columns, whose NaN / inf stay as the formulas give them)."""
+    bound = column_max.double() * max(seq_kv, 1)
+    k = torch.where(bound.isfinite() & (bound >= ACCUMULATION_LIMIT),
+                    torch.ceil(torch.log2(bound / ACCUMULATION_LIMIT)) + 1, 0.0)
+    if not bool(k.any()):
+        return None
+    return torch.exp2(-k).to(torch.float32)
+
+
 def check_softmax_layout(softmax_layout: str) -> str:
     if softmax_layout not in SOFTMAX_LAYOUTS:
         raise ParamInvalidError(f"softmax_layout: expected '' or 'TND', got {softmax_layout!r}")

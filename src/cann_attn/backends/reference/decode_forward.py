@@ -14,6 +14,7 @@ from __future__ import annotations
 import torch
 
 from ...problem.attention import AttentionProblem
+from ...problem.stats import value_column_scales
 from . import native
 
 
@@ -55,7 +56,16 @@ def forward(problem: AttentionProblem, query, key, value, out, softmax_max=None,
     seen = (lengths > 0).nonzero().view(-1)
     if seen.numel() == 0:
         return
-    normalised = (acc / row_sum.unsqueeze(-1)).view(batch, heads, -1)
+    denom = row_sum.unsqueeze(-1)
+    if not bool(torch.isfinite(acc).all()):
+        # P V overflowed on values near FLT_MAX: again with V scaled by exact powers of two per column (`stats`),
+        # as fp32 copies of the caches (the loop reads key and value in one dtype).
+        scales = value_column_scales(value.abs().amax(dim=tuple(range(value.dim() - 1))), int(lengths.max()))
+        if scales is not None:
+            native.decode_rows(q.view(pairs, group, -1), key.float(), value.float() * scales, lengths, acc, row_max,
+                               row_sum, block_table)
+            denom = denom * scales
+    normalised = (acc / denom).view(batch, heads, -1)
     out[seen, :, 0] = normalised[seen].to(out.dtype)
     if softmax_max is not None:
         softmax_max[seen, :, 0] = row_max.view(batch, heads)[seen].unsqueeze(-1).to(softmax_max.dtype)

@@ -31,7 +31,7 @@ from ...problem import sink as sinks
 from ...problem.attention import AttentionProblem, Run
 from ...problem.mask import TileState, add_mask_bias, mask_bias
 from ...problem.pse import ALIBI_TYPES
-from ...problem.stats import FLT_MAX, accumulation_dtype
+from ...problem.stats import FLT_MAX, accumulation_dtype, value_column_scales
 from . import native
 from .softmax_exp import EXP2_FLOOR, LOG2E, exp_shifted_
 
@@ -419,10 +419,12 @@ class RunKernel:
             row_max = torch.full((c, problem.heads_q, rows), float("-inf"), dtype=self.dtype, device=self.device)
             row_sum = torch.zeros_like(row_max)
             acc = torch.empty((c * n2, q_tile.shape[1], dv), dtype=self.dtype, device=self.device)
-            if self.fused:
-                self._fused_forward(q_tile, i0, i1, row_max, row_sum, acc)
-            else:
-                self._forward_tiles(q_tile, i0, i1, row_max, row_sum, acc)
+            self._accumulate(q_tile, i0, i1, row_max, row_sum, acc)
+            if self.value_scales is None and not bool(torch.isfinite(acc).all()) and self._scale_values():
+                # P V overflowed on values near FLT_MAX: again with V scaled by exact powers of two (`stats`).
+                row_max.fill_(float("-inf"))
+                row_sum.zero_()
+                self._accumulate(q_tile, i0, i1, row_max, row_sum, acc)
             if sink_heads is not None:
                 # The sink joins the finished running statistics before the fp32 output is normalised (and rounded).
                 acc.mul_(sinks.merge_into_rows_(row_max, row_sum, sink_heads).view(c * n2, -1, 1))
@@ -432,11 +434,33 @@ class RunKernel:
             # keys would pass NaN input off as a fully masked row.
             valid = row_sum != 0
             denom = torch.where(valid, row_sum * problem.keep_prob, 1.0).view(c, problem.heads_q, rows, 1)
+            if self.value_scales is not None:  # [c, N1, 1, Dv]: acc holds sums of the scaled values
+                denom = denom * self.value_scales
             # One pass: divided in fp32 and rounded once on the store into the output's dtype.
             torch.div(acc.view(c, problem.heads_q, rows, dv), denom, out=out_view[:, :, i0:i1])
             if max_view is not None:
                 write_stat(max_view[:, :, i0:i1], torch.where(valid, row_max, -FLT_MAX))
                 write_stat(sum_view[:, :, i0:i1], torch.where(valid, row_sum, FLT_MAX))
+
+    def _accumulate(self, q_tile, i0: int, i1: int, row_max, row_sum, acc) -> None:
+        if self.fused:
+            self._fused_forward(q_tile, i0, i1, row_max, row_sum, acc)
+        else:
+            self._forward_tiles(q_tile, i0, i1, row_max, row_sum, acc)
+
+    value_scales: torch.Tensor | None = None
+
+    def _scale_values(self) -> bool:
+        """Scale V (a copy) per kv head and column by `stats.value_column_scales`; False where no column needs it
+        (the non-finite accumulator came from NaN or inf input)."""
+        scales = value_column_scales(self.v.abs().amax(dim=1, keepdim=True), self.run.seq_kv)  # [c*N2, 1, Dv]
+        if scales is None:
+            return False
+        self.v = self.v * scales
+        group = self.problem.heads_q // self.problem.heads_kv
+        self.value_scales = scales.view(self.run.count, self.problem.heads_kv, 1, 1, -1).expand(
+            -1, -1, group, 1, -1).reshape(self.run.count, self.problem.heads_q, 1, -1)
+        return True
 
     def forward_rows(self) -> int:
         """Query rows per forward tile. Where every tile is one call of the fused loops (no pse tensor, no dropout)

@@ -41,8 +41,10 @@ def _ring_update_kernel(A, B, MA, SA, MB, SB, OUT, MO, SO, R, D, stride_a, strid
     wa = sa * tl.exp(ma - m)
     wb = sb * tl.exp(mb - m)
     s = wa + wb
-    fa = wa / s
-    fb = wb / s
+    # Two finite weights whose sum overflows: the ratios from the halves, exactly (cann_attn.problem.merge).
+    half = tl.where((s == float("inf")) & (wa < float("inf")) & (wb < float("inf")), 0.5, 1.0)
+    fa = (wa * half) / (wa * half + wb * half)
+    fb = (wb * half) / (wa * half + wb * half)
     new_m = tl.where(both, -FLT_MAX, tl.where(empty_b, ma, tl.where(empty_a, mb, m)))
     new_s = tl.where(both, FLT_MAX, tl.where(empty_b, sa, tl.where(empty_a, sb, s)))
     tl.store(MO + rows, new_m, mask=live)
