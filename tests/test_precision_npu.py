@@ -16,10 +16,12 @@ from cann_attn.testing.npu_recipes import (
     assert_within_ulps,
     fa_grad_recipe,
     fa_recipe,
+    ifa_recipe,
     op_plugin_pfa_golden,
     pfa_recipe,
     rnd,
 )
+from paged_utils import paginate
 
 HALF_TYPES = [torch.float16, torch.bfloat16]
 
@@ -136,6 +138,42 @@ def test_pfa_npu_mode_within_two_ulps(dtype):
     if dtype == torch.float16:  # the recipe tells the fp16 pipeline from the fp32 one
         with pytest.raises(AssertionError):
             assert_within_ulps(exact, pfa_recipe(q, k, v, 0.125, 1, mask=mask, pse=pse))
+
+
+@pytest.mark.parametrize("dtype", HALF_TYPES)
+@pytest.mark.parametrize("inner_precise", [0, 1])
+def test_fia_prefill_runs_the_pfa_pipeline_of_its_inner_precise(dtype, inner_precise):
+    q, k, v = _inputs(dtype)
+    with cann_attn.precision("npu"):
+        out, _ = cann_attn.fused_infer_attention_score(q, k, v, num_heads=4, num_key_value_heads=2,
+                                                       input_layout="BNSD", scale=0.125, inner_precise=inner_precise)
+    assert_within_ulps(out, pfa_recipe(q, k, v, 0.125, inner_precise))
+    if dtype == torch.float16:  # the two fp16 pipelines are told apart
+        with pytest.raises(AssertionError):
+            assert_within_ulps(out, pfa_recipe(q, k, v, 0.125, 1 - inner_precise))
+
+
+@pytest.mark.parametrize("dtype", HALF_TYPES)
+def test_decode_runs_the_ifa_pipeline(dtype):
+    q, k, v = _inputs(dtype, sq=1, skv=300)
+    q = torch.cat([q, q * 0.5])  # two sequences
+    k, v = torch.cat([k, k.flip(2)]), torch.cat([v, v.flip(2)])
+    recipe = ifa_recipe(q, k, v, 0.125)
+    with cann_attn.precision("npu"):
+        fia, _ = cann_attn.fused_infer_attention_score(q, k, v, num_heads=4, num_key_value_heads=2,
+                                                       input_layout="BNSD", scale=0.125)
+        ifa = cann_attn.incre_flash_attention(q, k, v, num_heads=4, num_key_value_heads=2, input_layout="BNSD",
+                                              scale_value=0.125)
+        # Paged caches: the same pipeline over the gathered blocks.
+        per_seq = {"key": [k[b].permute(1, 0, 2) for b in range(2)], "value": [v[b].permute(1, 0, 2) for b in range(2)]}
+        caches, table = paginate(per_seq, 128, torch.Generator().manual_seed(2))
+        paged, _ = cann_attn.fused_infer_attention_score(
+            q.transpose(1, 2).flatten(2), caches["key"].flatten(2), caches["value"].flatten(2), num_heads=4,
+            num_key_value_heads=2, input_layout="BSH", scale=0.125, block_table=table, block_size=128,
+            actual_seq_lengths_kv=[300, 300])
+    assert_within_ulps(fia, recipe)
+    assert torch.equal(fia, ifa)
+    assert torch.equal(paged, fia.transpose(1, 2).flatten(2))
 
 
 def test_pfa_int8_npu_mode_within_two_ulps():

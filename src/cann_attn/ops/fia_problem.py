@@ -92,6 +92,8 @@ class FiaProblem:
     plan: QuantPlan
     scale: float
     softmax_lse_flag: bool
+    # Picks the PFA kernel's pipeline in the "npu" precision mode (docs/semantics/precision.md).
+    inner_precise: int = 0
 
     @property
     def packed(self) -> bool:
@@ -569,7 +571,7 @@ def build_fia_problem(
         decode=decode, act_q=act_q_list, act_kv=act_kv_list, pages=pages, antiquant=antiquant, prefix=prefix,
         q_pad=q_pad, kv_pad=kv_pad, sparse_mode=mode, pre_tokens=pre, next_tokens=nxt, atten_mask=mask,
         mask_views=mask_views, pse_shift=pse_shift, plan=plan, scale=float(scale),
-        softmax_lse_flag=softmax_lse_flag,
+        softmax_lse_flag=softmax_lse_flag, inner_precise=inner_precise,
     )
     if left_padding:
         _check_padded_windows(problem)

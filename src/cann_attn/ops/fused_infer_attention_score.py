@@ -163,7 +163,8 @@ def _dispatch(p: FiaProblem, out: torch.Tensor, lse: torch.Tensor | None, backen
     """Fill `out` (and `lse`) for a validated problem: packed sequences one by one, paged caches in place or per
     group of equal lengths, left-padded batches one by one, everything else in one `attend`."""
     common = {"heads_kv": p.heads_kv, "scale": p.scale, "sparse_mode": p.sparse_mode, "pre_tokens": p.pre_tokens,
-              "next_tokens": p.next_tokens, "plan": p.plan, "backend": backend, "op": "fused_infer_attention_score"}
+              "next_tokens": p.next_tokens, "plan": p.plan, "backend": backend, "op": "fused_infer_attention_score",
+              "inner_precise": p.inner_precise, "decode": p.decode}
     q_in = _query_with_rope(p)
     if p.packed:
         _attend_packed(p, q_in, out, lse, common)

@@ -201,12 +201,13 @@ def attend(
     query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, out: torch.Tensor, *, heads_kv: int, scale: float,
     atten_mask, mask_views, sparse_mode: int, act_q: list[int], act_kv: list[int], pre_tokens: int, next_tokens: int,
     pse_shift, plan: QuantPlan, backend: str, op: str, softmax_lse: torch.Tensor | None = None,
-    inner_precise: int = 1,
+    inner_precise: int = 1, decode: bool | None = None,
 ) -> None:
     """Fill `out` ([B, N, Sq, Dv] view of the zero-initialised output) with attention over [B, N(kv), S, D] views,
     and `softmax_lse` ([B, N, Sq, 1] float32 view) when given: lse = max + log(sum) of the scaled, masked logits,
     `INVALID_LSE` for rows that see no key. `mask_views` are `validate_mask`'s per-batch views. `inner_precise`
-    picks the kernel's pipeline in the "npu" precision mode (docs/semantics/precision.md)."""
+    and `decode` (FIA's choice of the IFA kernel; default: one query row) pick the kernel's pipeline in the "npu"
+    precision mode (docs/semantics/precision.md)."""
     problem = _bnsd_problem(query, value, heads_kv, scale, atten_mask, mask_views, sparse_mode, act_q, act_kv,
                             pre_tokens, next_tokens, pse_shift)
     # With the tensors, the check also covers the kernels' int32 in-sequence offsets (no limit on S here).
@@ -219,7 +220,7 @@ def attend(
         return
     if precision.npu_mode():
         pipeline = precision.infer_pipeline(op, query.dtype, key.dtype, plan.output_dtype, inner_precise,
-                                            query.shape[2])
+                                            query.shape[2] == 1 if decode is None else decode)
         _attend_npu(problem, pipeline, query, key, value, out, plan, softmax_lse)
         return
     if query.dtype == torch.int8:
@@ -263,13 +264,14 @@ def attend_paged(
     query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, out: torch.Tensor, *, block_table: torch.Tensor,
     heads_kv: int, scale: float, atten_mask, mask_views, sparse_mode: int, act_q: list[int], act_kv: list[int],
     pre_tokens: int, next_tokens: int, pse_shift, plan: QuantPlan, backend: str, op: str,
-    softmax_lse: torch.Tensor | None = None,
+    softmax_lse: torch.Tensor | None = None, inner_precise: int = 1, decode: bool | None = None,
 ) -> bool:
     """`attend` over paged caches read in place (docs/semantics/paged-kv.md): key / value are [block_num, N2,
     block_size, D] views and `block_table` maps each sequence's logical blocks. The Triton dense kernel reads any
     case it supports through the table; on the reference backend the decode loop does (one query token, no mask or
     pse), the loop contiguous caches take, so the bits are the same. Returns False, computing nothing, where
-    neither applies (int8, or another reference case): the caller then gathers."""
+    neither applies (int8, the "npu" precision mode, or another reference case): the caller then gathers; the caller
+    passes `inner_precise` and `decode` on to `attend`."""
     if query.dtype == torch.int8 or plan.output_dtype == torch.int8 or precision.npu_mode():
         return False
     problem = _bnsd_problem(query, value, heads_kv, scale, atten_mask, mask_views, sparse_mode, act_q, act_kv,

@@ -216,12 +216,13 @@ def ifa_pipeline(kv_dtype: torch.dtype, out_dtype: torch.dtype) -> AttentionPipe
 
 
 def infer_pipeline(op: str, dtype: torch.dtype, kv_dtype: torch.dtype, out_dtype: torch.dtype, inner_precise: int,
-                   seq_q: int) -> AttentionPipeline:
+                   decode: bool) -> AttentionPipeline:
     """The pipeline of an inference operator's kernel: IncreFlashAttention, and FusedInferAttentionScore with one
-    query token, run the IFA kernel; PromptFlashAttention and FIA's prefill the PFA kernel with `inner_precise`
-    (torch_npu's npu_prompt_flash_attention passes 1)."""
-    if op == "incre_flash_attention" or (op.startswith("fused_infer_attention_score") and seq_q == 1):
-        return ifa_pipeline(kv_dtype, out_dtype if out_dtype != torch.int8 else dtype)
+    query token (`decode`), run the IFA kernel; PromptFlashAttention and FIA's prefill the PFA kernel with
+    `inner_precise` (torch_npu's npu_prompt_flash_attention passes 1). An int8 output is quantised from the
+    pipeline's output in the input dtype."""
+    if op == "incre_flash_attention" or (op.startswith("fused_infer_attention_score") and decode):
+        return ifa_pipeline(kv_dtype, dtype if out_dtype == torch.int8 else out_dtype)
     return pfa_pipeline(dtype, inner_precise)
 
 
