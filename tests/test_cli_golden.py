@@ -34,6 +34,8 @@ OPS = (
     "sparse_flash_attention_grad",
     "lightning_indexer",
     "sparse_lightning_indexer_grad_kl_loss",
+    "fused_infer_attention_score",
+    "incre_flash_attention",
 )
 
 SMALL_FA = {

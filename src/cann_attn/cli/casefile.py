@@ -28,6 +28,9 @@ Generators (``"generator"``; the default is ``normal`` for float dtypes, ``randi
 - ``drop_mask``: ``cann_attn.gen_drop_mask`` for params.keep_prob over the problem's B x N1 x Sq x Skv;
 - ``sparse_indices``: shape [B, S1, 1, K] / [T1, 1, K]: for each row up to K distinct blocks it may see
   (sparse_mode, sparse_block_size, actual lengths from params), in random order, then -1;
+- ``block_table``: shape [B, W], int32: for a paged key cache (FIA / IFA ``block_size`` + BnBsH or BnNBsD caches,
+  SFA / LI ``"PA_BSND"``), sequence b's first ceil(L_b / block_size) entries name distinct cache blocks in random
+  order, the rest -1 (L_b from the operator's key-length parameter; docs/semantics/paged-kv.md);
 - ``lightning_indexer``: the top-K indices of the float64 LightningIndexer oracle on query_index, key_index and
   weights (K = shape[-1]).
 
@@ -76,8 +79,17 @@ GENERATORS: dict[str, tuple[str, ...]] = {  # generator -> its options
     "drop_mask": (),
     "sparse_indices": (),
     "lightning_indexer": (),
+    "block_table": (),
 }
-DEPENDENT = ("drop_mask", "sparse_indices", "lightning_indexer")
+DEPENDENT = ("drop_mask", "sparse_indices", "lightning_indexer", "block_table")
+# Paged caches (docs/semantics/paged-kv.md): the operator's per-sequence key lengths and its cache tensor.
+PAGED_LENGTHS = {
+    "fused_infer_attention_score": ("actual_seq_lengths_kv", "key"),
+    "fused_infer_attention_score_v2": ("actual_seq_kvlen", "key"),
+    "incre_flash_attention": ("actual_seq_lengths", "key"),
+    "sparse_flash_attention": ("actual_seq_lengths_kv", "key"),
+    "lightning_indexer": ("actual_seq_lengths_key", "key_index"),
+}
 _FIXED_SHAPE = ("values", "trans_quant_param", "compressed_mask", "drop_mask")
 _INTEGER = (torch.int8, torch.uint8, torch.int16, torch.int32, torch.int64)
 MAX_SEED = 2**63 - 1  # torch.Generator.manual_seed takes 64-bit seeds
@@ -194,13 +206,17 @@ def _check_params(op: str, params: dict[str, Any], fail) -> None:
         if key not in scalars:
             raise fail(f"params.{key}: not a parameter of {op} (parameters: {', '.join(scalars)})")
         annotation = str(sig[key].annotation)
+        optional = annotation.endswith(" | None")
+        annotation = annotation.removesuffix(" | None")
         ok = {
             "int": _is_int(value),
             "float": _is_number(value),
             "str": isinstance(value, str),
             "bool": isinstance(value, bool),
         }.get(annotation)
-        if ok is None:  # lengths, prefix, start indices: an integer, a list of integers or null
+        if optional and value is None:
+            ok = True
+        elif ok is None:  # lengths, prefix, start indices: an integer, a list of integers or null
             ok = value is None or _is_int(value) or (isinstance(value, list) and all(_is_int(v) for v in value))
             annotation = "an integer or a list of integers"
         elif annotation == "float":
@@ -208,7 +224,7 @@ def _check_params(op: str, params: dict[str, Any], fail) -> None:
         else:
             annotation = {"int": "an integer", "str": "a string", "bool": "true or false"}[annotation]
         if not ok:
-            raise fail(f"params.{key}: expected {annotation}, got {json.dumps(value)}")
+            raise fail(f"params.{key}: expected {annotation}{' or null' * optional}, got {json.dumps(value)}")
     for key in scalars:
         p = sig[key]
         if p.default is p.empty and key not in params:
@@ -248,6 +264,7 @@ def _tensor_spec(name: str, spec: Any, fail) -> TensorSpec:
             raise fail(f"{field_}.{key}: unknown field for generator {generator} (fields: {', '.join(allowed)})")
     defaults = {"compressed_mask": torch.bool, "triu": torch.bool, "drop_mask": torch.uint8,
                 "sparse_indices": torch.int32, "lightning_indexer": torch.int32, "values": torch.float32,
+                "block_table": torch.int32,
                 "trans_quant_param": torch.int64}
     if dtype is None:
         if generator not in defaults:
@@ -376,7 +393,7 @@ def build_inputs(case: CaseFile, loaded: Mapping[str, tuple[torch.Tensor, str]])
             if (spec.generator in DEPENDENT) != dependent:
                 continue
             try:
-                t = _generate(spec, gen, named, case.params)
+                t = _generate(spec, gen, named, case.params, case.op)
                 if name in loaded:  # drawn all the same: the other tensors stay those of the seeded case
                     continue
                 named[name] = t
@@ -411,7 +428,7 @@ def _require_tensors(case: CaseFile, named: Mapping[str, Any], exclude: tuple[st
             raise CaseError(f"{case.path}: inputs.{name}: missing (required by {case.op})")
 
 
-def _generate(spec: TensorSpec, gen: torch.Generator, named: Mapping[str, Any], params: Mapping[str, Any]):
+def _generate(spec: TensorSpec, gen: torch.Generator, named: Mapping[str, Any], params: Mapping[str, Any], op: str):
     field_ = f"inputs.{spec.name}"
     o, g, dtype, shape = spec.options, spec.generator, spec.dtype, spec.shape
     if g == "normal":
@@ -442,6 +459,8 @@ def _generate(spec: TensorSpec, gen: torch.Generator, named: Mapping[str, Any], 
         t = _drop_mask(field_, gen, named, params)
     elif g == "sparse_indices":
         t = _sparse_indices(spec, gen, named, params)
+    elif g == "block_table":
+        t = _block_table(spec, gen, named, params, op)
     else:  # lightning_indexer
         t = _indexer_topk(spec, named, params)
     if shape is not None and g not in ("values", "trans_quant_param") and tuple(t.shape) != shape:
@@ -506,3 +525,37 @@ def _indexer_topk(spec: TensorSpec, named: Mapping[str, Any], params: Mapping[st
     kwargs = {k: params[k] for k in ("actual_seq_lengths_query", "actual_seq_lengths_key", "layout") if k in params}
     return lightning_indexer_oracle(qi, ki, w, sparse_count=shape[-1], sparse_mode=params.get("sparse_mode", 3),
                                     **kwargs)[0]
+
+
+def _block_table(spec: TensorSpec, gen: torch.Generator, named: Mapping[str, Any], params: Mapping[str, Any],
+                 op: str) -> torch.Tensor:
+    """[B, W]: sequence b's first ceil(L_b / block_size) entries name distinct physical blocks of the cache, drawn
+    in random order; the rest -1 (docs/semantics/paged-kv.md)."""
+    field_ = f"inputs.{spec.name}"
+    if op not in PAGED_LENGTHS:
+        raise CaseError(f"{field_}: {op} takes no paged cache")
+    lengths_name, cache_name = PAGED_LENGTHS[op]
+    (cache,) = _need(field_, named, cache_name)
+    (lengths,) = _need(field_, named, lengths_name)
+    lengths = [lengths] if _is_int(lengths) else list(lengths)
+    block_size = params.get("block_size") or (cache.shape[1] if cache.dim() >= 2 else 0)
+    if not _is_int(block_size) or block_size <= 0:
+        raise CaseError(f"{field_}: no block size (params.block_size or the cache's second dimension)")
+    shape = spec.shape
+    if shape is None or len(shape) != 2:
+        raise CaseError(f"{field_}.shape: expected [B, W] (sequences, table width)")
+    if len(lengths) != shape[0]:
+        raise CaseError(f"{field_}.shape: {shape[0]} rows but params.{lengths_name} has {len(lengths)} lengths")
+    needed = [-(-int(n) // block_size) for n in lengths]
+    if max(needed, default=0) > shape[1]:
+        raise CaseError(f"{field_}.shape: {shape[1]} columns, but a sequence needs {max(needed)} blocks of "
+                        f"{block_size}")
+    if sum(needed) > cache.shape[0]:
+        raise CaseError(f"inputs.{cache_name}.shape: {cache.shape[0]} blocks, but the sequences need {sum(needed)}")
+    perm = torch.randperm(cache.shape[0], generator=gen).tolist()
+    table = torch.full(tuple(shape), -1, dtype=torch.int64)
+    used = iter(perm)
+    for b, n in enumerate(needed):
+        for j in range(n):
+            table[b, j] = next(used)
+    return table

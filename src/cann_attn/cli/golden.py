@@ -91,6 +91,17 @@ def _run_operator(case, call: registry.Call, device: torch.device) -> tuple[dict
     return {n: t.detach().to("cpu") for n, t in outputs.items() if isinstance(t, torch.Tensor)}, elapsed
 
 
+def _check_parameters(case, named: dict[str, Any], sources: dict[str, str]) -> None:
+    """Every argument reaches the golden or is refused here (exit status 2): a golden that silently left one out
+    would fail a correct NPU kernel. Forward state derived by the oracle is not checked against itself."""
+    given = {k: v for k, v in named.items() if not sources.get(k, "").startswith("derived")}
+    try:
+        registry.OPERATORS[case.op].check(given)
+    except registry.UnsupportedParameter as exc:
+        where = "inputs" if exc.name in registry.tensor_parameters(case.op) else "params"
+        raise CaseError(f"{case.path}: {where}.{exc}") from None
+
+
 def _goldens(case, call: registry.Call, named: dict[str, Any], actual: dict[str, torch.Tensor]):
     op = registry.OPERATORS[case.op]
     dtypes = op.output_dtypes(named)
@@ -145,6 +156,7 @@ def run(args: argparse.Namespace) -> int:
     case = load_case(args.case, args.op)
     loaded = load_inputs(args.inputs, case) if args.inputs else {}
     named, sources = build_inputs(case, loaded)
+    _check_parameters(case, named, sources)
     call = registry.bind(case.op, named)
     actual, op_seconds = _run_operator(case, call, device)
     golden = _goldens(case, call, named, actual)

@@ -162,6 +162,25 @@ def without(named: Mapping[str, Any], *names: str) -> dict[str, Any]:
 DTypes = Callable[[Mapping[str, Any]], dict[str, torch.dtype]]
 
 
+# Parameters no golden depends on, with the reason (docs/guides/golden.md, "Every parameter reaches the golden").
+COMMON_NO_EFFECT = {"backend": "selects the implementation, not the result"}
+STATE_TOLERANCE = 2e-2  # a real fp16 / bf16 forward's statistics and output are within this of the float64 ones
+FORWARD_STATE = "checked against the float64 forward of the given inputs, which the golden differentiates"
+PRECISION_MODE = "a precision / performance mode of the NPU kernel; the golden is float64 whatever it is"
+
+
+class UnsupportedParameter(ValueError):
+    """A call sets a parameter the golden of its operator would not honour (it is neither passed to the oracle nor
+    documented as without effect): a golden computed without it would be silently wrong."""
+
+    def __init__(self, op: str, name: str, reason: str = "", message: str = "") -> None:
+        self.op, self.name = op, name
+        why = f" ({reason})" if reason else ""
+        super().__init__(
+            message or f"{name}: the golden of {op} does not take this parameter{why}; leave it out or at its default"
+        )
+
+
 @dataclass(frozen=True)
 class Operator:
     """What ``cann-attn golden`` needs to know about an operator beyond its signature.
@@ -171,7 +190,12 @@ class Operator:
       reference defines for this call (e.g. no ``dpse`` without a pse tensor);
     - ``output_dtypes(named) -> {name: dtype}``: the dtype of each output (goldens are cast to it);
     - ``state`` / ``derive(named) -> {name: tensor}``: the inputs a grad op takes from its forward (softmax
-      statistics, forward output), computed with the float64 forward oracle when not given.
+      statistics, forward output), computed with the float64 forward oracle when not given;
+    - every parameter of the operator's signature has one role (`roles`), so that none is ever dropped:
+      passed to ``oracle`` (the float64 oracle function; its parameter names, after ``renames`` from the
+      operator's spelling, decide which), read by the golden itself (``consumed``: name -> how), or without
+      effect on the result (``no_effect``: name -> why). Any other parameter set to a non-default value is
+      refused by `check` (`UnsupportedParameter`).
     """
 
     name: str
@@ -180,6 +204,82 @@ class Operator:
     output_dtypes: DTypes
     state: tuple[str, ...] = ()
     derive: Callable[[Mapping[str, Any]], dict[str, torch.Tensor]] | None = None
+    oracle: Callable[..., Any] | None = None
+    renames: Mapping[str, str] = field(default_factory=dict)
+    consumed: Mapping[str, str] = field(default_factory=dict)
+    no_effect: Mapping[str, str] = field(default_factory=dict)
+    unsupported: Mapping[str, str] = field(default_factory=dict)
+
+    def passed(self) -> tuple[str, ...]:
+        """The operator's parameters handed to the oracle (in the operator's spelling)."""
+        if self.oracle is None:
+            return ()
+        accepted = inspect.signature(self.oracle).parameters
+        return tuple(n for n in op_signature(self.name).parameters
+                     if self.renames.get(n, n) in accepted and n not in self.consumed)
+
+    def roles(self) -> dict[str, str]:
+        """Every parameter of the operator -> "oracle", "golden: how", "no effect: why" or "refused: why"."""
+        passed = self.passed()
+        no_effect = {**COMMON_NO_EFFECT, **self.no_effect}
+        out = {}
+        for n in op_signature(self.name).parameters:
+            if n in passed:
+                out[n] = "oracle"
+            elif n in self.consumed:
+                out[n] = f"golden: {self.consumed[n]}"
+            elif n in no_effect:
+                out[n] = f"no effect: {no_effect[n]}"
+            else:
+                out[n] = f"refused: {self.unsupported.get(n, 'the oracle has no such input')}"
+        return out
+
+    def check(self, named: Mapping[str, Any]) -> None:
+        """Raise `UnsupportedParameter` for the first argument the golden would not honour."""
+        params = op_signature(self.name).parameters
+        for n, role in self.roles().items():
+            if role.startswith("refused") and n in named and not is_default(named[n], params[n].default):
+                raise UnsupportedParameter(self.name, n, role.removeprefix("refused: "))
+        given = [n for n in self.state if self.consumed.get(n) == FORWARD_STATE and named.get(n) is not None]
+        if given and self.derive is not None:
+            self._check_state(named, given)
+
+    def _check_state(self, named: Mapping[str, Any], given: list[str]) -> None:
+        """A grad golden differentiates the forward of the given inputs: forward statistics / output that are not
+        those of that forward (beyond the rounding of a real forward) would make it the golden of another call."""
+        derived = self.derive(named)
+        for n in given:
+            ours, theirs = derived[n].double(), named[n].detach().cpu().double()
+            if ours.shape != theirs.shape:
+                problem = f"shape {list(theirs.shape)}, the forward's is {list(ours.shape)}"
+            elif not torch.allclose(theirs, ours, rtol=STATE_TOLERANCE, atol=STATE_TOLERANCE, equal_nan=True):
+                finite = torch.isfinite(ours) & torch.isfinite(theirs)
+                worst = (theirs - ours)[finite].abs().max().item() if finite.any() else float("inf")
+                problem = f"differs from the forward's by up to {worst:.3g}"
+            else:
+                continue
+            raise UnsupportedParameter(self.name, n, message=(
+                f"{n}: {problem}: the golden of {self.name} differentiates the float64 forward of the given "
+                "inputs, so give that forward's own output (or leave it out: it is derived)"))
+
+    def oracle_kwargs(self, named: Mapping[str, Any]) -> dict[str, Any]:
+        """The arguments of `named` the oracle takes, renamed to its spelling (`check` has refused the others)."""
+        passed = self.passed()
+        return {self.renames.get(n, n): v for n, v in named.items() if n in passed}
+
+
+def is_default(value: Any, default: Any) -> bool:
+    """Whether an argument leaves a parameter at its default (None counts as default: every tensor default is None)."""
+    if value is None or isinstance(value, torch.Tensor):
+        return value is None
+    if default is inspect.Parameter.empty:
+        return False
+    if isinstance(value, bool) != isinstance(default, bool):
+        return False
+    try:
+        return bool(value == default)
+    except (TypeError, RuntimeError):
+        return False
 
 
 OPERATORS: dict[str, Operator] = {}

@@ -10,10 +10,13 @@ from typing import Any
 
 import torch
 
+from ...testing.dsa_oracle import indexer_kl_loss_oracle, lightning_indexer_oracle, sparse_attention_oracle
+from ...testing.paged_oracle import paginate, unpage_dsa
 from ._common import (
     BF16,
     F16,
     F32,
+    FORWARD_STATE,
     OPERATORS,
     Call,
     Case,
@@ -30,7 +33,13 @@ from ._common import (
     without,
 )
 
-_DSA_NO_EFFECT = ("pre_tokens", "next_tokens", "deterministic")
+_DSA_NO_EFFECT_WHY = {
+    "pre_tokens": "must be 2**31 - 1 or 2**63 - 1 (the operator refuses other values); sparse_mode decides the mask",
+    "next_tokens": "must be 2**31 - 1 or 2**63 - 1 (the operator refuses other values); sparse_mode decides the mask",
+    "deterministic": "a scheduling choice of the NPU kernel; the golden is one float64 computation",
+}
+_DSA_NO_EFFECT = tuple(_DSA_NO_EFFECT_WHY)
+_PAGES = "the pages are gathered into the contiguous keys they stand for (testing/paged_oracle.py)"
 _SFA_TENSORS = ("query", "key", "value", "query_rope", "key_rope")
 _SFA_GRAD_STATE = ("out", "softmax_max", "softmax_sum")
 _KL_STATE = ("softmax_max", "softmax_sum")
@@ -73,9 +82,10 @@ def random_sparse_indices(
 
 def _sfa_oracle(named: Mapping[str, Any], compute_dtype: torch.dtype = torch.float64):
     """(out, softmax_max, softmax_sum) of the SFA oracle from SFA or SFA-grad arguments by name."""
-    from ...testing.dsa_oracle import sparse_attention_oracle
-
-    skip = (*_SFA_TENSORS, *_SFA_GRAD_STATE, *_DSA_NO_EFFECT, "sparse_indices", "scale_value", "d_out")
+    if named.get("block_table") is not None:  # docs/semantics/paged-kv.md: the contiguous keys of the pages
+        named = unpage_dsa(named, ("key", "value", "key_rope"), "actual_seq_lengths_kv", "layout_kv")
+    skip = (*_SFA_TENSORS, *_SFA_GRAD_STATE, *_DSA_NO_EFFECT, "sparse_indices", "scale_value", "d_out", "block_table",
+            "layout_kv")
     kwargs = without(named, *skip)
     return sparse_attention_oracle(
         named["query"],
@@ -135,10 +145,10 @@ def _sfa_grad_golden(call: Call, naive: bool = False) -> Outputs:
 
 
 def _li_golden(call: Call) -> Outputs:
-    from ...testing.dsa_oracle import lightning_indexer_oracle
-
     named = by_name("lightning_indexer", call)
-    kwargs = without(named, *_KL_LEAVES, "return_value")
+    if named.get("block_table") is not None:  # docs/semantics/paged-kv.md: the contiguous keys of the pages
+        named = unpage_dsa(named, ("key_index",), "actual_seq_lengths_key", "layout_key")
+    kwargs = without(named, *_KL_LEAVES, "return_value", "block_table", "layout_key")
     indices, values = lightning_indexer_oracle(named["query_index"], named["key_index"], named["weights"], **kwargs)
     out = {"sparse_indices": indices}
     if named.get("return_value"):
@@ -179,8 +189,6 @@ def kl_state(named: Mapping[str, Any]) -> dict[str, torch.Tensor]:
 
 def _kl_golden(call: Call) -> Outputs:
     """loss (the oracle's float64 sum, shape [1]) and its documented gradients (docs/operators/lightning_indexer.md)."""
-    from ...testing.dsa_oracle import indexer_kl_loss_oracle
-
     named = by_name("sparse_lightning_indexer_grad_kl_loss", call)
     leaves = {n: named[n].detach().double().requires_grad_() for n in _KL_LEAVES}
     positional = ("query", "key", *_KL_LEAVES, "sparse_indices", *_KL_STATE, "scale_value")
@@ -200,6 +208,9 @@ register_operator(
         ("attention_out", "softmax_max", "softmax_sum"),
         _sfa_golden,
         same_dtype(attention_out="query", softmax_max="float32", softmax_sum="float32"),
+        oracle=sparse_attention_oracle,
+        consumed={"block_table": _PAGES, "layout_kv": 'the key layout; "PA_BSND": a paged cache (block_table)'},
+        no_effect=_DSA_NO_EFFECT_WHY,
     )
 )
 register_operator(
@@ -210,6 +221,10 @@ register_operator(
         same_dtype(**{f"d_{n}": n for n in (*_SFA_TENSORS, "sinks")}),
         state=_SFA_GRAD_STATE,
         derive=sfa_grad_state,
+        oracle=sparse_attention_oracle,
+        consumed={"d_out": "the gradient of out that autograd through the oracle takes",
+                  **dict.fromkeys(_SFA_GRAD_STATE, FORWARD_STATE)},
+        no_effect=_DSA_NO_EFFECT_WHY,
     )
 )
 register_operator(
@@ -218,6 +233,9 @@ register_operator(
         ("sparse_indices", "sparse_values"),
         _li_golden,
         same_dtype(sparse_indices="int32", sparse_values="query_index"),
+        oracle=lightning_indexer_oracle,
+        consumed={"return_value": "selects the sparse_values output", "block_table": _PAGES,
+                  "layout_key": 'the key layout; "PA_BSND": a paged cache (block_table)'},
     )
 )
 register_operator(
@@ -228,6 +246,8 @@ register_operator(
         same_dtype(d_query_index="query_index", d_key_index="key_index", d_weights="weights", loss="float32"),
         state=_KL_STATE,
         derive=kl_state,
+        oracle=indexer_kl_loss_oracle,
+        no_effect=_DSA_NO_EFFECT_WHY,
     )
 )
 
@@ -380,8 +400,6 @@ def kl_case(name: str, cfg: DSAConfig, indices_from_indexer: bool = False, quick
     op = "sparse_lightning_indexer_grad_kl_loss"
 
     def build(gen: torch.Generator) -> Call:
-        from ...testing.dsa_oracle import lightning_indexer_oracle
-
         sfa = _sfa_named(gen, cfg)
         named = {**_indexer_named(gen, cfg, "actual_seq_lengths_key"), "scale_value": sfa["scale_value"]}
         for n in ("query", "key", "query_rope", "key_rope", "sparse_indices"):
@@ -442,3 +460,49 @@ register(
 )
 
 
+
+
+def _paged(named: dict[str, Any], cfg: DSAConfig, caches: tuple[str, ...], lengths_name: str, layout_name: str,
+           gen: torch.Generator, block_size: int) -> dict[str, Any]:
+    """The same call over a "PA_BSND" cache (docs/semantics/paged-kv.md): each sequence's keys scattered over
+    shuffled blocks (NaN in every slot nobody reads), plain key lengths, block_table and the key layout."""
+    lengths = list(cfg.kv_lens) if cfg.kv_lens is not None else [cfg.seq_kv] * cfg.batch
+    starts = [0, *cumulative(lengths)]
+    seqs = {}
+    for name in caches:
+        if named.get(name) is None:
+            continue
+        t = named[name]
+        seqs[name] = ([t[s:s + n] for s, n in zip(starts, lengths, strict=False)] if cfg.layout == "TND"
+                      else [t[b, :n] for b, n in enumerate(lengths)])
+    paged, table = paginate(seqs, block_size, gen)
+    return {**named, **paged, "block_table": table, layout_name: "PA_BSND", lengths_name: lengths}
+
+
+def sfa_paged_case(name: str, cfg: DSAConfig, block_size: int = 16) -> Case:
+    def build(gen: torch.Generator) -> Call:
+        named = _sfa_named(gen, cfg)
+        named = _paged(named, cfg, ("key", "value", "key_rope"), "actual_seq_lengths_kv", "layout_kv", gen, block_size)
+        return bind("sparse_flash_attention", named)
+
+    return _dsa_case("sparse_flash_attention", f"{name}", cfg, build)
+
+
+def li_paged_case(name: str, cfg: DSAConfig, block_size: int = 16) -> Case:
+    def build(gen: torch.Generator) -> Call:
+        named = _indexer_named(gen, cfg, "actual_seq_lengths_key")
+        named = _paged(named, cfg, ("key_index",), "actual_seq_lengths_key", "layout_key", gen, block_size)
+        return bind("lightning_indexer", {**named, "sparse_count": cfg.topk, "return_value": True})
+
+    return _dsa_case("lightning_indexer", name, cfg, build)
+
+
+register(
+    sfa_paged_case("paged_bsnd_rope", DSAConfig("BSND", BF16, batch=2, seq_q=16, seq_kv=64, heads=8, topk=16,
+                                                 q_lens=(16, 7), kv_lens=(64, 23))),
+    sfa_paged_case("paged_tnd_block8_sinks", DSAConfig("TND", F16, heads=4, topk=4, block_size=8, q_lens=(6, 11),
+                                                        kv_lens=(40, 70), sinks=True), block_size=32),
+    li_paged_case("paged_bsnd", DSAConfig("BSND", BF16, batch=2, seq_q=16, seq_kv=64, topk=16, q_lens=(16, 9),
+                                          kv_lens=(64, 30))),
+    li_paged_case("paged_tnd", DSAConfig("TND", F16, topk=8, q_lens=(12, 20), kv_lens=(33, 48))),
+)

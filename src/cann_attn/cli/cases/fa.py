@@ -13,10 +13,13 @@ import torch
 
 import cann_attn
 
+from ...testing.oracle import fa_forward_oracle
 from ._common import (
     BF16,
+    COMMON_NO_EFFECT,
     F16,
     F32,
+    PRECISION_MODE,
     Call,
     Case,
     Operator,
@@ -109,7 +112,8 @@ def fa_inputs(
 
 
 # Parameters of the FA family that do not change the result (reserved, or precision modes we always honour).
-FA_NO_EFFECT = ("padding_mask", "inner_precise", "softmax_in", "backend")
+FA_NO_EFFECT = {"padding_mask": "reserved by the docs; not read", "inner_precise": PRECISION_MODE,
+                "softmax_in": "reserved by the docs; not read", **COMMON_NO_EFFECT}
 
 
 def fa_oracle(call: Call, same_dtype: bool = False) -> Outputs:
@@ -460,5 +464,7 @@ for _op in ("flash_attention_score", "flash_attention_var_len_score"):
             ("attention_out", "softmax_max", "softmax_sum", "softmax_out"),
             _fa_golden(_op),
             same_dtype(attention_out="query", softmax_max="float32", softmax_sum="float32"),
+            oracle=fa_forward_oracle,
+            no_effect=FA_NO_EFFECT,
         )
     )

@@ -9,10 +9,12 @@ from typing import Any
 
 import torch
 
+from ...testing.oracle import fa_forward_oracle
 from ._common import (
     BF16,
     F16,
     F32,
+    FORWARD_STATE,
     Call,
     Case,
     Operator,
@@ -184,6 +186,10 @@ register_operator(
         same_dtype(dq="query", dk="key", dv="value", dpse="pse", dsink="sink"),
         state=_GRAD_STATE,
         derive=fa_grad_state,
+        oracle=fa_forward_oracle,
+        consumed={"dy": "the gradient of attention_out that autograd through the forward oracle takes",
+                  **dict.fromkeys(_GRAD_STATE, FORWARD_STATE)},
+        no_effect=FA_NO_EFFECT,
     )
 )
 

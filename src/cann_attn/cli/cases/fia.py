@@ -3,7 +3,6 @@ v2 / IFA parameters renamed to their v1 spelling)."""
 
 from __future__ import annotations
 
-import inspect
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -11,10 +10,14 @@ import torch
 
 import cann_attn
 
+from ...testing.fia_oracle import fia_oracle
+from ...testing.paged_oracle import paginate, unpage_fia
 from ._common import (
     BF16,
     F16,
     F32,
+    OPERATORS,
+    PRECISION_MODE,
     Call,
     Case,
     DTypes,
@@ -27,7 +30,6 @@ from ._common import (
     randn,
     register,
     register_operator,
-    without,
 )
 
 # v2 / IFA parameter -> FIA v1 parameter of the oracle.
@@ -42,14 +44,11 @@ _IFA_TO_V1 = {"actual_seq_lengths": "actual_seq_lengths_kv", "scale_value": "sca
 
 def _fia_golden(op: str) -> Callable[[Call], Outputs]:
     def golden(call: Call) -> Outputs:
-        from ...testing.fia_oracle import fia_oracle
-
-        named = without(by_name(op, call))
-        renames = {"fused_infer_attention_score_v2": _V2_TO_V1, "incre_flash_attention": _IFA_TO_V1}.get(op, {})
-        named = {renames.get(k, k): v for k, v in named.items()}
-        accepted = inspect.signature(fia_oracle).parameters
-        q, k, v = named.pop("query"), named.pop("key"), named.pop("value")
-        out, lse = fia_oracle(q, k, v, **{k_: v_ for k_, v_ in named.items() if k_ in accepted})
+        named = by_name(op, call)
+        kwargs = OPERATORS[op].oracle_kwargs(named)  # v1 spelling
+        if named.get("block_table") is not None:  # docs/semantics/paged-kv.md: the contiguous keys of the pages
+            kwargs = unpage_fia({**kwargs, "block_table": named["block_table"], "block_size": named.get("block_size")})
+        out, lse = fia_oracle(kwargs.pop("query"), kwargs.pop("key"), kwargs.pop("value"), **kwargs)
         result = {"attention_out": out}
         if lse is not None:
             result["softmax_lse"] = lse
@@ -67,12 +66,23 @@ def _fia_dtypes(scale2: str) -> DTypes:
     return dtypes
 
 
-register_operator(Operator("fused_infer_attention_score", ("attention_out", "softmax_lse"),
-                            _fia_golden("fused_infer_attention_score"), _fia_dtypes("quant_scale2")))
-register_operator(Operator("fused_infer_attention_score_v2", ("attention_out", "softmax_lse"),
-                            _fia_golden("fused_infer_attention_score_v2"), _fia_dtypes("quant_scale_out")))
-register_operator(Operator("incre_flash_attention", ("attention_out",), _fia_golden("incre_flash_attention"),
-                            _fia_dtypes("quant_scale2")))
+_PAGED = {"block_table": "the pages are gathered into the contiguous keys they stand for (testing/paged_oracle.py)",
+          "block_size": "the block dimension of the paged caches (checked against them by the operator)"}
+_NO_EFFECT = {"inner_precise": PRECISION_MODE}
+_V2_REFUSED = "the FIA oracle has no such input (MXFP8 / FP8 / HiFloat8 quantisation and learnable sinks of v2)"
+for _name, _renames, _scale2, _outputs, _extra in (
+    ("fused_infer_attention_score", {}, "quant_scale2", ("attention_out", "softmax_lse"), {}),
+    ("fused_infer_attention_score_v2", _V2_TO_V1, "quant_scale_out", ("attention_out", "softmax_lse"), {}),
+    ("incre_flash_attention", _IFA_TO_V1, "quant_scale2", ("attention_out",),
+     {"padding_mask": "reserved by the IncreFlashAttention docs; not read"}),
+):
+    register_operator(Operator(
+        _name, _outputs, _fia_golden(_name), _fia_dtypes(_scale2), oracle=fia_oracle, renames=_renames,
+        consumed=_PAGED, no_effect={**_NO_EFFECT, **_extra},
+        unsupported={n: _V2_REFUSED for n in ("dequant_scale_query", "dequant_scale_key_rope", "quant_scale_p",
+                                               "learnable_sink", "query_quant_mode")}
+        | {"key_rope_antiquant_scale": "the FIA oracle has no int8 rope keys"},
+    ))
 
 
 def fia_case(name: str, op: str = "fused_infer_attention_score", *, layout: str, dtype: torch.dtype, b: int = 1,
@@ -157,3 +167,43 @@ register(
                                                       "atten_mask": torch.rand(2, 64, generator=gen) < 0.2}),
 )
 
+
+
+def fia_paged_case(name: str, op: str = "fused_infer_attention_score", *, layout: str, dtype: torch.dtype,
+                   lengths: tuple[int, ...], block_size: int, n: int = 4, n_kv: int = 2, d: int = 64, sq: int = 1,
+                   heads_first: bool = False, **kwargs: Any) -> Case:
+    """A FIA / IFA case over a paged cache (docs/semantics/paged-kv.md): per-sequence keys scattered over shuffled
+    blocks of a BnBsH (or, `heads_first`, BnNBsD) cache, NaN in every slot no sequence uses."""
+    heads_name = {"fused_infer_attention_score_v2": "num_query_heads"}.get(op, "num_heads")
+    scale_name = {"fused_infer_attention_score_v2": "softmax_scale", "incre_flash_attention": "scale_value"}.get(
+        op, "scale")
+    lengths_name = {"fused_infer_attention_score_v2": "actual_seq_kvlen",
+                    "incre_flash_attention": "actual_seq_lengths"}.get(op, "actual_seq_lengths_kv")
+    b = len(lengths)
+
+    def build(gen: torch.Generator) -> Call:
+        q = randn(gen, layout_shape(layout, b, sq, n, d, b * sq), dtype)
+        seqs = {name: [randn(gen, (length, n_kv, d), dtype) for length in lengths] for name in ("key", "value")}
+        caches, table = paginate(seqs, block_size, gen, heads_first=heads_first)
+        if not heads_first:
+            caches = {name: c.flatten(2) for name, c in caches.items()}
+        return Call((q, caches["key"], caches["value"]), {
+            heads_name: n, "num_key_value_heads": n_kv, "input_layout": layout, scale_name: d**-0.5,
+            "block_table": table, "block_size": block_size, lengths_name: list(lengths), **kwargs})
+
+    cache = "BnNBsD" if heads_first else "BnBsH"
+    outputs = ("attention_out",) if op == "incre_flash_attention" else ("attention_out", "softmax_lse")
+    return Case(op=op, name=name, dtype=dtype, shape=f"{layout} paged {cache} bs{block_size} N{n}/{n_kv} D{d} "
+                f"S{sq} kv={list(lengths)}", build=build, run=outputs_of(op, outputs), oracle=_fia_golden(op))
+
+
+register(
+    fia_paged_case("paged_decode_bsh", layout="BSH", dtype=F16, lengths=(20, 37, 1), block_size=16,
+                   softmax_lse_flag=True),
+    fia_paged_case("paged_prefill_bnnbsd", layout="BNSD", dtype=BF16, lengths=(150, 9), block_size=128, sq=6, n=2,
+                   n_kv=1, heads_first=True, softmax_lse_flag=True),
+    fia_paged_case("v2_paged_decode", op="fused_infer_attention_score_v2", layout="BSND", dtype=BF16,
+                   lengths=(33, 64), block_size=32, return_softmax_lse=True),
+    fia_paged_case("ifa_paged_bnnbsd", op="incre_flash_attention", layout="BNSD", dtype=F16, lengths=(50, 3, 17),
+                   block_size=16, heads_first=True),
+)

@@ -14,6 +14,7 @@ import torch
 import cann_attn
 
 from ...problem.lengths import starts_of
+from ...testing.merge_oracle import ring_attention_update_oracle
 from ._common import (
     BF16,
     F16,
@@ -71,8 +72,6 @@ def _ring_named(gen: torch.Generator, layout: str, dtype: torch.dtype, heads: in
 
 
 def _ring_golden(call: Call) -> Outputs:
-    from ...testing.merge_oracle import ring_attention_update_oracle
-
     return ring_attention_update_oracle(**without(by_name("ring_attention_update", call)))
 
 
@@ -139,6 +138,7 @@ register_operator(
         ("attn_out", "softmax_max", "softmax_sum"),
         _ring_golden,
         same_dtype(attn_out="prev_attn_out", softmax_max="float32", softmax_sum="float32"),
+        oracle=ring_attention_update_oracle,
     )
 )
 

@@ -10,6 +10,7 @@ import torch
 
 import cann_attn
 
+from ...testing.pfa_oracle import pfa_oracle
 from ._common import (
     BF16,
     F16,
@@ -30,8 +31,6 @@ from ._common import (
 
 
 def _pfa_golden(call: Call, naive: bool = False) -> Outputs:
-    from ...testing.pfa_oracle import pfa_oracle
-
     named = without(by_name("prompt_flash_attention", call))
     q, k, v = named.pop("query"), named.pop("key"), named.pop("value")
     if naive:
@@ -47,7 +46,7 @@ def _pfa_dtypes(named: Mapping[str, Any]) -> dict[str, torch.dtype]:
     return {"attention_out": output_dtype(named["query"].dtype, named.get("quant_scale2"))}
 
 
-register_operator(Operator("prompt_flash_attention", ("attention_out",), _pfa_golden, _pfa_dtypes))
+register_operator(Operator("prompt_flash_attention", ("attention_out",), _pfa_golden, _pfa_dtypes, oracle=pfa_oracle))
 
 
 def _pfa_shape(layout: str, b: int, n: int, s: int, d: int) -> tuple[int, ...]:
