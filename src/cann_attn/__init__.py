@@ -30,7 +30,7 @@ from .ops.lightning_indexer import (
     sparse_lightning_indexer_grad_kl_loss,
 )
 from .ops.prompt_flash_attention import prompt_flash_attention
-from .ops.quant_dsa import quant_lightning_indexer
+from .ops.quant_dsa import kv_quant_sparse_flash_attention, quant_lightning_indexer
 from .ops.ring_attention_update import RingAttentionUpdateResult, ring_attention_update
 from .ops.sparse_flash_attention import (
     SparseFlashAttentionGradResult,
@@ -77,6 +77,7 @@ __all__ = [
     "gen_drop_mask",
     "incre_flash_attention",
     "indexer_kl_loss",
+    "kv_quant_sparse_flash_attention",
     "lightning_indexer",
     "precision",
     "prompt_flash_attention",

@@ -1034,7 +1034,9 @@ def attention_update(lse, local_out, update_type: int, *, backend: str = "auto")
 from .library_quant import (  # noqa: E402
     dense_lightning_indexer_grad_kl_loss,
     dense_lightning_indexer_softmax_lse,
+    kv_quant_sparse_flash_attention,
     quant_lightning_indexer,
 )
 
-__all__ += ["dense_lightning_indexer_grad_kl_loss", "dense_lightning_indexer_softmax_lse", "quant_lightning_indexer"]
+__all__ += ["dense_lightning_indexer_grad_kl_loss", "dense_lightning_indexer_softmax_lse",
+            "kv_quant_sparse_flash_attention", "quant_lightning_indexer"]

@@ -12,8 +12,10 @@ from .ops.dense_indexer import (
 )
 from .ops.dense_indexer import dense_lightning_indexer_grad_kl_loss as _eager_dense_grad_kl_loss
 from .ops.dense_indexer import dense_lightning_indexer_softmax_lse as _eager_dense_softmax_lse
+from .ops.quant_dsa import kv_quant_sparse_flash_attention as _eager_kv_quant_sfa
 from .ops.quant_dsa import quant_lightning_indexer as _eager_quant_lightning_indexer
 from .ops.sparse_flash_attention import INT64_MAX
+from .problem.dequant import LATENT_DIM
 from .problem.lengths import to_int_list
 from .problem.stats import accumulation_dtype
 
@@ -127,3 +129,51 @@ def quant_lightning_indexer(
         to_int_list(actual_seq_lengths_query, "actual_seq_lengths_query"),
         to_int_list(actual_seq_lengths_key, "actual_seq_lengths_key"), block_table, layout, layout_key or "",
         sparse_count, sparse_mode, pre_tokens, next_tokens, query_dtype, key_dtype, backend)
+
+
+# ====================================================================== KvQuantSparseFlashAttention
+@torch.library.custom_op("cann_attn::kv_quant_sparse_flash_attention", mutates_args=())
+def _kv_quant_sfa_op(
+    query: Tensor, key: Tensor, value: Tensor, sparse_indices: Tensor, scale_value: float, key_quant_mode: int = 2,
+    value_quant_mode: int = 2, block_table: Tensor | None = None, actual_seq_lengths_query: list[int] | None = None,
+    actual_seq_lengths_kv: list[int] | None = None, sparse_block_size: int = 1, layout: str = "BSND",
+    layout_kv: str = "", sparse_mode: int = 3, pre_tokens: int = INT64_MAX, next_tokens: int = INT64_MAX,
+    attention_mode: int = 2, quant_scale_repo_mode: int = 1, tile_size: int = 128, rope_head_dim: int = 64,
+    key_dtype: int | None = None, value_dtype: int | None = None, sinks: Tensor | None = None,
+    backend: str = "auto",
+) -> Tensor:
+    """KvQuantSparseFlashAttention -> attention_out (key_dequant_scale / value_dequant_scale are reserved: None)."""
+    return _eager_kv_quant_sfa(
+        query, key, value, sparse_indices, scale_value, key_quant_mode, value_quant_mode, block_table=block_table,
+        actual_seq_lengths_query=actual_seq_lengths_query, actual_seq_lengths_kv=actual_seq_lengths_kv,
+        sparse_block_size=sparse_block_size, layout=layout, layout_kv=layout_kv or None, sparse_mode=sparse_mode,
+        pre_tokens=pre_tokens, next_tokens=next_tokens, attention_mode=attention_mode,
+        quant_scale_repo_mode=quant_scale_repo_mode, tile_size=tile_size, rope_head_dim=rope_head_dim,
+        key_dtype=key_dtype, value_dtype=value_dtype, sinks=sinks, backend=backend)
+
+
+@_kv_quant_sfa_op.register_fake
+def _(query, key, value, sparse_indices, *args, **kwargs):
+    return query.new_empty((*query.shape[:-1], LATENT_DIM))
+
+
+def kv_quant_sparse_flash_attention(
+    query: Tensor, key: Tensor, value: Tensor, sparse_indices: Tensor, scale_value: float, key_quant_mode: int = 2,
+    value_quant_mode: int = 2, *, key_dequant_scale: Tensor | None = None, value_dequant_scale: Tensor | None = None,
+    block_table: Tensor | None = None, actual_seq_lengths_query=None, actual_seq_lengths_kv=None,
+    sparse_block_size: int = 1, layout: str = "BSND", layout_kv: str | None = None, sparse_mode: int = 3,
+    pre_tokens: int = INT64_MAX, next_tokens: int = INT64_MAX, attention_mode: int = 2,
+    quant_scale_repo_mode: int = 1, tile_size: int = 128, rope_head_dim: int = 64, key_dtype: int | None = None,
+    value_dtype: int | None = None, sinks: Tensor | None = None, backend: str = "auto",
+) -> Tensor:
+    """``cann_attn.kv_quant_sparse_flash_attention`` through its custom op."""
+    if key_dequant_scale is not None or value_dequant_scale is not None:
+        # reserved parameters: the eager operator raises its own error
+        return _eager_kv_quant_sfa(query, key, value, sparse_indices, scale_value, key_quant_mode, value_quant_mode,
+                                   key_dequant_scale=key_dequant_scale, value_dequant_scale=value_dequant_scale)
+    return torch.ops.cann_attn.kv_quant_sparse_flash_attention(
+        query, key, value, sparse_indices, float(scale_value), key_quant_mode, value_quant_mode, block_table,
+        to_int_list(actual_seq_lengths_query, "actual_seq_lengths_query"),
+        to_int_list(actual_seq_lengths_kv, "actual_seq_lengths_kv"), sparse_block_size, layout, layout_kv or "",
+        sparse_mode, pre_tokens, next_tokens, attention_mode, quant_scale_repo_mode, tile_size, rope_head_dim,
+        key_dtype, value_dtype, sinks, backend)

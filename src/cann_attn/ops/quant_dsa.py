@@ -19,6 +19,7 @@ from .sparse_flash_attention import (
     paged_sequence_spans,
     require_key_rank,
     sequence_spans,
+    sparse_flash_attention,
 )
 
 MAX_SPARSE_COUNT = 2048
@@ -137,3 +138,100 @@ def quant_lightning_indexer(
             seq_q=lq, seq_kv=lk, k=sparse_count, indices_out=problem.rows(indices, b)[:lq, 0], values_out=None,
             q_scale=problem.rows(query_dequant_scale, b)[:lq], k_scale=key_scales)
     return indices
+
+
+# Per-tile quantisation (mode 2) with the scales stored beside the data ("combine", repo mode 1) in MLA-absorb
+# attention (mode 2): the only values KvQuantSparseFlashAttention documents.
+KV_QUANT_MODE, SCALE_REPO_MODE, ABSORB_MODE = 2, 1, 2
+# "sparse_block_size支持[1,16]，且要求是2的幂次方" (A2/A3); 2 and 4 are outside SparseFlashAttention's block sizes,
+# whose selection rule this operator reuses, and are refused (docs/operators/quant_dsa.md).
+KV_QUANT_BLOCK_SIZES = (1, 8, 16)
+
+
+def _require_value(value, param: str, expected, meaning: str) -> None:
+    if require_int(value, param) != expected:
+        raise ParamInvalidError(f"{param}: expected {expected} ({meaning}, the only value supported), got {value!r}")
+
+
+@traced_as_custom_op
+def kv_quant_sparse_flash_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    sparse_indices: torch.Tensor,
+    scale_value: float,
+    key_quant_mode: int = 2,
+    value_quant_mode: int = 2,
+    *,
+    key_dequant_scale: torch.Tensor | None = None,
+    value_dequant_scale: torch.Tensor | None = None,
+    block_table: torch.Tensor | None = None,
+    actual_seq_lengths_query=None,
+    actual_seq_lengths_kv=None,
+    sparse_block_size: int = 1,
+    layout: str = "BSND",
+    layout_kv: str | None = None,
+    sparse_mode: int = 3,
+    pre_tokens: int = INT64_MAX,
+    next_tokens: int = INT64_MAX,
+    attention_mode: int = 2,
+    quant_scale_repo_mode: int = 1,
+    tile_size: int = 128,
+    rope_head_dim: int = 64,
+    key_dtype: int | None = None,
+    value_dtype: int | None = None,
+    sinks: torch.Tensor | None = None,
+    backend: str = "auto",
+) -> torch.Tensor:
+    """Sparse attention over an 8-bit MLA latent cache: softmax(scale Q . [Dequant(K_nope) ; K_rope]) Dequant(V_nope).
+
+    query [B, S1, N1, 576] / [T1, N1, 576] (nope 512 ++ rope 64, fp16 / bf16); key and value [.., 1, 656] int8 or
+    float8_e4m3fn combined rows (512 quantised latent values, the 64 rope values in the query's dtype as bytes, 4
+    fp32 tile scales as bytes), BSND, TND or a paged PA_BSND cache with `block_table`. Each tile of 128 latent values
+    is dequantised as x * scale in fp32, rounded once to the query's dtype (problem/dequant.py); the attention, its
+    selection rule, lengths, modes and `sinks` are those of `sparse_flash_attention`. Returns the attention output
+    [.., N1, 512] in the query's dtype (docs/operators/quant_dsa.md).
+    """
+    _check_tensor(query, "query")
+    require(query.dtype in (torch.float16, torch.bfloat16), "query", "dtype float16 or bfloat16", query)
+    _check_tensor(key, "key")
+    require(key.dtype in dequant.QUANT_DTYPES, "key", "dtype int8 or float8_e4m3fn", key)
+    _check_tensor(value, "value", key.dtype)
+    _check_tensor(sparse_indices, "sparse_indices")
+    require(sparse_indices.dtype == torch.int32, "sparse_indices", "dtype int32", sparse_indices)
+    _require_value(key_quant_mode, "key_quant_mode", KV_QUANT_MODE, "per-tile")
+    _require_value(value_quant_mode, "value_quant_mode", KV_QUANT_MODE, "per-tile")
+    for name, t in (("key_dequant_scale", key_dequant_scale), ("value_dequant_scale", value_dequant_scale)):
+        if t is not None:
+            raise ParamInvalidError(f"{name}: reserved, only None is supported (the scales are stored in the "
+                                    f"key/value rows), got a tensor")
+    _require_value(attention_mode, "attention_mode", ABSORB_MODE, "MLA-absorb")
+    _require_value(quant_scale_repo_mode, "quant_scale_repo_mode", SCALE_REPO_MODE, "scales combined with the data")
+    _require_value(tile_size, "tile_size", dequant.TILE_SIZE, "per-tile scale granularity")
+    _require_value(rope_head_dim, "rope_head_dim", dequant.ROPE_DIM, "MLA rope head dim")
+    _no_hifloat8(key_dtype, "key_dtype")
+    _no_hifloat8(value_dtype, "value_dtype")
+    _default_window(pre_tokens, next_tokens)
+    if require_int(sparse_block_size, "sparse_block_size") not in KV_QUANT_BLOCK_SIZES:
+        raise ParamInvalidError(f"sparse_block_size: expected one of {list(KV_QUANT_BLOCK_SIZES)}, "
+                                f"got {sparse_block_size!r}")
+    width = dequant.LATENT_DIM + dequant.ROPE_DIM
+    require(query.shape[-1] == width, "query", f"head dim {width} (nope {dequant.LATENT_DIM} ++ rope "
+            f"{dequant.ROPE_DIM})", query)
+    layout_kv = kv_layout(layout, layout_kv, block_table, "layout_kv")
+    require_key_rank(key, "key", layout_kv)
+    row = dequant.combined_width(query.dtype)
+    require(key.shape[-1] == row and key.shape[-2] == 1, "key", f"KV_N = 1 and KV_D = {row} bytes per row (latent "
+            f"{dequant.LATENT_DIM} + rope {dequant.ROPE_DIM} x {query.dtype} + 4 fp32 scales)", key)
+    require(tuple(value.shape) == tuple(key.shape), "value", f"the key's shape {list(key.shape)} (combined rows)",
+            value)
+    key_parts = dequant.split_combined(key, query.dtype)
+    k_nope = key_parts.dequantized(query.dtype)
+    value_is_key = value is key or (value.data_ptr() == key.data_ptr() and value.stride() == key.stride())
+    v_nope = k_nope if value_is_key else dequant.split_combined(value, query.dtype).dequantized(query.dtype)
+    return sparse_flash_attention(
+        query[..., : dequant.LATENT_DIM], k_nope, v_nope, sparse_indices, scale_value,
+        query_rope=query[..., dequant.LATENT_DIM :], key_rope=key_parts.rope,
+        actual_seq_lengths_query=actual_seq_lengths_query, actual_seq_lengths_kv=actual_seq_lengths_kv,
+        sparse_block_size=sparse_block_size, layout=layout, sparse_mode=sparse_mode, backend=backend,
+        block_table=block_table, layout_kv=layout_kv, sinks=sinks).attention_out

@@ -169,3 +169,35 @@ def top_k_oracle(scores: torch.Tensor, sparse_count: int) -> torch.Tensor:
         for e, s in enumerate(order[:sparse_count]):
             out[r, e] = s
     return out.view(*lead, 1, sparse_count)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# KvQuantSparseFlashAttention (docs/operators/quant_dsa.md)
+# ----------------------------------------------------------------------------------------------------------
+def dequantize_combined_rows(cache: torch.Tensor, query_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """(latent [.., 512] in query_dtype, rope [.., 64] in query_dtype) of combined rows [.., 656 bytes]: bytes
+    512..639 are the rope values, bytes 640..655 four fp32 scales; latent channel c is multiplied by scale c // 128
+    in fp32 and rounded once to the query's dtype."""
+    raw = cache.contiguous().view(torch.uint8)
+    rope = raw[..., 512:640].contiguous().view(query_dtype)
+    scales = raw[..., 640:656].contiguous().view(torch.float32)
+    latent = cache[..., :512].to(torch.float32)
+    channel_scale = torch.stack([scales[..., c // 128] for c in range(512)], dim=-1)
+    return (latent * channel_scale).to(query_dtype), rope
+
+
+def kv_quant_sparse_attention_oracle(query, key, value, sparse_indices, scale_value: float, *,
+                                     actual_seq_lengths_query=None, actual_seq_lengths_kv=None,
+                                     sparse_block_size: int = 1, layout: str = "BSND", sparse_mode: int = 3,
+                                     sinks=None) -> torch.Tensor:
+    """float64 output of the quantised sparse attention on contiguous (BSND / TND) combined rows: the documented
+    dequantisation, then the SparseFlashAttention oracle with Q = query (nope ++ rope), K = [Dequant(key) ; rope],
+    V = Dequant(value)."""
+    from .dsa_oracle import sparse_attention_oracle
+
+    k_nope, k_rope = dequantize_combined_rows(key, query.dtype)
+    v_nope, _ = dequantize_combined_rows(value, query.dtype)
+    return sparse_attention_oracle(
+        query[..., :512], k_nope, v_nope, sparse_indices, scale_value, query_rope=query[..., 512:], key_rope=k_rope,
+        actual_seq_lengths_query=actual_seq_lengths_query, actual_seq_lengths_kv=actual_seq_lengths_kv,
+        sparse_block_size=sparse_block_size, layout=layout, sparse_mode=sparse_mode, sinks=sinks)[0]

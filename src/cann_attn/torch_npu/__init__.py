@@ -63,6 +63,7 @@ from ._prompt import PFA_PRE_TOKENS, npu_prompt_flash_attention, npu_trans_quant
 from ._quant_dsa import (
     npu_dense_lightning_indexer_grad_kl_loss,
     npu_dense_lightning_indexer_softmax_lse,
+    npu_kv_quant_sparse_flash_attention,
     npu_quant_lightning_indexer,
 )
 from ._registry import CURRENT, OPS, RELEASE_ENV, RELEASES, active_release, npu_op, use_release
@@ -103,6 +104,7 @@ __all__ = [
     "npu_fusion_attention_v2",
     "npu_fusion_attention_v3",
     "npu_incre_flash_attention",
+    "npu_kv_quant_sparse_flash_attention",
     "npu_lightning_indexer",
     "npu_op",
     "npu_prompt_flash_attention",

@@ -82,3 +82,43 @@ def npu_quant_lightning_indexer(
         to_int_list(actual_seq_lengths_query, "actual_seq_lengths_query"),
         to_int_list(actual_seq_lengths_key, "actual_seq_lengths_key"), block_table, layout_query, layout_key,
         sparse_count, sparse_mode, pre_tokens, next_tokens, query_dtype, key_dtype)
+
+
+_KVQ_SFA_HEAD = (
+    "npu_kv_quant_sparse_flash_attention(Tensor query, Tensor key, Tensor value, Tensor sparse_indices, "
+    "float scale_value, int key_quant_mode, int value_quant_mode, *, Tensor? key_dequant_scale=None, "
+    "Tensor? value_dequant_scale=None, Tensor? block_table=None, Tensor? actual_seq_lengths_query=None, "
+    "Tensor? actual_seq_lengths_kv=None, int sparse_block_size=1, str layout_query=\"BSND\", "
+    "str layout_kv=\"BSND\", int sparse_mode=3, int pre_tokens=9223372036854775807, "
+    "int next_tokens=9223372036854775807, int attention_mode=0, int quant_scale_repo_mode=1, int tile_size=128, "
+    "int rope_head_dim=64"
+)
+NPU_KV_QUANT_SPARSE_FLASH_ATTENTION_SCHEMAS = {
+    ('7.3',): _KVQ_SFA_HEAD + ") -> Tensor",
+    ('26.0',): _KVQ_SFA_HEAD + ", int? key_dtype=None, int? value_dtype=None) -> Tensor",
+    ('current',): _KVQ_SFA_HEAD + ", int? key_dtype=None, int? value_dtype=None, Tensor? sinks=None) -> Tensor",
+}
+
+
+@npu_op(NPU_KV_QUANT_SPARSE_FLASH_ATTENTION_SCHEMAS)
+def npu_kv_quant_sparse_flash_attention(
+    query: Tensor, key: Tensor, value: Tensor, sparse_indices: Tensor, scale_value: float, key_quant_mode: int,
+    value_quant_mode: int, *, key_dequant_scale: Tensor | None = None, value_dequant_scale: Tensor | None = None,
+    block_table: Tensor | None = None, actual_seq_lengths_query=None, actual_seq_lengths_kv=None,
+    sparse_block_size: int = 1, layout_query: str = "BSND", layout_kv: str = "BSND", sparse_mode: int = 3,
+    pre_tokens: int = INT64_MAX, next_tokens: int = INT64_MAX, attention_mode: int = 0,
+    quant_scale_repo_mode: int = 1, tile_size: int = 128, rope_head_dim: int = 64, key_dtype: int | None = None,
+    value_dtype: int | None = None, sinks: Tensor | None = None,
+):
+    """torch_npu.npu_kv_quant_sparse_flash_attention -> attention_out [.., N1, 512]. As documented, only
+    ``attention_mode=2`` is accepted (the schema's default 0 raises ParamInvalidError)."""
+    from ..library import kv_quant_sparse_flash_attention
+
+    return kv_quant_sparse_flash_attention(
+        query, key, value, sparse_indices, scale_value, key_quant_mode, value_quant_mode,
+        key_dequant_scale=key_dequant_scale, value_dequant_scale=value_dequant_scale, block_table=block_table,
+        actual_seq_lengths_query=actual_seq_lengths_query, actual_seq_lengths_kv=actual_seq_lengths_kv,
+        sparse_block_size=sparse_block_size, layout=layout_query, layout_kv=layout_kv, sparse_mode=sparse_mode,
+        pre_tokens=pre_tokens, next_tokens=next_tokens, attention_mode=attention_mode,
+        quant_scale_repo_mode=quant_scale_repo_mode, tile_size=tile_size, rope_head_dim=rope_head_dim,
+        key_dtype=key_dtype, value_dtype=value_dtype, sinks=None if sinks is None else sinks.detach())
