@@ -57,6 +57,10 @@ from ._infer import (
     npu_fused_infer_attention_score_v2,
     npu_incre_flash_attention,
 )
+from ._infer_out import (  # noqa: F401  (also sets npu_fused_infer_attention_score(_v2).out)
+    _npu_fused_infer_attention_score_get_max_workspace,
+    _npu_fused_infer_attention_score_v2_get_max_workspace,
+)
 from ._install import TorchNpuPresentError, install, installed, uninstall
 from ._merge import npu_attention_update, npu_ring_attention_update
 from ._prompt import PFA_PRE_TOKENS, npu_prompt_flash_attention, npu_trans_quant_param  # noqa: F401
