@@ -62,7 +62,17 @@ import cann_attn
 from ..problem.layout import BATCH_SEQ_DIMS
 from . import UsageError
 from . import cases as registry
-from .tensorio import DTYPES, canonical_dtype, entry_files, find_entry, parse_dtype, read_entry, read_manifest, read_npy
+from .tensorio import (
+    DTYPES,
+    canonical_dtype,
+    entry_files,
+    find_entry,
+    load_json,
+    parse_dtype,
+    read_entry,
+    read_manifest,
+    read_npy,
+)
 
 __all__ = ["CaseError", "CaseFile", "TensorSpec", "build_inputs", "load_case", "load_inputs"]
 
@@ -152,9 +162,11 @@ def load_case(path: str | Path, op: str | None = None) -> CaseFile:
     except UnicodeDecodeError as exc:
         raise fail("not a JSON case file (not UTF-8 text)") from exc
     try:
-        raw = json.loads(text)
+        raw = load_json(text)
     except json.JSONDecodeError as exc:
         raise fail(f"not valid JSON: {exc.msg} at line {exc.lineno} column {exc.colno}") from exc
+    except ValueError as exc:
+        raise fail(f"not a case file: {exc}") from exc
     if not isinstance(raw, dict):
         raise fail("expected a JSON object at the top level")
     unknown = [k for k in raw if k not in TOP_LEVEL]

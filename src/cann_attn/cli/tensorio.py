@@ -33,6 +33,8 @@ __all__ = [
     "check_output",
     "entry_files",
     "find_entry",
+    "inside",
+    "load_json",
     "parse_dtype",
     "read_bin",
     "read_entry",
@@ -134,15 +136,39 @@ def write_tensor(directory: Path, name: str, t: torch.Tensor, role: str, **extra
 # Reading
 # ----------------------------------------------------------------------------------------------------------
 def read_npy(path: Path, dtype: torch.dtype | None = None) -> torch.Tensor:
-    """A .npy file as a tensor (cast to `dtype` when given: bfloat16 .npy files hold float32 values)."""
+    """A .npy file as a tensor (cast to `dtype` when given: bfloat16 .npy files hold float32 values). The header is
+    checked against the file's size before anything is allocated: a header claiming more elements than the file
+    holds (or a truncated, empty or non-.npy file) is a one-line error."""
+    try:
+        with open(path, "rb") as f:
+            version = np.lib.format.read_magic(f)
+            read_header = {(1, 0): np.lib.format.read_array_header_1_0, (2, 0): np.lib.format.read_array_header_2_0}
+            if version not in read_header:
+                raise ValueError(f"unsupported .npy format version {version}")
+            shape, _, np_dtype = read_header[version](f)
+            offset = f.tell()
+    except (OSError, ValueError, EOFError, SyntaxError, TypeError) as exc:
+        raise UsageError(f"{path}: not a readable .npy file ({_one_line(exc)})") from exc
+    if np_dtype.hasobject or np_dtype.newbyteorder("=") not in _FROM_NUMPY:
+        raise UsageError(f"{path}: unsupported numpy dtype {np_dtype}")
+    numel = 1
+    for n in shape:
+        numel *= int(n)
+    data_bytes = path.stat().st_size - offset
+    if data_bytes != numel * np_dtype.itemsize:
+        raise UsageError(f"{path}: the header says {np_dtype} {list(shape)} ({numel * np_dtype.itemsize} bytes) but "
+                         f"the file holds {data_bytes} bytes of data")
     try:
         arr = np.load(path, allow_pickle=False)
-    except (OSError, ValueError) as exc:
-        raise UsageError(f"{path}: not a readable .npy file ({exc})") from exc
-    if arr.dtype.newbyteorder("=") not in _FROM_NUMPY:
-        raise UsageError(f"{path}: unsupported numpy dtype {arr.dtype}")
+    except (OSError, ValueError, EOFError) as exc:
+        raise UsageError(f"{path}: not a readable .npy file ({_one_line(exc)})") from exc
     t = torch.from_numpy(np.ascontiguousarray(arr.astype(arr.dtype.newbyteorder("="), copy=False)))
     return t if dtype is None else t.to(dtype)
+
+
+def _one_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__
 
 
 def read_bin(path: Path, dtype: torch.dtype, shape: list[int] | tuple[int, ...]) -> torch.Tensor:
@@ -167,10 +193,11 @@ def read_manifest(directory: Path) -> dict[str, Any] | None:
     path = directory / MANIFEST
     if not path.is_file():
         return None
+    inside(directory, MANIFEST, path)
     try:
-        manifest = json.loads(path.read_text())
+        manifest = load_json(path.read_text())
     except (OSError, ValueError) as exc:  # UnicodeDecodeError is a ValueError
-        raise UsageError(f"{path}: not a readable manifest ({exc})") from exc
+        raise UsageError(f"{path}: not a readable manifest ({_one_line(exc)})") from exc
     if not isinstance(manifest, dict) or not isinstance(manifest.get("tensors"), list):
         raise UsageError(f"{path}: not a cann-attn manifest (no 'tensors' list)")
     for i, entry in enumerate(manifest["tensors"]):
@@ -201,6 +228,9 @@ def _check_entry(entry: Any) -> str:
     if (not isinstance(files, dict) or not any(k in files for k in ("npy", "bin"))
             or not all(isinstance(v, str) and v for v in files.values())):
         return f"{name}: files: expected an object of file names with 'npy' and / or 'bin', got {json.dumps(files)}"
+    for kind, file in files.items():
+        if Path(file).is_absolute() or ".." in Path(file).parts or "\\" in file:
+            return f"{name}: files.{kind}: {json.dumps(file)} is not a name inside the manifest's directory"
     if "bin" in files and "shape" not in entry:
         return f"{name}: shape: missing (needed to read {files['bin']})"
     return ""
@@ -219,7 +249,45 @@ def find_entry(manifest: dict[str, Any] | None, *, name: str | None = None, file
 def entry_files(directory: Path, entry: dict[str, Any]) -> dict[str, Path]:
     """The .npy / .bin files a (checked) manifest entry lists, by kind ('npy', 'bin'), in that order."""
     files = entry.get("files") or {}
-    return {kind: directory / files[kind] for kind in ("npy", "bin") if kind in files}
+    return {kind: inside(directory, files[kind]) for kind in ("npy", "bin") if kind in files}
+
+
+def inside(directory: Path, name: str, path: Path | None = None) -> Path:
+    """`directory / name`, refused (UsageError) when it leads outside `directory`, through ``..``, an absolute
+    name or a symbolic link: a manifest only ever names files of its own directory."""
+    path = directory / name if path is None else path
+    try:
+        path.resolve().relative_to(directory.resolve())
+    except ValueError:
+        raise UsageError(f"{directory / MANIFEST}: {name!r} leads outside {directory}") from None
+    return path
+
+
+# json.loads recurses once per nesting level: a deeply nested file would exhaust the stack (RecursionError).
+MAX_JSON_DEPTH = 64
+
+
+def load_json(text: str) -> Any:
+    """json.loads, refusing (ValueError) nesting deeper than MAX_JSON_DEPTH before parsing."""
+    depth = 0
+    in_string = escaped = False
+    for ch in text:
+        if in_string:
+            if escaped:
+                escaped = False
+            elif ch == "\\":
+                escaped = True
+            elif ch == '"':
+                in_string = False
+        elif ch == '"':
+            in_string = True
+        elif ch in "[{":
+            depth += 1
+            if depth > MAX_JSON_DEPTH:
+                raise ValueError(f"nested deeper than {MAX_JSON_DEPTH} levels")
+        elif ch in "]}":
+            depth -= 1
+    return json.loads(text)
 
 
 def read_file_of_entry(path: Path, kind: str, entry: dict[str, Any]) -> torch.Tensor:
