@@ -17,9 +17,12 @@ from cann_attn.testing.npu_recipes import (
     fa_grad_recipe,
     fa_recipe,
     ifa_recipe,
+    kl_loss_recipe,
     op_plugin_pfa_golden,
     pfa_recipe,
     rnd,
+    sfa_grad_recipe,
+    sfa_recipe,
 )
 from paged_utils import paginate
 
@@ -234,6 +237,53 @@ def test_fa_grad_npu_mode_within_two_ulps(dtype):
                               0.125, mask=mask)
     for name, actual, recipe in zip(("dq", "dk", "dv"), grads[:3], expected, strict=True):
         assert_within_ulps(actual, recipe, name=name)
+
+
+def _sparse_inputs(dtype, b=2, s1=12, s2=48, heads=4, d=32, k=16, allowed=32, seed=7):
+    """BSND DSA tensors (N2 = 1) and distinct token indices below `allowed` (all visible under sparse_mode 3)."""
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(b, s1, heads, d, generator=g).to(dtype)
+    key = torch.randn(b, s2, 1, d, generator=g).to(dtype)
+    value = torch.randn(b, s2, 1, d, generator=g).to(dtype)
+    idx = torch.stack([torch.stack([torch.randperm(allowed, generator=g)[:k] for _ in range(s1)]) for _ in range(b)])
+    return q, key, value, idx.unsqueeze(2).to(torch.int32), g
+
+
+@pytest.mark.parametrize("dtype", HALF_TYPES)
+def test_sfa_forward_and_grad_npu_mode_within_two_ulps(dtype):
+    q, key, value, idx, g = _sparse_inputs(dtype)
+    dy = torch.randn(q.shape, generator=g).to(dtype)
+    with cann_attn.precision("npu"):
+        fwd = cann_attn.sparse_flash_attention(q, key, value, idx, 0.2)
+        grads = cann_attn.sparse_flash_attention_grad(q, key, value, idx, dy, fwd.attention_out, fwd.softmax_max,
+                                                      fwd.softmax_sum, 0.2)
+    out, row_max, row_sum = sfa_recipe(q, key, value, idx, 0.2)
+    assert_within_ulps(fwd.attention_out, out)
+    torch.testing.assert_close(fwd.softmax_max[:, 0], row_max, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(fwd.softmax_sum[:, 0], row_sum, rtol=1e-5, atol=0)
+    expected = sfa_grad_recipe(q, key, value, idx, dy, fwd.attention_out, fwd.softmax_max[:, 0],
+                               fwd.softmax_sum[:, 0], 0.2)
+    for name, actual, recipe in zip(("d_query", "d_key", "d_value"), grads[:3], expected, strict=True):
+        assert_within_ulps(actual, recipe, name=name)
+
+
+@pytest.mark.parametrize("dtype", HALF_TYPES)
+def test_kl_loss_npu_mode_within_two_ulps(dtype):
+    q, key, _, idx, g = _sparse_inputs(dtype, s1=8, s2=40)
+    q_index = torch.randn(2, 8, 4, 32, generator=g).to(dtype)
+    k_index = torch.randn(2, 40, 1, 32, generator=g).to(dtype)
+    weights = torch.randn(2, 8, 4, generator=g).to(dtype)
+    stats = cann_attn.sparse_flash_attention(q, key, key, idx, 0.2)
+    args = (q, key, q_index, k_index, weights, idx, stats.softmax_max, stats.softmax_sum, 0.2)
+    with cann_attn.precision("npu"):
+        result = cann_attn.sparse_lightning_indexer_grad_kl_loss(*args)
+    *expected, loss = kl_loss_recipe(*args)
+    for name, actual, recipe in zip(("d_query_index", "d_key_index", "d_weights"), result[:3], expected, strict=True):
+        assert_within_ulps(actual, recipe, name=name)
+    torch.testing.assert_close(result.loss, loss.reshape(1), rtol=1e-5, atol=0)
+    exact = cann_attn.sparse_lightning_indexer_grad_kl_loss(*args)
+    with pytest.raises(AssertionError):  # the ReLU gradient's rounding is what the recipe sees
+        assert_within_ulps(exact.d_key_index, expected[1])
 
 
 def test_exact_mode_is_untouched_by_the_switch(monkeypatch):

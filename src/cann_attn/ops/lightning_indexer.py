@@ -11,6 +11,7 @@ from ..backends import select_backend
 from ..backends.reference import indexer as kernel
 from ..backends.triton.sparse_plan import index_rows, indexer_tables, indexer_unsupported
 from ..errors import ParamInvalidError, require, require_int, require_real
+from ..problem import precision
 from ..problem.page_table import PAGED_KV_LAYOUT
 from ..problem.sparse import indexer_selection
 from ..problem.stats import accumulation_dtype
@@ -215,6 +216,7 @@ def sparse_lightning_indexer_grad_kl_loss(
             softmax_max, softmax_sum, query_rope, key_rope, indexer_tables(problem, sparse_mode, query.device),
             float(scale_value), bool(deterministic)))
     dtype = accumulation_dtype(query_index.dtype)
+    pipeline = precision.kl_loss_pipeline(query_index.dtype) if precision.npu_mode() else None
     d_query_index = torch.zeros_like(query_index)
     d_key_index = torch.zeros_like(key_index)
     d_weights = torch.zeros_like(weights)
@@ -239,8 +241,10 @@ def sparse_lightning_indexer_grad_kl_loss(
                 weights=problem.rows(weights, b)[:lq],
                 indices=problem.rows(sparse_indices, b)[:lq, 0], row_max=_stat_rows(problem, softmax_max, b, lq),
                 row_sum=_stat_rows(problem, softmax_sum, b, lq), scale=float(scale_value), sparse_mode=sparse_mode,
-                dq_idx=dq, dk_idx=dk, dw=dw,
+                dq_idx=dq, dk_idx=dk, dw=dw, score_grad=None if pipeline is None else pipeline.score_grad,
             )
+            if pipeline is not None:
+                dq, dk, dw = pipeline.query_outputs(dq), pipeline.outputs(dk), precision.half_away(weights.dtype)(dw)
             problem.rows(d_query_index, b)[:lq] = dq
             problem.keys(d_key_index, b)[:lk, 0] = dk
             problem.rows(d_weights, b)[:lq] = dw

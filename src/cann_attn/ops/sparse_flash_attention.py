@@ -9,9 +9,11 @@ from typing import NamedTuple
 import torch
 
 from ..backends import select_backend
+from ..backends.reference import npu_attention
 from ..backends.reference import sparse_attention as kernel
 from ..backends.triton.sparse_plan import index_rows, sfa_tables, sparse_unsupported
 from ..errors import ParamInvalidError, ParamNullptrError, require, require_bool, require_int, require_real
+from ..problem import precision
 from ..problem import sink as sink_rule
 from ..problem.lengths import cumulative_lengths, per_batch_lengths, starts_of
 from ..problem.page_table import DSA_BLOCK_SIZES, PAGED_KV_LAYOUT, PageTable, page_table
@@ -345,16 +347,20 @@ def sparse_flash_attention(
         return SparseFlashAttentionResult(out, softmax_max, softmax_sum)
     out, softmax_max, softmax_sum = _initial_outputs(problem, query, value)
     dtype = accumulation_dtype(query.dtype)
+    pipeline = precision.sfa_pipeline(key.dtype, query.dtype) if precision.npu_mode() else None
     for b, seq in _sequences(problem, query, key, value, sparse_indices, query_rope, key_rope):
         rows = problem.rows(out, b)[: seq.seq_q]
         # With sinks the output stays in the compute dtype until the sink is merged (one rounding).
         target = rows if sinks is None else torch.zeros(rows.shape, dtype=dtype, device=rows.device)
-        kernel.forward_sequence(seq, float(scale_value), sparse_mode, block_size, dtype, target,
-                                _stat_rows(problem, softmax_max, b)[: seq.seq_q],
-                                _stat_rows(problem, softmax_sum, b)[: seq.seq_q])
+        stats = (_stat_rows(problem, softmax_max, b)[: seq.seq_q], _stat_rows(problem, softmax_sum, b)[: seq.seq_q])
+        if pipeline is not None:
+            npu_attention.sparse_forward_sequence(seq, pipeline, float(scale_value), sparse_mode, block_size, target,
+                                                  *stats)
+        else:
+            kernel.forward_sequence(seq, float(scale_value), sparse_mode, block_size, dtype, target, *stats)
         if sinks is not None:
             _merge_sinks(problem, b, target, softmax_max, softmax_sum, sinks, out_rows=target)
-            rows.copy_(target)
+            rows.copy_(target if pipeline is None else pipeline.output(target))
     if sinks is not None:  # computed rows of sequences without keys: nothing selected, the sink alone
         for b in range(len(problem.q_spans)):
             if problem.q_lengths[b] > 0 and problem.kv_lengths[b] == 0:
@@ -454,6 +460,7 @@ def sparse_flash_attention_grad(
             float(scale_value), block_size, bool(deterministic)), d_sinks)
     dq, dk, dv, dq_rope, dk_rope = _zero_grads(query, key, value, query_rope, key_rope)
     dtype = accumulation_dtype(query.dtype)
+    pipeline = precision.sfa_grad_pipeline(query.dtype) if precision.npu_mode() else None
     d_qk = query.shape[-1]
     guard = _deterministic_guard(deterministic and query.device.type != "cpu")
     with guard:
@@ -461,11 +468,15 @@ def sparse_flash_attention_grad(
             dq_seq = torch.empty((seq.seq_q, problem.heads, seq.dim_qk), dtype=dtype, device=query.device)
             dk_seq = torch.zeros((seq.seq_kv, seq.k.shape[-1]), dtype=dtype, device=query.device)
             dv_seq = torch.zeros((seq.seq_kv, seq.v.shape[-1]), dtype=dtype, device=query.device)
-            kernel.backward_sequence(
-                seq, problem.rows(d_out, b)[: seq.seq_q], problem.rows(out, b)[: seq.seq_q],
-                _stat_rows(problem, softmax_max, b)[: seq.seq_q], _stat_rows(problem, softmax_sum, b)[: seq.seq_q],
-                float(scale_value), sparse_mode, block_size, dtype, dq_seq, dk_seq, dv_seq,
-            )
+            args = (seq, problem.rows(d_out, b)[: seq.seq_q], problem.rows(out, b)[: seq.seq_q],
+                    _stat_rows(problem, softmax_max, b)[: seq.seq_q], _stat_rows(problem, softmax_sum, b)[: seq.seq_q])
+            if pipeline is not None:
+                npu_attention.sparse_backward_sequence(args[0], pipeline, *args[1:], float(scale_value), sparse_mode,
+                                                       block_size, dq_seq, dk_seq, dv_seq)
+                dq_seq, dk_seq, dv_seq = (pipeline.outputs(t) for t in (dq_seq, dk_seq, dv_seq))
+            else:
+                kernel.backward_sequence(*args, float(scale_value), sparse_mode, block_size, dtype, dq_seq, dk_seq,
+                                         dv_seq)
             problem.rows(dq, b)[: seq.seq_q] = dq_seq[..., :d_qk]
             problem.keys(dk, b)[: seq.seq_kv, 0] = dk_seq[:, :d_qk]
             problem.keys(dv, b)[: seq.seq_kv, 0] = dv_seq

@@ -24,7 +24,7 @@ import contextlib
 import contextvars
 import os
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -41,13 +41,17 @@ __all__ = [
     "current_mode",
     "fa_grad_pipeline",
     "fa_pipeline",
+    "half_away",
     "ifa_pipeline",
     "infer_pipeline",
+    "kl_loss_pipeline",
     "npu_mode",
     "pfa_pipeline",
     "precision",
     "round_float",
     "round_half_away",
+    "sfa_grad_pipeline",
+    "sfa_pipeline",
 ]
 
 MODES = ("exact", "npu")
@@ -178,9 +182,16 @@ class GradPipeline:
     probabilities: Cast
     score_grad: Cast
     outputs: Cast
+    # The query-side gradient's rounding where it differs from `outputs` (written by a GEMM's fixpipe).
+    query_output: Cast | None = None
+
+    @property
+    def query_outputs(self) -> Cast:
+        return self.outputs if self.query_output is None else self.query_output
 
 
-def _half_away(dtype: torch.dtype) -> Cast:
+def half_away(dtype: torch.dtype) -> Cast:
+    """The Cast to `dtype` half away from zero (RoundMode::CAST_ROUND); fp32 stays fp32."""
     return FP32 if dtype == torch.float32 else Cast(dtype, HALF_AWAY)
 
 
@@ -194,24 +205,24 @@ def pfa_pipeline(dtype: torch.dtype, inner_precise: int) -> AttentionPipeline:
         return AttentionPipeline("prompt_flash_attention", scores=half, logits=half, probabilities=half,
                                  products=half, accumulator=half, divisor=Cast(torch.float16, HALF_AWAY),
                                  output=half)
-    return AttentionPipeline("prompt_flash_attention", scores=FP32, logits=FP32, probabilities=_half_away(dtype),
-                             products=FP32, accumulator=FP32, divisor=FP32, output=_half_away(dtype))
+    return AttentionPipeline("prompt_flash_attention", scores=FP32, logits=FP32, probabilities=half_away(dtype),
+                             products=FP32, accumulator=FP32, divisor=FP32, output=half_away(dtype))
 
 
 def fa_pipeline(dtype: torch.dtype) -> AttentionPipeline:
     """FlashAttentionScore forward: fp32 throughout (fp16 inputs take the FLOAT16_PRECISION template whatever
     inner_precise says); P, with the dropout scale applied, cast to the input dtype half away before P V; the
     output cast half away."""
-    return AttentionPipeline("flash_attention_score", scores=FP32, logits=FP32, probabilities=_half_away(dtype),
-                             products=FP32, accumulator=FP32, divisor=FP32, output=_half_away(dtype),
+    return AttentionPipeline("flash_attention_score", scores=FP32, logits=FP32, probabilities=half_away(dtype),
+                             products=FP32, accumulator=FP32, divisor=FP32, output=half_away(dtype),
                              dropout_in_probabilities=True)
 
 
 def ifa_pipeline(kv_dtype: torch.dtype, out_dtype: torch.dtype) -> AttentionPipeline:
     """IncreFlashAttention (and FIA's decode kernel): fp32 throughout; P cast to the KV dtype half away before P V;
     a bf16 output rounds half to even, an fp16 one half away."""
-    output = Cast(out_dtype, HALF_EVEN) if out_dtype == torch.bfloat16 else _half_away(out_dtype)
-    return AttentionPipeline("incre_flash_attention", scores=FP32, logits=FP32, probabilities=_half_away(kv_dtype),
+    output = Cast(out_dtype, HALF_EVEN) if out_dtype == torch.bfloat16 else half_away(out_dtype)
+    return AttentionPipeline("incre_flash_attention", scores=FP32, logits=FP32, probabilities=half_away(kv_dtype),
                              products=FP32, accumulator=FP32, divisor=FP32, output=output)
 
 
@@ -228,5 +239,25 @@ def infer_pipeline(op: str, dtype: torch.dtype, kv_dtype: torch.dtype, out_dtype
 
 def fa_grad_pipeline(dtype: torch.dtype) -> GradPipeline:
     """FlashAttentionScoreGrad: P and dS cast to the input dtype half away before their GEMMs; gradients half away."""
-    cast = _half_away(dtype)
+    cast = half_away(dtype)
     return GradPipeline("flash_attention_score_grad", probabilities=cast, score_grad=cast, outputs=cast)
+
+
+def sfa_pipeline(kv_dtype: torch.dtype, out_dtype: torch.dtype) -> AttentionPipeline:
+    """SparseFlashAttention: IncreFlashAttention's stages over the selected keys (fp32; P to the KV dtype half away;
+    bf16 output half to even, fp16 half away)."""
+    return replace(ifa_pipeline(kv_dtype, out_dtype), operator="sparse_flash_attention")
+
+
+def sfa_grad_pipeline(dtype: torch.dtype) -> GradPipeline:
+    """SparseFlashAttentionGrad: FlashAttentionScoreGrad's stages over the selected keys."""
+    return replace(fa_grad_pipeline(dtype), operator="sparse_flash_attention_grad")
+
+
+def kl_loss_pipeline(dtype: torch.dtype) -> GradPipeline:
+    """SparseLightningIndexerGradKLLoss: fp32 throughout; the ReLU gradient dI/d(q.k) = w (q - p) [q.k > 0] cast to
+    the index dtype half away before d_query_index and d_key_index; d_key_index and d_weights cast half away,
+    d_query_index written by its GEMM (half to even). (`probabilities` is unused: the target stays fp32.)"""
+    cast = half_away(dtype)
+    return GradPipeline("sparse_lightning_indexer_grad_kl_loss", probabilities=FP32, score_grad=cast, outputs=cast,
+                        query_output=Cast(dtype))

@@ -22,9 +22,12 @@ __all__ = [
     "fa_grad_recipe",
     "fa_recipe",
     "ifa_recipe",
+    "kl_loss_recipe",
     "op_plugin_pfa_golden",
     "pfa_recipe",
     "rnd",
+    "sfa_grad_recipe",
+    "sfa_recipe",
     "ulp",
     "ulp_errors",
 ]
@@ -173,6 +176,75 @@ def ifa_recipe(q, k, v, scale: float) -> torch.Tensor:
     _, e, total = _softmax_parts(s)
     p = rnd(e, k.dtype, away=True)
     return rnd(_matmul(p, v).float() / total, q.dtype, away=q.dtype != torch.bfloat16)
+
+
+def _selected_rows(t: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
+    """[B, S2, 1, D] keys / values picked by [B, S1, 1, K] indices: [B, S1, K, D]."""
+    b = torch.arange(t.shape[0]).view(-1, 1, 1)
+    return t[:, :, 0][b, indices[:, :, 0].long()]
+
+
+def sfa_recipe(q, k, v, indices, scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """SparseFlashAttention on BSND tensors (N2 = 1, token selection, every index valid): (out, row max, row sum).
+    sparse_flash_attention_service_vector_mla.h: fp32 (`T = float`), scale in fp32 (:428), P cast half away to the KV
+    dtype (:685, CAST_ROUND), output bf16 half to even / fp16 half away (:1263-1265)."""
+    keys, values = _selected_rows(k, indices), _selected_rows(v, indices)  # [B, S1, K, D]
+    s = _matmul(q, keys.transpose(-1, -2)).float() * scale  # [B, S1, N1, K]
+    m, e, total = _softmax_parts(s)
+    o = _matmul(rnd(e, k.dtype, away=True), values).float() / total
+    return rnd(o, q.dtype, away=q.dtype != torch.bfloat16), m.squeeze(-1), total.squeeze(-1)
+
+
+def sfa_grad_recipe(q, k, v, indices, dy, out, row_max, row_sum, scale: float):
+    """SparseFlashAttentionGrad on BSND tensors (as `sfa_recipe`): (dq, dk, dv). sparse_flash_attention_grad
+    vec_op.h: dy, out widened (:458-459); P = exp(scale S - max) / sum in fp32 (:537-550) cast half away (:557); dS =
+    P (dP - D) in fp32 cast half away (:578-589); grad_post.h: dq, dk times the scale in fp32, every gradient cast
+    half away (:533-542, :589-598, :644)."""
+    keys, values = _selected_rows(k, indices), _selected_rows(v, indices)
+    s = _matmul(q, keys.transpose(-1, -2)).float() * scale
+    p = torch.exp(s - row_max.float().unsqueeze(-1)) / row_sum.float().unsqueeze(-1)
+    dyf = dy.float()
+    d = (dyf * out.float()).sum(-1, keepdim=True)
+    ds = rnd(p * (_matmul(dyf, values.transpose(-1, -2)).float() - d), q.dtype, away=True)
+    dq = _matmul(ds, keys).float() * scale
+    dk_sel = _matmul(ds.transpose(-1, -2), q).float() * scale  # [B, S1, K, D]
+    dv_sel = _matmul(rnd(p, q.dtype, away=True).transpose(-1, -2), dyf).float()
+    dk = torch.zeros(k.shape[0], k.shape[1], k.shape[-1])
+    dv = torch.zeros(v.shape[0], v.shape[1], v.shape[-1])
+    for b in range(k.shape[0]):
+        flat = indices[b, :, 0].reshape(-1).long()
+        dk[b].index_add_(0, flat, dk_sel[b].reshape(-1, k.shape[-1]))
+        dv[b].index_add_(0, flat, dv_sel[b].reshape(-1, v.shape[-1]))
+    return (rnd(dq, q.dtype, away=True), rnd(dk, k.dtype, away=True).unsqueeze(2),
+            rnd(dv, v.dtype, away=True).unsqueeze(2))
+
+
+def kl_loss_recipe(query, key, query_index, key_index, weights, indices, softmax_max, softmax_sum, scale: float):
+    """SparseLightningIndexerGradKLLoss on BSND tensors (N2 = 1, every index valid): (d_query_index, d_key_index,
+    d_weights, loss). fp32 throughout: target p = mean over heads of exp(scale q.k - max) / sum; scores I = sum_h
+    w_h ReLU(q_idx_h . k_idx); q = softmax(I); dI = q - p; dW = ReLU . dI cast half away (vector.h:1041); the ReLU
+    gradient w_h dI [q_idx.k_idx > 0] cast half away to the index dtype (vector.h:916, `ReLUGrad`) before
+    dq_idx = ds k_idx (written by its GEMM: half to even) and dk_idx = ds^T q_idx (vector2.h:173, half away)."""
+    keys, k_idx = _selected_rows(key, indices), _selected_rows(key_index, indices)  # [B, S1, K, D]
+    z = _matmul(query, keys.transpose(-1, -2)).float() * scale  # [B, S1, N1, K]
+    stats_max = softmax_max[:, 0].float().unsqueeze(-1)  # [B, S1, N1, 1]
+    stats_sum = softmax_sum[:, 0].float().unsqueeze(-1)
+    target = (torch.exp(z - stats_max) / stats_sum).mean(2)  # [B, S1, K]
+    relu = _matmul(query_index, k_idx.transpose(-1, -2)).float().clamp_min(0.0)  # [B, S1, H, K]
+    w = weights.float()
+    scores = (w.unsqueeze(-1) * relu).sum(2)
+    dist = torch.softmax(scores, dim=-1)
+    p_c, q_c = target.clamp_min(1e-8), dist.clamp_min(1e-8)
+    loss = (p_c * (p_c.log() - q_c.log())).sum()
+    d_scores = (dist - target).unsqueeze(2)  # [B, S1, 1, K]
+    d_weights = rnd((relu * d_scores).sum(-1), weights.dtype, away=True)
+    ds = rnd(w.unsqueeze(-1) * d_scores * (relu > 0), query_index.dtype, away=True)
+    dq = rnd(_matmul(ds, k_idx).float(), query_index.dtype)
+    dk_sel = _matmul(ds.transpose(-1, -2), query_index).float()  # [B, S1, K, D]
+    dk = torch.zeros(key_index.shape[0], key_index.shape[1], key_index.shape[-1])
+    for b in range(key_index.shape[0]):
+        dk[b].index_add_(0, indices[b, :, 0].reshape(-1).long(), dk_sel[b].reshape(-1, key_index.shape[-1]))
+    return dq, rnd(dk, key_index.dtype, away=True).unsqueeze(2), d_weights, loss
 
 
 def op_plugin_pfa_golden(q, k, v, scale: float) -> torch.Tensor:

@@ -6,6 +6,8 @@ indexer forward forms a [rows, Skv] score tile (never S1 x S2), the KL op gather
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from ...problem.dequant import score_scales
@@ -129,12 +131,14 @@ def _target_distribution(q_main: torch.Tensor, q_rope: torch.Tensor | None, k_ma
 
 @torch.no_grad()  # kernels fill preallocated outputs; autograd pairs the ops one level up
 def kl_loss_sequence(seq_q: int, seq_kv: int, *, q_main, q_rope, k_main, q_idx, k_idx, weights, indices, row_max,
-                     row_sum, scale: float, sparse_mode: int, dq_idx, dk_idx, dw) -> torch.Tensor:
+                     row_sum, scale: float, sparse_mode: int, dq_idx, dk_idx, dw,
+                     score_grad: Callable[[torch.Tensor], torch.Tensor] | None = None) -> torch.Tensor:
     """Loss (summed over the sequence's rows) and gradients of one sequence.
 
     q_main [Sq, N1, D] with q_rope [Sq, N1, Dr] (or None), k_main [Skv, D + Dr] (key ++ key_rope); row_max/row_sum
     [Sq, N1] are the SFA stats. dq_idx [Sq, H, D] and dw [Sq, H] are written, dk_idx [Skv, D] accumulated (fp32,
-    fixed order)."""
+    fixed order). `score_grad` (the "npu" precision mode, docs/semantics/precision.md) rounds the ReLU gradient
+    before the dq / dk GEMMs; it takes the PyTorch path."""
     dtype = dq_idx.dtype
     loss = torch.zeros((), dtype=torch.float64, device=q_idx.device)
     k_idx_all = k_idx.to(dtype)
@@ -152,7 +156,7 @@ def kl_loss_sequence(seq_q: int, seq_kv: int, *, q_main, q_rope, k_main, q_idx, 
         # PyTorch path gathers them ([rows, W, D]) for batched GEMMs.
         q_t = q_idx[t0:t1].to(dtype).contiguous()
         w_t = weights[t0:t1].to(dtype)
-        use_native = native.usable(q_t, k_idx_all)
+        use_native = native.usable(q_t, k_idx_all) and score_grad is None
         if use_native:
             relu = native.rows_dot(q_t, k_idx_all, tokens, ws.take("relu", (*q_t.shape[:2], tokens.shape[1]), dtype))
         else:
@@ -175,6 +179,8 @@ def kl_loss_sequence(seq_q: int, seq_kv: int, *, q_main, q_rope, k_main, q_idx, 
         dw[t0:t1] = torch.bmm(relu, d_scores.unsqueeze(-1)).squeeze(-1)
         # dI/d(q.k) = w * [q.k > 0]: relu > 0 exactly where q.k > 0.
         ds = relu.sign_().mul_(w_t.unsqueeze(-1)).mul_(d_scores.unsqueeze(1))
+        if score_grad is not None:
+            ds = score_grad(ds)
         # Invalid entries have ds = 0 (both distributions are 0 there): they add exact zeros to token 0.
         if use_native:
             dq_rows = dq_idx[t0:t1]

@@ -9,6 +9,8 @@ run in float64 and are rounded once at their stage: the cube accumulates in fp32
 an exact sum rounded once is the order-free choice (fp32 BLAS sums would change with the thread count). The
 int8 PromptFlashAttention path quantises P and dequantises the products as `quant_attention` does, in the pipeline's
 fp16 stages. The backward recomputes P from the saved statistics and rounds P and dS before their GEMMs.
+SparseFlashAttention and its grad take the same stages over each row's selected keys (the selection rule stays in
+`problem.sparse`).
 """
 
 from __future__ import annotations
@@ -22,6 +24,8 @@ from ...problem.precision import AttentionPipeline, GradPipeline
 from ...problem.quant import round_to_fp16, round_to_int8
 from ...problem.stats import FLT_MAX
 from .flash_forward import group_rows, key_tiles, write_stat
+from .sparse_attention import INVALID_MAX
+from .sparse_attention import _sequence_selection as sequence_selection
 
 BLOCK_Q = 128
 
@@ -187,3 +191,65 @@ def _backward_run(problem: AttentionProblem, pipeline: GradPipeline, run: Run, q
         terms = sinks.sink_grad_terms_from_rowsum(d_sum_all, max_all, sum_all,
                                                   sinks.head_values(problem.sink, f32, query.device))
         dsink_acc += terms.sum(dim=(0, 2)).to(dsink_acc.dtype)
+
+
+def _selected(seq, selection, t0: int, t1: int):
+    """Rows [t0, t1) of a sparse sequence: their selection, the query (++ rope) [rows, N1, Dqk] in fp32 and the
+    selected keys / values [rows, E, D] (invalid entries point at token 0 and are masked by the caller)."""
+    sel = selection.rows(t0, t1)
+    q = seq.q[t0:t1].to(torch.float32)
+    if seq.q_rope is not None:
+        q = torch.cat([q, seq.q_rope[t0:t1].to(torch.float32)], dim=-1)
+    return sel, q, seq.k[sel.tokens].to(torch.float32), seq.values[sel.tokens].to(torch.float32)
+
+
+@torch.no_grad()
+def sparse_forward_sequence(seq, pipeline: AttentionPipeline, scale: float, sparse_mode: int, block_size: int,
+                            out: torch.Tensor, row_max: torch.Tensor, row_sum: torch.Tensor) -> None:
+    """SparseFlashAttention of one sequence (`sparse_attention.SparseSequence`) rounded as `pipeline` says: out
+    [Sq, N1, Dv] (fp32 rows, unrounded, when a sink is merged afterwards; else the output rows), row_max / row_sum
+    [Sq, N1]."""
+    selection = sequence_selection(seq, sparse_mode, block_size)
+    for t0 in range(0, seq.seq_q, BLOCK_Q):
+        t1 = min(t0 + BLOCK_Q, seq.seq_q)
+        sel, q, keys, values = _selected(seq, selection, t0, t1)
+        s = pipeline.logits(pipeline.scores(_gemm(q, keys.transpose(1, 2))) * _scale(pipeline, scale))
+        s.masked_fill_(~sel.valid.unsqueeze(1), float("-inf"))
+        m = s.amax(-1)
+        has_keys = m != float("-inf")
+        p = torch.exp(s - torch.where(has_keys, m, 0.0).unsqueeze(-1))
+        total = p.sum(-1)
+        o = pipeline.products(_gemm(pipeline.probabilities(p), values))
+        o = o / pipeline.divisor(torch.where(has_keys, total, 1.0)).unsqueeze(-1)
+        out[t0:t1] = (o if out.dtype == torch.float32 else pipeline.output(o)).masked_fill_(~has_keys.unsqueeze(-1), 0)
+        row_max[t0:t1] = torch.where(has_keys, m, INVALID_MAX)
+        row_sum[t0:t1] = total
+
+
+@torch.no_grad()
+def sparse_backward_sequence(seq, pipeline: GradPipeline, d_out, out, row_max, row_sum, scale: float,
+                             sparse_mode: int, block_size: int, dq, dk, dv) -> None:
+    """SparseFlashAttentionGrad of one sequence: dq [Sq, N1, Dqk] written, dk [Skv, Dqk] / dv [Skv, Dv] (fp32)
+    accumulated, dq and dk times the scale; P and dS rounded before their GEMMs as `pipeline` says (the outputs are
+    rounded by the caller)."""
+    f32 = torch.float32
+    selection = sequence_selection(seq, sparse_mode, block_size)
+    for t0 in range(0, seq.seq_q, BLOCK_Q):
+        t1 = min(t0 + BLOCK_Q, seq.seq_q)
+        sel, q, keys, values = _selected(seq, selection, t0, t1)
+        valid = sel.valid.unsqueeze(1)
+        has_keys = sel.row_has_keys.unsqueeze(-1)
+        s = _gemm(q, keys.transpose(1, 2)).to(f32) * scale
+        shift = torch.where(has_keys, row_max[t0:t1].to(f32), 0.0).unsqueeze(-1)
+        inv_sum = torch.where(has_keys, 1.0 / row_sum[t0:t1].to(f32), 0.0).unsqueeze(-1)
+        p = (torch.exp(s - shift) * inv_sum).masked_fill_(~valid, 0.0)
+        do = d_out[t0:t1].to(f32)
+        d_sum = (do * out[t0:t1].to(f32)).sum(-1, keepdim=True)
+        dp = _gemm(do, values.transpose(1, 2)).to(f32)
+        ds = pipeline.score_grad((p * (dp - d_sum)).masked_fill_(~valid, 0.0))
+        p_cast = pipeline.probabilities(p)
+        dq[t0:t1] = _gemm(ds, keys).to(f32) * scale
+        dk_sel = _gemm(ds.transpose(1, 2), q).to(f32) * scale
+        dv_sel = _gemm(p_cast.transpose(1, 2), do).to(f32)
+        dk.index_add_(0, sel.tokens.reshape(-1), dk_sel.flatten(0, 1))
+        dv.index_add_(0, sel.tokens.reshape(-1), dv_sel.flatten(0, 1))
