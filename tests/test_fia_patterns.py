@@ -22,7 +22,9 @@ G = torch.Generator().manual_seed(7)
 
 
 def merge_two(o1, lse1, o2, lse2):
-    """The ring-attention merge of the FIA documentation: weights exp(lse_i - max)."""
+    """The ring-attention merge of the FIA documentation: weights exp(lse_i - max). FIA marks rows without keys
+    with lse = +inf ("数据为inf的代表无效数据"), so a caller first turns those into log 0."""
+    lse1, lse2 = (torch.where(torch.isposinf(x), -torch.inf, x) for x in (lse1, lse2))
     lse_max = torch.maximum(lse1, lse2)
     lse_max = torch.where(torch.isneginf(lse_max), torch.zeros_like(lse_max), lse_max)
     w1, w2 = torch.exp(lse1 - lse_max), torch.exp(lse2 - lse_max)
@@ -49,7 +51,7 @@ def test_lse_blocks_merge_to_full_attention():
 
 def test_causal_lse_blocks_merge_with_empty_rows():
     """Causal ring step: the second key block is invisible to the first half of the queries (empty rows give
-    lse = -inf and output 0, and contribute nothing to the merge)."""
+    lse = +inf, the documented invalid-row mark, and output 0, and contribute nothing to the merge)."""
     b, n, s, d = 1, 2, 16, 16
     q, k, v = (torch.randn(b, n, s, d, generator=G, dtype=torch.float32) for _ in range(3))
     scale = 0.3
@@ -61,7 +63,7 @@ def test_causal_lse_blocks_merge_with_empty_rows():
                                                        atten_mask=causal[:, :half].contiguous(), **kw)
     o2, l2 = torch_npu.npu_fused_infer_attention_score(q, k[:, :, half:], v[:, :, half:],
                                                        atten_mask=causal[:, half:].contiguous(), **kw)
-    assert torch.isneginf(l2[:, :, : half - 1]).all() and (o2[:, :, : half - 1] == 0).all()
+    assert torch.isposinf(l2[:, :, : half - 1]).all() and (o2[:, :, : half - 1] == 0).all()
     merged, _ = merge_two(o1.double(), l1.double(), o2.double(), l2.double())
     reference = F.scaled_dot_product_attention(q.double(), k.double(), v.double(), attn_mask=~causal, scale=scale)
     torch.testing.assert_close(merged, reference, atol=2e-5, rtol=2e-5)

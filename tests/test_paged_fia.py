@@ -150,9 +150,6 @@ def _paged_call(rng, **override):
 
 FIA_PAGE_ERRORS = {
     "block_size_mismatch": (dict(block_size=32), cann_attn.ParamInvalidError, "block_size: expected the caches"),
-    "block_size_without_table": (dict(block_table=None, key=torch.zeros(2, 20, 2, 16),
-                                      value=torch.zeros(2, 20, 2, 16)),
-                                 cann_attn.ParamInvalidError, "block_size"),
     "decode_block_not_16x": (dict(key=lambda kw: kw["key"][:, :8], value=lambda kw: kw["value"][:, :8],
                                   block_size=8), cann_attn.ParamInvalidError, "multiple of 16"),
     "kv_lengths_missing": (dict(actual_seq_lengths_kv=None), cann_attn.ParamNullptrError, "actual_seq_lengths_kv"),

@@ -16,7 +16,9 @@ import torch
 from ..errors import ParamInvalidError, ParamNullptrError, describe, require, require_int
 from ..problem import antiquant as antiquants
 from ..problem import layout as layouts
+from ..problem import sink as sinks
 from ..problem.lengths import cumulative_lengths, per_batch_lengths, require_same_sequence_count, to_int_list
+from ..problem.policy import beyond_docs
 from .flash_attention_score import INT_MAX
 from .infer_attention import (
     MAX_BATCH,
@@ -49,6 +51,21 @@ MAX_PACKED_BATCH = 4096
 ROPE_DIM = 64
 MLA_DIMS = (128, 512)
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+# learnable_sink (v2): "仅支持TND、NTD_TND；仅支持value的D小于等于128" (npu_fused_infer_attention_score_v2 page).
+SINK_LAYOUTS = ("TND", "NTD_TND")
+MAX_SINK_VALUE_DIM = 128
+# Q_S > 1 with separate key/value anti-quantisation factors: "要求query的s小于等于16" (v2 page, Q_S>1 section).
+MAX_SEPARATE_ANTIQUANT_BF16_Q_S = 16
+# out_dtype as op-plugin receives it: a torch.dtype turned into its c10::ScalarType number.
+SCALAR_TYPE_NUMBERS = {torch.int8: 1, torch.float16: 5, torch.float32: 6, torch.bfloat16: 15,
+                       torch.float8_e5m2: 23, torch.float8_e4m3fn: 24}
+# NZ paged int8 cache [block_num, KV_N, D/32, block_size, 32] (GQA anti-quantisation + KV NZ section of the FIA pages).
+NZ_HEAD_DIM = 128
+NZ_BLOCK_SIZES = (128, 512)
+NZ_HEAD_PAIRS = ((10, 1), (64, 8), (80, 8), (128, 16))
+# Q_S = 1 whose key lengths are all 0 on a batch: the decode kernel fills that batch's output with zeros and its
+# softmax_lse with -3.40e38 (ops-transformer IFA kernels, InitAllZeroOutput), not the inf of other invalid rows.
+DECODE_EMPTY_BATCH_LSE = -3.40e38
 
 
 @dataclass(frozen=True)
@@ -94,6 +111,7 @@ class FiaProblem:
     softmax_lse_flag: bool
     # Picks the PFA kernel's pipeline in the "npu" precision mode (docs/semantics/precision.md).
     inner_precise: int = 0
+    sink: torch.Tensor | None = None  # learnable_sink (v2): one logit per query head, problem/sink.py
 
     @property
     def packed(self) -> bool:
@@ -179,8 +197,6 @@ def _check_inputs(query, key, value, input_layout, int_params: dict, num_heads, 
             raise ParamNullptrError(f"{name}: a required input, got None")
         require(isinstance(t, torch.Tensor), name, "a torch.Tensor", t)
     require(query.dtype in (*FLOAT_DTYPES, torch.int8), "query", "dtype float16, bfloat16 or int8", query)
-    if key.dtype == torch.int32:
-        raise ParamInvalidError(f"key: int4 key/value (packed in int32) are not supported yet, got {describe(key)}")
     int8_kv = key.dtype == torch.int8 and query.dtype != torch.int8
     require(key.dtype == query.dtype or int8_kv, "key", f"the query's dtype {query.dtype} or int8", key)
     require(value.dtype == key.dtype, "value", f"the key's dtype {key.dtype}", value)
@@ -260,17 +276,25 @@ def _check_rope(query, key, query_rope, key_rope, *, q_layout, num_heads, heads_
         if sparse_mode not in (0, 3, 4):
             raise ParamInvalidError(f"sparse_mode: MLA with D=512 supports 0, 3 and 4, got {sparse_mode}")
         if softmax_lse_flag:
-            raise ParamInvalidError("softmax_lse_flag: not supported for MLA with D=512")
+            beyond_docs("softmax_lse_flag", "softmax_lse with MLA D=512",
+                        "vllm-ascend's decode context parallel MLA (vllm_ascend/attention/context_parallel/"
+                        "mla_cp.py, softmax_lse_flag=True merged with npu_attention_update)")
     for name, t in excluded:
         not_supported(name, t, "not supported with query_rope/key_rope (MLA)")
 
 
-def _check_packed(input_layout, value, q_dim, v_dim, rope, atten_mask, sparse_mode, excluded) -> None:
-    """TND / NTD: the head dims and inputs the packed layouts take."""
-    if not rope and not (q_dim == v_dim == 128 or (q_dim == 192 and v_dim in (128, 192))):
+def _check_packed(input_layout, value, q_dim, v_dim, rope, mha, atten_mask, sparse_mode, excluded) -> None:
+    """TND / NTD: the head dims and inputs the packed layouts take. MHA (as many key/value heads as query heads)
+    also takes D = 64 ("MHA场景Q_D、K_D、V_D都等于64", v2 page)."""
+    if not rope and not mha and q_dim == v_dim == 64:
+        beyond_docs("query", f"layout {input_layout} with D=64 and fewer key/value heads than query heads (GQA)",
+                    "gpt-oss prefill in vllm-ascend (vllm_ascend/attention/attention_v1.py, "
+                    "npu_fused_infer_attention_score_v2 with learnable_sink, TND, head dim 64, GQA)")
+    elif not rope and not (q_dim == v_dim == 128 or (q_dim == 192 and v_dim in (128, 192))
+                           or (mha and q_dim == v_dim == 64)):
         raise ParamInvalidError(
-            f"query: layout {input_layout} without rope needs D=128 (or D=192 with value D 128/192), got "
-            f"query D={q_dim}, value D={v_dim}"
+            f"query: layout {input_layout} without rope needs D=128 (or D=192 with value D 128/192, or D=64 with "
+            f"as many key/value heads as query heads), got query D={q_dim}, value D={v_dim}"
         )
     if rope and q_dim == 128:
         require(v_dim == 128, "value", "head dim 128 with rope", value)
@@ -283,7 +307,7 @@ def _check_packed(input_layout, value, q_dim, v_dim, rope, atten_mask, sparse_mo
         )
 
 
-def _kv_antiquant(query, *, int8_kv, decode, kv_dims, antiquant_scale, antiquant_offset, key_antiquant_scale,
+def _kv_antiquant(query, *, int8_kv, decode, q_seq, kv_dims, antiquant_scale, antiquant_offset, key_antiquant_scale,
                   key_antiquant_offset, value_antiquant_scale, value_antiquant_offset, antiquant_mode,
                   key_antiquant_mode, value_antiquant_mode) -> antiquants.KvAntiquant | None:
     """The KV anti-quantisation factors of int8 key/value under a float query (`problem/antiquant.py`)."""
@@ -294,8 +318,14 @@ def _kv_antiquant(query, *, int8_kv, decode, kv_dims, antiquant_scale, antiquant
     if int8_kv:
         require(query.dtype in (torch.float16, torch.bfloat16), "query",
                 "float16 or bfloat16 with int8 key/value (anti-quantisation)", query)
-        if not decode:
-            require(query.dtype == torch.float16, "query", "float16 with int8 key/value when Q_S > 1", query)
+        if not decode and not separate_given:
+            require(query.dtype == torch.float16, "query", "float16 with int8 key/value and antiquant_scale when "
+                    "Q_S > 1", query)
+        if not decode and separate_given and query.dtype == torch.bfloat16:
+            # "dequant_scale_key与dequant_scale_value非空场景，要求query的s小于等于16；要求query的dtype为bfloat16"
+            require(q_seq <= MAX_SEPARATE_ANTIQUANT_BF16_Q_S, "query",
+                    f"Q_S <= {MAX_SEPARATE_ANTIQUANT_BF16_Q_S} with a bfloat16 query and separate key/value "
+                    f"anti-quantisation", query)
         if combined_given and separate_given:
             raise ParamInvalidError("antiquant_scale: give either antiquant_* or key_/value_antiquant_*, not both")
         if combined_given:
@@ -402,10 +432,17 @@ def build_fia_problem(
     key_antiquant_mode: int = 0,
     value_antiquant_mode: int = 0,
     softmax_lse_flag: bool = False,
+    learnable_sink: torch.Tensor | None = None,
+    out_dtype: int | torch.dtype | None = None,
 ) -> FiaProblem:
-    """Validate one npu_fused_infer_attention_score call (v1 argument names) and describe it
-    (docs/operators/fused_infer_attention_score.md). Raises ParamInvalidError / ParamNullptrError naming the
-    parameter; reads the inputs only."""
+    """Validate one npu_fused_infer_attention_score call (v1 argument names; `learnable_sink` and `out_dtype` are
+    v2's) and describe it (docs/operators/fused_infer_attention_score.md). Raises ParamInvalidError /
+    ParamNullptrError naming the parameter; reads the inputs only (int4 key/value are unpacked into new int8
+    tensors)."""
+    int4 = isinstance(key, torch.Tensor) and key.dtype == torch.int32
+    if int4:
+        key, value = _unpack_int4_kv(query, key, value, block_table=block_table, quant_scale2=quant_scale2,
+                                     key_shared_prefix=key_shared_prefix)
     int8_kv = _check_inputs(
         query, key, value, input_layout,
         {"num_heads": num_heads, "num_key_value_heads": num_key_value_heads, "sparse_mode": sparse_mode,
@@ -417,6 +454,8 @@ def build_fia_problem(
     heads_kv = num_key_value_heads or num_heads
     shapes = _read_shapes(query, key, value, block_table, q_layout, num_heads, heads_kv, num_key_value_heads)
     q_seq, k_seq, q_dim, k_dim, v_dim = shapes.q_seq, shapes.k_seq, shapes.q_dim, shapes.k_dim, shapes.v_dim
+    if int4:
+        require(q_dim % 64 == 0, "query", "head dim D a multiple of 64 with int4 key/value", query)
 
     # ---- packed (TND / NTD) lengths; everything else has B
     if packed:
@@ -441,23 +480,26 @@ def build_fia_problem(
             not_supported(name, t, "not supported with PageAttention (block_table)")
         if query.dtype == torch.int8:
             raise ParamInvalidError("query: int8 query/key/value are not supported with PageAttention (block_table)")
-        if int8_kv:
-            raise ParamInvalidError("key: int8 key/value (anti-quantisation) with PageAttention are not supported "
-                                    "yet")
+        if int8_kv and not decode and not (key.dim() == 5 and q_seq <= MAX_SEPARATE_ANTIQUANT_BF16_Q_S):
+            raise ParamInvalidError("key: int8 key/value with PageAttention need Q_S = 1 (or the NZ cache with "
+                                    f"Q_S <= {MAX_SEPARATE_ANTIQUANT_BF16_Q_S}), got Q_S={q_seq}")
         rule = fia_block_sizes(decode=decode, wide=packed or (rope and q_dim == 512), int8_kv=int8_kv)
         pages = paged_kv(key, value, key_rope if rope else None, block_table, block_size=block_size,
                          kv_lengths=actual_seq_lengths_kv, batch=batch, heads_kv=heads_kv, q_layout=q_layout,
                          rule=rule)
         if packed:
             act_kv_list = list(pages.pages.kv_lengths)
-    elif block_size != 0:
-        raise ParamInvalidError(f"block_size: only used by PageAttention (with block_table), got {block_size}")
+    # Without block_table PageAttention is off ("开启必要条件是block_table存在且有效"): block_size is ignored, as
+    # vLLM's PrefillNoCache passes its cache block size there (docs/operators/fused_infer_attention_score.md).
     not_supported("key_rope_antiquant_scale", key_rope_antiquant_scale, "reserved by the documentation")
     if inner_precise not in (0, 1, 2, 3) or (decode and inner_precise not in (0, 1)):
         raise ParamInvalidError(
             f"inner_precise: expected {'0 or 1 when Q_S = 1' if decode else '0..3'}, got {inner_precise}"
         )
-    if input_layout in ("BNSD_BSND", "BNSD_NBSD") and q_seq == 1:
+    if input_layout == "BNSD_NBSD" and q_seq == 1 and rope:
+        beyond_docs("input_layout", "BNSD_NBSD with Q_S = 1 (MLA decode)",
+                    "vllm-ascend's MLA decode (vllm_ascend/attention/mla_v1.py, input_layout='BNSD_NBSD')")
+    elif input_layout in ("BNSD_BSND", "BNSD_NBSD") and q_seq == 1:
         raise ParamInvalidError(f"input_layout: {input_layout} needs Q_S > 1, got Q_S=1")
     if input_layout == "BNSD_NBSD" and q_seq > 16:
         raise ParamInvalidError(f"input_layout: BNSD_NBSD needs Q_S <= 16, got Q_S={q_seq}")
@@ -476,7 +518,8 @@ def build_fia_problem(
                     q_dim=q_dim, sparse_mode=sparse_mode, softmax_lse_flag=softmax_lse_flag,
                     excluded=rope_and_packed_exclude)
     if packed:
-        _check_packed(input_layout, value, q_dim, v_dim, rope, atten_mask, sparse_mode, rope_and_packed_exclude)
+        _check_packed(input_layout, value, q_dim, v_dim, rope, heads_kv == num_heads, atten_mask, sparse_mode,
+                      rope_and_packed_exclude)
     # ---- dtype rules of each branch
     if decode and query.dtype == torch.int8:
         raise ParamInvalidError("query: int8 query/key/value (full quantisation) is not supported when Q_S = 1")
@@ -495,12 +538,15 @@ def build_fia_problem(
             raise ParamInvalidError(f"sparse_mode: MLA supports 0, 3 and 4, got {sparse_mode}")
 
     antiquant = _kv_antiquant(
-        query, int8_kv=int8_kv, decode=decode, kv_dims=(batch, heads_kv, k_seq, k_dim),
+        query, int8_kv=int8_kv, decode=decode, q_seq=q_seq, kv_dims=(batch, heads_kv, k_seq, k_dim),
         antiquant_scale=antiquant_scale, antiquant_offset=antiquant_offset,
         key_antiquant_scale=key_antiquant_scale, key_antiquant_offset=key_antiquant_offset,
         value_antiquant_scale=value_antiquant_scale, value_antiquant_offset=value_antiquant_offset,
         antiquant_mode=antiquant_mode, key_antiquant_mode=key_antiquant_mode,
         value_antiquant_mode=value_antiquant_mode)
+    if pages is not None and pages.shape.nz:
+        _check_nz_cache(query, q_seq=q_seq, q_dim=q_dim, num_heads=num_heads, heads_kv=heads_kv,
+                        block_size=pages.shape.block_size, antiquant=antiquant)
     prefix = _shared_prefix(query, key, key_shared_prefix, value_shared_prefix, actual_shared_prefix_len,
                             q_layout=q_layout, heads_kv=heads_kv, k_dim=k_dim, antiquant=antiquant)
     prefix_len = 0 if prefix is None else prefix[2]
@@ -563,6 +609,11 @@ def build_fia_problem(
                                             [a + prefix_len for a in act_kv_list], pre, nxt)
     if query.dtype == torch.int8 and softmax_lse_flag:
         raise ParamInvalidError("softmax_lse_flag: not supported with int8 query/key/value yet")
+    _check_out_dtype(out_dtype, plan, query)
+    sink = None
+    if learnable_sink is not None:
+        sink = _learnable_sink(learnable_sink, input_layout=input_layout, num_heads=num_heads, v_dim=v_dim,
+                               quantised=int8_kv or query.dtype == torch.int8 or plan.output_dtype == torch.int8)
 
     problem = FiaProblem(
         query=query, key=key, value=value, query_rope=query_rope if rope else None,
@@ -571,7 +622,7 @@ def build_fia_problem(
         decode=decode, act_q=act_q_list, act_kv=act_kv_list, pages=pages, antiquant=antiquant, prefix=prefix,
         q_pad=q_pad, kv_pad=kv_pad, sparse_mode=mode, pre_tokens=pre, next_tokens=nxt, atten_mask=mask,
         mask_views=mask_views, pse_shift=pse_shift, plan=plan, scale=float(scale),
-        softmax_lse_flag=softmax_lse_flag, inner_precise=inner_precise,
+        softmax_lse_flag=softmax_lse_flag, inner_precise=inner_precise, sink=sink,
     )
     if left_padding:
         _check_padded_windows(problem)
@@ -589,3 +640,82 @@ def _check_padded_windows(p: FiaProblem) -> None:
         if (kv0 < 0 or kv_end < 0) and not p.decode:
             raise ParamInvalidError(f"kv_padding_size: batch {b} starts at KV_S - padding - actual length = {kv0} "
                                     f"< 0")
+
+
+def _unpack_int4_kv(query, key: torch.Tensor, value, *, block_table, quant_scale2, key_shared_prefix):
+    """int4 key/value packed in int32 as int8 tensors with an 8x wider last dim (`antiquant.unpack_int4`)."""
+    require(isinstance(value, torch.Tensor) and value.dtype == torch.int32, "value",
+            "int32 (packed int4) like the key", value)
+    require(isinstance(query, torch.Tensor) and query.dtype in (torch.float16, torch.bfloat16), "query",
+            "float16 or bfloat16 with int4 key/value", query)
+    # PageAttention: "不支持Q为bfloat16、float16、key、value为int4（int32）的场景";
+    # "int4（int32）伪量化场景不支持后量化".
+    not_supported("block_table", block_table, "PageAttention does not take int4 key/value")
+    not_supported("quant_scale2", quant_scale2, "int8 output is not supported with int4 key/value")
+    not_supported("key_shared_prefix", key_shared_prefix, "not supported with int4 key/value yet")
+    return antiquants.unpack_int4(key), antiquants.unpack_int4(value)
+
+
+def _check_nz_cache(query, *, q_seq: int, q_dim: int, num_heads: int, heads_kv: int, block_size: int,
+                    antiquant) -> None:
+    """The GQA anti-quantisation + KV NZ constraints of the FIA pages: bfloat16 query, D = 128, Q_S <= 16,
+    separate factors without offsets; block sizes other than 128 / 512 and other head pairs are computed as well
+    (docs/semantics/beyond-docs.md)."""
+    require(query.dtype == torch.bfloat16, "query", "bfloat16 with an int8 NZ cache", query)
+    require(q_dim == NZ_HEAD_DIM, "query", f"head dim D = {NZ_HEAD_DIM} with an int8 NZ cache", query)
+    require(q_seq <= MAX_SEPARATE_ANTIQUANT_BF16_Q_S, "query",
+            f"Q_S <= {MAX_SEPARATE_ANTIQUANT_BF16_Q_S} with an int8 NZ cache", query)
+    if antiquant is None or antiquant.has_offset:
+        raise ParamInvalidError("key_antiquant_offset: an int8 NZ cache takes key/value_antiquant_scale without "
+                                "offsets")
+    if block_size not in NZ_BLOCK_SIZES:
+        beyond_docs("block_size", f"block size {block_size} (documented: 128 or 512) with an int8 NZ cache",
+                    "vllm-ascend's C8 decode (vllm_ascend/attention/attention_v1.py, _forward_c8_decode: any "
+                    "multiple of 32)")
+    if (num_heads, heads_kv) not in NZ_HEAD_PAIRS:
+        beyond_docs("num_key_value_heads", f"the head pair ({num_heads}, {heads_kv}) (documented: "
+                    f"{', '.join(map(str, NZ_HEAD_PAIRS))}) with an int8 NZ cache",
+                    "vllm-ascend's C8 decode (vllm_ascend/attention/attention_v1.py, _forward_c8_decode: the "
+                    "model's heads per tensor-parallel rank)")
+
+
+def out_dtype_of(out_dtype) -> torch.dtype | None:
+    """v2's `out_dtype` as a torch.dtype: given as a torch.dtype, or as the c10::ScalarType number op-plugin's
+    binding turns a dtype into."""
+    if out_dtype is None or isinstance(out_dtype, torch.dtype):
+        return out_dtype
+    if isinstance(out_dtype, int) and not isinstance(out_dtype, bool):
+        for dtype, number in SCALAR_TYPE_NUMBERS.items():
+            if number == out_dtype:
+                return dtype
+    raise ParamInvalidError(f"out_dtype: expected a torch.dtype (or its ScalarType number) among "
+                            f"{[str(d) for d in SCALAR_TYPE_NUMBERS]}, got {out_dtype!r}")
+
+
+def _check_out_dtype(out_dtype, plan: QuantPlan, query) -> None:
+    """`out_dtype` "当输入为int8或float8_e4m3fn时，可通过该参数指定输出的数据类型": with int8 output
+    (quant_scale_out) it must say int8 (FP8 outputs are not supported yet); with float inputs and no output
+    quantisation the output keeps the query's dtype, so only that dtype is accepted."""
+    dtype = out_dtype_of(out_dtype)
+    if dtype is None or dtype == plan.output_dtype:
+        return
+    if plan.output_dtype == torch.int8:
+        raise ParamInvalidError(f"out_dtype: only int8 output is supported with quant_scale_out here, got {dtype}")
+    raise ParamInvalidError(f"out_dtype: takes effect with int8/FP8 inputs or quant_scale_out; these inputs give "
+                            f"{plan.output_dtype} (the query's dtype {query.dtype}), got {dtype}")
+
+
+def _learnable_sink(learnable_sink, *, input_layout: str, num_heads: int, v_dim: int, quantised: bool):
+    """v2's learnable_sink: the FA family's sink (problem/sink.py), one logit per query head, bfloat16 [Q_N]
+    (float32 too); only TND / NTD_TND, value D <= 128, no quantisation (v2 page, "learnable_sink约束")."""
+    require(isinstance(learnable_sink, torch.Tensor) and learnable_sink.dtype in (torch.bfloat16, torch.float32)
+            and tuple(learnable_sink.shape) == (num_heads,), "learnable_sink",
+            f"a bfloat16 tensor of shape [{num_heads}] (one logit per query head)", learnable_sink)
+    if input_layout not in SINK_LAYOUTS:
+        raise ParamInvalidError(f"learnable_sink: supported with input_layout {list(SINK_LAYOUTS)} only, got "
+                                f"{input_layout!r}")
+    if v_dim > MAX_SINK_VALUE_DIM:
+        raise ParamInvalidError(f"learnable_sink: needs value head dim D <= {MAX_SINK_VALUE_DIM}, got {v_dim}")
+    if quantised:
+        raise ParamInvalidError("learnable_sink: not supported with quantised inputs or outputs")
+    return sinks.check_sink(learnable_sink.float(), num_heads, "learnable_sink")

@@ -24,7 +24,15 @@ from ..problem import layout as layouts
 from ..problem import pse as pses
 from ..problem.lengths import starts_of
 from ..traceable import traced_as_custom_op
-from .fia_problem import FIA_LAYOUTS, PACKED, ROPE_DIM, FiaProblem, build_fia_problem, not_supported
+from .fia_problem import (
+    DECODE_EMPTY_BATCH_LSE,
+    FIA_LAYOUTS,
+    PACKED,
+    ROPE_DIM,
+    FiaProblem,
+    build_fia_problem,
+    not_supported,
+)
 from .fia_problem import output_shape as _output_shape
 from .flash_attention_score import INT_MAX
 from .infer_attention import INVALID_LSE, attend, attend_pages
@@ -134,7 +142,13 @@ def fused_infer_attention_score(
     (TND/NTD_TND: [T, N, 1]), -inf (log 0) for rows that see no key; without softmax_lse_flag a [1] zero tensor."""
     params = dict(locals())
     del params["backend"]
+    return _run(params, backend)
+
+
+def _run(params: dict, backend: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """Validate (v1 parameter names, plus v2's learnable_sink / out_dtype), allocate the outputs, dispatch."""
     problem = build_fia_problem(**params)
+    query = problem.query
     out = torch.zeros(_output_shape(problem.out_layout, problem.batch, problem.q_seq, problem.num_heads,
                                     problem.v_dim), dtype=problem.plan.output_dtype, device=query.device)
     if problem.softmax_lse_flag:
@@ -145,7 +159,21 @@ def fused_infer_attention_score(
         lse = torch.zeros(1, dtype=torch.float32, device=query.device)
     if query.numel() > 0:
         _dispatch(problem, out, lse if problem.softmax_lse_flag else None, backend)
+    if problem.softmax_lse_flag and problem.decode:
+        for b in _keyless_decode_batches(problem):
+            lse[b] = DECODE_EMPTY_BATCH_LSE
     return out, lse
+
+
+def _keyless_decode_batches(p: FiaProblem) -> list[int]:
+    """Q_S = 1 batches without any key (key length 0 and no prefix, or a left-padded window outside the cache):
+    the decode kernel writes them zeros and DECODE_EMPTY_BATCH_LSE (docs/semantics/invalid-rows.md)."""
+    empty = []
+    for b in range(p.batch):
+        _, _, kv0, kv_end = p.padded_window(b)
+        if kv0 < 0 or kv_end < 0 or p.act_kv[b] + p.prefix_len == 0:
+            empty.append(b)
+    return empty
 
 
 def _query_with_rope(p: FiaProblem) -> torch.Tensor:
@@ -165,13 +193,15 @@ def _dispatch(p: FiaProblem, out: torch.Tensor, lse: torch.Tensor | None, backen
     common = {"heads_kv": p.heads_kv, "scale": p.scale, "sparse_mode": p.sparse_mode, "pre_tokens": p.pre_tokens,
               "next_tokens": p.next_tokens, "plan": p.plan, "backend": backend, "op": "fused_infer_attention_score",
               "inner_precise": p.inner_precise, "decode": p.decode}
+    if p.sink is not None:
+        common["sink"] = p.sink
     q_in = _query_with_rope(p)
     if p.packed:
         _attend_packed(p, q_in, out, lse, common)
     elif p.pages is not None:
         attend_pages(p.pages, _bnsd(q_in, p.q_layout, p.num_heads), _bnsd(out, p.out_layout, p.num_heads),
                      atten_mask=p.atten_mask, mask_views=p.mask_views, act_q=p.act_q, act_kv=p.act_kv,
-                     pse_shift=p.pse_shift, softmax_lse=lse, **common)
+                     pse_shift=p.pse_shift, softmax_lse=lse, antiquant=p.antiquant, **common)
     else:
         k_all, v_all = kv_bnsd(p.key, p.value, kv_layout=p.q_layout, heads_kv=p.heads_kv,
                                query_dtype=p.query.dtype, antiquant=p.antiquant, prefix=p.prefix,
@@ -302,15 +332,17 @@ def fused_infer_attention_score_v2(
     dequant_scale_key_dtype: int | None = None,
     dequant_scale_value_dtype: int | None = None,
     dequant_scale_key_rope_dtype: int | None = None,
-    out_dtype: int | None = None,
+    out_dtype: int | torch.dtype | None = None,
     backend: str = "auto",
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """torch_npu's npu_fused_infer_attention_score_v2 argument set over the same computation as
     `fused_infer_attention_score` (docs/operators/fused_infer_attention_score.md, "v2"): the KV anti-quantisation
     factors are `dequant_scale_key` / `dequant_offset_key` / `dequant_scale_value` / `dequant_offset_value` with
-    `key_quant_mode` / `value_quant_mode`; int8 output is `quant_scale_out` (+ `quant_offset_out`). Full int8/FP8
-    quantisation (`dequant_scale_query`, `query_quant_mode`), `learnable_sink`, `out_dtype`, sparse_mode 9 and the
-    reserved parameters raise ParamInvalidError (not supported yet / reserved)."""
+    `key_quant_mode` / `value_quant_mode`; int8 output is `quant_scale_out` (+ `quant_offset_out`), `out_dtype` (a
+    torch.dtype or its ScalarType number) the output dtype it names; `learnable_sink` (bfloat16 [Q_N], TND /
+    NTD_TND) one extra softmax logit per query head (docs/semantics/sinks.md). Full int8/FP8 quantisation
+    (`dequant_scale_query`, `query_quant_mode`), sparse_mode 9 and the reserved parameters raise ParamInvalidError
+    (not supported yet / reserved)."""
     reserved = {"dequant_scale_key_rope": dequant_scale_key_rope, "quant_scale_p": quant_scale_p,
                 "query_dtype": query_dtype, "key_dtype": key_dtype, "value_dtype": value_dtype,
                 "query_rope_dtype": query_rope_dtype, "key_rope_dtype": key_rope_dtype,
@@ -323,10 +355,7 @@ def fused_infer_attention_score_v2(
     for name, given in reserved.items():
         if given is not None:
             raise ParamInvalidError(f"{name}: reserved by the documentation (leave it None), got {given!r}")
-    not_supported("learnable_sink", learnable_sink)
     not_supported("dequant_scale_query", dequant_scale_query, "full quantisation of the query is not supported yet")
-    if out_dtype is not None:
-        raise ParamInvalidError(f"out_dtype: not supported yet, got {out_dtype!r}")
     if query_quant_mode != 0:
         raise ParamInvalidError(f"query_quant_mode: query quantisation is not supported yet, got {query_quant_mode!r}")
     if sparse_mode == 9:
@@ -334,8 +363,9 @@ def fused_infer_attention_score_v2(
     if isinstance(query, torch.Tensor) and query.dtype == torch.int8:
         raise ParamInvalidError("query: int8 full quantisation through v2 is not supported yet")
     with renamed_errors(V2_NAMES):
-        return fused_infer_attention_score(
-            query, key, value, pse_shift=pse_shift, atten_mask=atten_mask, actual_seq_lengths=actual_seq_qlen,
+        return _run(dict(
+            query=query, key=key, value=value, pse_shift=pse_shift, atten_mask=atten_mask,
+            actual_seq_lengths=actual_seq_qlen,
             actual_seq_lengths_kv=actual_seq_kvlen, quant_scale2=quant_scale_out, quant_offset2=quant_offset_out,
             key_antiquant_scale=dequant_scale_key, key_antiquant_offset=dequant_offset_key,
             value_antiquant_scale=dequant_scale_value, value_antiquant_offset=dequant_offset_value,
@@ -343,5 +373,5 @@ def fused_infer_attention_score_v2(
             scale=softmax_scale, pre_tokens=pre_tokens, next_tokens=next_tokens, input_layout=input_layout,
             num_key_value_heads=num_key_value_heads, sparse_mode=sparse_mode, inner_precise=inner_precise,
             block_size=block_size, key_antiquant_mode=key_quant_mode, value_antiquant_mode=value_quant_mode,
-            softmax_lse_flag=return_softmax_lse, backend=backend,
-        )
+            softmax_lse_flag=return_softmax_lse, learnable_sink=learnable_sink, out_dtype=out_dtype,
+        ), backend)

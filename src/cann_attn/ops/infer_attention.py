@@ -14,8 +14,10 @@ from ..backends.reference import decode_forward, flash_forward, npu_attention, q
 from ..backends.reference.workspace import Workspace
 from ..backends.triton.dense_plan import dense_unsupported
 from ..errors import ParamInvalidError, describe, require
+from ..problem import antiquant as antiquants
 from ..problem import mask as masks
 from ..problem import precision, quant, stats
+from ..problem import sink as sinks
 from ..problem.attention import AttentionProblem, Run, mask_runs
 from ..problem.pse import SequencePse, batch_rows
 from ..problem.stats import FLT_MAX, STAT_WIDTH
@@ -167,9 +169,10 @@ def sequence_runs(atten_mask, explicit_views, sparse_mode, act_q, act_kv, pre_to
     return runs
 
 
-# A row that sees no key sums no exponential: its log-sum-exp is log(0) = -inf, the empty-row value the merge rule
-# of problem/merge.py expects (docs/operators/fused_infer_attention_score.md).
-INVALID_LSE = float("-inf")
+# softmax_lse of a row that sees no key: "softmaxLseFlag为True时,数据为inf的代表无效数据"
+# (aclnnFusedInferAttentionScore, aclnnFusedInferAttentionScoreV4); docs/semantics/invalid-rows.md. Q_S = 1
+# batches without keys differ: see fia_problem.DECODE_EMPTY_BATCH_LSE.
+INVALID_LSE = float("inf")
 
 
 def _invalid_row_stats(out: torch.Tensor, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -187,13 +190,14 @@ def _write_lse(softmax_lse: torch.Tensor, row_max: torch.Tensor, row_sum: torch.
 
 
 def _bnsd_problem(query, value, heads_kv, scale, atten_mask, mask_views, sparse_mode, act_q, act_kv, pre_tokens,
-                  next_tokens, pse_shift) -> AttentionProblem:
+                  next_tokens, pse_shift, sink=None) -> AttentionProblem:
     """The attention problem of [B, N, S, D] query / value views: one run per group of sequences with equal masks."""
     return AttentionProblem(
         layout="BNSD", batch=query.shape[0], heads_q=query.shape[1], heads_kv=heads_kv, dim_qk=query.shape[-1],
         dim_v=value.shape[-1], scale=scale, keep_prob=1.0, softmax_layout="",
         runs=sequence_runs(atten_mask, mask_views, sparse_mode, act_q, act_kv, pre_tokens, next_tokens, pse_shift,
                            scale),
+        sink=sink,
     )
 
 
@@ -201,15 +205,16 @@ def attend(
     query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, out: torch.Tensor, *, heads_kv: int, scale: float,
     atten_mask, mask_views, sparse_mode: int, act_q: list[int], act_kv: list[int], pre_tokens: int, next_tokens: int,
     pse_shift, plan: QuantPlan, backend: str, op: str, softmax_lse: torch.Tensor | None = None,
-    inner_precise: int = 1, decode: bool | None = None,
+    inner_precise: int = 1, decode: bool | None = None, sink: torch.Tensor | None = None,
 ) -> None:
     """Fill `out` ([B, N, Sq, Dv] view of the zero-initialised output) with attention over [B, N(kv), S, D] views,
     and `softmax_lse` ([B, N, Sq, 1] float32 view) when given: lse = max + log(sum) of the scaled, masked logits,
     `INVALID_LSE` for rows that see no key. `mask_views` are `validate_mask`'s per-batch views. `inner_precise`
     and `decode` (FIA's choice of the IFA kernel; default: one query row) pick the kernel's pipeline in the "npu"
-    precision mode (docs/semantics/precision.md)."""
+    precision mode (docs/semantics/precision.md). `sink` ([N] float32, FIA v2's learnable_sink): one more softmax
+    logit per head (problem/sink.py), which the lse includes; rows without keys then have lse = sink and output 0."""
     problem = _bnsd_problem(query, value, heads_kv, scale, atten_mask, mask_views, sparse_mode, act_q, act_kv,
-                            pre_tokens, next_tokens, pse_shift)
+                            pre_tokens, next_tokens, pse_shift, sink)
     # With the tensors, the check also covers the kernels' int32 in-sequence offsets (no limit on S here).
     backend = select_backend(
         backend, query.device, op=op,
@@ -226,7 +231,7 @@ def attend(
     if query.dtype == torch.int8:
         quant_attention.forward(problem, query, key, value, out, plan)
         return
-    stats_needed = softmax_lse is not None or plan.output_dtype == torch.int8
+    stats_needed = softmax_lse is not None or plan.output_dtype == torch.int8 or sink is not None
     # One query token per sequence without mask or pse: the decode loop reads the caches in place.
     dense = decode_forward if backend == "reference" and plan.output_dtype != torch.int8 and decode_forward.usable(
         problem, query, key, value) else kernels("dense_forward", backend)
@@ -241,6 +246,8 @@ def attend(
         quant_attention.quantize_output(problem, dense, row_max[..., 0] > -FLT_MAX, out, plan)
     else:
         dense.forward(problem, query, key, value, out, row_max, row_sum)
+    if sink is not None:
+        sinks.finish_keyless_rows(problem, out, row_max, row_sum)
     if softmax_lse is not None:
         _write_lse(softmax_lse, row_max, row_sum)
 
@@ -295,14 +302,15 @@ def attend_paged(
 
 def attend_pages(pages: PagedKv, query: torch.Tensor, out: torch.Tensor, *, atten_mask, mask_views,
                  act_q: list[int], act_kv: list[int], pse_shift, softmax_lse: torch.Tensor | None = None,
-                 **common) -> None:
+                 antiquant: antiquants.KvAntiquant | None = None, **common) -> None:
     """`attend` over the paged caches `pages` for [B, N, S, D] query / output views (docs/semantics/paged-kv.md):
     in place through the table where a kernel can (`attend_paged`); else, and with rope keys (the key ++ rope rows
     must be assembled), per group of equal-length sequences (the attention's own batched runs), gathering only
-    their tokens. `common` are `attend`'s remaining keywords."""
-    k_view, v_view = pages.cache_views()
-    if pages.key_rope is None and attend_paged(
-            query, k_view, v_view, out, block_table=pages.pages.table.to(query.device), atten_mask=atten_mask,
+    their tokens. int8 caches (NZ included) are gathered per group and anti-quantised with `antiquant`
+    (problem/antiquant.py). `common` are `attend`'s remaining keywords."""
+    views = pages.cache_views()
+    if views is not None and pages.key_rope is None and antiquant is None and attend_paged(
+            query, *views, out, block_table=pages.pages.table.to(query.device), atten_mask=atten_mask,
             mask_views=mask_views, act_q=act_q, act_kv=act_kv, pse_shift=pse_shift, softmax_lse=softmax_lse,
             **common):
         return
@@ -310,6 +318,10 @@ def attend_pages(pages: PagedKv, query: torch.Tensor, out: torch.Tensor, *, atte
     for group in length_groups(act_q, act_kv):
         g = slice(group.start, group.stop)
         k_g, v_g = pages.group_bnsd(group, workspace)
+        if antiquant is not None:
+            factors = antiquant.batches(g)
+            k_g = antiquants.dequantize(k_g, factors.key, query.dtype)
+            v_g = antiquants.dequantize(v_g, factors.value, query.dtype)
         pse_g = None if pse_shift is None else batch_rows(pse_shift, group.start, len(group))
         attend(query[g], k_g, v_g, out[g], atten_mask=atten_mask,
                mask_views=None if mask_views is None else mask_views[g], act_q=act_q[g], act_kv=act_kv[g],

@@ -6,6 +6,9 @@ Cache layouts (npu_fused_infer_attention_score / npu_incre_flash_attention): BnB
 (MLA) is a cache of the same layout with D = 64. Block sizes: Q_S = 1 (decode) 16-aligned (32 for int8 key/value)
 up to 512; Q_S > 1 a multiple of 128 in [128, 512]; MLA with D = 512 and the packed layouts a multiple of 16 up to
 1024. The caller gives `block_size`, which must be the caches' block dimension.
+
+The NZ cache of int8 key/value (GQA anti-quantisation + KV NZ, vLLM's C8 decode) is
+[block_num, KV_N, D/32, block_size, 32]: channel d of token t of block n, head h, is at [n, h, d // 32, t, d % 32].
 """
 
 from __future__ import annotations
@@ -37,7 +40,12 @@ class CacheShape:
     block_size: int
     heads: int
     dim: int
-    token_dim: int  # 1: BnBsH, 2: BnNBsD
+    token_dim: int  # 1: BnBsH, 2: BnNBsD, 3: NZ [block_num, N, D/c0, block_size, c0]
+    c0: int = 0  # the NZ cache's innermost channel group (32 for int8)
+
+    @property
+    def nz(self) -> bool:
+        return self.token_dim == 3
 
 
 def cache_shape(cache: torch.Tensor, param: str, heads_kv: int, q_layout: str) -> CacheShape:
@@ -53,8 +61,16 @@ def cache_shape(cache: torch.Tensor, param: str, heads_kv: int, q_layout: str) -
                                     f"layout (else [block_num, block_size, H]), got {describe(cache)} with "
                                     f"{q_layout}")
         return CacheShape(cache.shape[0], cache.shape[2], cache.shape[1], cache.shape[3], 2)
-    raise ParamInvalidError(f"{param}: expected a paged cache [block_num, block_size, H] or [block_num, N, "
-                            f"block_size, D] with block_table, got {describe(cache)}")
+    if cache.dim() == 5:
+        require(cache.dtype == torch.int8 and cache.shape[4] == 32, param,
+                "an int8 NZ cache [block_num, KV_N, D/32, block_size, 32] (the only NZ cache supported here)", cache)
+        if q_layout not in ("BSH", "BSND", "BNSD"):
+            raise ParamInvalidError(f"{param}: the NZ cache takes query layouts BSH, BSND or BNSD, got {q_layout}")
+        return CacheShape(cache.shape[0], cache.shape[3], cache.shape[1], cache.shape[2] * cache.shape[4], 3,
+                          cache.shape[4])
+    raise ParamInvalidError(f"{param}: expected a paged cache [block_num, block_size, H], [block_num, N, "
+                            f"block_size, D] or NZ [block_num, N, D/32, block_size, 32] with block_table, got "
+                            f"{describe(cache)}")
 
 
 @dataclass(frozen=True)
@@ -72,14 +88,18 @@ class PagedKv:
         return replace(self, pages=self.pages.select(batches))
 
     def _tokens(self, cache: torch.Tensor) -> torch.Tensor:
-        """[block_num, block_size, N2, d] view of a cache in either layout."""
+        """[block_num, block_size, N2, d] view of a cache in any layout (NZ: [block_num, block_size, N2, d/c0, c0])."""
         if self.shape.token_dim == 1:
             return cache.view(cache.shape[0], cache.shape[1], self.shape.heads, -1)
+        if self.shape.nz:
+            return cache.permute(0, 3, 1, 2, 4)
         return cache.permute(0, 2, 1, 3)
 
-    def cache_views(self) -> tuple[torch.Tensor, torch.Tensor]:
+    def cache_views(self) -> tuple[torch.Tensor, torch.Tensor] | None:
         """Key and value caches as [block_num, N2, block_size, D] views (no copy), for loops that read them in
-        place through the table."""
+        place through the table; None for an NZ cache (its channels are not one axis)."""
+        if self.shape.nz:
+            return None
         return tuple(self._tokens(t).permute(0, 2, 1, 3) for t in (self.key, self.value))
 
     def group_bnsd(self, batches: range, workspace: Workspace | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -90,9 +110,9 @@ class PagedKv:
         faulting fresh pages in for each."""
         length = self.pages.kv_lengths[batches[0]]
         parts = [self.key] + ([] if self.key_rope is None else [self.key_rope])
-        dims = [self._tokens(t).shape[-1] for t in parts]
+        dims = [self._width(t) for t in parts]
         k_shape = (len(batches), self.shape.heads, length, sum(dims))
-        v_shape = (len(batches), self.shape.heads, length, self._tokens(self.value).shape[-1])
+        v_shape = (len(batches), self.shape.heads, length, self._width(self.value))
         if workspace is None:
             k = torch.empty(k_shape, dtype=self.key.dtype, device=self.key.device)
             v = torch.empty(v_shape, dtype=self.value.dtype, device=self.value.device)
@@ -102,10 +122,20 @@ class PagedKv:
         for i, b in enumerate(batches):
             col = 0
             for cache, d in zip(parts, dims, strict=True):
-                self.pages.gather_tokens(self._tokens(cache), [b], out=k[i, :, :, col : col + d].permute(1, 0, 2))
+                self.pages.gather_tokens(self._tokens(cache), [b],
+                                         out=self._token_rows(k[i, :, :, col : col + d].permute(1, 0, 2)))
                 col += d
-            self.pages.gather_tokens(self._tokens(self.value), [b], out=v[i].permute(1, 0, 2))
+            self.pages.gather_tokens(self._tokens(self.value), [b], out=self._token_rows(v[i].permute(1, 0, 2)))
         return k, v
+
+    def _width(self, cache: torch.Tensor) -> int:
+        """The head dim of a cache's tokens."""
+        tokens = self._tokens(cache)
+        return tokens.shape[-1] * (tokens.shape[-2] if self.shape.nz else 1)
+
+    def _token_rows(self, rows: torch.Tensor) -> torch.Tensor:
+        """[L, N2, d] destination rows as the cache's token shape ([L, N2, d/c0, c0] for NZ; a view)."""
+        return rows.unflatten(-1, (-1, self.shape.c0)) if self.shape.nz else rows
 
 
 def paged_kv(key: torch.Tensor, value: torch.Tensor, key_rope: torch.Tensor | None, block_table, *, block_size,

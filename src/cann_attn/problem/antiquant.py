@@ -11,7 +11,13 @@ index 0 for the key and 1 for the value) or separate (`key_antiquant_*`, `value_
 3 per-token + per-head (one value per batch, KV head and key position);
 4, 5 per-token (+ per-head) managed by PageAttention: not supported yet (PageAttention is not).
 
-Every factor is returned as an fp32 tensor that broadcasts against the [B, N2, S, D] view of the key.
+Every factor is returned as an fp32 tensor that broadcasts against the [B, N2, S, D] view of the key. With Q_S = 1 the
+separate per-channel factors may also carry a leading 1: (1, KV_N, 1, D), (1, KV_N, D), (1, H) (the Q_S = 1 table
+of the FIA pages).
+
+int4 key/value arrive packed in int32 (npu_fused_infer_attention_score(_v2): "8个int4打包存储于一个int32中", the
+key's last dim is D/8 or H/8): value j of each int32 sits in bits 4j..4j+3, two's complement in [-8, 7] (op-plugin's
+npu_convert_weight_to_int4pack packs it so). `unpack_int4` turns them into int8; the rule above then applies.
 """
 
 from __future__ import annotations
@@ -25,6 +31,7 @@ from ..errors import ParamInvalidError, describe
 PAGED_MODES = (4, 5)
 MODES = (0, 1, 2, 3, 4, 5)
 PER_TOKEN_MODES = (1, 3)
+INT4_PER_INT32 = 8
 
 
 @dataclass(frozen=True)
@@ -44,6 +51,24 @@ class KvAntiquant:
     @property
     def per_token(self) -> bool:
         return self.key.mode in PER_TOKEN_MODES or self.value.mode in PER_TOKEN_MODES
+
+    @property
+    def has_offset(self) -> bool:
+        return self.key.offset is not None or self.value.offset is not None
+
+    def batches(self, rows: slice) -> KvAntiquant:
+        """The factors of the sequences `rows` (per-batch factors sliced; shared ones as they are)."""
+        def part(t: torch.Tensor | None) -> torch.Tensor | None:
+            return t if t is None or t.shape[0] == 1 else t[rows]
+
+        return KvAntiquant(*(KvFactors(part(f.scale), part(f.offset), f.mode) for f in (self.key, self.value)))
+
+
+def unpack_int4(packed: torch.Tensor) -> torch.Tensor:
+    """int8 values of int4 packed eight to an int32 (value j in bits 4j..4j+3, signed): the last dim grows 8x."""
+    shifts = torch.arange(0, 32, 4, dtype=torch.int32, device=packed.device)
+    nibbles = (packed.unsqueeze(-1) >> shifts) & 0xF
+    return torch.where(nibbles >= 8, nibbles - 16, nibbles).to(torch.int8).flatten(-2)
 
 
 def dequantize(x: torch.Tensor, factors: KvFactors, dtype: torch.dtype) -> torch.Tensor:
@@ -73,7 +98,7 @@ def _check_mode(mode, param: str, decode: bool) -> int:
 
 
 def _factor(t: torch.Tensor, param: str, mode: int, dims: tuple[int, int, int, int],
-            allowed: tuple[torch.dtype, ...]) -> torch.Tensor:
+            allowed: tuple[torch.dtype, ...], leading_one: bool = False) -> torch.Tensor:
     """One key or value factor in mode `mode` as fp32, shaped to broadcast to [B, N2, S, D] = `dims`."""
     batch, heads_kv, seq_kv, dim = dims
     if not isinstance(t, torch.Tensor):
@@ -86,9 +111,12 @@ def _factor(t: torch.Tensor, param: str, mode: int, dims: tuple[int, int, int, i
     if mode == 0:
         if t.numel() == 1 and t.dim() == 1:
             return values.reshape(1, 1, 1, 1)
-        if shape in ((heads_kv, 1, dim), (heads_kv, dim), (heads_kv * dim,)):
+        channel_shapes = ((heads_kv, 1, dim), (heads_kv, dim), (heads_kv * dim,))
+        if leading_one:
+            channel_shapes += tuple((1, *c) for c in channel_shapes)
+        if shape in channel_shapes:
             return values.reshape(1, heads_kv, 1, dim)
-        expected = f"per-tensor [1] or per-channel [{heads_kv}, 1, {dim}], [{heads_kv}, {dim}] or [{heads_kv * dim}]"
+        expected = f"per-tensor [1] or per-channel {', '.join(str(list(c)) for c in channel_shapes)}"
     elif mode == 1:
         if len(shape) in (2, 3) and shape[-2] == batch and shape[-1] >= seq_kv and (len(shape) == 2 or shape[0] == 1):
             return values.reshape(batch, 1, shape[-1], 1)
@@ -104,15 +132,16 @@ def _factor(t: torch.Tensor, param: str, mode: int, dims: tuple[int, int, int, i
     raise ParamInvalidError(f"{param}: mode {mode} expects {expected}, got {describe(t)}")
 
 
-def _pair(scale, offset, scale_name: str, offset_name: str, mode: int, dims, allowed) -> KvFactors:
-    s = _factor(scale, scale_name, mode, dims, allowed)
+def _pair(scale, offset, scale_name: str, offset_name: str, mode: int, dims, allowed,
+          leading_one: bool = False) -> KvFactors:
+    s = _factor(scale, scale_name, mode, dims, allowed, leading_one)
     o = None
     if offset is not None:
         if not isinstance(offset, torch.Tensor) or offset.shape != scale.shape or offset.dtype != scale.dtype:
             raise ParamInvalidError(
                 f"{offset_name}: expected {scale_name}'s dtype and shape {describe(scale)}, got {describe(offset)}"
             )
-        o = _factor(offset, offset_name, mode, dims, allowed)
+        o = _factor(offset, offset_name, mode, dims, allowed, leading_one)
     return KvFactors(s, o, mode)
 
 
@@ -171,5 +200,5 @@ def separate(key_scale, key_offset, value_scale, value_offset, key_mode, value_m
             f"{km}/{vm}: must be equal except key 0 with value 1, got {key_mode} and {value_mode}"
         )
     allowed = (query_dtype, torch.float32)
-    return KvAntiquant(_pair(key_scale, key_offset, ks, ko, key_mode, dims, allowed),
-                       _pair(value_scale, value_offset, vs, vo, value_mode, dims, allowed))
+    return KvAntiquant(_pair(key_scale, key_offset, ks, ko, key_mode, dims, allowed, decode),
+                       _pair(value_scale, value_offset, vs, vo, value_mode, dims, allowed, decode))

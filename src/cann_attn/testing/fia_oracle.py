@@ -7,7 +7,13 @@ Per batch b (lengths, padding, prefix and rope resolved first):
   K_b = [prefix[:L]; key_b[rows kept]] (+ key_rope on the head dim), V_b likewise; int8 K/V are first turned into
   the query's dtype: dtype((x + offset) * scale) computed in float64;
   S = scale * Q_b K_b^T (+ pse_shift at the same positions as the data), masked (True = hidden);
-  lse = log sum exp S over the visible entries (-inf, log 0, where a row sees nothing); out = softmax(S) V_b (0 there).
+  lse = log sum exp S over the visible entries; out = softmax(S) V_b.
+Rows that see no key: out 0 and lse = +inf ("softmaxLseFlag为True时,数据为inf的代表无效数据",
+aclnnFusedInferAttentionScore);
+a decode batch (Q_S = 1) without any key: lse = -3.40e38, what the decode kernel writes for it.
+learnable_sink (v2): one more logit sink[h] per query head (unscaled, never masked, no value): lse and softmax include
+it; a row without visible keys then has lse = sink[h] and out 0.
+int4 key/value: eight signed 4-bit values per int32, value j in bits 4j..4j+3 (op-plugin's int4 packing).
 Decode (Q_S = 1, no rope): sparse_mode and pre/next_tokens have no effect, a [B, KV_S] mask is batch b's row.
 int8 output: round_half_even(out * quant_scale2 + quant_offset2) saturated to int8, 0 on rows that see nothing.
 """
@@ -30,8 +36,22 @@ _LAYOUTS = {
 }
 
 
+INVALID_ROW_LSE = math.inf
+EMPTY_DECODE_BATCH_LSE = -3.40e38
+
+
 def _cpu(t):
     return None if t is None else t.detach().to("cpu")
+
+
+def _int4_values(packed: torch.Tensor) -> torch.Tensor:
+    """The int4 values of int32 words, value j of a word from bits 4j..4j+3 (signed), as int8."""
+    words = packed.to(torch.int64) & 0xFFFFFFFF
+    out = torch.empty((*packed.shape, 8), dtype=torch.int64)
+    for j in range(8):
+        nibble = (words >> (4 * j)) & 0xF
+        out[..., j] = nibble - 16 * (nibble >= 8).to(torch.int64)
+    return out.reshape(*packed.shape[:-1], packed.shape[-1] * 8).to(torch.int8)
 
 
 def _per_batch(t: torch.Tensor, layout: str, heads: int, ends: list[int] | None) -> list[torch.Tensor]:
@@ -106,11 +126,14 @@ def fia_oracle(query, key, value, *, pse_shift=None, atten_mask=None, actual_seq
                value_shared_prefix=None, actual_shared_prefix_len=None, query_rope=None, key_rope=None,
                num_heads=1, scale=1.0, pre_tokens=INT_MAX, next_tokens=INT_MAX, input_layout="BSH",
                num_key_value_heads=0, sparse_mode=0, antiquant_mode=0, key_antiquant_mode=0,
-               value_antiquant_mode=0, softmax_lse_flag=False):
+               value_antiquant_mode=0, softmax_lse_flag=False, learnable_sink=None):
     """(attention_out, softmax_lse or None) for a VALID call (no validation). attention_out is float64 in the output
     layout (int8 with quant_scale2); softmax_lse float64 in its documented shape."""
     q_layout, out_layout = _LAYOUTS[input_layout]
     query, key, value = _cpu(query), _cpu(key), _cpu(value)
+    if key.dtype == torch.int32:
+        key, value = _int4_values(key), _int4_values(value)
+    sink = None if learnable_sink is None else _cpu(learnable_sink).to(torch.float64)
     heads = num_heads
     heads_kv = num_key_value_heads or heads
     group = heads // heads_kv
@@ -176,12 +199,12 @@ def fia_oracle(query, key, value, *, pse_shift=None, atten_mask=None, actual_seq
         sq_b, skv_b = act_q[b], act_kv[b]
         rows_q = qs[b].shape[1]
         o_full = torch.zeros(heads, rows_q, dim_v, dtype=torch.float64)
-        lse_full = torch.full((heads, rows_q), -math.inf, dtype=torch.float64)
+        lse_full = torch.full((heads, rows_q), INVALID_ROW_LSE, dtype=torch.float64)
         q0 = (seq_q - q_pad - sq_b) if q_pad is not None else 0
         kv0 = (seq_kv - kv_pad - skv_b) if kv_pad is not None else 0
         if kv0 < 0 or (kv_pad is not None and seq_kv - kv_pad < 0):
             outs.append(o_full)
-            lses.append(lse_full)
+            lses.append(torch.full_like(lse_full, EMPTY_DECODE_BATCH_LSE) if decode else lse_full)
             continue
         k_b, v_b = ks[b].to(torch.float64), vs[b].to(torch.float64)
         if key.dtype == torch.int8:
@@ -203,7 +226,11 @@ def fia_oracle(query, key, value, *, pse_shift=None, atten_mask=None, actual_seq
                                 _factor_for(v_o, v_mode, b, heads_kv, dim_v), dt)
             k_b, v_b = torch.cat([pk_b, k_b], 1), torch.cat([pv_b, v_b], 1)
         skv_all = k_b.shape[1]
-        if sq_b == 0 or skv_all == 0:
+        if decode and skv_all == 0:
+            outs.append(o_full)
+            lses.append(torch.full_like(lse_full, EMPTY_DECODE_BATCH_LSE))
+            continue
+        if sq_b == 0 or (skv_all == 0 and sink is None):
             outs.append(o_full)
             lses.append(lse_full)
             continue
@@ -231,10 +258,16 @@ def fia_oracle(query, key, value, *, pse_shift=None, atten_mask=None, actual_seq
             s = s + src[b if src.shape[0] > 1 else 0, :, q0 : q0 + sq_b, kv0 : kv0 + skv_all]
         s = s.masked_fill(~vis, -math.inf)
         valid = vis.any(-1)
-        lse = torch.logsumexp(s, -1)
-        lse = torch.where(valid, lse, torch.full_like(lse, -math.inf))
-        p = torch.exp(s - torch.where(valid, lse, torch.zeros_like(lse)).unsqueeze(-1))
-        o = torch.where(valid.unsqueeze(-1), p @ v_b[kv_index], torch.zeros(1, dtype=torch.float64))
+        if sink is not None:  # the sink column: in the softmax's denominator, without a value
+            with_sink = torch.cat([s, sink.view(heads, 1, 1).expand(heads, sq_b, 1)], -1)
+            lse = torch.logsumexp(with_sink, -1)
+            o = torch.exp(s - lse.unsqueeze(-1)) @ v_b[kv_index]
+            valid = torch.ones_like(valid)
+        else:
+            lse = torch.logsumexp(s, -1)
+            lse = torch.where(valid, lse, torch.full_like(lse, INVALID_ROW_LSE))
+            p = torch.exp(s - torch.where(valid, lse, torch.zeros_like(lse)).unsqueeze(-1))
+            o = torch.where(valid.unsqueeze(-1), p @ v_b[kv_index], torch.zeros(1, dtype=torch.float64))
         if int8_out:
             sc2 = _cpu(quant_scale2).to(torch.float64)
             of2 = None if quant_offset2 is None else _cpu(quant_offset2).to(torch.float64)

@@ -21,7 +21,7 @@ from . import native
 def usable(problem: AttentionProblem, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> bool:
     """Every run has at most one query row, no mask and no pse, on a dense layout, and the native decode loop can
     read the caches."""
-    if problem.tnd or query.device.type != "cpu" or query.dtype not in native.DECODE_DTYPES:
+    if problem.tnd or problem.sink is not None or query.device.type != "cpu" or query.dtype not in native.DECODE_DTYPES:
         return False
     for run in problem.runs:
         mask = run.mask
