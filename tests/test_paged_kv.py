@@ -157,12 +157,16 @@ def test_sfa_paged_through_torch_npu(rng):
         query_rope=i["query_rope"], key_rope=paged["key_rope"], layout_query="TND", layout_kv="PA_BSND",
         attention_mode=2)
     assert torch.equal(out, contiguous.attention_out) and smax.shape == (0,) and ssum.shape == (0,)
-    with pytest.raises(cann_attn.ParamInvalidError, match="return_softmax_lse"):
-        torch_npu.npu_sparse_flash_attention(
-            i["query"], paged["key"], paged["value"], i["sparse_indices"], 0.1, block_table=table,
-            actual_seq_lengths_query=case.kw["actual_seq_lengths_query"],
-            actual_seq_lengths_kv=paged["actual_seq_lengths_kv"], query_rope=i["query_rope"],
-            key_rope=paged["key_rope"], layout_query="TND", layout_kv="PA_BSND", return_softmax_lse=True)
+    # Beyond the documentation (vLLM's DCP merges; docs/semantics/beyond-docs.md): the statistics over the paged
+    # cache are those over the contiguous keys. CANN_ATTN_STRICT_DOCS=1 refuses the call (test_strict_docs.py).
+    out, smax, ssum = torch_npu.npu_sparse_flash_attention(
+        i["query"], paged["key"], paged["value"], i["sparse_indices"], case.kw["scale_value"], block_table=table,
+        actual_seq_lengths_query=case.kw["actual_seq_lengths_query"],
+        actual_seq_lengths_kv=paged["actual_seq_lengths_kv"], query_rope=i["query_rope"],
+        key_rope=paged["key_rope"], layout_query="TND", layout_kv="PA_BSND", attention_mode=2,
+        return_softmax_lse=True)
+    assert torch.equal(out, contiguous.attention_out)
+    assert torch.equal(smax, contiguous.softmax_max) and torch.equal(ssum, contiguous.softmax_sum)
 
 
 def test_sfa_paged_has_no_gradient(rng):

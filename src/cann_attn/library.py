@@ -36,6 +36,7 @@ from torch import Tensor
 from .errors import ParamInvalidError
 from .ops.attention_update import AttentionUpdateResult
 from .ops.attention_update import attention_update as _eager_attention_update
+from .ops.fia_problem import scalar_type_number
 from .ops.flash_attention_score import (
     INT_MAX,
     FlashAttentionScoreResult,
@@ -647,9 +648,10 @@ def fused_infer_attention_score_v2(
     key_shared_prefix_dtype: int | None = None, value_shared_prefix_dtype: int | None = None,
     dequant_scale_query_dtype: int | None = None, dequant_scale_key_dtype: int | None = None,
     dequant_scale_value_dtype: int | None = None, dequant_scale_key_rope_dtype: int | None = None,
-    out_dtype: int | None = None, backend: str = "auto",
+    out_dtype: int | torch.dtype | None = None, backend: str = "auto",
 ) -> tuple[Tensor, Tensor]:
-    """``cann_attn.fused_infer_attention_score_v2`` through its custom op."""
+    """``cann_attn.fused_infer_attention_score_v2`` through its custom op; `out_dtype` may be a torch.dtype, passed
+    on as its ScalarType number as op-plugin's binding does."""
     return torch.ops.cann_attn.fused_infer_attention_score_v2(
         query, key, value, query_rope, key_rope, pse_shift, atten_mask, _ints(actual_seq_qlen, "actual_seq_qlen"),
         _ints(actual_seq_kvlen, "actual_seq_kvlen"), block_table, dequant_scale_query, dequant_scale_key,
@@ -659,7 +661,7 @@ def fused_infer_attention_score_v2(
         value_quant_mode, inner_precise, bool(return_softmax_lse), query_dtype, key_dtype, value_dtype,
         query_rope_dtype, key_rope_dtype, key_shared_prefix_dtype, value_shared_prefix_dtype,
         dequant_scale_query_dtype, dequant_scale_key_dtype, dequant_scale_value_dtype, dequant_scale_key_rope_dtype,
-        out_dtype, backend,
+        scalar_type_number(out_dtype), backend,
     )
 
 

@@ -679,6 +679,14 @@ def _check_nz_cache(query, *, q_seq: int, q_dim: int, num_heads: int, heads_kv: 
                     "model's heads per tensor-parallel rank)")
 
 
+def scalar_type_number(out_dtype):
+    """A torch.dtype as its c10::ScalarType number (what op-plugin's binding passes for an `int?` dtype); anything
+    else unchanged (validated by `out_dtype_of`)."""
+    if isinstance(out_dtype, torch.dtype) and out_dtype in SCALAR_TYPE_NUMBERS:
+        return SCALAR_TYPE_NUMBERS[out_dtype]
+    return out_dtype
+
+
 def out_dtype_of(out_dtype) -> torch.dtype | None:
     """v2's `out_dtype` as a torch.dtype: given as a torch.dtype, or as the c10::ScalarType number op-plugin's
     binding turns a dtype into."""

@@ -6,6 +6,7 @@ ops, so they are traceable by ``torch.compile(fullgraph=True)``; they are infere
 Semantics: docs/operators/fused_infer_attention_score.md and docs/operators/incre_flash_attention.md.
 """
 
+import torch
 from torch import Tensor
 
 from .. import library
@@ -120,9 +121,10 @@ def npu_fused_infer_attention_score_v2(
     key_shared_prefix_dtype: int | None = None, value_shared_prefix_dtype: int | None = None,
     dequant_scale_query_dtype: int | None = None, dequant_scale_key_dtype: int | None = None,
     dequant_scale_value_dtype: int | None = None, dequant_scale_key_rope_dtype: int | None = None,
-    out_dtype: int | None = None,
+    out_dtype: int | torch.dtype | None = None,
 ) -> tuple[Tensor, Tensor]:
-    """torch_npu.npu_fused_infer_attention_score_v2 -> (attention_out, softmax_lse)."""
+    """torch_npu.npu_fused_infer_attention_score_v2 -> (attention_out, softmax_lse); ``out_dtype`` a torch.dtype
+    or its ScalarType number, as op-plugin's C++ binding takes it."""
     return library.fused_infer_attention_score_v2(
         query, key, value, query_rope=query_rope, key_rope=key_rope, pse_shift=pse_shift, atten_mask=atten_mask,
         actual_seq_qlen=actual_seq_qlen, actual_seq_kvlen=actual_seq_kvlen, block_table=block_table,

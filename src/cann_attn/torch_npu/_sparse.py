@@ -7,6 +7,7 @@ from ..errors import ParamInvalidError
 from ..ops.sparse_flash_attention import INT64_MAX
 from ..problem.lengths import to_int_list
 from ..problem.page_table import PAGED_KV_LAYOUT
+from ..problem.policy import beyond_docs
 from ._registry import npu_op
 
 NPU_SPARSE_FLASH_ATTENTION_SCHEMAS = {
@@ -71,9 +72,18 @@ NPU_SPARSE_LIGHTNING_INDEXER_GRAD_KL_LOSS_SCHEMAS = {
 
 def _check_paged_outputs(layout_kv: str, flag: str, value: bool) -> None:
     """``return_softmax_lse`` / ``return_value`` are "仅在训练且layout_kv不为PA_BSND场景支持" (torch_npu docs):
-    a paged cache (docs/semantics/paged-kv.md) returns the attention output / indices only."""
-    if value and layout_kv == PAGED_KV_LAYOUT:
-        raise ParamInvalidError(f"{flag}: expected False with a paged cache (layout_kv='PA_BSND'), got True")
+    a paged cache (docs/semantics/paged-kv.md) returns the attention output / indices only. vLLM's DCP merges
+    need SFA's statistics over a paged cache, so `return_softmax_lse` is computed there too (the same statistics
+    as over the contiguous keys; docs/semantics/beyond-docs.md); `CANN_ATTN_STRICT_DOCS=1` refuses it."""
+    if not value or layout_kv != PAGED_KV_LAYOUT:
+        return
+    if flag == "return_softmax_lse":
+        beyond_docs(flag, "return_softmax_lse with a paged cache (layout_kv='PA_BSND')",
+                    "vllm-ascend's DSA decode context parallel (vllm_ascend/device/device_op.py, "
+                    "npu_sparse_flash_attention(layout_kv='PA_BSND', return_softmax_lse=return_lse) for the DCP LSE "
+                    "merge)")
+        return
+    raise ParamInvalidError(f"{flag}: expected False with a paged cache (layout_kv='PA_BSND'), got True")
 
 
 def _check_sinks(sinks) -> None:
