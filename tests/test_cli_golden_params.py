@@ -69,20 +69,20 @@ def test_a_refused_parameter_is_named(op, name):
 
 
 def test_golden_refuses_a_dropped_parameter_with_one_line(tmp_path, capsys):
-    """FIA v2 learnable_sink has no float64 oracle: golden exits 2 naming it (before: exit 0, the sink ignored)."""
+    """FIA v2 quant_scale_p (reserved) has no float64 oracle: golden exits 2 naming it (not silently ignored)."""
     case = {
         "op": "fused_infer_attention_score_v2",
         "inputs": {"query": {"shape": [1, 2, 1, 16], "dtype": "float16"},
                    "key": {"shape": [1, 2, 8, 16], "dtype": "float16"},
                    "value": {"shape": [1, 2, 8, 16], "dtype": "float16"},
-                   "learnable_sink": {"shape": [2], "dtype": "float32"}},
+                   "quant_scale_p": {"shape": [1], "dtype": "float32"}},
         "params": {"num_query_heads": 2, "input_layout": "BNSD", "softmax_scale": 0.25},
     }
     path = tmp_path / "case.json"
     path.write_text(json.dumps(case))
     rc, _, err = _main(capsys, "golden", "--case", path, "--out", tmp_path / "g")
     assert rc == 2 and len(err.strip().splitlines()) == 1, err
-    assert "inputs.learnable_sink: the golden of fused_infer_attention_score_v2 does not take" in err
+    assert "inputs.quant_scale_p: the golden of fused_infer_attention_score_v2 does not take" in err
     assert not (tmp_path / "g").exists()
 
 

@@ -69,10 +69,11 @@ def _fia_dtypes(scale2: str) -> DTypes:
 _PAGED = {"block_table": "the pages are gathered into the contiguous keys they stand for (testing/paged_oracle.py)",
           "block_size": "the block dimension of the paged caches (checked against them by the operator)"}
 _NO_EFFECT = {"inner_precise": PRECISION_MODE}
-_V2_REFUSED = "the FIA oracle has no such input (MXFP8 / FP8 / HiFloat8 quantisation and learnable sinks of v2)"
+_V2_REFUSED = "the FIA oracle has no such input (MXFP8 / FP8 / HiFloat8 quantisation of v2)"
 for _name, _renames, _scale2, _outputs, _extra in (
     ("fused_infer_attention_score", {}, "quant_scale2", ("attention_out", "softmax_lse"), {}),
-    ("fused_infer_attention_score_v2", _V2_TO_V1, "quant_scale_out", ("attention_out", "softmax_lse"), {}),
+    ("fused_infer_attention_score_v2", _V2_TO_V1, "quant_scale_out", ("attention_out", "softmax_lse"),
+     {"out_dtype": "the operator accepts only the output dtype quant_scale_out or the query already implies"}),
     ("incre_flash_attention", _IFA_TO_V1, "quant_scale2", ("attention_out",),
      {"padding_mask": "reserved by the IncreFlashAttention docs; not read"}),
 ):
@@ -80,7 +81,7 @@ for _name, _renames, _scale2, _outputs, _extra in (
         _name, _outputs, _fia_golden(_name), _fia_dtypes(_scale2), oracle=fia_oracle, renames=_renames,
         consumed=_PAGED, no_effect={**_NO_EFFECT, **_extra},
         unsupported={n: _V2_REFUSED for n in ("dequant_scale_query", "dequant_scale_key_rope", "quant_scale_p",
-                                               "learnable_sink", "query_quant_mode")}
+                                               "query_quant_mode")}
         | {"key_rope_antiquant_scale": "the FIA oracle has no int8 rope keys"},
     ))
 
@@ -160,6 +161,15 @@ register(
     fia_case("v2_decode_antiquant", op="fused_infer_attention_score_v2", layout="BNSD", dtype=BF16, b=2, n=4,
              n_kv=2, sq=1, skv=48, kv_dtype=torch.int8, extras=_kv_scales((2, 64), BF16, separate="v2"),
              actual_seq_kvlen=[48, 13], return_softmax_lse=True),
+    fia_case("v2_sink_tnd_window", op="fused_infer_attention_score_v2", layout="TND", dtype=BF16, b=2, n=4, sq=32,
+             sparse_mode=4, pre_tokens=8, next_tokens=0, actual_seq_qlen=[20, 64], actual_seq_kvlen=[20, 64],
+             extras=lambda gen: {"atten_mask": cann_attn.compressed_mask(4),
+                                 "learnable_sink": randn(gen, (4,), BF16)}, return_softmax_lse=True),
+    fia_case("decode_antiquant_leading_one", layout="BSND", dtype=BF16, b=2, n=4, n_kv=2, sq=1, skv=40,
+             kv_dtype=torch.int8, extras=_kv_scales((1, 2, 1, 64), BF16, separate="v1"),
+             actual_seq_lengths_kv=[40, 0], softmax_lse_flag=True),
+    fia_case("prefill_bf16_separate_antiquant", layout="BNSD", dtype=BF16, b=2, n=4, n_kv=2, sq=16, skv=48,
+             kv_dtype=torch.int8, extras=_kv_scales((2, 64), BF16, separate="v1"), softmax_lse_flag=True),
     fia_case("ifa_bsh_gqa", op="incre_flash_attention", layout="BSH", dtype=F16, b=4, n=8, n_kv=2, sq=1, skv=96,
              actual_seq_lengths=[96, 1, 50, 77]),
     fia_case("ifa_antiquant_mask", op="incre_flash_attention", layout="BNSD", dtype=F16, b=2, n=4, sq=1, skv=64,
