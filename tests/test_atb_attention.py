@@ -134,7 +134,7 @@ def test_flash_attention_with_the_shared_causal_mask_matches_the_oracle(dtype, r
     out = torch.empty(sum(seq), heads, dim_v, dtype=dtype)
     torch_npu._npu_flash_attention(query=query, key=key, value=value, mask=mask, seq_len=_host_int32(seq),
                                    scale_value=dim ** -0.5, num_heads=heads, num_kv_heads=heads_kv, out=out)
-    golden = self_attention_oracle(query, key, value, seq, dim ** -0.5, mask)
+    golden = self_attention_oracle(query, key, value, seq, dim ** -0.5, mask=mask)
     torch.testing.assert_close(out.double(), golden, **TOL[dtype])
 
 
@@ -145,7 +145,7 @@ def test_flash_attention_with_a_mask_per_sequence(rng):
     mask = torch.randn(2, 6, 6, generator=rng).half()
     out = torch.empty(10, 2, 16, dtype=torch.float16)
     torch_npu._npu_flash_attention(query, key, value, mask, _host_int32(seq), 0.25, 2, 2, out)
-    torch.testing.assert_close(out.double(), self_attention_oracle(query, key, value, seq, 0.25, mask),
+    torch.testing.assert_close(out.double(), self_attention_oracle(query, key, value, seq, 0.25, mask=mask),
                                **TOL[torch.float16])
 
 

@@ -36,6 +36,8 @@ OPS = (
     "sparse_lightning_indexer_grad_kl_loss",
     "fused_infer_attention_score",
     "incre_flash_attention",
+    "atb_paged_attention",
+    "atb_flash_attention_unpad",
 )
 
 SMALL_FA = {

@@ -7,7 +7,12 @@ from . import library  # noqa: F401  (registers the cann_attn::* custom ops)
 from .autograd import dense_indexer_kl_loss, flash_attention, indexer_kl_loss, sparse_attention
 from .backends import BackendFallbackWarning
 from .errors import AclnnError, ParamInvalidError, ParamNullptrError
-from .ops import atb_attention as atb
+from .ops.atb_attention import (
+    atb_flash_attention,
+    atb_flash_attention_unpad,
+    atb_paged_attention,
+    atb_paged_attention_splitfuse,
+)
 from .ops.attention_update import AttentionUpdateResult, attention_update
 from .ops.dense_indexer import (
     DenseLightningIndexerGradKLLossResult,
@@ -61,7 +66,10 @@ __all__ = [
     "SparseFlashAttentionResult",
     "SparseLightningIndexerGradKLLossResult",
     "__version__",
-    "atb",
+    "atb_flash_attention",
+    "atb_flash_attention_unpad",
+    "atb_paged_attention",
+    "atb_paged_attention_splitfuse",
     "attention_update",
     "compressed_mask",
     "dense_indexer_kl_loss",

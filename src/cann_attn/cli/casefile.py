@@ -99,6 +99,8 @@ PAGED_LENGTHS = {
     "incre_flash_attention": ("actual_seq_lengths", "key"),
     "sparse_flash_attention": ("actual_seq_lengths_kv", "key"),
     "lightning_indexer": ("actual_seq_lengths_key", "key_index"),
+    "atb_paged_attention": ("context_lens", "key_cache"),
+    "atb_paged_attention_splitfuse": ("context_lens", "key_cache"),
 }
 _FIXED_SHAPE = ("values", "trans_quant_param", "compressed_mask", "drop_mask")
 _INTEGER = (torch.int8, torch.uint8, torch.int16, torch.int32, torch.int64)

@@ -21,7 +21,7 @@ from .flash_attention_score import INT_MAX
 from .infer_attention import QuantPlan, attend, attend_pages
 from .paged_infer import CacheShape, PagedKv, length_groups
 
-__all__ = ["flash_attention", "flash_attention_unpad", "paged_attention", "paged_attention_splitfuse"]
+__all__ = ["atb_flash_attention", "atb_flash_attention_unpad", "atb_paged_attention", "atb_paged_attention_splitfuse"]
 
 ATB_DTYPES = (torch.float16, torch.bfloat16)
 # PagedAttentionOperation: "block_size % 16 == 0, recommended 128" (ATB docs, constraints); no upper bound is
@@ -129,7 +129,7 @@ def _rows(tensor: Tensor, start: int, count: int, length: int) -> Tensor:
     return tensor[start : start + count * length].unflatten(0, (count, length)).transpose(1, 2)
 
 
-def paged_attention(query: Tensor, key_cache: Tensor, value_cache: Tensor, num_kv_heads: int, num_heads: int,
+def atb_paged_attention(query: Tensor, key_cache: Tensor, value_cache: Tensor, num_kv_heads: int, num_heads: int,
                     scale_value: float, block_table: Tensor, context_lens: Tensor, out: Tensor, *,
                     backend: str = "auto") -> Tensor:
     """PagedAttentionOperation (decode): query token t attends to the first context_lens[t] keys of sequence t,
@@ -144,11 +144,11 @@ def paged_attention(query: Tensor, key_cache: Tensor, value_cache: Tensor, num_k
     if query.shape[0]:
         attend_pages(pages, query.unsqueeze(2), result.unsqueeze(2), atten_mask=None, mask_views=None,
                      act_q=[1] * query.shape[0], act_kv=lengths, pse_shift=None,
-                     **_common(heads_kv, scale, query, backend, "paged_attention"))
+                     **_common(heads_kv, scale, query, backend, "atb_paged_attention"))
     return out.copy_(result)
 
 
-def paged_attention_splitfuse(query: Tensor, key_cache: Tensor, value_cache: Tensor, block_table: Tensor,
+def atb_paged_attention_splitfuse(query: Tensor, key_cache: Tensor, value_cache: Tensor, block_table: Tensor,
                               context_lens: Tensor, mask: Tensor, seq_len: Tensor, num_kv_heads: int,
                               num_heads: int, scale_value: float, out: Tensor, *, backend: str = "auto") -> Tensor:
     """PagedAttentionOperation, splitfuse (chunked prefill): sequence b's seq_len[b] packed query tokens are the
@@ -169,7 +169,7 @@ def paged_attention_splitfuse(query: Tensor, key_cache: Tensor, value_cache: Ten
     mask = _additive_mask(mask, query, query.shape[0], max(kv_lens, default=0), None)
     result = torch.zeros(query.shape[0], num_heads, value_cache.shape[-1], dtype=query.dtype, device=query.device)
     _check_out(out, tuple(result.shape), query)
-    common = _common(heads_kv, scale, query, backend, "paged_attention_splitfuse")
+    common = _common(heads_kv, scale, query, backend, "atb_paged_attention_splitfuse")
     start = 0
     # Consecutive sequences with equal query lengths (every decode of a batch) run as one batch of [c, N, s, D].
     for group in length_groups(q_lens, [0] * len(q_lens)):
@@ -219,7 +219,7 @@ def _self_attention(query, key, value, mask, seq_len, scale_value, num_heads, nu
     return out.copy_(result)
 
 
-def flash_attention(query: Tensor, key: Tensor, value: Tensor, mask: Tensor, seq_len: Tensor, scale_value: float,
+def atb_flash_attention(query: Tensor, key: Tensor, value: Tensor, mask: Tensor, seq_len: Tensor, scale_value: float,
                     num_heads: int, num_kv_heads: int, out: Tensor, *, backend: str = "auto") -> Tensor:
     """SelfAttentionOperation PA_ENCODER with an additive mask (MASK_TYPE_NORM): sequence b adds
     mask[:seq_len[b], :seq_len[b]] (a [maxS, maxS] mask shared by all, or [B, maxS, maxS]) to its scaled scores
@@ -227,13 +227,13 @@ def flash_attention(query: Tensor, key: Tensor, value: Tensor, mask: Tensor, seq
     if mask is None:
         raise ParamNullptrError("mask: required, got None (_npu_flash_attention_unpad takes none)")
     return _self_attention(query, key, value, mask, seq_len, scale_value, num_heads, num_kv_heads, out,
-                           backend=backend, op="flash_attention")
+                           backend=backend, op="atb_flash_attention")
 
 
-def flash_attention_unpad(query: Tensor, key: Tensor, value: Tensor, seq_len: Tensor, scale_value: float,
+def atb_flash_attention_unpad(query: Tensor, key: Tensor, value: Tensor, seq_len: Tensor, scale_value: float,
                           num_heads: int, num_kv_heads: int, out: Tensor, *, backend: str = "auto") -> Tensor:
     """SelfAttentionOperation PA_ENCODER without a mask: each packed sequence attends to all of itself
     (docs/operators/atb_attention.md)."""
     return _self_attention(query, key, value, None, seq_len, scale_value, num_heads, num_kv_heads, out,
-                           backend=backend, op="flash_attention_unpad")
+                           backend=backend, op="atb_flash_attention_unpad")
 

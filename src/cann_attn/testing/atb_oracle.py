@@ -58,9 +58,12 @@ def splitfuse_oracle(query, key_cache, value_cache, block_table, context_lens, m
     return torch.stack(outs)
 
 
-def self_attention_oracle(query, key, value, seq_len, scale_value, mask=None) -> torch.Tensor:
+def self_attention_oracle(query, key, value, seq_len, scale_value, num_heads=None, num_kv_heads=None,
+                          mask=None) -> torch.Tensor:
     """[T, N, Dv] float64 of _npu_flash_attention(_unpad): packed sequence b's token i attends to the sequence's
-    keys with mask[(b,) i, :len] (the top-left corner of a [maxS, maxS] or [B, maxS, maxS] mask) added."""
+    keys with mask[(b,) i, :len] (the top-left corner of a [maxS, maxS] or [B, maxS, maxS] mask) added. The head
+    counts are the tensors' (num_heads / num_kv_heads, when given, must agree)."""
+    assert num_heads in (None, query.shape[1]) and num_kv_heads in (None, 0, key.shape[1])
     outs, start = [], 0
     for b in range(len(seq_len)):
         length = int(seq_len[b])

@@ -44,7 +44,7 @@ def _npu_paged_attention(query: Tensor, key_cache: Tensor, value_cache: Tensor, 
                          scale_value: float, block_table: Tensor, context_lens: Tensor, out: Tensor, *,
                          workspace: Tensor | None = None) -> None:
     """Paged decode into `out`; `workspace` (from ``_npu_paged_attention_get_workspace``) is accepted and unused."""
-    atb_attention.paged_attention(query, key_cache, value_cache, num_kv_heads, num_heads, scale_value, block_table,
+    atb_attention.atb_paged_attention(query, key_cache, value_cache, num_kv_heads, num_heads, scale_value, block_table,
                                   context_lens, out)
 
 
@@ -61,17 +61,17 @@ def _npu_paged_attention_get_workspace(query: Tensor, key_cache: Tensor, value_c
 def _npu_paged_attention_splitfuse(query: Tensor, key_cache: Tensor, value_cache: Tensor, block_table: Tensor,
                                    context_lens: Tensor, mask: Tensor, seq_len: Tensor, num_kv_heads: int,
                                    num_heads: int, scale_value: float, out: Tensor) -> None:
-    atb_attention.paged_attention_splitfuse(query, key_cache, value_cache, block_table, context_lens, mask, seq_len,
+    atb_attention.atb_paged_attention_splitfuse(query, key_cache, value_cache, block_table, context_lens, mask, seq_len,
                                             num_kv_heads, num_heads, scale_value, out)
 
 
 @npu_op(NPU_FLASH_ATTENTION_SCHEMAS, namespace="atb")
 def _npu_flash_attention(query: Tensor, key: Tensor, value: Tensor, mask: Tensor, seq_len: Tensor,
                          scale_value: float, num_heads: int, num_kv_heads: int, out: Tensor) -> None:
-    atb_attention.flash_attention(query, key, value, mask, seq_len, scale_value, num_heads, num_kv_heads, out)
+    atb_attention.atb_flash_attention(query, key, value, mask, seq_len, scale_value, num_heads, num_kv_heads, out)
 
 
 @npu_op(NPU_FLASH_ATTENTION_UNPAD_SCHEMAS, namespace="atb")
 def _npu_flash_attention_unpad(query: Tensor, key: Tensor, value: Tensor, seq_len: Tensor, scale_value: float,
                                num_heads: int, num_kv_heads: int, out: Tensor) -> None:
-    atb_attention.flash_attention_unpad(query, key, value, seq_len, scale_value, num_heads, num_kv_heads, out)
+    atb_attention.atb_flash_attention_unpad(query, key, value, seq_len, scale_value, num_heads, num_kv_heads, out)
