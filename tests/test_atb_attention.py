@@ -281,3 +281,53 @@ def test_flash_attention_bad_input_names_the_parameter(change, param, rng):
 def test_flash_attention_requires_its_mask(rng):
     with pytest.raises(ParamNullptrError, match=r"\] mask:"):
         torch_npu._npu_flash_attention(**(_flash_args(rng) | {"mask": None}))
+
+
+# ------------------------------------------------------------------------------------------------ torch.compile
+def test_the_ops_trace_into_one_custom_op_each_under_torch_compile(rng):
+    """fullgraph=True: the host-side lengths are read inside the cann_attn::atb_* custom ops, not by the tracer."""
+    key_cache, value_cache, table = _cache([20, 9], 2, 16, 16, 16, torch.float16, rng)
+    query = torch.randn(2, 4, 16, generator=rng).half()
+    lens = _host_int32([20, 9])
+    seq = _host_int32([2])
+    packed = torch.randn(2, 4, 16, generator=rng).half()
+
+    def step(query, packed, out, out2):
+        torch_npu._npu_paged_attention(query, key_cache, value_cache, 2, 4, 0.25, table, lens, out)
+        torch_npu._npu_flash_attention_unpad(packed, packed, packed, seq, 0.25, 4, 4, out2)
+        return out * 2, out2 + 1
+
+    eager = step(query, packed, torch.empty(2, 4, 16, dtype=torch.float16), torch.empty(2, 4, 16,
+                                                                                          dtype=torch.float16))
+    out, out2 = torch.empty(2, 4, 16, dtype=torch.float16), torch.empty(2, 4, 16, dtype=torch.float16)
+    compiled = torch.compile(step, fullgraph=True, backend="aot_eager")(query, packed, out, out2)
+    assert torch.equal(compiled[0], eager[0]) and torch.equal(compiled[1], eager[1])
+    assert torch.equal(out * 2, eager[0])  # the caller's out was written
+
+
+def _opcheck_cases(rng):
+    key_cache, value_cache, table = _cache([20, 9], 2, 16, 8, 16, torch.float16, rng)
+    q = torch.randn(2, 4, 16, generator=rng).half()
+    packed, kv = torch.randn(5, 4, 16, generator=rng).half(), torch.randn(5, 2, 16, generator=rng).half()
+    out = torch.empty(2, 4, 8, dtype=torch.float16)
+    lens, seq = _host_int32([20, 9]), _host_int32([3, 2])
+    mask = causal_additive_mask(3, torch.float16)
+    rows = splitfuse_mask([1, 1], [20, 9], 20, torch.float16)
+    ops = torch.ops.cann_attn
+    return {
+        "paged": (ops.atb_paged_attention.default, (q, key_cache, value_cache, 2, 4, 0.25, table, lens, out)),
+        "splitfuse": (ops.atb_paged_attention_splitfuse.default,
+                      (q, key_cache, value_cache, table, lens, rows, _host_int32([1, 1]), 2, 4, 0.25, out.clone())),
+        "flash": (ops.atb_flash_attention.default,
+                  (packed, kv, kv, mask, seq, 0.25, 4, 2, torch.empty(5, 4, 16, dtype=torch.float16))),
+        "unpad": (ops.atb_flash_attention_unpad.default,
+                  (packed, kv, kv, seq, 0.25, 4, 2, torch.empty(5, 4, 16, dtype=torch.float16))),
+    }
+
+
+@pytest.mark.parametrize("name", ["paged", "splitfuse", "flash", "unpad"])
+def test_opcheck(name, rng):
+    """Schema (the mutated out declared), FakeTensor and AOT dispatch of the cann_attn::atb_* custom ops."""
+    op, args = _opcheck_cases(rng)[name]
+    result = torch.library.opcheck(op, args)
+    assert all(v == "SUCCESS" for v in result.values()), result

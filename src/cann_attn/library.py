@@ -1042,3 +1042,14 @@ from .library_quant import (  # noqa: E402
 
 __all__ += ["dense_lightning_indexer_grad_kl_loss", "dense_lightning_indexer_softmax_lse",
             "kv_quant_sparse_flash_attention", "quant_lightning_indexer"]
+
+# The ATB attention operators' custom ops (library_atb.py), re-exported for `traced_as_custom_op`.
+from .library_atb import (  # noqa: E402
+    atb_flash_attention,
+    atb_flash_attention_unpad,
+    atb_paged_attention,
+    atb_paged_attention_splitfuse,
+)
+
+__all__ += ["atb_flash_attention", "atb_flash_attention_unpad", "atb_paged_attention",
+            "atb_paged_attention_splitfuse"]

@@ -17,6 +17,7 @@ from torch import Tensor
 
 from ..errors import ParamInvalidError, ParamNullptrError, require, require_int, require_real
 from ..problem.page_table import BlockSizeRule, page_table
+from ..traceable import traced_as_custom_op
 from .flash_attention_score import INT_MAX
 from .infer_attention import QuantPlan, attend, attend_pages
 from .paged_infer import CacheShape, PagedKv, length_groups
@@ -129,6 +130,7 @@ def _rows(tensor: Tensor, start: int, count: int, length: int) -> Tensor:
     return tensor[start : start + count * length].unflatten(0, (count, length)).transpose(1, 2)
 
 
+@traced_as_custom_op
 def atb_paged_attention(query: Tensor, key_cache: Tensor, value_cache: Tensor, num_kv_heads: int, num_heads: int,
                     scale_value: float, block_table: Tensor, context_lens: Tensor, out: Tensor, *,
                     backend: str = "auto") -> Tensor:
@@ -148,6 +150,7 @@ def atb_paged_attention(query: Tensor, key_cache: Tensor, value_cache: Tensor, n
     return out.copy_(result)
 
 
+@traced_as_custom_op
 def atb_paged_attention_splitfuse(query: Tensor, key_cache: Tensor, value_cache: Tensor, block_table: Tensor,
                               context_lens: Tensor, mask: Tensor, seq_len: Tensor, num_kv_heads: int,
                               num_heads: int, scale_value: float, out: Tensor, *, backend: str = "auto") -> Tensor:
@@ -219,6 +222,7 @@ def _self_attention(query, key, value, mask, seq_len, scale_value, num_heads, nu
     return out.copy_(result)
 
 
+@traced_as_custom_op
 def atb_flash_attention(query: Tensor, key: Tensor, value: Tensor, mask: Tensor, seq_len: Tensor, scale_value: float,
                     num_heads: int, num_kv_heads: int, out: Tensor, *, backend: str = "auto") -> Tensor:
     """SelfAttentionOperation PA_ENCODER with an additive mask (MASK_TYPE_NORM): sequence b adds
@@ -230,6 +234,7 @@ def atb_flash_attention(query: Tensor, key: Tensor, value: Tensor, mask: Tensor,
                            backend=backend, op="atb_flash_attention")
 
 
+@traced_as_custom_op
 def atb_flash_attention_unpad(query: Tensor, key: Tensor, value: Tensor, seq_len: Tensor, scale_value: float,
                           num_heads: int, num_kv_heads: int, out: Tensor, *, backend: str = "auto") -> Tensor:
     """SelfAttentionOperation PA_ENCODER without a mask: each packed sequence attends to all of itself
