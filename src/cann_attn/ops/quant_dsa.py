@@ -20,6 +20,7 @@ from .sparse_flash_attention import (
     require_key_rank,
     sequence_spans,
     sparse_flash_attention,
+    validate_sparse,
 )
 
 MAX_SPARSE_COUNT = 2048
@@ -226,12 +227,57 @@ def kv_quant_sparse_flash_attention(
     require(tuple(value.shape) == tuple(key.shape), "value", f"the key's shape {list(key.shape)} (combined rows)",
             value)
     key_parts = dequant.split_combined(key, query.dtype)
-    k_nope = key_parts.dequantized(query.dtype)
+    # The lengths, table and indices checked as SparseFlashAttention checks them (on the rope parts: same rows).
+    problem = validate_sparse(query[..., dequant.LATENT_DIM :], key_parts.rope, key_parts.rope, sparse_indices,
+                              scale_value, query_rope=None, key_rope=None,
+                              actual_seq_lengths_query=actual_seq_lengths_query,
+                              actual_seq_lengths_kv=actual_seq_lengths_kv, sparse_block_size=sparse_block_size,
+                              layout=layout, sparse_mode=sparse_mode, block_table=block_table, layout_kv=layout_kv)
+    rows = _selectable_rows(problem, sparse_indices, int(sparse_block_size), key.shape)
+    k_nope = _dequantized_rows(key_parts, rows, query.dtype)
     value_is_key = value is key or (value.data_ptr() == key.data_ptr() and value.stride() == key.stride())
-    v_nope = k_nope if value_is_key else dequant.split_combined(value, query.dtype).dequantized(query.dtype)
+    v_nope = k_nope if value_is_key else _dequantized_rows(dequant.split_combined(value, query.dtype), rows,
+                                                           query.dtype)
     return sparse_flash_attention(
         query[..., : dequant.LATENT_DIM], k_nope, v_nope, sparse_indices, scale_value,
         query_rope=query[..., dequant.LATENT_DIM :], key_rope=key_parts.rope,
         actual_seq_lengths_query=actual_seq_lengths_query, actual_seq_lengths_kv=actual_seq_lengths_kv,
         sparse_block_size=sparse_block_size, layout=layout, sparse_mode=sparse_mode, backend=backend,
         block_table=block_table, layout_kv=layout_kv, sinks=sinks).attention_out
+
+
+def _selectable_rows(problem, sparse_indices: torch.Tensor, block_size: int, cache_shape) -> tuple[torch.Tensor, ...]:
+    """Index tuple of every cache row a selection entry can reach: tokens [idx * bs, idx * bs + bs) below the
+    sequence's key length of the entries >= 0, through the block table for a paged cache. A superset of the rows
+    the attention reads (docs/operators/sparse_flash_attention.md); nothing else of the cache is dequantised."""
+    device = sparse_indices.device
+    offsets = torch.arange(block_size, device=device)
+    parts: list[tuple[torch.Tensor, ...]] = []
+    for b in range(len(problem.q_spans)):
+        lq, lk = problem.q_lengths[b], problem.kv_lengths[b]
+        if lq == 0 or lk == 0:
+            continue
+        idx = problem.rows(sparse_indices, b)[:lq].reshape(-1).to(torch.int64)
+        idx = idx[(idx >= 0) & (idx < -(-lk // block_size))].unique()
+        tokens = (idx.unsqueeze(-1) * block_size + offsets).reshape(-1)
+        tokens = tokens[tokens < lk]
+        if problem.pages is not None:
+            flat = problem.pages.physical_rows(b).to(device)[tokens]
+            parts.append((flat // cache_shape[1], flat % cache_shape[1]))
+        elif problem.layout == "TND":
+            parts.append((tokens + problem.kv_spans[b][1],))
+        else:
+            parts.append((torch.full_like(tokens, b), tokens))
+    if not parts:
+        width = 1 if problem.layout == "TND" else 2
+        return tuple(torch.zeros(0, dtype=torch.int64, device=device) for _ in range(width))
+    return tuple(torch.cat(column) for column in zip(*parts, strict=True))
+
+
+def _dequantized_rows(parts: dequant.CombinedCache, rows: tuple[torch.Tensor, ...], dtype: torch.dtype
+                      ) -> torch.Tensor:
+    """The latent of the cache's shape in `dtype`, dequantised at `rows` only (problem/dequant.py); the other rows
+    are left unwritten: the attention never reads them."""
+    out = torch.empty((*parts.latent.shape[:-1], dequant.LATENT_DIM), dtype=dtype, device=parts.latent.device)
+    out[rows] = dequant.dequantize_tiles(parts.latent[rows], parts.scales[rows], dequant.TILE_SIZE, dtype)
+    return out

@@ -35,8 +35,13 @@ def score_scales(query_scale: torch.Tensor, key_scale: torch.Tensor) -> torch.Te
 def dequantize_tiles(x: torch.Tensor, scales: torch.Tensor, tile: int, dtype: torch.dtype) -> torch.Tensor:
     """x [..., n * tile] (int8 / fp8) times the fp32 scale of its tile, scales [..., n], in fp32, rounded once to
     `dtype` (a new tensor)."""
-    values = x.to(torch.float32).unflatten(-1, (scales.shape[-1], tile))
-    return (values * scales.to(torch.float32).unsqueeze(-1)).flatten(-2).to(dtype)
+    out = torch.empty(x.shape, dtype=dtype, device=x.device)
+    # One pass for int8: the values promote to fp32 inside the multiplication and its fp32 product is rounded once
+    # on the write to `dtype` (fp8 has no such promotion: converted first, exactly).
+    values = x if x.dtype == torch.int8 else x.to(torch.float32)
+    torch.mul(values.unflatten(-1, (scales.shape[-1], tile)), scales.to(torch.float32).unsqueeze(-1),
+              out=out.unflatten(-1, (scales.shape[-1], tile)))
+    return out
 
 
 @dataclass(frozen=True)
