@@ -130,11 +130,15 @@ def test_torch_npu_spelling(rng):
     assert torch.equal(got, case.run(sparse_count=4, sparse_mode=3))
 
 
-def test_mutant_scale_on_the_wrong_head_is_caught(rng, monkeypatch):
-    """Scale placement: a kernel that applies head h's query scale to head H-1-h must differ from the oracle."""
-    case = QuantCase("BSND", rng, exact=True)
-    original = kernel.score_scales
-    monkeypatch.setattr(kernel, "score_scales", lambda qs, ks: original(qs.flip(-1), ks))
+@pytest.mark.parametrize("signed", [False, True])
+def test_mutant_scale_on_the_wrong_head_is_caught(signed, rng, monkeypatch):
+    """Scale placement: a kernel that applies head h's query scale to head H-1-h must differ from the oracle (both
+    the folded path of non-negative scales and the general one)."""
+    case = QuantCase("BSND", rng, exact=True, signed_scales=signed)
+    assert torch.equal(case.run(sparse_count=5), oracle.top_k_oracle(case.scores(3), 5))
+    original = kernel.index_scores
+    monkeypatch.setattr(kernel, "index_scores", lambda q, k, w, qs=None, ks=None: original(
+        q, k, w, None if qs is None else qs.flip(-1), ks))
     assert not torch.equal(case.run(sparse_count=5), oracle.top_k_oracle(case.scores(3), 5))
 
 

@@ -258,9 +258,10 @@ def _selectable_rows(problem, sparse_indices: torch.Tensor, block_size: int, cac
         if lq == 0 or lk == 0:
             continue
         idx = problem.rows(sparse_indices, b)[:lq].reshape(-1).to(torch.int64)
-        idx = idx[(idx >= 0) & (idx < -(-lk // block_size))].unique()
-        tokens = (idx.unsqueeze(-1) * block_size + offsets).reshape(-1)
-        tokens = tokens[tokens < lk]
+        idx = idx[(idx >= 0) & (idx < -(-lk // block_size))]
+        reached = torch.zeros(-(-lk // block_size) * block_size, dtype=torch.bool, device=device)
+        reached[(idx.unsqueeze(-1) * block_size + offsets).reshape(-1)] = True  # a mark per token: no sort
+        tokens = reached[:lk].nonzero().squeeze(-1)
         if problem.pages is not None:
             flat = problem.pages.physical_rows(b).to(device)[tokens]
             parts.append((flat // cache_shape[1], flat % cache_shape[1]))
@@ -279,5 +280,14 @@ def _dequantized_rows(parts: dequant.CombinedCache, rows: tuple[torch.Tensor, ..
     """The latent of the cache's shape in `dtype`, dequantised at `rows` only (problem/dequant.py); the other rows
     are left unwritten: the attention never reads them."""
     out = torch.empty((*parts.latent.shape[:-1], dequant.LATENT_DIM), dtype=dtype, device=parts.latent.device)
-    out[rows] = dequant.dequantize_tiles(parts.latent[rows], parts.scales[rows], dequant.TILE_SIZE, dtype)
+    axes = len(rows)
+    linear = rows[0]
+    for axis in range(1, axes):  # row-major position over the indexed leading axes
+        linear = linear * parts.latent.shape[axis] + rows[axis]
+    # Flat row views (no copy) of the cache's parts; a paged cache whose blocks are not adjacent in memory
+    # ("0轴非连续") reshapes to a copy of its latent instead, still read at the selected rows only after that.
+    latent, scales = parts.latent.flatten(0, axes - 1), parts.scales.flatten(0, axes - 1)
+    picked = dequant.dequantize_tiles(latent.index_select(0, linear), scales.index_select(0, linear),
+                                      dequant.TILE_SIZE, dtype)
+    out.view(-1, *out.shape[axes:]).index_copy_(0, linear, picked)
     return out

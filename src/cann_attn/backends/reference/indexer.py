@@ -55,8 +55,14 @@ def index_scores(q_idx: torch.Tensor, k_idx: torch.Tensor, weights: torch.Tensor
     q_scale[t, h] * k_scale[s] (problem/dequant.py)."""
     rows, heads, dim = q_idx.shape
     dots = (q_idx.reshape(rows * heads, dim) @ k_idx.transpose(0, 1)).view(rows, heads, -1)
-    if q_scale is not None:
-        dots.mul_(score_scales(q_scale, k_scale).to(dots.dtype))
+    if q_scale is None:
+        return torch.bmm(weights.unsqueeze(1), dots.relu_()).squeeze(1)
+    if bool((q_scale >= 0).all()) and bool((k_scale >= 0).all()):
+        # Non-negative scales leave the ReLU's sign test to the dot product: ReLU(sq sk x) = sk (sq ReLU(x)), so the
+        # scales fold into the weights and a per-key factor instead of two passes over [rows, H, Skv].
+        folded = weights * q_scale.to(weights.dtype)
+        return torch.bmm(folded.unsqueeze(1), dots.relu_()).squeeze(1).mul_(k_scale.to(weights.dtype))
+    dots.mul_(score_scales(q_scale, k_scale).to(dots.dtype))
     return torch.bmm(weights.unsqueeze(1), dots.relu_()).squeeze(1)
 
 
