@@ -18,6 +18,18 @@ reference backend, the attention outputs bit for bit (docs/semantics/paged-kv.md
 
     python examples/infer_dsa.py                        # 20-60 s on a shared 2-core CPU
     python examples/infer_dsa.py --batch 2 --steps 8 --out /tmp/infer
+    python examples/infer_dsa.py --quant --d-latent 512  # int8 caches (docs/operators/quant_dsa.md)
+
+With --quant the caches hold what DeepSeek-V3.2's int8 inference stores: one 656-byte row per token for the latent
+(512 int8 values with one fp32 scale per 128, and the bf16 rope key beside them) and an int8 indexer key with an fp16
+per-token scale; the indexer query is quantised per token and head. Each step then calls
+
+    cann_attn.quant_lightning_indexer(...)            -> top-k over the int8 indexer cache
+    cann_attn.kv_quant_sparse_flash_attention(...)    -> attention over the int8 latent cache
+
+and is checked against the dequantised float computation without paging: lightning_indexer on the dequantised
+indexer tensors in float64 (equal indices) and sparse_flash_attention on the dequantised bf16 latent (equal
+attention, bit for bit on the reference backend).
 
 Prints tokens/s of the paged decode (and of the unpaged one), writes <out>/infer_dsa.png (per-step decode latency)
 and <out>/infer_dsa.json.
@@ -31,6 +43,7 @@ import math
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import ClassVar
 
 import torch
 import torch.nn.functional as F
@@ -56,6 +69,7 @@ class Config:
     block_size: int = 64  # tokens per cache block (a multiple of 16, at most 1024)
     seed: int = 0
     device: str = "cpu"  # "cuda": the cann_attn ops pick their Triton kernels, which read the pages in place
+    quant: bool = False  # int8 latent and indexer caches (needs d_latent 512, d_rope 64)
 
     def prompt_lengths(self) -> list[int]:
         """Different prompt lengths per sequence: partially filled last blocks, sequences of several blocks."""
@@ -70,6 +84,23 @@ def rope(x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
     cos, sin = angle.cos(), angle.sin()
     x1, x2 = x[..., :d], x[..., d:]
     return torch.cat([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1)
+
+
+def quantize_int8(x: torch.Tensor, groups: int, scale_dtype: torch.dtype = torch.float32
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric int8 quantisation of x [..., D] in `groups` groups along D: (int8 values, scales [..., groups] in
+    `scale_dtype`) with values = round(x / scale) and scale = max |x| / 127 of the group (as stored)."""
+    t = x.float().unflatten(-1, (groups, -1))
+    scale = (t.abs().amax(-1).clamp_min(1e-6) / 127).to(scale_dtype)
+    values = torch.round(t / scale.float().unsqueeze(-1)).clamp_(-127, 127).to(torch.int8)
+    return values.flatten(-2), scale
+
+
+def pack_latent_rows(latent: torch.Tensor, rope_bf16: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """KvQuantSparseFlashAttention's combined cache rows [T, 1, 656]: 512 int8 latent values, the 64 bf16 rope values
+    and the 4 fp32 tile scales, as bytes."""
+    parts = [latent.view(torch.uint8), rope_bf16.contiguous().view(torch.uint8), scales.contiguous().view(torch.uint8)]
+    return torch.cat(parts, -1).view(torch.int8)
 
 
 class DSALayer(nn.Module):
@@ -106,6 +137,25 @@ class DSALayer(nn.Module):
             "idx_weights": self.idx_w(x) * (c.idx_heads ** -0.5 * c.idx_dim ** -0.5),
         }
 
+    def quantize(self, proj: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """The int8 forms an int8 inference stack caches and feeds the quantised operators, and the dequantised
+        values the float reference computes with (the rule of docs/operators/quant_dsa.md)."""
+        latent, latent_scale = quantize_int8(proj["latent"], groups=4)  # one fp32 scale per 128 channels
+        rope_bf16 = proj["key_rope"].bfloat16()
+        idx_key, idx_key_scale = quantize_int8(proj["idx_key"], groups=1, scale_dtype=torch.float16)
+        idx_query, idx_query_scale = quantize_int8(proj["idx_query"], groups=1, scale_dtype=torch.float16)
+        return {
+            "kv": pack_latent_rows(latent, rope_bf16, latent_scale),
+            "idx_key_q": idx_key, "idx_scale": idx_key_scale[..., 0], "idx_query_q": idx_query,
+            "idx_query_scale": idx_query_scale[..., 0], "idx_weights_h": proj["idx_weights"].half(),
+            "query_cat": torch.cat([proj["query"], proj["query_rope"]], -1).bfloat16(),
+            # dequantised: latent x scale in fp32 rounded to bf16; int8 x fp16 scale is exact in fp32
+            "latent_deq": (latent.float() * latent_scale.repeat_interleave(128, -1)).bfloat16().float(),
+            "key_rope_q": rope_bf16.float(),
+            "idx_key_deq": idx_key.float() * idx_key_scale.float(),
+            "idx_query_deq": idx_query.float() * idx_query_scale.float(),
+        }
+
     def logits(self, attention: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         hidden = x + self.out(attention.flatten(1))
         return hidden @ self.embed.weight.T
@@ -115,6 +165,7 @@ class PagedCache:
     """The latent, rope-key and indexer-key caches of every sequence in one pool of blocks, and the block table."""
 
     NAMES = ("latent", "key_rope", "idx_key")
+    SOURCES: ClassVar[dict[str, str]] = {"latent": "latent", "key_rope": "key_rope", "idx_key": "idx_key"}
 
     def __init__(self, cfg: Config, capacity: int, generator: torch.Generator):
         dims = {"latent": cfg.d_latent, "key_rope": cfg.d_rope, "idx_key": cfg.idx_dim}
@@ -141,6 +192,24 @@ class PagedCache:
         self.lengths[b] += n
 
 
+class QuantPagedCache(PagedCache):
+    """The int8 caches in the same pool of blocks: combined latent rows [block_num, block_size, 1, 656], the int8
+    indexer key and its fp16 per-token scale [block_num, block_size, 1]. Unwritten bytes are 0xFF: NaN scales, NaN
+    rope values and an NaN indexer scale, so a read of one poisons the step."""
+
+    NAMES = ("kv", "idx_key", "idx_scale")
+    SOURCES: ClassVar[dict[str, str]] = {"kv": "kv", "idx_key": "idx_key_q", "idx_scale": "idx_scale"}
+
+    def __init__(self, cfg: Config, capacity: int, generator: torch.Generator):
+        super().__init__(cfg, capacity, generator)
+        n_blocks, bs = self.caches["latent"].shape[:2]
+        self.caches = {
+            "kv": torch.full((n_blocks, bs, 1, 656), -1, dtype=torch.int8, device=cfg.device),
+            "idx_key": torch.full((n_blocks, bs, 1, cfg.idx_dim), -1, dtype=torch.int8, device=cfg.device),
+            "idx_scale": torch.full((n_blocks, bs, 1), float("nan"), dtype=torch.float16, device=cfg.device),
+        }
+
+
 class ContiguousCache:
     """The same keys without paging: [B, capacity, 1, D] per cache plus the actual lengths."""
 
@@ -148,10 +217,14 @@ class ContiguousCache:
         dims = {"latent": cfg.d_latent, "key_rope": cfg.d_rope, "idx_key": cfg.idx_dim}
         self.caches = {n: torch.zeros((cfg.batch, capacity, 1, d), device=cfg.device) for n, d in dims.items()}
         self.lengths = [0] * cfg.batch
+        # With --quant this holds the dequantised values: the float computation the int8 one is checked against.
+        self.quant = cfg.quant
+        self.SOURCES = ({"latent": "latent_deq", "key_rope": "key_rope_q", "idx_key": "idx_key_deq"} if cfg.quant
+                        else PagedCache.SOURCES)
 
     def append(self, b: int, values: dict[str, torch.Tensor]) -> None:
         n = next(iter(values.values())).shape[0]
-        for name in PagedCache.NAMES:
+        for name in self.SOURCES:
             self.caches[name][b, self.lengths[b] : self.lengths[b] + n] = values[name]
         self.lengths[b] += n
 
@@ -171,6 +244,15 @@ def attend(layer: DSALayer, proj: dict, q_lens: list[int], cache: PagedCache | C
     kv_lens = list(cache.lengths)
     c = cache.caches
     q_cum = cumulative(q_lens)
+    if isinstance(cache, QuantPagedCache):
+        lens = dict(actual_seq_lengths_query=q_cum, block_table=cache.table.to(cfg.device), layout="TND")
+        indices = cann_attn.quant_lightning_indexer(
+            proj["idx_query_q"], c["idx_key"], proj["idx_weights_h"], proj["idx_query_scale"], c["idx_scale"],
+            actual_seq_lengths_key=kv_lens, layout_key="PA_BSND", sparse_count=cfg.top_k, sparse_mode=3, **lens)
+        out = cann_attn.kv_quant_sparse_flash_attention(
+            proj["query_cat"], c["kv"], c["kv"], indices, layer.scale, actual_seq_lengths_kv=kv_lens,
+            layout_kv="PA_BSND", sparse_mode=3, attention_mode=2, **lens)
+        return indices, out.float()
     if isinstance(cache, PagedCache):
         table = cache.table.to(cfg.device)
         paged = {"block_table": table}
@@ -195,6 +277,18 @@ def attend(layer: DSALayer, proj: dict, q_lens: list[int], cache: PagedCache | C
         out[rows] = t
         return out.view(batch, width, *t.shape[1:])
 
+    if cache.quant:
+        # The dequantised float computation: the index scores in float64, the attention on the bf16 latent.
+        lens = dict(actual_seq_lengths_query=q_lens, actual_seq_lengths_kv=kv_lens, layout="BSND", sparse_mode=3)
+        indices = cann_attn.lightning_indexer(
+            padded(proj["idx_query_deq"]).double(), c["idx_key"].double(), padded(proj["idx_weights_h"]).double(),
+            actual_seq_lengths_query=q_lens, actual_seq_lengths_key=kv_lens, layout="BSND", sparse_count=cfg.top_k,
+            sparse_mode=3).sparse_indices
+        query = padded(proj["query_cat"])
+        out = cann_attn.sparse_flash_attention(
+            query[..., : cfg.d_latent], c["latent"].bfloat16(), c["latent"].bfloat16(), indices, layer.scale,
+            query_rope=query[..., cfg.d_latent :], key_rope=c["key_rope"].bfloat16(), **lens).attention_out
+        return indices.flatten(0, 1)[rows], out.flatten(0, 1)[rows].float()
     # Right-aligned causality needs each sequence's own query count: pass it as the actual query length.
     indices = cann_attn.lightning_indexer(
         padded(proj["idx_query"]), c["idx_key"], padded(proj["idx_weights"]), actual_seq_lengths_query=q_lens,
@@ -211,9 +305,11 @@ def step(layer: DSALayer, tokens: list[torch.Tensor], cache) -> tuple[torch.Tens
     next token of each sequence)."""
     positions = torch.cat([torch.arange(cache.lengths[b], cache.lengths[b] + len(t)) for b, t in enumerate(tokens)])
     proj = layer.project(torch.cat(tokens).to(layer.cfg.device), positions.to(layer.cfg.device))
+    if layer.cfg.quant:
+        proj.update(layer.quantize(proj))
     start = 0
     for b, t in enumerate(tokens):
-        cache.append(b, {n: proj[n][start : start + len(t)] for n in PagedCache.NAMES})
+        cache.append(b, {n: proj[source][start : start + len(t)] for n, source in cache.SOURCES.items()})
         start += len(t)
     q_lens = [len(t) for t in tokens]
     indices, attention = attend(layer, proj, q_lens, cache)
@@ -235,7 +331,8 @@ def run(cfg: Config, out_dir: Path | None, verbose: bool = True) -> dict:
     prompt_lengths = cfg.prompt_lengths()
     prompts = [torch.randint(0, 256, (n,), generator=gen) for n in prompt_lengths]
     capacity = max(prompt_lengths) + cfg.steps
-    paged, plain = PagedCache(cfg, capacity, gen), ContiguousCache(cfg, capacity)
+    paged = (QuantPagedCache if cfg.quant else PagedCache)(cfg, capacity, gen)
+    plain = ContiguousCache(cfg, capacity)
     exact = cfg.device == "cpu"  # the reference backend: bit for bit; Triton: the same kernel reads both caches
 
     def check(name: str, a: tuple, b: tuple) -> None:
@@ -271,7 +368,8 @@ def run(cfg: Config, out_dir: Path | None, verbose: bool = True) -> dict:
         "config": asdict(cfg),
         "prompt_lengths": prompt_lengths,
         "blocks_used": int((paged.table >= 0).sum()),
-        "blocks_in_pool": paged.caches["latent"].shape[0],
+        "blocks_in_pool": next(iter(paged.caches.values())).shape[0],
+        "cache_bytes_per_token": sum(t[0, 0].numel() * t.element_size() for t in paged.caches.values()),
         "prefill_tokens_per_s": {k: sum(prompt_lengths) / timings[f"{k}_prefill"] for k in ("paged", "unpaged")},
         "decode_tokens_per_s": {k: cfg.batch * cfg.steps / max(sum(timings[k]), 1e-9) for k in ("paged", "unpaged")},
         "decode_step_ms": {k: [1e3 * t for t in timings[k]] for k in ("paged", "unpaged")},
@@ -317,13 +415,18 @@ def main(argv: list[str] | None = None) -> dict:
     defaults = Config()
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     for name, value in asdict(defaults).items():
-        parser.add_argument(f"--{name.replace('_', '-')}", type=type(value), default=value)
+        if isinstance(value, bool):
+            parser.add_argument(f"--{name.replace('_', '-')}", action="store_true")
+        else:
+            parser.add_argument(f"--{name.replace('_', '-')}", type=type(value), default=value)
     parser.add_argument("--out", type=Path, default=HERE)
     args = vars(parser.parse_args(argv))
     out = args.pop("out")
     cfg = Config(**args)
     if math.gcd(cfg.block_size, 16) != 16:
         parser.error("--block-size must be a multiple of 16")
+    if cfg.quant and (cfg.d_latent, cfg.d_rope) != (512, 64):
+        parser.error("--quant needs --d-latent 512 and --d-rope 64 (the combined int8 cache row of 656 bytes)")
     return run(cfg, out)
 
 

@@ -53,3 +53,25 @@ def test_a_paged_read_of_an_unwritten_slot_would_be_caught(infer_dsa, monkeypatc
     monkeypatch.setattr(infer_dsa.PagedCache, "append", append_then_corrupt)
     with pytest.raises(AssertionError, match="differ"):
         infer_dsa.run(cfg, None, verbose=False)
+
+
+QUANT_ARGS = ["--quant", "--d-latent", "512", "--batch", "3", "--prompt", "40", "--steps", "4", "--d-model", "32",
+              "--n-heads", "2", "--idx-heads", "2", "--idx-dim", "8", "--top-k", "12", "--block-size", "16"]
+
+
+def test_quant_mode_matches_the_dequantised_float_layer(infer_dsa, tmp_path):
+    """--quant: int8 latent rows (656 bytes) and an int8 indexer cache read by quant_lightning_indexer and
+    kv_quant_sparse_flash_attention; every step equals the dequantised computation without paging (indices from
+    float64 index scores, attention bit for bit)."""
+    summary = infer_dsa.main([*QUANT_ARGS, "--out", str(tmp_path)])
+    assert summary["bitwise"] and summary["checked_steps"] == 5 and summary["config"]["quant"]
+    assert summary["cache_bytes_per_token"] == 656 + 8 + 2  # latent row, int8 indexer key, fp16 scale
+
+
+def test_quant_mode_catches_a_wrong_tile_scale(infer_dsa, monkeypatch, tmp_path):
+    """A cache writer that stores the tile scales in the wrong order makes the int8 layer differ from the
+    dequantised one: the step-by-step check can fail."""
+    original = infer_dsa.pack_latent_rows
+    monkeypatch.setattr(infer_dsa, "pack_latent_rows", lambda q, r, s: original(q, r, s.flip(-1)))
+    with pytest.raises(AssertionError, match="differ"):
+        infer_dsa.main([*QUANT_ARGS, "--steps", "1", "--out", str(tmp_path)])

@@ -260,7 +260,8 @@ def _selectable_rows(problem, sparse_indices: torch.Tensor, block_size: int, cac
         idx = problem.rows(sparse_indices, b)[:lq].reshape(-1).to(torch.int64)
         idx = idx[(idx >= 0) & (idx < -(-lk // block_size))]
         reached = torch.zeros(-(-lk // block_size) * block_size, dtype=torch.bool, device=device)
-        reached[(idx.unsqueeze(-1) * block_size + offsets).reshape(-1)] = True  # a mark per token: no sort
+        # A mark per token (index_fill_: a bool index_put_ takes ~100x longer on the CPU); no sort.
+        reached.index_fill_(0, (idx.unsqueeze(-1) * block_size + offsets).reshape(-1), True)
         tokens = reached[:lk].nonzero().squeeze(-1)
         if problem.pages is not None:
             flat = problem.pages.physical_rows(b).to(device)[tokens]
