@@ -8,10 +8,15 @@ import torch
 
 from ..backends import select_backend
 from ..backends.reference import indexer as kernel
+from ..backends.reference import sparse_attention as sfa_kernel
+from ..backends.triton.sparse_plan import sparse_unsupported
 from ..errors import ParamInvalidError, require, require_int
-from ..problem import dequant
+from ..problem import dequant, precision
+from ..problem import sink as sink_rule
 from ..problem.page_table import PAGED_KV_LAYOUT
+from ..problem.stats import accumulation_dtype
 from ..traceable import traced_as_custom_op
+from . import sparse_flash_attention as sfa_ops
 from .sparse_flash_attention import (
     INT64_MAX,
     _check_tensor,
@@ -233,11 +238,18 @@ def kv_quant_sparse_flash_attention(
                               actual_seq_lengths_query=actual_seq_lengths_query,
                               actual_seq_lengths_kv=actual_seq_lengths_kv, sparse_block_size=sparse_block_size,
                               layout=layout, sparse_mode=sparse_mode, block_table=block_table, layout_kv=layout_kv)
+    value_is_key = value is key or (value.data_ptr() == key.data_ptr() and value.stride() == key.stride())
+    value_parts = key_parts if value_is_key else dequant.split_combined(value, query.dtype)
+    sinks = sink_rule.check_sink(sinks, problem.heads, "sinks")
+    if query.numel() and not precision.npu_mode() and select_backend(
+            backend, query.device, op="kv_quant_sparse_flash_attention",
+            unsupported=lambda: sparse_unsupported(query[..., :512], key_parts.rope, key_parts.rope,
+                                                   query[..., 512:])) == "reference":
+        return _reference_attention(problem, query, key_parts, value_parts, value_is_key, sparse_indices,
+                                    float(scale_value), int(sparse_mode), int(sparse_block_size), sinks)
     rows = _selectable_rows(problem, sparse_indices, int(sparse_block_size), key.shape)
     k_nope = _dequantized_rows(key_parts, rows, query.dtype)
-    value_is_key = value is key or (value.data_ptr() == key.data_ptr() and value.stride() == key.stride())
-    v_nope = k_nope if value_is_key else _dequantized_rows(dequant.split_combined(value, query.dtype), rows,
-                                                           query.dtype)
+    v_nope = k_nope if value_is_key else _dequantized_rows(value_parts, rows, query.dtype)
     return sparse_flash_attention(
         query[..., : dequant.LATENT_DIM], k_nope, v_nope, sparse_indices, scale_value,
         query_rope=query[..., dequant.LATENT_DIM :], key_rope=key_parts.rope,
@@ -246,34 +258,103 @@ def kv_quant_sparse_flash_attention(
         block_table=block_table, layout_kv=layout_kv, sinks=sinks).attention_out
 
 
-def _selectable_rows(problem, sparse_indices: torch.Tensor, block_size: int, cache_shape) -> tuple[torch.Tensor, ...]:
-    """Index tuple of every cache row a selection entry can reach: tokens [idx * bs, idx * bs + bs) below the
-    sequence's key length of the entries >= 0, through the block table for a paged cache. A superset of the rows
-    the attention reads (docs/operators/sparse_flash_attention.md); nothing else of the cache is dequantised."""
+def _sequence_tokens(problem, sparse_indices: torch.Tensor, block_size: int, b: int) -> torch.Tensor:
+    """Sorted key positions of sequence b that an entry of its `sparse_indices` rows can reach: tokens
+    [idx * bs, idx * bs + bs) below the key length of the entries >= 0. A superset of the keys the attention reads
+    (docs/operators/sparse_flash_attention.md); nothing else of the cache is dequantised."""
+    lq, lk = problem.q_lengths[b], problem.kv_lengths[b]
     device = sparse_indices.device
-    offsets = torch.arange(block_size, device=device)
-    parts: list[tuple[torch.Tensor, ...]] = []
+    idx = problem.rows(sparse_indices, b)[:lq].reshape(-1).to(torch.int64)
+    idx = idx[(idx >= 0) & (idx < -(-lk // block_size))]
+    reached = torch.zeros(-(-lk // block_size) * block_size, dtype=torch.bool, device=device)
+    # A mark per token (index_fill_: a bool index_put_ takes ~100x longer on the CPU); no sort.
+    reached.index_fill_(0, (idx.unsqueeze(-1) * block_size + torch.arange(block_size, device=device)).reshape(-1),
+                        True)
+    return reached[:lk].nonzero().squeeze(-1)
+
+
+def _cache_rows(problem, b: int, tokens: torch.Tensor, cache_shape) -> tuple[torch.Tensor, ...]:
+    """Index tuple over the cache's leading axes of sequence b's key positions `tokens`: through the block table for
+    a paged cache ([block, slot]), [start + token] for TND, [b, token] for BSND."""
+    if problem.pages is not None:
+        flat = problem.pages.physical_rows(b).to(tokens.device)[tokens]
+        return flat // cache_shape[1], flat % cache_shape[1]
+    if problem.layout == "TND":
+        return (tokens + problem.kv_spans[b][1],)
+    return torch.full_like(tokens, b), tokens
+
+
+def _selectable_rows(problem, sparse_indices: torch.Tensor, block_size: int, cache_shape) -> tuple[torch.Tensor, ...]:
+    """`_cache_rows` of every sequence's reachable tokens, concatenated."""
+    parts = [_cache_rows(problem, b, _sequence_tokens(problem, sparse_indices, block_size, b), cache_shape)
+             for b in range(len(problem.q_spans)) if problem.q_lengths[b] and problem.kv_lengths[b]]
+    if not parts:
+        width = 1 if problem.layout == "TND" and problem.pages is None else 2
+        return tuple(torch.zeros(0, dtype=torch.int64, device=sparse_indices.device) for _ in range(width))
+    return tuple(torch.cat(column) for column in zip(*parts, strict=True))
+
+
+def _reference_attention(problem, query, key_parts: dequant.CombinedCache, value_parts: dequant.CombinedCache,
+                         value_is_key: bool, sparse_indices, scale: float, sparse_mode: int, block_size: int, sinks):
+    """The reference backend's SparseFlashAttention loop with each sequence's reachable rows dequantised straight
+    into the kernel's fp32 key buffer (the latent rounded to the query's dtype first, as the rule says), instead of a
+    dequantised copy of the cache converted again. Same kernel, same values: bit for bit `sparse_flash_attention`
+    on the dequantised cache (tests/test_kv_quant_sfa.py)."""
+    q_nope, q_rope = query[..., : dequant.LATENT_DIM], query[..., dequant.LATENT_DIM :]
+    out, softmax_max, softmax_sum = sfa_ops._initial_outputs(problem, q_nope, key_parts.latent)
+    dtype = accumulation_dtype(query.dtype)
+    width = dequant.LATENT_DIM + dequant.ROPE_DIM
     for b in range(len(problem.q_spans)):
         lq, lk = problem.q_lengths[b], problem.kv_lengths[b]
         if lq == 0 or lk == 0:
             continue
-        idx = problem.rows(sparse_indices, b)[:lq].reshape(-1).to(torch.int64)
-        idx = idx[(idx >= 0) & (idx < -(-lk // block_size))]
-        reached = torch.zeros(-(-lk // block_size) * block_size, dtype=torch.bool, device=device)
-        # A mark per token (index_fill_: a bool index_put_ takes ~100x longer on the CPU); no sort.
-        reached.index_fill_(0, (idx.unsqueeze(-1) * block_size + offsets).reshape(-1), True)
-        tokens = reached[:lk].nonzero().squeeze(-1)
-        if problem.pages is not None:
-            flat = problem.pages.physical_rows(b).to(device)[tokens]
-            parts.append((flat // cache_shape[1], flat % cache_shape[1]))
-        elif problem.layout == "TND":
-            parts.append((tokens + problem.kv_spans[b][1],))
+        tokens = _sequence_tokens(problem, sparse_indices, block_size, b)
+        rows = _cache_rows(problem, b, tokens, key_parts.latent.shape)
+        # Rows no entry reaches stay 0 and are never read.
+        k = torch.zeros((lk, width), dtype=dtype, device=query.device)
+        k[:, : dequant.LATENT_DIM].index_copy_(0, tokens, _dequantized(key_parts, rows, query.dtype).to(dtype))
+        k[:, dequant.LATENT_DIM :].index_copy_(0, tokens, _take(key_parts.rope, rows).to(dtype))
+        if value_is_key:
+            v = k[:, : dequant.LATENT_DIM]
         else:
-            parts.append((torch.full_like(tokens, b), tokens))
-    if not parts:
-        width = 1 if problem.layout == "TND" else 2
-        return tuple(torch.zeros(0, dtype=torch.int64, device=device) for _ in range(width))
-    return tuple(torch.cat(column) for column in zip(*parts, strict=True))
+            v = torch.zeros((lk, dequant.LATENT_DIM), dtype=dtype, device=query.device)
+            v.index_copy_(0, tokens, _dequantized(value_parts, rows, query.dtype).to(dtype))
+        seq = sfa_kernel.SparseSequence(q=problem.rows(q_nope, b)[:lq], q_rope=problem.rows(q_rope, b)[:lq], k=k, v=v,
+                                        indices=problem.rows(sparse_indices, b)[:lq, 0], seq_q=lq, seq_kv=lk,
+                                        value_is_key=value_is_key)
+        target_rows = problem.rows(out, b)[:lq]
+        # With sinks the output stays in the compute dtype until the sink is merged (one rounding), as in SFA.
+        target = target_rows if sinks is None else torch.zeros(target_rows.shape, dtype=dtype, device=out.device)
+        sfa_kernel.forward_sequence(seq, scale, sparse_mode, block_size, dtype, target,
+                                    sfa_ops._stat_rows(problem, softmax_max, b)[:lq],
+                                    sfa_ops._stat_rows(problem, softmax_sum, b)[:lq])
+        if sinks is not None:
+            sfa_ops._merge_sinks(problem, b, target, softmax_max, softmax_sum, sinks, out_rows=target)
+            target_rows.copy_(target)
+    if sinks is not None:  # computed rows of sequences without keys: the sink alone
+        for b in range(len(problem.q_spans)):
+            if problem.q_lengths[b] > 0 and problem.kv_lengths[b] == 0:
+                sfa_ops._merge_sinks(problem, b, out, softmax_max, softmax_sum, sinks)
+    return out
+
+
+def _linear(rows: tuple[torch.Tensor, ...], shape) -> torch.Tensor:
+    """Row-major positions over the indexed leading axes of `shape` of the index tuple `rows`."""
+    linear = rows[0]
+    for axis in range(1, len(rows)):
+        linear = linear * shape[axis] + rows[axis]
+    return linear
+
+
+def _take(t: torch.Tensor, rows: tuple[torch.Tensor, ...]) -> torch.Tensor:
+    """t[rows][:, 0] (the KV head axis of size 1 dropped) as one row gather of a flat view (a paged cache whose
+    blocks are not adjacent in memory, "0轴非连续", flattens to a copy first)."""
+    return t.flatten(0, len(rows) - 1).index_select(0, _linear(rows, t.shape))[:, 0]
+
+
+def _dequantized(parts: dequant.CombinedCache, rows: tuple[torch.Tensor, ...], dtype: torch.dtype) -> torch.Tensor:
+    """[n, 512] latent of the cache rows `rows` (an index tuple over its leading axes), dequantised to `dtype`."""
+    return dequant.dequantize_tiles(_take(parts.latent, rows), _take(parts.scales, rows), dequant.TILE_SIZE, dtype)
 
 
 def _dequantized_rows(parts: dequant.CombinedCache, rows: tuple[torch.Tensor, ...], dtype: torch.dtype
@@ -281,14 +362,8 @@ def _dequantized_rows(parts: dequant.CombinedCache, rows: tuple[torch.Tensor, ..
     """The latent of the cache's shape in `dtype`, dequantised at `rows` only (problem/dequant.py); the other rows
     are left unwritten: the attention never reads them."""
     out = torch.empty((*parts.latent.shape[:-1], dequant.LATENT_DIM), dtype=dtype, device=parts.latent.device)
-    axes = len(rows)
-    linear = rows[0]
-    for axis in range(1, axes):  # row-major position over the indexed leading axes
-        linear = linear * parts.latent.shape[axis] + rows[axis]
-    # Flat row views (no copy) of the cache's parts; a paged cache whose blocks are not adjacent in memory
-    # ("0轴非连续") reshapes to a copy of its latent instead, still read at the selected rows only after that.
-    latent, scales = parts.latent.flatten(0, axes - 1), parts.scales.flatten(0, axes - 1)
-    picked = dequant.dequantize_tiles(latent.index_select(0, linear), scales.index_select(0, linear),
-                                      dequant.TILE_SIZE, dtype)
-    out.view(-1, *out.shape[axes:]).index_copy_(0, linear, picked)
+    out.view(-1, *out.shape[len(rows):]).index_copy_(0, _linear(rows, parts.latent.shape),
+                                                     _dequantized(parts, rows, dtype).unsqueeze(1))
     return out
+
+
