@@ -6,15 +6,15 @@
   Nidx=64, Didx=128, K=2048.
 
 The two calls of each pair run alternately (a, b, a, b, ...) and the ratio is of the best times (the machine is
-shared: best of N; the median of the adjacent pairs' ratios is reported beside it). Targets: quantised time <= 1.2 x bf16 time. Memory: bytes per cached token of the int8 caches
-against bf16 (latent + rope + scales for SFA; key + scale for the indexer), target <= 0.6 (the int8 latent itself is
-exactly half). Outputs are checked: the quantised SFA equals SFA on the dequantised cache bit for bit, and the
-quantised indexer's top-k equals LightningIndexer's on the dequantised float64 inputs for a few rows.
+shared: best of N; the median of the adjacent pairs' ratios is reported beside it). Targets: quantised time <= 1.2 x
+bf16 time. Memory: bytes per cached token of the int8 caches against bf16 (latent + rope + scales for SFA; key +
+scale for the indexer), target <= 0.6 (the int8 latent itself is exactly half). Outputs are checked: the quantised
+SFA equals SFA on the dequantised cache bit for bit, and the quantised indexer's top-k equals LightningIndexer's on
+the dequantised float64 inputs for a few rows.
 
     python benchmarks/bench_quant_dsa.py [--quick] [--repeats N] [--out DIR]
 
-Writes DIR/quant_dsa_cpu.json and DIR/quant_dsa_cpu.png (default DIR: benchmarks/results).
-"""
+Writes DIR/quant_dsa_cpu.json and DIR/quant_dsa_cpu.png (default DIR: benchmarks/results)."""
 
 from __future__ import annotations
 
@@ -124,7 +124,8 @@ def main(argv: list[str] | None = None) -> int:
         r["meets_time_target"] = r["time_ratio"] <= TARGET_TIME
         r["meets_memory_target"] = r["memory_ratio"] <= TARGET_MEMORY
         print(f"{r['case']}: quant {r['quant_s'] * 1e3:.1f} ms, bf16 {r['bf16_s'] * 1e3:.1f} ms, "
-              f"ratio {r['time_ratio']:.3f} (paired median {r['paired_median_ratio']:.3f}; target <= {TARGET_TIME}); bytes/token {r['bytes_per_token_quant']} vs "
+              f"ratio {r['time_ratio']:.3f} (paired median {r['paired_median_ratio']:.3f}; target <= {TARGET_TIME}); "
+              f"bytes/token {r['bytes_per_token_quant']} vs "
               f"{r['bytes_per_token_bf16']} = {r['memory_ratio']:.3f}; checked {r['checked']}")
     name = "quant_dsa_cpu_quick" if args.quick else "quant_dsa_cpu"
     payload = dict(benchmark="quantised DSA inference vs bf16 (CPU)", command=" ".join(["python", *sys.argv]),
