@@ -306,11 +306,16 @@ def attend_pages(pages: PagedKv, query: torch.Tensor, out: torch.Tensor, *, atte
     """`attend` over the paged caches `pages` for [B, N, S, D] query / output views (docs/semantics/paged-kv.md):
     in place through the table where a kernel can (`attend_paged`); else, and with rope keys (the key ++ rope rows
     must be assembled), per group of equal-length sequences (the attention's own batched runs), gathering only
-    their tokens. int8 caches (NZ included) are gathered per group and anti-quantised with `antiquant`
-    (problem/antiquant.py). `common` are `attend`'s remaining keywords."""
-    views = pages.cache_views()
-    if views is not None and pages.key_rope is None and antiquant is None and attend_paged(
-            query, *views, out, block_table=pages.pages.table.to(query.device), atten_mask=atten_mask,
+    their tokens. int8 caches (NZ included) are anti-quantised with `antiquant` (problem/antiquant.py): per page
+    read, into compact pages the kernels then read in place, when the factors do not depend on the token; else
+    per gathered group. `common` are `attend`'s remaining keywords."""
+    views, table = pages.cache_views(), pages.pages.table
+    if antiquant is not None and not antiquant.per_token and pages.key_rope is None:
+        *views, table = pages.dequantized_blocks(antiquant, query.dtype)
+    elif antiquant is not None:
+        views = None
+    if views is not None and pages.key_rope is None and attend_paged(
+            query, *views, out, block_table=table.to(query.device), atten_mask=atten_mask,
             mask_views=mask_views, act_q=act_q, act_kv=act_kv, pse_shift=pse_shift, softmax_lse=softmax_lse,
             **common):
         return

@@ -19,6 +19,7 @@ import torch
 
 from ..backends.reference.workspace import Workspace
 from ..errors import ParamInvalidError, describe, require
+from ..problem import antiquant as antiquants
 from ..problem.page_table import BlockSizeRule, PageTable, page_table
 
 # Query layouts that take a BnNBsD cache ("BNSD/TND支持BnBsH和BnNBsD", FIA PageAttention constraints).
@@ -101,6 +102,22 @@ class PagedKv:
         if self.shape.nz:
             return None
         return tuple(self._tokens(t).permute(0, 2, 1, 3) for t in (self.key, self.value))
+
+    def dequantized_blocks(self, antiquant: antiquants.KvAntiquant, dtype: torch.dtype
+                           ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(key, value, table): the blocks some sequence reads, anti-quantised per block (`problem/antiquant.py`,
+        factors that do not depend on the token: per-channel, per-tensor, per-head) into compact [used, N2,
+        block_size, D] caches of the query's dtype, and the table over them. Only the pages read are converted,
+        never the whole pool."""
+        used = self.pages.used_blocks().to(self.key.device)
+        table = self.pages.compacted(used)
+        caches = []
+        for cache, factors in ((self.key, antiquant.key), (self.value, antiquant.value)):
+            blocks = self._tokens(PageTable.take_blocks(cache, used))  # [used, block_size, N2, D (or D/c0, c0)]
+            if self.shape.nz:
+                blocks = blocks.flatten(-2)
+            caches.append(antiquants.dequantize(blocks.permute(0, 2, 1, 3), factors, dtype))
+        return caches[0], caches[1], table
 
     def group_bnsd(self, batches: range, workspace: Workspace | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """[c, N2, L, D (+ rope)] key and [c, N2, L, Dv] value of consecutive sequences of one length L,

@@ -74,6 +74,13 @@ def unpack_int4(packed: torch.Tensor) -> torch.Tensor:
 def dequantize(x: torch.Tensor, factors: KvFactors, dtype: torch.dtype) -> torch.Tensor:
     """(x + offset) * scale of an int8 [B, N2, S, D] view, in fp32, rounded once to `dtype` (a new tensor)."""
     seq = x.shape[2]
+    scale = _first_tokens(factors.scale, seq)
+    if factors.offset is None and dtype in (torch.float16, torch.bfloat16):
+        narrow = scale.to(dtype)
+        # An int8 value times a scale that `dtype` holds exactly is exact in fp32 (at most 8 + 11 significant
+        # bits), so PyTorch's `dtype` multiply (fp32 product, one rounding) gives the same bits in one pass.
+        if torch.equal(narrow.to(torch.float32), scale):
+            return torch.mul(x, narrow)
     y = x.to(torch.float32)
     if factors.offset is not None:
         y = y + _first_tokens(factors.offset, seq)

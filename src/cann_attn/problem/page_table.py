@@ -114,6 +114,32 @@ class PageTable:
             col += width
         return out
 
+    def used_blocks(self) -> torch.Tensor:
+        """The physical blocks some sequence reads, ascending (int64)."""
+        blocks = [self.blocks_of(b) for b in range(self.batch)]
+        return torch.unique(torch.cat(blocks)) if blocks else torch.zeros(0, dtype=torch.int64)
+
+    @staticmethod
+    def take_blocks(cache: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
+        """cache[blocks] for a contiguous [block_num, ...] cache, copied block by block as 8-byte words where the
+        block size allows (PyTorch's byte-wise index_select is an order of magnitude slower)."""
+        per_block = cache[0].numel() * cache.element_size() if cache.shape[0] else 0
+        if cache.is_contiguous() and per_block % 8 == 0 and per_block:
+            words = cache.view(cache.shape[0], -1).view(torch.int64)
+            return words.index_select(0, blocks).view(cache.dtype).view(-1, *cache.shape[1:])
+        return cache.index_select(0, blocks)
+
+    def compacted(self, used: torch.Tensor) -> torch.Tensor:
+        """The int32 table over a cache holding only the blocks `used` (block used[i] becomes block i); entries no
+        sequence reads become 0 (never read)."""
+        position = torch.zeros(self.block_count, dtype=torch.int64, device=used.device)
+        position[used] = torch.arange(used.numel(), device=used.device)
+        table = torch.zeros_like(self.table)
+        for b in range(self.batch):
+            n = self.blocks_used(b)
+            table[b, :n] = position[self.blocks_of(b).to(used.device)].to(table.dtype)
+        return table
+
     def physical_rows(self, b: int) -> torch.Tensor:
         """Flat row (block * block_size + slot) of each of sequence b's L_b positions in a cache seen as
         [block_num * block_size, ...] rows (int64)."""
