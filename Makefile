@@ -42,7 +42,7 @@ docs: $(STAMP)
 	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict
 
 bench: $(STAMP)
-	$(BIN)/cann-attn bench
+	$(BIN)/cann-attn bench --out benchmarks/results
 
 clean:
 	rm -rf $(VENV) build dist site src/*.egg-info

@@ -107,6 +107,10 @@ def test_golden_writes_npy_bin_and_manifest(small_golden):
         "attention_out": "output",
         "softmax_max": "output",
         "softmax_sum": "output",
+        # the naive references of the secondary precision rule (docs/semantics/precision.md)
+        "attention_out.naive": "naive",
+        "softmax_max.naive": "naive",
+        "softmax_sum.naive": "naive",
     }
     for entry in manifest["tensors"]:
         npy = np.load(golden / entry["files"]["npy"])

@@ -1,12 +1,15 @@
 """``cann-attn bench``: run the benchmark scripts of the repository's ``benchmarks/`` folder.
 
-Each suite NAME is the script ``benchmarks/bench_NAME.py``; it runs in a subprocess with the same Python.
-The options given here are passed on: every script accepts ``--quick``, ``--strict`` and ``--out DIR``
-(default ``benchmarks/results/``). A script names the devices it measures on in a module-level
-``DEVICES = (...)`` line (read here without importing the script; its first device is its default), and takes
-``--device`` among them: fa_forward and fa_backward cpu or cuda, the CPU benchmarks (pfa, sparse_attention,
-indexer) cpu, the ``gpu_*`` suites cuda. A script without that line runs on cuda if named ``gpu_*``, else on the
-CPU, and gets no ``--device``.
+Each suite NAME is the script ``benchmarks/bench_NAME.py``; it runs in a subprocess with the same Python, its
+output streamed line by line under a progress bar (suites done, the running suite, elapsed time; on a
+terminal). The options given here are passed on: every script accepts ``--quick``, ``--strict`` and
+``--out DIR``. Results go to ``--out`` (default ``./cann_attn_bench`` in the working directory: a run never
+overwrites the results committed in the repository's ``benchmarks/results/`` unless that folder is named).
+
+A script names the devices it measures on in a module-level ``DEVICES = (...)`` line (read here without
+importing the script; its first device is its default), and takes ``--device`` among them: fa_forward and
+fa_backward cpu or cuda, the CPU benchmarks (pfa, sparse_attention, indexer) cpu, the ``gpu_*`` suites cuda. A
+script without that line runs on cuda if named ``gpu_*``, else on the CPU, and gets no ``--device``.
 
 Checked before any suite runs (bad usage: exit status 2): ``--out`` can be written, ``--device cuda`` has a CUDA
 device, and a suite named with ``--suite`` runs on the ``--device`` given. ``--suite all`` runs the suites that
@@ -22,7 +25,11 @@ import ast
 import os
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
+
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
 from . import UsageError
 from .tensorio import check_output
@@ -39,6 +46,7 @@ def benchmarks_dir() -> Path | None:
 
 
 GPU_ONLY_PREFIX = "gpu_"
+DEFAULT_OUT = "cann_attn_bench"
 
 
 def suites(directory: Path) -> dict[str, Path]:
@@ -86,7 +94,8 @@ def add_parser(subparsers) -> None:
         help="device to benchmark on (default: each suite's own; with --suite all, only the suites that run on it)",
     )
     p.add_argument("--quick", action="store_true", help="fewer repeats")
-    p.add_argument("--out", metavar="DIR", help="results folder (default: benchmarks/results)")
+    p.add_argument("--out", metavar="DIR", default=DEFAULT_OUT,
+                   help=f"results folder (default: ./{DEFAULT_OUT} in the working directory)")
     p.add_argument("--strict", action="store_true", help="exit status 1 when a performance target is missed")
     p.set_defaults(func=run)
 
@@ -100,8 +109,7 @@ def run(args: argparse.Namespace) -> int:
     available = suites(directory)
     if args.suite != "all" and args.suite not in available:
         raise UsageError(f"--suite: unknown suite {args.suite!r} (known: {', '.join(available)}, all)")
-    if args.out:
-        check_output(Path(args.out), "--out")
+    check_output(Path(args.out), "--out")
     devices = {name: suite_devices(name, script) for name, script in available.items()}
     if args.suite != "all" and args.device and args.device not in devices[args.suite][0]:
         others = [n for n, (d, _) in devices.items() if args.device in d]
@@ -125,19 +133,46 @@ def run(args: argparse.Namespace) -> int:
             print(f"== skipped (no CUDA device; they measure GPU kernels only): {', '.join(cuda_only)}", flush=True)
             chosen = {name: script for name, script in chosen.items() if name not in cuda_only}
     status = 0
-    for name, script in chosen.items():
-        cmd = [sys.executable, str(script)]
-        if args.device and devices[name][1]:
-            cmd += ["--device", args.device]
-        if args.quick:
-            cmd.append("--quick")
-        if args.strict:
-            cmd.append("--strict")
-        if args.out:
+    progress = Progress(SpinnerColumn(), TextColumn("[bold]bench"), BarColumn(), MofNCompleteColumn(),
+                        TimeElapsedColumn(), TextColumn("{task.description}"), console=Console(stderr=True),
+                        transient=True, redirect_stdout=False, redirect_stderr=False)
+    on_screen = sys.stdout.isatty() and progress.console.is_terminal
+
+    def emit(line: str) -> None:
+        if on_screen:  # above the live progress bar
+            progress.console.print(line.rstrip("\n"), markup=False, highlight=False, soft_wrap=True)
+        else:
+            sys.stdout.write(line if line.endswith("\n") else line + "\n")
+            sys.stdout.flush()
+
+    with progress:
+        task = progress.add_task("", total=len(chosen))
+        for name, script in chosen.items():
+            cmd = [sys.executable, str(script)]
+            if args.device and devices[name][1]:
+                cmd += ["--device", args.device]
+            if args.quick:
+                cmd.append("--quick")
+            if args.strict:
+                cmd.append("--strict")
             cmd += ["--out", args.out]
-        print(f"== {name}: {' '.join(cmd)}", flush=True)
-        rc = subprocess.call(cmd)
-        if rc != 0:
-            print(f"== {name}: exit status {rc}", file=sys.stderr, flush=True)
-            status = 1
+            emit(f"== {name}: {' '.join(cmd)}")
+            progress.update(task, description=name)
+            rc = _stream(cmd, emit)
+            if rc != 0:
+                print(f"== {name}: exit status {rc}", file=sys.stderr, flush=True)
+                status = 1
+            progress.advance(task)
+    print(f"== results in {Path(args.out).resolve()}", flush=True)
     return status
+
+
+def _stream(cmd: list[str], emit: Callable[[str], None]) -> int:
+    """Run a suite, passing its output on line by line as it comes (unbuffered), so that a long suite shows its
+    progress; its exit status."""
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    with subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=None, text=True, bufsize=1, env=env) as proc:
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            emit(line)
+    return proc.returncode

@@ -178,13 +178,13 @@ def load_case(path: str | Path, op: str | None = None) -> CaseFile:
     file_op = raw.get("op")
     if file_op is not None and not isinstance(file_op, str):
         raise fail(f"op: expected an operator name, got {file_op!r}")
-    if op is not None and file_op is not None and op != file_op:
+    if op is not None and file_op is not None and registry.canonical_op(op) != registry.canonical_op(file_op):
         raise fail(f"op: the case is for {file_op!r} but --op is {op!r}")
-    name = op or file_op
+    name = registry.canonical_op(op or file_op) if (op or file_op) else None
     if name is None:
         raise fail("op: missing (name the operator in the case file or with --op)")
     if name not in _known_ops():
-        raise fail(f"op: unknown operator {name!r} (known: {', '.join(_known_ops())})")
+        raise fail(f"op: unknown operator {name!r} (known: {', '.join(_known_ops())}, or their torch_npu names)")
 
     seed = raw.get("seed", 0)
     if not _is_int(seed) or not 0 <= seed <= MAX_SEED:

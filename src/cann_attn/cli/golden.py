@@ -7,7 +7,8 @@ computes the golden outputs with the float64 oracle (``cases.OPERATORS``: the or
 for grad operators the gradients, by autograd through the forward oracle or the documented gradient), casts
 them to each output's dtype and writes, in ``--out``:
 
-- every input and output tensor as ``NAME.npy`` and ``NAME.bin`` (``tensorio.py``: raw little-endian,
+- every input and output tensor (and the naive reference ``NAME.naive`` of the secondary precision rule) as
+  ``NAME.npy`` and ``NAME.bin`` (``tensorio.py``: raw little-endian,
   bfloat16 as its raw 16-bit pattern);
 - ``manifest.json``: per tensor its name, role (input / output), shape, dtype, files and source; the operator,
   its parameters, the seed, the case, and the cann_attn / torch versions.
@@ -33,9 +34,10 @@ from . import UsageError
 from . import cases as registry
 from .casefile import CaseError, build_inputs, load_case, load_inputs
 from .output import Column, console, print_table
-from .tensorio import Staged, canonical_dtype, write_manifest, write_tensor
+from .tensorio import NAIVE_ROLE, NAIVE_SUFFIX, Staged, canonical_dtype, write_manifest, write_tensor
 
 FORMAT = "cann-attn golden 1"
+NAIVE_SOURCE = "naive: the same computation in the input dtype (the flash-attn rule's reference)"
 FILES_NOTE = (
     "NAME.npy: numpy (bfloat16 tensors hold their exact values as float32); NAME.bin: raw row-major "
     "little-endian elements, no header (bfloat16: the raw 16-bit pattern; bool: one byte 0/1)"
@@ -55,7 +57,8 @@ def add_parser(subparsers) -> None:
         ".npy files), compute its golden outputs with the float64 oracle, and write every tensor as .npy and raw "
         "little-endian .bin plus manifest.json. Example case files: examples/cases/.",
     )
-    p.add_argument("--op", help="the operator (default: the case file's 'op'; if both are given they must agree)")
+    p.add_argument("--op", help="the operator, by its cann_attn or torch_npu name (e.g. npu_fusion_attention; default: "
+                   "the case file's 'op'; if both are given they must agree)")
     p.add_argument("--case", required=True, metavar="CASE.json", help="the case file")
     p.add_argument("--out", required=True, metavar="DIR", help="output directory (created; written atomically)")
     p.add_argument(
@@ -103,13 +106,18 @@ def _check_parameters(case, named: dict[str, Any], sources: dict[str, str]) -> N
 
 
 def _goldens(case, call: registry.Call, named: dict[str, Any], actual: dict[str, torch.Tensor]):
+    """The golden outputs, and the naive references of the secondary rule (NAME.naive), in each output's dtype."""
     op = registry.OPERATORS[case.op]
     dtypes = op.output_dtypes(named)
-    out = {}
+    out, naive = {}, {}
     for name, t in op.golden(call).items():
         dtype = dtypes.get(name) or (actual[name].dtype if name in actual else t.dtype)
         out[name] = t.detach().to("cpu").to(dtype)
-    return out
+    references = op.naive(call) if op.naive is not None else {}
+    for name, t in references.items():
+        if name in out and t is not None and out[name].dtype.is_floating_point:
+            naive[f"{name}{NAIVE_SUFFIX}"] = t.detach().to("cpu").to(out[name].dtype)
+    return out, naive
 
 
 def _manifest(parsed, kind: str, **extra: Any) -> dict[str, Any]:
@@ -159,7 +167,7 @@ def run(args: argparse.Namespace) -> int:
     _check_parameters(case, named, sources)
     call = registry.bind(case.op, named)
     actual, op_seconds = _run_operator(case, call, device)
-    golden = _goldens(case, call, named, actual)
+    golden, naive = _goldens(case, call, named, actual)
 
     inputs = [
         (name, named[name], "input", sources[name])
@@ -167,6 +175,7 @@ def run(args: argparse.Namespace) -> int:
         if isinstance(named.get(name), torch.Tensor)
     ]
     outputs = [(name, t, "output", "golden") for name, t in golden.items()]
+    references = [(name, t, NAIVE_ROLE, NAIVE_SOURCE) for name, t in naive.items()]
     manifest = _manifest(
         case,
         "golden",
@@ -177,7 +186,7 @@ def run(args: argparse.Namespace) -> int:
         golden=GOLDEN_NOTE,
     )
     try:
-        nbytes = _write(out, manifest, inputs + outputs)
+        nbytes = _write(out, manifest, inputs + outputs + references)
         if actual_dir is not None:
             missing = [n for n in golden if n not in actual]
             if missing:
@@ -197,6 +206,8 @@ def run(args: argparse.Namespace) -> int:
     columns = [Column(name, no_wrap=name != "source") for name in ("tensor", "role", "dtype", "shape", "source")]
     rows = [[escape(name), role, canonical_dtype(t.dtype), str(list(t.shape)), escape(source)]
             for name, t, role, source in inputs + outputs]
+    rows += [[escape(name), role, canonical_dtype(t.dtype), str(list(t.shape)), "naive (input dtype)"]
+             for name, t, role, _ in references]
     print_table(out_console, f"cann-attn golden: {case.op} (seed {case.seed})", columns, rows)
     out_console.print(
         f"[bold green]wrote[/] {args.out}: {len(inputs)} inputs, {len(outputs)} golden outputs, "

@@ -1,8 +1,10 @@
 """How the commands print: rich tables on a terminal, plain aligned text elsewhere, and strict JSON for machines.
 
-On a terminal a table is a rich ``Table`` fitted to the window. Anywhere else (a pipe, a file, a CI log) rich would
-fit it to an assumed width and shorten cells ("0.00e+…"), so the same rows are printed as plain text instead: one
-line per row, columns padded to their widest cell, no colours, no box drawing, nothing cut (docs/guides/golden.md).
+On a terminal a table is a rich ``Table`` when it fits the window; in a narrower window each row is printed as
+"column value" fields packed into lines of the window's width, so that 80 columns still show every digit (rich
+would shorten cells to "0.00e+..."). Anywhere else (a pipe, a file, a CI log) the same rows are printed as plain
+text: one line per row, columns padded to their widest cell, no colours, no box drawing, nothing cut
+(docs/guides/golden.md).
 """
 
 from __future__ import annotations
@@ -41,6 +43,9 @@ def console() -> Console:
 
 def print_table(out: Console, title: str, columns: Sequence[Column], rows: Sequence[Sequence[str]]) -> None:
     """`rows` of rich-markup cells under `columns`: a rich table on a terminal, plain aligned text elsewhere."""
+    if out.is_terminal and _natural_width(columns, rows) > out.width:
+        _print_records(out, title, columns, rows)
+        return
     if out.is_terminal:
         table = Table(title=title, header_style="bold")
         for column in columns:
@@ -51,6 +56,37 @@ def print_table(out: Console, title: str, columns: Sequence[Column], rows: Seque
         return
     for line in plain_table(title, columns, rows):
         out.print(line, markup=False, highlight=False, soft_wrap=True)
+
+
+def _natural_width(columns: Sequence[Column], rows: Sequence[Sequence[str]]) -> int:
+    """The width of the rich table with no cell shortened: the widest cell of each column, its padding and
+    borders (one space each side, one rule between columns)."""
+    widths = [len(c.name) for c in columns]
+    for row in rows:
+        for i, cell in enumerate(row):
+            widths[i] = max(widths[i], *(len(line) for line in Text.from_markup(cell).plain.split("\n")))
+    return sum(widths) + 3 * len(columns) + 1
+
+
+def _print_records(out: Console, title: str, columns: Sequence[Column], rows: Sequence[Sequence[str]]) -> None:
+    """A terminal narrower than the table: each row as "column value" fields packed into lines of the terminal's
+    width (continuation lines indented), empty cells left out; nothing is shortened."""
+    out.print(Text(title, style="bold"))
+    for row in rows:
+        fields = [Text.assemble((f"{c.name} ", "dim"), Text.from_markup(cell)) for c, cell in zip(columns, row,
+                                                                                                  strict=True)
+                  if Text.from_markup(cell).plain.strip()]
+        line, lines = Text(), []
+        for field_ in fields:
+            if line.plain and len(line.plain) + 2 + len(field_.plain) > out.width:
+                lines.append(line)
+                line = Text("    ")
+            elif line.plain.strip():
+                line.append("  ")
+            line.append_text(field_)
+        lines.append(line)
+        for text in lines:
+            out.print(text, soft_wrap=False, overflow="fold", no_wrap=False)
 
 
 def plain_table(title: str, columns: Sequence[Column], rows: Sequence[Sequence[str]]) -> list[str]:

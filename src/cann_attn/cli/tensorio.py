@@ -27,6 +27,8 @@ from . import UsageError
 __all__ = [
     "DTYPES",
     "MANIFEST",
+    "NAIVE_ROLE",
+    "NAIVE_SUFFIX",
     "Staged",
     "bin_dtype_name",
     "canonical_dtype",
@@ -46,6 +48,9 @@ __all__ = [
 ]
 
 MANIFEST = "manifest.json"
+# `golden` writes, beside output NAME, the naive reference of the secondary precision rule as tensor NAME.naive.
+NAIVE_ROLE = "naive"
+NAIVE_SUFFIX = ".naive"
 
 # Canonical dtype names (torch's, without the prefix) and the aliases accepted in case files and on the command line.
 DTYPES: dict[str, torch.dtype] = {

@@ -195,7 +195,9 @@ class Operator:
       passed to ``oracle`` (the float64 oracle function; its parameter names, after ``renames`` from the
       operator's spelling, decide which), read by the golden itself (``consumed``: name -> how), or without
       effect on the result (``no_effect``: name -> why). Any other parameter set to a non-default value is
-      refused by `check` (`UnsupportedParameter`).
+      refused by `check` (`UnsupportedParameter`);
+    - ``naive(call)`` (optional): the same computation in the input dtype, the reference of the secondary
+      (flash-attn) rule of docs/semantics/precision.md; ``golden`` writes it beside the golden for ``compare``.
     """
 
     name: str
@@ -209,6 +211,7 @@ class Operator:
     consumed: Mapping[str, str] = field(default_factory=dict)
     no_effect: Mapping[str, str] = field(default_factory=dict)
     unsupported: Mapping[str, str] = field(default_factory=dict)
+    naive: Callable[[Call], Outputs] | None = None
 
     def passed(self) -> tuple[str, ...]:
         """The operator's parameters handed to the oracle (in the operator's spelling)."""
@@ -283,6 +286,32 @@ def is_default(value: Any, default: Any) -> bool:
 
 
 OPERATORS: dict[str, Operator] = {}
+
+# torch_npu spellings (cann_attn.torch_npu) of the operators: `golden --op` / a case file's "op" and `verify --op`
+# take them too. The parameters keep the cann_attn spelling of the operator (its public signature).
+TORCH_NPU_NAMES = {
+    "npu_fusion_attention": "flash_attention_score",
+    "npu_fusion_attention_v2": "flash_attention_score",
+    "npu_fusion_attention_v3": "flash_attention_score",
+    "npu_fusion_attention_grad": "flash_attention_score_grad",
+    "npu_fusion_attention_grad_v2": "flash_attention_score_grad",
+    "npu_fusion_attention_grad_v3": "flash_attention_score_grad",
+    "npu_prompt_flash_attention": "prompt_flash_attention",
+    "npu_fused_infer_attention_score": "fused_infer_attention_score",
+    "npu_fused_infer_attention_score_v2": "fused_infer_attention_score_v2",
+    "npu_incre_flash_attention": "incre_flash_attention",
+    "npu_sparse_flash_attention": "sparse_flash_attention",
+    "npu_sparse_flash_attention_grad": "sparse_flash_attention_grad",
+    "npu_lightning_indexer": "lightning_indexer",
+    "npu_sparse_lightning_indexer_grad_kl_loss": "sparse_lightning_indexer_grad_kl_loss",
+    "npu_ring_attention_update": "ring_attention_update",
+    "npu_attention_update": "attention_update",
+}
+
+
+def canonical_op(name: str) -> str:
+    """The cann_attn name of an operator given by its cann_attn or torch_npu name (others unchanged)."""
+    return TORCH_NPU_NAMES.get(name, name)
 
 
 def register_operator(op: Operator) -> None:

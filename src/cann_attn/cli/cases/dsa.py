@@ -211,6 +211,7 @@ register_operator(
         oracle=sparse_attention_oracle,
         consumed={"block_table": _PAGES, "layout_kv": 'the key layout; "PA_BSND": a paged cache (block_table)'},
         no_effect=_DSA_NO_EFFECT_WHY,
+        naive=functools.partial(_sfa_golden, naive=True),
     )
 )
 register_operator(
@@ -225,6 +226,7 @@ register_operator(
         consumed={"d_out": "the gradient of out that autograd through the oracle takes",
                   **dict.fromkeys(_SFA_GRAD_STATE, FORWARD_STATE)},
         no_effect=_DSA_NO_EFFECT_WHY,
+        naive=functools.partial(_sfa_grad_golden, naive=True),
     )
 )
 register_operator(

@@ -453,8 +453,8 @@ register(
 )
 
 
-def _fa_golden(op: str) -> Callable[[Call], Outputs]:
-    return lambda call: fa_oracle(bind(op, without(by_name(op, call))))
+def _fa_golden(op: str, same_dtype: bool = False) -> Callable[[Call], Outputs]:
+    return lambda call: fa_oracle(bind(op, without(by_name(op, call))), same_dtype=same_dtype)
 
 
 for _op in ("flash_attention_score", "flash_attention_var_len_score"):
@@ -466,5 +466,6 @@ for _op in ("flash_attention_score", "flash_attention_var_len_score"):
             same_dtype(attention_out="query", softmax_max="float32", softmax_sum="float32"),
             oracle=fa_forward_oracle,
             no_effect=FA_NO_EFFECT,
+            naive=_fa_golden(_op, same_dtype=True),
         )
     )

@@ -190,6 +190,7 @@ register_operator(
         consumed={"dy": "the gradient of attention_out that autograd through the forward oracle takes",
                   **dict.fromkeys(_GRAD_STATE, FORWARD_STATE)},
         no_effect=FA_NO_EFFECT,
+        naive=functools.partial(_grad_oracle, same_dtype=True),
     )
 )
 

@@ -46,7 +46,8 @@ def _pfa_dtypes(named: Mapping[str, Any]) -> dict[str, torch.dtype]:
     return {"attention_out": output_dtype(named["query"].dtype, named.get("quant_scale2"))}
 
 
-register_operator(Operator("prompt_flash_attention", ("attention_out",), _pfa_golden, _pfa_dtypes, oracle=pfa_oracle))
+register_operator(Operator("prompt_flash_attention", ("attention_out",), _pfa_golden, _pfa_dtypes, oracle=pfa_oracle,
+                           naive=functools.partial(_pfa_golden, naive=True)))
 
 
 def _pfa_shape(layout: str, b: int, n: int, s: int, d: int) -> tuple[int, ...]:
