@@ -36,7 +36,7 @@ step bench_gpu_dense timeout "${DENSE_SECONDS:-170}" python3 benchmarks/bench_gp
 step bench_gpu_dsa timeout "${DSA_SECONDS:-110}" python3 benchmarks/bench_gpu_dsa.py --out "$RESULTS" \
   ${DSA_ARGS:---quick}
 step gpu_tests timeout "${TESTS_SECONDS:-330}" python3 -m pytest -m gpu -q -p no:cacheprovider --durations=0 \
-  tests/test_gpu_npu_device.py tests/test_gpu_sinks.py tests/test_gpu_fia.py tests/test_gpu_paged.py tests/test_gpu_torch_npu.py \
+  tests/test_gpu_npu_device.py tests/test_gpu_atb.py tests/test_gpu_sinks.py tests/test_gpu_fia.py tests/test_gpu_paged.py tests/test_gpu_torch_npu.py \
   tests/test_gpu_merge.py tests/test_gpu_quant_dsa.py \
   tests/test_gpu_dsa.py tests/test_gpu_dense.py
 step gpu_context_parallel timeout "${CP_SECONDS:-60}" python3 -m pytest -m gpu -q -p no:cacheprovider -rs \
