@@ -165,7 +165,7 @@ class RunKernel:
         if alibi:
             self.k_norm = k[..., : problem.dim_qk].norm(dim=-1)  # [c * N2, Skv]
         self.skipped_head_tiles = 0
-        dense = run.mask.lower is None and run.mask.upper is None and run.mask.explicit is None
+        self.dense = dense = run.mask.lower is None and run.mask.upper is None and run.mask.explicit is None
         self.block_q, self.block_k, self.max_width = tile_shape(c * problem.heads_q, run.seq_q, run.seq_kv, dense,
                                                                 alibi)
         rows = c * problem.heads_q * self.block_q * self.max_width
@@ -464,14 +464,19 @@ class RunKernel:
 
     def forward_rows(self) -> int:
         """Query rows per forward tile. Where every tile is one call of the fused loops (no pse tensor, no dropout)
-        the score buffer that bounds `block_q` is not used, so tiles grow to FUSED_FORWARD_ROWS rows (within the
-        [c, N1, rows, Dv] accumulator budget): fewer calls and per-tile passes, whose fixed costs dominate when the
-        machine is shared. Inside a call the rows still go in FUSED_BLOCK_ROWS blocks, as in any tall tile."""
+        the score buffer that bounds `block_q` is not used, so tiles grow to FUSED_FORWARD_ROWS rows (unmasked runs)
+        or MASKED_TILE rows (masked ones), within the [c, N1, rows, Dv] accumulator budget: fewer calls and per-tile
+        passes, whose fixed costs dominate when the machine is shared. Inside a call the rows still go in
+        FUSED_BLOCK_ROWS blocks, as in any tall tile."""
         if not self.fused or (self.run.pse is not None and not self.native_alibi) or self.run.dropout is not None:
             return self.block_q
         heads = self.run.count * self.problem.heads_q
         budget = max(FUSED_BLOCK_ROWS, TILE_ELEMENTS // max(1, heads * self.v.shape[-1]))
-        rows = min(FUSED_FORWARD_ROWS, budget) // FUSED_BLOCK_ROWS * FUSED_BLOCK_ROWS
+        # A masked run keeps MASKED_TILE's height: taller tiles turn its FULL key tiles (no bias, full-height GEMMs)
+        # into PARTIAL ones, materialised and split into masked sub-blocks by the loops (1024 rows measured 25-50%
+        # more CPU time than 256 for band and causal masks, B=1 N=8 S=2048 fp32 and PFA fp16 GQA 8/2).
+        cap = FUSED_FORWARD_ROWS if self.dense else MASKED_TILE[0]
+        rows = min(cap, budget) // FUSED_BLOCK_ROWS * FUSED_BLOCK_ROWS
         return max(self.block_q, min(rows, self.run.seq_q))
 
     def _fused_forward(self, q_tile, i0: int, i1: int, row_max, row_sum, acc) -> None:
