@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test lint bench docs clean
+.PHONY: demo test lint bench bench-check docs clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -43,6 +43,14 @@ docs: $(STAMP)
 
 bench: $(STAMP)
 	$(BIN)/cann-attn bench --out benchmarks/results
+
+# The performance guard (not part of `test`: timings are not tests): a quick subset of the benchmark ratios against
+# benchmarks/baseline.json, failing on a drop beyond the noise margin (docs/performance.md; a few minutes on 2 cores).
+# BENCH_PYTHON=/path/to/python uses another interpreter (with PYTHONPATH=src) instead of the project venv;
+# BENCH_CHECK_ARGS passes options, e.g. BENCH_CHECK_ARGS=--update-baseline.
+BENCH_PYTHON ?= $(BIN)/python
+bench-check: $(if $(filter $(BIN)/python,$(BENCH_PYTHON)),$(STAMP))
+	PYTHONPATH=src $(BENCH_PYTHON) benchmarks/perf_guard.py $(BENCH_CHECK_ARGS)
 
 clean:
 	rm -rf $(VENV) build dist site src/*.egg-info

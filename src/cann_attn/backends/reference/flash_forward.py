@@ -24,6 +24,8 @@ from __future__ import annotations
 
 import functools
 import math
+import os
+import time
 
 import torch
 
@@ -84,12 +86,26 @@ def forward(problem: AttentionProblem, query, key, value, out, softmax_max=None,
     """Fill `out` (query layout, Dv) and, when given, `softmax_max` / `softmax_sum` for every run of `problem`.
     Runs without keys are left alone: the caller's zero-initialised output is their result, and the caller
     prefills their statistics (`stats.allocate`)."""
+    _planted_delay()
     for run in problem.runs:
         if run.seq_q > 0 and run.seq_kv > 0:
             max_view = None if softmax_max is None else problem.stat_view(softmax_max, run)
             sum_view = None if softmax_sum is None else problem.stat_view(softmax_sum, run)
             RunKernel(problem, run, query, key, value, forward_only=True).forward(problem.q_view(out, run), max_view,
                                                                                  sum_view)
+
+
+# Test-only: seconds of CPU time to burn per forward call, a planted slowdown the performance guard's test must
+# catch (tests/test_perf_guard.py, benchmarks/perf_guard.py). Read here only; unset in every real use.
+PLANTED_DELAY = "CANN_ATTN_TEST_PLANTED_DELAY"
+
+
+def _planted_delay() -> None:
+    delay = os.environ.get(PLANTED_DELAY)
+    if delay:
+        end = time.thread_time() + float(delay)
+        while time.thread_time() < end:  # busy, not sleeping: a slow kernel costs CPU time, which the guard clocks
+            pass
 
 
 def group_rows(t: torch.Tensor, heads_kv: int) -> torch.Tensor:

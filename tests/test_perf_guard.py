@@ -1,0 +1,41 @@
+"""The performance guard (benchmarks/perf_guard.py, `make bench-check`): its comparison rule, and that a slowdown
+planted in one kernel path (CANN_ATTN_TEST_PLANTED_DELAY, read only by the dense forward) is caught while a case
+outside that path is not flagged. Tiny shapes: a few seconds."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "perf_guard.py"
+_spec = importlib.util.spec_from_file_location("_perf_guard_under_test", SCRIPT)
+perf_guard = importlib.util.module_from_spec(_spec)
+sys.modules[_spec.name] = perf_guard
+_spec.loader.exec_module(perf_guard)
+
+
+def test_compare_flags_only_drops_beyond_the_margin():
+    rows = perf_guard.compare({"a": 1.0, "b": 2.0, "c": 1.0}, {"a": 0.86, "b": 1.6, "d": 3.0}, margin=0.15)
+    verdicts = {r["case"]: r["verdict"] for r in rows}
+    assert verdicts == {"a": "ok", "b": "fail", "d": "new"}  # c not measured: not judged
+
+
+def test_planted_slowdown_is_caught(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys):
+    baseline, out = tmp_path / "baseline.json", tmp_path / "out"
+    cases = ["--only", "fa_forward.dense", "sfa.forward_bs1", "--config", "tiny", "--repeats", "3"]
+    args = [*cases, "--baseline", str(baseline), "--out", str(out)]
+    assert perf_guard.main([*args, "--update-baseline"]) == 0
+    assert set(json.loads(baseline.read_text())["ratios"]) == {"fa_forward.dense", "sfa.forward_bs1"}
+
+    # 20 ms of CPU time per dense forward call, against a tiny call of ~1 ms: the ratio falls ~20x. The margin of
+    # 0.5 is far beyond the timing noise of the tiny shapes, so only the planted delay can fail a case.
+    monkeypatch.setenv("CANN_ATTN_TEST_PLANTED_DELAY", "0.02")
+    assert perf_guard.main([*args, "--margin", "0.5"]) == 1
+    report = json.loads((out / "bench_check_cpu.json").read_text())
+    verdicts = {r["case"]: r["verdict"] for r in report["rows"]}
+    assert verdicts == {"fa_forward.dense": "fail", "sfa.forward_bs1": "ok"}
+    assert "bench-check FAILED" in capsys.readouterr().out
