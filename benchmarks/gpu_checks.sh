@@ -2,43 +2,93 @@
 # Every pending GPU check in one device call (METHOD.md: few, full calls). Run it on the lent GPU machine from
 # the repository root, with that machine's own python3 (PyTorch with CUDA and Triton are installed there):
 #
-#   bash benchmarks/gpu_checks.sh            # results under $OUT (device tool) or benchmarks/results
+#   bash benchmarks/gpu_checks.sh             # results under $OUT (device tool) or benchmarks/results
+#   bash benchmarks/gpu_checks.sh --dry-run   # the steps, their time budgets and commands; runs nothing
 #
-# A session is lent 15 minutes of device time, start included, and a fresh machine compiles every Triton
-# specialization from scratch: on an H200 (2026-11-26) the GPU tests ran at ~15-20 s per test, so the whole test
-# set does not fit one call. The steps therefore run in order of what has never been recorded, each under its own
-# time limit (seconds; override with the environment variables named below):
-#   1. the dense and DSA GPU benchmarks in their quick form (JSON + PNG named after the GPU),
-#   2. the GPU tests (`pytest -m gpu`), the newest features first, with per-test durations in the log,
-#   3. the context-parallel NCCL tests (skipped with fewer than 2 GPUs).
-# Each step's log is kept; a failing or timed-out step (exit 124) does not stop the later ones, and the exit
-# status is the worst one.
+# A lease is 15 minutes of device time, the machine's start (1-2 min) included, and one command may run 10 minutes.
+# On a fresh machine every Triton specialisation compiles from scratch (an H200 on 2026-11-26 spent 15-20 s per test
+# compiling autotune candidates and never reached the benchmarks), so:
+#   - the benchmarks run first, and with CANN_ATTN_TRITON_AUTOTUNE=first (each autotuner keeps only its first
+#     config, the one a launch without autotuning takes): one compile per specialisation instead of up to 28;
+#   - the tests follow in priority order (the newest, never-run features first), on the same first configs;
+#   - TRITON_CACHE_DIR is .triton_cache in the checkout: a cache carried along (device tool: carry .triton_cache) is
+#     used when its manifest's Triton and Python versions match the machine's (benchmarks/triton_cache.py check),
+#     and each step logs how many kernels it compiled (new cubins in the cache = cache misses).
+#
+# Timing plan (minutes of this script; the machine's start comes before it). Budgets are each step's timeout in
+# seconds, overridable by the environment variables named; their sum stays under the 10-minute command limit:
+#   0:00-0:15  gpu_info              nvidia-smi, torch/triton versions, cache status            (INFO_SECONDS 15)
+#   0:15-3:15  bench_gpu_dense       dense figures, --quick, first autotune configs             (DENSE_SECONDS 180)
+#   3:15-5:15  bench_gpu_dsa         DSA figures, --quick, first autotune configs               (DSA_SECONDS 120)
+#   5:15-8:45  gpu_tests             pytest -m gpu, newest features first, per-test durations   (TESTS_SECONDS 210)
+#   8:45-9:30  gpu_context_parallel  NCCL tests (skipped with fewer than 2 GPUs)                (CP_SECONDS 45)
+# So both figures are in hand about 5.5 minutes into the script, ~7-8 minutes after asking for a fresh machine.
+# Each step's output goes to one log ($RESULTS/gpu_checks.log) and its exit status, seconds and compile count to
+# $RESULTS/gpu_checks_steps.json: with the benchmarks' JSON + PNG that is 6 files, within the device tool's 8.
+# A failing or timed-out step (exit 124) does not stop the later ones; the exit status is the worst one.
 set -u
+cd "$(dirname "$0")/.." || exit 2
 export PYTHONPATH=src PYTHONUNBUFFERED=1
+export CANN_ATTN_TRITON_AUTOTUNE=${CANN_ATTN_TRITON_AUTOTUNE:-first}
+export TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-$PWD/.triton_cache}
+PY=${PYTHON:-python3}
 RESULTS=${OUT:-benchmarks/results}
-mkdir -p "$RESULTS"
-status=0
-nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$RESULTS/gpu.txt"
-python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" \
-  | tee -a "$RESULTS/gpu.txt"
+DRY_RUN=0
+[ "${1:-}" = "--dry-run" ] && DRY_RUN=1
 
-step() {
-  local name=$1; shift
-  echo "== $name: $*"
-  "$@" 2>&1 | tee "$RESULTS/$name.log"
-  local rc=${PIPESTATUS[0]}
-  echo "== $name exit $rc"
-  [ "$rc" -gt "$status" ] && status=$rc
+TESTS=(tests/test_gpu_npu_device.py tests/test_gpu_atb.py tests/test_gpu_sinks.py tests/test_gpu_fia.py
+       tests/test_gpu_paged.py
+       tests/test_gpu_torch_npu.py tests/test_gpu_merge.py tests/test_gpu_quant_dsa.py
+       tests/test_gpu_dsa.py tests/test_gpu_dense.py)
+STEP_NAMES=(gpu_info bench_gpu_dense bench_gpu_dsa gpu_tests gpu_context_parallel)
+STEP_BUDGETS=("${INFO_SECONDS:-15}" "${DENSE_SECONDS:-180}" "${DSA_SECONDS:-120}" "${TESTS_SECONDS:-210}"
+              "${CP_SECONDS:-45}")
+step_command() {
+  case $1 in
+    gpu_info) echo "nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader &&" \
+                   "$PY benchmarks/triton_cache.py check" ;;
+    bench_gpu_dense) echo "$PY benchmarks/bench_gpu_dense.py --out $RESULTS ${DENSE_ARGS:---quick}" ;;
+    bench_gpu_dsa) echo "$PY benchmarks/bench_gpu_dsa.py --out $RESULTS ${DSA_ARGS:---quick}" ;;
+    gpu_tests) echo "$PY -m pytest -m gpu -q -p no:cacheprovider --durations=0 ${TESTS[*]}" ;;
+    gpu_context_parallel) echo "$PY -m pytest -m gpu -q -p no:cacheprovider -rs tests/test_gpu_context_parallel.py" ;;
+  esac
 }
 
-step bench_gpu_dense timeout "${DENSE_SECONDS:-170}" python3 benchmarks/bench_gpu_dense.py --out "$RESULTS" \
-  ${DENSE_ARGS:---quick}
-step bench_gpu_dsa timeout "${DSA_SECONDS:-110}" python3 benchmarks/bench_gpu_dsa.py --out "$RESULTS" \
-  ${DSA_ARGS:---quick}
-step gpu_tests timeout "${TESTS_SECONDS:-330}" python3 -m pytest -m gpu -q -p no:cacheprovider --durations=0 \
-  tests/test_gpu_npu_device.py tests/test_gpu_atb.py tests/test_gpu_sinks.py tests/test_gpu_fia.py tests/test_gpu_paged.py tests/test_gpu_torch_npu.py \
-  tests/test_gpu_merge.py tests/test_gpu_quant_dsa.py \
-  tests/test_gpu_dsa.py tests/test_gpu_dense.py
-step gpu_context_parallel timeout "${CP_SECONDS:-60}" python3 -m pytest -m gpu -q -p no:cacheprovider -rs \
-  tests/test_gpu_context_parallel.py
+if [ "$DRY_RUN" = 1 ]; then
+  echo "gpu_checks plan (CANN_ATTN_TRITON_AUTOTUNE=$CANN_ATTN_TRITON_AUTOTUNE, TRITON_CACHE_DIR=$TRITON_CACHE_DIR," \
+       "results in $RESULTS)"
+  start=0
+  for i in "${!STEP_NAMES[@]}"; do
+    end=$((start + STEP_BUDGETS[i]))
+    printf '%2d:%02d-%2d:%02d  %-21s %4ss  %s\n' $((start / 60)) $((start % 60)) $((end / 60)) $((end % 60)) \
+      "${STEP_NAMES[i]}" "${STEP_BUDGETS[i]}" "$(step_command "${STEP_NAMES[i]}")"
+    start=$end
+  done
+  echo "total budget ${start}s (limit of one device command: 600s)"
+  [ "$start" -le 600 ] || { echo "over the 10-minute command limit" >&2; exit 1; }
+  exit 0
+fi
+
+mkdir -p "$RESULTS" "$TRITON_CACHE_DIR"
+LOG=$RESULTS/gpu_checks.log
+: >"$LOG"
+SUMMARY=()
+status=0
+cubins() { find "$TRITON_CACHE_DIR" -name '*.cubin' 2>/dev/null | wc -l; }
+
+for i in "${!STEP_NAMES[@]}"; do
+  name=${STEP_NAMES[i]}
+  command=$(step_command "$name")
+  before=$(cubins)
+  t0=$(date +%s)
+  echo "== $name (budget ${STEP_BUDGETS[i]}s): $command" | tee -a "$LOG"
+  timeout "${STEP_BUDGETS[i]}" bash -c "$command" 2>&1 | tee -a "$LOG"
+  rc=${PIPESTATUS[0]}
+  seconds=$(($(date +%s) - t0))
+  compiled=$(($(cubins) - before))
+  echo "== $name exit $rc after ${seconds}s; $compiled kernels compiled (new cubins in the Triton cache)" | tee -a "$LOG"
+  SUMMARY+=("{\"step\": \"$name\", \"exit\": $rc, \"seconds\": $seconds, \"budget\": ${STEP_BUDGETS[i]}, \"compiled\": $compiled}")
+  [ "$rc" -gt "$status" ] && status=$rc
+done
+(IFS=,; echo "[${SUMMARY[*]}]") >"$RESULTS/gpu_checks_steps.json"
 exit $status

@@ -45,6 +45,7 @@ from .dense_tiles import (
     INTERPRET,
     NCOL,
 )
+from .jit import tuning_configs
 
 
 @triton.jit
@@ -204,7 +205,8 @@ def _launcher(name: str, kernel, configs, reset_to_zero: list[str] | None = None
         return kernel
     with _tuned_lock:
         if name not in _tuned:
-            _tuned[name] = triton.autotune(configs, key=TUNE_KEY, reset_to_zero=reset_to_zero)(kernel)
+            _tuned[name] = triton.autotune(tuning_configs(configs), key=TUNE_KEY,
+                                           reset_to_zero=reset_to_zero)(kernel)
         return _tuned[name]
 
 

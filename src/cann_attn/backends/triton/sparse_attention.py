@@ -23,7 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .jit import device_function
+from .jit import device_function, tuning_configs
 from .sparse_plan import RowTables, interpreting
 
 # softmax_max of a row with nothing selected (docs/semantics/invalid-rows.md); constexpr because kernels use it.
@@ -197,7 +197,8 @@ def _fwd_configs() -> list[triton.Config]:
             for n in (32, 64) for w in (4, 8) for s in (1, 2)]
 
 
-_sfa_fwd_tuned = triton.autotune(_fwd_configs(), key=["N1", "D", "DR", "DV", "BS", "V_IS_K", "PAGE"])(_sfa_fwd_kernel)
+_sfa_fwd_tuned = triton.autotune(tuning_configs(_fwd_configs()),
+                                 key=["N1", "D", "DR", "DV", "BS", "V_IS_K", "PAGE"])(_sfa_fwd_kernel)
 
 
 def _pages3(cache: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -362,7 +363,7 @@ def _bwd_configs() -> list[triton.Config]:
     return [triton.Config({"BLOCK_N": n}, num_warps=8, num_stages=s) for n in (16, 32) for s in (1, 2)]
 
 
-_sfa_bwd_atomic_tuned = triton.autotune(_bwd_configs(), key=["N1", "D", "DR", "DV", "BS", "V_IS_K"],
+_sfa_bwd_atomic_tuned = triton.autotune(tuning_configs(_bwd_configs()), key=["N1", "D", "DR", "DV", "BS", "V_IS_K"],
                                         reset_to_zero=["DKV"])(_sfa_bwd_kernel)
 
 
