@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import cann_attn.torch_npu as torch_npu
 from cann_attn.errors import ParamInvalidError, ParamNullptrError
@@ -331,3 +333,54 @@ def test_opcheck(name, rng):
     op, args = _opcheck_cases(rng)[name]
     result = torch.library.opcheck(op, args)
     assert all(v == "SUCCESS" for v in result.values()), result
+
+
+def test_a_row_masked_everywhere_with_minus_inf_gives_zeros_and_a_finite_fill_does_not(rng):
+    """docs/operators/atb_attention.md: -inf at every key leaves the row without a softmax (invalid-row zeros);
+    -10000 everywhere only shifts its scores."""
+    query, key = torch.randn(4, 2, 16, generator=rng).half(), torch.randn(4, 2, 16, generator=rng).half()
+    out = torch.empty(4, 2, 16, dtype=torch.float16)
+    for fill in (float("-inf"), -10000.0):
+        mask = torch.zeros(4, 4, dtype=torch.float16)
+        mask[1] = fill
+        torch_npu._npu_flash_attention(query, key, key, mask, _host_int32([4]), 0.25, 2, 2, out)
+        if fill == float("-inf"):
+            assert not out[1].any() and out[[0, 2, 3]].abs().sum() > 0
+        else:
+            golden = self_attention_oracle(query, key, key, [4], 0.25, mask=mask)
+            torch.testing.assert_close(out.double(), golden, **TOL[torch.float16])
+
+
+# ------------------------------------------------------------------------------------------------ random batches
+@settings(max_examples=40, deadline=None)
+@given(data=st.data())
+def test_random_splitfuse_batches_match_the_oracle(data):
+    """Random vLLM batches: each sequence a decode, a fresh prompt or a chunk after cached tokens; random GQA, block
+    size, value head size and dtype; every table padded with -1 / stale ids and the pages with NaN."""
+    gen = torch.Generator().manual_seed(data.draw(st.integers(0, 2**31 - 1)))
+    heads_kv = data.draw(st.sampled_from([1, 2]))
+    heads = heads_kv * data.draw(st.sampled_from([1, 2, 4]))
+    dim, dim_v = data.draw(st.sampled_from([(16, 16), (32, 16), (16, 8)]))
+    block = data.draw(st.sampled_from([16, 32]))
+    dtype = data.draw(st.sampled_from([torch.float16, torch.bfloat16]))
+    kinds = data.draw(st.lists(st.sampled_from(["decode", "prompt", "chunk"]), min_size=1, max_size=4))
+    q_lens, kv_lens = [], []
+    for kind in kinds:
+        cached = 0 if kind == "prompt" else data.draw(st.integers(0 if kind == "chunk" else 1, 40))
+        new = 1 if kind == "decode" else data.draw(st.integers(1, 20))
+        q_lens.append(new)
+        kv_lens.append(cached + new)
+    key_cache, value_cache, table = _cache(kv_lens, heads_kv, dim, dim_v, block, dtype, gen)
+    query = torch.randn(sum(q_lens), heads, dim, generator=gen).to(dtype)
+    mask = splitfuse_mask(q_lens, kv_lens, max(kv_lens), dtype)
+    out = torch.empty(sum(q_lens), heads, dim_v, dtype=dtype)
+    torch_npu._npu_paged_attention_splitfuse(query, key_cache, value_cache, table, _host_int32(kv_lens), mask,
+                                             _host_int32(q_lens), heads_kv, heads, dim ** -0.5, out)
+    golden = splitfuse_oracle(query, key_cache, value_cache, table, kv_lens, mask, q_lens, heads_kv, heads,
+                              dim ** -0.5)
+    torch.testing.assert_close(out.double(), golden, **TOL[dtype])
+    if all(q == 1 for q in q_lens):  # a batch of decodes is _npu_paged_attention's call too
+        decode = torch.empty_like(out)
+        torch_npu._npu_paged_attention(query, key_cache, value_cache, heads_kv, heads, dim ** -0.5, table,
+                                       _host_int32(kv_lens), decode)
+        torch.testing.assert_close(decode, out, rtol=0, atol=0)
