@@ -384,3 +384,16 @@ def test_random_splitfuse_batches_match_the_oracle(data):
         torch_npu._npu_paged_attention(query, key_cache, value_cache, heads_kv, heads, dim ** -0.5, table,
                                        _host_int32(kv_lens), decode)
         torch.testing.assert_close(decode, out, rtol=0, atol=0)
+
+
+def test_torch_npu_7_1_has_no_workspace(rng):
+    """op-plugin 7.1.0's _npu_paged_attention schema ends at `out` (the workspace and its helper came in 7.2)."""
+    args = _paged_args(rng)
+    previous = torch_npu.use_release("7.1")
+    try:
+        with pytest.raises(TypeError, match="workspace"):
+            torch_npu._npu_paged_attention(**args, workspace=torch.empty(0, dtype=torch.uint8))
+        torch_npu._npu_paged_attention(**args)
+    finally:
+        torch_npu.use_release(previous)
+    assert not (args["out"] == 7).all()
