@@ -13,6 +13,10 @@ them to each output's dtype and writes, in ``--out``:
 - ``manifest.json``: per tensor its name, role (input / output), shape, dtype, files and source; the operator,
   its parameters, the seed, the case, and the cann_attn / torch versions.
 
+``--precision npu`` also writes, per output NAME, the NPU-pipeline golden ``NAME.npu`` (role ``npu_output``): the
+reference backend in the "npu" precision mode, which rounds where the Ascend kernels round
+(docs/semantics/precision.md); ``compare`` then measures against both.
+
 ``--actual DIR`` also writes the operator's own outputs for the same inputs (same names, same manifest format),
 ready for ``cann-attn compare DIR OUT``. Directories are written to a temporary sibling and renamed at the
 end: on any failure nothing is left behind.
@@ -34,7 +38,16 @@ from . import UsageError
 from . import cases as registry
 from .casefile import CaseError, build_inputs, load_case, load_inputs
 from .output import Column, console, print_table
-from .tensorio import NAIVE_ROLE, NAIVE_SUFFIX, Staged, canonical_dtype, write_manifest, write_tensor
+from .tensorio import (
+    NAIVE_ROLE,
+    NAIVE_SUFFIX,
+    NPU_ROLE,
+    NPU_SUFFIX,
+    Staged,
+    canonical_dtype,
+    write_manifest,
+    write_tensor,
+)
 
 FORMAT = "cann-attn golden 1"
 NAIVE_SOURCE = "naive: the same computation in the input dtype (the flash-attn rule's reference)"
@@ -74,6 +87,13 @@ def add_parser(subparsers) -> None:
         help="also run the cann_attn operator on the same inputs and write its outputs to DIR (for compare)",
     )
     p.add_argument("--device", default="cpu", help="device of the operator run (the golden is computed on the CPU)")
+    p.add_argument(
+        "--precision",
+        choices=("exact", "npu"),
+        default="exact",
+        help="npu: also write each output's NPU-pipeline golden NAME.npu (the reference backend rounding where the "
+        "Ascend kernels round, docs/semantics/precision.md); compare then reports against both",
+    )
     p.add_argument("--force", action="store_true", help="replace existing non-empty output directories")
     p.set_defaults(func=run)
 
@@ -118,6 +138,20 @@ def _goldens(case, call: registry.Call, named: dict[str, Any], actual: dict[str,
         if name in out and t is not None and out[name].dtype.is_floating_point:
             naive[f"{name}{NAIVE_SUFFIX}"] = t.detach().to("cpu").to(out[name].dtype)
     return out, naive
+
+
+NPU_SOURCE = "cann_attn reference backend, precision 'npu'"
+NPU_NOTE = (
+    "NAME.npu: the output as the Ascend A2/A3 kernel's pipeline rounds it (cann_attn reference backend in the 'npu' "
+    "precision mode, docs/semantics/precision.md), cast to the output's dtype"
+)
+
+
+def _npu_goldens(case, call: registry.Call, golden: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The operator's outputs on the CPU reference backend in the "npu" precision mode, in the golden's dtypes."""
+    with cann_attn.precision("npu"):
+        outputs, _ = _run_operator(case, call, torch.device("cpu"))
+    return {name: outputs[name].to(t.dtype) for name, t in golden.items() if name in outputs}
 
 
 def _manifest(parsed, kind: str, **extra: Any) -> dict[str, Any]:
@@ -176,6 +210,11 @@ def run(args: argparse.Namespace) -> int:
     ]
     outputs = [(name, t, "output", "golden") for name, t in golden.items()]
     references = [(name, t, NAIVE_ROLE, NAIVE_SOURCE) for name, t in naive.items()]
+    extra = {}
+    if args.precision == "npu":
+        references += [(f"{name}{NPU_SUFFIX}", t, NPU_ROLE, NPU_SOURCE)
+                       for name, t in _npu_goldens(case, call, golden).items()]
+        extra = {"precision": "npu", "npu_golden": NPU_NOTE}
     manifest = _manifest(
         case,
         "golden",
@@ -184,6 +223,7 @@ def run(args: argparse.Namespace) -> int:
         case=case.raw,
         inputs_from=list(args.inputs or []),
         golden=GOLDEN_NOTE,
+        **extra,
     )
     try:
         nbytes = _write(out, manifest, inputs + outputs + references)
@@ -206,8 +246,9 @@ def run(args: argparse.Namespace) -> int:
     columns = [Column(name, no_wrap=name != "source") for name in ("tensor", "role", "dtype", "shape", "source")]
     rows = [[escape(name), role, canonical_dtype(t.dtype), str(list(t.shape)), escape(source)]
             for name, t, role, source in inputs + outputs]
-    rows += [[escape(name), role, canonical_dtype(t.dtype), str(list(t.shape)), "naive (input dtype)"]
-             for name, t, role, _ in references]
+    rows += [[escape(name), role, canonical_dtype(t.dtype), str(list(t.shape)),
+              "naive (input dtype)" if role == NAIVE_ROLE else escape(source)]
+             for name, t, role, source in references]
     print_table(out_console, f"cann-attn golden: {case.op} (seed {case.seed})", columns, rows)
     out_console.print(
         f"[bold green]wrote[/] {args.out}: {len(inputs)} inputs, {len(outputs)} golden outputs, "

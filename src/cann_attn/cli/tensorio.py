@@ -29,6 +29,8 @@ __all__ = [
     "MANIFEST",
     "NAIVE_ROLE",
     "NAIVE_SUFFIX",
+    "NPU_ROLE",
+    "NPU_SUFFIX",
     "Staged",
     "bin_dtype_name",
     "canonical_dtype",
@@ -51,6 +53,10 @@ MANIFEST = "manifest.json"
 # `golden` writes, beside output NAME, the naive reference of the secondary precision rule as tensor NAME.naive.
 NAIVE_ROLE = "naive"
 NAIVE_SUFFIX = ".naive"
+# `golden --precision npu` writes, beside output NAME, its NPU-pipeline golden as tensor NAME.npu
+# (docs/semantics/precision.md).
+NPU_ROLE = "npu_output"
+NPU_SUFFIX = ".npu"
 
 # Canonical dtype names (torch's, without the prefix) and the aliases accepted in case files and on the command line.
 DTYPES: dict[str, torch.dtype] = {

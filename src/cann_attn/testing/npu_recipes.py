@@ -30,6 +30,7 @@ __all__ = [
     "sfa_recipe",
     "ulp",
     "ulp_errors",
+    "ulp_verdict",
 ]
 
 _FORMAT = {torch.float16: (10, -14), torch.bfloat16: (7, -126)}  # fraction bits, smallest normal exponent
@@ -268,18 +269,27 @@ def ulp_errors(actual: torch.Tensor, recipe: torch.Tensor, dtype: torch.dtype) -
     return diff / ulp(r, dtype), diff / ulp(row_top, dtype)
 
 
-def assert_within_ulps(actual: torch.Tensor, recipe: torch.Tensor, dtype: torch.dtype | None = None,
-                       name: str = "output", ulps: float = 2.0, tail: float = 0.005, row_ulps: float = 4.0) -> dict:
-    """At most `ulps` ulps of `dtype` (default: actual's) from the recipe, except at most `tail` of the elements,
-    which must be within `row_ulps` ulps of their row's largest value. Returns the measured figures."""
+def ulp_verdict(actual: torch.Tensor, recipe: torch.Tensor, dtype: torch.dtype | None = None, ulps: float = 2.0,
+                tail: float = 0.005, row_ulps: float = 4.0) -> tuple[bool, dict]:
+    """(passed, figures): at most `ulps` ulps of `dtype` (default: actual's) from the recipe, except at most `tail`
+    of the elements, which must be within `row_ulps` ulps of their row's largest value."""
     dtype = actual.dtype if dtype is None else dtype
     if tuple(actual.shape) != tuple(recipe.shape):
-        raise AssertionError(f"{name}: shape {tuple(actual.shape)} != recipe {tuple(recipe.shape)}")
+        return False, {"problem": f"shape {tuple(actual.shape)} != {tuple(recipe.shape)}"}
     own, row = ulp_errors(actual, recipe, dtype)
     beyond = own > ulps
     figures = {"max_ulps": float(own.max()) if own.numel() else 0.0,
                "tail_fraction": float(beyond.double().mean()) if own.numel() else 0.0,
                "tail_max_row_ulps": float(row[beyond].max()) if bool(beyond.any()) else 0.0}
-    if figures["tail_fraction"] > tail or figures["tail_max_row_ulps"] > row_ulps or math.isnan(figures["max_ulps"]):
+    passed = figures["tail_fraction"] <= tail and figures["tail_max_row_ulps"] <= row_ulps \
+        and not math.isnan(figures["max_ulps"])
+    return passed, figures
+
+
+def assert_within_ulps(actual: torch.Tensor, recipe: torch.Tensor, dtype: torch.dtype | None = None,
+                       name: str = "output", ulps: float = 2.0, tail: float = 0.005, row_ulps: float = 4.0) -> dict:
+    """`ulp_verdict`, raising AssertionError with the figures when it fails. Returns the figures."""
+    passed, figures = ulp_verdict(actual, recipe, dtype, ulps, tail, row_ulps)
+    if not passed:
         raise AssertionError(f"{name}: not within {ulps} ulps of the recipe ({figures})")
     return figures
