@@ -34,6 +34,15 @@ def causal_additive_mask(size: int, dtype: torch.dtype) -> torch.Tensor:
     return torch.zeros(size, size, dtype=dtype).masked_fill_(upper, float("-inf"))
 
 
+def vllm_prefill_mask(size: int, dtype: torch.dtype) -> torch.Tensor:
+    """vllm-ascend's prefill mask for _npu_flash_attention (AttentionMaskBuilder before v0.12): the upper triangle
+    -inf in float16; in bfloat16 1 there, scaled by get_mask_scale_factor's -10000."""
+    upper = ~torch.ones(size, size, dtype=torch.bool).tril_()
+    if dtype == torch.float16:
+        return torch.zeros(size, size, dtype=dtype).masked_fill_(upper, float("-inf"))
+    return torch.zeros(size, size, dtype=dtype).masked_fill_(upper, 1) * -10000
+
+
 def _cache(kv_lens, heads_kv, dim, dim_v, block_size, dtype, gen):
     keys = [torch.randn(n, heads_kv, dim, generator=gen).to(dtype) for n in kv_lens]
     values = [torch.randn(n, heads_kv, dim_v, generator=gen).to(dtype) for n in kv_lens]
@@ -125,14 +134,14 @@ def test_splitfuse_reads_the_mask_rows_of_each_token(rng):
 # -------------------------------------------------------------------- _npu_flash_attention / _npu_flash_attention_unpad
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_flash_attention_with_the_shared_causal_mask_matches_the_oracle(dtype, rng):
-    """vllm-ascend 310P prefill: packed prompts, a [max_seqlen, max_seqlen] -inf causal mask, seq_len on the host;
+    """vllm-ascend prefill: packed prompts, a [max_seqlen, max_seqlen] causal mask (-inf / -10000), seq_len on the host;
     GQA and a value head size below the key's (op-plugin's test_atb_flash_attention draws embed_v < embed)."""
     seq = [5, 9, 9, 3]
     heads, heads_kv, dim, dim_v = 4, 2, 32, 24
     query = torch.randn(sum(seq), heads, dim, generator=rng).to(dtype)
     key = torch.randn(sum(seq), heads_kv, dim, generator=rng).to(dtype)
     value = torch.randn(sum(seq), heads_kv, dim_v, generator=rng).to(dtype)
-    mask = causal_additive_mask(16, dtype)
+    mask = vllm_prefill_mask(16, dtype)
     out = torch.empty(sum(seq), heads, dim_v, dtype=dtype)
     torch_npu._npu_flash_attention(query=query, key=key, value=value, mask=mask, seq_len=_host_int32(seq),
                                    scale_value=dim ** -0.5, num_heads=heads, num_kv_heads=heads_kv, out=out)
