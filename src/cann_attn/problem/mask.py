@@ -184,6 +184,12 @@ _MASK_CACHE_LOCK = threading.Lock()
 
 def _cached_compressed_mask(sparse_mode: int, device: torch.device) -> torch.Tensor:
     key = (6 if sparse_mode == 6 else 2, str(device))
+    mask = _MASK_CACHE.get(key)
+    if mask is not None:
+        return mask
+    if torch.compiler.is_compiling():
+        # Dynamo cannot trace a lock; the traced graph builds the mask itself and leaves the cache to eager calls.
+        return _build_compressed_mask(sparse_mode, device)
     with _MASK_CACHE_LOCK:
         mask = _MASK_CACHE.get(key)
         if mask is None:
