@@ -246,3 +246,22 @@ def test_verify_runs_the_paged_cases(capsys):
     ops = {row["op"] for row in report["outputs"]}
     assert ops == {"fused_infer_attention_score", "fused_infer_attention_score_v2", "incre_flash_attention",
                    "sparse_flash_attention", "lightning_indexer"}
+
+
+# ------------------------------------------------------------------------------------------------------
+# One module per operator family: its cases beside its golden rule
+# ------------------------------------------------------------------------------------------------------
+def test_each_family_module_holds_its_cases_and_its_golden():
+    """Every operator's golden rule and its verify cases come from the same family module of cli/cases/ (none
+    from the shared _common), and every family module of the package is imported (registered)."""
+    import importlib
+    import pkgutil
+
+    package = importlib.import_module("cann_attn.cli.cases")
+    modules = {m.name for m in pkgutil.iter_modules(package.__path__) if not m.name.startswith("_")}
+    assert set(registry.FAMILIES) == modules and {"fa", "fa_grad", "pfa", "fia", "dsa", "merge"} <= modules
+    for op, record in registry.OPERATORS.items():
+        family = record.golden.__module__
+        assert family.startswith("cann_attn.cli.cases.") and not family.endswith("._common"), (op, family)
+        builders = {getattr(case.build, "func", case.build).__module__ for case in registry.CASES if case.op == op}
+        assert builders <= {family}, (op, family, builders)
