@@ -36,9 +36,11 @@ test: $(STAMP)
 lint: $(STAMP)
 	$(BIN)/ruff check .
 
-# The documentation site into site/, every warning (broken link or anchor, page missing from the nav, docstring
+# The documentation site into site/: the figures first (docs/figures.py draws them from the library's rules; the
+# PNGs are committed, so mkdocs alone also builds the site), then the pages with every warning (broken link or anchor, page missing from the nav, docstring
 # problem) an error. `make test` builds it too (tests/test_docs.py) and runs every example in README.md and docs/.
 docs: $(STAMP)
+	$(BIN)/python docs/figures.py
 	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict
 
 bench: $(STAMP)

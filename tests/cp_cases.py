@@ -233,11 +233,33 @@ def run_shard_case(rank: int, world: int, device, case: dict) -> None:
 CASE_RUNNERS["shard"] = run_shard_case
 
 
+def run_shard_mismatch_case(rank: int, world: int, device, case: dict) -> None:
+    """A rank whose whole tensor differs (here: one element of the last rank) makes every rank raise, naming it;
+    verify=False skips the check."""
+    x = torch.arange(3 * 4 * world, dtype=torch.bfloat16).reshape(3, 4 * world)
+    changed = x.clone()
+    moved = torch.cat([x[:, 1:], x[:, :1]], dim=1)  # the same elements in other places
+    changed[1, -1] += 1
+    for other in (changed, moved):
+        try:
+            cp.shard(other if rank == world - 1 else x, 1)
+        except cann_attn.ParamInvalidError as exc:
+            assert f"ranks [{world - 1}] passed other data than rank 0" in str(exc), str(exc)
+        else:
+            raise AssertionError("shard accepted different tensors")
+    assert cp.shard(changed if rank == world - 1 else x, 1, verify=False).shape == (3, 4)
+    assert cp.shard(x, 1).shape == (3, 4)  # the same data on every rank passes
+
+
+CASE_RUNNERS["shard_mismatch"] = run_shard_mismatch_case
+
+
 def shard_cases(world: int) -> list[dict]:
     unit = 2 * world
     return [dict(kind="shard", name=f"shard-{lb}-{'tnd' if tnd else 'dense'}", lengths=lengths, tnd=tnd,
                  load_balance=lb)
-            for lb in ("head_tail", None) for tnd, lengths in ((False, [4 * unit]), (True, [unit, 3 * unit, unit]))]
+            for lb in ("head_tail", None) for tnd, lengths in ((False, [4 * unit]), (True, [unit, 3 * unit, unit]))
+            ] + [dict(kind="shard_mismatch", name="shard-different-data")]
 
 
 def error_cases(world: int) -> list[dict]:

@@ -8,6 +8,7 @@ its fence; the marker is described in docs/contributing-docs.md, and this file c
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import re
 import subprocess
@@ -61,8 +62,56 @@ def test_site_builds_strictly(tmp_path):
         env={**os.environ, "NO_MKDOCS_2_WARNING": "1"},
     )
     assert proc.returncode == 0, f"mkdocs build --strict failed:\n{proc.stdout[-6000:]}\n{proc.stderr[-6000:]}"
-    operator_page = tmp_path / "site" / "operators" / "flash_attention_score" / "index.html"
-    assert operator_page.is_file()
+    site = tmp_path / "site"
+    assert (site / "operators" / "flash_attention_score.html").is_file()
+    # Opened from file:// (use_directory_urls: false): every local link names a file, never a folder, and nothing
+    # is fetched from the network (fonts off, KaTeX bundled).
+    for page in (site / "index.html", site / "semantics" / "masks.html", site / "api.html"):
+        html = page.read_text(encoding="utf-8")
+        links = re.findall(r'(?:href|src)="([^"#?]*)[^"]*"', html)
+        local = [link for link in links if link and "://" not in link and not link.startswith(("mailto:", "data:"))]
+        assert local and all(not link.endswith("/") for link in local), [lk for lk in local if lk.endswith("/")]
+        missing = [link for link in local if not (page.parent / link).exists()]
+        assert not missing, f"{page.name} links to missing files: {missing}"
+        assert not re.findall(r'<(?:script|link)[^>]+(?:src|href)="https?://', html), f"{page.name} loads from the web"
+    assert (site / "assets" / "katex" / "katex.min.js").is_file()
+    assert 'class="arithmatex"' in (site / "operators" / "attention_update.html").read_text(encoding="utf-8")
+
+
+def _docs_module(name: str):
+    spec = importlib.util.spec_from_file_location(f"docs_{name}", ROOT / "docs" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_operator_index_lists_every_operator_page():
+    """The home page and the semantics index carry the generated operator table (docs/hooks.py): every page of
+    the nav's Operators section, with its functions and torch_npu spellings."""
+    hooks = _docs_module("hooks")
+    config = (ROOT / "mkdocs.yml").read_text(encoding="utf-8")
+    pages = re.findall(r"^      - [^:]+: (operators/\S+\.md)$", config, flags=re.MULTILINE)
+    assert "operators/fused_infer_attention_score.md" in pages and "operators/incre_flash_attention.md" in pages
+    nav = [{"Operators": [{Path(p).stem: p} for p in pages]}]
+    table = hooks.operator_table(nav, ROOT / "docs", "semantics/index.md")
+    assert all(f"(../{p})" in table for p in pages)
+    assert "`fused_infer_attention_score`" in table and "`npu_incre_flash_attention`" in table
+    assert "`npu_sparse_flash_attention_grad`" in table  # the `npu_x(_grad)` form names both
+    for index in ("index.md", "semantics/index.md"):
+        assert hooks.MARKER in (ROOT / "docs" / index).read_text(encoding="utf-8"), index
+
+
+def test_figures_script_reproduces_the_committed_figures(tmp_path):
+    """docs/figures.py draws every figure from the library's rules; the committed PNGs are what it draws now."""
+    matplotlib_image = pytest.importorskip("matplotlib.image")
+    written = _docs_module("figures").main(["--out", str(tmp_path)])
+    assert written
+    for path in written:
+        committed = ROOT / "docs" / "images" / path.name
+        assert committed.is_file(), f"{committed} is not committed: run `python docs/figures.py`"
+        new, old = matplotlib_image.imread(path), matplotlib_image.imread(committed)
+        assert new.shape == old.shape and (new == old).all(), f"{path.name} changed: run `python docs/figures.py`"
+        assert f"images/{path.name}" in "".join(p.read_text(encoding="utf-8") for p in PAGES[1:]), path.name
 
 
 def test_readme_links_resolve():

@@ -158,3 +158,43 @@ def all_reduce_sum(group: Group, x: torch.Tensor) -> torch.Tensor:
     _SENT["all_reduce"] += _nbytes(out) * 2 * (group.world - 1) // group.world
     group.wait(dist.all_reduce(out, group=group.handle, async_op=True), "all_reduce")
     return out
+
+
+_FINGERPRINT_CHUNK = 1 << 22  # words per step: the int64 temporaries stay at 32 MB whatever the tensor's size
+
+
+def fingerprint(x: torch.Tensor) -> torch.Tensor:
+    """int64 [3]: the number of bytes, the sum of x's 32-bit words (bytes when the size is not a multiple of 4)
+    and their sum weighted by position. Exact and independent of the order of the additions (integer sums), so
+    equal tensors give equal fingerprints on every rank; a changed or moved element changes them."""
+    raw = x.detach().contiguous().reshape(-1)
+    raw = torch.view_as_real(raw).reshape(-1) if raw.is_complex() else raw
+    raw = raw.view(torch.uint8)
+    words = raw.view(torch.int32) if raw.numel() % 4 == 0 else raw
+    total, weighted = torch.zeros((), dtype=torch.int64, device=x.device), torch.zeros((), dtype=torch.int64,
+                                                                                       device=x.device)
+    for start in range(0, words.numel(), _FINGERPRINT_CHUNK):
+        chunk = words[start : start + _FINGERPRINT_CHUNK].to(torch.int64)
+        weights = torch.arange(start, start + chunk.numel(), dtype=torch.int64, device=x.device) % 65521 + 1
+        total += chunk.sum()
+        weighted += (chunk * weights).sum()
+    return torch.stack([torch.tensor(raw.numel(), dtype=torch.int64, device=x.device), total, weighted])
+
+
+def _collective_device(group: Group, x: torch.Tensor) -> torch.device:
+    if x.device.type != "cpu":
+        return x.device
+    backend = str(dist.get_backend(group.handle)).lower()
+    return torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else x.device
+
+
+def require_same_tensor(group: Group, x: torch.Tensor, param: str, call: str) -> None:
+    """Raise ParamInvalidError on every rank when the ranks' `x` differ (one all-gather of 3 integers per rank)."""
+    device = _collective_device(group, x)
+    gathered = all_gather_rank_major(group, fingerprint(x).to(device).view(1, 3)).cpu()
+    differing = [rank for rank in range(group.world) if not torch.equal(gathered[rank], gathered[0])]
+    if differing:
+        raise ParamInvalidError(
+            f"{param}: {call} needs the same whole tensor on every rank, but ranks {differing} passed other data "
+            f"than rank 0 (compared by a checksum); give every rank the same batch (a data loader seeded alike, or "
+            f"broadcast it from rank 0), or pass verify=False to skip this check")

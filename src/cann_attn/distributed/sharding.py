@@ -25,21 +25,33 @@ def _plan(x: torch.Tensor, seq_dim: int, world: int, load_balance, actual_seq_le
     return SequencePlan(tuple(lengths), world, load_balance)
 
 
-def _group_place(group) -> tuple[int, int]:
-    info = comm.resolve_group(group, None, torch.device("cpu"))
-    return info.rank, info.world
-
-
 def shard(x: torch.Tensor, seq_dim: int, *, group=None, load_balance: str | None = "head_tail",
-          actual_seq_len=None) -> torch.Tensor:
-    """This rank's part of the whole tensor `x` along `seq_dim` (no communication).
+          actual_seq_len=None, verify: bool = True) -> torch.Tensor:
+    """This rank's part of the whole tensor `x` along `seq_dim`.
 
-    `load_balance="head_tail"`: each sequence is cut into 2P equal chunks and rank r gets chunks r and 2P-1-r;
-    None: P chunks, rank r gets chunk r. With `actual_seq_len` (the cumulative ends of packed TND sequences, no
-    leading 0) every sequence is split that way. Differentiable (an index_select)."""
-    rank, world = _group_place(group)
-    plan = _plan(x, seq_dim, world, load_balance, actual_seq_len, local=False)
-    return x.index_select(seq_dim, plan.global_index(rank, x.device))
+    Every rank passes the same whole tensor and keeps its own part. `verify` checks that they did: one all-gather
+    of a 3-integer checksum of `x` (:func:`cann_attn.distributed.comm.fingerprint`), which raises
+    ParamInvalidError on every rank when a rank's data differs (a rank with other data would otherwise give wrong
+    results without any error). With `verify=False` there is no communication.
+
+    Args:
+        x: the whole tensor, the same on every rank.
+        seq_dim: the axis that holds the sequence (see :func:`seq_dim` for an attention layout).
+        group: the process group (None: the default group).
+        load_balance: `"head_tail"`: each sequence is cut into 2P equal chunks and rank r gets chunks r and
+            2P-1-r; None: P chunks, rank r gets chunk r.
+        actual_seq_len: the cumulative ends of packed TND sequences (no leading 0): every sequence is split that
+            way.
+        verify: compare the ranks' `x` first (one small collective).
+
+    Returns:
+        This rank's part, differentiable (an index_select).
+    """
+    info = comm.resolve_group(group, None, x.device if isinstance(x, torch.Tensor) else torch.device("cpu"))
+    plan = _plan(x, seq_dim, info.world, load_balance, actual_seq_len, local=False)
+    if verify:
+        comm.require_same_tensor(info, x, "x", "shard")
+    return x.index_select(seq_dim, plan.global_index(info.rank, x.device))
 
 
 def unshard(x: torch.Tensor, seq_dim: int, *, group=None, load_balance: str | None = "head_tail",

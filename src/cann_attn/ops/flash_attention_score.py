@@ -59,11 +59,13 @@ def flash_attention_score(
     """Training forward of FlashAttentionScore: softmax(mask(S)) with dropout, times value.
 
     Layouts BSH, SBH, BSND, BNSD, TND (docs/semantics/layouts.md); masks via sparse_mode 0..8, pre/next_tokens, prefix
-    and atten_mask (2); fully masked rows give 0 with softmax_max = -FLT_MAX, softmax_sum = FLT_MAX (3); pse types 0..3
-    with q/kv start indices (4); dropout from the bit-packed `drop_mask` with `keep_prob` (5). Returns attention_out
-    (query layout, value's D), softmax_max / softmax_sum ([B,N1,Sq,8]; TND [T,N1,8] laid out as `softmax_layout` says,
-    6) and an empty softmax_out. `padding_mask` is reserved and ignored. `sink` (float32 [N1], optional) adds one logit
-    per query head to every row's softmax, dropped before P V; the statistics then include it (docs/semantics/sinks.md).
+    and atten_mask (docs/semantics/masks.md); fully masked rows give 0 with softmax_max = -FLT_MAX, softmax_sum =
+    FLT_MAX (docs/semantics/invalid-rows.md); pse types 0..3 with q/kv start indices (docs/semantics/pse.md); dropout
+    from the bit-packed `drop_mask` with `keep_prob` (docs/semantics/dropout.md). Returns attention_out (query layout,
+    value's D), softmax_max / softmax_sum ([B,N1,Sq,8]; TND [T,N1,8] laid out as `softmax_layout` says,
+    docs/semantics/softmax-stats.md) and an empty softmax_out. `padding_mask` is reserved and ignored. `sink`
+    (float32 [N1], optional) adds one logit per query head to every row's softmax, dropped before P V; the
+    statistics then include it (docs/semantics/sinks.md).
     """
     return _run(locals(), FORWARD_MODES, "flash_attention_score")
 
@@ -99,7 +101,7 @@ def flash_attention_var_len_score(
     """FlashAttentionVarLenScore: `flash_attention_score` for packed TND sequences only.
 
     actual_seq_qlen / actual_seq_kvlen are required cumulative ends without a leading 0 (docs/semantics/layouts.md);
-    sparse_mode 5 is not supported (2).
+    sparse_mode 5 is not supported (docs/semantics/masks.md).
     """
     if input_layout != "TND":
         raise ParamInvalidError(f"input_layout: flash_attention_var_len_score expects 'TND', got {input_layout!r}")

@@ -56,8 +56,9 @@ def prompt_flash_attention(
     Layouts BSH, BSND, BNSD, BNSD_BSND (input BNSD, output BSND); GQA via `num_key_value_heads` (0 = num_heads;
     ratio <= 64). `actual_seq_lengths(_kv)`: None (full S), one value for every batch, or >= B values (the first
     B). sparse_mode 0..4 with each batch's actual lengths; next_tokens defaults to 0; modes 1..4 need the mask
-    (docs/semantics/masks.md). Rows beyond the actual query length and rows with no visible key are 0 (3). pse_shift:
-    S = scale * x + pse_shift, its top-left block used (4). int8 (7): int8 inputs need deq_scale1, quant_scale1,
+    (docs/semantics/masks.md). Rows beyond the actual query length and rows with no visible key are 0
+    (docs/semantics/invalid-rows.md). pse_shift: S = scale * x + pse_shift, its top-left block used
+    (docs/semantics/pse.md). int8 (docs/operators/prompt_flash_attention.md): int8 inputs need deq_scale1, quant_scale1,
     deq_scale2 (float32 or trans_quant_param words); quant_scale2 (+ quant_offset2) quantize the output to int8.
     Output dtype: int8 with quant_scale2, else float16 for int8 inputs, else the query's dtype.
     """
