@@ -245,7 +245,8 @@ def test_verify_runs_the_paged_cases(capsys):
     assert rc == 0 and report["passed"], err
     ops = {row["op"] for row in report["outputs"]}
     assert ops == {"fused_infer_attention_score", "fused_infer_attention_score_v2", "incre_flash_attention",
-                   "sparse_flash_attention", "lightning_indexer"}
+                   "sparse_flash_attention", "lightning_indexer", "quant_lightning_indexer",
+                   "kv_quant_sparse_flash_attention"}
 
 
 # ------------------------------------------------------------------------------------------------------

@@ -201,3 +201,15 @@ def kv_quant_sparse_attention_oracle(query, key, value, sparse_indices, scale_va
         query[..., :512], k_nope, v_nope, sparse_indices, scale_value, query_rope=query[..., 512:], key_rope=k_rope,
         actual_seq_lengths_query=actual_seq_lengths_query, actual_seq_lengths_kv=actual_seq_lengths_kv,
         sparse_block_size=sparse_block_size, layout=layout, sparse_mode=sparse_mode, sinks=sinks)[0]
+
+
+def quant_lightning_indexer_oracle(query, key, weights, query_dequant_scale, key_dequant_scale, *,
+                                   actual_seq_lengths_query=None, actual_seq_lengths_key=None, layout: str = "BSND",
+                                   sparse_count: int = 2048, sparse_mode: int = 3) -> torch.Tensor:
+    """QuantLightningIndexer's int32 indices [*, 1, K]: `quant_index_scores_oracle` then `top_k_oracle`
+    (contiguous key and key scale only)."""
+    scores = quant_index_scores_oracle(query, key, weights, query_dequant_scale, key_dequant_scale,
+                                       actual_seq_lengths_query=actual_seq_lengths_query,
+                                       actual_seq_lengths_key=actual_seq_lengths_key, layout=layout,
+                                       sparse_mode=sparse_mode)
+    return top_k_oracle(scores, sparse_count)
