@@ -321,3 +321,41 @@ def test_bad_input_names_the_parameter(name):
     with pytest.raises(ParamInvalidError) as info:
         call()
     assert needle in str(info.value), f"{name}: {info.value}"
+
+
+# --------------------------------------------------------------------------------- quantised caches read in place
+def test_int8_and_int4_decode_dequantise_as_they_read(monkeypatch):
+    """On the reference backend with the native loops, int8 pages (plain and NZ) and contiguous int4 / int8 caches
+    with per-channel factors are anti-quantised row by row in the decode loop: no dequantised copy of the pages
+    and no unpacked copy of the int4 cache is made (benchmarks/bench_fia_quant.py measures the cost)."""
+    from cann_attn.backends.reference import native
+    from cann_attn.ops import fia_problem, paged_infer
+
+    if native.library() is None:
+        pytest.skip("native CPU loops unavailable")
+    monkeypatch.setenv("CANN_ATTN_BACKEND", "reference")
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("a dequantised or unpacked copy of the cache was made")
+
+    g = gen(15)
+    n, nkv, d = 4, 2, 128
+    scales = dict(key_antiquant_scale=factors((nkv, 1, d), g, torch.bfloat16),
+                  value_antiquant_scale=factors((nkv, 1, d), g, torch.bfloat16))
+    q = rand((2, n, 1, d), torch.bfloat16, g)
+    expected = []
+    for cache_layout in ("BnNBsD", "NZ"):
+        _, _, kc, vc, table = _paged_int8(gen(16), cache_layout, [40, 9], 32, n=n, nkv=nkv, d=d)
+        kw = dict(num_heads=n, num_key_value_heads=nkv, input_layout="BNSD", actual_seq_lengths_kv=[40, 9],
+                  block_table=table, block_size=32, **scales)
+        expected.append(cann_attn.fused_infer_attention_score(q, kc, vc, **kw)[0])
+        with monkeypatch.context() as m:
+            m.setattr(paged_infer.PagedKv, "dequantized_blocks", refuse)
+            m.setattr(paged_infer.PagedKv, "group_bnsd", refuse)
+            assert torch.equal(cann_attn.fused_infer_attention_score(q, kc, vc, **kw)[0], expected[-1])
+    k4 = torch.randint(-8, 8, (2, nkv, 21, d), generator=g).to(torch.int8)
+    kw = dict(num_heads=n, num_key_value_heads=nkv, input_layout="BNSD", **scales)
+    with monkeypatch.context() as m:
+        m.setattr(fia_problem.antiquants, "unpack_int4", refuse)
+        out = cann_attn.fused_infer_attention_score(q, pack_int4(k4), pack_int4(k4), **kw)[0]
+    assert torch.equal(out, cann_attn.fused_infer_attention_score(q, k4, k4, **kw)[0])

@@ -9,7 +9,7 @@ the operator's dispatch needs; it writes nothing and computes no attention.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -112,6 +112,9 @@ class FiaProblem:
     # Picks the PFA kernel's pipeline in the "npu" precision mode (docs/semantics/precision.md).
     inner_precise: int = 0
     sink: torch.Tensor | None = None  # learnable_sink (v2): one logit per query head, problem/sink.py
+    # int4 key/value as given (packed in int32); `key` / `value` are then their unpacked int8 shapes on the meta
+    # device until `with_int4_unpacked` makes them real (the decode loop reads the packed bytes instead).
+    int4_packed: tuple[torch.Tensor, torch.Tensor] | None = None
 
     @property
     def packed(self) -> bool:
@@ -128,6 +131,13 @@ class FiaProblem:
     @property
     def left_padding(self) -> bool:
         return self.q_pad is not None or self.kv_pad is not None
+
+    def with_int4_unpacked(self) -> FiaProblem:
+        """The problem with int4 key/value unpacked into real int8 tensors (`antiquant.unpack_int4`)."""
+        if self.int4_packed is None:
+            return self
+        key, value = (antiquants.unpack_int4(t) for t in self.int4_packed)
+        return replace(self, key=key, value=value, int4_packed=None)
 
     def padded_window(self, b: int) -> tuple[int, int, int, int]:
         """(q0, q_end, kv0, kv_end): where batch b's valid query and key rows lie under left padding (they end
@@ -440,9 +450,11 @@ def build_fia_problem(
     ParamNullptrError naming the parameter; reads the inputs only (int4 key/value are unpacked into new int8
     tensors)."""
     int4 = isinstance(key, torch.Tensor) and key.dtype == torch.int32
+    int4_packed = None
     if int4:
-        key, value = _unpack_int4_kv(query, key, value, block_table=block_table, quant_scale2=quant_scale2,
-                                     key_shared_prefix=key_shared_prefix)
+        int4_packed = (key, value)
+        key, value = _unpacked_int4_shapes(query, key, value, block_table=block_table, quant_scale2=quant_scale2,
+                                           key_shared_prefix=key_shared_prefix)
     int8_kv = _check_inputs(
         query, key, value, input_layout,
         {"num_heads": num_heads, "num_key_value_heads": num_key_value_heads, "sparse_mode": sparse_mode,
@@ -622,7 +634,7 @@ def build_fia_problem(
         decode=decode, act_q=act_q_list, act_kv=act_kv_list, pages=pages, antiquant=antiquant, prefix=prefix,
         q_pad=q_pad, kv_pad=kv_pad, sparse_mode=mode, pre_tokens=pre, next_tokens=nxt, atten_mask=mask,
         mask_views=mask_views, pse_shift=pse_shift, plan=plan, scale=float(scale),
-        softmax_lse_flag=softmax_lse_flag, inner_precise=inner_precise, sink=sink,
+        softmax_lse_flag=softmax_lse_flag, inner_precise=inner_precise, sink=sink, int4_packed=int4_packed,
     )
     if left_padding:
         _check_padded_windows(problem)
@@ -642,8 +654,8 @@ def _check_padded_windows(p: FiaProblem) -> None:
                                     f"< 0")
 
 
-def _unpack_int4_kv(query, key: torch.Tensor, value, *, block_table, quant_scale2, key_shared_prefix):
-    """int4 key/value packed in int32 as int8 tensors with an 8x wider last dim (`antiquant.unpack_int4`)."""
+def _unpacked_int4_shapes(query, key: torch.Tensor, value, *, block_table, quant_scale2, key_shared_prefix):
+    """Meta-device int8 stand-ins of int4 key/value packed in int32 (the last dim 8x wider), for validation."""
     require(isinstance(value, torch.Tensor) and value.dtype == torch.int32, "value",
             "int32 (packed int4) like the key", value)
     require(isinstance(query, torch.Tensor) and query.dtype in (torch.float16, torch.bfloat16), "query",
@@ -653,7 +665,8 @@ def _unpack_int4_kv(query, key: torch.Tensor, value, *, block_table, quant_scale
     not_supported("block_table", block_table, "PageAttention does not take int4 key/value")
     not_supported("quant_scale2", quant_scale2, "int8 output is not supported with int4 key/value")
     not_supported("key_shared_prefix", key_shared_prefix, "not supported with int4 key/value yet")
-    return antiquants.unpack_int4(key), antiquants.unpack_int4(value)
+    return tuple(torch.empty((*t.shape[:-1], t.shape[-1] * antiquants.INT4_PER_INT32), dtype=torch.int8,
+                             device="meta") for t in (key, value))
 
 
 def _check_nz_cache(query, *, q_seq: int, q_dim: int, num_heads: int, heads_kv: int, block_size: int,

@@ -15,6 +15,7 @@ is gathered instead by `paged_infer.PagedKv`, per group of sequences the attenti
 from __future__ import annotations
 
 import contextlib
+import sys
 
 import torch
 
@@ -35,7 +36,7 @@ from .fia_problem import (
 )
 from .fia_problem import output_shape as _output_shape
 from .flash_attention_score import INT_MAX
-from .infer_attention import INVALID_LSE, attend, attend_pages
+from .infer_attention import INVALID_LSE, attend, attend_paged, attend_pages
 
 __all__ = ["FIA_LAYOUTS", "PACKED", "fused_infer_attention_score", "fused_infer_attention_score_v2", "kv_bnsd",
            "renamed_errors"]
@@ -189,13 +190,17 @@ def _query_with_rope(p: FiaProblem) -> torch.Tensor:
 
 def _dispatch(p: FiaProblem, out: torch.Tensor, lse: torch.Tensor | None, backend: str) -> None:
     """Fill `out` (and `lse`) for a validated problem: packed sequences one by one, paged caches in place or per
-    group of equal lengths, left-padded batches one by one, everything else in one `attend`."""
+    group of equal lengths, left-padded batches one by one, int8/int4 decode in the loop that anti-quantises as it
+    reads, everything else in one `attend`."""
     common = {"heads_kv": p.heads_kv, "scale": p.scale, "sparse_mode": p.sparse_mode, "pre_tokens": p.pre_tokens,
               "next_tokens": p.next_tokens, "plan": p.plan, "backend": backend, "op": "fused_infer_attention_score",
               "inner_precise": p.inner_precise, "decode": p.decode}
     if p.sink is not None:
         common["sink"] = p.sink
     q_in = _query_with_rope(p)
+    if _attend_int8_decode(p, q_in, out, lse, common):
+        return
+    p = p.with_int4_unpacked()
     if p.packed:
         _attend_packed(p, q_in, out, lse, common)
     elif p.pages is not None:
@@ -212,6 +217,30 @@ def _dispatch(p: FiaProblem, out: torch.Tensor, lse: torch.Tensor | None, backen
         else:
             attend(q4, k_all, v_all, out4, atten_mask=p.atten_mask, mask_views=p.mask_views, act_q=p.act_q,
                    act_kv=[a + p.prefix_len for a in p.act_kv], pse_shift=p.pse_shift, softmax_lse=lse, **common)
+
+
+def _attend_int8_decode(p: FiaProblem, q_in: torch.Tensor, out: torch.Tensor, lse: torch.Tensor | None,
+                        common: dict) -> bool:
+    """Decode over contiguous int8 key/value with per-channel (per-tensor, per-head) factors: the reference
+    decode loop anti-quantises each key row as it reads it (problem/antiquant.py's rule), instead of a
+    dequantised copy of the whole cache. False, computing nothing, where it does not apply."""
+    if (p.antiquant is None or not p.decode or p.pages is not None or p.prefix is not None or p.left_padding
+            or p.rope):
+        return False
+    scales = p.antiquant.channel_scales(p.heads_kv, p.q_dim, p.v_dim)
+    if scales is None:
+        return False
+    # int4: the packed int32 words as bytes (two values a byte, value 2k in the low nibble on little-endian hosts).
+    key, value = p.int4_packed if p.int4_packed is not None else (p.key, p.value)
+    if p.int4_packed is not None:
+        if sys.byteorder != "little":
+            return False
+        key, value = key.view(torch.int8), value.view(torch.int8)
+    k4, v4 = _bnsd(key, p.q_layout, p.heads_kv), _bnsd(value, p.q_layout, p.heads_kv)
+    return attend_paged(
+        _bnsd(q_in, p.q_layout, p.num_heads), k4, v4, _bnsd(out, p.out_layout, p.num_heads), block_table=None,
+        atten_mask=p.atten_mask, mask_views=p.mask_views, act_q=p.act_q, act_kv=p.act_kv, pse_shift=p.pse_shift,
+        softmax_lse=lse, kv_scales=scales, packed_int4=p.int4_packed is not None, **common)
 
 
 def _attend_packed(p: FiaProblem, q_in: torch.Tensor, out: torch.Tensor, lse: torch.Tensor | None,

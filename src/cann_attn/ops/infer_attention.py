@@ -189,12 +189,13 @@ def _write_lse(softmax_lse: torch.Tensor, row_max: torch.Tensor, row_sum: torch.
     softmax_lse.copy_(torch.where(valid, m + torch.log(torch.where(valid, s, 1.0)), INVALID_LSE))
 
 
-def _bnsd_problem(query, value, heads_kv, scale, atten_mask, mask_views, sparse_mode, act_q, act_kv, pre_tokens,
+def _bnsd_problem(query, out, heads_kv, scale, atten_mask, mask_views, sparse_mode, act_q, act_kv, pre_tokens,
                   next_tokens, pse_shift, sink=None) -> AttentionProblem:
-    """The attention problem of [B, N, S, D] query / value views: one run per group of sequences with equal masks."""
+    """The attention problem of [B, N, S, D] query / output views: one run per group of sequences with equal
+    masks."""
     return AttentionProblem(
         layout="BNSD", batch=query.shape[0], heads_q=query.shape[1], heads_kv=heads_kv, dim_qk=query.shape[-1],
-        dim_v=value.shape[-1], scale=scale, keep_prob=1.0, softmax_layout="",
+        dim_v=out.shape[-1], scale=scale, keep_prob=1.0, softmax_layout="",
         runs=sequence_runs(atten_mask, mask_views, sparse_mode, act_q, act_kv, pre_tokens, next_tokens, pse_shift,
                            scale),
         sink=sink,
@@ -213,7 +214,7 @@ def attend(
     and `decode` (FIA's choice of the IFA kernel; default: one query row) pick the kernel's pipeline in the "npu"
     precision mode (docs/semantics/precision.md). `sink` ([N] float32, FIA v2's learnable_sink): one more softmax
     logit per head (problem/sink.py), which the lse includes; rows without keys then have lse = sink and output 0."""
-    problem = _bnsd_problem(query, value, heads_kv, scale, atten_mask, mask_views, sparse_mode, act_q, act_kv,
+    problem = _bnsd_problem(query, out, heads_kv, scale, atten_mask, mask_views, sparse_mode, act_q, act_kv,
                             pre_tokens, next_tokens, pse_shift, sink)
     # With the tensors, the check also covers the kernels' int32 in-sequence offsets (no limit on S here).
     backend = select_backend(
@@ -268,25 +269,31 @@ def _attend_npu(problem: AttentionProblem, pipeline: precision.AttentionPipeline
 
 
 def attend_paged(
-    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, out: torch.Tensor, *, block_table: torch.Tensor,
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, out: torch.Tensor, *, block_table: torch.Tensor | None,
     heads_kv: int, scale: float, atten_mask, mask_views, sparse_mode: int, act_q: list[int], act_kv: list[int],
     pre_tokens: int, next_tokens: int, pse_shift, plan: QuantPlan, backend: str, op: str,
-    softmax_lse: torch.Tensor | None = None, inner_precise: int = 1, decode: bool | None = None,
+    softmax_lse: torch.Tensor | None = None, kv_scales: tuple[torch.Tensor, torch.Tensor] | None = None,
+    packed_int4: bool = False, inner_precise: int = 1, decode: bool | None = None,
 ) -> bool:
     """`attend` over paged caches read in place (docs/semantics/paged-kv.md): key / value are [block_num, N2,
     block_size, D] views and `block_table` maps each sequence's logical blocks. The Triton dense kernel reads any
     case it supports through the table; on the reference backend the decode loop does (one query token, no mask or
     pse), the loop contiguous caches take, so the bits are the same. Returns False, computing nothing, where
     neither applies (int8, the "npu" precision mode, or another reference case): the caller then gathers; the caller
-    passes `inner_precise` and `decode` on to `attend`."""
+    passes `inner_precise` and `decode` on to `attend`. With `kv_scales` (per-channel [N2, D] key / value scales)
+    the pages are int8 and the reference decode loop anti-quantises each row as it reads it (problem/antiquant.py's
+    rule); other backends return False. `block_table=None`: key / value are contiguous [B, N2, S, D] views;
+    `packed_int4`: they are the bytes of int4 values packed two to a byte ([.., D/2])."""
     if query.dtype == torch.int8 or plan.output_dtype == torch.int8 or precision.npu_mode():
         return False
-    problem = _bnsd_problem(query, value, heads_kv, scale, atten_mask, mask_views, sparse_mode, act_q, act_kv,
+    problem = _bnsd_problem(query, out, heads_kv, scale, atten_mask, mask_views, sparse_mode, act_q, act_kv,
                             pre_tokens, next_tokens, pse_shift)
     resolved = resolve_backend(backend, query.device, op, warn=False, unsupported=lambda: dense_unsupported(
         problem, query.dtype, output_dtype=plan.output_dtype, tensors={"q": query, "o": out}))
-    if resolved == "reference" and not decode_forward.usable(problem, query, key, value):
+    if resolved == "reference" and not decode_forward.usable(problem, query, key, value, kv_scales is not None):
         return False
+    if kv_scales is not None and resolved != "reference":
+        return False  # int8 pages are anti-quantised in the reference decode loop only
     select_backend(resolved, query.device, op=op, unsupported=lambda: None)  # counts the dispatch
     if query.numel() == 0:
         return True
@@ -294,7 +301,8 @@ def attend_paged(
     row_max = row_sum = None
     if softmax_lse is not None:
         row_max, row_sum = _invalid_row_stats(out, query.device)
-    kernel.forward(problem, query, key, value, out, row_max, row_sum, block_table=block_table)
+    extra = {} if kv_scales is None else {"kv_scales": kv_scales, "packed_int4": packed_int4}
+    kernel.forward(problem, query, key, value, out, row_max, row_sum, block_table=block_table, **extra)
     if softmax_lse is not None:
         _write_lse(softmax_lse, row_max, row_sum)
     return True
@@ -310,6 +318,15 @@ def attend_pages(pages: PagedKv, query: torch.Tensor, out: torch.Tensor, *, atte
     read, into compact pages the kernels then read in place, when the factors do not depend on the token; else
     per gathered group. `common` are `attend`'s remaining keywords."""
     views, table = pages.cache_views(), pages.pages.table
+    if antiquant is not None and pages.key_rope is None:
+        scales = antiquant.channel_scales(pages.shape.heads, query.shape[-1], out.shape[-1])
+        # The decode loop reads NZ caches [block_num, N2, D/c0, block_size, c0] chunk by chunk.
+        caches = (pages.key, pages.value) if pages.shape.nz else views
+        if scales is not None and caches is not None and attend_paged(
+                query, *caches, out, block_table=table.to(query.device), atten_mask=atten_mask, mask_views=mask_views,
+                act_q=act_q, act_kv=act_kv, pse_shift=pse_shift, softmax_lse=softmax_lse, kv_scales=scales,
+                **common):
+            return  # the decode loop anti-quantised each row as it read it
     if antiquant is not None and not antiquant.per_token and pages.key_rope is None:
         *views, table = pages.dequantized_blocks(antiquant, query.dtype)
     elif antiquant is not None:

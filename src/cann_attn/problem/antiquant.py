@@ -22,6 +22,7 @@ npu_convert_weight_to_int4pack packs it so). `unpack_int4` turns them into int8;
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass
 
 import torch
@@ -56,6 +57,14 @@ class KvAntiquant:
     def has_offset(self) -> bool:
         return self.key.offset is not None or self.value.offset is not None
 
+    def channel_scales(self, heads_kv: int, dim_k: int, dim_v: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """Key and value scales as [N2, D] fp32 when they depend on neither batch nor token and no offset is given
+        (per-channel, per-tensor, per-head): what a loop that anti-quantises rows as it reads them needs."""
+        if self.per_token or self.has_offset:
+            return None
+        return tuple(f.scale.expand(1, heads_kv, 1, d).reshape(heads_kv, d).contiguous()
+                     for f, d in ((self.key, dim_k), (self.value, dim_v)))
+
     def batches(self, rows: slice) -> KvAntiquant:
         """The factors of the sequences `rows` (per-batch factors sliced; shared ones as they are)."""
         def part(t: torch.Tensor | None) -> torch.Tensor | None:
@@ -66,9 +75,14 @@ class KvAntiquant:
 
 def unpack_int4(packed: torch.Tensor) -> torch.Tensor:
     """int8 values of int4 packed eight to an int32 (value j in bits 4j..4j+3, signed): the last dim grows 8x."""
-    shifts = torch.arange(0, 32, 4, dtype=torch.int32, device=packed.device)
-    nibbles = (packed.unsqueeze(-1) >> shifts) & 0xF
-    return torch.where(nibbles >= 8, nibbles - 16, nibbles).to(torch.int8).flatten(-2)
+    # Byte k of a little-endian int32 holds values 2k (low nibble) and 2k + 1 (high nibble); arithmetic shifts of
+    # the bytes as int8 sign-extend each nibble.
+    low_first = packed.contiguous().view(torch.int8)
+    if sys.byteorder == "big":  # the bytes of each int32 in reverse order
+        low_first = low_first.unflatten(-1, (-1, 4)).flip(-1).flatten(-2)
+    low = torch.bitwise_left_shift(low_first, 4) >> 4
+    high = low_first >> 4
+    return torch.stack((low, high), -1).flatten(-2)
 
 
 def dequantize(x: torch.Tensor, factors: KvFactors, dtype: torch.dtype) -> torch.Tensor:

@@ -13,12 +13,14 @@ from __future__ import annotations
 
 import torch
 
+from ...problem import antiquant as antiquants
 from ...problem.attention import AttentionProblem
 from ...problem.stats import value_column_scales
 from . import native
 
 
-def usable(problem: AttentionProblem, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> bool:
+def usable(problem: AttentionProblem, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+           dequant: bool = False) -> bool:
     """Every run has at most one query row, no mask and no pse, on a dense layout, and the native decode loop can
     read the caches."""
     if problem.tnd or problem.sink is not None or query.device.type != "cpu" or query.dtype not in native.DECODE_DTYPES:
@@ -29,15 +31,19 @@ def usable(problem: AttentionProblem, query: torch.Tensor, key: torch.Tensor, va
             return False
         if mask.explicit is not None or mask.lower is not None or mask.upper is not None or mask.prefix is not None:
             return False
-    return native.decode_usable(key, value)
+    return native.decode_usable(key, value, query.dtype if dequant else None)
 
 
 @torch.no_grad()
 def forward(problem: AttentionProblem, query, key, value, out, softmax_max=None, softmax_sum=None,
-            block_table: torch.Tensor | None = None) -> None:
+            block_table: torch.Tensor | None = None,
+            kv_scales: tuple[torch.Tensor, torch.Tensor] | None = None, packed_int4: bool = False) -> None:
     """Fill `out` [B, N, 1, Dv] (and the [B, N, 1, 8] statistics when given) of sequences that have keys. With
     `block_table`, key and value are paged caches seen as [block_num, N2, block_size, D], read in place through the
-    table (docs/semantics/paged-kv.md): the same loop over the same rows, so the same bits as contiguous caches."""
+    table (docs/semantics/paged-kv.md): the same loop over the same rows, so the same bits as contiguous caches.
+    With `kv_scales` (per-channel key / value scales [N2, D], fp32) key and value are int8, anti-quantised to the
+    query's dtype as the loop reads them (problem/antiquant.py); `packed_int4`: key / value are the int8 bytes of
+    int4 values packed two to a byte."""
     batch, heads, heads_kv = problem.batch, problem.heads_q, problem.heads_kv
     group = heads // heads_kv
     lengths = torch.zeros(batch, dtype=torch.int64)
@@ -52,7 +58,9 @@ def forward(problem: AttentionProblem, query, key, value, out, softmax_max=None,
     acc = torch.empty((pairs, group, problem.dim_v), dtype=torch.float32)
     row_max = torch.empty((pairs, group), dtype=torch.float32)
     row_sum = torch.empty((pairs, group), dtype=torch.float32)
-    native.decode_rows(q.view(pairs, group, -1), key, value, lengths, acc, row_max, row_sum, block_table)
+    dequant = None if kv_scales is None else (*kv_scales, query.dtype)
+    native.decode_rows(q.view(pairs, group, -1), key, value, lengths, acc, row_max, row_sum, block_table, dequant,
+                       packed_int4)
     seen = (lengths > 0).nonzero().view(-1)
     if seen.numel() == 0:
         return
@@ -60,6 +68,12 @@ def forward(problem: AttentionProblem, query, key, value, out, softmax_max=None,
     if not bool(torch.isfinite(acc).all()):
         # P V overflowed on values near FLT_MAX: again with V scaled by exact powers of two per column (`stats`),
         # as fp32 copies of the caches (the loop reads key and value in one dtype).
+        if packed_int4:
+            key, value = (antiquants.unpack_int4(x.view(torch.int32)) for x in (key, value))
+        if kv_scales is not None:  # the values the loop read (NZ caches as [block_num, N2, block_size, D])
+            key, value = (
+                ((x.permute(0, 1, 3, 2, 4).flatten(-2) if x.dim() == 5 else x).float() * s.view(1, s.shape[0], 1, -1))
+                .to(query.dtype) for x, s in zip((key, value), kv_scales, strict=True))
         scales = value_column_scales(value.abs().amax(dim=tuple(range(value.dim() - 1))), int(lengths.max()))
         if scales is not None:
             native.decode_rows(q.view(pairs, group, -1), key.float(), value.float() * scales, lengths, acc, row_max,

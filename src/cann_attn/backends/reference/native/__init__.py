@@ -68,7 +68,8 @@ _SIGNATURES = {
     "cann_attn_has_bf16_dot": [],
     "cann_attn_alibi_skipped_terms": [],
     "cann_attn_has_f16c": [],
-    "fia_decode_rows": [_P, _I, _I, _I, _I, _I, _P, _P, _I, _I, _I, _I, _I, _I, _I, _P, _P, _P, _P, _P, _I, _I],
+    "fia_decode_rows": [_P, _I, _I, _I, _I, _I, _P, _P, _I, _I, _I, _I, _I, _I, _I, _P, _P, _P, _P, _P, _I, _I, _P,
+                        _P, _I, _I, _I, _I],
 }
 _INT_RESULTS = ("cann_attn_cpu_supported", "cann_attn_has_sgemm", "cann_attn_has_bf16_dot", "cann_attn_has_f16c")
 _INT64_RESULTS = ("cann_attn_alibi_skipped_terms",)
@@ -589,35 +590,60 @@ def fa_backward_blocks(q: torch.Tensor, dy: torch.Tensor, d_sum: torch.Tensor, s
 
 
 DECODE_DTYPES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
+# int8 caches anti-quantised in the loop, by the dtype the values are rounded to (the query's); int4 packed caches
+# (given as their bytes) take the code + INT4_CODE_SHIFT.
+DEQUANT_DTYPES = {torch.bfloat16: 3, torch.float16: 4, torch.float32: 5}
+INT4_CODE_SHIFT = 3
 
 
-def decode_usable(key: torch.Tensor, value: torch.Tensor) -> bool:
-    """Whether `decode_rows` can read these [B, N2, S, D] caches in place: CPU, fp32/fp16/bf16 (fp16 needs F16C),
-    unit stride along D, library available."""
-    if key.device.type != "cpu" or key.dtype != value.dtype or key.dtype not in DECODE_DTYPES:
+def decode_usable(key: torch.Tensor, value: torch.Tensor, dequant_to: torch.dtype | None = None) -> bool:
+    """Whether `decode_rows` can read these [B, N2, S, D] caches in place: CPU, fp32/fp16/bf16 (fp16 needs F16C)
+    or, with `dequant_to`, int8 anti-quantised to that dtype, unit stride along D, library available."""
+    readable = DECODE_DTYPES if dequant_to is None else {torch.int8: 0}
+    if key.device.type != "cpu" or key.dtype != value.dtype or key.dtype not in readable:
+        return False
+    if dequant_to is not None and dequant_to not in DEQUANT_DTYPES:
         return False
     if key.stride(-1) != 1 or value.stride(-1) != 1:
         return False
     lib = library()
-    return lib is not None and (key.dtype != torch.float16 or bool(lib.cann_attn_has_f16c()))
+    return lib is not None and (torch.float16 not in (key.dtype, dequant_to) or bool(lib.cann_attn_has_f16c()))
 
 
 def decode_rows(q: torch.Tensor, key: torch.Tensor, value: torch.Tensor, lengths: torch.Tensor, out: torch.Tensor,
-                row_max: torch.Tensor, row_sum: torch.Tensor, block_table: torch.Tensor | None = None) -> None:
+                row_max: torch.Tensor, row_sum: torch.Tensor, block_table: torch.Tensor | None = None,
+                kv_scales: tuple[torch.Tensor, torch.Tensor, torch.dtype] | None = None, packed_int4: bool = False
+                ) -> None:
     """Unnormalised out [B*N2, G, Dv], row_max and row_sum [B*N2, G] of the scaled, grouped query rows q
     [B*N2, G, D] (fp32, contiguous) over the first lengths[b] rows of key / value [B, N2, S, D] (read in place;
     see attention_loops.c). Pairs whose length is 0 are left untouched. With `block_table` (int32 [B, W]) key and
     value are paged caches seen as [block_num, N2, block_size, D]: row p of sequence b is block
-    block_table[b, p // block_size], slot p % block_size (docs/semantics/paged-kv.md), read in place too."""
+    block_table[b, p // block_size], slot p % block_size (docs/semantics/paged-kv.md), read in place too. With
+    `kv_scales` = (key scale [N2, D], value scale [N2, Dv], dtype), int8 key / value are anti-quantised as they are
+    read: x * scale in fp32, rounded once to dtype (problem/antiquant.py); `packed_int4`: key / value are the bytes
+    of int4 values packed two to a byte (value 2k in the low nibble), D/2 bytes a row."""
     lib = library()
     _check_rows(q, out, row_max, row_sum)
     pairs, group, dim = q.shape
     lengths = lengths.to(torch.int64).contiguous()
+    scales = None if kv_scales is None else [t.to(torch.float32).contiguous() for t in kv_scales[:2]]
     table = None if block_table is None else block_table.to(torch.int32)
     if table is not None and table.stride(-1) != 1:
         table = table.contiguous()
-    lib.fia_decode_rows(q.data_ptr(), pairs, key.shape[1], group, dim, value.shape[-1], key.data_ptr(),
-                        value.data_ptr(), DECODE_DTYPES[key.dtype], key.stride(0), key.stride(1), key.stride(2),
-                        value.stride(0), value.stride(1), value.stride(2), lengths.data_ptr(), out.data_ptr(),
+    code = DECODE_DTYPES[key.dtype] if kv_scales is None else DEQUANT_DTYPES[kv_scales[2]] + (
+        INT4_CODE_SHIFT if packed_int4 else 0)
+    kg, vg = _cache_geometry(key), _cache_geometry(value)
+    lib.fia_decode_rows(q.data_ptr(), pairs, key.shape[1], group, dim, out.shape[-1], key.data_ptr(),
+                        value.data_ptr(), code, *kg[:3], *vg[:3], lengths.data_ptr(), out.data_ptr(),
                         row_max.data_ptr(), row_sum.data_ptr(), None if table is None else table.data_ptr(),
-                        0 if table is None else table.stride(0), 0 if table is None else key.shape[2])
+                        0 if table is None else table.stride(0), 0 if table is None else kg[5],
+                        None if kv_scales is None else scales[0].data_ptr(),
+                        None if kv_scales is None else scales[1].data_ptr(), *kg[3:5], *vg[3:5])
+
+
+def _cache_geometry(cache: torch.Tensor) -> tuple[int, int, int, int, int, int]:
+    """(batch or block stride, head stride, token stride, chunk width, chunk stride, tokens per block) of a
+    [B or block_num, N2, S, D] cache, or of an NZ cache [block_num, N2, D/c0, block_size, c0] (chunk width c0)."""
+    if cache.dim() == 5:
+        return cache.stride(0), cache.stride(1), cache.stride(3), cache.shape[4], cache.stride(2), cache.shape[3]
+    return cache.stride(0), cache.stride(1), cache.stride(2), 0, 0, cache.shape[2]

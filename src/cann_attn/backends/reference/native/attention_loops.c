@@ -1299,9 +1299,56 @@ int cann_attn_has_f16c(void) {
     return __builtin_cpu_supports("f16c");
 }
 
+static inline float round_to_bf16(float x) {
+    uint32_t bits;
+    memcpy(&bits, &x, sizeof(bits));
+    bits = (bits + 0x7FFFu + ((bits >> 16) & 1u)) & 0xFFFF0000u;
+    memcpy(&x, &bits, sizeof(bits));
+    return x;
+}
+
+/* int8 (dtype 3..5) or int4 packed two to a byte, value 2k in the low nibble (6..8) key/value anti-quantised as
+   FIA's rule says (problem/antiquant.py): x * scale[c] in fp32, rounded once to the query's dtype (bf16, fp16,
+   fp32 in that order), then widened. An int4 row has n a multiple of 8. */
 __attribute__((target("avx2,fma,f16c")))
-static inline void widen_row(const void *src, int64_t dtype, int64_t n, float *dst) {
+static inline void dequant_row(const int8_t *x, int64_t dtype, int64_t n, float *dst, const float *scale) {
     int64_t i = 0;
+    const int int4 = dtype >= 6;
+    const int64_t round = int4 ? dtype - 3 : dtype;
+    const __m256i nibble_shifts = _mm256_setr_epi32(28, 24, 20, 16, 12, 8, 4, 0);
+    for (; i + 8 <= n; i += 8) {
+        __m256i values;
+        if (int4) {
+            int32_t word;
+            memcpy(&word, x + i / 2, sizeof(word));
+            values = _mm256_srai_epi32(_mm256_sllv_epi32(_mm256_set1_epi32(word), nibble_shifts), 28);
+        } else {
+            values = _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(x + i)));
+        }
+        __m256 p = _mm256_mul_ps(_mm256_cvtepi32_ps(values), _mm256_loadu_ps(scale + i));
+        if (round == 3) {
+            __m256i b = _mm256_castps_si256(p);
+            __m256i odd = _mm256_and_si256(_mm256_srli_epi32(b, 16), _mm256_set1_epi32(1));
+            b = _mm256_add_epi32(b, _mm256_add_epi32(_mm256_set1_epi32(0x7FFF), odd));
+            p = _mm256_castsi256_ps(_mm256_and_si256(b, _mm256_set1_epi32((int)0xFFFF0000u)));
+        } else if (round == 4) {
+            p = _mm256_cvtph_ps(_mm256_cvtps_ph(p, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+        }
+        _mm256_storeu_ps(dst + i, p);
+    }
+    for (; i < n; i++) {  /* int8 rows only (int4 rows are whole groups of 8) */
+        const float p = (float)x[i] * scale[i];
+        dst[i] = round == 3 ? round_to_bf16(p) : round == 4 ? _cvtsh_ss(_cvtss_sh(p, 0)) : p;
+    }
+}
+
+__attribute__((target("avx2,fma,f16c")))
+static inline void widen_row(const void *src, int64_t dtype, int64_t n, float *dst, const float *scale) {
+    int64_t i = 0;
+    if (dtype >= 3) {
+        dequant_row((const int8_t *)src, dtype, n, dst, scale);
+        return;
+    }
     if (dtype == 0) {
         memcpy(dst, src, (size_t)n * sizeof(float));
         return;
@@ -1323,6 +1370,19 @@ static inline void widen_row(const void *src, int64_t dtype, int64_t n, float *d
         uint32_t bits = (uint32_t)b[i] << 16;
         memcpy(dst + i, &bits, sizeof(float));
     }
+}
+
+/* A row whose channels lie in chunks of c0 values, chunk_stride elements apart (an NZ cache [.., D/c0, .., c0]);
+   c0 = 0: one contiguous row. */
+__attribute__((target("avx2,fma,f16c")))
+static inline void widen_chunks(const char *src, int64_t dtype, int64_t n, float *dst, const float *scale,
+                                int64_t c0, int64_t chunk_stride, int64_t esize) {
+    if (c0 <= 0) {
+        widen_row(src, dtype, n, dst, scale);
+        return;
+    }
+    for (int64_t c = 0; c < n; c += c0)
+        widen_row(src + (c / c0) * chunk_stride * esize, dtype, c0, dst + c, scale ? scale + c : NULL);
 }
 
 static inline float dot_f32(const float *a, const float *b, int64_t n) {
@@ -1373,8 +1433,10 @@ static inline void tile_rows(const char **rows, const char *base, int64_t j0, in
 void fia_decode_rows(const float *q, int64_t pairs, int64_t heads_kv, int64_t group, int64_t dim, int64_t dim_v,
                      const void *k, const void *v, int64_t dtype, int64_t k_sb, int64_t k_sh, int64_t k_ss,
                      int64_t v_sb, int64_t v_sh, int64_t v_ss, const int64_t *len, float *out, float *row_max,
-                     float *row_sum, const int32_t *table, int64_t table_stride, int64_t page) {
-    const int64_t esize = dtype == 0 ? 4 : 2;
+                     float *row_sum, const int32_t *table, int64_t table_stride, int64_t page,
+                     const float *k_scale, const float *v_scale, int64_t k_c0, int64_t k_cs, int64_t v_c0,
+                     int64_t v_cs) {
+    const int64_t esize = dtype == 0 ? 4 : dtype <= 2 ? 2 : 1;  /* int4: strides in bytes */
 #pragma omp parallel
     {
         float *kbuf = malloc((size_t)(DECODE_BLOCK * dim + dim_v) * sizeof(float));
@@ -1391,6 +1453,7 @@ void fia_decode_rows(const float *q, int64_t pairs, int64_t heads_kv, int64_t gr
             const int64_t seq = table ? 0 : b;  /* paged: k_sb / v_sb are block strides, the table finds blocks */
             const char *kp = (const char *)k + (seq * k_sb + h * k_sh) * esize;
             const char *vp = (const char *)v + (seq * v_sb + h * v_sh) * esize;
+            const float *ks = k_scale ? k_scale + h * dim : NULL, *vs = v_scale ? v_scale + h * dim_v : NULL;
             memset(acc, 0, (size_t)(group * dim_v) * sizeof(float));
             for (int64_t g = 0; g < group; g++) {
                 m[g] = -INFINITY;
@@ -1402,7 +1465,7 @@ void fia_decode_rows(const float *q, int64_t pairs, int64_t heads_kv, int64_t gr
                 const char *rows[DECODE_BLOCK];
                 tile_rows(rows, kp, j0, w, k_ss, esize, table_row, page, k_sb);
                 for (int64_t j = 0; j < w; j++)
-                    widen_row(rows[j], dtype, dim, kbuf + j * dim);
+                    widen_chunks(rows[j], dtype, dim, kbuf + j * dim, ks, k_c0, k_cs, esize);
                 for (int64_t g = 0; g < group; g++) {
                     float *s = scores + g * DECODE_BLOCK, mx = m[g];
                     for (int64_t j = 0; j < w; j++) {
@@ -1425,7 +1488,7 @@ void fia_decode_rows(const float *q, int64_t pairs, int64_t heads_kv, int64_t gr
                 }
                 tile_rows(rows, vp, j0, w, v_ss, esize, table_row, page, v_sb);
                 for (int64_t j = 0; j < w; j++) {
-                    widen_row(rows[j], dtype, dim_v, vbuf);
+                    widen_chunks(rows[j], dtype, dim_v, vbuf, vs, v_c0, v_cs, esize);
                     for (int64_t g = 0; g < group; g++)
                         axpy_f32(acc + g * dim_v, scores[g * DECODE_BLOCK + j], vbuf, dim_v);
                 }
