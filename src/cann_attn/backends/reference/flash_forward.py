@@ -436,7 +436,7 @@ class RunKernel:
             row_sum = torch.zeros_like(row_max)
             acc = torch.empty((c * n2, q_tile.shape[1], dv), dtype=self.dtype, device=self.device)
             self._accumulate(q_tile, i0, i1, row_max, row_sum, acc)
-            if self.value_scales is None and not bool(torch.isfinite(acc).all()) and self._scale_values():
+            if self.value_scales is None and has_non_finite(acc) and self._scale_values():
                 # P V overflowed on values near FLT_MAX: again with V scaled by exact powers of two (`stats`).
                 row_max.fill_(float("-inf"))
                 row_sum.zero_()
@@ -543,6 +543,14 @@ class RunKernel:
             first = False
         if first:  # no tile was visible: every row's output is 0
             acc.zero_()
+
+
+def has_non_finite(t: torch.Tensor) -> bool:
+    """Whether `t` holds a NaN or inf. The sum is tested first: any NaN or inf element makes it non-finite, and it
+    costs ~0.2 ms on an [8, 1024, 128] fp32 tile where isfinite().all() takes 5-19 ms (one thread; ~6% of a B=1 N=8
+    S=2048 forward). Only a non-finite sum, which finite values can reach by overflowing, takes the element test,
+    so the answer is isfinite's exactly."""
+    return not bool(t.sum().isfinite()) and not bool(torch.isfinite(t).all())
 
 
 def fused_block_rows(rows: int) -> int:
