@@ -101,6 +101,20 @@ def test_operator_index_lists_every_operator_page():
         assert hooks.MARKER in (ROOT / "docs" / index).read_text(encoding="utf-8"), index
 
 
+def test_performance_page_covers_every_benchmark_suite_and_plot():
+    """docs/performance.md's generated section: one per benchmarks/bench_*.py, and every recorded plot embedded
+    once (a result belongs to the longest suite name that prefixes it)."""
+    sections = _docs_module("hooks").benchmark_sections(ROOT / "docs", "performance.md")
+    scripts = sorted((ROOT / "benchmarks").glob("bench_*.py"))
+    assert len(scripts) >= 11
+    for script in scripts:
+        assert f"`python benchmarks/{script.name}`" in sections
+    for plot in (ROOT / "benchmarks" / "results").glob("*.png"):
+        assert sections.count(f"(benchmarks/results/{plot.name})") == 1, plot.name
+    assert "paged_gpu_h200.jsonl" in sections and "NVIDIA H200" in sections
+    assert "<!-- benchmark-suites -->" in (ROOT / "docs" / "performance.md").read_text(encoding="utf-8")
+
+
 def test_figures_script_reproduces_the_committed_figures(tmp_path):
     """docs/figures.py draws every figure from the library's rules; the committed PNGs are what it draws now."""
     matplotlib_image = pytest.importorskip("matplotlib.image")
