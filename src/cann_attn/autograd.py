@@ -27,6 +27,7 @@ from .ops.flash_attention_score_grad import flash_attention_score_grad
 from .ops.lightning_indexer import sparse_lightning_indexer_grad_kl_loss
 from .ops.sparse_flash_attention import INT64_MAX, sparse_flash_attention, sparse_flash_attention_grad
 from .problem.dropout import drop_mask_numel, gen_drop_mask, keep_prob_of
+from .problem.lengths import IntList
 
 
 def _distinct(*tensors) -> tuple[list, tuple[int, ...]]:
@@ -325,8 +326,8 @@ def dense_indexer_kl_loss(
     *,
     query_rope: torch.Tensor | None = None,
     key_rope: torch.Tensor | None = None,
-    actual_seq_qlen=None,
-    actual_seq_klen=None,
+    actual_seq_qlen: IntList | None = None,
+    actual_seq_klen: IntList | None = None,
     layout: str = "BSND",
     sparse_mode: int = 3,
     pre_tokens: int = INT64_MAX,

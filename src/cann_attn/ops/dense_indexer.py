@@ -11,6 +11,7 @@ import torch
 from ..backends.reference import dense_indexer as kernel
 from ..backends.reference.sparse_attention import INVALID_MAX
 from ..errors import ParamInvalidError, require, require_int, require_real
+from ..problem.lengths import IntList
 from ..problem.stats import accumulation_dtype
 from ..traceable import traced_as_custom_op
 from .sparse_flash_attention import FLOAT_DTYPES, INT64_MAX, SparseProblem, _check_tensor, sequence_spans
@@ -109,8 +110,8 @@ def dense_lightning_indexer_softmax_lse(
     key_index: torch.Tensor,
     weights: torch.Tensor,
     *,
-    actual_seq_qlen=None,
-    actual_seq_klen=None,
+    actual_seq_qlen: IntList | None = None,
+    actual_seq_klen: IntList | None = None,
     layout: str = "BSND",
     sparse_mode: int = 3,
     pre_tokens: int = INT64_MAX,
@@ -153,8 +154,8 @@ def dense_lightning_indexer_grad_kl_loss(
     *,
     query_rope: torch.Tensor | None = None,
     key_rope: torch.Tensor | None = None,
-    actual_seq_qlen=None,
-    actual_seq_klen=None,
+    actual_seq_qlen: IntList | None = None,
+    actual_seq_klen: IntList | None = None,
     layout: str = "BSND",
     sparse_mode: int = 3,
     pre_tokens: int = INT64_MAX,

@@ -13,6 +13,7 @@ from ..backends.triton.sparse_plan import sparse_unsupported
 from ..errors import ParamInvalidError, require, require_int
 from ..problem import dequant, precision
 from ..problem import sink as sink_rule
+from ..problem.lengths import IntList
 from ..problem.page_table import PAGED_KV_LAYOUT
 from ..problem.stats import accumulation_dtype
 from ..traceable import traced_as_custom_op
@@ -63,8 +64,8 @@ def quant_lightning_indexer(
     query_quant_mode: int = 0,
     key_quant_mode: int = 0,
     *,
-    actual_seq_lengths_query=None,
-    actual_seq_lengths_key=None,
+    actual_seq_lengths_query: IntList | None = None,
+    actual_seq_lengths_key: IntList | None = None,
     block_table: torch.Tensor | None = None,
     layout: str = "BSND",
     layout_key: str | None = None,
@@ -172,8 +173,8 @@ def kv_quant_sparse_flash_attention(
     key_dequant_scale: torch.Tensor | None = None,
     value_dequant_scale: torch.Tensor | None = None,
     block_table: torch.Tensor | None = None,
-    actual_seq_lengths_query=None,
-    actual_seq_lengths_kv=None,
+    actual_seq_lengths_query: IntList | None = None,
+    actual_seq_lengths_kv: IntList | None = None,
     sparse_block_size: int = 1,
     layout: str = "BSND",
     layout_kv: str | None = None,

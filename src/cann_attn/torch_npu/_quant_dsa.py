@@ -5,7 +5,7 @@ import torch
 from torch import Tensor
 
 from ..ops.sparse_flash_attention import INT64_MAX
-from ..problem.lengths import to_int_list
+from ..problem.lengths import IntList, to_int_list
 from ._registry import npu_op
 
 NPU_DENSE_LIGHTNING_INDEXER_SOFTMAX_LSE_SCHEMAS = {
@@ -30,7 +30,8 @@ NPU_DENSE_LIGHTNING_INDEXER_GRAD_KL_LOSS_SCHEMAS = {
 
 @npu_op(NPU_DENSE_LIGHTNING_INDEXER_SOFTMAX_LSE_SCHEMAS)
 def npu_dense_lightning_indexer_softmax_lse(
-    query_index: Tensor, key_index: Tensor, weights: Tensor, *, actual_seq_qlen=None, actual_seq_klen=None,
+    query_index: Tensor, key_index: Tensor, weights: Tensor, *, actual_seq_qlen: IntList | None = None,
+    actual_seq_klen: IntList | None = None,
     layout: str = "BSND", sparse_mode: int = 3, pre_tokens: int = INT64_MAX, next_tokens: int = INT64_MAX,
 ):
     """torch_npu.npu_dense_lightning_indexer_softmax_lse -> ``(softmax_max_index, softmax_sum_index)``, fp32
@@ -44,7 +45,8 @@ def npu_dense_lightning_indexer_softmax_lse(
 def npu_dense_lightning_indexer_grad_kl_loss(
     query: Tensor, key: Tensor, query_index: Tensor, key_index: Tensor, weights: Tensor, softmax_max: Tensor,
     softmax_sum: Tensor, softmax_max_index: Tensor, softmax_sum_index: Tensor, scale_value: float, *,
-    query_rope: Tensor | None = None, key_rope: Tensor | None = None, actual_seq_qlen=None, actual_seq_klen=None,
+    query_rope: Tensor | None = None, key_rope: Tensor | None = None, actual_seq_qlen: IntList | None = None,
+    actual_seq_klen: IntList | None = None,
     layout: str = "BSND", sparse_mode: int = 3, pre_tokens: int = INT64_MAX, next_tokens: int = INT64_MAX,
 ):
     """torch_npu.npu_dense_lightning_indexer_grad_kl_loss -> ``(d_query_index, d_key_index, d_weights, loss)``
@@ -71,7 +73,8 @@ NPU_QUANT_LIGHTNING_INDEXER_SCHEMAS = {
 @npu_op(NPU_QUANT_LIGHTNING_INDEXER_SCHEMAS)
 def npu_quant_lightning_indexer(
     query: Tensor, key: Tensor, weights: Tensor, query_dequant_scale: Tensor, key_dequant_scale: Tensor,
-    query_quant_mode: int, key_quant_mode: int, *, actual_seq_lengths_query=None, actual_seq_lengths_key=None,
+    query_quant_mode: int, key_quant_mode: int, *, actual_seq_lengths_query: IntList | None = None,
+    actual_seq_lengths_key: IntList | None = None,
     block_table: Tensor | None = None, layout_query: str = "BSND", layout_key: str = "BSND",
     sparse_count: int = 2048, sparse_mode: int = 3, pre_tokens: int = INT64_MAX, next_tokens: int = INT64_MAX,
     query_dtype: int | None = None, key_dtype: int | None = None,
@@ -104,7 +107,8 @@ NPU_KV_QUANT_SPARSE_FLASH_ATTENTION_SCHEMAS = {
 def npu_kv_quant_sparse_flash_attention(
     query: Tensor, key: Tensor, value: Tensor, sparse_indices: Tensor, scale_value: float, key_quant_mode: int,
     value_quant_mode: int, *, key_dequant_scale: Tensor | None = None, value_dequant_scale: Tensor | None = None,
-    block_table: Tensor | None = None, actual_seq_lengths_query=None, actual_seq_lengths_kv=None,
+    block_table: Tensor | None = None, actual_seq_lengths_query: IntList | None = None,
+    actual_seq_lengths_kv: IntList | None = None,
     sparse_block_size: int = 1, layout_query: str = "BSND", layout_kv: str = "BSND", sparse_mode: int = 3,
     pre_tokens: int = INT64_MAX, next_tokens: int = INT64_MAX, attention_mode: int = 0,
     quant_scale_repo_mode: int = 1, tile_size: int = 128, rope_head_dim: int = 64, key_dtype: int | None = None,
