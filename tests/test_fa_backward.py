@@ -67,6 +67,7 @@ def test_sparse_modes_low_precision(rng, layout, dtype, mode):
     case.check(sparse_mode=mode, **case.mode_kwargs(mode))
 
 
+@pytest.mark.filterwarnings("ignore:sparse_mode=.* without atten_mask:UserWarning")  # on purpose
 @pytest.mark.parametrize("mode", [1, 2, 3, 4, 5, 6])
 def test_no_atten_mask_means_full_attention(rng, mode):
     """FA family: without atten_mask, sparse_mode / pre / next are ignored (full attention, every mode)."""

@@ -164,6 +164,7 @@ def _build(cfg) -> tuple[GradCase, dict]:
     return case, kw
 
 
+@pytest.mark.filterwarnings("ignore:sparse_mode=.* without atten_mask:UserWarning")  # on purpose
 @settings(max_examples=200, deadline=None)
 @given(cfg=configs())
 def test_grad_matches_oracle(cfg):

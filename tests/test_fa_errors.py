@@ -628,6 +628,7 @@ def test_compressed_pse_with_mode1():
     expect_error(r"\bpse\b", call, args, pse=torch.zeros(1, 1, 1024, 1030), sparse_mode=1, atten_mask=mask)
 
 
+@pytest.mark.filterwarnings("ignore:sparse_mode=.* without atten_mask:UserWarning")  # on purpose
 def test_compressed_pse_without_mask():
     """No atten_mask means full attention: a compressed (lower-triangular) pse cannot serve it."""
     expect_error(r"\bpse\b", call, _compressed_args(), pse=torch.zeros(1, 1, 1024, 1030), sparse_mode=2)

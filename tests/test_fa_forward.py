@@ -179,6 +179,7 @@ def test_compressed_mask_as_uint8(rng, mode):
     case.run(sparse_mode=mode, **kw)
 
 
+@pytest.mark.filterwarnings("ignore:sparse_mode=.* without atten_mask:UserWarning")  # on purpose
 @pytest.mark.parametrize("mode", [1, 2, 3, 4, 6])
 @pytest.mark.parametrize("layout", ["BSND", "TND"])
 def test_no_atten_mask_means_full_attention(rng, layout, mode):

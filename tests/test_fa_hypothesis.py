@@ -7,6 +7,7 @@ dropout and the TND softmax layout, then checks attention_out, softmax_max and s
 
 from __future__ import annotations
 
+import pytest
 import torch
 from hypothesis import given, note, settings
 from hypothesis import strategies as st
@@ -149,6 +150,7 @@ def fa_configs(draw):
     return layout, n1, q, k, v, kw, var_len
 
 
+@pytest.mark.filterwarnings("ignore:sparse_mode=.* without atten_mask:UserWarning")  # on purpose
 @settings(max_examples=200, deadline=None)
 @given(cfg=fa_configs())
 def test_random_valid_configurations(cfg):

@@ -240,6 +240,7 @@ def test_torch_npu_gpt_oss_call(rng):
 
 
 # ----------------------------------------------------------------------------------------------- hypothesis
+@pytest.mark.filterwarnings("ignore:sparse_mode=.* without atten_mask:UserWarning")  # on purpose
 @settings(max_examples=200, deadline=None)
 @given(cfg=configs(), data=st.data())
 def test_hypothesis_grad_with_sink(cfg, data):

@@ -7,12 +7,25 @@ was given, so a user can fix the call without reading the operator documentation
 from __future__ import annotations
 
 import numbers
+import os
+import sys
 from typing import Any
 
 import numpy as np
 
-__all__ = ["AclnnError", "ParamInvalidError", "ParamNullptrError", "describe", "require", "require_bool", "require_int",
-           "require_real"]
+__all__ = [
+    "AclnnError",
+    "ParamInvalidError",
+    "ParamNullptrError",
+    "caller_stacklevel",
+    "describe",
+    "require",
+    "require_bool",
+    "require_int",
+    "require_real",
+]
+
+_PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))
 
 
 class AclnnError(ValueError):
@@ -74,3 +87,12 @@ def require(condition: bool, param: str, expected: str, given: Any) -> None:
     """Raise ParamInvalidError naming `param` unless `condition` holds."""
     if not condition:
         raise ParamInvalidError(f"{param}: expected {expected}, got {describe(given)}")
+
+
+def caller_stacklevel() -> int:
+    """The `warnings.warn` stacklevel of the first frame outside cann_attn, for the function that calls this: the
+    warning names the caller's line (and the default filter shows it once per such line)."""
+    frame, level = sys._getframe(1), 1
+    while frame is not None and frame.f_code.co_filename.startswith(_PACKAGE_DIR):
+        frame, level = frame.f_back, level + 1
+    return level

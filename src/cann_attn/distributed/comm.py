@@ -11,6 +11,8 @@ from __future__ import annotations
 import datetime
 import hashlib
 import json
+import math
+import numbers
 from collections import Counter
 from dataclasses import dataclass
 
@@ -21,6 +23,8 @@ from ..errors import ParamInvalidError
 
 _SENT: Counter = Counter()
 _SIGNATURE_BYTES = 4096
+# datetime.timedelta's largest whole-day span, in seconds (999999999 days).
+MAX_TIMEOUT_SECONDS = float(datetime.timedelta.max.days * 86400)
 
 
 class ContextParallelError(RuntimeError):
@@ -64,14 +68,24 @@ class Group:
 
 
 def resolve_group(group, timeout, device: torch.device) -> Group:
+    timeout = resolve_timeout(timeout)
     if not dist.is_available() or not dist.is_initialized():
         raise ParamInvalidError("group: torch.distributed is not initialised; call "
                                 "torch.distributed.init_process_group first")
-    if timeout is not None and not isinstance(timeout, datetime.timedelta):
-        if not isinstance(timeout, (int, float)) or timeout <= 0:
-            raise ParamInvalidError(f"timeout: expected seconds > 0 or a datetime.timedelta, got {timeout!r}")
-        timeout = datetime.timedelta(seconds=float(timeout))
     return Group(group, dist.get_rank(group), dist.get_world_size(group), timeout, device)
+
+
+def resolve_timeout(timeout) -> datetime.timedelta | None:
+    """`timeout` as a timedelta: seconds (a real number > 0) or a timedelta; None: the group's own."""
+    if timeout is not None and not isinstance(timeout, datetime.timedelta):
+        # bool is an int subclass (True is not "1 second"); NaN, inf and values beyond timedelta's range are no
+        # duration either.
+        seconds = float(timeout) if isinstance(timeout, numbers.Real) and not isinstance(timeout, bool) else math.nan
+        if not (math.isfinite(seconds) and seconds > 0 and seconds <= MAX_TIMEOUT_SECONDS):
+            raise ParamInvalidError(f"timeout: expected seconds in (0, {MAX_TIMEOUT_SECONDS:g}] or a "
+                                    f"datetime.timedelta, got {timeout!r}")
+        timeout = datetime.timedelta(seconds=seconds)
+    return timeout
 
 
 def agree(group: Group, signature: dict, error: Exception | None) -> None:

@@ -5,11 +5,20 @@ docs/semantics/pse.md, docs/semantics/dropout.md, docs/semantics/softmax-stats.m
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
 
 import torch
 
-from ..errors import ParamInvalidError, ParamNullptrError, describe, require, require_int, require_real
+from ..errors import (
+    ParamInvalidError,
+    ParamNullptrError,
+    caller_stacklevel,
+    describe,
+    require,
+    require_int,
+    require_real,
+)
 from ..problem import dropout as drop
 from ..problem import layout as layouts
 from ..problem import mask as masks
@@ -192,8 +201,19 @@ def build_problem(
     return problem, shapes
 
 
+# sparse_mode values that describe a mask (causal, band, prefix, ...): without atten_mask they mean nothing.
+MODES_THAT_NEED_A_MASK = (2, 3, 4, 5, 6, 7, 8)
+
+
 def _validate_mask(atten_mask, sparse_mode, shapes: FaShapes, tnd, prefix, pre_tokens, next_tokens):
     if atten_mask is None:
+        if sparse_mode in MODES_THAT_NEED_A_MASK:
+            # Documented (docs/semantics/masks.md) but easy to hit by mistake: a causal mode without its mask.
+            mask = f"cann_attn.compressed_mask({sparse_mode})" if sparse_mode != 5 else \
+                "the [B, 1, Sq, Skv] mask"
+            warnings.warn(f"sparse_mode={sparse_mode} without atten_mask: the FlashAttentionScore family ignores the "
+                          f"mode and computes full attention (pass {mask}, or sparse_mode=0)", UserWarning,
+                          stacklevel=caller_stacklevel())
         return None
     if not isinstance(atten_mask, torch.Tensor):
         raise ParamInvalidError(f"atten_mask: expected a torch.Tensor, got {type(atten_mask).__name__}")

@@ -132,7 +132,9 @@ def quant_plan(query, deq_scale1, quant_scale1, deq_scale2, quant_scale2, quant_
 
 def reject_offset_with_invalid_rows(has_mask, sparse_mode, act_q, act_kv, pre_tokens, next_tokens) -> None:
     """A nonzero quant_offset2 would turn rows with no visible key into quant(0) + offset
-    (docs/operators/prompt_flash_attention.md)."""
+    (docs/operators/prompt_flash_attention.md): refused exactly where the seed intercepts it, from the mode, the band
+    and the lengths. A row that the mask's content hides entirely is not among them (modes 1 and 2: "不会出现满足拦截
+    条件的情况") and gives 0 like every invalid row."""
     for b, (sq, skv) in enumerate(zip(act_q, act_kv, strict=True)):
         if sparse_mode == 0 and has_mask:
             bad = sq - skv - pre_tokens > 0 or next_tokens < 0

@@ -91,7 +91,8 @@ class PagedKv:
     def _tokens(self, cache: torch.Tensor) -> torch.Tensor:
         """[block_num, block_size, N2, d] view of a cache in any layout (NZ: [block_num, block_size, N2, d/c0, c0])."""
         if self.shape.token_dim == 1:
-            return cache.view(cache.shape[0], cache.shape[1], self.shape.heads, -1)
+            # The head dim spelled out: a cache of 0 blocks has no elements to infer it from.
+            return cache.view(cache.shape[0], cache.shape[1], self.shape.heads, cache.shape[2] // self.shape.heads)
         if self.shape.nz:
             return cache.permute(0, 3, 1, 2, 4)
         return cache.permute(0, 2, 1, 3)

@@ -6,6 +6,7 @@ per-batch lengths (PFA, DSA) are plain lengths. Both Python int sequences and in
 
 from __future__ import annotations
 
+import numbers
 from collections.abc import Sequence
 from itertools import pairwise
 
@@ -17,30 +18,31 @@ IntList = Sequence[int] | torch.Tensor
 
 
 def to_int_list(value: IntList | int | None, param: str) -> list[int] | None:
-    """Normalise an int, int sequence or integer tensor to a list of Python ints (None stays None)."""
+    """Normalise an int, int sequence or integer tensor (0-d or 1-d) to a list of Python ints (None stays None).
+    Items are Python or NumPy integers or 0-d integer tensors: `True` and `7.0` are refused rather than converted,
+    and so is a tensor of two or more dimensions rather than flattened (docs/semantics/errors.md)."""
     if value is None:
         return None
     if isinstance(value, torch.Tensor):
-        if value.is_floating_point() or value.is_complex() or value.dtype == torch.bool:
-            raise ParamInvalidError(f"{param}: expected an integer list or integer tensor, got {describe(value)}")
+        if value.is_floating_point() or value.is_complex() or value.dtype == torch.bool or value.dim() > 1:
+            raise ParamInvalidError(f"{param}: expected an integer list or a 1-d integer tensor, got {describe(value)}")
         return [int(x) for x in value.reshape(-1).tolist()]
-    if isinstance(value, int) and not isinstance(value, bool):
-        return [value]
+    if isinstance(value, numbers.Integral) and not isinstance(value, bool):
+        return [int(value)]
+    if isinstance(value, (str, bytes)):
+        raise ParamInvalidError(f"{param}: expected a list of ints, got {value!r}")
     try:
         items = list(value)
     except TypeError:
         raise ParamInvalidError(f"{param}: expected a list of ints, got {value!r}") from None
     out = []
     for item in items:
-        if isinstance(item, bool) or not isinstance(item, int):
-            try:
-                as_int = int(item)
-            except (TypeError, ValueError):
-                raise ParamInvalidError(f"{param}: expected a list of ints, got {value!r}") from None
-            if as_int != item:
-                raise ParamInvalidError(f"{param}: expected a list of ints, got {value!r}")
-            item = as_int
-        out.append(item)
+        integer_tensor = isinstance(item, torch.Tensor) and item.dim() == 0 and not (
+            item.is_floating_point() or item.is_complex() or item.dtype == torch.bool)
+        if integer_tensor or (isinstance(item, numbers.Integral) and not isinstance(item, bool)):
+            out.append(int(item))
+        else:
+            raise ParamInvalidError(f"{param}: expected a list of ints, got {value!r} (item {item!r})")
     return out
 
 
@@ -131,20 +133,26 @@ def starts_of(lengths: Sequence[int]) -> list[int]:
     return starts
 
 
-def per_batch_lengths(value: IntList | int | None, param: str, batch: int, seq: int) -> list[int]:
+def per_batch_lengths(value: IntList | int | None, param: str, batch: int, seq: int | None, *,
+                      broadcast: bool = True) -> list[int]:
     """Per-batch actual lengths of a BSND/BNSD tensor (PFA and DSA ops): None -> S for every batch; one value ->
-    used for every batch; >= B values -> the first B; anything else is an error. Each must be in [0, S]."""
+    used for every batch (unless not `broadcast`); >= B values -> the first B; anything else is an error. Each must
+    be in [0, S] (`seq` None: no upper bound, the paged caches' case)."""
     lengths = to_int_list(value, param)
     if lengths is None:
         return [seq] * batch
-    if len(lengths) == 1:
+    if len(lengths) == 1 and (broadcast or batch == 1):
         lengths = lengths * batch
     elif len(lengths) >= batch:
         lengths = lengths[:batch]
     else:
-        raise ParamInvalidError(f"{param}: expected None, one value or at least B={batch} values, got {lengths}")
+        expected = f"None, one value or at least B={batch} values" if broadcast else \
+            f"one value per sequence (B={batch})"
+        raise ParamInvalidError(f"{param}: expected {expected}, got {lengths}")
     for b, length in enumerate(lengths):
-        if not 0 <= length <= seq:
+        if seq is None and length < 0:
+            raise ParamInvalidError(f"{param}: batch {b} length must be >= 0, got {length}")
+        if seq is not None and not 0 <= length <= seq:
             raise ParamInvalidError(f"{param}: batch {b} length must be in [0, {seq}] (the tensor's S), got {length}")
     return lengths
 

@@ -8,7 +8,6 @@ tile. The mode table lives in `sequence_mask` and nowhere else.
 
 from __future__ import annotations
 
-import threading
 from dataclasses import dataclass
 from enum import Enum
 
@@ -176,24 +175,18 @@ def validate_compressed_mask(atten_mask: torch.Tensor, sparse_mode: int) -> None
         )
 
 
-# Built once per (kind, device) and never modified afterwards (`compressed_mask` hands out clones); the lock keeps
-# threads that race on the first call from building it twice (docs/guides/backends.md, "Threads").
+# Built once per (kind, device) and never modified afterwards (`compressed_mask` hands out clones). Threads racing on
+# the first call may each build one; `setdefault` (atomic on a dict) keeps the first, so every caller shares one
+# tensor (docs/guides/backends.md, "Threads"). No lock: torch.compile traces this function, and a lock is a context
+# manager it cannot enter (fullgraph would break).
 _MASK_CACHE: dict[tuple[int, str], torch.Tensor] = {}
-_MASK_CACHE_LOCK = threading.Lock()
 
 
 def _cached_compressed_mask(sparse_mode: int, device: torch.device) -> torch.Tensor:
     key = (6 if sparse_mode == 6 else 2, str(device))
     mask = _MASK_CACHE.get(key)
-    if mask is not None:
-        return mask
-    if torch.compiler.is_compiling():
-        # Dynamo cannot trace a lock; the traced graph builds the mask itself and leaves the cache to eager calls.
-        return _build_compressed_mask(sparse_mode, device)
-    with _MASK_CACHE_LOCK:
-        mask = _MASK_CACHE.get(key)
-        if mask is None:
-            mask = _MASK_CACHE[key] = _build_compressed_mask(sparse_mode, device)
+    if mask is None:
+        mask = _MASK_CACHE.setdefault(key, _build_compressed_mask(sparse_mode, device))
     return mask
 
 

@@ -26,8 +26,6 @@ from ..errors import ParamInvalidError, ParamNullptrError, describe, require
 from .lengths import IntList, per_batch_lengths
 
 PAGED_KV_LAYOUT = "PA_BSND"
-# Per-batch lengths of a paged cache are bounded by the table, checked separately with a message naming it.
-_NO_LENGTH_BOUND = 2**62
 
 
 @dataclass(frozen=True)
@@ -164,7 +162,8 @@ def page_table(block_table, *, block_size: int, block_count: int, kv_lengths: In
     require(block_table.shape[0] == batch, table_param, f"one row per sequence (B={batch})", block_table)
     if kv_lengths is None:
         raise ParamNullptrError(f"{lengths_param}: required with a paged KV cache (per-sequence key counts), got None")
-    lengths = per_batch_lengths(kv_lengths, lengths_param, batch, _NO_LENGTH_BOUND)
+    # One key count per sequence (a single value is not copied: the table and the cache are per sequence).
+    lengths = per_batch_lengths(kv_lengths, lengths_param, batch, None, broadcast=False)
     needed = [-(-length // block_size) for length in lengths]
     width = block_table.shape[1]
     if needed and max(needed) > width:

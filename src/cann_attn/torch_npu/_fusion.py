@@ -6,22 +6,18 @@ outputs as op-plugin's ``FlashAttentionKernelNpuOpApi.cpp`` / ``FlashAttentionV2
 without ``sink`` (docs/guides/torch_npu.md).
 """
 
-import os
-import sys
 import warnings
 
 import torch
 from torch import Tensor
 
-from ..errors import ParamInvalidError
+from ..errors import ParamInvalidError, caller_stacklevel
 from ..ops.flash_attention_score import INT_MAX
 from ..problem.dropout import drop_mask_numel, validate_drop_mask
 from ..problem.layout import BATCH_SEQ_DIMS, head_dim_of
 from ..problem.lengths import ends_without_trailing_zeros, to_int_list
 from ._registry import npu_op
 from ._rng import draw_state
-
-_PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # warnings point at the caller
 
 NPU_FUSION_ATTENTION_SCHEMAS = {
     ('7.1',): (
@@ -171,14 +167,6 @@ NPU_FUSION_ATTENTION_GRAD_V3_SCHEMAS = {
 }
 
 
-def _caller_stacklevel() -> int:
-    """stacklevel of the first frame outside cann_attn, so a warning names the caller's line."""
-    frame, level = sys._getframe(1), 1
-    while frame is not None and frame.f_code.co_filename.startswith(_PACKAGE_DIR):
-        frame, level = frame.f_back, level + 1
-    return level
-
-
 def _lengths(layout: str, actual_seq_qlen, actual_seq_kvlen):
     """Cumulative ends for TND (trailing zeros = batches left out). Other layouts ignore the lengths: op-plugin
     passes them on, but FlashAttentionScore's tiling reads them only for TND; a UserWarning names each one given."""
@@ -188,7 +176,7 @@ def _lengths(layout: str, actual_seq_qlen, actual_seq_kvlen):
     for name, value in (("actual_seq_qlen", actual_seq_qlen), ("actual_seq_kvlen", actual_seq_kvlen)):
         if value is not None:
             warnings.warn(f"{name}: ignored with input_layout {layout!r} (only TND uses sequence lengths)",
-                          UserWarning, stacklevel=_caller_stacklevel())
+                          UserWarning, stacklevel=caller_stacklevel())
     return None, None
 
 

@@ -16,8 +16,6 @@ sum +FLT_MAX (section 3).
 
 from __future__ import annotations
 
-import threading
-
 import torch
 import triton
 import triton.language as tl
@@ -195,19 +193,18 @@ def _gpu_configs() -> list[triton.Config]:
 
 TUNE_KEY = ["DQK", "DV", "HAS_MASK", "PSE_KIND", "HAS_DROP", "BANDED", "GROUP", "OFF_ALIGN"]
 _tuned: dict[str, object] = {}
-_tuned_lock = threading.Lock()
 
 
 def _launcher(name: str, kernel, configs, reset_to_zero: list[str] | None = None):
-    """The autotuned kernel on a GPU (built once, under a lock: threads launching together share one autotuner and
-    its timings), the plain kernel in the interpreter."""
+    """The autotuned kernel on a GPU (built once: threads launching together may each build one, and `setdefault`
+    keeps the first, so all share one autotuner and its timings), the plain kernel in the interpreter."""
     if INTERPRET:
         return kernel
-    with _tuned_lock:
-        if name not in _tuned:
-            _tuned[name] = triton.autotune(tuning_configs(configs), key=TUNE_KEY,
-                                           reset_to_zero=reset_to_zero)(kernel)
-        return _tuned[name]
+    tuned = _tuned.get(name)
+    if tuned is None:
+        tuned = _tuned.setdefault(name, triton.autotune(tuning_configs(configs), key=TUNE_KEY,
+                                                        reset_to_zero=reset_to_zero)(kernel))
+    return tuned
 
 
 def interpreter_block(plan: DensePlan) -> int:
