@@ -359,3 +359,59 @@ def test_int8_and_int4_decode_dequantise_as_they_read(monkeypatch):
         m.setattr(fia_problem.antiquants, "unpack_int4", refuse)
         out = cann_attn.fused_infer_attention_score(q, pack_int4(k4), pack_int4(k4), **kw)[0]
     assert torch.equal(out, cann_attn.fused_infer_attention_score(q, k4, k4, **kw)[0])
+
+
+def test_torch_npu_spellings_and_torch_ops_npu_after_install():
+    """The new parameters through cann_attn.torch_npu and through torch.ops.npu after install() (a subprocess:
+    install() replaces the torch_npu module for the process): out_dtype as a torch.dtype, learnable_sink, int4
+    key/value, an int8 paged cache, block_size without a table."""
+    import os
+    import subprocess
+    import sys
+    import textwrap
+    from pathlib import Path
+
+    script = textwrap.dedent("""
+        import torch
+        import cann_attn
+        import cann_attn.torch_npu
+        cann_attn.torch_npu.install()
+        import torch_npu
+        g = torch.Generator().manual_seed(0)
+        q = torch.randn(1, 2, 4, 16, generator=g).half()
+        for fn in (torch_npu.npu_fused_infer_attention_score_v2, torch.ops.npu.npu_fused_infer_attention_score_v2):
+            out, _ = fn(q, q, q, num_query_heads=2, input_layout="BNSD", quant_scale_out=torch.tensor([8.0]),
+                        out_dtype=torch.int8)
+            assert out.dtype == torch.int8
+        t = torch.randn(12, 2, 64, generator=g).bfloat16()
+        sink = torch.randn(2, generator=g).bfloat16()
+        kw = dict(num_query_heads=2, input_layout="TND", actual_seq_qlen=[5, 12], actual_seq_kvlen=[5, 12],
+                  sparse_mode=3, atten_mask=cann_attn.compressed_mask(3), learnable_sink=sink, block_size=128)
+        a = torch_npu.npu_fused_infer_attention_score_v2(t, t, t, **kw)[0]
+        b = torch.ops.npu.npu_fused_infer_attention_score_v2(t, t, t, **kw)[0]
+        assert torch.equal(a, b)
+        dq = torch.randn(2, 1, 2, 64, generator=g).half()
+        packed = torch.randint(-2**31, 2**31 - 1, (2, 9, 2, 8), generator=g, dtype=torch.int64).to(torch.int32)
+        scale = torch.full((1, 128), 0.05).half()
+        kw = dict(num_heads=2, input_layout="BSND", key_antiquant_scale=scale, value_antiquant_scale=scale)
+        a = torch_npu.npu_fused_infer_attention_score(dq, packed, packed, **kw)[0]
+        b = torch.ops.npu.npu_fused_infer_attention_score(dq, packed, packed, **kw)[0]
+        assert torch.equal(a, b) and bool(torch.isfinite(a).all())
+        cache = torch.randint(-100, 100, (3, 32, 128), generator=g).to(torch.int8)
+        table = torch.tensor([[0, 2], [1, 0]], dtype=torch.int32)
+        bq = torch.randn(2, 1, 128, generator=g).bfloat16()
+        s = torch.full((2, 1, 64), 0.02).bfloat16()
+        kw = dict(num_heads=2, input_layout="BSH", block_table=table, block_size=32, actual_seq_lengths_kv=[40, 7],
+                  key_antiquant_scale=s, value_antiquant_scale=s, softmax_lse_flag=True)
+        a = torch_npu.npu_incre_flash_attention(bq, cache, cache, num_heads=2, input_layout="BSH",
+                                                block_table=table, block_size=32, actual_seq_lengths=[40, 7],
+                                                antiquant_scale=torch.cat([s, s]).view(2, 2, 1, 64))
+        b = torch.ops.npu.npu_fused_infer_attention_score(bq, cache, cache, **kw)[0]
+        assert a.shape == b.shape == (2, 1, 128)
+        print("OK")
+    """)
+    env = dict(os.environ)
+    src = str(Path(__file__).resolve().parents[1] / "src")
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (src, env.get("PYTHONPATH")) if p)
+    done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0 and done.stdout.strip().endswith("OK"), done.stderr[-3000:]
