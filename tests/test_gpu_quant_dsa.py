@@ -1,6 +1,6 @@
 """The quantised DSA inference operators on a CUDA GPU (docs/operators/quant_dsa.md): the kv-quant sparse attention
 (dequantisation, then the Triton SparseFlashAttention kernels reading the paged cache) against the float64 oracle,
-and the quantised indexer (reference kernels on the GPU) equal to the CPU result. Run with
+and the quantised indexer (the Triton indexer kernel with its scales) equal to the CPU result on exact inputs. Run with
 `pytest -m gpu tests/test_gpu_quant_dsa.py`; skipped without CUDA."""
 
 from __future__ import annotations
@@ -38,3 +38,17 @@ def test_quant_indexer_on_gpu_equals_cpu():
     case = QuantCase("BSND", gen, exact=True)
     want = case.run(sparse_count=5)
     assert torch.equal(_to(case, "cuda").run(sparse_count=5).cpu(), want)
+
+
+def test_quant_indexer_paged_on_gpu_equals_cpu():
+    import cann_attn
+
+    gen = torch.Generator().manual_seed(1)
+    case = QuantCase("BSND", gen, exact=True, s2=40)
+    want = case.run(sparse_count=6)
+    key_cache, scale_cache, table = case.paged(torch.Generator().manual_seed(2))
+    got = cann_attn.quant_lightning_indexer(
+        case.query.cuda(), key_cache.cuda(), case.weights.cuda(), case.query_scale.cuda(), scale_cache.cuda(),
+        block_table=table.cuda(), layout_key="PA_BSND", actual_seq_lengths_query=case.q_lens,
+        actual_seq_lengths_key=case.kv_lens, sparse_count=6)
+    assert torch.equal(got.cpu(), want)

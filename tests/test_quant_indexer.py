@@ -135,25 +135,25 @@ def test_mutant_scale_on_the_wrong_head_is_caught(signed, rng, monkeypatch):
     """Scale placement: a kernel that applies head h's query scale to head H-1-h must differ from the oracle (both
     the folded path of non-negative scales and the general one)."""
     case = QuantCase("BSND", rng, exact=True, signed_scales=signed)
-    assert torch.equal(case.run(sparse_count=5), oracle.top_k_oracle(case.scores(3), 5))
+    assert torch.equal(case.run(sparse_count=5, backend="reference"), oracle.top_k_oracle(case.scores(3), 5))
     original = kernel.index_scores
     monkeypatch.setattr(kernel, "index_scores", lambda q, k, w, qs=None, ks=None: original(
         q, k, w, None if qs is None else qs.flip(-1), ks))
-    assert not torch.equal(case.run(sparse_count=5), oracle.top_k_oracle(case.scores(3), 5))
+    assert not torch.equal(case.run(sparse_count=5, backend="reference"), oracle.top_k_oracle(case.scores(3), 5))
 
 
 def test_mutant_block_mapping_is_caught(rng, monkeypatch):
     """Block mapping: key scales read from the neighbouring logical block (a wrong table lookup) must change the
     paged result."""
     case = QuantCase("BSND", rng, s2=40, exact=True)
-    want = case.run(sparse_count=6)
+    want = case.run(sparse_count=6, backend="reference")
     original = kernel.top_k_sequence
 
     def mutant(*a, k_scale=None, **kw):
         return original(*a, k_scale=None if k_scale is None else k_scale.roll(16), **kw)
 
     monkeypatch.setattr(kernel, "top_k_sequence", mutant)
-    assert not torch.equal(case.run_paged(rng, 16, sparse_count=6), want)
+    assert not torch.equal(case.run_paged(rng, 16, sparse_count=6, backend="reference"), want)
 
 
 @settings(max_examples=20, deadline=None)

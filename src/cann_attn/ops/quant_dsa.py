@@ -9,7 +9,7 @@ import torch
 from ..backends import select_backend
 from ..backends.reference import indexer as kernel
 from ..backends.reference import sparse_attention as sfa_kernel
-from ..backends.triton.sparse_plan import sparse_unsupported
+from ..backends.triton.sparse_plan import MAX_INDEX_DIM, MAX_INDEX_HEADS, indexer_tables, sparse_unsupported
 from ..errors import ParamInvalidError, require, require_int
 from ..problem import dequant, precision
 from ..problem import sink as sink_rule
@@ -45,6 +45,15 @@ def _no_hifloat8(value, param: str) -> None:
     if value is not None:
         raise ParamInvalidError(f"{param}: only hifloat8 may be named here, and hifloat8 inputs are not supported "
                                 f"(no torch dtype); pass None with int8 / float8_e4m3fn tensors, got {value!r}")
+
+
+def _quant_indexer_unsupported(query: torch.Tensor) -> str | None:
+    """Why the Triton indexer kernel cannot score this quantised case (None when it can)."""
+    if query.shape[-2] > MAX_INDEX_HEADS:
+        return f"{query.shape[-2]} index heads exceed the kernels' {MAX_INDEX_HEADS}"
+    if query.shape[-1] > MAX_INDEX_DIM:
+        return f"index head dim {query.shape[-1]} exceeds the kernels' {MAX_INDEX_DIM}"
+    return None
 
 
 def _default_window(pre_tokens, next_tokens) -> None:
@@ -129,8 +138,17 @@ def quant_lightning_indexer(
     else:
         problem = sequence_spans(layout, query, key, actual_seq_lengths_query, actual_seq_lengths_key,
                                  "actual_seq_lengths_key", "key")
-    select_backend(backend, query.device, op="quant_lightning_indexer")  # reference kernels only (any device)
     indices = torch.full((*query.shape[:-2], 1, sparse_count), -1, dtype=torch.int32, device=query.device)
+    if select_backend(backend, query.device, op="quant_lightning_indexer",
+                      unsupported=lambda: _quant_indexer_unsupported(query)) == "triton":
+        from ..backends.triton import indexer as triton_kernel
+
+        block_table = None if problem.pages is None else problem.pages.table.to(query.device)
+        triton_kernel.lightning_top_k(
+            query, key, weights, indexer_tables(problem, int(sparse_mode), query.device), sparse_count,
+            indices.view(-1, sparse_count), None, block_table, query_scale=query_dequant_scale,
+            key_scale=key_dequant_scale)
+        return indices
     for b in range(len(problem.q_spans)):
         lq, lk = problem.q_lengths[b], problem.kv_lengths[b]
         if lq == 0 or lk == 0:

@@ -60,13 +60,16 @@ def examined_keys(row_idx, start, n_exam, thr, kv0, BLOCK_N: tl.constexpr):
 # LightningIndexer
 # ----------------------------------------------------------------------------------------------------------
 @triton.jit
-def _index_keys_kernel(QI, KI, W, KV_START, THR, KEYS, BT, row0, width,
-                       stride_qt, stride_qh, stride_kt, stride_wt, stride_keys, stride_kb,
+def _index_keys_kernel(QI, KI, W, KV_START, THR, KEYS, BT, QS, KS, row0, width,
+                       stride_qt, stride_qh, stride_kt, stride_wt, stride_keys, stride_kb, stride_sb,
                        H, DI, PRECISION: tl.constexpr,
-                       BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, PAGE: tl.constexpr):
+                       BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, PAGE: tl.constexpr,
+                       QUANT: tl.constexpr):
     """KEYS[r - row0, s] for keys s of block program_id(0) (INT64_MIN where s >= thr(r)). PAGE > 0: KI is a paged
     cache [block_num, PAGE, D] read in place through the block table BT (KV_START: each row's offset into BT;
-    docs/semantics/paged-kv.md)."""
+    docs/semantics/paged-kv.md). QUANT (QuantLightningIndexer): QI / KI hold the int8 / fp8 values (exactly, as
+    fp16 or fp32) and each dot product is scaled by QS[r, h] * KS[s] before the ReLU (problem/dequant.py); KS is
+    [rows] or, paged, [block_num, PAGE] read through the same table."""
     cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     r = row0 + tl.program_id(1).to(tl.int64)
     thr = tl.load(THR + r)
@@ -84,10 +87,17 @@ def _index_keys_kernel(QI, KI, W, KV_START, THR, KEYS, BT, row0, width,
         if PAGE > 0:
             block, slot = paged_key_slots(kv0 + cols, kv0, allowed, BT, PAGE)
             k_off = block * stride_kb + slot * stride_kt
+            s_off = block * stride_sb + slot
         else:
             k_off = (kv0 + cols) * stride_kt
+            s_off = kv0 + cols
         k = tl.load(KI + k_off[:, None] + offs_d[None, :], mask=allowed[:, None] & d_ok[None, :], other=0.0)
-        relu = tl.maximum(tl.dot(q, tl.trans(k), input_precision=PRECISION), 0.0)
+        dots = tl.dot(q, tl.trans(k), input_precision=PRECISION)
+        if QUANT:
+            qs = tl.load(QS + r * H + heads, mask=h_ok, other=0.0)
+            ks = tl.load(KS + s_off, mask=allowed, other=0.0)
+            dots = dots * (qs[:, None] * ks[None, :])
+        relu = tl.maximum(dots, 0.0)
         score = tl.sum(relu * w[:, None], 0)
         score = tl.where(score == 0.0, 0.0, score)  # -0 sorts like +0 (ties to the smaller index)
         bits = score.to(tl.int32, bitcast=True)
@@ -107,15 +117,20 @@ def _decode_scores(keys: torch.Tensor) -> torch.Tensor:
 
 def lightning_top_k(query_index: torch.Tensor, key_index: torch.Tensor, weights: torch.Tensor, tables: RowTables,
                     sparse_count: int, indices_out: torch.Tensor, values_out: torch.Tensor | None,
-                    block_table: torch.Tensor | None = None) -> None:
+                    block_table: torch.Tensor | None = None, query_scale: torch.Tensor | None = None,
+                    key_scale: torch.Tensor | None = None) -> None:
     """Fill indices_out [R, K] (int32, pre-filled with -1) and values_out [R, K] (pre-filled with -inf). With
-    `block_table`, key_index is a paged cache [block_num, block_size, 1, D] read in place."""
+    `block_table`, key_index is a paged cache [block_num, block_size, 1, D] read in place. With `query_scale`
+    ([.., H], per row and head) and `key_scale` (the key's leading dims, paged like it), int8 / float8_e4m3fn inputs
+    are scored as QuantLightningIndexer (their values are exact in fp16, so the GPU's fp16 dot products with fp32
+    accumulation are those of the quantised values)."""
     rows = tables.rows
     width = tables.max_positions  # the largest allowed-key count of any row
     if rows == 0 or width == 0:
         return
     interp = interpreting()
-    work = torch.float32 if interp else query_index.dtype
+    quant = query_scale is not None
+    work = torch.float32 if interp else (torch.float16 if quant else query_index.dtype)
     qi = _rows3(query_index, rows, work)
     ki = _pages3(key_index, work) if block_table is not None else _rows2(key_index, work)
     stride_kb, stride_kt = (ki.stride(0), ki.stride(1)) if block_table is not None else (0, ki.stride(0))
@@ -128,15 +143,19 @@ def lightning_top_k(query_index: torch.Tensor, key_index: torch.Tensor, weights:
     k = min(sparse_count, width)
     # Rows go on grid axis y, which allows at most 65535 programs.
     slab = max(1, min(rows, TOPK_KEY_BYTES // (width * 8), MAX_GRID_Y))
+    qs = w if not quant else query_scale.reshape(rows, heads).float().contiguous()
+    ks = w if not quant else (key_scale.reshape(key_scale.shape[0], -1) if block_table is not None
+                              else key_scale.reshape(-1)).float().contiguous()
+    stride_sb = ks.stride(0) if quant and block_table is not None else 0
     for row0 in range(0, rows, slab):
         n = min(slab, rows - row0)
         keys = torch.empty((n, width), dtype=torch.int64, device=qi.device)
         grid = (triton.cdiv(width, block_n), n)
         _index_keys_kernel[grid](qi, ki, w, tables.kv_start, tables.thr, keys,
-                                 tables.kv_start if block_table is None else block_table, row0, width,
-                                 qi.stride(0), qi.stride(1), stride_kt, w.stride(0), keys.stride(0), stride_kb, heads,
-                                 di, PRECISION=_precision(work), BLOCK_H=block_h, BLOCK_D=block_d, BLOCK_N=block_n,
-                                 PAGE=0 if block_table is None else key_index.shape[1],
+                                 tables.kv_start if block_table is None else block_table, qs, ks, row0, width,
+                                 qi.stride(0), qi.stride(1), stride_kt, w.stride(0), keys.stride(0), stride_kb,
+                                 stride_sb, heads, di, PRECISION=_precision(work), BLOCK_H=block_h, BLOCK_D=block_d,
+                                 BLOCK_N=block_n, PAGE=0 if block_table is None else key_index.shape[1], QUANT=quant,
                                  **({} if interp else {"num_warps": 4}))
         top, order = torch.topk(keys, k, dim=-1, sorted=True)
         taken = torch.arange(k, device=keys.device).view(1, -1) < tables.thr[row0 : row0 + n].view(-1, 1)
