@@ -55,3 +55,17 @@ def rng(request) -> torch.Generator:
         seed = (seed * 131 + ord(ch)) % (2**31 - 1)
     torch.manual_seed(seed)
     return torch.Generator().manual_seed(seed)
+
+
+@pytest.fixture(params=["reference", "reference_pytorch_path", "triton"])
+def every_path(request, monkeypatch) -> str:
+    """The `backend=` value of each computation path: the reference backend with its native loops, the reference
+    backend's PyTorch path (CANN_ATTN_NATIVE=0) and the Triton kernels (the interpreter on CPU)."""
+    if request.param == "triton":
+        pytest.importorskip("triton")
+        return "triton"
+    if request.param == "reference_pytorch_path":
+        from cann_attn.backends.reference import native
+
+        monkeypatch.setenv(native.ENV_SWITCH, "0")
+    return "reference"

@@ -12,22 +12,11 @@ import pytest
 import torch
 
 import cann_attn
-from cann_attn.backends.reference import native
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 
 B, N, S, D = 1, 2, 40, 16
 SCALE = 0.25
-
-
-@pytest.fixture(params=["reference", "reference_pytorch_path", "triton"])
-def backend(request, monkeypatch) -> str:
-    if request.param == "triton":
-        pytest.importorskip("triton")
-        return "triton"
-    if request.param == "reference_pytorch_path":
-        monkeypatch.setenv(native.ENV_SWITCH, "0")
-    return "reference"
 
 
 def _inputs(poison: float) -> tuple[tuple[torch.Tensor, ...], torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -47,13 +36,13 @@ def _assert_same(got: torch.Tensor, want: torch.Tensor, name: str) -> None:
 
 
 @pytest.mark.parametrize("poison", [float("nan"), float("inf")], ids=["nan", "inf"])
-def test_flash_attention_forward_and_backward(backend: str, poison: float) -> None:
+def test_flash_attention_forward_and_backward(every_path: str, poison: float) -> None:
     (q, k, v), mask, clean, poisoned = _inputs(poison)
 
     def run(pse: torch.Tensor) -> tuple[torch.Tensor, ...]:
         leaves = [t.clone().requires_grad_() for t in (q, k, v)]
         out = cann_attn.flash_attention(*leaves, N, "BNSD", pse=pse, atten_mask=mask, scale_value=SCALE,
-                                        backend=backend)
+                                        backend=every_path)
         out.backward(torch.ones_like(out))
         return (out.detach(), *(t.grad for t in leaves))
 
@@ -62,16 +51,16 @@ def test_flash_attention_forward_and_backward(backend: str, poison: float) -> No
 
 
 @pytest.mark.parametrize("poison", [float("nan"), float("inf")], ids=["nan", "inf"])
-def test_prompt_flash_attention(backend: str, poison: float) -> None:
+def test_prompt_flash_attention(every_path: str, poison: float) -> None:
     (q, k, v), mask, clean, poisoned = _inputs(poison)
     got, want = (cann_attn.prompt_flash_attention(q, k, v, num_heads=N, input_layout="BNSD", pse_shift=pse,
-                                                   atten_mask=mask, scale_value=SCALE, backend=backend)
+                                                   atten_mask=mask, scale_value=SCALE, backend=every_path)
                  for pse in (poisoned, clean))
     _assert_same(got, want, "attention_out")
 
 
 @pytest.mark.parametrize("poison", [float("nan"), float("inf")], ids=["nan", "inf"])
-def test_fused_infer_attention_decode(backend: str, poison: float) -> None:
+def test_fused_infer_attention_decode(every_path: str, poison: float) -> None:
     (q, k, v), _, clean, poisoned = _inputs(poison)
     mask = torch.zeros(B, 1, 1, S, dtype=torch.bool)
     mask[..., ::3] = True
@@ -80,7 +69,7 @@ def test_fused_infer_attention_decode(backend: str, poison: float) -> None:
     poisoned[..., ::3] = poison
     got, want = (cann_attn.fused_infer_attention_score(q[:, :, :1], k, v, num_heads=N, input_layout="BNSD",
                                                         pse_shift=pse, atten_mask=mask, scale=SCALE,
-                                                        softmax_lse_flag=True, backend=backend)
+                                                        softmax_lse_flag=True, backend=every_path)
                  for pse in (poisoned, clean))
     _assert_same(got[0], want[0], "attention_out")
     _assert_same(got[1], want[1], "softmax_lse")
