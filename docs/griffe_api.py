@@ -20,7 +20,7 @@ SINKS, BACKENDS, CP = "semantics/sinks.md", "guides/backends.md", "guides/contex
 
 # name -> (meaning, page that decides it)
 MEANINGS: dict[str, tuple[str, str]] = {
-    "query": ("the queries, in the layout the layout argument names", LAYOUTS),
+    "query": ("the queries (laid out as the layout argument says)", LAYOUTS),
     "key": ("the keys (N2 heads; N1 a multiple of N2)", LAYOUTS),
     "value": ("the values (same layout as key; its head dim may be smaller)", LAYOUTS),
     "head_num": ("N1, the number of query heads", LAYOUTS),
@@ -126,10 +126,14 @@ def _meaning(name: str, func: griffe.Function) -> str:
 class ApiReference(griffe.Extension):
     """Adds the Args section and the links (see the module docstring)."""
 
+    def on_instance(self, *, node, obj: griffe.Object, agent, **kwargs) -> None:
+        if obj.docstring is not None:
+            obj.docstring.value = _DOC_PATH.sub(lambda match: _link(match[1]), obj.docstring.value)
+
     def on_function_instance(self, *, node, func: griffe.Function, agent, **kwargs) -> None:
         if func.docstring is None or func.name.startswith("_"):
             return
-        text = _DOC_PATH.sub(lambda match: _link(match[1]), func.docstring.value)
+        text = func.docstring.value
         parameters = [p for p in func.parameters if p.name not in ("self", "cls") and not p.name.startswith("*")
                       and p.kind not in (griffe.ParameterKind.var_positional, griffe.ParameterKind.var_keyword)]
         if parameters and not re.search(r"^\s*(Args|Arguments|Parameters):\s*$", text, flags=re.MULTILINE):

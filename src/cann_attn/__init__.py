@@ -1,6 +1,6 @@
 """cann_attn: Huawei Ascend CANN fused-attention operators, exactly as documented, off the NPU.
 
-Public API: docs/design.md. Semantics: docs/semantics/ (docstrings cite its sections by number, see docs/api.md).
+Public API: docs/design.md. What every parameter means: docs/semantics/index.md, which the docstrings cite by page.
 """
 
 from . import library  # noqa: F401  (registers the cann_attn::* custom ops)

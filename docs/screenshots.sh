@@ -1,0 +1,34 @@
+#!/usr/bin/env bash
+# Screenshots of the built site as a 1280 x 900 browser window shows it, opened from file://:
+#   make docs && bash docs/screenshots.sh [SITE_DIR]       # writes docs/images/screenshot_*.png
+# Headless chromium (Debian: apt-get install chromium). For a part further down a page (a figure, an argument table),
+# a copy of the page drops what comes before it (headless chromium paints nothing when started scrolled down).
+set -eu
+SITE=$(realpath "${1:-site}")
+OUT=$(realpath "$(dirname "$0")/images")
+shot() {  # page, output
+  chromium --headless --no-sandbox --disable-gpu --no-first-run --disable-background-networking \
+    --disable-component-update --disable-sync --user-data-dir="$(mktemp -d)" --hide-scrollbars \
+    --virtual-time-budget=8000 --screenshot="$2" --window-size=1280,900 "file://$SITE/$1" >/dev/null 2>&1
+}
+shot_from() {  # page, CSS selector of the first element to show, output
+  local copy
+  copy="$(dirname "$1")/_screenshot_$(basename "$1")"
+  python3 - "$SITE/$1" "$SITE/$copy" "$2" <<'PY'
+import sys
+source, copy, selector = sys.argv[1:]
+script = """<script>addEventListener("DOMContentLoaded", () => {
+  for (let node = document.querySelector('%s'); node && !node.classList.contains("md-content__inner");
+       node = node.parentElement)
+    while (node.previousElementSibling && node.previousElementSibling.tagName !== "H1")
+      node.previousElementSibling.remove();
+});</script></body>""" % selector
+open(copy, "w", encoding="utf-8").write(open(source, encoding="utf-8").read().replace("</body>", script))
+PY
+  shot "$copy" "$3"
+  rm "$SITE/$copy"
+}
+shot index.html "$OUT/screenshot_home.png"
+shot api.html "$OUT/screenshot_api.png"
+shot_from semantics/masks.html 'img[src*=mask_modes]' "$OUT/screenshot_semantics_masks.png"
+shot_from api.html '.doc-function' "$OUT/screenshot_api_arguments.png"
