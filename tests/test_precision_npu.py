@@ -20,6 +20,7 @@ from cann_attn.testing.npu_recipes import (
     kl_loss_recipe,
     op_plugin_pfa_golden,
     pfa_recipe,
+    quant_indexer_recipe,
     rnd,
     sfa_grad_recipe,
     sfa_recipe,
@@ -286,6 +287,23 @@ def test_kl_loss_npu_mode_within_two_ulps(dtype):
         assert_within_ulps(exact.d_key_index, expected[1])
 
 
+def test_quant_indexer_npu_mode_ranks_as_the_kernel_rounds():
+    """int8 QuantLightningIndexer with fp16 weights / scales: the fp16 products and folded weights decide the order
+    of near-equal scores; "npu" mode returns the recipe's indices exactly, "exact" mode does not."""
+    g = torch.Generator().manual_seed(0)
+    q = torch.randint(-127, 128, (1, 16, 8, 64), generator=g, dtype=torch.int8)
+    key = torch.randint(-127, 128, (1, 512, 1, 64), generator=g, dtype=torch.int8)
+    weights = torch.randn(1, 16, 8, generator=g).half()
+    q_scale = (torch.rand(1, 16, 8, generator=g) * 0.01 + 0.001).half()
+    k_scale = (torch.rand(1, 512, 1, generator=g) * 0.01 + 0.001).half()
+    args = (q, key, weights, q_scale, k_scale)
+    with cann_attn.precision("npu"):
+        npu = cann_attn.quant_lightning_indexer(*args, sparse_count=64, sparse_mode=0)
+    recipe = quant_indexer_recipe(*args, 64)
+    assert torch.equal(npu, recipe)
+    assert not torch.equal(cann_attn.quant_lightning_indexer(*args, sparse_count=64, sparse_mode=0), recipe)
+
+
 def test_exact_mode_is_untouched_by_the_switch(monkeypatch):
     """"exact" outputs are the same bits whether the mode is unset, set to "exact" by the environment or by the
     context manager, and after an "npu" call."""
@@ -307,3 +325,18 @@ def test_exact_mode_is_untouched_by_the_switch(monkeypatch):
     env = run()
     for a, b, c in zip(before, ctx, env, strict=True):
         assert torch.equal(a, b) and torch.equal(a, c)
+
+
+@pytest.mark.parametrize("dtype", HALF_TYPES)
+def test_round_float_rounds_float64_once_near_ties(dtype):
+    """float64 values a hair off a tie (where rounding through fp32 would land on the tie) and exact ties, in the
+    normal and fp16 subnormal ranges, against the recipe's spacing arithmetic."""
+    step = 2.0**-10 if dtype == torch.float16 else 2.0**-7
+    g = torch.Generator().manual_seed(4)
+    base = (torch.randint(-2000, 2000, (4000,), generator=g).double() * step + 0.5 * step) \
+        * torch.exp2(torch.randint(-20, 10, (4000,), generator=g).double())
+    hair = base * 2.0**-35
+    x = torch.cat([base, base + hair, base - hair, torch.tensor([3 * 2.0**-25, 5 * 2.0**-25, 2.0**-30])])
+    for mode, away in ((prec.HALF_EVEN, False), (prec.HALF_AWAY, True)):
+        assert torch.equal(prec.round_float(x, dtype, mode).float(), rnd(x, dtype, away))
+        assert torch.equal(prec.round_float(x.float(), dtype, mode).float(), rnd(x.float(), dtype, away))

@@ -4,10 +4,13 @@ docs/operators/quant_dsa.md). Dequantisation: problem/dequant.py."""
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from ..backends import select_backend
 from ..backends.reference import indexer as kernel
+from ..backends.reference import npu_attention
 from ..backends.reference import sparse_attention as sfa_kernel
 from ..backends.triton.sparse_plan import MAX_INDEX_DIM, MAX_INDEX_HEADS, indexer_tables, sparse_unsupported
 from ..errors import ParamInvalidError, require, require_int
@@ -138,6 +141,8 @@ def quant_lightning_indexer(
     else:
         problem = sequence_spans(layout, query, key, actual_seq_lengths_query, actual_seq_lengths_key,
                                  "actual_seq_lengths_key", "key")
+    pipeline = precision.quant_indexer_pipeline(query.dtype, weights.dtype) if precision.npu_mode() else None
+    npu_scores = None if pipeline is None else functools.partial(npu_attention.quant_index_scores, pipeline)
     indices = torch.full((*query.shape[:-2], 1, sparse_count), -1, dtype=torch.int32, device=query.device)
     if select_backend(backend, query.device, op="quant_lightning_indexer",
                       unsupported=lambda: _quant_indexer_unsupported(query)) == "triton":
@@ -161,7 +166,7 @@ def quant_lightning_indexer(
         kernel.top_k_sequence(
             problem.rows(query, b)[:lq], keys, problem.rows(weights, b)[:lq], sparse_mode=int(sparse_mode),
             seq_q=lq, seq_kv=lk, k=sparse_count, indices_out=problem.rows(indices, b)[:lq, 0], values_out=None,
-            q_scale=problem.rows(query_dequant_scale, b)[:lq], k_scale=key_scales)
+            q_scale=problem.rows(query_dequant_scale, b)[:lq], k_scale=key_scales, npu_scores=npu_scores)
     return indices
 
 

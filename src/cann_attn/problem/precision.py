@@ -38,6 +38,7 @@ __all__ = [
     "AttentionPipeline",
     "Cast",
     "GradPipeline",
+    "QuantIndexerPipeline",
     "current_mode",
     "fa_grad_pipeline",
     "fa_pipeline",
@@ -48,6 +49,7 @@ __all__ = [
     "npu_mode",
     "pfa_pipeline",
     "precision",
+    "quant_indexer_pipeline",
     "round_float",
     "round_half_away",
     "sfa_grad_pipeline",
@@ -96,23 +98,45 @@ HALF_AWAY = "half_away"
 HALF_EVEN = "half_even"
 
 
-_FRACTION_BITS = {torch.float16: (10, -14), torch.bfloat16: (7, -126)}  # fraction bits, smallest normal exponent
+# fp16: fp32 values from its smallest normal up are ties when their 13 fraction bits below fp16's are 1000...0; below
+# it, fp16's spacing is a fixed 2^-24.
+_FP16_MIN_NORMAL = 2.0**-14
+_FP16_SUBNORMAL_STEPS = 2.0**24
+
+
+def _ties(y: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Where fp32 `y` lies exactly halfway between two neighbours of `dtype` (float16 or bfloat16)."""
+    bits = y.view(torch.int32)
+    if dtype == torch.bfloat16:  # bf16 is fp32's upper half, subnormals included
+        return (bits & 0xFFFF) == 0x8000
+    normal = (bits & 0x1FFF) == 0x1000
+    steps = y.abs() * _FP16_SUBNORMAL_STEPS  # exact (a power of two)
+    subnormal = (steps - steps.floor()) == 0.5
+    return torch.where(y.abs() < _FP16_MIN_NORMAL, subnormal, normal)
 
 
 def round_float(x: torch.Tensor, dtype: torch.dtype, rounding: str = HALF_EVEN) -> torch.Tensor:
-    """`x` (any float dtype, float64 included) rounded ONCE to float16 or bfloat16, ties to even or away from zero
-    (RoundMode::CAST_RINT / CAST_ROUND); returned in `dtype`. Going through fp32 first could round twice."""
-    bits, emin = _FRACTION_BITS[dtype]
-    wide = x.to(torch.float64)
-    _, exponent = torch.frexp(wide)  # |x| = m * 2**exponent with m in [0.5, 1)
-    spacing = torch.exp2((exponent - 1).clamp(min=emin).to(torch.float64) - bits)
-    steps = wide.abs() / spacing  # exact: a power-of-two division
-    whole = torch.floor(steps)
-    fraction = steps - whole
-    tie_up = torch.ones_like(whole, dtype=torch.bool) if rounding == HALF_AWAY else torch.remainder(whole, 2) == 1
-    up = (fraction > 0.5) | ((fraction == 0.5) & tie_up)
-    rounded = torch.copysign((whole + up.to(torch.float64)) * spacing, wide)
-    return torch.where(torch.isfinite(wide), rounded, wide).to(dtype)
+    """`x` (fp32, or float64 such as an exact GEMM result) rounded ONCE to float16 or bfloat16, ties to even or away
+    from zero (RoundMode::CAST_RINT / CAST_ROUND); returned in `dtype`.
+
+    A float64 value is taken to fp32 first (to nearest) and nudged one fp32 step back toward its true value where
+    that step landed exactly on a tie of `dtype` (the only case in which two roundings differ from one); an fp32
+    value then rounds to nearest-even by the cast, and ties away from zero move one step outward (the other
+    neighbour of a tie y rounded to r is 2y - r, exact in fp32)."""
+    y = x.to(torch.float32)
+    if x.dtype == torch.float64:
+        off_tie = _ties(y, dtype) & (y.to(torch.float64) != x)
+        if bool(off_tie.any()):
+            toward = torch.where(x > y.to(torch.float64), float("inf"), float("-inf")).to(torch.float32)
+            y = torch.where(off_tie, torch.nextafter(y, toward), y)
+    nearest = y.to(dtype)
+    if rounding != HALF_AWAY:
+        return nearest
+    widened = nearest.to(torch.float32)
+    inward = _ties(y, dtype) & (widened.abs() < y.abs())
+    if not bool(inward.any()):
+        return nearest
+    return torch.where(inward, (2.0 * y - widened).to(dtype), nearest)
 
 
 def round_half_away(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -235,6 +259,30 @@ def infer_pipeline(op: str, dtype: torch.dtype, kv_dtype: torch.dtype, out_dtype
     if op == "incre_flash_attention" or (op.startswith("fused_infer_attention_score") and decode):
         return ifa_pipeline(kv_dtype, dtype if out_dtype == torch.int8 else out_dtype)
     return pfa_pipeline(dtype, inner_precise)
+
+
+@dataclass(frozen=True)
+class QuantIndexerPipeline:
+    """Where QuantLightningIndexer's A2/A3 kernel rounds its scores: the int32 products leave the cube through the
+    fixpipe as `dots` = fp16(ReLU(Q . K) * `dot_scale`); the vector unit folds W * Scale_Q into `folded` (fp16
+    operands, fp16 product); the cube sums folded_h * dots_h over the heads into `scores` (fp32); the vector unit
+    multiplies by Scale_K in fp32. The constant `dot_scale` leaves the order of the scores (all the operator
+    returns) unchanged but decides which products round to the same fp16 value."""
+
+    operator: str
+    dots: Cast
+    folded: Cast
+    scores: Cast
+    dot_scale: float = 2.0**-10
+
+
+def quant_indexer_pipeline(query_dtype: torch.dtype, weights_dtype: torch.dtype) -> QuantIndexerPipeline | None:
+    """QuantLightningIndexer's pipeline for int8 inputs with fp16 weights and scales (the A2/A3 kernel's `half`
+    operands); None for the other combinations, which no A2/A3 kernel source shows (they compute as "exact")."""
+    if query_dtype != torch.int8 or weights_dtype != torch.float16:
+        return None
+    return QuantIndexerPipeline("quant_lightning_indexer", dots=Cast(torch.float16), folded=Cast(torch.float16),
+                                scores=FP32)
 
 
 def fa_grad_pipeline(dtype: torch.dtype) -> GradPipeline:

@@ -25,6 +25,7 @@ __all__ = [
     "kl_loss_recipe",
     "op_plugin_pfa_golden",
     "pfa_recipe",
+    "quant_indexer_recipe",
     "rnd",
     "sfa_grad_recipe",
     "sfa_recipe",
@@ -246,6 +247,20 @@ def kl_loss_recipe(query, key, query_index, key_index, weights, indices, softmax
     for b in range(key_index.shape[0]):
         dk[b].index_add_(0, indices[b, :, 0].reshape(-1).long(), dk_sel[b].reshape(-1, key_index.shape[-1]))
     return dq, rnd(dk, key_index.dtype, away=True).unsqueeze(2), d_weights, loss
+
+
+def quant_indexer_recipe(query, key, weights, query_scale, key_scale, count: int) -> torch.Tensor:
+    """QuantLightningIndexer on BSND int8 tensors with fp16 weights / scales, every key visible (sparse_mode 0): the
+    top-`count` key indices [B, S1, 1, count] (ties to the smaller index). quant_lightning_indexer op_kernel:
+    service_cube.h:541-546 (fixpipe DEQF16 with ReLU and the scale 0x3a800000 = 2^-10: the int32 products to
+    fp16), service_vector.h:306 (W * Scale_Q multiplied in half), the head sum on the cube (fp32 result, NoQuant,
+    :564), service_vector.h:381-383 (times Scale_K widened to fp32)."""
+    dots = _matmul(query, key[:, :, 0].unsqueeze(1).transpose(-1, -2))  # [B, S1, H, S2]
+    dots = rnd(dots.clamp_min(0.0) * 2.0**-10, torch.float16)
+    folded = rnd(weights.float() * query_scale.float(), torch.float16)  # [B, S1, H]
+    scores = _matmul(folded.unsqueeze(-2), dots).squeeze(-2).float() * key_scale[:, :, 0].float().unsqueeze(1)
+    order = torch.sort(scores, dim=-1, descending=True, stable=True).indices
+    return order[..., :count].unsqueeze(2).to(torch.int32)
 
 
 def op_plugin_pfa_golden(q, k, v, scale: float) -> torch.Tensor:

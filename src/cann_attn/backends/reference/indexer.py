@@ -69,9 +69,11 @@ def index_scores(q_idx: torch.Tensor, k_idx: torch.Tensor, weights: torch.Tensor
 @torch.no_grad()  # kernels fill preallocated outputs; autograd pairs the ops one level up
 def top_k_sequence(q_idx, k_idx, weights, *, sparse_mode: int, seq_q: int, seq_kv: int, k: int,
                    indices_out: torch.Tensor, values_out: torch.Tensor | None,
-                   q_scale: torch.Tensor | None = None, k_scale: torch.Tensor | None = None) -> None:
+                   q_scale: torch.Tensor | None = None, k_scale: torch.Tensor | None = None,
+                   npu_scores: Callable[..., torch.Tensor] | None = None) -> None:
     """Fill indices_out [Sq, K] (int32, -1 padded) and values_out [Sq, K] for one sequence; q_scale [Sq, H] and
-    k_scale [Skv] dequantise int8 / fp8 inputs (QuantLightningIndexer, computed in fp32)."""
+    k_scale [Skv] dequantise int8 / fp8 inputs (QuantLightningIndexer, computed in fp32). `npu_scores` (the "npu"
+    precision mode, docs/semantics/precision.md) forms the quantised scores instead of `index_scores`."""
     dtype = accumulation_dtype(q_idx.dtype)
     k_all = torch.zeros((-(-seq_kv // KEY_ALIGN) * KEY_ALIGN, k_idx.shape[-1]), dtype=dtype, device=k_idx.device)
     k_all[:seq_kv] = k_idx
@@ -82,8 +84,9 @@ def top_k_sequence(q_idx, k_idx, weights, *, sparse_mode: int, seq_q: int, seq_k
     for t0 in range(0, seq_q, ROW_TILE):
         t1 = min(t0 + ROW_TILE, seq_q)
         rows = torch.arange(t0, t1, device=q_idx.device)
-        scores = index_scores(q_idx[t0:t1].to(dtype), k_all, weights[t0:t1].to(dtype),
-                              None if q_scale is None else q_scale[t0:t1], k_scale_all)[:, :seq_kv]
+        score = index_scores if npu_scores is None else npu_scores
+        scores = score(q_idx[t0:t1].to(dtype), k_all, weights[t0:t1].to(dtype),
+                       None if q_scale is None else q_scale[t0:t1], k_scale_all)[:, :seq_kv]
         allowed = allowed_keys(sparse_mode, seq_q, seq_kv, rows)
         cols = torch.arange(seq_kv, device=q_idx.device).view(1, -1)
         disallowed = cols >= allowed.view(-1, 1)

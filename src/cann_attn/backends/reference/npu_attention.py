@@ -20,7 +20,7 @@ import torch
 from ...problem import sink as sinks
 from ...problem.attention import AttentionProblem, Run
 from ...problem.mask import TileState
-from ...problem.precision import AttentionPipeline, GradPipeline
+from ...problem.precision import AttentionPipeline, GradPipeline, QuantIndexerPipeline
 from ...problem.quant import round_to_fp16, round_to_int8
 from ...problem.stats import FLT_MAX
 from .flash_forward import group_rows, key_tiles, write_stat
@@ -72,9 +72,10 @@ def _logits(problem: AttentionProblem, pipeline: AttentionPipeline, run: Run, q_
 def _forward_run(problem: AttentionProblem, pipeline: AttentionPipeline, run: Run, query, key, value, out_view,
                  max_view, sum_view, quant) -> None:
     c, n2, heads = run.count, problem.heads_kv, problem.heads_q
-    q_all = problem.q_view(query, run).to(torch.float32)
-    k = problem.kv_view(key, run).to(torch.float32).reshape(c * n2, run.seq_kv, -1)
-    v = problem.kv_view(value, run).to(torch.float32).reshape(c * n2, run.seq_kv, -1)
+    # The GEMM operands, widened once per run (`_gemm`).
+    q_all = problem.q_view(query, run).to(torch.float64)
+    k = problem.kv_view(key, run).to(torch.float64).reshape(c * n2, run.seq_kv, -1)
+    v = problem.kv_view(value, run).to(torch.float64).reshape(c * n2, run.seq_kv, -1)
     dv = v.shape[-1]
     sink_heads = None if problem.sink is None else sinks.head_values(problem.sink, torch.float32, query.device)
     for i0 in range(0, run.seq_q, BLOCK_Q):
@@ -141,18 +142,20 @@ def _backward_run(problem: AttentionProblem, pipeline: GradPipeline, run: Run, q
                   softmax_max, softmax_sum, dq_view, dk_view, dv_view, dpse_source, dsink_acc) -> None:
     c, n2, heads = run.count, problem.heads_kv, problem.heads_q
     f32 = torch.float32
-    q_all = problem.q_view(query, run).to(f32)
-    k = problem.kv_view(key, run).to(f32).reshape(c * n2, run.seq_kv, -1)
-    v = problem.kv_view(value, run).to(f32).reshape(c * n2, run.seq_kv, -1)
-    dy_all, o_all = problem.q_view(dy, run).to(f32), problem.q_view(attention_in, run).to(f32)
+    f64 = torch.float64  # the GEMM operands, widened once per run (`_gemm`)
+    q_all = problem.q_view(query, run).to(f64)
+    k = problem.kv_view(key, run).to(f64).reshape(c * n2, run.seq_kv, -1)
+    v = problem.kv_view(value, run).to(f64).reshape(c * n2, run.seq_kv, -1)
+    dy_all = problem.q_view(dy, run).to(f64)
     max_all = problem.stat_view(softmax_max, run)[..., 0].to(f32)
     sum_all = problem.stat_view(softmax_sum, run)[..., 0].to(f32)
-    dk_acc, dv_acc = torch.zeros_like(k), torch.zeros_like(v)
+    dk_acc = torch.zeros(k.shape, dtype=f32, device=k.device)
+    dv_acc = torch.zeros(v.shape, dtype=f32, device=v.device)
     pse = run.pse
     pse_grad = None
     if dpse_source is not None and pse is not None and pse.source is not None:
         pse_grad = dpse_source if dpse_source.shape[0] == 1 else dpse_source[run.b0 : run.b0 + run.count]
-    d_sum_all = (dy_all * o_all).sum(-1)
+    d_sum_all = (problem.q_view(dy, run).to(f32) * problem.q_view(attention_in, run).to(f32)).sum(-1)
     scale = float(problem.scale)
     for i0 in range(0, run.seq_q, BLOCK_Q):
         i1 = min(i0 + BLOCK_Q, run.seq_q)
@@ -162,7 +165,7 @@ def _backward_run(problem: AttentionProblem, pipeline: GradPipeline, run: Run, q
         d_sum = d_sum_all[:, :, i0:i1].unsqueeze(-1)
         row_max = max_all[:, :, i0:i1].unsqueeze(-1)
         row_sum = sum_all[:, :, i0:i1].unsqueeze(-1)
-        dq_acc = torch.zeros_like(q_tile)
+        dq_acc = torch.zeros(q_tile.shape, dtype=f32, device=q_tile.device)
         for j0, j1, state in key_tiles(run, i0, i1, BLOCK_Q * 4):
             cols = j1 - j0
             s = _gemm(q_tile, k[:, j0:j1].transpose(1, 2)).to(f32).view(c, heads, rows, cols) * scale
@@ -253,3 +256,15 @@ def sparse_backward_sequence(seq, pipeline: GradPipeline, d_out, out, row_max, r
         dv_sel = _gemm(p_cast.transpose(1, 2), do).to(f32)
         dk.index_add_(0, sel.tokens.reshape(-1), dk_sel.flatten(0, 1))
         dv.index_add_(0, sel.tokens.reshape(-1), dv_sel.flatten(0, 1))
+
+
+def quant_index_scores(pipeline: QuantIndexerPipeline, q_idx: torch.Tensor, k_idx: torch.Tensor,
+                       weights: torch.Tensor, q_scale: torch.Tensor, k_scale: torch.Tensor) -> torch.Tensor:
+    """[rows, Skv] QuantLightningIndexer scores of int8 query rows q_idx [rows, H, D] against keys k_idx [Skv, D],
+    rounded as `pipeline` says (the order of the scores is what the operator returns)."""
+    rows, heads, dim = q_idx.shape
+    dots = _gemm(q_idx.reshape(1, rows * heads, dim), k_idx.transpose(0, 1).unsqueeze(0)).view(rows, heads, -1)
+    dots = pipeline.dots(dots.relu_() * pipeline.dot_scale)
+    folded = pipeline.folded(pipeline.folded(weights) * pipeline.folded(q_scale))
+    scores = pipeline.scores(_gemm(folded.unsqueeze(1), dots).squeeze(1))
+    return scores * k_scale.to(torch.float32).view(1, -1)
