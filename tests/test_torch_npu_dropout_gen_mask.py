@@ -5,6 +5,10 @@ op-plugin's and Ascend/pytorch's flash-attention tests build theirs matches the 
 from __future__ import annotations
 
 import math
+import os
+import subprocess
+import sys
+import textwrap
 
 import numpy as np
 import pytest
@@ -103,3 +107,38 @@ def test_bad_arguments_name_the_parameter(kwargs, param):
     args = {"self": torch.zeros(1), "size": [8], "p": 0.1, "seed": 1, "offset": 0} | kwargs
     with pytest.raises(ParamInvalidError, match=rf"\] {param}:"):
         torch_npu._npu_dropout_gen_mask(**args)
+
+
+def test_peer_test_runs_unchanged_after_install():
+    """A peer golden as op-plugin's flash-attention tests write it: import torch_npu, torch.npu.manual_seed, the
+    mask drawn on an .npu() tensor, the attention on .npu() inputs; after install(device="cpu") it runs as
+    written and matches."""
+    script = """
+        import cann_attn.torch_npu
+        cann_attn.torch_npu.install(device="cpu")
+        import numpy as np
+        import torch
+        import torch_npu
+
+        def peer_mask(q, count, seed, p):
+            torch.npu.manual_seed(seed)
+            packed = torch_npu._npu_dropout_gen_mask(q.npu(), [count], p=p, seed=seed, offset=0, parallel=True,
+                                                     sync=False)
+            return torch.from_numpy(np.unpackbits(packed.cpu().numpy(), count=count, bitorder="little"))
+
+        q, k, v = (torch.randn(1, 4, 32, 16, dtype=torch.float16) for _ in range(3))
+        keep_prob, scale = 0.9, 0.125
+        keep = peer_mask(q, 4 * 32 * 32, 2, 1 - keep_prob).reshape(1, 4, 32, 32)
+        probs = torch.softmax((q.float() @ k.float().transpose(2, 3)) * scale, dim=-1)
+        golden = ((probs * keep / keep_prob) @ v.float()).transpose(1, 2).reshape(1, 32, 64)
+        bsh = [t.transpose(1, 2).reshape(1, 32, 64).npu() for t in (q, k, v)]
+        out = torch_npu.npu_fusion_attention(*bsh, head_num=4, input_layout="BSH", scale=scale,
+                                             keep_prob=keep_prob)[0]
+        assert (out.cpu().float() - golden).abs().max() < 2e-3
+        print("ok")
+    """
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in ("src", os.environ.get("PYTHONPATH")) if p))
+    result = subprocess.run([sys.executable, "-c", textwrap.dedent(script)], env=env, capture_output=True, text=True,
+                            timeout=300)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.split() == ["ok"]
