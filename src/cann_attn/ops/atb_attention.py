@@ -122,7 +122,8 @@ def _paged_caches(key_cache, value_cache, block_table, kv_lengths: list[int], qu
                        batch=len(kv_lengths), rule=ATB_BLOCK_SIZES, lengths_param="context_lens",
                        block_size_param="key_cache")
     shape = CacheShape(num_blocks, block_size, heads_kv, key_cache.shape[-1], token_dim=1)
-    return PagedKv(pages, key_cache, value_cache, None, shape)
+    # As FIA's BnBsH caches [num_blocks, block_size, KVN * D] (views of vLLM's contiguous caches).
+    return PagedKv(pages, key_cache.flatten(2), value_cache.flatten(2), None, shape)
 
 
 def _rows(tensor: Tensor, start: int, count: int, length: int) -> Tensor:
