@@ -17,6 +17,7 @@ from ...problem import antiquant as antiquants
 from ...problem.attention import AttentionProblem
 from ...problem.stats import value_column_scales
 from . import native
+from .flash_forward import has_non_finite
 
 
 def usable(problem: AttentionProblem, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -65,7 +66,7 @@ def forward(problem: AttentionProblem, query, key, value, out, softmax_max=None,
     if seen.numel() == 0:
         return
     denom = row_sum.unsqueeze(-1)
-    if not bool(torch.isfinite(acc).all()):
+    if has_non_finite(acc):
         # P V overflowed on values near FLT_MAX: again with V scaled by exact powers of two per column (`stats`),
         # as fp32 copies of the caches (the loop reads key and value in one dtype).
         if packed_int4:
