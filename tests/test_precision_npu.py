@@ -340,3 +340,30 @@ def test_round_float_rounds_float64_once_near_ties(dtype):
     for mode, away in ((prec.HALF_EVEN, False), (prec.HALF_AWAY, True)):
         assert torch.equal(prec.round_float(x, dtype, mode).float(), rnd(x, dtype, away))
         assert torch.equal(prec.round_float(x.float(), dtype, mode).float(), rnd(x.float(), dtype, away))
+
+
+@pytest.mark.parametrize("feature", ["pse", "dropout", "sink"])
+def test_fa_npu_mode_keeps_every_feature(feature):
+    """pse (and its gradient), dropout and sinks reach the "npu" pipeline: its forward and gradients stay within a
+    few bf16 steps of "exact" mode (dropping a feature moves them by far more)."""
+    q, k, v = _inputs(torch.bfloat16, heads_kv=4, skv=48)
+    g = torch.Generator().manual_seed(9)
+    kwargs = {"scale_value": 0.125}
+    if feature == "pse":
+        kwargs.update(pse=torch.randn(1, 4, 48, 48, generator=g).to(torch.bfloat16), pse_type=1)
+    elif feature == "dropout":
+        numel = cann_attn.drop_mask_numel(4, batch=1, seq_q=48, seq_kv=48)
+        kwargs.update(keep_prob=0.8, drop_mask=cann_attn.gen_drop_mask(numel, 0.8, generator=g))
+    else:
+        kwargs.update(sink=torch.full((4,), 3.0))  # a third or so of each row's weight
+    dy = torch.randn(q.shape, generator=g).to(torch.bfloat16)
+    results = {}
+    for mode in ("exact", "npu"):
+        with cann_attn.precision(mode):
+            fwd = cann_attn.flash_attention_score(q, k, v, 4, "BNSD", **kwargs)
+            grads = cann_attn.flash_attention_score_grad(q, k, v, dy, 4, "BNSD", attention_in=fwd.attention_out,
+                                                         softmax_max=fwd.softmax_max, softmax_sum=fwd.softmax_sum,
+                                                         **kwargs)
+        results[mode] = [fwd.attention_out, *(t for t in grads if t is not None)]
+    for exact, npu in zip(*results.values(), strict=True):
+        torch.testing.assert_close(npu.float(), exact.float(), rtol=0.05, atol=0.05)

@@ -23,6 +23,7 @@ from ...problem.mask import TileState
 from ...problem.precision import AttentionPipeline, GradPipeline, QuantIndexerPipeline
 from ...problem.quant import round_to_fp16, round_to_int8
 from ...problem.stats import FLT_MAX
+from .flash_backward import _pse_grad_target as pse_grad_target
 from .flash_forward import group_rows, key_tiles, write_stat
 from .sparse_attention import INVALID_MAX
 from .sparse_attention import _sequence_selection as sequence_selection
@@ -152,9 +153,7 @@ def _backward_run(problem: AttentionProblem, pipeline: GradPipeline, run: Run, q
     dk_acc = torch.zeros(k.shape, dtype=f32, device=k.device)
     dv_acc = torch.zeros(v.shape, dtype=f32, device=v.device)
     pse = run.pse
-    pse_grad = None
-    if dpse_source is not None and pse is not None and pse.source is not None:
-        pse_grad = dpse_source if dpse_source.shape[0] == 1 else dpse_source[run.b0 : run.b0 + run.count]
+    pse_grad = pse_grad_target(run, dpse_source)
     d_sum_all = (problem.q_view(dy, run).to(f32) * problem.q_view(attention_in, run).to(f32)).sum(-1)
     scale = float(problem.scale)
     for i0 in range(0, run.seq_q, BLOCK_Q):
