@@ -57,7 +57,8 @@ def test_site_builds_strictly(tmp_path):
     and any mkdocstrings warning about a docstring fail the build. mkdocs is installed by `make test` (the `docs`
     extra), so its absence is a failure, not a skip."""
     proc = subprocess.run(
-        [sys.executable, "-m", "mkdocs", "build", "--strict", "--quiet", "--site-dir", str(tmp_path / "site")],
+        # Not --quiet: it drops the warnings before --strict counts them (a docstring warning would pass).
+        [sys.executable, "-m", "mkdocs", "build", "--strict", "--site-dir", str(tmp_path / "site")],
         cwd=ROOT, capture_output=True, text=True, timeout=300,
         env={**os.environ, "NO_MKDOCS_2_WARNING": "1"},
     )
