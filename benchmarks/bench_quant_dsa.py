@@ -12,7 +12,7 @@ scale for the indexer), target <= 0.6 (the int8 latent itself is exactly half). 
 SFA equals SFA on the dequantised cache bit for bit, and the quantised indexer's top-k equals LightningIndexer's on
 the dequantised float64 inputs for a few rows.
 
-    python benchmarks/bench_quant_dsa.py [--quick] [--repeats N] [--out DIR] [--strict]
+    python benchmarks/bench_quant_dsa.py [--quick] [--repeats N] [--out DIR] [--strict] [--threads N]
 
 Writes DIR/quant_dsa_cpu.json and DIR/quant_dsa_cpu.png (default DIR: benchmarks/results)."""
 
@@ -59,9 +59,14 @@ def indexer_inputs(gen: torch.Generator, s2: int) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = common.cli_parser(__doc__, "small shapes (S2=1024, K=256, N1=16), 2 repeats", devices=DEVICES)
+    parser = common.cli_parser(__doc__, "small shapes (S2=1024, K=256, N1=16), 2 repeats", devices=DEVICES,
+                               threads=True)
     parser.add_argument("--repeats", type=int, default=5, help="alternating pairs timed (best of N; default 5)")
     args = parser.parse_args(argv)
+    if args.threads:
+        # On a shared machine two OpenMP threads can make each elementwise pass ~40x slower than one (measured
+        # 18 ms vs 0.4 ms for an int8 -> fp32 pass of 1.8M values under load): --threads 1 measures the code.
+        torch.set_num_threads(args.threads)
     s2, k, n1, repeats = (1024, 256, 16, 2) if args.quick else (S2, K, N1, args.repeats)
     gen = torch.Generator().manual_seed(0)
     scale = 576**-0.5
@@ -127,8 +132,8 @@ def main(argv: list[str] | None = None) -> int:
     name = "quant_dsa_cpu_quick" if args.quick else "quant_dsa_cpu"
     payload = dict(benchmark="quantised DSA inference vs bf16 (CPU)", command=" ".join(["python", *sys.argv]),
                    shapes=dict(B=B, S1=S1, S2=s2, N1=n1, D="512+64", K=k, Nidx=NIDX, Didx=DIDX),
-                   timing=f"alternating pairs, best of {repeats} (min_s)", targets=dict(time=TARGET_TIME,
-                   memory=TARGET_MEMORY), machine=common.machine_info(), results=rows)
+                   timing=f"alternating pairs, best of {repeats} (min_s), {torch.get_num_threads()} thread(s)",
+                   targets=dict(time=TARGET_TIME, memory=TARGET_MEMORY), machine=common.machine_info(), results=rows)
     common.write_json(Path(args.out) / f"{name}.json", payload)
     common.bar_plot(Path(args.out) / f"{name}.png", [r["case"] for r in rows],
                     {"quantised (ms)": [r["quant_s"] * 1e3 for r in rows],
