@@ -133,8 +133,8 @@ def _rows(tensor: Tensor, start: int, count: int, length: int) -> Tensor:
 
 @traced_as_custom_op
 def atb_paged_attention(query: Tensor, key_cache: Tensor, value_cache: Tensor, num_kv_heads: int, num_heads: int,
-                    scale_value: float, block_table: Tensor, context_lens: Tensor, out: Tensor, *,
-                    backend: str = "auto") -> Tensor:
+                        scale_value: float, block_table: Tensor, context_lens: Tensor, out: Tensor, *,
+                        backend: str = "auto") -> Tensor:
     """PagedAttentionOperation (decode): query token t attends to the first context_lens[t] keys of sequence t,
     found through row t of block_table; out [T, num_heads, head_size_v] (docs/operators/atb_attention.md)."""
     num_heads, heads_kv = _heads(num_heads, num_kv_heads)
@@ -153,8 +153,8 @@ def atb_paged_attention(query: Tensor, key_cache: Tensor, value_cache: Tensor, n
 
 @traced_as_custom_op
 def atb_paged_attention_splitfuse(query: Tensor, key_cache: Tensor, value_cache: Tensor, block_table: Tensor,
-                              context_lens: Tensor, mask: Tensor, seq_len: Tensor, num_kv_heads: int,
-                              num_heads: int, scale_value: float, out: Tensor, *, backend: str = "auto") -> Tensor:
+                                  context_lens: Tensor, mask: Tensor, seq_len: Tensor, num_kv_heads: int,
+                                  num_heads: int, scale_value: float, out: Tensor, *, backend: str = "auto") -> Tensor:
     """PagedAttentionOperation, splitfuse (chunked prefill): sequence b's seq_len[b] packed query tokens are the
     last of its context_lens[b] keys in the paged cache; the token at row t of the packed query adds
     mask[t, :context_lens[b]] to its scaled scores (docs/operators/atb_attention.md)."""
@@ -225,7 +225,7 @@ def _self_attention(query, key, value, mask, seq_len, scale_value, num_heads, nu
 
 @traced_as_custom_op
 def atb_flash_attention(query: Tensor, key: Tensor, value: Tensor, mask: Tensor, seq_len: Tensor, scale_value: float,
-                    num_heads: int, num_kv_heads: int, out: Tensor, *, backend: str = "auto") -> Tensor:
+                        num_heads: int, num_kv_heads: int, out: Tensor, *, backend: str = "auto") -> Tensor:
     """SelfAttentionOperation PA_ENCODER with an additive mask (MASK_TYPE_NORM): sequence b adds
     mask[:seq_len[b], :seq_len[b]] (a [maxS, maxS] mask shared by all, or [B, maxS, maxS]) to its scaled scores
     (docs/operators/atb_attention.md)."""
@@ -237,7 +237,7 @@ def atb_flash_attention(query: Tensor, key: Tensor, value: Tensor, mask: Tensor,
 
 @traced_as_custom_op
 def atb_flash_attention_unpad(query: Tensor, key: Tensor, value: Tensor, seq_len: Tensor, scale_value: float,
-                          num_heads: int, num_kv_heads: int, out: Tensor, *, backend: str = "auto") -> Tensor:
+                              num_heads: int, num_kv_heads: int, out: Tensor, *, backend: str = "auto") -> Tensor:
     """SelfAttentionOperation PA_ENCODER without a mask: each packed sequence attends to all of itself
     (docs/operators/atb_attention.md)."""
     return _self_attention(query, key, value, None, seq_len, scale_value, num_heads, num_kv_heads, out,
