@@ -10,8 +10,8 @@ Ascend machine, delete that line and the script runs on the NPU with the real to
     python examples/ascend_train.py                 # 20 steps of a one-layer causal attention model, a few seconds
     python examples/ascend_train.py --steps 5 --out /tmp/ascend_train.pt
 
-Prints the loss per step; ``--out`` saves the losses and the final weights (torch.save), which
-tests/test_npu_device.py compares with the same training written for the CPU.
+Prints the loss per step; ``--out`` saves the losses and the final weights (torch.save). tests/test_npu_device.py
+runs it after ``install(device="cpu")``, and checks a smaller script of the same style against the plain CPU call.
 """
 
 import cann_attn.torch_npu; cann_attn.torch_npu.install()  # noqa: E702, I001  (the one added line)
