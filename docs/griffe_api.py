@@ -64,7 +64,7 @@ MEANINGS: dict[str, tuple[str, str]] = {
     "dy": ("the gradient of the output", STATS),
     "sink": ("float32 [N1]: one extra softmax logit per query head", SINKS),
     "sinks": ("float32 [N1]: one extra softmax logit per query head", SINKS),
-    "learnable_sink": ("float32 [N1]: one extra softmax logit per query head", SINKS),
+    "learnable_sink": ("bfloat16 [Q_N] (float32 too): one extra softmax logit per query head", SINKS),
     "block_table": ("int32 [B, W]: the physical cache blocks of each sequence, in order", PAGED),
     "block_size": ("the number of tokens per cache block", PAGED),
     "query_rope": ("the rope part of the query (MLA), concatenated to it along the head dim", LAYOUTS),
