@@ -121,3 +121,12 @@ def test_causal_modes_without_a_mask_warn(mode: int) -> None:
         cann_attn.flash_attention_score(q, q, q, 2, "BNSD", sparse_mode=mode,
                                         atten_mask=cann_attn.compressed_mask(mode))
         cann_attn.flash_attention_score(q, q, q, 2, "BNSD", sparse_mode=0)
+
+
+def test_the_warning_names_the_callers_line_through_autograd() -> None:
+    """flash_attention goes through torch.autograd.Function.apply: the warning skips torch's frames too (else every
+    call site would share torch's line, and Python's default filter would show the warning once in all)."""
+    q = torch.randn(1, 2, 8, 16, requires_grad=True)
+    with pytest.warns(UserWarning, match="sparse_mode=3 without atten_mask") as record:
+        cann_attn.flash_attention(q, q, q, 2, "BNSD", sparse_mode=3)
+    assert {w.filename for w in record} == {__file__}

@@ -12,6 +12,7 @@ import sys
 from typing import Any
 
 import numpy as np
+import torch
 
 __all__ = [
     "AclnnError",
@@ -26,6 +27,9 @@ __all__ = [
 ]
 
 _PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))
+# Frames of these packages sit between a caller and cann_attn (autograd.Function.apply, torch.library custom ops,
+# torch.compile): a warning skips them too, to land on the caller's own line.
+_PASSED_THROUGH = (_PACKAGE_DIR, os.path.dirname(os.path.abspath(torch.__file__)))
 
 
 class AclnnError(ValueError):
@@ -90,9 +94,9 @@ def require(condition: bool, param: str, expected: str, given: Any) -> None:
 
 
 def caller_stacklevel() -> int:
-    """The `warnings.warn` stacklevel of the first frame outside cann_attn, for the function that calls this: the
-    warning names the caller's line (and the default filter shows it once per such line)."""
+    """The `warnings.warn` stacklevel of the first frame outside cann_attn (and torch), for the function that calls
+    this: the warning names the caller's line (and the default filter shows it once per such line)."""
     frame, level = sys._getframe(1), 1
-    while frame is not None and frame.f_code.co_filename.startswith(_PACKAGE_DIR):
+    while frame is not None and frame.f_code.co_filename.startswith(_PASSED_THROUGH):
         frame, level = frame.f_back, level + 1
     return level
