@@ -80,7 +80,12 @@ def plain_call(device: str) -> dict:
 
 
 def assert_same_as_plain_call(mapped: dict, device: str) -> None:
+    """Bitwise on the CPU; on CUDA the Triton autotuner of each process may pick other tile sizes (another
+    summation order), so to fp32 rounding there."""
     plain = plain_call(device)
     assert mapped["device"].split(":")[0] == device
     for name in ("out", "dq", "dk", "dv"):
-        assert torch.equal(mapped[name], plain[name].cpu()), name
+        if device == "cpu":
+            assert torch.equal(mapped[name], plain[name].cpu()), name
+        else:
+            torch.testing.assert_close(mapped[name], plain[name].cpu(), rtol=1e-5, atol=1e-5, msg=name)
