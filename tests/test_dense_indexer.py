@@ -154,7 +154,7 @@ def test_mutant_swapped_stat_heads_is_caught(rng, monkeypatch):
 @settings(max_examples=15, deadline=None)
 @given(s1=st.integers(1, 5), extra=st.integers(0, 5), h=st.integers(1, 3), group=st.sampled_from([1, 2]),
        seed=st.integers(0, 2**16), rope=st.booleans())
-def test_hypothesis_grad_kl_loss(s1, extra, h, group, seed, rope):
+def test_hypothesis_softmax_lse_and_grad_kl_loss(s1, extra, h, group, seed, rope):
     gen = torch.Generator().manual_seed(seed)
     s2, n2 = s1 + extra, 2
     n1 = n2 * group
@@ -167,6 +167,9 @@ def test_hypothesis_grad_kl_loss(s1, extra, h, group, seed, rope):
     rope_kw = dict(query_rope=t(1, s1, n1, 2), key_rope=t(1, s2, n2, 2)) if rope else {}
     kw = dict(layout="BSND")
     stats = tuple(_lse(x, kw))
+    for got, want in zip(stats, oracle.dense_softmax_lse_oracle(x["query_index"], x["key_index"], x["weights"]),
+                         strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
     res = cann_attn.dense_lightning_indexer_grad_kl_loss(*_grad_args(x, stats), 0.4, **rope_kw, **kw)
     torch.testing.assert_close(res.loss[0], oracle.dense_kl_loss_oracle(*_grad_args(x, stats), 0.4, **rope_kw, **kw),
                                rtol=1e-10, atol=1e-12)
