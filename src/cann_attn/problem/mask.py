@@ -95,6 +95,11 @@ class SequenceMask:
             masked = masked | (self.explicit[..., i0:i1, j0:j1] != 0)
         return masked
 
+    def exclude_masked_(self, logits: torch.Tensor, i0: int, i1: int, j0: int, j1: int) -> torch.Tensor:
+        """The masked-logit rule on a logits tile [..., i1 - i0, j1 - j0] in place: masked elements become -inf
+        whatever their value (see `add_mask_bias`, the additive form the fast kernels use)."""
+        return logits.masked_fill_(self.masked_tile(i0, i1, j0, j1, logits.device), MASKED_LOGIT)
+
     def tile_key(self, i0: int, i1: int, j0: int, j1: int) -> tuple[int, int, int] | None:
         """A key equal for tiles whose `masked_tile` is equal (band-only masks depend on j - i alone), or None
         when the tile has its own pattern (prefix or explicit mask); lets kernels reuse a tile's mask."""

@@ -66,7 +66,7 @@ def _logits(problem: AttentionProblem, pipeline: AttentionPipeline, run: Run, q_
     if run.pse is not None:
         s = pipeline.logits(s + pipeline.logits(run.pse.tile(i0, i1, j0, j1, s.device, torch.float32)))
     if state is TileState.PARTIAL:
-        s.masked_fill_(run.mask.masked_tile(i0, i1, j0, j1, s.device), float("-inf"))
+        run.mask.exclude_masked_(s, i0, i1, j0, j1)
     return s
 
 
@@ -171,7 +171,7 @@ def _backward_run(problem: AttentionProblem, pipeline: GradPipeline, run: Run, q
             if pse is not None:
                 s = s + pse.tile(i0, i1, j0, j1, s.device, f32)
             if state is TileState.PARTIAL:
-                s.masked_fill_(run.mask.masked_tile(i0, i1, j0, j1, s.device), float("-inf"))
+                run.mask.exclude_masked_(s, i0, i1, j0, j1)
             p = torch.exp(s - row_max) / row_sum
             dp = _gemm(dy_g, v[:, j0:j1].transpose(1, 2)).to(f32).view(p.shape)
             p_drop = p

@@ -58,7 +58,7 @@ def _scores(problem, run: Run, q_tile, k_all, plan, i0, i1, j0, j1, state: TileS
     if run.pse is not None:
         s = s + run.pse.tile(i0, i1, j0, j1, s.device, torch.float32)
     if state is TileState.PARTIAL:
-        s.masked_fill_(run.mask.masked_tile(i0, i1, j0, j1, s.device), float("-inf"))
+        run.mask.exclude_masked_(s, i0, i1, j0, j1)
     return s
 
 
