@@ -1,7 +1,6 @@
 """The "npu" precision mode on a CUDA GPU (docs/semantics/precision.md): the Triton kernels do not compute it, so
-backend="auto" falls back to the reference backend with a BackendFallbackWarning and the CPU's values (up to the
-float64 GEMMs' summation order),
-and backend="triton" is refused."""
+backend="auto" falls back to the reference backend with a BackendFallbackWarning and gives the CPU's values (up to
+the float64 GEMMs' summation order), and backend="triton" is refused."""
 
 from __future__ import annotations
 
