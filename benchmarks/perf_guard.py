@@ -19,7 +19,9 @@ across them.
     python benchmarks/perf_guard.py [--repeats N] [--margin F] [--clock cpu|wall] [--only PREFIX ...]
                                      [--baseline FILE] [--update-baseline] [--out DIR] [--config full|tiny]
 
-`--update-baseline` measures and writes the baseline instead of comparing (docs/performance.md says when).
+A case below its floor is measured once more and keeps the better ratio: a drop must show twice (noise lowers single
+measurements, a real slowdown both). `--update-baseline` measures `--rounds` times (default 3) and writes the medians
+instead of comparing (docs/performance.md says when).
 `--config tiny` shrinks every shape (seconds in all; the tests use it). Writes DIR/bench_check_cpu.json.
 """
 
@@ -28,6 +30,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import subprocess
 import sys
 import time
@@ -125,6 +128,18 @@ def measure(case: Case, repeats: int, clock: Callable[[], float]) -> dict[str, A
             "ours_ms": [t * 1e3 for t in ours], "yardstick_ms": [t * 1e3 for t in ref]}
 
 
+def measure_all(config: str, only: tuple[str, ...], repeats: int, clock: Callable[[], float],
+                exact: bool = False) -> dict[str, dict[str, Any]]:
+    """`measure` of every case (name prefixes `only`; with `exact`, only the cases so named), printed as it goes."""
+    measured = {}
+    for case in build_cases(config, only):
+        if exact and case.name not in only:
+            continue
+        measured[case.name] = measure(case, repeats, clock)
+        print(f"  {case.name:<22} ratio {measured[case.name]['ratio']:.3f}", flush=True)
+    return measured
+
+
 def compare(baseline: dict[str, float], measured: dict[str, float], margin: float) -> list[dict[str, Any]]:
     """One verdict per measured case: `fail` where the ratio is below baseline * (1 - margin), `new` where the
     baseline has no entry for it."""
@@ -166,6 +181,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=REPEATS, help=f"timed calls of each side (default {REPEATS})")
     parser.add_argument("--clock", choices=("cpu", "wall"), default="cpu",
                         help="cpu: process CPU time, 1 thread (default); wall: wall clock, torch's threads")
+    parser.add_argument("--rounds", type=int, default=3,
+                        help="--update-baseline: measurements whose median is recorded (default 3)")
     parser.add_argument("--only", nargs="*", default=(), help="case name prefixes (default: all)")
     parser.add_argument("--config", choices=("full", "tiny"), default="full", help="tiny: small shapes (tests)")
     parser.add_argument("--out", type=Path, default=common.RESULTS, help="results folder (default benchmarks/results)")
@@ -176,14 +193,12 @@ def main(argv: list[str] | None = None) -> int:
     threads = torch.get_num_threads()
     clock = clock_of(args.clock)
     start = time.perf_counter()
-    measured: dict[str, dict[str, Any]] = {}
-    for case in build_cases(args.config, tuple(args.only)):
-        measured[case.name] = measure(case, args.repeats, clock)
-        print(f"  {case.name:<22} ratio {measured[case.name]['ratio']:.3f}", flush=True)
-    ratios = {name: m["ratio"] for name, m in measured.items()}
     settings = {"clock": args.clock, "threads": threads, "repeats": args.repeats, "config": args.config}
 
     if args.update_baseline:
+        # The median of `--rounds` measurements: one lucky run would set a floor that honest runs then miss.
+        rounds = [measure_all(args.config, tuple(args.only), args.repeats, clock) for _ in range(args.rounds)]
+        ratios = {name: statistics.median(r[name]["ratio"] for r in rounds) for name in rounds[0]}
         old = json.loads(args.baseline.read_text()) if args.baseline.exists() else {}
         if args.only and old.get("settings") == settings:
             ratios = {**old.get("ratios", {}), **ratios}  # a partial update keeps the other cases
@@ -202,6 +217,16 @@ def main(argv: list[str] | None = None) -> int:
               "not comparable", file=sys.stderr)
         return 2
     margin = args.margin if args.margin is not None else base.get("margin", MARGIN)
+    measured = measure_all(args.config, tuple(args.only), args.repeats, clock)
+    ratios = {name: m["ratio"] for name, m in measured.items()}
+    dropped = [r["case"] for r in compare(base["ratios"], ratios, margin) if r["verdict"] == "fail"]
+    if dropped:
+        # A drop must show twice: the failing cases are measured again and keep their better ratio (noise on a
+        # shared machine lowers single measurements; a real slowdown lowers both).
+        print(f"  measuring again: {', '.join(dropped)}", flush=True)
+        for name, again in measure_all(args.config, tuple(dropped), args.repeats, clock, exact=True).items():
+            if again["ratio"] > ratios[name]:
+                measured[name], ratios[name] = again, again["ratio"]
     rows = compare(base["ratios"], ratios, margin)
     print_rows(rows, margin)
     failed = [r["case"] for r in rows if r["verdict"] == "fail"]
