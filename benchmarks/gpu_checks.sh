@@ -24,7 +24,8 @@
 #   8:45-9:30  gpu_context_parallel  NCCL tests (skipped with fewer than 2 GPUs)                (CP_SECONDS 45)
 # So both figures are in hand about 5.5 minutes into the script, ~7-8 minutes after asking for a fresh machine.
 # Each step's output goes to one log ($RESULTS/gpu_checks.log) and its exit status, seconds and compile count to
-# $RESULTS/gpu_checks_steps.json: with the benchmarks' JSON + PNG that is 6 files, within the device tool's 8.
+# $RESULTS/gpu_checks_steps.json: with the benchmarks' JSON + PNG and
+# test_gpu_paged's paged_gpu.jsonl that is 7 files, within the device tool's 8.
 # A failing or timed-out step (exit 124) does not stop the later ones; the exit status is the worst one.
 set -u
 cd "$(dirname "$0")/.." || exit 2
