@@ -257,13 +257,15 @@ def attend(
 
 def _attend_npu(problem: AttentionProblem, pipeline: precision.AttentionPipeline, query, key, value, out, plan,
                 softmax_lse) -> None:
-    """`attend` in the "npu" precision mode: the kernel's rounding pipeline; an int8 output quantises its result."""
+    """`attend` in the "npu" precision mode: the kernel's rounding pipeline; an int8 output quantises its result as
+    the kernel's PostQuant step rounds."""
     row_max, row_sum = _invalid_row_stats(out, query.device)
     quant_inputs = plan if query.dtype == torch.int8 else None
     if plan.output_dtype == torch.int8:
         dense = torch.zeros(out.shape, dtype=torch.float32, device=query.device)
         npu_attention.forward(problem, pipeline, query, key, value, dense, row_max, row_sum, quant=quant_inputs)
-        quant_attention.quantize_output(problem, dense, row_max[..., 0] > -FLT_MAX, out, plan)
+        post_quant = precision.post_quant_pipeline(pipeline, per_channel=plan.scale2.numel() > 1)
+        quant_attention.quantize_output(problem, dense, row_max[..., 0] > -FLT_MAX, out, plan, post_quant)
     else:
         npu_attention.forward(problem, pipeline, query, key, value, out, row_max, row_sum, quant=quant_inputs)
     if softmax_lse is not None:

@@ -31,6 +31,7 @@ import torch
 from ..errors import ParamInvalidError
 
 __all__ = [
+    "ASCEND_QUANT",
     "HALF_AWAY",
     "HALF_EVEN",
     "MODES",
@@ -38,6 +39,7 @@ __all__ = [
     "AttentionPipeline",
     "Cast",
     "GradPipeline",
+    "PostQuant",
     "QuantIndexerPipeline",
     "current_mode",
     "fa_grad_pipeline",
@@ -48,6 +50,7 @@ __all__ = [
     "kl_loss_pipeline",
     "npu_mode",
     "pfa_pipeline",
+    "post_quant_pipeline",
     "precision",
     "quant_indexer_pipeline",
     "round_float",
@@ -254,11 +257,64 @@ def infer_pipeline(op: str, dtype: torch.dtype, kv_dtype: torch.dtype, out_dtype
                    decode: bool) -> AttentionPipeline:
     """The pipeline of an inference operator's kernel: IncreFlashAttention, and FusedInferAttentionScore with one
     query token (`decode`), run the IFA kernel; PromptFlashAttention and FIA's prefill the PFA kernel with
-    `inner_precise` (torch_npu's npu_prompt_flash_attention passes 1). An int8 output is quantised from the
-    pipeline's output in the input dtype."""
+    `inner_precise` (torch_npu's npu_prompt_flash_attention passes 1). An int8 output leaves the pipeline in its
+    compute dtype (the accumulator's: no output cast) and is quantised by `post_quant_pipeline`."""
     if op == "incre_flash_attention" or (op.startswith("fused_infer_attention_score") and decode):
-        return ifa_pipeline(kv_dtype, dtype if out_dtype == torch.int8 else out_dtype)
-    return pfa_pipeline(dtype, inner_precise)
+        pipeline = ifa_pipeline(kv_dtype, dtype if out_dtype == torch.int8 else out_dtype)
+    else:
+        pipeline = pfa_pipeline(dtype, inner_precise)
+    return replace(pipeline, output=pipeline.accumulator) if out_dtype == torch.int8 else pipeline
+
+
+def _round_int8(y: torch.Tensor, rounding: str) -> torch.Tensor:
+    """fp16-valued `y` to int8, ties to even or away from zero, saturated to [-128, 127]."""
+    rounded = torch.round(y) if rounding == HALF_EVEN else torch.sign(y) * torch.floor(y.abs() + 0.5)
+    return rounded.clamp_(-128, 127).to(torch.int8)
+
+
+@dataclass(frozen=True)
+class PostQuant:
+    """Where an int8 output (quant_scale2, quant_offset2) rounds: the attention output enters as `operand`, the
+    scale and offset as `factors`; the product and the sum each round to `arithmetic`; the result is staged in
+    `staging` (fp16) and cast to int8 rounding `int8_rounding`, saturated."""
+
+    operator: str
+    operand: Cast
+    factors: Cast
+    arithmetic: Cast
+    staging: Cast
+    int8_rounding: str
+
+    def __call__(self, x: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor | None) -> torch.Tensor:
+        """int8 of `x` (fp32, already in the pipeline's compute dtype) with `scale` / `offset` (fp32, broadcast)."""
+        # fp16 operands: their product and sum are exact in float64, so one Cast rounds each once; fp32 arithmetic
+        # rounds natively.
+        wide = torch.float32 if self.arithmetic.dtype == torch.float32 else torch.float64
+        y = self.arithmetic(self.operand(x).to(wide) * self.factors(scale).to(wide))
+        if offset is not None:
+            y = self.arithmetic(y.to(wide) + self.factors(offset).to(wide))
+        return _round_int8(self.staging(y), self.int8_rounding)
+
+
+# AscendC's AscendQuant on A2/A3 (fp16 throughout, half to even): the int8 quantisation of PromptFlashAttention's P
+# (quant_scale1) and of the outputs below.
+_HALF = Cast(torch.float16)
+ASCEND_QUANT = PostQuant("AscendQuant", operand=_HALF, factors=_HALF, arithmetic=_HALF, staging=_HALF,
+                         int8_rounding=HALF_EVEN)
+
+
+def post_quant_pipeline(pipeline: AttentionPipeline, per_channel: bool) -> PostQuant:
+    """The int8 output step of the kernel `pipeline` describes. IncreFlashAttention's kernel (also FIA decode) with
+    a per-channel scale computes x * scale + offset in fp32, casts to fp16 and then to int8, both half away from
+    zero; every other case calls AscendQuant, which works in fp16: x, scale and offset to fp16 (half to even), fp16
+    product and sum, fp16 to int8 half to even. PromptFlashAttention's fp16-compute kernels (high performance, int8
+    inputs) round a per-channel fp32 scale and offset to fp16 half away before AscendQuant."""
+    if pipeline.operator == "incre_flash_attention" and per_channel:
+        return PostQuant(pipeline.operator, operand=FP32, factors=FP32, arithmetic=FP32,
+                         staging=Cast(torch.float16, HALF_AWAY), int8_rounding=HALF_AWAY)
+    if per_channel and pipeline.accumulator.dtype == torch.float16:
+        return replace(ASCEND_QUANT, operator=pipeline.operator, factors=Cast(torch.float16, HALF_AWAY))
+    return replace(ASCEND_QUANT, operator=pipeline.operator)
 
 
 @dataclass(frozen=True)

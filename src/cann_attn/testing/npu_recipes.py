@@ -25,6 +25,7 @@ __all__ = [
     "kl_loss_recipe",
     "op_plugin_pfa_golden",
     "pfa_recipe",
+    "post_quant_recipe",
     "quant_indexer_recipe",
     "rnd",
     "sfa_grad_recipe",
@@ -78,17 +79,18 @@ def _expand_kv(t: torch.Tensor, heads: int) -> torch.Tensor:
 
 
 def pfa_recipe(q, k, v, scale: float, inner_precise: int = 1, mask: torch.Tensor | None = None,
-               pse: torch.Tensor | None = None, int8: dict | None = None) -> torch.Tensor:
+               pse: torch.Tensor | None = None, int8: dict | None = None, compute_output: bool = False) -> torch.Tensor:
     """PromptFlashAttention on BNSD tensors, one key block (Skv within the kernel's block).
 
     fp16 with inner_precise bit 0 set, and int8 (prompt_flash_attention_base.h: mmOutputType and softmaxType half):
     S = half(Q K^T) (int8: half(int32 * deq_scale1)); S = half(S * half(scale)) (x910.h Muls in computeType);
     + pse in half; max / sum fp32 (SoftmaxFlashV2 with float max/sum); P = half(exp(S - max)); int8:
-    P = int8(half(P * quant_scale1)), PV = half(int32 * deq_scale2); else PV = half(P V);
+    P = int8(half(P * half(quant_scale1))), PV = half(int32 * deq_scale2); else PV = half(P V);
     O = half(PV / half_away(sum)) (Bmm2UpdateDivNoTail casts the sum CAST_ROUND, divides in half).
     fp16 with bit 0 clear, and bf16: fp32 throughout, P = half_away(exp(S - max)) to the input dtype (x910.h
     SoftmaxResCopyOut, CAST_ROUND), O = half_away(PV / sum) (x910_base.h DataCopyTransposeOut, CAST_ROUND).
-    `mask`: True = masked, broadcast to [B, N, Sq, Skv]. `int8`: deq1, quant1, deq2 floats.
+    `mask`: True = masked, broadcast to [B, N, Sq, Skv]. `int8`: deq1, quant1, deq2 floats. `compute_output`: O as
+    the kernel holds it before the output cast (fp32 in the fp32 pipelines), what an int8 output quantises.
     """
     heads = q.shape[1]
     k, v = _expand_kv(k, heads), _expand_kv(v, heads)
@@ -111,11 +113,14 @@ def pfa_recipe(q, k, v, scale: float, inner_precise: int = 1, mask: torch.Tensor
     _, e, total = _softmax_parts(s)
     if not low:
         p = rnd(e, q.dtype, away=True)
-        o = rnd(_matmul(p, v).float() / total, q.dtype, away=True)
+        o = _matmul(p, v).float() / total
+        o = o if compute_output else rnd(o, q.dtype, away=True)
         return o.masked_fill(total == 0, 0.0)
     p = rnd(e, torch.float16)
     if int8 is not None:
-        p_q = torch.round(rnd(p * int8["quant1"], torch.float16)).clamp(-128, 127)
+        # AscendQuant (QuantCompute with the float quant_scale1): the scale held in half, the product in half
+        p_q = torch.round(rnd(p.double() * rnd(torch.tensor(int8["quant1"]), torch.float16).double(),
+                              torch.float16)).clamp(-128, 127)
         pv = rnd(_matmul(p_q, v) * int8["deq2"], torch.float16)
     else:
         pv = rnd(_matmul(p, v), torch.float16)
@@ -168,16 +173,43 @@ def fa_grad_recipe(q, k, v, dy, out, row_max, row_sum, scale: float, mask: torch
     return (rnd(dq, q.dtype, away=True), rnd(fold(dk), q.dtype, away=True), rnd(fold(dv), q.dtype, away=True))
 
 
-def ifa_recipe(q, k, v, scale: float) -> torch.Tensor:
+def ifa_recipe(q, k, v, scale: float, compute_output: bool = False) -> torch.Tensor:
     """IncreFlashAttention (and FIA with one query token) on BNSD tensors: fp32 throughout (preload.h `T = float`);
     S = (Q K^T) * scale; P = exp(S - max) cast half away to the KV dtype before P V (CAST_ROUND); the output
-    divided in fp32 and cast half to even for bf16 (CAST_RINT), half away for fp16 (CAST_ROUND)."""
+    divided in fp32 and cast half to even for bf16 (CAST_RINT), half away for fp16 (CAST_ROUND); with
+    `compute_output` left in fp32 (what an int8 output quantises)."""
     heads = q.shape[1]
     k, v = _expand_kv(k, heads), _expand_kv(v, heads)
     s = _matmul(q, k.transpose(-1, -2)).float() * scale
     _, e, total = _softmax_parts(s)
     p = rnd(e, k.dtype, away=True)
-    return rnd(_matmul(p, v).float() / total, q.dtype, away=q.dtype != torch.bfloat16)
+    o = _matmul(p, v).float() / total
+    return o if compute_output else rnd(o, q.dtype, away=q.dtype != torch.bfloat16)
+
+
+def post_quant_recipe(o: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor | None, *,
+                      fp32_per_channel: bool = False, scale_away: bool = False) -> torch.Tensor:
+    """The int8 output step (quant_scale2, quant_offset2) of `o`, the attention output as the kernel holds it (fp32 or
+    fp16 values), `scale` / `offset` broadcast to it.
+
+    AscendQuant (the A2/A3 high-level API, ascend_quant_pre_impl.h: AscendQuantIntrinsicsImpl and
+    AscendQuantPerChannelIntrinsicsImpl), which PFA's DataCopyTransposeOut (x910_base.h QuantCompute,
+    PostQuant2PerChannel*) and IFA's per-tensor PostQuant call: o cast to half (CAST_NONE: to nearest even), the scale
+    and offset held in half (static_cast, or Cast CAST_NONE; `scale_away`: PFA's fp16-compute per-channel path first
+    casts its fp32 scale and offset with CAST_ROUND), Muls / Mul and Adds / Add in half, half to int8 with CAST_NONE
+    (to nearest even). `fp32_per_channel`: IncreFlashAttention's per-channel PostQuant (preload.h), Mul and Add in
+    fp32, Cast to half CAST_ROUND, then to int8 CAST_ROUND (half away from zero). Saturated to [-128, 127]."""
+    if fp32_per_channel:
+        y = o.float() * scale.float()
+        if offset is not None:
+            y = y + offset.float()
+        y = rnd(y, torch.float16, away=True).double()
+        return (torch.sign(y) * torch.floor(y.abs() + 0.5)).clamp(-128, 127).to(torch.int8)
+    half = torch.float16
+    y = rnd(rnd(o, half).double() * rnd(scale, half, away=scale_away).double(), half)
+    if offset is not None:
+        y = rnd(y.double() + rnd(offset, half, away=scale_away).double(), half)
+    return torch.round(y.double()).clamp(-128, 127).to(torch.int8)
 
 
 def _selected_rows(t: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:

@@ -20,8 +20,8 @@ import torch
 from ...problem import sink as sinks
 from ...problem.attention import AttentionProblem, Run
 from ...problem.mask import TileState
-from ...problem.precision import AttentionPipeline, GradPipeline, QuantIndexerPipeline
-from ...problem.quant import round_to_fp16, round_to_int8
+from ...problem.precision import ASCEND_QUANT, AttentionPipeline, GradPipeline, QuantIndexerPipeline
+from ...problem.quant import round_to_fp16
 from ...problem.stats import FLT_MAX
 from .flash_backward import _pse_grad_target as pse_grad_target
 from .flash_forward import group_rows, key_tiles, write_stat
@@ -113,12 +113,13 @@ def _forward_run(problem: AttentionProblem, pipeline: AttentionPipeline, run: Ru
 
 def _products(pipeline: AttentionPipeline, p: torch.Tensor, v: torch.Tensor, j0: int, j1: int, quant) -> torch.Tensor:
     """P V of one key block, [c * N2, G * rows, Dv], rounded at the products stage; int8 inputs quantise P with
-    quant_scale1 first and dequantise the int32 products with deq_scale2 (one fp16 rounding)."""
+    quant_scale1 first (AscendQuant: fp16 P times the fp16 scale) and dequantise the int32 products with deq_scale2
+    (one fp16 rounding)."""
     cols = p.shape[-1]
     p = p.reshape(v.shape[0], -1, cols)
     if quant is None:
         return pipeline.products(_gemm(p, v[:, j0:j1]))
-    p_q = round_to_int8(pipeline.probabilities(p * quant.quant1)).to(torch.float32)
+    p_q = ASCEND_QUANT(p, torch.tensor(quant.quant1, device=p.device), None).to(torch.float32)
     return round_to_fp16(_gemm(p_q, v[:, j0:j1]) * quant.deq2).to(torch.float32)
 
 

@@ -15,6 +15,7 @@ import torch
 
 from ...problem.attention import AttentionProblem, Run
 from ...problem.mask import TileState
+from ...problem.precision import PostQuant
 from ...problem.quant import round_to_fp16, round_to_int8
 from .flash_forward import group_rows, key_tiles
 
@@ -31,14 +32,17 @@ def forward(problem: AttentionProblem, query, key, value, out, plan) -> None:
 
 
 def quantize_output(problem: AttentionProblem, dense: torch.Tensor, row_valid: torch.Tensor, out: torch.Tensor,
-                    plan) -> None:
-    """fp16/bf16 inputs with int8 output: quantize the fp32 attention output; rows with no visible key (and rows
-    beyond the actual query length) stay 0 rather than quant(0) + offset. `row_valid` is [B, N, S]."""
+                    plan, post_quant: PostQuant | None = None) -> None:
+    """fp16/bf16 inputs with int8 output: quantize the fp32 attention output (by the exact rule, or as the kernel's
+    `post_quant` step rounds in the "npu" precision mode); rows with no visible key (and rows beyond the actual query
+    length) stay 0 rather than quant(0) + offset. `row_valid` is [B, N, S]."""
     for run in problem.runs:
         if run.seq_q > 0:
             rows = problem.q_view(dense, run)
             valid = row_valid[run.b0 : run.b0 + run.count, :, : run.seq_q].unsqueeze(-1)
-            problem.q_view(out, run).copy_(_quantize(rows, plan).masked_fill_(~valid, 0))
+            quantised = _quantize(rows, plan) if post_quant is None else post_quant(
+                rows, plan.scale2.to(rows.device), None if plan.offset2 is None else plan.offset2.to(rows.device))
+            problem.q_view(out, run).copy_(quantised.masked_fill_(~valid, 0))
 
 
 def _quantize(o: torch.Tensor, plan) -> torch.Tensor:
