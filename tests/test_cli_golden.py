@@ -545,3 +545,55 @@ def test_example_round_trip(example, tmp_path, capsys):
     rc, out, err = _main(capsys, "compare", actual, golden)
     assert rc == 0, out + err
     assert f"PASS: {len(outputs)}/{len(outputs)} tensors" in out
+
+
+# ------------------------------------------------------------------------------------------------------
+# Sizes checked before allocation (casefile.MAX_GENERATED_BYTES, --max-bytes)
+# ------------------------------------------------------------------------------------------------------
+def _no_allocation(monkeypatch) -> None:
+    def refuse(*args, **kwargs):
+        raise AssertionError("a tensor was drawn before the sizes were checked")
+
+    for name in ("randn", "rand", "randint", "randperm"):
+        monkeypatch.setattr(torch, name, refuse)
+
+
+HUGE_CASES = {  # (case, options, message)
+    "huge_key": (
+        _with_input("key", {"shape": [64, 2**20, 64, 128], "dtype": "bfloat16"}),
+        (),
+        "inputs.key.shape: [64, 1048576, 64, 128] is 549755813888 elements, 4398046511104 bytes as drawn (with "
+        "65536 bytes of other inputs); the generated inputs may total 4294967296 bytes (--max-bytes)",
+    ),
+    "over_int64_elements": (
+        _with_input("query", {"shape": [2**40, 2**40, 1, 32], "dtype": "bfloat16"}),
+        (),
+        "inputs.query.shape: [1099511627776, 1099511627776, 1, 32] is 38685626227668133590597632 elements",
+    ),
+    "total_over_max_bytes": (SMALL_FA, ("--max-bytes", "100000"), "inputs.key.shape: [1, 80, 2, 32] is 5120 elements"),
+    "drop_mask_over_max_bytes": (
+        {**_with_input("drop_mask", {"generator": "drop_mask"}),
+         "params": {**SMALL_FA["params"], "keep_prob": 0.9}},
+        ("--max-bytes", "200000"),
+        "inputs.drop_mask: the dropout mask is 20480 elements, 163840 bytes as drawn (with 147456 bytes of other",
+    ),
+}
+
+
+@pytest.mark.parametrize("name", list(HUGE_CASES))
+def test_generated_sizes_checked_before_allocation_exit_2_naming_the_input(name, tmp_path, capsys, monkeypatch):
+    case, options, message = HUGE_CASES[name]
+    path = _case(tmp_path, case)
+    if name != "drop_mask_over_max_bytes":  # the drop mask's size follows the drawn query and key
+        _no_allocation(monkeypatch)
+    rc, out, err = _main(capsys, "golden", "--case", path, "--out", tmp_path / "out", *options)
+    assert rc == 2, (out, err)
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("cann-attn: error:") and message in lines[0], err
+    assert not (tmp_path / "out").exists()
+
+
+def test_max_bytes_must_be_a_positive_integer(tmp_path, capsys):
+    rc, out, err = _main(capsys, "golden", "--case", _case(tmp_path, SMALL_FA), "--out", tmp_path / "out",
+                         "--max-bytes", "0")
+    assert rc == 2 and "--max-bytes" in err and "expected a positive integer, got '0'" in err, (out, err)

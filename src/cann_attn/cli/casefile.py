@@ -40,6 +40,11 @@ float64 forward oracle unless they are listed here or loaded with ``--inputs``. 
 those that depend on other inputs (drop_mask, sparse_indices, lightning_indexer). A tensor loaded with
 ``--inputs`` replaces the generated one, which is still drawn, so the other tensors are those of the seeded case.
 
+Every tensor the case generates is checked before anything is allocated: its element count, and the bytes of all
+generated tensors together, counted at 8 bytes per element (the generators draw in float64 / int64 before the cast
+to the tensor's dtype), must stay within ``--max-bytes`` (default `MAX_GENERATED_BYTES`, 4 GiB); a case naming a
+huge shape is one line naming the input, exit 2, not an allocation failure.
+
 Numbers are JSON numbers; NaN and Infinity (which Python's json module accepts) are refused for the float
 parameters and generator options (the operators would take e.g. scale_value NaN and return NaN everywhere).
 Every problem raises `CaseError` (exit status 2) with one line naming the field, e.g.
@@ -74,7 +79,16 @@ from .tensorio import (
     read_npy,
 )
 
-__all__ = ["CaseError", "CaseFile", "TensorSpec", "build_inputs", "load_case", "load_inputs"]
+__all__ = [
+    "MAX_GENERATED_BYTES",
+    "CaseError",
+    "CaseFile",
+    "TensorSpec",
+    "build_inputs",
+    "check_sizes",
+    "load_case",
+    "load_inputs",
+]
 
 TOP_LEVEL = ("op", "seed", "description", "inputs", "params")
 GENERATORS: dict[str, tuple[str, ...]] = {  # generator -> its options
@@ -105,6 +119,8 @@ PAGED_LENGTHS = {
 _FIXED_SHAPE = ("values", "trans_quant_param", "compressed_mask", "drop_mask")
 _INTEGER = (torch.int8, torch.uint8, torch.int16, torch.int32, torch.int64)
 MAX_SEED = 2**63 - 1  # torch.Generator.manual_seed takes 64-bit seeds
+MAX_GENERATED_BYTES = 4 * 2**30  # default of golden --max-bytes: all generated inputs together, as drawn
+DRAW_BYTES = 8  # bytes per element while drawn: float64 / int64, whatever the tensor's dtype
 
 
 class CaseError(UsageError):
@@ -132,6 +148,7 @@ class CaseFile:
     params: dict[str, Any]
     tensors: dict[str, TensorSpec]
     raw: dict[str, Any]
+    max_bytes: int = MAX_GENERATED_BYTES
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -150,8 +167,9 @@ def _known_ops() -> list[str]:
     return sorted(op for op in registry.OPERATORS if hasattr(cann_attn, op))
 
 
-def load_case(path: str | Path, op: str | None = None) -> CaseFile:
-    """Parse and check a case file (`op`: the --op option, which must agree with the file's op)."""
+def load_case(path: str | Path, op: str | None = None, max_bytes: int = MAX_GENERATED_BYTES) -> CaseFile:
+    """Parse and check a case file (`op`: the --op option, which must agree with the file's op; `max_bytes`: the
+    --max-bytes option, checked by `check_sizes` against every tensor whose shape the case gives)."""
     where = str(path)
 
     def fail(message: str) -> CaseError:
@@ -207,7 +225,39 @@ def load_case(path: str | Path, op: str | None = None) -> CaseFile:
     _check_params(name, params, fail)
 
     specs = {tname: _tensor_spec(tname, spec, fail) for tname, spec in inputs.items()}
-    return CaseFile(where, name, seed, dict(params), specs, raw)
+    case = CaseFile(where, name, seed, dict(params), specs, raw, max_bytes)
+    check_sizes(case)
+    return case
+
+
+def _drawn_bytes(numel: int) -> int:
+    return numel * DRAW_BYTES
+
+
+def _check_budget(case: CaseFile, field_: str, what: str, numel: int, before: int) -> int:
+    """`before` plus this tensor's drawn bytes, or CaseError naming it when the total exceeds case.max_bytes."""
+    total = before + _drawn_bytes(numel)
+    if total > case.max_bytes:
+        others = f" (with {before} bytes of other inputs)" if before else ""
+        raise CaseError(
+            f"{field_}: {what} is {numel} elements, {_drawn_bytes(numel)} bytes as drawn{others}; the "
+            f"generated inputs may total {case.max_bytes} bytes (--max-bytes)"
+        )
+    return total
+
+
+def check_sizes(case: CaseFile) -> int:
+    """The bytes, as drawn, of every generated tensor whose shape the case gives (CaseError naming the first input
+    that takes the total past case.max_bytes); nothing is allocated."""
+    total = 0
+    for name, spec in case.tensors.items():
+        if spec.shape is not None:
+            try:
+                total = _check_budget(case, f"inputs.{name}.shape", str(list(spec.shape)), math.prod(spec.shape),
+                                      total)
+            except CaseError as exc:
+                raise CaseError(f"{case.path}: {exc}") from None
+    return total
 
 
 def _check_params(op: str, params: dict[str, Any], fail) -> None:
@@ -399,6 +449,7 @@ def build_inputs(case: CaseFile, loaded: Mapping[str, tuple[torch.Tensor, str]])
     sources: dict[str, str] = {}
     for name, (t, where) in loaded.items():
         named[name], sources[name] = t, where
+    drawn = check_sizes(case)
     gen = torch.Generator().manual_seed(case.seed)
     order = [n for n in registry.tensor_parameters(case.op) if n in case.tensors]
     for dependent in (False, True):
@@ -407,6 +458,9 @@ def build_inputs(case: CaseFile, loaded: Mapping[str, tuple[torch.Tensor, str]])
             if (spec.generator in DEPENDENT) != dependent:
                 continue
             try:
+                if spec.generator == "drop_mask":  # its size follows query, key and head_num
+                    numel = _drop_mask_numel(f"inputs.{name}", named)
+                    drawn = _check_budget(case, f"inputs.{name}", "the dropout mask", numel, drawn)
                 t = _generate(spec, gen, named, case.params, case.op)
                 if name in loaded:  # drawn all the same: the other tensors stay those of the seeded case
                     continue
@@ -492,8 +546,11 @@ def _need(field_: str, named: Mapping[str, Any], *names: str) -> list[Any]:
 
 
 def _drop_mask(field_: str, gen: torch.Generator, named: Mapping[str, Any], params: Mapping[str, Any]):
+    return cann_attn.gen_drop_mask(_drop_mask_numel(field_, named), params.get("keep_prob", 1.0), generator=gen)
+
+
+def _drop_mask_numel(field_: str, named: Mapping[str, Any]) -> int:
     query, key, head_num, layout = _need(field_, named, "query", "key", "head_num", "input_layout")
-    keep_prob = params.get("keep_prob", 1.0)
     if layout == "TND":
         qlen, kvlen = _need(field_, named, "actual_seq_qlen", "actual_seq_kvlen")
         numel = cann_attn.drop_mask_numel(head_num, actual_seq_qlen=qlen, actual_seq_kvlen=kvlen)
@@ -503,7 +560,7 @@ def _drop_mask(field_: str, gen: torch.Generator, named: Mapping[str, Any], para
             raise CaseError(f"params.input_layout: unknown layout {layout!r}")
         b, s = dims
         numel = cann_attn.drop_mask_numel(head_num, batch=query.shape[b], seq_q=query.shape[s], seq_kv=key.shape[s])
-    return cann_attn.gen_drop_mask(numel, keep_prob, generator=gen)
+    return numel
 
 
 def _sparse_indices(spec: TensorSpec, gen: torch.Generator, named: Mapping[str, Any], params: Mapping[str, Any]):

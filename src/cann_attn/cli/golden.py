@@ -36,7 +36,7 @@ import cann_attn
 
 from . import UsageError
 from . import cases as registry
-from .casefile import CaseError, build_inputs, load_case, load_inputs
+from .casefile import MAX_GENERATED_BYTES, CaseError, build_inputs, load_case, load_inputs
 from .output import Column, console, print_table
 from .tensorio import (
     NAIVE_ROLE,
@@ -95,7 +95,25 @@ def add_parser(subparsers) -> None:
         "Ascend kernels round, docs/semantics/precision.md); compare then reports against both",
     )
     p.add_argument("--force", action="store_true", help="replace existing non-empty output directories")
+    p.add_argument(
+        "--max-bytes",
+        type=_positive_int,
+        default=MAX_GENERATED_BYTES,
+        metavar="N",
+        help=f"most bytes the generated inputs may take together, counted at 8 bytes per element as drawn, checked "
+        f"before anything is allocated (default {MAX_GENERATED_BYTES}: 4 GiB)",
+    )
     p.set_defaults(func=run)
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
+    return value
 
 
 def _run_operator(case, call: registry.Call, device: torch.device) -> tuple[dict[str, torch.Tensor], float]:
@@ -195,7 +213,7 @@ def run(args: argparse.Namespace) -> int:
         actual_dir.check("--actual")
     device = _device(args.device)
 
-    case = load_case(args.case, args.op)
+    case = load_case(args.case, args.op, args.max_bytes)
     loaded = load_inputs(args.inputs, case) if args.inputs else {}
     named, sources = build_inputs(case, loaded)
     _check_parameters(case, named, sources)
