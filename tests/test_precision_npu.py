@@ -368,3 +368,57 @@ def test_fa_npu_mode_keeps_every_feature(feature):
         results[mode] = [fwd.attention_out, *(t for t in grads if t is not None)]
     for exact, npu in zip(*results.values(), strict=True):
         torch.testing.assert_close(npu.float(), exact.float(), rtol=0.05, atol=0.05)
+
+
+# --- LightningIndexer ---------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("heads", [1, 3, 12, 16, 24, 64])
+def test_lightning_head_sum_is_the_kernels_order(heads):
+    from cann_attn.backends.reference.npu_attention import _head_sum
+    from cann_attn.testing.npu_recipes import _lightning_head_sum
+
+    g = torch.Generator().manual_seed(heads)
+    terms = torch.randn(4, heads, 257, generator=g) * torch.logspace(-3, 3, heads).view(1, -1, 1)
+    ours = _head_sum(terms, 16)
+    assert torch.equal(ours, _lightning_head_sum(list(terms.unbind(1))))
+    if heads > 2:  # the mutant: one sequential fp32 sum in head order
+        sequential = terms[:, 0].clone()
+        for h in range(1, heads):
+            sequential += terms[:, h]
+        assert not torch.equal(ours, sequential)
+
+
+@pytest.mark.parametrize("dtype", HALF_TYPES)
+@pytest.mark.parametrize("heads", [12, 64])
+def test_lightning_indexer_npu_mode_is_the_recipe(dtype, heads):
+    from cann_attn.testing.npu_recipes import lightning_indexer_recipe
+
+    g = torch.Generator().manual_seed(11)
+    query = torch.randn(1, 8, heads, 64, generator=g).to(dtype)
+    key = torch.randn(1, 300, 1, 64, generator=g).to(dtype)
+    weights = torch.randn(1, 8, heads, generator=g).to(dtype)
+    with cann_attn.precision("npu"):
+        indices, values = cann_attn.lightning_indexer(query, key, weights, sparse_count=48, sparse_mode=0,
+                                                      return_value=True)
+    want_indices, want_values = lightning_indexer_recipe(query, key, weights, 48)
+    assert torch.equal(indices, want_indices)
+    assert torch.equal(values, want_values)
+
+
+@pytest.mark.parametrize("dtype", HALF_TYPES)
+def test_lightning_indexer_values_round_half_away(dtype):
+    """Integer scores around 4096 (exact in fp32): the odd ones lie halfway between two fp16 neighbours (spacing 2),
+    those 16 mod 32 between two bf16 ones (spacing 32); the kernel's CAST_ROUND rounds them away from zero, a plain
+    cast to even."""
+    from cann_attn.testing.npu_recipes import lightning_indexer_recipe
+
+    g = torch.Generator().manual_seed(12)
+    query = torch.randint(0, 5, (1, 4, 16, 64), generator=g).to(dtype)
+    key = torch.randint(0, 5, (1, 256, 1, 64), generator=g).to(dtype)
+    weights = torch.ones(1, 4, 16).to(dtype)
+    with cann_attn.precision("npu"):
+        _, values = cann_attn.lightning_indexer(query, key, weights, sparse_count=64, sparse_mode=0, return_value=True)
+    _, want = lightning_indexer_recipe(query, key, weights, 64)
+    assert torch.equal(values, want)
+    _, exact = cann_attn.lightning_indexer(query, key, weights, sparse_count=64, sparse_mode=0, return_value=True)
+    assert not torch.equal(exact, want)

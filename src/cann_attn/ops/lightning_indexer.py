@@ -3,12 +3,14 @@ aclnnSparseLightningIndexerGradKLLoss.md, docs/operators/lightning_indexer.md)."
 
 from __future__ import annotations
 
+import functools
 from typing import NamedTuple
 
 import torch
 
 from ..backends import select_backend
 from ..backends.reference import indexer as kernel
+from ..backends.reference import npu_attention
 from ..backends.triton.sparse_plan import index_rows, indexer_tables, indexer_unsupported
 from ..errors import ParamInvalidError, require, require_int, require_real
 from ..problem import precision
@@ -124,6 +126,8 @@ def lightning_indexer(
             query_index, key_index, weights, indexer_tables(problem, sparse_mode, query_index.device), sparse_count,
             indices.view(-1, sparse_count), None if values is None else values.view(-1, sparse_count), block_table)
         return LightningIndexerResult(indices, values)
+    pipeline = precision.indexer_pipeline(query_index.dtype) if precision.npu_mode() else None
+    npu_scores = None if pipeline is None else functools.partial(npu_attention.index_scores, pipeline)
     for b in range(len(problem.q_spans)):
         lq, lk = problem.q_lengths[b], problem.kv_lengths[b]
         if lq == 0 or lk == 0:
@@ -135,6 +139,7 @@ def lightning_indexer(
             sparse_mode=sparse_mode, seq_q=lq, seq_kv=lk, k=sparse_count,
             indices_out=problem.rows(indices, b)[:lq, 0],
             values_out=None if values is None else problem.rows(values, b)[:lq, 0],
+            npu_scores=npu_scores, npu_values=None if pipeline is None else pipeline.values,
         )
     return LightningIndexerResult(indices, values)
 

@@ -39,6 +39,7 @@ __all__ = [
     "AttentionPipeline",
     "Cast",
     "GradPipeline",
+    "IndexerPipeline",
     "PostQuant",
     "QuantIndexerPipeline",
     "current_mode",
@@ -46,6 +47,7 @@ __all__ = [
     "fa_pipeline",
     "half_away",
     "ifa_pipeline",
+    "indexer_pipeline",
     "infer_pipeline",
     "kl_loss_pipeline",
     "npu_mode",
@@ -315,6 +317,28 @@ def post_quant_pipeline(pipeline: AttentionPipeline, per_channel: bool) -> PostQ
     if per_channel and pipeline.accumulator.dtype == torch.float16:
         return replace(ASCEND_QUANT, operator=pipeline.operator, factors=Cast(torch.float16, HALF_AWAY))
     return replace(ASCEND_QUANT, operator=pipeline.operator)
+
+
+@dataclass(frozen=True)
+class IndexerPipeline:
+    """Where LightningIndexer's A2/A3 kernel rounds its scores: the cube's fp32 Q . K leaves through the fixpipe with
+    the ReLU as `dots` (fp32); each head's term w_h * dots_h is an fp32 product (the weight widened exactly); the
+    head sum runs in fp32 in the kernel's order: the heads in groups of `head_group`, each later group added
+    element-wise into the first group's rows, then a halving tree over those rows (rows beyond the largest power of
+    two folded in first); the returned values are cast to the input dtype as `values`."""
+
+    operator: str
+    dots: Cast
+    values: Cast
+    head_group: int = 16
+
+
+def indexer_pipeline(dtype: torch.dtype) -> IndexerPipeline | None:
+    """LightningIndexer's pipeline for fp16 / bf16 inputs (values cast half away); None for other dtypes (they
+    compute as "exact")."""
+    if dtype not in (torch.float16, torch.bfloat16):
+        return None
+    return IndexerPipeline("lightning_indexer", dots=FP32, values=half_away(dtype))
 
 
 @dataclass(frozen=True)

@@ -23,6 +23,7 @@ __all__ = [
     "fa_recipe",
     "ifa_recipe",
     "kl_loss_recipe",
+    "lightning_indexer_recipe",
     "op_plugin_pfa_golden",
     "pfa_recipe",
     "post_quant_recipe",
@@ -279,6 +280,46 @@ def kl_loss_recipe(query, key, query_index, key_index, weights, indices, softmax
     for b in range(key_index.shape[0]):
         dk[b].index_add_(0, indices[b, :, 0].reshape(-1).long(), dk_sel[b].reshape(-1, key_index.shape[-1]))
     return dq, rnd(dk, key_index.dtype, away=True).unsqueeze(2), d_weights, loss
+
+
+def _lightning_head_sum(terms: list[torch.Tensor]) -> torch.Tensor:
+    """The fp32 sum of the per-head terms in LightningIndexer's vector order (service_vector.h:291-317 and
+    vector.h:82-150, `groupInner_ = 16` at service_vector.h:175): head h goes to slot h % 16, each slot adding its
+    heads in head order (DoScale's Add); then DoReduce over the min(16, H) slots: the slots beyond the largest power
+    of two p added into slots 0.., then slot i += slot i + n for n = p/2, p/4, .. down to 2, the last step slot 0 +
+    slot 1."""
+    slots: list[torch.Tensor] = []
+    for h, term in enumerate(terms):
+        if h < 16:
+            slots.append(term.clone())
+        else:
+            slots[h % 16] = term + slots[h % 16]
+    count = len(slots)
+    if count == 1:
+        return slots[0]
+    power = count if count <= 2 else 2 ** int(math.log2(count))
+    for i in range(count - power):
+        slots[i] = slots[i] + slots[power + i]
+    n = power
+    while n > 2:
+        n //= 2
+        for i in range(n):
+            slots[i] = slots[i] + slots[i + n]
+    return slots[0] + slots[1]
+
+
+def lightning_indexer_recipe(query, key, weights, count: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """LightningIndexer on BSND fp16 / bf16 tensors, every key visible (sparse_mode 0): (indices, values) of the
+    top `count` keys, [B, S1, 1, count]. lightning_indexer op_kernel: service_cube.h:381-384 (Q . K leaves L0C in
+    fp32, `NoQuant`, with `reluPre`), vector.h:82-115 (weights cast to fp32, CAST_NONE: exact; w_h * dot_h in fp32),
+    the head order of `_lightning_head_sum`; the values cast to the input dtype with CAST_ROUND (service_vector.h:400,
+    half away); the order ties to the smaller index."""
+    dots = _matmul(query, key[:, :, 0].unsqueeze(1).transpose(-1, -2)).float().clamp_min(0.0)  # [B, S1, H, S2]
+    terms = [dots[:, :, h] * weights[:, :, h].float().unsqueeze(-1) for h in range(query.shape[2])]
+    scores = _lightning_head_sum(terms)
+    order = torch.sort(scores, dim=-1, descending=True, stable=True).indices[..., :count]
+    values = rnd(torch.gather(scores, -1, order), query.dtype, away=True).to(query.dtype)
+    return order.unsqueeze(2).to(torch.int32), values.unsqueeze(2)
 
 
 def quant_indexer_recipe(query, key, weights, query_scale, key_scale, count: int) -> torch.Tensor:

@@ -70,10 +70,12 @@ def index_scores(q_idx: torch.Tensor, k_idx: torch.Tensor, weights: torch.Tensor
 def top_k_sequence(q_idx, k_idx, weights, *, sparse_mode: int, seq_q: int, seq_kv: int, k: int,
                    indices_out: torch.Tensor, values_out: torch.Tensor | None,
                    q_scale: torch.Tensor | None = None, k_scale: torch.Tensor | None = None,
-                   npu_scores: Callable[..., torch.Tensor] | None = None) -> None:
+                   npu_scores: Callable[..., torch.Tensor] | None = None,
+                   npu_values: Callable[[torch.Tensor], torch.Tensor] | None = None) -> None:
     """Fill indices_out [Sq, K] (int32, -1 padded) and values_out [Sq, K] for one sequence; q_scale [Sq, H] and
     k_scale [Skv] dequantise int8 / fp8 inputs (QuantLightningIndexer, computed in fp32). `npu_scores` (the "npu"
-    precision mode, docs/semantics/precision.md) forms the quantised scores instead of `index_scores`."""
+    precision mode, docs/semantics/precision.md) forms the scores instead of `index_scores`, and `npu_values` rounds
+    the returned values (fp32 in, fp32 values of the output dtype out)."""
     dtype = accumulation_dtype(q_idx.dtype)
     k_all = torch.zeros((-(-seq_kv // KEY_ALIGN) * KEY_ALIGN, k_idx.shape[-1]), dtype=dtype, device=k_idx.device)
     k_all[:seq_kv] = k_idx
@@ -102,7 +104,8 @@ def top_k_sequence(q_idx, k_idx, weights, *, sparse_mode: int, seq_q: int, seq_k
             indices_out[t0:t1, :width] = torch.where(taken, order, -1).to(torch.int32)
             if values_out is not None:
                 picked = torch.gather(scores, 1, order)
-                values_out[t0:t1, :width] = torch.where(taken, picked, float("-inf")).to(values_out.dtype)
+                picked = torch.where(taken, picked, float("-inf"))
+                values_out[t0:t1, :width] = (picked if npu_values is None else npu_values(picked)).to(values_out.dtype)
 
 
 def _target_distribution(q_main: torch.Tensor, q_rope: torch.Tensor | None, k_main: torch.Tensor,

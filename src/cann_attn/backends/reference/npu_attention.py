@@ -20,7 +20,13 @@ import torch
 from ...problem import sink as sinks
 from ...problem.attention import AttentionProblem, Run
 from ...problem.mask import TileState
-from ...problem.precision import ASCEND_QUANT, AttentionPipeline, GradPipeline, QuantIndexerPipeline
+from ...problem.precision import (
+    ASCEND_QUANT,
+    AttentionPipeline,
+    GradPipeline,
+    IndexerPipeline,
+    QuantIndexerPipeline,
+)
 from ...problem.quant import round_to_fp16
 from ...problem.stats import FLT_MAX
 from .flash_backward import _pse_grad_target as pse_grad_target
@@ -268,3 +274,32 @@ def quant_index_scores(pipeline: QuantIndexerPipeline, q_idx: torch.Tensor, k_id
     folded = pipeline.folded(pipeline.folded(weights) * pipeline.folded(q_scale))
     scores = pipeline.scores(_gemm(folded.unsqueeze(1), dots).squeeze(1))
     return scores * k_scale.to(torch.float32).view(1, -1)
+
+
+def _head_sum(terms: torch.Tensor, group: int) -> torch.Tensor:
+    """sum over dim 1 of fp32 `terms` [rows, H, Skv] in LightningIndexer's order (`IndexerPipeline`): later groups
+    of `group` heads added into the first group's rows, then a halving tree (each addition one fp32 rounding)."""
+    acc = terms[:, :group].clone()
+    for h0 in range(group, terms.shape[1], group):
+        part = terms[:, h0 : h0 + group]
+        acc[:, : part.shape[1]] += part
+    count = acc.shape[1]
+    if count == 1:
+        return acc[:, 0]
+    width = count if count <= 2 else 1 << (count.bit_length() - 1)  # the largest power of two <= count
+    if count > width:
+        acc[:, : count - width] += acc[:, width:count]
+    while width > 2:
+        width //= 2
+        acc[:, :width] += acc[:, width : 2 * width]
+    return acc[:, 0] + acc[:, 1]
+
+
+def index_scores(pipeline: IndexerPipeline, q_idx: torch.Tensor, k_idx: torch.Tensor, weights: torch.Tensor,
+                 q_scale=None, k_scale=None) -> torch.Tensor:
+    """[rows, Skv] LightningIndexer scores of query rows q_idx [rows, H, D] against keys k_idx [Skv, D], weights
+    [rows, H], rounded and summed as `pipeline` says (`indexer.top_k_sequence`'s `npu_scores`; no dequant scales)."""
+    rows, heads, dim = q_idx.shape
+    dots = _gemm(q_idx.reshape(1, rows * heads, dim), k_idx.transpose(0, 1).unsqueeze(0)).view(rows, heads, -1)
+    terms = pipeline.dots(dots.relu_()) * weights.to(torch.float32).unsqueeze(-1)
+    return _head_sum(terms, pipeline.head_group)
