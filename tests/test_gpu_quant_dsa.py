@@ -1,7 +1,7 @@
 """The quantised DSA inference operators on a CUDA GPU (docs/operators/quant_dsa.md): the kv-quant sparse attention
-(dequantisation, then the Triton SparseFlashAttention kernels reading the paged cache) against the float64 oracle,
-and the quantised indexer (the Triton indexer kernel with its scales) equal to the CPU result on exact inputs. Run with
-`pytest -m gpu tests/test_gpu_quant_dsa.py`; skipped without CUDA."""
+(the Triton SparseFlashAttention kernel reading the combined rows in place, dequantising them) against the float64
+oracle, and the quantised indexer (the Triton indexer kernel with its scales) equal to the CPU result on exact
+inputs. Run with `pytest -m gpu tests/test_gpu_quant_dsa.py`; skipped without CUDA."""
 
 from __future__ import annotations
 
@@ -31,6 +31,23 @@ def test_kv_quant_sparse_attention_on_gpu(layout):
     got = _to(case, "cuda").run()
     assert got.is_cuda
     assert_close_to_oracle(got.cpu(), want, name="attention_out")
+
+
+@pytest.mark.parametrize("dtype, qdtype", [(torch.int8, torch.bfloat16), (torch.float8_e4m3fn, torch.float16)])
+def test_kv_quant_kernel_dequantises_like_the_rule_on_gpu(dtype, qdtype):
+    """The in-kernel dequantisation (combined rows read in place, contiguous and paged) equals the same Triton
+    SparseFlashAttention kernel on the cache dequantised by problem/dequant.py, bit for bit."""
+    import cann_attn
+    from cann_attn.testing import dsa_quant_oracle as oracle
+
+    gen = torch.Generator().manual_seed(1)
+    case = _to(KvQuantCase("BSND", gen, dtype=dtype, qdtype=qdtype, s2=40, sinks=True), "cuda")
+    k_nope, k_rope = oracle.dequantize_combined_rows(case.key, qdtype)
+    want = cann_attn.sparse_flash_attention(
+        case.query[..., :512], k_nope, k_nope, case.sparse_indices, case.scale, query_rope=case.query[..., 512:],
+        key_rope=k_rope, sinks=case.sinks, **case.kw).attention_out
+    assert torch.equal(case.run(), want)
+    assert torch.equal(case.run_paged(16), want)
 
 
 def test_quant_indexer_on_gpu_equals_cpu():

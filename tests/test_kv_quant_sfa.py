@@ -5,6 +5,8 @@ spelling, hypothesis fuzzing, mutants (tile-scale placement, block mapping) caug
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 from hypothesis import given, settings
@@ -12,6 +14,7 @@ from hypothesis import strategies as st
 
 import cann_attn
 import cann_attn.torch_npu as torch_npu
+from cann_attn.ops import quant_dsa as quant_dsa_ops
 from cann_attn.problem import dequant
 from cann_attn.problem.page_table import PageTable
 from cann_attn.testing import dsa_quant_oracle as oracle
@@ -72,6 +75,7 @@ class KvQuantCase:
         else:
             rows = [self.key[s : s + n] for s, n in zip(starts, self.kv_lens, strict=True)]
         caches, table = paginate({"kv": rows}, block_size, self.gen)
+        caches, table = {"kv": caches["kv"].to(self.query.device)}, table.to(self.query.device)
         paged = dict(self.kw, actual_seq_lengths_kv=self.kv_lens, block_table=table, layout_kv="PA_BSND")
         return cann_attn.kv_quant_sparse_flash_attention(
             self.query, caches["kv"], caches["kv"], self.sparse_indices, self.scale, sinks=self.sinks,
@@ -103,6 +107,30 @@ def test_paged_equals_contiguous_bit_for_bit(layout, rng):
         assert torch.equal(case.run_paged(16, sparse_mode=mode), case.run(sparse_mode=mode))
 
 
+@pytest.mark.parametrize("block", [2, 4])
+@pytest.mark.parametrize("layout", ["BSND", "TND"])
+def test_block_sizes_2_and_4(layout, block, rng):
+    """"sparse_block_size支持[1,16]，且要求是2的幂次方": 2 and 4 (outside SparseFlashAttention's own list) select
+    blocks of 2 / 4 consecutive keys, against the oracle; paged equals contiguous bit for bit."""
+    case = KvQuantCase(layout, rng, s2=40, sinks=True) if layout == "BSND" else KvQuantCase(layout, rng)
+    case.sparse_indices = case.sparse_indices.clamp(max=-(-max(case.kv_lens) // block))
+    for mode in (0, 3):
+        got = case.run(sparse_mode=mode, sparse_block_size=block)
+        assert_close_to_oracle(got, case.oracle(sparse_mode=mode, sparse_block_size=block), name="attention_out")
+        assert not torch.equal(got, case.run(sparse_mode=mode))  # the block size changes the selection
+        assert torch.equal(case.run_paged(16, sparse_mode=mode, sparse_block_size=block), got)
+
+
+def test_sparse_attention_keeps_its_own_block_sizes(rng):
+    """SparseFlashAttention's page lists 1, 8, 16, ...: 2 stays refused there."""
+    case = KvQuantCase("BSND", rng)
+    k_nope, k_rope = oracle.dequantize_combined_rows(case.key, BF16)
+    with pytest.raises(cann_attn.ParamInvalidError, match="sparse_block_size"):
+        cann_attn.sparse_flash_attention(case.query[..., :512], k_nope, k_nope, case.sparse_indices, case.scale,
+                                         query_rope=case.query[..., 512:], key_rope=k_rope, sparse_block_size=2,
+                                         **case.kw)
+
+
 def test_equals_sparse_attention_on_the_dequantised_cache(rng):
     """The operator is SparseFlashAttention over the documented dequantisation, bit for bit, with a separate value
     tensor dequantised with its own scales."""
@@ -114,6 +142,28 @@ def test_equals_sparse_attention_on_the_dequantised_cache(rng):
         case.query[..., :512], k_nope, v_nope, case.sparse_indices, case.scale, query_rope=case.query[..., 512:],
         key_rope=k_rope, **case.kw).attention_out
     assert torch.equal(case.run(value=other), want)
+
+
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="the Triton kernel under the interpreter")
+@pytest.mark.parametrize("dtype, qdtype", [(I8, BF16), (FP8, F16)])
+def test_triton_dequantises_in_the_kernel(dtype, qdtype, rng, monkeypatch):
+    """On the Triton backend the combined rows are read in place, contiguous and paged, and dequantised in the
+    kernel: no dequantised temporary is built (those helpers raise here), and the result is the kernel's
+    SparseFlashAttention on the dequantised cache bit for bit (same kernel, same rounded values)."""
+    case = KvQuantCase("BSND", rng, dtype=dtype, qdtype=qdtype, s2=40, sinks=True)
+    k_nope, k_rope = oracle.dequantize_combined_rows(case.key, qdtype)
+    want = cann_attn.sparse_flash_attention(
+        case.query[..., :512], k_nope, k_nope, case.sparse_indices, case.scale, query_rope=case.query[..., 512:],
+        key_rope=k_rope, sinks=case.sinks, backend="triton", **case.kw).attention_out
+
+    def no_temporary(*args, **kw):
+        raise AssertionError("a dequantised temporary was built")
+
+    for name in ("_dequantized", "_dequantized_rows", "_reference_attention"):
+        monkeypatch.setattr(quant_dsa_ops, name, no_temporary)
+    monkeypatch.setattr(dequant, "dequantize_tiles", no_temporary)
+    assert torch.equal(case.run(backend="triton"), want)
+    assert torch.equal(case.run_paged(16, backend="triton"), want)
 
 
 def test_torch_npu_spelling(rng):
@@ -147,7 +197,7 @@ def test_mutant_block_mapping_is_caught(rng, monkeypatch):
 
 @settings(max_examples=10, deadline=None)
 @given(s1=st.integers(1, 3), s2=st.integers(1, 10), n1=st.integers(1, 3), k=st.integers(1, 6),
-       mode=st.sampled_from([0, 3]), block=st.sampled_from([1, 8]), seed=st.integers(0, 2**16))
+       mode=st.sampled_from([0, 3]), block=st.sampled_from([1, 2, 4, 8, 16]), seed=st.integers(0, 2**16))
 def test_hypothesis_against_oracle(s1, s2, n1, k, mode, block, seed):
     gen = torch.Generator().manual_seed(seed)
     case = KvQuantCase("BSND", gen, n1=n1, k=max(k, 2), s1=s1, s2=s2)
@@ -175,7 +225,8 @@ def test_hypothesis_against_oracle(s1, s2, n1, k, mode, block, seed):
     (lambda c: dict(key_dtype=290), "key_dtype"),
     (lambda c: dict(value_dtype=290), "value_dtype"),
     (lambda c: dict(pre_tokens=5), "pre_tokens"),
-    (lambda c: dict(sparse_block_size=2), "sparse_block_size"),
+    (lambda c: dict(sparse_block_size=32), "sparse_block_size"),
+    (lambda c: dict(sparse_block_size=3), "sparse_block_size"),
     (lambda c: dict(sparse_mode=1), "sparse_mode"),
     (lambda c: dict(layout_kv="TND"), "layout_kv"),
     (lambda c: dict(sinks=torch.zeros(3)), "sinks"),

@@ -28,7 +28,6 @@ from .sparse_flash_attention import (
     paged_sequence_spans,
     require_key_rank,
     sequence_spans,
-    sparse_flash_attention,
     validate_sparse,
 )
 
@@ -173,9 +172,9 @@ def quant_lightning_indexer(
 # Per-tile quantisation (mode 2) with the scales stored beside the data ("combine", repo mode 1) in MLA-absorb
 # attention (mode 2): the only values KvQuantSparseFlashAttention documents.
 KV_QUANT_MODE, SCALE_REPO_MODE, ABSORB_MODE = 2, 1, 2
-# "sparse_block_size支持[1,16]，且要求是2的幂次方" (A2/A3); 2 and 4 are outside SparseFlashAttention's block sizes,
-# whose selection rule this operator reuses, and are refused (docs/operators/quant_dsa.md).
-KV_QUANT_BLOCK_SIZES = (1, 8, 16)
+# "sparse_block_size支持[1,16]，且要求是2的幂次方" (A2/A3): entry idx names keys [idx * bs, idx * bs + bs), the
+# selection rule of SparseFlashAttention (whose own page lists 1, 8, 16, ...; docs/operators/quant_dsa.md).
+KV_QUANT_BLOCK_SIZES = (1, 2, 4, 8, 16)
 
 
 def _require_value(value, param: str, expected, meaning: str) -> None:
@@ -261,25 +260,42 @@ def kv_quant_sparse_flash_attention(
                               scale_value, query_rope=None, key_rope=None,
                               actual_seq_lengths_query=actual_seq_lengths_query,
                               actual_seq_lengths_kv=actual_seq_lengths_kv, sparse_block_size=sparse_block_size,
-                              layout=layout, sparse_mode=sparse_mode, block_table=block_table, layout_kv=layout_kv)
+                              layout=layout, sparse_mode=sparse_mode, block_table=block_table, layout_kv=layout_kv,
+                              block_sizes=KV_QUANT_BLOCK_SIZES)
     value_is_key = value is key or (value.data_ptr() == key.data_ptr() and value.stride() == key.stride())
     value_parts = key_parts if value_is_key else dequant.split_combined(value, query.dtype)
     sinks = sink_rule.check_sink(sinks, problem.heads, "sinks")
-    if query.numel() and not precision.npu_mode() and select_backend(
-            backend, query.device, op="kv_quant_sparse_flash_attention",
-            unsupported=lambda: sparse_unsupported(query[..., :512], key_parts.rope, key_parts.rope,
-                                                   query[..., 512:])) == "reference":
-        return _reference_attention(problem, query, key_parts, value_parts, value_is_key, sparse_indices,
-                                    float(scale_value), int(sparse_mode), int(sparse_block_size), sinks)
+    if query.numel() and not precision.npu_mode():
+        if select_backend(backend, query.device, op="kv_quant_sparse_flash_attention",
+                          unsupported=lambda: sparse_unsupported(query[..., :512], key_parts.rope, key_parts.rope,
+                                                                 query[..., 512:])) == "reference":
+            return _reference_attention(problem, query, key_parts, value_parts, value_is_key, sparse_indices,
+                                        float(scale_value), int(sparse_mode), int(sparse_block_size), sinks)
+        return _triton_attention(problem, query, key_parts, value_parts, sparse_indices, float(scale_value),
+                                 int(sparse_mode), int(sparse_block_size), sinks)
+    # The npu precision mode (its SparseFlashAttention pipeline on the reference backend) and empty queries: the
+    # reachable rows dequantised into a temporary of the query's dtype, then SparseFlashAttention.
     rows = _selectable_rows(problem, sparse_indices, int(sparse_block_size), key.shape)
     k_nope = _dequantized_rows(key_parts, rows, query.dtype)
     v_nope = k_nope if value_is_key else _dequantized_rows(value_parts, rows, query.dtype)
-    return sparse_flash_attention(
-        query[..., : dequant.LATENT_DIM], k_nope, v_nope, sparse_indices, scale_value,
-        query_rope=query[..., dequant.LATENT_DIM :], key_rope=key_parts.rope,
-        actual_seq_lengths_query=actual_seq_lengths_query, actual_seq_lengths_kv=actual_seq_lengths_kv,
-        sparse_block_size=sparse_block_size, layout=layout, sparse_mode=sparse_mode, backend=backend,
-        block_table=block_table, layout_kv=layout_kv, sinks=sinks).attention_out
+    return sfa_ops.forward_problem(
+        problem, query[..., : dequant.LATENT_DIM], k_nope, v_nope, sparse_indices,
+        query[..., dequant.LATENT_DIM :], key_parts.rope, float(scale_value), int(sparse_mode),
+        int(sparse_block_size), sinks, backend).attention_out
+
+
+def _triton_attention(problem, query, key_parts: dequant.CombinedCache, value_parts: dequant.CombinedCache,
+                      sparse_indices, scale: float, sparse_mode: int, block_size: int, sinks) -> torch.Tensor:
+    """The Triton SparseFlashAttention kernel reading the combined cache rows in place (contiguous or paged through
+    the block table): each gathered tile's latent is dequantised in registers by the rule of problem/dequant.py, no
+    temporary of the cache is written."""
+    from ..backends.triton.sparse_attention import QuantizedLatent
+
+    quantized = QuantizedLatent(key_parts.scales, value_parts.scales, query.dtype, dequant.TILE_SIZE)
+    out, _, _ = sfa_ops.triton_forward(
+        problem, query[..., : dequant.LATENT_DIM], key_parts.latent, value_parts.latent, sparse_indices,
+        query[..., dequant.LATENT_DIM :], key_parts.rope, scale, sparse_mode, block_size, sinks, quantized)
+    return out
 
 
 def _sequence_tokens(problem, sparse_indices: torch.Tensor, block_size: int, b: int) -> torch.Tensor:

@@ -89,9 +89,11 @@ def _check_tensor(t, name: str, dtype: torch.dtype | None = None) -> torch.Tenso
 
 def validate_sparse(query, key, value, sparse_indices, scale_value, *, query_rope, key_rope, actual_seq_lengths_query,
                     actual_seq_lengths_kv, sparse_block_size, layout, sparse_mode, pre_tokens=INT64_MAX,
-                    next_tokens=INT64_MAX, block_table=None, layout_kv=None) -> SparseProblem:
+                    next_tokens=INT64_MAX, block_table=None, layout_kv=None,
+                    block_sizes: tuple[int, ...] = SPARSE_BLOCK_SIZES) -> SparseProblem:
     """Documented constraints of the SFA family (docs/semantics/layouts.md, docs/operators/sparse_flash_attention.md,
-    docs/semantics/errors.md; a paged key/value cache: docs/semantics/paged-kv.md)."""
+    docs/semantics/errors.md; a paged key/value cache: docs/semantics/paged-kv.md). `block_sizes`: the operator's
+    documented `sparse_block_size` values (KvQuantSparseFlashAttention documents its own)."""
     _check_tensor(query, "query")
     require(query.dtype in FLOAT_DTYPES, "query", "dtype float16 or bfloat16", query)
     for name, t in (("key", key), ("value", value)):
@@ -105,9 +107,9 @@ def validate_sparse(query, key, value, sparse_indices, scale_value, *, query_rop
         raise ParamInvalidError(f"sparse_mode: expected 0 or 3, got {sparse_mode!r}")
     # An integer first (8.0 would pass `in SPARSE_BLOCK_SIZES` and break the index arithmetic later;
     # docs/operators/sparse_flash_attention.md).
-    if require_int(sparse_block_size, "sparse_block_size") not in SPARSE_BLOCK_SIZES:
+    if require_int(sparse_block_size, "sparse_block_size") not in block_sizes:
         raise ParamInvalidError(
-            f"sparse_block_size: expected an int, one of {list(SPARSE_BLOCK_SIZES)}, got {sparse_block_size!r}"
+            f"sparse_block_size: expected an int, one of {list(block_sizes)}, got {sparse_block_size!r}"
         )
     for name, bound in (("pre_tokens", pre_tokens), ("next_tokens", next_tokens)):
         if require_int(bound, name) not in SFA_WINDOW_VALUES:
@@ -326,25 +328,23 @@ def sparse_flash_attention(
                               layout=layout, sparse_mode=sparse_mode, pre_tokens=pre_tokens, next_tokens=next_tokens,
                               block_table=block_table, layout_kv=layout_kv)
     sinks = sink_rule.check_sink(sinks, problem.heads, "sinks")
-    block_size = int(sparse_block_size)  # a NumPy integer is accepted; the kernels take a Python int
+    # A NumPy integer is accepted; the kernels take a Python int.
+    return forward_problem(problem, query, key, value, sparse_indices, query_rope, key_rope, float(scale_value),
+                           int(sparse_mode), int(sparse_block_size), sinks, backend)
+
+
+def forward_problem(problem: SparseProblem, query, key, value, sparse_indices, query_rope, key_rope, scale_value: float,
+                    sparse_mode: int, block_size: int, sinks, backend: str) -> SparseFlashAttentionResult:
+    """`sparse_flash_attention` of a validated problem (also KvQuantSparseFlashAttention's path over a dequantised
+    temporary, whose block sizes are its own)."""
     if query.numel() == 0:
         # Empty query (B, S1/T1, N1 or D zero): "query为空Tensor：直接返回" (seed :560, docs/semantics/errors.md).
         return SparseFlashAttentionResult(*_initial_outputs(problem, query, value))
     if select_backend(backend, query.device, op="sparse_flash_attention",
                       unsupported=lambda: sparse_unsupported(query, key, value, query_rope)) == "triton":
-        from ..backends.triton import sparse_attention as triton_kernel
-
-        indices = index_rows(sparse_indices)
-        tables = sfa_tables(problem, indices, sparse_mode, block_size)
-        block_table = None if problem.pages is None else problem.pages.table.to(query.device)
-        out, softmax_max, softmax_sum = triton_kernel.sparse_forward(
-            query, key, value, indices, query_rope, key_rope, tables, float(scale_value), block_size,
-            _stats_shape(problem, query), block_table, wide_output=sinks is not None)
-        if sinks is not None:
-            for b in range(len(problem.q_spans)):
-                _merge_sinks(problem, b, out, softmax_max, softmax_sum, sinks)
-            out = out.to(query.dtype)
-        return SparseFlashAttentionResult(out, softmax_max, softmax_sum)
+        return SparseFlashAttentionResult(*triton_forward(problem, query, key, value, sparse_indices, query_rope,
+                                                          key_rope, float(scale_value), int(sparse_mode), block_size,
+                                                          sinks))
     out, softmax_max, softmax_sum = _initial_outputs(problem, query, value)
     dtype = accumulation_dtype(query.dtype)
     pipeline = precision.sfa_pipeline(key.dtype, query.dtype) if precision.npu_mode() else None
@@ -366,6 +366,26 @@ def sparse_flash_attention(
             if problem.q_lengths[b] > 0 and problem.kv_lengths[b] == 0:
                 _merge_sinks(problem, b, out, softmax_max, softmax_sum, sinks)
     return SparseFlashAttentionResult(out, softmax_max, softmax_sum)
+
+
+def triton_forward(problem: SparseProblem, query, key, value, sparse_indices, query_rope, key_rope, scale: float,
+                   sparse_mode: int, block_size: int, sinks, quantized=None):
+    """(out, softmax_max, softmax_sum) of the forward on the Triton kernel, the sinks merged before the output's one
+    rounding; `quantized` (backends/triton/sparse_attention.py QuantizedLatent): key / value are quantised latents
+    dequantised in the kernel (KvQuantSparseFlashAttention)."""
+    from ..backends.triton import sparse_attention as triton_kernel
+
+    indices = index_rows(sparse_indices)
+    tables = sfa_tables(problem, indices, sparse_mode, block_size)
+    block_table = None if problem.pages is None else problem.pages.table.to(query.device)
+    out, softmax_max, softmax_sum = triton_kernel.sparse_forward(
+        query, key, value, indices, query_rope, key_rope, tables, scale, block_size, _stats_shape(problem, query),
+        block_table, wide_output=sinks is not None, quantized=quantized)
+    if sinks is not None:
+        for b in range(len(problem.q_spans)):
+            _merge_sinks(problem, b, out, softmax_max, softmax_sum, sinks)
+        out = out.to(query.dtype)
+    return out, softmax_max, softmax_sum
 
 
 def _merge_sinks(problem: SparseProblem, b: int, out: torch.Tensor, softmax_max: torch.Tensor,

@@ -19,6 +19,8 @@ tl.dot and scattered into fp32 buffers with relaxed atomics, or, for determinist
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import triton
 import triton.language as tl
@@ -112,22 +114,46 @@ def paged_key_slots(key_row, kv0, valid, BT, PAGE: tl.constexpr):
     return block, token % PAGE
 
 
+@device_function
+def round_bf16_rtne(x):
+    """fp32 -> bfloat16 rounded to nearest even, by its bits (the interpreter's own conversion truncates; NaN kept)."""
+    bits = x.to(tl.int32, bitcast=True)
+    bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & -65536
+    return tl.where(x != x, x, bits.to(tl.float32, bitcast=True)).to(tl.bfloat16)
+
+
+@device_function
+def dequantized_tile(x, scale_ptr, mask, FP8: tl.constexpr, DEQ: tl.constexpr, EXPLICIT_RTNE: tl.constexpr,
+                     OUT_DTYPE: tl.constexpr):
+    """Quantised latent values x (int8, or fp8 e4m3 as its bytes) times the fp32 scale of their tile (scale_ptr:
+    per element), taken in fp32 and rounded once to DEQ, the query's dtype (problem/dequant.py), as OUT_DTYPE."""
+    if FP8:
+        x = x.to(tl.float8e4nv, bitcast=True)
+    product = x.to(tl.float32) * tl.load(scale_ptr, mask=mask, other=0.0)
+    rounded = round_bf16_rtne(product) if EXPLICIT_RTNE else product.to(DEQ)
+    return rounded.to(OUT_DTYPE)
+
+
 # ----------------------------------------------------------------------------------------------------------
 # Forward
 # ----------------------------------------------------------------------------------------------------------
 @triton.jit
 def _sfa_fwd_kernel(
-    Q, QR, K, KR, V, IDX, KV_START, THR, SCAN, OUT, MAX, SUM, BT,
+    Q, QR, K, KR, V, IDX, KV_START, THR, SCAN, OUT, MAX, SUM, BT, KS, VS,
     scale,
     stride_qt, stride_qh, stride_qrt, stride_qrh, stride_kt, stride_krt, stride_vt, stride_it, stride_ot, stride_oh,
-    stride_kb, stride_krb, stride_vb,
+    stride_kb, stride_krb, stride_vb, stride_kst, stride_ksb, stride_vst, stride_vsb,
     N1, D, DR, DV,
     BS: tl.constexpr, HAS_ROPE: tl.constexpr, V_IS_K: tl.constexpr, PRECISION: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DR: tl.constexpr, BLOCK_DV: tl.constexpr,
-    PAGE: tl.constexpr, BLOCK_N: tl.constexpr,
+    PAGE: tl.constexpr, QUANT: tl.constexpr, FP8: tl.constexpr, DEQ: tl.constexpr, EXPLICIT_RTNE: tl.constexpr,
+    TILE: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     """PAGE > 0: K, KR and V are paged caches [block_num, PAGE, D] (block strides stride_*b, token strides
-    stride_*t) read in place through the block table BT, KV_START holding each row's offset into BT."""
+    stride_*t) read in place through the block table BT, KV_START holding each row's offset into BT.
+    QUANT: K and V hold quantised latent values (int8, or fp8 bytes with FP8) and KS / VS one fp32 scale per TILE
+    of them (rows of the combined cache, strides stride_*st / stride_*sb); each gathered tile is dequantised in
+    registers as dequantized_tile says before the dot (KvQuantSparseFlashAttention, problem/dequant.py)."""
     # One flat grid axis (x allows 2**31 - 1 programs; y and z only 65535, fewer than the rows of a long sequence),
     # head groups varying fastest: the programs of one token run together and share its gathered rows in L2.
     groups = tl.cdiv(N1, BLOCK_H)
@@ -161,11 +187,21 @@ def _sfa_fwd_kernel(
             k_off = block * stride_kb + slot * stride_kt
             kr_off = block * stride_krb + slot * stride_krt
             v_off = block * stride_vb + slot * stride_vt
+            ks_off = block * stride_ksb + slot * stride_kst  # the scale rows (QUANT only)
+            vs_off = block * stride_vsb + slot * stride_vst
         else:
             k_off = key_row * stride_kt
             kr_off = key_row * stride_krt
             v_off = key_row * stride_vt
-        k = tl.load(K + k_off[:, None] + offs_d[None, :], mask=valid[:, None] & d_ok[None, :], other=0.0)
+            ks_off = key_row * stride_kst
+            vs_off = key_row * stride_vst
+        k_mask = valid[:, None] & d_ok[None, :]
+        if QUANT:
+            k = dequantized_tile(tl.load(K + k_off[:, None] + offs_d[None, :], mask=k_mask, other=0),
+                                 KS + ks_off[:, None] + (offs_d // TILE)[None, :], k_mask, FP8, DEQ, EXPLICIT_RTNE,
+                                 Q.dtype.element_ty)
+        else:
+            k = tl.load(K + k_off[:, None] + offs_d[None, :], mask=k_mask, other=0.0)
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION)
         if HAS_ROPE:
             kr = tl.load(KR + kr_off[:, None] + offs_r[None, :], mask=valid[:, None] & r_ok[None, :], other=0.0)
@@ -179,6 +215,11 @@ def _sfa_fwd_kernel(
         l_i = l_i * alpha + tl.sum(p, 1)
         if V_IS_K:
             v = k  # DSA passes one latent as key and value: reuse the gathered tile
+        elif QUANT:
+            v_mask = valid[:, None] & v_ok[None, :]
+            v = dequantized_tile(tl.load(V + v_off[:, None] + offs_v[None, :], mask=v_mask, other=0),
+                                 VS + vs_off[:, None] + (offs_v // TILE)[None, :], v_mask, FP8, DEQ, EXPLICIT_RTNE,
+                                 Q.dtype.element_ty)
         else:
             v = tl.load(V + v_off[:, None] + offs_v[None, :], mask=valid[:, None] & v_ok[None, :], other=0.0)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
@@ -198,7 +239,7 @@ def _fwd_configs() -> list[triton.Config]:
 
 
 _sfa_fwd_tuned = triton.autotune(tuning_configs(_fwd_configs()),
-                                 key=["N1", "D", "DR", "DV", "BS", "V_IS_K", "PAGE"])(_sfa_fwd_kernel)
+                                 key=["N1", "D", "DR", "DV", "BS", "V_IS_K", "PAGE", "QUANT", "FP8"])(_sfa_fwd_kernel)
 
 
 def _pages3(cache: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -209,14 +250,38 @@ def _pages3(cache: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return v if v.stride(-1) == 1 else v.contiguous()
 
 
+@dataclass(frozen=True)
+class QuantizedLatent:
+    """The quantised key / value latent of KvQuantSparseFlashAttention as the forward kernel reads it in place:
+    `key` / `value` are then the int8 / fp8 latent views of the combined cache rows and these their fp32 tile
+    scales (views too; problem/dequant.py CombinedCache), dequantised to `dtype` (the query's) in the kernel."""
+
+    key_scales: torch.Tensor
+    value_scales: torch.Tensor
+    dtype: torch.dtype
+    tile: int
+
+
+_TL_DTYPES = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16}
+
+
+def _quantized(t: torch.Tensor, paged: bool) -> torch.Tensor:
+    """[R2, W] / [block_num, block_size, W] view of a quantised latent or scale view, never converted (fp8 as its
+    bytes: the interpreter has no fp8 tensors; the kernel reinterprets them)."""
+    v = t[:, :, 0] if paged else t.reshape(-1, t.shape[-1])
+    return v.view(torch.uint8) if v.dtype == torch.float8_e4m3fn else v
+
+
 def sparse_forward(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, indices: torch.Tensor,
                    query_rope: torch.Tensor | None, key_rope: torch.Tensor | None, tables: RowTables, scale: float,
                    block_size: int, stats_shape: tuple[int, ...], block_table: torch.Tensor | None = None,
-                   wide_output: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                   wide_output: bool = False, quantized: QuantizedLatent | None = None,
+                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(attention_out, softmax_max, softmax_sum) of SparseFlashAttention; `indices` is [R, K]. Every row is
     written by the kernel (rows with nothing selected: 0, -2e38, 0). With `block_table`, key/value/key_rope are
     paged caches read in place (`tables.kv_start` then holds each row's offset into the table). With `wide_output`
-    the output stays fp32 (for the sinks merged into it before the one rounding, problem/sink.py)."""
+    the output stays fp32 (for the sinks merged into it before the one rounding, problem/sink.py). With
+    `quantized`, key / value are quantised latents dequantised in the kernel (`QuantizedLatent`)."""
     rows, n1, d = tables.rows, query.shape[-2], query.shape[-1]
     dv = value.shape[-1]
     dev = query.device
@@ -229,8 +294,10 @@ def sparse_forward(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, 
     work = torch.float32 if interpreting() else query.dtype
     paged = block_table is not None
     keys = _pages3 if paged else _rows2
-    q3, k2 = _rows3(query, rows, work), keys(key, work)
-    v2 = k2 if _same_storage(value, key) else keys(value, work)
+    quant = quantized is not None
+    latent = (lambda t, _dtype: _quantized(t, paged)) if quant else keys
+    q3, k2 = _rows3(query, rows, work), latent(key, work)
+    v2 = k2 if _same_storage(value, key) else latent(value, work)
     has_rope = query_rope is not None
     qr3 = _rows3(query_rope, rows, work) if has_rope else q3
     kr2 = keys(key_rope, work) if has_rope else k2
@@ -238,15 +305,24 @@ def sparse_forward(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, 
     out3 = torch.empty((rows, n1, dv), dtype=out_dtype if wide_output else work, device=dev)
     dims = _Dims(n1, d, dr, dv, tables.max_positions, q3.dtype)
     v_is_k = v2 is k2 and dims.block_dv == dims.block_d
+    ks2 = _quantized(quantized.key_scales, paged) if quant else k2
+    vs2 = (ks2 if _same_storage(quantized.value_scales, quantized.key_scales)
+           else _quantized(quantized.value_scales, paged)) if quant else k2
     # (block, token) strides of the key-side tensors: a paged cache's own, else (0, row stride).
-    k_s, kr_s, v_s = ((t.stride(0), t.stride(1)) if paged else (0, t.stride(0)) for t in (k2, kr2, v2))
+    k_s, kr_s, v_s, ks_s, vs_s = ((t.stride(0), t.stride(1)) if paged else (0, t.stride(0))
+                                  for t in (k2, kr2, v2, ks2, vs2))
     args = (q3, qr3, k2, kr2, v2, indices, tables.kv_start, tables.thr, tables.scan, out3, softmax_max, softmax_sum,
-            block_table if paged else tables.kv_start,
+            block_table if paged else tables.kv_start, ks2, vs2,
             float(scale), q3.stride(0), q3.stride(1), qr3.stride(0), qr3.stride(1), k_s[1], kr_s[1], v_s[1],
-            indices.stride(0), out3.stride(0), out3.stride(1), k_s[0], kr_s[0], v_s[0], n1, d, dr, dv)
+            indices.stride(0), out3.stride(0), out3.stride(1), k_s[0], kr_s[0], v_s[0], ks_s[1], ks_s[0], vs_s[1],
+            vs_s[0], n1, d, dr, dv)
+    deq = quantized.dtype if quant else query.dtype
     meta = dict(BS=block_size, HAS_ROPE=has_rope, V_IS_K=v_is_k, PRECISION=_precision(work), BLOCK_H=dims.block_h,
                 BLOCK_D=dims.block_d, BLOCK_DR=dims.block_dr, BLOCK_DV=dims.block_dv,
-                PAGE=key.shape[1] if paged else 0)
+                PAGE=key.shape[1] if paged else 0, QUANT=quant,
+                FP8=quant and key.dtype == torch.float8_e4m3fn, DEQ=_TL_DTYPES.get(deq, tl.float32),
+                EXPLICIT_RTNE=quant and interpreting() and deq == torch.bfloat16,
+                TILE=quantized.tile if quant else 1)
     grid = (triton.cdiv(n1, dims.block_h) * rows,)
     if dims.block_n is not None:
         _sfa_fwd_kernel[grid](*args, **meta, BLOCK_N=dims.block_n)
