@@ -422,3 +422,39 @@ def test_lightning_indexer_values_round_half_away(dtype):
     assert torch.equal(values, want)
     _, exact = cann_attn.lightning_indexer(query, key, weights, sparse_count=64, sparse_mode=0, return_value=True)
     assert not torch.equal(exact, want)
+
+
+# --- the merge operators: their kernels' fp32 pipeline is the "exact" one ----------------------------------------
+
+@pytest.mark.parametrize("dtype", [*HALF_TYPES, torch.float32])  # fp32: the order of the sums shows
+def test_attention_update_npu_mode_is_the_kernel_recipe(dtype):
+    from cann_attn.testing.npu_recipes import attention_update_recipe
+
+    g = torch.Generator().manual_seed(21)
+    lse = [torch.randn(96, generator=g) * 4 for _ in range(5)]
+    outs = [torch.randn(96, 64, generator=g).to(dtype) for _ in range(5)]
+    with cann_attn.precision("npu"):
+        out, lse_out = cann_attn.attention_update(lse, outs, 1)
+    want_out, want_lse = attention_update_recipe(lse, outs)
+    assert torch.equal(out, want_out)
+    assert torch.equal(lse_out, want_lse)
+
+
+@pytest.mark.parametrize("dtype", [*HALF_TYPES, torch.float32])
+def test_ring_attention_update_npu_mode_is_the_kernel_recipe(dtype):
+    from cann_attn.testing.npu_recipes import ring_update_recipe
+
+    g = torch.Generator().manual_seed(22)
+    s, b, n, d = 8, 2, 4, 32
+    attn = [torch.randn(s, b, n * d, generator=g).to(dtype) for _ in range(2)]
+    maxes = [(torch.randn(b, n, s, 1, generator=g) * 3).expand(b, n, s, 8).contiguous() for _ in range(2)]
+    sums = [(torch.rand(b, n, s, 1, generator=g) * 50 + 1).expand(b, n, s, 8).contiguous() for _ in range(2)]
+    with cann_attn.precision("npu"):
+        out = cann_attn.ring_attention_update(attn[0], maxes[0], sums[0], attn[1], maxes[1], sums[1])[0]
+
+    def rows(t):  # [S, B, N*D] -> [B, N, S, D]
+        return t.view(s, b, n, d).permute(1, 2, 0, 3)
+
+    want = ring_update_recipe(rows(attn[0]), maxes[0][..., :1], sums[0][..., :1], rows(attn[1]), maxes[1][..., :1],
+                              sums[1][..., :1])
+    assert torch.equal(rows(out), want)

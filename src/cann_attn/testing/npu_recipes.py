@@ -19,6 +19,7 @@ import torch
 
 __all__ = [
     "assert_within_ulps",
+    "attention_update_recipe",
     "fa_grad_recipe",
     "fa_recipe",
     "ifa_recipe",
@@ -28,6 +29,7 @@ __all__ = [
     "pfa_recipe",
     "post_quant_recipe",
     "quant_indexer_recipe",
+    "ring_update_recipe",
     "rnd",
     "sfa_grad_recipe",
     "sfa_recipe",
@@ -320,6 +322,38 @@ def lightning_indexer_recipe(query, key, weights, count: int) -> tuple[torch.Ten
     order = torch.sort(scores, dim=-1, descending=True, stable=True).indices[..., :count]
     values = rnd(torch.gather(scores, -1, order), query.dtype, away=True).to(query.dtype)
     return order.unsqueeze(2).to(torch.int32), values.unsqueeze(2)
+
+
+def attention_update_recipe(lse: list[torch.Tensor], outs: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """AttentionUpdate (attention_update op_kernel decode_update.h) on K parts without empty rows: everything in fp32
+    (the outputs widened with CAST_NONE, exact); m = max_i lse_i; s = e_0 + e_1 + .. added in part order with
+    e_i = exp(lse_i - m) (:244-262); lse_out = m + log(s) (:265-268); out = sum_i out_i exp(lse_i - lse_out) added in
+    part order (:270-309); cast to fp16 / bf16 to nearest even (CAST_NONE / CAST_RINT, :324-333)."""
+    m = lse[0].float()
+    for t in lse[1:]:
+        m = torch.maximum(m, t.float())
+    exps = [torch.exp(t.float() - m) for t in lse]
+    total = exps[0]
+    for e in exps[1:]:
+        total = total + e
+    lse_out = m + torch.log(total)
+    out = None
+    for t, o in zip(lse, outs, strict=True):
+        term = o.float() * torch.exp(t.float() - lse_out).unsqueeze(-1)
+        out = term if out is None else out + term
+    return rnd(out, outs[0].dtype).to(outs[0].dtype), lse_out
+
+
+def ring_update_recipe(out_a, max_a, sum_a, out_b, max_b, sum_b) -> torch.Tensor:
+    """RingAttentionUpdate's merged output (ring_attention_update op_kernel ring_attention_update.h) for rows valid
+    in both inputs, statistics per row broadcast over the last dim: fp32 (outputs widened with CAST_NONE, :253-254);
+    m = max; w = sum * exp(max - m) (:177-194); s = w_a + w_b (:200); r = w / s (:204-205); out = out_a r_a + out_b r_b
+    (:264-268); to fp16 / bf16 to nearest even (CAST_NONE / CAST_RINT, :271-274)."""
+    m = torch.maximum(max_a.float(), max_b.float())
+    w_a, w_b = sum_a.float() * torch.exp(max_a.float() - m), sum_b.float() * torch.exp(max_b.float() - m)
+    total = w_a + w_b
+    out = out_a.float() * (w_a / total) + out_b.float() * (w_b / total)
+    return rnd(out, out_a.dtype).to(out_a.dtype)
 
 
 def quant_indexer_recipe(query, key, weights, query_scale, key_scale, count: int) -> torch.Tensor:
