@@ -458,3 +458,28 @@ def test_ring_attention_update_npu_mode_is_the_kernel_recipe(dtype):
     want = ring_update_recipe(rows(attn[0]), maxes[0][..., :1], sums[0][..., :1], rows(attn[1]), maxes[1][..., :1],
                               sums[1][..., :1])
     assert torch.equal(rows(out), want)
+
+
+def test_fa_grad_dpse_npu_mode_is_the_unrounded_score_gradient():
+    """No A2/A3 FlashAttentionScoreGrad kernel writes dpse (docs/semantics/precision.md): "npu" mode gives the pse
+    gradient from the fp32 dS, before dS is cast for dQ / dK, rounded once to the pse's dtype (as "exact" mode)."""
+    q, k, v = _inputs(torch.bfloat16, heads_kv=4, skv=48)
+    g = torch.Generator().manual_seed(9)
+    pse = torch.randn(1, 4, 48, 48, generator=g).to(torch.bfloat16)
+    dy = torch.randn(q.shape, generator=g).to(torch.bfloat16)
+    kwargs = {"scale_value": 0.125, "pse": pse, "pse_type": 1}
+    with cann_attn.precision("npu"):
+        fwd = cann_attn.flash_attention_score(q, k, v, 4, "BNSD", **kwargs)
+        dpse = cann_attn.flash_attention_score_grad(q, k, v, dy, 4, "BNSD", attention_in=fwd.attention_out,
+                                                    softmax_max=fwd.softmax_max, softmax_sum=fwd.softmax_sum,
+                                                    **kwargs).dpse
+    # recipe: logits = (Q K^T + pse) * scale (pse_type 1), P from the saved statistics, dS = P (dP - rowsum(dY * O))
+    # in fp32; dpse = scale * dS, rounded once
+    s = ((q.double() @ k.double().transpose(-1, -2)).float() + pse.float()) * 0.125
+    p = torch.exp(s - fwd.softmax_max[..., :1]) / fwd.softmax_sum[..., :1]
+    dp = (dy.double() @ v.double().transpose(-1, -2)).float()
+    ds = p * (dp - (dy.float() * fwd.attention_out.float()).sum(-1, keepdim=True))
+    recipe = rnd(ds * 0.125, torch.bfloat16).to(torch.bfloat16)
+    assert torch.equal(dpse, recipe)
+    # the mutant: dpse from the dS the kernel casts for dQ / dK (bf16, half away) differs
+    assert not torch.equal(dpse, rnd(rnd(ds, torch.bfloat16, away=True) * 0.125, torch.bfloat16).to(torch.bfloat16))
