@@ -28,6 +28,7 @@ from dataclasses import dataclass
 import torch
 
 from ..errors import ParamInvalidError, describe
+from . import dequant
 
 PAGED_MODES = (4, 5)
 MODES = (0, 1, 2, 3, 4, 5)
@@ -86,19 +87,11 @@ def unpack_int4(packed: torch.Tensor) -> torch.Tensor:
 
 
 def dequantize(x: torch.Tensor, factors: KvFactors, dtype: torch.dtype) -> torch.Tensor:
-    """(x + offset) * scale of an int8 [B, N2, S, D] view, in fp32, rounded once to `dtype` (a new tensor)."""
+    """(x + offset) * scale of an int8 [B, N2, S, D] view, in fp32, rounded once to `dtype` (a new tensor; the rule
+    of problem/dequant.py `dequantize_values`)."""
     seq = x.shape[2]
-    scale = _first_tokens(factors.scale, seq)
-    if factors.offset is None and dtype in (torch.float16, torch.bfloat16):
-        narrow = scale.to(dtype)
-        # An int8 value times a scale that `dtype` holds exactly is exact in fp32 (at most 8 + 11 significant
-        # bits), so PyTorch's `dtype` multiply (fp32 product, one rounding) gives the same bits in one pass.
-        if torch.equal(narrow.to(torch.float32), scale):
-            return torch.mul(x, narrow)
-    y = x.to(torch.float32)
-    if factors.offset is not None:
-        y = y + _first_tokens(factors.offset, seq)
-    return (y * _first_tokens(factors.scale, seq)).to(dtype)
+    offset = None if factors.offset is None else _first_tokens(factors.offset, seq)
+    return dequant.dequantize_values(x, _first_tokens(factors.scale, seq), dtype, offset)
 
 
 def _first_tokens(t: torch.Tensor, seq: int) -> torch.Tensor:

@@ -1,4 +1,7 @@
-"""Dequantisation of the quantised DSA inference operators (docs/operators/quant_dsa.md), the one place it lives.
+"""Dequantisation of the quantised inference operators, the one place the rule lives (docs/semantics/precision.md,
+"Dequantisation"): `dequantize_values` computes (x + offset) * scale in fp32, rounded once to the target dtype, for
+FIA / IFA's KV antiquant (problem/antiquant.py, which adds its scale layouts and int4 unpacking) and the quantised DSA
+operators below (docs/operators/quant_dsa.md).
 
 QuantLightningIndexer (per-token-head, mode 0): an int8 / float8_e4m3fn query row h of token t and key s meet as
 (Scale_Q[t, h] * Scale_K[s]) * (Q[t, h] . K[s]): the dot product of the quantised values (exact in fp32 for int8 and
@@ -9,8 +12,7 @@ KvQuantSparseFlashAttention (per-tile, mode 2, `quant_scale_repo_mode` 1 "combin
 side along D, the quantised latent (512 int8 / fp8 values), the rope part (64 values of the query's dtype, as
 bytes) and one float32 scale per `tile_size` = 128 latent values (as bytes): 512 + 64 * 2 + 4 * 4 = 656 bytes. The
 latent is dequantised as x * scale of its tile, taken in fp32 and rounded once to the query's dtype: the formula
-FIA's KV antiquant uses (problem/antiquant.py `dequantize`, (x + offset) * scale in fp32, rounded once) with no
-offset (op-plugin's CPU golden of the operator does the same).
+of FIA's KV antiquant without an offset (op-plugin's CPU golden of the operator does the same).
 """
 
 from __future__ import annotations
@@ -32,15 +34,33 @@ def score_scales(query_scale: torch.Tensor, key_scale: torch.Tensor) -> torch.Te
     return query_scale.to(torch.float32).unsqueeze(-1) * key_scale.to(torch.float32).view(1, 1, -1)
 
 
+def dequantize_values(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype, offset: torch.Tensor | None = None,
+                      *, out: torch.Tensor | None = None) -> torch.Tensor:
+    """(x + offset) * scale of quantised values x (int8, or fp8 / any float, converted exactly), with fp32 `scale` /
+    `offset` broadcasting against x: taken in fp32 and rounded once to `dtype` (into `out` when given, else a new
+    tensor of the broadcast shape)."""
+    if offset is None and x.dtype == torch.int8 and dtype in (torch.float16, torch.bfloat16):
+        narrow = scale.to(dtype)
+        # An int8 value times a scale that `dtype` holds exactly is exact in fp32 (at most 8 + 11 significant
+        # bits), so PyTorch's `dtype` multiply (fp32 product, one rounding) gives the same bits in one pass.
+        if torch.equal(narrow.to(torch.float32), scale):
+            return torch.mul(x, narrow) if out is None else torch.mul(x, narrow, out=out)
+    # One pass for int8 without offset: the values promote to fp32 inside the multiplication and its fp32 product is
+    # rounded once on the write to `dtype` (fp8 has no such promotion: converted first, exactly).
+    values = x if x.dtype == torch.int8 and offset is None else x.to(torch.float32)
+    if offset is not None:
+        values = values + offset
+    if out is None:
+        out = torch.empty(torch.broadcast_shapes(x.shape, scale.shape), dtype=dtype, device=x.device)
+    return torch.mul(values, scale, out=out)
+
+
 def dequantize_tiles(x: torch.Tensor, scales: torch.Tensor, tile: int, dtype: torch.dtype) -> torch.Tensor:
-    """x [..., n * tile] (int8 / fp8) times the fp32 scale of its tile, scales [..., n], in fp32, rounded once to
-    `dtype` (a new tensor)."""
+    """x [..., n * tile] (int8 / fp8) times the fp32 scale of its tile, scales [..., n], by `dequantize_values`
+    (a new tensor)."""
     out = torch.empty(x.shape, dtype=dtype, device=x.device)
-    # One pass for int8: the values promote to fp32 inside the multiplication and its fp32 product is rounded once
-    # on the write to `dtype` (fp8 has no such promotion: converted first, exactly).
-    values = x if x.dtype == torch.int8 else x.to(torch.float32)
-    torch.mul(values.unflatten(-1, (scales.shape[-1], tile)), scales.to(torch.float32).unsqueeze(-1),
-              out=out.unflatten(-1, (scales.shape[-1], tile)))
+    dequantize_values(x.unflatten(-1, (scales.shape[-1], tile)), scales.to(torch.float32).unsqueeze(-1), dtype,
+                      out=out.unflatten(-1, (scales.shape[-1], tile)))
     return out
 
 
