@@ -22,7 +22,7 @@ TRITON_MATRIX := tests/test_fa_forward.py tests/test_fa_backward.py tests/test_p
 	tests/test_sparse_attention.py tests/test_indexer.py tests/test_fa_hypothesis.py \
 	tests/test_fa_backward_hypothesis.py tests/test_pfa_hypothesis.py tests/test_sparse_attention_hypothesis.py \
 	tests/test_fia.py tests/test_atb_attention.py tests/test_kv_quant_sfa.py tests/test_fia_inference.py \
-	tests/test_quant_indexer.py
+	tests/test_quant_indexer.py tests/test_dense_indexer.py
 
 test: $(STAMP)
 	$(BIN)/ruff check .

@@ -1,7 +1,8 @@
 """The quantised DSA inference operators on a CUDA GPU (docs/operators/quant_dsa.md): the kv-quant sparse attention
 (the Triton SparseFlashAttention kernel reading the combined rows in place, dequantising them) against the float64
-oracle, and the quantised indexer (the Triton indexer kernel with its scales) equal to the CPU result on exact
-inputs. Run with `pytest -m gpu tests/test_gpu_quant_dsa.py`; skipped without CUDA."""
+oracle, the quantised indexer (the Triton indexer kernel with its scales) equal to the CPU result on exact inputs, and
+the dense indexer softmax statistics on their Triton kernel (collected here with the gpu mark). Run with
+`pytest -m gpu tests/test_gpu_quant_dsa.py`; skipped without CUDA."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import pytest
 import torch
 
 from cann_attn.testing.precision import assert_close_to_oracle
+from test_dense_indexer import test_softmax_lse_on_the_triton_kernel as test_dense_softmax_lse_on_gpu  # noqa: F401
 from test_kv_quant_sfa import KvQuantCase
 from test_quant_indexer import QuantCase
 

@@ -8,8 +8,10 @@ from typing import NamedTuple
 
 import torch
 
+from ..backends import select_backend
 from ..backends.reference import dense_indexer as kernel
 from ..backends.reference.sparse_attention import INVALID_MAX
+from ..backends.triton.sparse_plan import indexer_tables, indexer_unsupported
 from ..errors import ParamInvalidError, require, require_int, require_real
 from ..problem.lengths import IntList
 from ..problem.stats import accumulation_dtype
@@ -127,6 +129,15 @@ def dense_lightning_indexer_softmax_lse(
     shape = _index_stat_shape(problem, query_index)
     softmax_max = torch.full(shape, INVALID_MAX, dtype=dtype, device=query_index.device)
     softmax_sum = torch.zeros(shape, dtype=dtype, device=query_index.device)
+    if query_index.numel() and select_backend(
+            "auto", query_index.device, op="dense_lightning_indexer_softmax_lse",
+            unsupported=lambda: indexer_unsupported(query_index, weights)) == "triton":
+        from ..backends.triton import dense_indexer as triton_kernel
+
+        triton_kernel.dense_softmax_lse(query_index, key_index, weights,
+                                        indexer_tables(problem, int(sparse_mode), query_index.device),
+                                        softmax_max.view(-1), softmax_sum.view(-1))
+        return DenseLightningIndexerSoftmaxLseResult(softmax_max, softmax_sum)
     for b in range(len(problem.q_spans)):
         lq, lk = problem.q_lengths[b], problem.kv_lengths[b]
         if lq == 0 or lk == 0:
@@ -203,6 +214,10 @@ def dense_lightning_indexer_grad_kl_loss(
         require(t.dtype in (torch.float32, torch.float64) and tuple(t.shape) == shape, name,
                 f"float32 of shape {list(shape)}", t)
     scale = require_real(scale_value, "scale_value")
+    # No Triton kernel yet: on CUDA tensors the reference backend's PyTorch loop computes it, with a
+    # BackendFallbackWarning (docs/operators/dense_lightning_indexer.md, Backends).
+    select_backend("auto", query_index.device, op="dense_lightning_indexer_grad_kl_loss",
+                   unsupported=lambda: "DenseLightningIndexerGradKLLoss has no Triton kernel yet")
     dtype = accumulation_dtype(query_index.dtype)
     d_query_index = torch.zeros_like(query_index)
     d_key_index = torch.zeros_like(key_index)
