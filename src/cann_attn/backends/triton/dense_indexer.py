@@ -13,6 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .indexer import index_row
 from .sparse_attention import INVALID_MAX, _next_pow2, _precision, _rows2, _rows3
 from .sparse_plan import RowTables, interpreting
 
@@ -23,13 +24,7 @@ def _dense_lse_kernel(QI, KI, W, KV_START, THR, MAX, SUM, stride_qt, stride_qh, 
     r = tl.program_id(0).to(tl.int64)
     thr = tl.load(THR + r)
     kv0 = tl.load(KV_START + r)
-    heads = tl.arange(0, BLOCK_H)
-    h_ok = heads < H
-    offs_d = tl.arange(0, BLOCK_D)
-    d_ok = offs_d < DI
-    q = tl.load(QI + r * stride_qt + heads[:, None].to(tl.int64) * stride_qh + offs_d[None, :],
-                mask=h_ok[:, None] & d_ok[None, :], other=0.0)
-    w = tl.load(W + r * stride_wt + heads, mask=h_ok, other=0.0).to(tl.float32)
+    q, w, offs_d, d_ok = index_row(QI, W, r, stride_qt, stride_qh, stride_wt, H, DI, BLOCK_H, BLOCK_D)
     m_i = tl.full([1], float("-inf"), tl.float32)
     l_i = tl.zeros([1], tl.float32)
     for start in range(0, thr, BLOCK_N):

@@ -59,6 +59,20 @@ def examined_keys(row_idx, start, n_exam, thr, kv0, BLOCK_N: tl.constexpr):
 # ----------------------------------------------------------------------------------------------------------
 # LightningIndexer
 # ----------------------------------------------------------------------------------------------------------
+@device_function
+def index_row(QI, W, r, stride_qt, stride_qh, stride_wt, H, DI, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr):
+    """Query row r of an indexer: (q [BLOCK_H, BLOCK_D] its index heads, w [BLOCK_H] its fp32 weights, zero past
+    H heads / DI channels; offs_d and d_ok, the channel offsets and their mask for the key loads)."""
+    heads = tl.arange(0, BLOCK_H)
+    h_ok = heads < H
+    offs_d = tl.arange(0, BLOCK_D)
+    d_ok = offs_d < DI
+    q = tl.load(QI + r * stride_qt + heads[:, None].to(tl.int64) * stride_qh + offs_d[None, :],
+                mask=h_ok[:, None] & d_ok[None, :], other=0.0)
+    w = tl.load(W + r * stride_wt + heads, mask=h_ok, other=0.0).to(tl.float32)
+    return q, w, offs_d, d_ok
+
+
 @triton.jit
 def _index_keys_kernel(QI, KI, W, KV_START, THR, KEYS, BT, QS, KS, row0, width,
                        stride_qt, stride_qh, stride_kt, stride_wt, stride_keys, stride_kb, stride_sb,
@@ -76,13 +90,7 @@ def _index_keys_kernel(QI, KI, W, KV_START, THR, KEYS, BT, QS, KS, row0, width,
     allowed = cols < thr
     out = KEYS + (r - row0) * stride_keys + cols
     if tl.program_id(0) * BLOCK_N < thr:
-        heads = tl.arange(0, BLOCK_H)
-        h_ok = heads < H
-        offs_d = tl.arange(0, BLOCK_D)
-        d_ok = offs_d < DI
-        q = tl.load(QI + r * stride_qt + heads[:, None].to(tl.int64) * stride_qh + offs_d[None, :],
-                    mask=h_ok[:, None] & d_ok[None, :], other=0.0)
-        w = tl.load(W + r * stride_wt + heads, mask=h_ok, other=0.0).to(tl.float32)
+        q, w, offs_d, d_ok = index_row(QI, W, r, stride_qt, stride_qh, stride_wt, H, DI, BLOCK_H, BLOCK_D)
         kv0 = tl.load(KV_START + r)
         if PAGE > 0:
             block, slot = paged_key_slots(kv0 + cols, kv0, allowed, BT, PAGE)
@@ -94,7 +102,8 @@ def _index_keys_kernel(QI, KI, W, KV_START, THR, KEYS, BT, QS, KS, row0, width,
         k = tl.load(KI + k_off[:, None] + offs_d[None, :], mask=allowed[:, None] & d_ok[None, :], other=0.0)
         dots = tl.dot(q, tl.trans(k), input_precision=PRECISION)
         if QUANT:
-            qs = tl.load(QS + r * H + heads, mask=h_ok, other=0.0)
+            heads = tl.arange(0, BLOCK_H)
+            qs = tl.load(QS + r * H + heads, mask=heads < H, other=0.0)
             ks = tl.load(KS + s_off, mask=allowed, other=0.0)
             dots = dots * (qs[:, None] * ks[None, :])
         relu = tl.maximum(dots, 0.0)
