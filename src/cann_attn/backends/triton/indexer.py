@@ -196,13 +196,7 @@ def _kl_prepare_kernel(Q, QR, K, KR, MAX, SUM, QI, KI, W, IDX, KV_START, THR, P,
     d_ok = offs_d < D
     offs_r = tl.arange(0, BLOCK_DR)
     r_ok = offs_r < DR
-    heads_i = tl.arange(0, BLOCK_H)
-    hi_ok = heads_i < H
-    offs_di = tl.arange(0, BLOCK_DI)
-    di_ok = offs_di < DI
-    qi = tl.load(QI + r * stride_qit + heads_i[:, None].to(tl.int64) * stride_qih + offs_di[None, :],
-                 mask=hi_ok[:, None] & di_ok[None, :], other=0.0)
-    w = tl.load(W + r * stride_wt + heads_i, mask=hi_ok, other=0.0).to(tl.float32)
+    qi, w, offs_di, di_ok = index_row(QI, W, r, stride_qit, stride_qih, stride_wt, H, DI, BLOCK_H, BLOCK_DI)
     # Online max / sum of exp of the index scores, per lane (merged after the loop).
     m_vec = tl.full([BLOCK_N], float("-inf"), tl.float32)
     l_vec = tl.zeros([BLOCK_N], tl.float32)
