@@ -483,3 +483,13 @@ def test_fa_grad_dpse_npu_mode_is_the_unrounded_score_gradient():
     assert torch.equal(dpse, recipe)
     # the mutant: dpse from the dS the kernel casts for dQ / dK (bf16, half away) differs
     assert not torch.equal(dpse, rnd(rnd(ds, torch.bfloat16, away=True) * 0.125, torch.bfloat16).to(torch.bfloat16))
+
+
+def test_half_away_ties_near_the_float_maximum_stay_finite():
+    """bf16 ties above 2^127 round away to their finite neighbour (an earlier 2y - r overflowed to inf)."""
+    y = torch.tensor([0x7F648000, 0x7F528000, 0x7F088000], dtype=torch.int32).view(torch.float32)
+    y = torch.cat([y, -y])
+    want = rnd(y.double(), torch.bfloat16, away=True)
+    assert torch.isfinite(want).all()
+    assert torch.equal(prec.round_half_away(y, torch.bfloat16).float(), want)
+    assert torch.equal(prec.half_away(torch.bfloat16)(y), want)

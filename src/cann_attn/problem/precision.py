@@ -120,20 +120,52 @@ def _ties(y: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return torch.where(y.abs() < _FP16_MIN_NORMAL, subnormal, normal)
 
 
+# float64 -> fp32 "round to odd": the 29 fraction bits fp32 lacks are dropped and their being nonzero is kept in the
+# lowest kept bit (a sticky bit). The result, exact in fp32, lies on a tie of float16 / bfloat16 (or on one of their
+# values) only if the float64 value does, and rounds to them as the float64 value would: one rounding, not two.
+_FP32_DROPPED_BITS = 29
+_DROPPED_MASK = (1 << _FP32_DROPPED_BITS) - 1
+_FP32_MIN_NORMAL_BITS = (1023 - 126) << 52  # float64 bit pattern of 2^-126
+
+
+def _to_fp32_round_to_odd(x: torch.Tensor) -> torch.Tensor:
+    bits = x.view(torch.int64)
+    sticky = ((bits & _DROPPED_MASK) != 0).to(torch.int64) << _FP32_DROPPED_BITS
+    return ((bits & ~_DROPPED_MASK) | sticky).view(torch.float64).to(torch.float32)
+
+
+def _to_fp32_off_ties(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """float64 `x` to fp32 to nearest, nudged one fp32 step back toward `x` where that step landed exactly on a tie of
+    `dtype` (the only case in which two roundings differ from one): for fp32 subnormals, where round to odd does not
+    apply (their spacing is coarser than the 29 dropped bits)."""
+    y = x.to(torch.float32)
+    off_tie = _ties(y, dtype) & (y.to(torch.float64) != x)
+    if bool(off_tie.any()):
+        toward = torch.where(x > y.to(torch.float64), float("inf"), float("-inf")).to(torch.float32)
+        y = torch.where(off_tie, torch.nextafter(y, toward), y)
+    return y
+
+
+def _fp32_single_rounding(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """float64 `x` as an fp32 value that rounds to `dtype` (either rounding mode) as `x` itself does."""
+    if dtype == torch.bfloat16:  # bf16 shares fp32's exponent range: its subnormals lie among fp32's
+        magnitude = x.view(torch.int64) & 0x7FFFFFFFFFFFFFFF
+        if bool(((magnitude < _FP32_MIN_NORMAL_BITS) & (magnitude != 0)).any()):
+            return _to_fp32_off_ties(x, dtype)
+    # fp16: every |x| < 2^-126 rounds to 0 either way, far below its smallest subnormal 2^-24
+    return _to_fp32_round_to_odd(x)
+
+
 def round_float(x: torch.Tensor, dtype: torch.dtype, rounding: str = HALF_EVEN) -> torch.Tensor:
     """`x` (fp32, or float64 such as an exact GEMM result) rounded ONCE to float16 or bfloat16, ties to even or away
     from zero (RoundMode::CAST_RINT / CAST_ROUND); returned in `dtype`.
 
-    A float64 value is taken to fp32 first (to nearest) and nudged one fp32 step back toward its true value where
-    that step landed exactly on a tie of `dtype` (the only case in which two roundings differ from one); an fp32
-    value then rounds to nearest-even by the cast, and ties away from zero move one step outward (the other
-    neighbour of a tie y rounded to r is 2y - r, exact in fp32)."""
-    y = x.to(torch.float32)
-    if x.dtype == torch.float64:
-        off_tie = _ties(y, dtype) & (y.to(torch.float64) != x)
-        if bool(off_tie.any()):
-            toward = torch.where(x > y.to(torch.float64), float("inf"), float("-inf")).to(torch.float32)
-            y = torch.where(off_tie, torch.nextafter(y, toward), y)
+    A float64 value is taken to an fp32 value that rounds as it does (`_fp32_single_rounding`); an fp32 value then
+    rounds to nearest-even by the cast, and ties away from zero move one step outward (the other neighbour of a tie
+    y rounded to r is y + (y - r), exact in fp32); bfloat16 rounds on the bit pattern (`_bf16_in_fp32`)."""
+    y = _fp32_single_rounding(x, dtype) if x.dtype == torch.float64 else x.to(torch.float32)
+    if dtype == torch.bfloat16:
+        return _bf16_in_fp32(y, rounding).to(dtype)
     nearest = y.to(dtype)
     if rounding != HALF_AWAY:
         return nearest
@@ -141,7 +173,24 @@ def round_float(x: torch.Tensor, dtype: torch.dtype, rounding: str = HALF_EVEN) 
     inward = _ties(y, dtype) & (widened.abs() < y.abs())
     if not bool(inward.any()):
         return nearest
-    return torch.where(inward, (2.0 * y - widened).to(dtype), nearest)
+    # y + (y - r): both steps exact in fp32 (2y - r would overflow for |y| >= 2^127)
+    return torch.where(inward, (y + (y - widened)).to(dtype), nearest)
+
+
+_BF16_DROPPED = 0xFFFF  # the fp32 fraction bits bf16 lacks
+
+
+def _bf16_in_fp32(y: torch.Tensor, rounding: str) -> torch.Tensor:
+    """fp32 `y` rounded to bfloat16 and returned as fp32, on the bit pattern (bf16 is fp32's upper half): adding half
+    of the dropped range (minus one, plus the kept lowest bit, for ties to even) and clearing the dropped bits rounds
+    the magnitude, carries into the exponent included (overflow gives inf); a NaN takes the cast's own NaN (its bit
+    pattern varies with the CPU path). Two conversions fewer than the cast round trip, and no tie search."""
+    bits = y.view(torch.int32)
+    half = 0x8000 if rounding == HALF_AWAY else 0x7FFF + ((bits >> 16) & 1)
+    rounded = bits + half
+    result = (rounded & ~_BF16_DROPPED).view(torch.float32)
+    nan = torch.isnan(y)
+    return torch.where(nan, y.to(torch.bfloat16).to(torch.float32), result) if bool(nan.any()) else result
 
 
 def round_half_away(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -161,6 +210,9 @@ class Cast:
         the next stage computes in)."""
         if self.dtype == torch.float32:
             return x.to(torch.float32)
+        if self.dtype == torch.bfloat16:  # no round trip through a bf16 tensor
+            y = _fp32_single_rounding(x, self.dtype) if x.dtype == torch.float64 else x.to(torch.float32)
+            return _bf16_in_fp32(y, self.rounding)
         return round_float(x, self.dtype, self.rounding).to(torch.float32)
 
     def describe(self) -> str:
