@@ -256,13 +256,9 @@ def _kl_grad_kernel(QI, KI, W, IDX, KV_START, THR, P, S, STATS, DQI, DW, DKI, KE
     n_exam = tl.minimum(thr, K_ENTRIES)
     m_i = tl.load(STATS + r * 2)
     inv_l = 1.0 / tl.load(STATS + r * 2 + 1)
-    heads = tl.arange(0, BLOCK_H)
+    qi, w, offs_d, d_ok = index_row(QI, W, r, stride_qit, stride_qih, stride_wt, H, DI, BLOCK_H, BLOCK_DI)
+    heads = tl.arange(0, BLOCK_H)  # for the dQ / dW stores
     h_ok = heads < H
-    offs_d = tl.arange(0, BLOCK_DI)
-    d_ok = offs_d < DI
-    qi = tl.load(QI + r * stride_qit + heads[:, None].to(tl.int64) * stride_qih + offs_d[None, :],
-                 mask=h_ok[:, None] & d_ok[None, :], other=0.0)
-    w = tl.load(W + r * stride_wt + heads, mask=h_ok, other=0.0).to(tl.float32)
     dq = tl.zeros([BLOCK_H, BLOCK_DI], tl.float32)
     dw = tl.zeros([BLOCK_H], tl.float32)
     loss = tl.zeros([BLOCK_N], tl.float32)
