@@ -166,6 +166,19 @@ def test_triton_dequantises_in_the_kernel(dtype, qdtype, rng, monkeypatch):
     assert torch.equal(case.run_paged(16, backend="triton"), want)
 
 
+@pytest.mark.parametrize("block", [2, 8])
+def test_npu_mode_block_sizes(block, rng, monkeypatch):
+    """The npu precision mode (SparseFlashAttention's NPU pipeline over a dequantised temporary) with blocks of
+    several keys: against the oracle, paged equal to contiguous. Rows of the temporary that no entry reaches were
+    left uninitialised and leaked NaN into the output."""
+    monkeypatch.setenv("CANN_ATTN_PRECISION", "npu")
+    case = KvQuantCase("BSND", rng, s2=40, sinks=True)
+    case.sparse_indices = case.sparse_indices.clamp(max=40 // block)
+    got = case.run(sparse_block_size=block)
+    assert_close_to_oracle(got, case.oracle(sparse_block_size=block), name="attention_out")
+    assert torch.equal(case.run_paged(16, sparse_block_size=block), got)
+
+
 def test_torch_npu_spelling(rng):
     case = KvQuantCase("TND", rng)
     got = torch_npu.npu_kv_quant_sparse_flash_attention(

@@ -400,8 +400,9 @@ def _dequantized(parts: dequant.CombinedCache, rows: tuple[torch.Tensor, ...], d
 def _dequantized_rows(parts: dequant.CombinedCache, rows: tuple[torch.Tensor, ...], dtype: torch.dtype
                       ) -> torch.Tensor:
     """The latent of the cache's shape in `dtype`, dequantised at `rows` only (problem/dequant.py); the other rows
-    are left unwritten: the attention never reads them."""
-    out = torch.empty((*parts.latent.shape[:-1], dequant.LATENT_DIM), dtype=dtype, device=parts.latent.device)
+    are 0. The npu-mode SparseFlashAttention pipeline reads whole blocks, rows no entry reaches included, and masks
+    their scores: uninitialised memory there (NaN bit patterns) turned outputs into NaN for block sizes > 1."""
+    out = torch.zeros((*parts.latent.shape[:-1], dequant.LATENT_DIM), dtype=dtype, device=parts.latent.device)
     out.view(-1, *out.shape[len(rows):]).index_copy_(0, _linear(rows, parts.latent.shape),
                                                      _dequantized(parts, rows, dtype).unsqueeze(1))
     return out
