@@ -324,6 +324,68 @@ def test_dense_softmax_step_matches_the_pytorch_rule():
     assert m[0] == -math.inf and corr[0] == 0 and l[0] == 0 and torch.all(got[0] == 0)
 
 
+@pytest.mark.skipif(not native.set_avx512(True), reason="no AVX-512F on this CPU")
+@pytest.mark.parametrize("cols", [5, 16, 45, 131])
+def test_avx512_exponential_pass_is_bitwise_the_avx2_one(cols):
+    """The AVX-512 steps of the exponential pass (row_exp) give the AVX2 loop's bits: every exponential (across the
+    flush floor, overflow to inf, NaN, -inf, signed zeros) and the row sums, in both the forward's softmax step and
+    the backward's probabilities (a factor != 1)."""
+    gen = torch.Generator().manual_seed(7)
+    rows = 6
+    s = torch.randn(rows, cols, generator=gen) * 4
+    s[5] *= 30
+    s[0] = torch.linspace(-200.0, 200.0, cols)
+    s[1, ::3] = -math.inf
+    s[2, cols // 2] = math.nan
+    s[3, ::2] = -0.0
+    s[4, -1] = math.inf
+    shift = torch.tensor([0.0, 1.0, -3.0, 0.0, 2.0, 100.0])
+    factor = torch.rand(rows, generator=gen) + 0.5
+    m0, l0 = torch.tensor([-math.inf, 5.0, 1.0, -math.inf, 0.0, 200.0]), torch.rand(rows, generator=gen)
+
+    def run(avx512: bool) -> list[torch.Tensor]:
+        assert native.set_avx512(avx512) == avx512
+        p, e = s.clone(), s.clone()
+        m, l, corr = m0.clone(), l0.clone(), torch.empty(rows)
+        native.fa_exp_rows(p, shift, factor, LOG2E, EXP2_FLOOR)
+        native.fa_softmax_step(e, m, l, corr, LOG2E, EXP2_FLOOR)
+        return [t.view(torch.int32) for t in (p, e, m, l, corr)]
+
+    _assert_same_bits_both_ways(run)
+
+
+@pytest.mark.skipif(not native.set_avx512(True), reason="no AVX-512F on this CPU")
+@pytest.mark.parametrize("heads, dim, width", [(5, 101, 400), (16, 48, 20), (3, 40, 9)])
+def test_avx512_weighted_sums_are_bitwise_the_avx2_ones(heads, dim, width):
+    """The AVX-512 column blocks of the weighted sums (row_combine: 48 columns, the rest by the AVX2 blocks) give the
+    AVX2 bits, alone (rows_combine) and in the gathered forward, whose keys past the first chunk of 128 rescale the
+    earlier sums (`keep`)."""
+    gen = torch.Generator().manual_seed(heads * dim + width)
+    rows, n_keys = 4, 200
+    wt = torch.randn(rows, heads, width, generator=gen)
+    b = torch.randn(n_keys, dim, generator=gen)
+    q = torch.randn(rows, heads, dim, generator=gen)
+    tokens, valid = _entries(gen, rows, width, n_keys, 0.2)
+
+    def run(avx512: bool) -> list[torch.Tensor]:
+        assert native.set_avx512(avx512) == avx512
+        out, m, l = torch.empty(rows, heads, dim), torch.empty(rows, heads), torch.empty(rows, heads)
+        native.sfa_forward(q, b, b, tokens, valid, LOG2E, EXP2_FLOOR, out, m, l)
+        combined = native.rows_combine(wt, b, tokens, torch.empty(rows, heads, dim), alpha=0.7)
+        return [t.view(torch.int32) for t in (out, m, l, combined)]
+
+    _assert_same_bits_both_ways(run)
+
+
+def _assert_same_bits_both_ways(run) -> None:
+    try:
+        wide, narrow = run(True), run(False)
+    finally:
+        native.set_avx512(not native._switched_off(native.AVX512_SWITCH))
+    for a, b in zip(wide, narrow, strict=True):
+        assert torch.equal(a, b)
+
+
 def test_dense_backward_rows():
     gen = torch.Generator().manual_seed(6)
     s = torch.randn(3, 4, 37, generator=gen) * 5

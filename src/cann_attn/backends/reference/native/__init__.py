@@ -43,6 +43,7 @@ FLAGS = ("-O3", "-mavx2", "-mfma", "-fopenmp", "-fPIC", "-shared", "-fno-math-er
 ENV_SWITCH = "CANN_ATTN_NATIVE"
 BLAS_SWITCH = "CANN_ATTN_NATIVE_BLAS"
 BF16_SWITCH = "CANN_ATTN_NATIVE_BF16"
+AVX512_SWITCH = "CANN_ATTN_NATIVE_AVX512"
 
 _P, _I, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
 _SIGNATURES = {
@@ -68,10 +69,13 @@ _SIGNATURES = {
     "cann_attn_has_bf16_dot": [],
     "cann_attn_alibi_skipped_terms": [],
     "cann_attn_has_f16c": [],
+    "cann_attn_has_avx512": [],
+    "cann_attn_set_avx512": [ctypes.c_int],
     "fia_decode_rows": [_P, _I, _I, _I, _I, _I, _P, _P, _I, _I, _I, _I, _I, _I, _I, _P, _P, _P, _P, _P, _I, _I, _P,
                         _P, _I, _I, _I, _I],
 }
-_INT_RESULTS = ("cann_attn_cpu_supported", "cann_attn_has_sgemm", "cann_attn_has_bf16_dot", "cann_attn_has_f16c")
+_INT_RESULTS = ("cann_attn_cpu_supported", "cann_attn_has_sgemm", "cann_attn_has_bf16_dot", "cann_attn_has_f16c",
+                "cann_attn_has_avx512", "cann_attn_set_avx512")
 _INT64_RESULTS = ("cann_attn_alibi_skipped_terms",)
 
 _lock = threading.Lock()
@@ -164,6 +168,7 @@ def _load() -> ctypes.CDLL | None:
     sgemm = _torch_sgemm()
     if sgemm is not None:
         lib.cann_attn_set_sgemm(sgemm)
+    lib.cann_attn_set_avx512(0 if _switched_off(AVX512_SWITCH) else 1)
     return lib
 
 
@@ -388,6 +393,13 @@ def has_bf16_dot() -> bool:
     if _switched_off(BF16_SWITCH) or not has_sgemm():
         return False
     return bool(library().cann_attn_has_bf16_dot())
+
+
+def set_avx512(on: bool) -> bool:
+    """Whether the exponential pass takes AVX-512 steps (where the CPU has AVX-512F; CANN_ATTN_NATIVE_AVX512=0 turns
+    them off at load): bit for bit the AVX2 loop's results, only faster. Returns the setting now in force."""
+    lib = library()
+    return lib is not None and bool(lib.cann_attn_set_avx512(int(on)))
 
 
 class _Bf16Struct(ctypes.Structure):

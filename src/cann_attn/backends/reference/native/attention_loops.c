@@ -116,6 +116,12 @@ static int64_t compact_row(const int64_t *tok, const uint8_t *valid, int64_t w, 
         FMA_ROW(2, LOAD(a2 + d));                                                                                    \
         FMA_ROW(3, LOAD(a3 + d));                                                                                    \
     } while (0)
+#define FMA_ROW16(i, y)                                                                                              \
+    do {                                                                                                             \
+        c##i##0 = _mm512_fmadd_ps(y, x0, c##i##0);                                                                   \
+        c##i##1 = _mm512_fmadd_ps(y, x1, c##i##1);                                                                   \
+        c##i##2 = _mm512_fmadd_ps(y, x2, c##i##2);                                                                   \
+    } while (0)
 #define LOAD_FULL(p) _mm256_loadu_ps(p)
 #define LOAD_TAIL(p) _mm256_maskload_ps((p), tail)
 
@@ -152,6 +158,63 @@ static void row_dots(const float *a, int64_t heads, int64_t dim, const float *b,
     }
 }
 
+/* ---- AVX-512 steps, bit for bit the AVX2 loops' results ----
+ * Where the CPU has AVX-512F, the weighted sums (row_combine) and the exponential pass (row_exp) take 16-lane steps
+ * that run, lane by lane, the same correctly rounded operations in the same order as the AVX2 loops, so every result
+ * is the same float (tests/test_native_kernels.py compares them bitwise); only the speed differs. The dot products
+ * (row_dots) stay AVX2: wider lanes would change the order of their sums. CANN_ATTN_NATIVE_AVX512=0 (read at load)
+ * keeps the AVX2 loops. */
+static int use_avx512 = 0;
+
+int cann_attn_has_avx512(void) {
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("avx512f");
+}
+
+/* 1 (where supported) or 0: whether the loops take their AVX-512 steps; returns the setting now in force. */
+int cann_attn_set_avx512(int on) {
+    use_avx512 = on && cann_attn_has_avx512();
+    return use_avx512;
+}
+
+/* row_combine over the column blocks of 48 that fit in dim (returns how many columns it took), 4 heads x 3 AVX-512
+ * vectors at a time: each output column is the same chain of FMAs over j as in row_combine's 24-column blocks (the
+ * lanes are independent), so the results are its bits. */
+__attribute__((target("avx512f"))) static int64_t row_combine48(const float *w, int64_t ts, int64_t heads, int64_t n,
+                                                                 const float *b, int64_t ldb, const int64_t *tok,
+                                                                 int64_t dim, float alpha, const float *keep,
+                                                                 float *out) {
+    const __m512 scale = _mm512_set1_ps(alpha);
+    int64_t d = 0;
+    for (; d + 48 <= dim; d += 48) {
+        for (int64_t h0 = 0; h0 < heads; h0 += 4) {
+            const int64_t nh = heads - h0 < 4 ? heads - h0 : 4;
+            BLOCK_ROWS(w, w + h0 * ts, ts);
+            __m512 c00 = _mm512_setzero_ps(), c01 = c00, c02 = c00, c10 = c00, c11 = c00, c12 = c00;
+            __m512 c20 = c00, c21 = c00, c22 = c00, c30 = c00, c31 = c00, c32 = c00;
+            for (int64_t j = 0; j < n; ++j) {
+                const float *bj = b + tok[j] * ldb + d;
+                const __m512 x0 = _mm512_loadu_ps(bj), x1 = _mm512_loadu_ps(bj + 16), x2 = _mm512_loadu_ps(bj + 32);
+                FMA_ROW16(0, _mm512_set1_ps(w0[j]));
+                FMA_ROW16(1, _mm512_set1_ps(w1[j]));
+                FMA_ROW16(2, _mm512_set1_ps(w2[j]));
+                FMA_ROW16(3, _mm512_set1_ps(w3[j]));
+            }
+            const __m512 sums[4][3] = {{c00, c01, c02}, {c10, c11, c12}, {c20, c21, c22}, {c30, c31, c32}};
+            for (int64_t i = 0; i < nh; ++i) {
+                float *oi = out + (h0 + i) * dim + d;
+                for (int64_t v = 0; v < 3; ++v) {
+                    __m512 x = _mm512_mul_ps(sums[i][v], scale);
+                    if (keep)
+                        x = _mm512_fmadd_ps(_mm512_loadu_ps(oi + 16 * v), _mm512_set1_ps(keep[h0 + i]), x);
+                    _mm512_storeu_ps(oi + 16 * v, x);
+                }
+            }
+        }
+    }
+    return d;
+}
+
 /* One step of row_combine: entry j's weights for 4 heads times columns [d, d + 24) of its row, loaded by LOAD
  * (LOAD_PART covers a last block of 1..24 columns). */
 #define COMBINE_STEP(LOAD)                                                                                           \
@@ -172,7 +235,8 @@ static void row_dots(const float *a, int64_t heads, int64_t dim, const float *b,
 static void row_combine(const float *w, int64_t ts, int64_t heads, int64_t n, const float *b, int64_t ldb,
                         const int64_t *tok, int64_t dim, float alpha, const float *keep, float *out) {
     const __m256 scale = _mm256_set1_ps(alpha);
-    for (int64_t d = 0; d < dim; d += 24) {
+    for (int64_t d = use_avx512 ? row_combine48(w, ts, heads, n, b, ldb, tok, dim, alpha, keep, out) : 0; d < dim;
+         d += 24) {
         const int64_t cols = dim - d < 24 ? dim - d : 24;
         const int64_t nv = (cols + 7) / 8;
         const __m256i tail = lane_mask(cols - (nv - 1) * 8);
@@ -222,13 +286,56 @@ static float row_max(const float *s, int64_t n) {
     return any_nan ? NAN : best;
 }
 
+/* exp2_flushed on 16 lanes: the same operations (max, min, round to nearest, sub, the FMA chain, the exponent halves,
+ * the flush), so the same floats. */
+__attribute__((target("avx512f"))) static inline __m512 exp2_flushed16(__m512 x, __m512 floor2) {
+    const __mmask16 keep = _mm512_cmp_ps_mask(x, floor2, _CMP_NLE_UQ);
+    x = _mm512_max_ps(_mm512_set1_ps(-126.0f), x); /* NaN stays: it is the second operand */
+    x = _mm512_min_ps(_mm512_set1_ps(129.0f), x);
+    __m512 n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 f = _mm512_sub_ps(x, n);
+    __m512 p = _mm512_set1_ps(1.5252733804059841e-5f);
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.5403530393381606e-4f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.3333558146428443e-3f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.6181291076284772e-3f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.5504108664821580e-2f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.4022650695910071e-1f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.9314718055994531e-1f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
+    const __m512i bias = _mm512_set1_epi32(127);
+    __m512i n_all = _mm512_cvtps_epi32(n), n_low = _mm512_srai_epi32(n_all, 1);
+    __m512 low = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_add_epi32(n_low, bias), 23));
+    __m512 high = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_add_epi32(_mm512_sub_epi32(n_all, n_low), bias), 23));
+    return _mm512_maskz_mov_ps(keep, _mm512_mul_ps(_mm512_mul_ps(p, low), high));
+}
+
+/* row_exp's steps over the first n / 16 * 16 entries; returns how many it took, their sum added into *acc: the two
+ * 8-entry halves one after the other, the AVX2 loop's order, so the row sum is the same float too. (This pass is ~1/6
+ * of the dense forward's time at D = 128.) */
+__attribute__((target("avx512f"))) static int64_t row_exp16(float *s, int64_t n, float shift, float log2e,
+                                                             float floor2, float factor, __m256 *acc) {
+    const __m512 sv = _mm512_set1_ps(shift), lv = _mm512_set1_ps(log2e), fl = _mm512_set1_ps(floor2);
+    const __m512 fv = _mm512_set1_ps(factor);
+    __m256 sum = *acc;
+    int64_t j = 0;
+    for (; j + 16 <= n; j += 16) {
+        const __m512 e = exp2_flushed16(_mm512_mul_ps(_mm512_sub_ps(_mm512_loadu_ps(s + j), sv), lv), fl);
+        sum = _mm256_add_ps(sum, _mm512_castps512_ps256(e));
+        sum = _mm256_add_ps(sum, _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(e), 1)));
+        _mm512_storeu_ps(s + j, _mm512_mul_ps(e, fv));
+    }
+    *acc = sum;
+    return j;
+}
+
 /* s[0..n) <- 2^((s - shift) * log2e) * factor (flushed at floor2); returns the sum of the exponentials (before
  * `factor`). */
 static float row_exp(float *s, int64_t n, float shift, float log2e, float floor2, float factor) {
     const __m256 sv = _mm256_set1_ps(shift), lv = _mm256_set1_ps(log2e), fl = _mm256_set1_ps(floor2);
     const __m256 fv = _mm256_set1_ps(factor);
     __m256 acc = _mm256_setzero_ps();
-    for (int64_t j = 0; j < n; j += 8) {
+    const int64_t done = use_avx512 ? row_exp16(s, n, shift, log2e, floor2, factor, &acc) : 0;
+    for (int64_t j = done; j < n; j += 8) {
         const __m256i mask = lane_mask(n - j);
         __m256 e = exp2_flushed(_mm256_mul_ps(_mm256_sub_ps(load_part(s + j, n - j, mask), sv), lv), fl);
         e = _mm256_and_ps(e, _mm256_castsi256_ps(mask)); /* lanes beyond n add nothing */
