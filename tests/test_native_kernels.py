@@ -355,11 +355,12 @@ def test_avx512_exponential_pass_is_bitwise_the_avx2_one(cols):
 
 
 @pytest.mark.skipif(not native.set_avx512(True), reason="no AVX-512F on this CPU")
-@pytest.mark.parametrize("heads, dim, width", [(5, 101, 400), (16, 48, 20), (3, 40, 9)])
-def test_avx512_weighted_sums_are_bitwise_the_avx2_ones(heads, dim, width):
-    """The AVX-512 column blocks of the weighted sums (row_combine: 48 columns, the rest by the AVX2 blocks) give the
-    AVX2 bits, alone (rows_combine) and in the gathered forward, whose keys past the first chunk of 128 rescale the
-    earlier sums (`keep`)."""
+@pytest.mark.parametrize("heads, dim, width", [(17, 101, 400), (16, 48, 20), (3, 40, 9), (8, 5, 30)])
+def test_avx512_gathered_products_are_bitwise_the_avx2_ones(heads, dim, width):
+    """The AVX-512 steps of the gathered products give the AVX2 bits: the dot products (row_dots: blocks of 8 heads,
+    the rest by the AVX2 blocks; a partial last 8 columns) and the weighted sums (row_combine: 48 columns, the rest by
+    the AVX2 blocks), alone (rows_dot, rows_combine) and in the gathered forward, whose keys past the first chunk of
+    128 rescale the earlier sums (`keep`)."""
     gen = torch.Generator().manual_seed(heads * dim + width)
     rows, n_keys = 4, 200
     wt = torch.randn(rows, heads, width, generator=gen)
@@ -372,7 +373,8 @@ def test_avx512_weighted_sums_are_bitwise_the_avx2_ones(heads, dim, width):
         out, m, l = torch.empty(rows, heads, dim), torch.empty(rows, heads), torch.empty(rows, heads)
         native.sfa_forward(q, b, b, tokens, valid, LOG2E, EXP2_FLOOR, out, m, l)
         combined = native.rows_combine(wt, b, tokens, torch.empty(rows, heads, dim), alpha=0.7)
-        return [t.view(torch.int32) for t in (out, m, l, combined)]
+        dots = native.rows_dot(q, b, tokens, torch.empty(rows, heads, width))
+        return [t.view(torch.int32) for t in (out, m, l, combined, dots)]
 
     _assert_same_bits_both_ways(run)
 

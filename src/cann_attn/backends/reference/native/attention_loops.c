@@ -125,10 +125,87 @@ static int64_t compact_row(const int64_t *tok, const uint8_t *valid, int64_t w, 
 #define LOAD_FULL(p) _mm256_loadu_ps(p)
 #define LOAD_TAIL(p) _mm256_maskload_ps((p), tail)
 
+static int use_avx512; /* set by cann_attn_set_avx512, below */
+
+/* The high 8 lanes of v. */
+__attribute__((target("avx512f"))) static inline __m256 high_half(__m512 v) {
+    return _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1));
+}
+
+/* 8 lanes broadcast to both halves. */
+__attribute__((target("avx512f"))) static inline __m512 both_halves(__m256 x) {
+    return _mm512_castpd_ps(_mm512_broadcast_f64x4(_mm256_castps_pd(x)));
+}
+
+/* row_dots for the first heads / 8 * 8 heads (returns how many it took), blocks of 8 heads x 3 keys: lanes 0-7 of a
+ * vector carry head 2i's columns [d, d + 8), lanes 8-15 head 2i + 1's (the queries packed so once per call), against
+ * the key's 8 columns in both halves. Each half is then the AVX2 loop's 8-lane sum of its head and key, formed by the
+ * same FMAs in the same order and reduced by the same hsum: the same floats. */
+__attribute__((target("avx512f"))) static int64_t row_dots16(const float *a, int64_t heads, int64_t dim,
+                                                              const float *b, int64_t ldb, const int64_t *tok,
+                                                              int64_t n, float *s, int64_t ts) {
+    const int64_t blocks = heads / 8, steps = (dim + 7) / 8;
+    if (blocks == 0 || n == 0)
+        return 0;
+    float *packed = aligned_alloc(64, sizeof(float) * blocks * steps * 64);
+    for (int64_t hb = 0; hb < blocks; ++hb)
+        for (int64_t t = 0; t < steps; ++t)
+            for (int64_t h = 0; h < 8; ++h)
+                for (int64_t l = 0; l < 8; ++l) {
+                    const int64_t d = 8 * t + l;
+                    packed[((hb * steps + t) * 4 + h / 2) * 16 + (h % 2) * 8 + l] =
+                        d < dim ? a[(hb * 8 + h) * dim + d] : 0.0f;
+                }
+    const int64_t full = dim / 8 * 8;
+    const __m256i tail = lane_mask(dim - full);
+    for (int64_t j0 = 0; j0 < n; j0 += 3) {
+        const int64_t nj = n - j0 < 3 ? n - j0 : 3;
+        const float *b0 = b + tok[j0] * ldb;
+        const float *b1 = nj > 1 ? b + tok[j0 + 1] * ldb : b0;
+        const float *b2 = nj > 2 ? b + tok[j0 + 2] * ldb : b0;
+        for (int64_t j = j0 + 6; j < j0 + 9 && j < n; ++j)
+            for (int64_t d = 0; d < dim; d += 16)
+                _mm_prefetch((const char *)(b + tok[j] * ldb + d), _MM_HINT_T0);
+        for (int64_t hb = 0; hb < blocks; ++hb) {
+            const float *qb = packed + hb * steps * 64;
+            __m512 c00 = _mm512_setzero_ps(), c01 = c00, c02 = c00, c10 = c00, c11 = c00, c12 = c00;
+            __m512 c20 = c00, c21 = c00, c22 = c00, c30 = c00, c31 = c00, c32 = c00;
+            int64_t d = 0;
+            for (; d < full; d += 8, qb += 64) {
+                const __m512 x0 = both_halves(_mm256_loadu_ps(b0 + d)), x1 = both_halves(_mm256_loadu_ps(b1 + d)),
+                             x2 = both_halves(_mm256_loadu_ps(b2 + d));
+                FMA_ROW16(0, _mm512_load_ps(qb));
+                FMA_ROW16(1, _mm512_load_ps(qb + 16));
+                FMA_ROW16(2, _mm512_load_ps(qb + 32));
+                FMA_ROW16(3, _mm512_load_ps(qb + 48));
+            }
+            if (d < dim) {
+                const __m512 x0 = both_halves(LOAD_TAIL(b0 + d)), x1 = both_halves(LOAD_TAIL(b1 + d)),
+                             x2 = both_halves(LOAD_TAIL(b2 + d));
+                FMA_ROW16(0, _mm512_load_ps(qb));
+                FMA_ROW16(1, _mm512_load_ps(qb + 16));
+                FMA_ROW16(2, _mm512_load_ps(qb + 32));
+                FMA_ROW16(3, _mm512_load_ps(qb + 48));
+            }
+            const __m512 sums[4][3] = {{c00, c01, c02}, {c10, c11, c12}, {c20, c21, c22}, {c30, c31, c32}};
+            for (int64_t i = 0; i < 4; ++i)
+                for (int64_t j = 0; j < nj; ++j) {
+                    s[(hb * 8 + 2 * i) * ts + j0 + j] = hsum(_mm512_castps512_ps256(sums[i][j]));
+                    s[(hb * 8 + 2 * i + 1) * ts + j0 + j] = hsum(high_half(sums[i][j]));
+                }
+        }
+    }
+    free(packed);
+    return blocks * 8;
+}
+
 /* s[h * ts + j] = a[h] . b[tok[j]] over d < dim, for h < heads, j < n. Blocks of 4 heads x 3 keys keep 12 sums in
  * registers (named: arrays of vectors measured 2x slower); the 3 key rows are reused from L1 by every head block. */
 static void row_dots(const float *a, int64_t heads, int64_t dim, const float *b, int64_t ldb, const int64_t *tok,
                      int64_t n, float *s, int64_t ts) {
+    const int64_t first = use_avx512 ? row_dots16(a, heads, dim, b, ldb, tok, n, s, ts) : 0;
+    if (first == heads)
+        return;
     const int64_t full = dim / 8 * 8;
     const __m256i tail = lane_mask(dim - full);
     for (int64_t j0 = 0; j0 < n; j0 += 3) {
@@ -140,7 +217,7 @@ static void row_dots(const float *a, int64_t heads, int64_t dim, const float *b,
         for (int64_t j = j0 + 6; j < j0 + 9 && j < n; ++j)
             for (int64_t d = 0; d < dim; d += 16)
                 _mm_prefetch((const char *)(b + tok[j] * ldb + d), _MM_HINT_T0);
-        for (int64_t h0 = 0; h0 < heads; h0 += 4) {
+        for (int64_t h0 = first; h0 < heads; h0 += 4) {
             const int64_t nh = heads - h0 < 4 ? heads - h0 : 4;
             BLOCK_ROWS(a, a + h0 * dim, dim);
             ZERO_BLOCK;
@@ -159,11 +236,12 @@ static void row_dots(const float *a, int64_t heads, int64_t dim, const float *b,
 }
 
 /* ---- AVX-512 steps, bit for bit the AVX2 loops' results ----
- * Where the CPU has AVX-512F, the weighted sums (row_combine) and the exponential pass (row_exp) take 16-lane steps
- * that run, lane by lane, the same correctly rounded operations in the same order as the AVX2 loops, so every result
- * is the same float (tests/test_native_kernels.py compares them bitwise); only the speed differs. The dot products
- * (row_dots) stay AVX2: wider lanes would change the order of their sums. CANN_ATTN_NATIVE_AVX512=0 (read at load)
- * keeps the AVX2 loops. */
+ * Where the CPU has AVX-512F, the gathered dot products (row_dots), the weighted sums (row_combine) and the
+ * exponential pass (row_exp) take 16-lane steps that run, lane by lane, the same correctly rounded operations in the
+ * same order as the AVX2 loops, so every result is the same float (tests/test_native_kernels.py compares them
+ * bitwise); only the speed differs. (The dot products keep 8-column sums: two heads share a vector, one per half,
+ * rather than 16 columns of one head, which would change the order of the additions.) CANN_ATTN_NATIVE_AVX512=0
+ * (read at load) keeps the AVX2 loops. */
 static int use_avx512 = 0;
 
 int cann_attn_has_avx512(void) {
