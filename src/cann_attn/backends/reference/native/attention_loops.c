@@ -49,6 +49,12 @@ static inline float hsum(__m256 v) {
     return _mm_cvtss_f32(x);
 }
 
+/* The Taylor coefficients of 2^f, highest degree first (Horner), shared by the AVX2 and AVX-512 exponentials so that
+ * both give the same floats. */
+static const float EXP2_TAYLOR[8] = {1.5252733804059841e-5f, 1.5403530393381606e-4f, 1.3333558146428443e-3f,
+                                     9.6181291076284772e-3f, 5.5504108664821580e-2f, 2.4022650695910071e-1f,
+                                     6.9314718055994531e-1f, 1.0f};
+
 /* 2^x, exactly 0 at or below `floor2` (>= -126; -inf included), NaN kept: the rule of softmax_exp.exp2_flushed_.
  * 2^x = 2^n * 2^f with n = round(x), |f| <= 1/2; 2^f by its Taylor series to degree 7 (relative error < 5e-9).
  * 2^n is applied in two halves so that every n in [-126, 129] gives normal factors and x >= 128 overflows to inf
@@ -59,14 +65,9 @@ static inline __m256 exp2_flushed(__m256 x, __m256 floor2) {
     x = _mm256_min_ps(_mm256_set1_ps(129.0f), x);
     __m256 n = _mm256_round_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
     __m256 f = _mm256_sub_ps(x, n);
-    __m256 p = _mm256_set1_ps(1.5252733804059841e-5f);
-    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.5403530393381606e-4f));
-    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.3333558146428443e-3f));
-    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(9.6181291076284772e-3f));
-    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(5.5504108664821580e-2f));
-    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(2.4022650695910071e-1f));
-    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(6.9314718055994531e-1f));
-    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.0f));
+    __m256 p = _mm256_set1_ps(EXP2_TAYLOR[0]);
+    for (int i = 1; i < 8; ++i)
+        p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(EXP2_TAYLOR[i]));
     const __m256i bias = _mm256_set1_epi32(127);
     __m256i n_all = _mm256_cvtps_epi32(n), n_low = _mm256_srai_epi32(n_all, 1);
     __m256 low = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(n_low, bias), 23));
@@ -372,14 +373,9 @@ __attribute__((target("avx512f"))) static inline __m512 exp2_flushed16(__m512 x,
     x = _mm512_min_ps(_mm512_set1_ps(129.0f), x);
     __m512 n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
     __m512 f = _mm512_sub_ps(x, n);
-    __m512 p = _mm512_set1_ps(1.5252733804059841e-5f);
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.5403530393381606e-4f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.3333558146428443e-3f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.6181291076284772e-3f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.5504108664821580e-2f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.4022650695910071e-1f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.9314718055994531e-1f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
+    __m512 p = _mm512_set1_ps(EXP2_TAYLOR[0]);
+    for (int i = 1; i < 8; ++i)
+        p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(EXP2_TAYLOR[i]));
     const __m512i bias = _mm512_set1_epi32(127);
     __m512i n_all = _mm512_cvtps_epi32(n), n_low = _mm512_srai_epi32(n_all, 1);
     __m512 low = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_add_epi32(n_low, bias), 23));
