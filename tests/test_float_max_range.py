@@ -2,7 +2,8 @@
 
 A fuzz found inf where the answer is about 3e38: value tensors near FLT_MAX overflowed the fp32 P V accumulation
 (sum_j p_j v_j reaches Skv * max|v| before the division by the row sum), in FA, PFA and FIA decode on both reference
-paths; `ring_attention_update` with both softmax_sums near FLT_MAX divided by their overflowing total and wrote 0.
+paths and in the Triton dense kernel (interpreted here, on the GPU in test_gpu_triton_dense.py);
+`ring_attention_update` with both softmax_sums near FLT_MAX divided by their overflowing total and wrote 0.
 The fixes scale by exact powers of two (`problem.stats.value_column_scales`, the halving in `problem.merge`), so
 ordinary inputs keep their bits.
 """
@@ -13,6 +14,7 @@ import pytest
 import torch
 
 import cann_attn
+from cann_attn.backends import dispatch_counts
 from cann_attn.backends.reference import native
 from paged_utils import paginate
 
@@ -23,14 +25,25 @@ SCALE = 0.25
 TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 1e-2}
 
 
-@pytest.fixture(params=["native", "pytorch_path"])
+@pytest.fixture(params=["native", "pytorch_path", "triton"])
 def path(request, monkeypatch) -> str:
     if request.param == "pytorch_path":
         monkeypatch.setenv(native.ENV_SWITCH, "0")
+    if request.param == "triton":
+        pytest.importorskip("triton")
     return request.param
 
 
-def _inputs(dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _call(path: str, op: str, *args, **kw):
+    """`op` on the path's backend, checking that the Triton kernel (not a fallback) ran."""
+    backend = "triton" if path == "triton" else "reference"
+    before = dispatch_counts[(op, backend)]
+    result = getattr(cann_attn, op)(*args, backend=backend, **kw)
+    assert dispatch_counts[(op, backend)] == before + 1, f"{op} did not run on {backend}"
+    return result
+
+
+def inputs_near_max(dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     gen = torch.Generator().manual_seed(5)
     q, k = (torch.randn(B, N, S, D, generator=gen).to(dtype) for _ in range(2))
     # Near FLT_MAX with both signs, one ordinary column and one tiny column (which must keep its precision).
@@ -41,12 +54,12 @@ def _inputs(dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tenso
     return q, k, v.to(dtype)
 
 
-def _golden(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+def golden(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
     p = torch.softmax(q.double() @ k.double().transpose(-1, -2) * SCALE, dim=-1)
     return p @ v.double()
 
 
-def _assert_matches(got: torch.Tensor, want: torch.Tensor, v: torch.Tensor) -> None:
+def assert_matches_golden(got: torch.Tensor, want: torch.Tensor, v: torch.Tensor) -> None:
     """Within the dtype's tolerance relative to each value column's magnitude (a weighted mean's error scale)."""
     assert bool(got.isfinite().all()), f"{int((~got.isfinite()).sum())} non-finite outputs where the answer is finite"
     column_scale = v.double().abs().amax(dim=-2, keepdim=True)
@@ -56,22 +69,22 @@ def _assert_matches(got: torch.Tensor, want: torch.Tensor, v: torch.Tensor) -> N
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_flash_attention_score(path: str, dtype: torch.dtype) -> None:
-    q, k, v = _inputs(dtype)
-    out = cann_attn.flash_attention_score(q, k, v, N, "BNSD", scale_value=SCALE)[0]
-    _assert_matches(out, _golden(q, k, v), v)
+    q, k, v = inputs_near_max(dtype)
+    out = _call(path, "flash_attention_score", q, k, v, N, "BNSD", scale_value=SCALE)[0]
+    assert_matches_golden(out, golden(q, k, v), v)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_prompt_flash_attention(path: str, dtype: torch.dtype) -> None:
-    q, k, v = _inputs(dtype)
-    out = cann_attn.prompt_flash_attention(q, k, v, num_heads=N, input_layout="BNSD", scale_value=SCALE)
-    _assert_matches(out, _golden(q, k, v), v)
+    q, k, v = inputs_near_max(dtype)
+    out = _call(path, "prompt_flash_attention", q, k, v, num_heads=N, input_layout="BNSD", scale_value=SCALE)
+    assert_matches_golden(out, golden(q, k, v), v)
 
 
 @pytest.mark.parametrize("paged", [False, True], ids=["contiguous", "paged"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_fused_infer_attention_decode(path: str, dtype: torch.dtype, paged: bool) -> None:
-    q, k, v = _inputs(dtype)
+    q, k, v = inputs_near_max(dtype)
     q = q[:, :, :1]
     kw: dict = {"num_heads": N, "input_layout": "BNSD", "scale": SCALE}
     key, value = k, v
@@ -80,8 +93,8 @@ def test_fused_infer_attention_decode(path: str, dtype: torch.dtype, paged: bool
                                  torch.Generator().manual_seed(6), garbage=0.0)
         key, value = (caches[name].permute(0, 2, 1, 3).contiguous() for name in ("key", "value"))
         kw.update(block_table=table, block_size=16, actual_seq_lengths_kv=[S] * B)
-    out = cann_attn.fused_infer_attention_score(q, key, value, **kw)[0]
-    _assert_matches(out, _golden(q, k, v), v)
+    out = _call(path, "fused_infer_attention_score", q, key, value, **kw)[0]
+    assert_matches_golden(out, golden(q, k, v), v)
 
 
 @pytest.mark.parametrize("backend", ["reference", "triton"])

@@ -16,6 +16,8 @@ sum +FLT_MAX (section 3).
 
 from __future__ import annotations
 
+import math
+
 import torch
 import triton
 import triton.language as tl
@@ -43,7 +45,116 @@ from .dense_tiles import (
     INTERPRET,
     NCOL,
 )
-from .jit import tuning_configs
+from .jit import device_function, tuning_configs
+
+# log2 of problem/stats.ACCUMULATION_LIMIT, the bound kept on |P V| (a constexpr global: kernels may only read those)
+ACCUMULATION_LIMIT_LOG2 = tl.constexpr(int(math.log2(stats.ACCUMULATION_LIMIT)))
+
+
+@device_function
+def _load_q(q_base, i0, seq_q, sqs, sqd, DQK: tl.constexpr, UPCAST: tl.constexpr, BLOCK_M: tl.constexpr,
+            BLOCK_DQK: tl.constexpr):
+    offs_m = i0 + tl.arange(0, BLOCK_M)
+    offs_dq = tl.arange(0, BLOCK_DQK)
+    q = tl.load(q_base + offs_m[:, None] * sqs + offs_dq[None, :] * sqd,
+                mask=(offs_m[:, None] < seq_q) & (offs_dq[None, :] < DQK), other=0.0)
+    if UPCAST:
+        q = q.to(tl.float32)
+    return q
+
+
+@device_function
+def _attend(q, q_base, sqs, sqd, MASK, PSE, SLOPES, DROP, bt_row, k_base, v_base, mask_base, pse_base, slope_addr,
+            drop_base, comp, h, i0, seq_q, seq_kv, lower, upper, prefix, start, hi, rows_full, full_lo, full_hi,
+            sks, skd, svs, svd, mask_rs, mask_cs, pse_rs, pse_cs, q_start, kv_start, qk_scale, pse_mul, skb, svb,
+            value_scale, DQK: tl.constexpr, DV: tl.constexpr, PSE_KIND: tl.constexpr, COMPRESSED: tl.constexpr,
+            HAS_MASK: tl.constexpr, HAS_DROP: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
+            PAGE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_DQK: tl.constexpr,
+            BLOCK_DV: tl.constexpr, SCALE_V: tl.constexpr, STAGES: tl.constexpr):
+    """The online softmax over the visible key tiles: (acc, m_i, l_i) of the query block, in log2 units. SCALE_V:
+    each V column multiplied by `value_scale` (powers of two) before P V. STAGES: the loop's pipeline depth (None:
+    the launch's num_stages)."""
+    i2 = (i0 + tl.arange(0, BLOCK_M))[:, None]
+    offs_dq = tl.arange(0, BLOCK_DQK)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)
+    dq_ok = offs_dq < DQK
+    dv_ok = offs_dv < DV
+    offs_n = tl.arange(0, BLOCK_N)
+    for j0 in tl.range(start, hi, BLOCK_N, num_stages=STAGES):
+        if SCALE_V:  # noqa: SIM108 (constexpr). Read per tile: q kept through this rare pass costs registers
+            q_tile = _load_q(q_base, i0, seq_q, sqs, sqd, DQK, UPCAST, BLOCK_M, BLOCK_DQK)
+        else:
+            q_tile = q
+        offs_j = j0 + offs_n
+        col_ok = offs_j < seq_kv
+        j2 = offs_j[None, :]
+        if PAGE > 0:
+            block = tl.load(bt_row + offs_j // PAGE, mask=col_ok, other=0).to(tl.int64)
+            k_rows = block * skb + (offs_j % PAGE) * sks
+            v_rows = block * svb + (offs_j % PAGE) * svs
+        else:
+            k_rows = offs_j * sks
+            v_rows = offs_j * svs
+        kt = tl.load(k_base + k_rows[None, :] + offs_dq[:, None] * skd,
+                     mask=col_ok[None, :] & dq_ok[:, None], other=0.0)
+        if UPCAST:
+            kt = kt.to(tl.float32)
+        s = tl.dot(q_tile, kt, input_precision=PRECISION) * qk_scale
+        if PSE_KIND != 0:
+            s += tiles.bias_log2(PSE, pse_base, SLOPES, slope_addr, i2, j2, seq_q, seq_kv, comp, pse_rs, pse_cs,
+                                 q_start, kv_start, pse_mul, PSE_KIND, COMPRESSED)
+        if HAS_MASK:
+            vis = tiles.visible(i2, j2, seq_q, seq_kv, lower, upper, prefix)
+            vis &= tiles.explicit_visible(MASK, mask_base, i2, j2, seq_q, seq_kv, mask_rs, mask_cs)
+            s = tl.where(vis, s, float("-inf"))
+        elif not (rows_full & (j0 >= full_lo) & (j0 + BLOCK_N <= full_hi)):
+            s = tl.where(tiles.visible(i2, j2, seq_q, seq_kv, lower, upper, prefix), s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        # Rows that have seen nothing visible keep max -inf: shift them by 0 so no inf - inf appears.
+        shift = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.math.exp2(s - shift[:, None])
+        alpha = tl.math.exp2(m_i - shift)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        m_i = m_new
+        if HAS_DROP:
+            p = tl.where(tiles.keep_bits(DROP, drop_base, h, i2, j2, seq_q, seq_kv), p, 0.0)
+        v = tl.load(v_base + v_rows[:, None] + offs_dv[None, :] * svd,
+                    mask=col_ok[:, None] & dv_ok[None, :], other=0.0)
+        if UPCAST:
+            v = v.to(tl.float32)
+        if SCALE_V:  # exact powers of two: each product keeps its bits unless it would overflow
+            v = (v.to(tl.float32) * value_scale[None, :]).to(v.dtype)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+
+    return acc, m_i, l_i
+
+
+@device_function
+def _value_column_scales(v_base, bt_row, i0, seq_kv, svs, svd, svb, DV: tl.constexpr, PAGE: tl.constexpr,
+                         BLOCK_N: tl.constexpr, BLOCK_DV: tl.constexpr):
+    """problem/stats.value_column_scales on the device: per V column of this kv head and sequence, 2^-k with
+    k = ceil(log2(seq_kv x max|v| / 2^126)) + 1 where that bound reaches 2^126 (and is finite), else 1."""
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_dv = i0 * 0 + tl.arange(0, BLOCK_DV)
+    dv_ok = offs_dv < DV
+    column_max = tl.zeros([BLOCK_DV], tl.float32)
+    for j0 in tl.range(0, seq_kv, BLOCK_N, num_stages=1):
+        offs_j = j0 + offs_n
+        col_ok = offs_j < seq_kv
+        if PAGE > 0:
+            block = tl.load(bt_row + offs_j // PAGE, mask=col_ok, other=0).to(tl.int64)
+            v_rows = block * svb + (offs_j % PAGE) * svs
+        else:
+            v_rows = offs_j * svs
+        v = tl.load(v_base + v_rows[:, None] + offs_dv[None, :] * svd, mask=col_ok[:, None] & dv_ok[None, :],
+                    other=0.0)
+        column_max = tl.maximum(column_max, tl.max(tl.abs(v.to(tl.float32)), 0))
+    excess = tl.log2(column_max) + tl.log2(seq_kv.to(tl.float32)) - ACCUMULATION_LIMIT_LOG2
+    k = tl.where((column_max <= tiles.FLT_MAX) & (excess >= 0.0), tl.ceil(excess) + 1.0, 0.0).to(tl.int32)
+    return ((127 - k) << 23).to(tl.float32, bitcast=True)  # 2^-k exactly (k <= 40: a normal number)
 
 
 @triton.jit
@@ -71,17 +182,12 @@ def _forward_kernel(
     kvh = h // GROUP
 
     offs_m = i0 + tl.arange(0, BLOCK_M)
-    offs_n = tl.arange(0, BLOCK_N)
-    offs_dq = tl.arange(0, BLOCK_DQK)
     offs_dv = tl.arange(0, BLOCK_DV)
     row_ok = offs_m < seq_q
-    i2 = offs_m[:, None]
 
     q_base = Q + tiles.tensor_offset(row, C_Q, OFF_ALIGN) + h * sqh
-    q = tl.load(q_base + offs_m[:, None] * sqs + offs_dq[None, :] * sqd,
-                mask=row_ok[:, None] & (offs_dq[None, :] < DQK), other=0.0)
-    if UPCAST:
-        q = q.to(tl.float32)
+    q = _load_q(q_base, i0, seq_q, sqs, sqd, DQK, UPCAST, BLOCK_M, BLOCK_DQK)
+    bt_row = BT
     if PAGE > 0:
         bt_row = BT + tl.load(row + C_K)
         k_base = K + kvh * skh
@@ -104,59 +210,44 @@ def _forward_kernel(
     if HAS_DROP:
         drop_base = tl.load(row + C_DROP)
 
+    RESCUE_BLOCK_N: tl.constexpr = max(BLOCK_N // 2, 16)
     start, hi, rows_full, full_lo, full_hi = tiles.key_span(i0, seq_q, seq_kv, lower, upper, prefix, BLOCK_M,
                                                             BLOCK_N)
 
-    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
-    l_i = tl.zeros([BLOCK_M], tl.float32)
-    acc = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)
-    dq_ok = offs_dq < DQK
-    dv_ok = offs_dv < DV
-    for j0 in tl.range(start, hi, BLOCK_N):
-        offs_j = j0 + offs_n
-        col_ok = offs_j < seq_kv
-        j2 = offs_j[None, :]
-        if PAGE > 0:
-            block = tl.load(bt_row + offs_j // PAGE, mask=col_ok, other=0).to(tl.int64)
-            k_rows = block * skb + (offs_j % PAGE) * sks
-            v_rows = block * svb + (offs_j % PAGE) * svs
-        else:
-            k_rows = offs_j * sks
-            v_rows = offs_j * svs
-        kt = tl.load(k_base + k_rows[None, :] + offs_dq[:, None] * skd,
-                     mask=col_ok[None, :] & dq_ok[:, None], other=0.0)
-        if UPCAST:
-            kt = kt.to(tl.float32)
-        s = tl.dot(q, kt, input_precision=PRECISION) * qk_scale
-        if PSE_KIND != 0:
-            s += tiles.bias_log2(PSE, pse_base, SLOPES, slope_addr, i2, j2, seq_q, seq_kv, comp, pse_rs, pse_cs,
-                                 q_start, kv_start, pse_mul, PSE_KIND, COMPRESSED)
-        if HAS_MASK:
-            vis = tiles.visible(i2, j2, seq_q, seq_kv, lower, upper, prefix)
-            vis &= tiles.explicit_visible(MASK, mask_base, i2, j2, seq_q, seq_kv, mask_rs, mask_cs)
-            s = tl.where(vis, s, float("-inf"))
-        elif not (rows_full & (j0 >= full_lo) & (j0 + BLOCK_N <= full_hi)):
-            s = tl.where(tiles.visible(i2, j2, seq_q, seq_kv, lower, upper, prefix), s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        # Rows that have seen nothing visible keep max -inf: shift them by 0 so no inf - inf appears.
-        shift = tl.where(m_new == float("-inf"), 0.0, m_new)
-        p = tl.math.exp2(s - shift[:, None])
-        alpha = tl.math.exp2(m_i - shift)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        m_i = m_new
-        if HAS_DROP:
-            p = tl.where(tiles.keep_bits(DROP, drop_base, h, i2, j2, seq_q, seq_kv), p, 0.0)
-        v = tl.load(v_base + v_rows[:, None] + offs_dv[None, :] * svd,
-                    mask=col_ok[:, None] & dv_ok[None, :], other=0.0)
-        if UPCAST:
-            v = v.to(tl.float32)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+    acc, m_i, l_i = _attend(q, q_base, sqs, sqd, MASK, PSE, SLOPES, DROP, bt_row, k_base, v_base, mask_base,
+                            pse_base, slope_addr, drop_base, comp, h, i0, seq_q, seq_kv, lower, upper, prefix, start,
+                            hi, rows_full, full_lo, full_hi, sks, skd, svs, svd, mask_rs, mask_cs, pse_rs, pse_cs,
+                            q_start, kv_start, qk_scale, pse_mul, skb, svb, tl.full([BLOCK_DV], 1.0, tl.float32),
+                            DQK, DV, PSE_KIND, COMPRESSED, HAS_MASK, HAS_DROP, UPCAST, PRECISION, PAGE, BLOCK_M,
+                            BLOCK_N, BLOCK_DQK, BLOCK_DV, False, None)
+    # Values near FLT_MAX (docs/semantics/precision.md, "Values near the float maximum"): where this program's
+    # P V overflowed, the keys are visited again with V scaled per column by an exact power of two
+    # (problem/stats.value_column_scales' rule), and the output divided by row_sum x 2^-k. Ordinary inputs only
+    # pay the finiteness test of the finished accumulator.
+    value_scale = tl.full([BLOCK_DV], 1.0, tl.float32)
+    overflowed = tl.sum(tl.where(tl.abs(acc) <= tiles.FLT_MAX, 0, 1))
+    if overflowed > 0:
+        # i0 + 0, but computed here: offsets are derived anew in this branch rather than kept live from the
+        # ordinary path (registers).
+        i0 += tl.minimum(overflowed, 0)
+        value_scale = _value_column_scales(v_base, bt_row, i0, seq_kv, svs, svd, svb, DV, PAGE, BLOCK_N,
+                                           BLOCK_DV)
+        if tl.min(value_scale) < 1.0:
+            # Neither q nor any tile of the first pass is kept for this rare pass, which is not software-pipelined
+            # (no shared memory of its own) and takes half-width key tiles: its registers stay below the
+            # ordinary path's, whose count the whole kernel gets.
+            acc, m_i, l_i = _attend(0, q_base, sqs, sqd, MASK, PSE, SLOPES, DROP, bt_row, k_base, v_base, mask_base,
+                                    pse_base, slope_addr, drop_base, comp, h, i0, seq_q, seq_kv, lower, upper,
+                                    prefix, start, hi, rows_full, full_lo, full_hi, sks, skd, svs, svd, mask_rs,
+                                    mask_cs, pse_rs, pse_cs, q_start, kv_start, qk_scale, pse_mul, skb, svb,
+                                    value_scale, DQK, DV, PSE_KIND, COMPRESSED, HAS_MASK, HAS_DROP, UPCAST, PRECISION,
+                                    PAGE, BLOCK_M, RESCUE_BLOCK_N, BLOCK_DQK, BLOCK_DV, True, 1)
 
     # "!= 0", not "> 0": a row with a NaN logit keeps its NaN sum and gives a NaN output, as in the reference
     # backend and the formulas; only rows without a visible key (sum exactly 0) are invalid rows (section 3).
     valid = l_i != 0.0
     denom = tl.where(valid, l_i * keep_prob, 1.0)
-    out = tl.where(valid[:, None], acc / denom[:, None], 0.0)
+    out = tl.where(valid[:, None], acc / (denom[:, None] * value_scale[None, :]), 0.0)
     o_base = O + tiles.tensor_offset(row, C_O, OFF_ALIGN) + h * soh
     tl.store(o_base + offs_m[:, None] * sos + offs_dv[None, :] * sod, out.to(O.dtype.element_ty),
              mask=row_ok[:, None] & (offs_dv[None, :] < DV))
