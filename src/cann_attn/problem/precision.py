@@ -130,8 +130,9 @@ _FP32_MIN_NORMAL_BITS = (1023 - 126) << 52  # float64 bit pattern of 2^-126
 
 def _to_fp32_round_to_odd(x: torch.Tensor) -> torch.Tensor:
     bits = x.view(torch.int64)
-    sticky = ((bits & _DROPPED_MASK) != 0).to(torch.int64) << _FP32_DROPPED_BITS
-    return ((bits & ~_DROPPED_MASK) | sticky).view(torch.float64).to(torch.float32)
+    # low + mask carries into bit 29 exactly when a dropped bit is set: the sticky bit without a comparison
+    sticky = (bits & _DROPPED_MASK).add_(_DROPPED_MASK).bitwise_and_(1 << _FP32_DROPPED_BITS)
+    return (bits & ~_DROPPED_MASK).bitwise_or_(sticky).view(torch.float64).to(torch.float32)
 
 
 def _to_fp32_off_ties(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
