@@ -113,3 +113,18 @@ def test_ring_attention_update_with_sums_near_the_maximum(backend: str) -> None:
     want = (out_a.double() * weight_a + out_b.double() * weight_b) / (weight_a + weight_b)
     torch.testing.assert_close(got[0].double(), want, rtol=1e-5, atol=1e-6)
     assert bool((got[2] == float("inf")).all()), "the merged sum exceeds FLT_MAX: +inf, as the formula gives"
+
+
+def test_inf_value_keeps_the_formula_result(path: str) -> None:
+    """An inf value is not a magnitude to rescale (its column gets no scale): the output column holding it stays
+    as the formulas give it (inf: +inf with every weight positive), while the near-FLT_MAX columns beside it,
+    in the same rows, are rescaled and match the golden."""
+    q, k, v = inputs_near_max(torch.float32)
+    v = v.clone()
+    v[0, 0, 5, 0] = float("inf")
+    v[..., 1] = torch.randn(v.shape[:-1], generator=torch.Generator().manual_seed(9))
+    out = _call(path, "flash_attention_score", q, k, v, N, "BNSD", scale_value=SCALE)[0]
+    assert bool((out[0, 0, :, 0] == float("inf")).all())
+    want = golden(q, k, v)
+    assert_matches_golden(out[..., 1:], want[..., 1:], v[..., 1:])
+    assert_matches_golden(out[1], want[1], v[1])
