@@ -324,6 +324,36 @@ def test_dense_softmax_step_matches_the_pytorch_rule():
     assert m[0] == -math.inf and corr[0] == 0 and l[0] == 0 and torch.all(got[0] == 0)
 
 
+def _ordered_max(row: list[float]) -> float:
+    """The row maximum in the loops' order: per lane l < 8 of the full 8-column blocks, m = m > x ? m : x (x wins a
+    tie: the last of equal zeros), then the lanes and the tail left to right with a strict >."""
+    full = len(row) // 8 * 8
+    lanes = [-math.inf] * 8
+    for j in range(full):
+        lanes[j % 8] = lanes[j % 8] if lanes[j % 8] > row[j] else row[j]
+    best = lanes[0]
+    for x in lanes[1:] + row[full:]:
+        best = x if x > best else best
+    return best
+
+
+@pytest.mark.parametrize("cols", [7, 40, 77, 300])
+def test_row_maximum_keeps_the_ordered_sign_of_a_zero(cols):
+    """The row maximum (several running maxima per lane for speed) gives the bits of one maximum per lane taken in
+    order, the sign of a zero maximum included (-0 and +0 compare equal; which one is kept depends on the order)."""
+    gen = torch.Generator().manual_seed(cols)
+    s = -torch.rand(6, cols, generator=gen) - 1.0
+    signs = torch.rand(6, cols, generator=gen) < 0.5
+    zeros = torch.rand(6, cols, generator=gen) < 0.3
+    s[zeros] = torch.where(signs[zeros], -0.0, 0.0)
+    s[5, 3] = 2.0  # a positive maximum
+    want = torch.tensor([_ordered_max(r.tolist()) for r in s])
+    m, l, corr = torch.full((6,), -math.inf), torch.zeros(6), torch.empty(6)
+    native.fa_softmax_step(s.clone(), m, l, corr, LOG2E, EXP2_FLOOR)
+    assert torch.equal(m.view(torch.int32), want.view(torch.int32))
+    assert torch.signbit(want[:5]).any() and not torch.signbit(want[:5]).all()  # both signs occur
+
+
 @pytest.mark.skipif(not native.set_avx512(True), reason="no AVX-512F on this CPU")
 @pytest.mark.parametrize("cols", [5, 16, 45, 131])
 def test_avx512_exponential_pass_is_bitwise_the_avx2_one(cols):

@@ -343,8 +343,9 @@ static void row_combine(const float *w, int64_t ts, int64_t heads, int64_t n, co
     }
 }
 
-/* Largest of s[0..n) with NaN propagated (as torch.amax); -inf when n == 0. */
-static float row_max(const float *s, int64_t n) {
+/* Largest of s[0..n) with NaN propagated (as torch.amax); -inf when n == 0. One running maximum per lane, in order:
+ * where the largest value is a zero, its sign is that of the zero the order below keeps (row_max_fast defers to it). */
+static float row_max_ordered(const float *s, int64_t n) {
     __m256 mx = _mm256_set1_ps(-INFINITY), nan = _mm256_setzero_ps();
     int64_t j = 0;
     for (; j + 8 <= n; j += 8) {
@@ -363,6 +364,36 @@ static float row_max(const float *s, int64_t n) {
         best = s[j] > best ? s[j] : best;
     }
     return any_nan ? NAN : best;
+}
+
+/* row_max with four running maxima per lane (a single one waits on each max's latency). The largest value does not
+ * depend on the order of the comparisons unless it is a zero, whose sign does: then row_max_ordered decides, so the
+ * result is always its bits. */
+static float row_max(const float *s, int64_t n) {
+    __m256 m0 = _mm256_set1_ps(-INFINITY), m1 = m0, m2 = m0, m3 = m0, nan = _mm256_setzero_ps();
+    int64_t j = 0;
+    for (; j + 32 <= n; j += 32) {
+        const __m256 x0 = _mm256_loadu_ps(s + j), x1 = _mm256_loadu_ps(s + j + 8);
+        const __m256 x2 = _mm256_loadu_ps(s + j + 16), x3 = _mm256_loadu_ps(s + j + 24);
+        m0 = _mm256_max_ps(m0, x0);
+        m1 = _mm256_max_ps(m1, x1);
+        m2 = _mm256_max_ps(m2, x2);
+        m3 = _mm256_max_ps(m3, x3);
+        nan = _mm256_or_ps(nan, _mm256_or_ps(_mm256_cmp_ps(x0, x1, _CMP_UNORD_Q), _mm256_cmp_ps(x2, x3, _CMP_UNORD_Q)));
+    }
+    if (_mm256_movemask_ps(nan))
+        return NAN;
+    float lanes[8];
+    _mm256_storeu_ps(lanes, _mm256_max_ps(_mm256_max_ps(m0, m1), _mm256_max_ps(m2, m3)));
+    float best = lanes[0];
+    for (int i = 1; i < 8; ++i)
+        best = lanes[i] > best ? lanes[i] : best;
+    for (; j < n; ++j) {
+        if (isnan(s[j]))
+            return NAN;
+        best = s[j] > best ? s[j] : best;
+    }
+    return best == 0.0f ? row_max_ordered(s, n) : best;
 }
 
 /* exp2_flushed on 16 lanes: the same operations (max, min, round to nearest, sub, the FMA chain, the exponent halves,
