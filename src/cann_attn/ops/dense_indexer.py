@@ -16,6 +16,7 @@ from ..errors import ParamInvalidError, require, require_int, require_real
 from ..problem.lengths import IntList
 from ..problem.stats import accumulation_dtype
 from ..traceable import traced_as_custom_op
+from .lightning_indexer import check_kl_rope
 from .sparse_flash_attention import FLOAT_DTYPES, INT64_MAX, SparseProblem, _check_tensor, sequence_spans
 
 DENSE_MODES = (3,)
@@ -192,15 +193,7 @@ def dense_lightning_indexer_grad_kl_loss(
     require(heads >= 1 or query.numel() == 0, "query", "N1 >= 1 heads", query)
     require(heads_kv >= 1 and heads % heads_kv == 0, "key", f"N2 dividing N1 = {heads}", key)
     require(key.shape[-1] == query.shape[-1], "key", f"head dim {query.shape[-1]} like the query", key)
-    if (query_rope is None) != (key_rope is None):
-        raise ParamInvalidError("query_rope/key_rope: give both rope tensors or neither")
-    if query_rope is not None:
-        _check_tensor(query_rope, "query_rope", query.dtype)
-        _check_tensor(key_rope, "key_rope", query.dtype)
-        require(query_rope.shape[:-1] == query.shape[:-1], "query_rope", f"leading dims {list(query.shape[:-1])}",
-                query_rope)
-        require(key_rope.shape[:-1] == key.shape[:-1], "key_rope", f"leading dims {list(key.shape[:-1])}", key_rope)
-        require(key_rope.shape[-1] == query_rope.shape[-1], "key_rope", f"rope dim {query_rope.shape[-1]}", key_rope)
+    check_kl_rope(query, key, query_rope, key_rope)
     group = heads // heads_kv if heads_kv else 1
     if layout == "TND":
         head_shape = (heads_kv, query.shape[0], group)

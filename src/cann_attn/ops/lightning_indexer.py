@@ -144,6 +144,25 @@ def lightning_indexer(
     return LightningIndexerResult(indices, values)
 
 
+def check_kl_rope(query: torch.Tensor, key: torch.Tensor, query_rope: torch.Tensor | None,
+                  key_rope: torch.Tensor | None) -> None:
+    """The KL-loss operators' optional rope pair (sparse and dense): Q = [query ; query_rope] and
+    K = [key ; key_rope] (docs/operators/lightning_indexer.md), so both or neither are given, each rope tensor
+    shares its main tensor's leading dims, and both carry the same Dr (seed 参数说明, queryRope (B,S1,N1,Dr) /
+    keyRope (B,S2,N2,Dr)); a mismatch would broadcast or crash."""
+    if (query_rope is None) != (key_rope is None):
+        raise ParamInvalidError("query_rope/key_rope: give both rope tensors or neither")
+    if query_rope is None:
+        return
+    _check_tensor(query_rope, "query_rope", query.dtype)
+    _check_tensor(key_rope, "key_rope", query.dtype)
+    require(query_rope.shape[:-1] == query.shape[:-1], "query_rope", f"leading dims {list(query.shape[:-1])}",
+            query_rope)
+    require(key_rope.shape[:-1] == key.shape[:-1], "key_rope", f"leading dims {list(key.shape[:-1])}", key_rope)
+    require(key_rope.shape[-1] == query_rope.shape[-1], "key_rope", f"rope dim Dr = {query_rope.shape[-1]} like "
+            "query_rope", key_rope)
+
+
 @traced_as_custom_op
 def sparse_lightning_indexer_grad_kl_loss(
     query: torch.Tensor,
@@ -181,25 +200,13 @@ def sparse_lightning_indexer_grad_kl_loss(
     _check_tensor(sparse_indices, "sparse_indices")
     require(sparse_indices.dtype in (torch.int32, torch.int64), "sparse_indices", "dtype int32 or int64",
             sparse_indices)
-    if (query_rope is None) != (key_rope is None):
-        raise ParamInvalidError("query_rope/key_rope: give both rope tensors or neither")
     _require_heads(query, "query", "N1")
     require(key.shape[-2] == 1, "key", "N2 = 1", key)
     require(key.shape[-1] == query.shape[-1], "key", f"head dim {query.shape[-1]} like the query", key)
     require(query.shape[:-2] == query_index.shape[:-2], "query", f"query_index's tokens {list(query_index.shape[:-2])}",
             query)
     require(key.shape[:-2] == key_index.shape[:-2], "key", f"key_index's tokens {list(key_index.shape[:-2])}", key)
-    if query_rope is not None:
-        _check_tensor(query_rope, "query_rope", query.dtype)
-        _check_tensor(key_rope, "key_rope", query.dtype)
-        require(query_rope.shape[:-1] == query.shape[:-1], "query_rope", f"leading dims {list(query.shape[:-1])}",
-                query_rope)
-        require(key_rope.shape[:-1] == key.shape[:-1], "key_rope", f"leading dims {list(key.shape[:-1])}", key_rope)
-        # Q = [query ; query_rope] and K = [key ; key_rope] (docs/operators/lightning_indexer.md): both rope
-        # tensors carry the same Dr (seed 参数说明, queryRope (B,S1,N1,Dr) / keyRope (B,S2,N2,Dr)); a mismatch
-        # would broadcast or crash.
-        require(key_rope.shape[-1] == query_rope.shape[-1], "key_rope", f"rope dim Dr = {query_rope.shape[-1]} like "
-                "query_rope", key_rope)
+    check_kl_rope(query, key, query_rope, key_rope)
     require(sparse_indices.shape[:-2] == query_index.shape[:-2] and sparse_indices.shape[-2] == 1, "sparse_indices",
             f"shape {[*query_index.shape[:-2], 1, 'K']}", sparse_indices)
     heads = query.shape[-2]
