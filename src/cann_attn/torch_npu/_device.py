@@ -169,10 +169,10 @@ def _backend_name(backend: str, replacement: str) -> str:
 
 def map_npu_device(device: torch.device, npu_module: Any) -> None:
     """Map ``npu`` onto ``device`` (see the module docstring); ``npu_module`` becomes ``torch.npu``."""
-    if _STATE["target"] is not None:
-        _STATE["target"] = device
-        return
+    already_mapped = _STATE["target"] is not None
     _STATE["target"] = device
+    if already_mapped:  # install() again: a new target, the replaced attributes stay
+        return
     # torch has no npu device type, and renaming its PrivateUse1 device to "npu" (as torch_npu does) would make it
     # torch's current accelerator, which torch.compile then fails to query. torch.device itself is replaced by a
     # constructor that maps npu devices when they are made and stays a torch.device for isinstance.

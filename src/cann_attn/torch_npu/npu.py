@@ -39,9 +39,8 @@ def _on_cuda() -> bool:
 
 def _cuda_index(device: Any) -> Any:
     """An npu device argument (None, an index, "npu:i", a torch.device) as torch.cuda's device argument."""
-    if isinstance(device, int) or device is None:
-        return device
-    return _device.npu_index(device)[1] if _device.npu_index(device)[0] else device
+    is_npu, index = _device.npu_index(device)
+    return index if is_npu else device
 
 
 def _seed_mapped_device(seed: int, all_devices: bool) -> None:
