@@ -73,10 +73,6 @@ class CombinedCache:
     rope: torch.Tensor
     scales: torch.Tensor
 
-    def dequantized(self, dtype: torch.dtype) -> torch.Tensor:
-        """The latent dequantised to `dtype` (no rope)."""
-        return dequantize_tiles(self.latent, self.scales, TILE_SIZE, dtype)
-
 
 def combined_width(query_dtype: torch.dtype) -> int:
     """Bytes per cache row: latent + rope in the query's dtype + one fp32 scale per tile (656 for fp16 / bf16)."""
