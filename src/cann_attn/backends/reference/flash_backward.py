@@ -16,6 +16,8 @@ head's run of key pieces through all five products for every row of the tile, so
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import torch
 
 from ...problem import sink as sinks
@@ -41,20 +43,28 @@ def backward(
     """Fill dq / dk / dv (caller layouts) and accumulate dpse (fp32, the pse's own shape) for every run, and with a
     sink its gradient terms into `dsink_acc` [N1] (problem/sink.py; rows of runs without keys have O = 0 and add
     nothing)."""
+    for run, dk_view, dv_view in runs_to_fill(problem, dk, dv):
+        kernel = RunKernel(problem, run, query, key, value)
+        _backward_run(kernel, problem, run, dy, attention_in, softmax_max, softmax_sum, dq, dk_view, dv_view,
+                      dpse_source, dsink_acc)
+
+
+def runs_to_fill(problem: AttentionProblem, dk: torch.Tensor,
+                 dv: torch.Tensor) -> Iterator[tuple[Run, torch.Tensor, torch.Tensor]]:
+    """(run, dk view, dv view) of every run with both queries and keys; the dk / dv rows of a run with keys but no
+    queries are zeroed here (runs without keys own no dk / dv rows)."""
     for run in problem.runs:
         if run.seq_kv == 0:
             continue
-        kernel = RunKernel(problem, run, query, key, value)
         dk_view, dv_view = problem.kv_view(dk, run), problem.kv_view(dv, run)
         if run.seq_q == 0:
             dk_view.zero_()
             dv_view.zero_()
             continue
-        _backward_run(kernel, problem, run, dy, attention_in, softmax_max, softmax_sum, dq, dk_view, dv_view,
-                      dpse_source, dsink_acc)
+        yield run, dk_view, dv_view
 
 
-def _pse_grad_target(run: Run, dpse_source: torch.Tensor | None) -> torch.Tensor | None:
+def pse_grad_target(run: Run, dpse_source: torch.Tensor | None) -> torch.Tensor | None:
     """The slice of the fp32 dpse buffer that this run's pse view reads from."""
     if dpse_source is None or run.pse is None or run.pse.source is None:
         return None
@@ -72,7 +82,7 @@ def _backward_run(kernel: RunKernel, problem: AttentionProblem, run: Run, dy, at
     dq_view = problem.q_view(dq, run)
     dk_acc = _accumulator(dk_view, (c * n2, run.seq_kv, d_qk), dtype)
     dv_acc = _accumulator(dv_view, (c * n2, run.seq_kv, kernel.v.shape[-1]), dtype)
-    pse_grad = _pse_grad_target(run, dpse_source)
+    pse_grad = pse_grad_target(run, dpse_source)
     inv_keep = 1.0 / problem.keep_prob
     # With a sink, the run's rowsum(dY * O), for dsink's terms once the tiles are done (a few ops per run, not per tile)
     run_d_sum = None if dsink_acc is None else torch.empty((c, problem.heads_q, run.seq_q), dtype=dtype, device=device)

@@ -29,7 +29,7 @@ from ...problem.precision import (
 )
 from ...problem.quant import round_to_fp16
 from ...problem.stats import FLT_MAX
-from .flash_backward import _pse_grad_target as pse_grad_target
+from .flash_backward import pse_grad_target, runs_to_fill
 from .flash_forward import group_rows, key_tiles, write_stat
 from .sparse_attention import INVALID_MAX
 from .sparse_attention import _sequence_selection as sequence_selection
@@ -134,14 +134,7 @@ def backward(problem: AttentionProblem, pipeline: GradPipeline, query, key, valu
              softmax_sum, dq, dk, dv, dpse_source: torch.Tensor | None, dsink_acc: torch.Tensor | None = None) -> None:
     """The gradients of every run (as `flash_backward.backward`), P and dS rounded before their GEMMs and the
     gradients rounded once at the end, as `pipeline` says."""
-    for run in problem.runs:
-        if run.seq_kv == 0:
-            continue
-        dk_view, dv_view = problem.kv_view(dk, run), problem.kv_view(dv, run)
-        if run.seq_q == 0:
-            dk_view.zero_()
-            dv_view.zero_()
-            continue
+    for run, dk_view, dv_view in runs_to_fill(problem, dk, dv):
         _backward_run(problem, pipeline, run, query, key, value, dy, attention_in, softmax_max, softmax_sum,
                       problem.q_view(dq, run), dk_view, dv_view, dpse_source, dsink_acc)
 
