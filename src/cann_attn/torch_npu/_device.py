@@ -90,7 +90,6 @@ def _mapping_arguments(function: Callable, positional: bool) -> Callable:
                 kwargs[key] = _map_argument(kwargs[key])
         return function(*args, **kwargs)
 
-    mapped.__cann_attn_original__ = function
     return mapped
 
 
