@@ -15,6 +15,7 @@ import torch
 
 from ...problem import antiquant as antiquants
 from ...problem.attention import AttentionProblem
+from ...problem.dequant import dequantize_values
 from ...problem.stats import value_column_scales
 from . import native
 from .flash_forward import has_non_finite
@@ -72,9 +73,9 @@ def forward(problem: AttentionProblem, query, key, value, out, softmax_max=None,
         if packed_int4:
             key, value = (antiquants.unpack_int4(x.view(torch.int32)) for x in (key, value))
         if kv_scales is not None:  # the values the loop read (NZ caches as [block_num, N2, block_size, D])
-            key, value = (
-                ((x.permute(0, 1, 3, 2, 4).flatten(-2) if x.dim() == 5 else x).float() * s.view(1, s.shape[0], 1, -1))
-                .to(query.dtype) for x, s in zip((key, value), kv_scales, strict=True))
+            key, value = (dequantize_values(x.permute(0, 1, 3, 2, 4).flatten(-2) if x.dim() == 5 else x,
+                                            s.view(1, s.shape[0], 1, -1), query.dtype)
+                          for x, s in zip((key, value), kv_scales, strict=True))
         scales = value_column_scales(value.abs().amax(dim=tuple(range(value.dim() - 1))), int(lengths.max()))
         if scales is not None:
             native.decode_rows(q.view(pairs, group, -1), key.float(), value.float() * scales, lengths, acc, row_max,
