@@ -157,22 +157,23 @@ def _problem(name: str, golden: torch.Tensor, problem: str) -> TensorMetrics:
 
 
 def _from_actual_manifest(actual_path: Path, entry, name: str, golden: torch.Tensor, strict: bool,
-                          naive: torch.Tensor | None) -> TensorMetrics:
+                          naive: torch.Tensor | None) -> tuple[TensorMetrics, torch.Tensor | None]:
     """The metrics of tensor `name` as ACTUAL's manifest lists it: every listed file is measured; when they hold
-    different values, the row is that of the file that fares worst (a failing one first), with a note."""
+    different values, the row is that of the file that fares worst (a failing one first), with a note. Also the
+    tensor of the first listed file (None when missing)."""
     where = actual_path / MANIFEST
     if entry is None:
-        return _problem(name, golden, f"missing: {where} does not list {name}")
+        return _problem(name, golden, f"missing: {where} does not list {name}"), None
     files = entry_files(actual_path, entry)
     absent = [p.name for p in files.values() if not p.is_file()]
     if absent:
-        return _problem(name, golden, f"missing: {', '.join(absent)} (listed in {where}) not found")
+        return _problem(name, golden, f"missing: {', '.join(absent)} (listed in {where}) not found"), None
     tensors = {kind: read_file_of_entry(path, kind, entry) for kind, path in files.items()}
     measured = {kind: _measure(name, t, golden, naive) for kind, t in tensors.items()}
     first, *others = tensors
     differ = {kind: _differ(tensors[first], tensors[kind]) for kind in others}
     if not any(differ.values()):
-        return measured[first]
+        return measured[first], tensors[first]
     worst = min(measured, key=lambda k: (measured[k].passed(strict), -(measured[k].max_abs or 0.0)))
     row = measured[worst]
     for kind, n in differ.items():
@@ -184,7 +185,7 @@ def _from_actual_manifest(actual_path: Path, entry, name: str, golden: torch.Ten
                 f"{files[first].name} and {files[kind].name} (both listed in {where}) differ in {n} of "
                 f"{tensors[first].numel()} elements ({verdicts}); the row is {files[worst].name}'s"
             )
-    return row
+    return row, tensors[first]
 
 
 def collect(args: argparse.Namespace) -> tuple[list[TensorMetrics], dict[str, Any]]:
@@ -232,11 +233,8 @@ def _actual_row(actual_path: Path, actual_manifest, name: str, golden: torch.Ten
     manifest; None when missing)."""
     if actual_manifest is not None:  # the source of truth: what it lists, nothing else
         entry = find_entry(actual_manifest, name=name)
-        row = _from_actual_manifest(actual_path, entry, name, golden, strict, naive)
-        if row.problem or entry is None:
-            return row, None
-        kind, path = next(iter(entry_files(actual_path, entry).items()))
-        return row, read_file_of_entry(path, kind, entry)
+        row, actual = _from_actual_manifest(actual_path, entry, name, golden, strict, naive)
+        return row, None if row.problem else actual
     candidates = [actual_path / f"{name}.npy", actual_path / f"{name}.bin"]
     found = next((c for c in candidates if c.is_file()), None)
     if found is None:
