@@ -37,7 +37,7 @@ __all__ = [
     "TensorMetrics",
     "dtype_name",
     "dtype_problem",
-    "flash_attn_reason",
+    "judge_flash_attn",
     "measure",
     "nonfinite_mismatches",
     "second_rule",
@@ -142,17 +142,17 @@ class TensorMetrics:
 def second_rule(m: TensorMetrics, actual: torch.Tensor, naive: torch.Tensor, golden: torch.Tensor) -> None:
     """Judge `m` (Ascend rule failed) by the flash-attn rule against the naive reference; record the verdict and
     its reason on `m` (docs/semantics/precision.md)."""
+    m.flash_attn_pass, m.flash_attn_reason = judge_flash_attn(actual, naive, golden)
+
+
+def judge_flash_attn(actual: torch.Tensor, naive: torch.Tensor, golden: torch.Tensor) -> tuple[bool, str]:
+    """The flash-attn rule's verdict on `actual` and why: its max error against the bound
+    (docs/semantics/precision.md)."""
     from ..testing.precision import flash_attn_rule
 
     ok, details = flash_attn_rule(actual, naive, golden)
-    m.flash_attn_pass = ok
-    m.flash_attn_reason = flash_attn_reason(ok, details)
-
-
-def flash_attn_reason(ok: bool, details: dict) -> str:
-    """Why the flash-attn rule accepts (or refuses) an output: its max error against the bound."""
-    return (f"flash-attn rule: max err {details['max_abs_err']:.2e} {'<=' if ok else '>'} "
-            f"2 x naive {details['naive_max_abs_err']:.2e} + 1e-5")
+    return ok, (f"flash-attn rule: max err {details['max_abs_err']:.2e} {'<=' if ok else '>'} "
+                f"2 x naive {details['naive_max_abs_err']:.2e} + 1e-5")
 
 
 SECOND_RULE_NOTE = (

@@ -150,8 +150,8 @@ def _sync(device: torch.device) -> None:
 
 def run_case(case: registry.Case, device: torch.device, seed: int) -> list[Row]:
     """Build, run (timed), compute the oracle and judge every output of one case."""
-    from ..testing.precision import ascend_rule, flash_attn_rule
-    from .metrics import dtype_problem, flash_attn_reason, measure, nonfinite_mismatches
+    from ..testing.precision import ascend_rule
+    from .metrics import dtype_problem, judge_flash_attn, measure, nonfinite_mismatches
 
     dtype = _DTYPE_NAMES.get(case.dtype, str(case.dtype))
     base = {"op": case.op, "case": case.name, "dtype": dtype, "shape": case.shape}
@@ -208,8 +208,7 @@ def run_case(case: registry.Case, device: torch.device, seed: int) -> list[Row]:
                 if case.naive is not None:
                     naive = case.naive(call) if naive is None else naive
                     if naive.get(name) is not None:
-                        row.fa_rule, fa_details = flash_attn_rule(actual, naive[name], expected)
-                        row.reason = flash_attn_reason(row.fa_rule, fa_details)
+                        row.fa_rule, row.reason = judge_flash_attn(actual, naive[name], expected)
             rows.append(row)
         return rows
     except Exception as exc:
