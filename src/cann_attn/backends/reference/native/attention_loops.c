@@ -145,20 +145,11 @@ __attribute__((target("avx512f"))) static inline __m512 both_halves(__m256 x) {
     return _mm512_castpd_ps(_mm512_broadcast_f64x4(_mm256_castps_pd(x)));
 }
 
-/* row_dots for the first heads / 8 * 8 heads (returns how many it took), blocks of 8 heads x 3 keys: lanes 0-7 of a
- * vector carry head 2i's columns [d, d + 8), lanes 8-15 head 2i + 1's (the queries packed so once per call), against
- * the key's 8 columns in both halves. Each half is then the AVX2 loop's 8-lane sum of its head and key, formed by the
- * same FMAs in the same order and reduced by the same hsum: the same floats. */
-__attribute__((target("avx512f"))) static int64_t row_dots16(const float *a, int64_t heads, int64_t dim,
-                                                              const float *b, int64_t ldb, const int64_t *tok,
-                                                              int64_t n, float *s, int64_t ts) {
-    const int64_t blocks = heads / 8, steps = (dim + 7) / 8;
-    if (blocks == 0 || n == 0)
-        return 0;
-    float *packed = aligned_alloc(64, sizeof(float) * blocks * steps * 64);
-    const int64_t full = dim / 8 * 8;
+/* The queries of row_dots16: head blocks of 8, 8 columns at a time, lanes 0-7 of a vector head 2i's columns [d, d + 8)
+ * and lanes 8-15 head 2i + 1's, zero past dim: packed[((hb * steps + t) * 4 + i) * 16 + lane], steps = ceil(dim / 8). */
+__attribute__((target("avx512f"))) static void pack_heads16(const float *a, int64_t blocks, int64_t dim, float *packed) {
+    const int64_t steps = (dim + 7) / 8, full = dim / 8 * 8;
     const __m256i tail = lane_mask(dim - full);
-    /* 8 columns at a time (a scalar copy with this index arithmetic took ~1/4 of the call at DSA shapes). */
     for (int64_t hb = 0; hb < blocks; ++hb)
         for (int64_t h = 0; h < 8; ++h) {
             const float *ah = a + (hb * 8 + h) * dim;
@@ -166,6 +157,72 @@ __attribute__((target("avx512f"))) static int64_t row_dots16(const float *a, int
             for (int64_t t = 0; t < steps; ++t)
                 _mm256_store_ps(ph + t * 64, 8 * t < full ? _mm256_loadu_ps(ah + 8 * t) : LOAD_TAIL(ah + 8 * t));
         }
+}
+
+/* Floats of pack_heads16's buffer for `heads` heads of `dim` columns. */
+static int64_t packed_floats16(int64_t heads, int64_t dim) { return heads / 8 * ((dim + 7) / 8) * 64; }
+
+/* Fetch line d / 16 of the three future key rows (every other step: one line covers 16 columns). */
+#define PREFETCH_KEYS(d)                                                                                             \
+    do {                                                                                                             \
+        if (((d) & 8) == 0) {                                                                                        \
+            _mm_prefetch(f0 + 4 * (d), PREFETCH_HINT);                                                               \
+            _mm_prefetch(f1 + 4 * (d), PREFETCH_HINT);                                                               \
+            _mm_prefetch(f2 + 4 * (d), PREFETCH_HINT);                                                               \
+        }                                                                                                            \
+    } while (0)
+
+/* Steps of 16 heads (two packed blocks, qa and qc) against 3 keys: 24 sums. */
+#define DOT16_STEP(LOAD)                                                                                             \
+    do {                                                                                                             \
+        const __m512 x0 = both_halves(LOAD(b0 + d)), x1 = both_halves(LOAD(b1 + d)), x2 = both_halves(LOAD(b2 + d)); \
+        FMA_ROW16(0, _mm512_load_ps(qa));                                                                            \
+        FMA_ROW16(1, _mm512_load_ps(qa + 16));                                                                       \
+        FMA_ROW16(2, _mm512_load_ps(qa + 32));                                                                       \
+        FMA_ROW16(3, _mm512_load_ps(qa + 48));                                                                       \
+        FMA_ROW16(4, _mm512_load_ps(qc));                                                                            \
+        FMA_ROW16(5, _mm512_load_ps(qc + 16));                                                                       \
+        FMA_ROW16(6, _mm512_load_ps(qc + 32));                                                                       \
+        FMA_ROW16(7, _mm512_load_ps(qc + 48));                                                                       \
+    } while (0)
+#define DOT8_STEP(LOAD)                                                                                              \
+    do {                                                                                                             \
+        const __m512 x0 = both_halves(LOAD(b0 + d)), x1 = both_halves(LOAD(b1 + d)), x2 = both_halves(LOAD(b2 + d)); \
+        FMA_ROW16(0, _mm512_load_ps(qa));                                                                            \
+        FMA_ROW16(1, _mm512_load_ps(qa + 16));                                                                       \
+        FMA_ROW16(2, _mm512_load_ps(qa + 32));                                                                       \
+        FMA_ROW16(3, _mm512_load_ps(qa + 48));                                                                       \
+    } while (0)
+
+/* Sums c<i>0..c<i>2 of packed vector i (heads h and h + 1) into s, keys j0..j0 + nj. */
+#define STORE_PAIR(i, h)                                                                                             \
+    do {                                                                                                             \
+        const __m512 pair[3] = {c##i##0, c##i##1, c##i##2};                                                          \
+        for (int64_t j = 0; j < nj; ++j) {                                                                           \
+            s[(h) * ts + j0 + j] = hsum(_mm512_castps512_ps256(pair[j]));                                            \
+            s[((h) + 1) * ts + j0 + j] = hsum(high_half(pair[j]));                                                   \
+        }                                                                                                            \
+    } while (0)
+
+/* row_dots for the first heads / 8 * 8 heads (returns how many it took), from their queries packed by pack_heads16
+ * (`packed`; NULL: packed here). Lanes 0-7 of a vector carry head 2i's columns [d, d + 8), lanes 8-15 head 2i + 1's,
+ * against the key's 8 columns in both halves: each half is the AVX2 loop's 8-lane sum of its head and key, formed by
+ * the same FMAs in the same order and reduced by the same hsum, so the same floats. Register blocks of 16 heads x 3
+ * keys (24 sums; each key row is read once) while 16 heads remain, then 8 heads x 3 keys. */
+__attribute__((target("avx512f"))) static int64_t row_dots16(const float *a, int64_t heads, int64_t dim,
+                                                              const float *b, int64_t ldb, const int64_t *tok,
+                                                              int64_t n, float *s, int64_t ts, const float *packed) {
+    const int64_t blocks = heads / 8, steps = (dim + 7) / 8;
+    if (blocks == 0 || n == 0)
+        return 0;
+    float *own = NULL;
+    if (!packed) {
+        own = aligned_alloc(64, sizeof(float) * packed_floats16(heads, dim));
+        pack_heads16(a, blocks, dim, own);
+        packed = own;
+    }
+    const int64_t full = dim / 8 * 8;
+    const __m256i tail = lane_mask(dim - full);
     for (int64_t j0 = 0; j0 < n; j0 += 3) {
         const int64_t nj = n - j0 < 3 ? n - j0 : 3;
         const float *b0 = b + tok[j0] * ldb;
@@ -177,49 +234,63 @@ __attribute__((target("avx512f"))) static int64_t row_dots16(const float *a, int
         const char *f0 = (const char *)(b + tok[jf < n ? jf : n - 1] * ldb);
         const char *f1 = (const char *)(b + tok[jf + 1 < n ? jf + 1 : n - 1] * ldb);
         const char *f2 = (const char *)(b + tok[jf + 2 < n ? jf + 2 : n - 1] * ldb);
-        for (int64_t hb = 0; hb < blocks; ++hb) {
-            const float *qb = packed + hb * steps * 64;
+        int64_t hb = 0;
+        for (; hb + 2 <= blocks; hb += 2) {
+            const float *qa = packed + hb * steps * 64, *qc = qa + steps * 64;
+            __m512 c00 = _mm512_setzero_ps(), c01 = c00, c02 = c00, c10 = c00, c11 = c00, c12 = c00;
+            __m512 c20 = c00, c21 = c00, c22 = c00, c30 = c00, c31 = c00, c32 = c00;
+            __m512 c40 = c00, c41 = c00, c42 = c00, c50 = c00, c51 = c00, c52 = c00;
+            __m512 c60 = c00, c61 = c00, c62 = c00, c70 = c00, c71 = c00, c72 = c00;
+            int64_t d = 0;
+            if (hb == 0)
+                for (; d < full; d += 8, qa += 64, qc += 64) {
+                    PREFETCH_KEYS(d);
+                    DOT16_STEP(LOAD_FULL);
+                }
+            else
+                for (; d < full; d += 8, qa += 64, qc += 64)
+                    DOT16_STEP(LOAD_FULL);
+            if (d < dim)
+                DOT16_STEP(LOAD_TAIL);
+            STORE_PAIR(0, hb * 8);
+            STORE_PAIR(1, hb * 8 + 2);
+            STORE_PAIR(2, hb * 8 + 4);
+            STORE_PAIR(3, hb * 8 + 6);
+            STORE_PAIR(4, hb * 8 + 8);
+            STORE_PAIR(5, hb * 8 + 10);
+            STORE_PAIR(6, hb * 8 + 12);
+            STORE_PAIR(7, hb * 8 + 14);
+        }
+        if (hb < blocks) {
+            const float *qa = packed + hb * steps * 64;
             __m512 c00 = _mm512_setzero_ps(), c01 = c00, c02 = c00, c10 = c00, c11 = c00, c12 = c00;
             __m512 c20 = c00, c21 = c00, c22 = c00, c30 = c00, c31 = c00, c32 = c00;
             int64_t d = 0;
-            for (; d < full; d += 8, qb += 64) {
-                if (hb == 0 && (d & 8) == 0) {
-                    _mm_prefetch(f0 + 4 * d, PREFETCH_HINT);
-                    _mm_prefetch(f1 + 4 * d, PREFETCH_HINT);
-                    _mm_prefetch(f2 + 4 * d, PREFETCH_HINT);
+            if (hb == 0)
+                for (; d < full; d += 8, qa += 64) {
+                    PREFETCH_KEYS(d);
+                    DOT8_STEP(LOAD_FULL);
                 }
-                const __m512 x0 = both_halves(_mm256_loadu_ps(b0 + d)), x1 = both_halves(_mm256_loadu_ps(b1 + d)),
-                             x2 = both_halves(_mm256_loadu_ps(b2 + d));
-                FMA_ROW16(0, _mm512_load_ps(qb));
-                FMA_ROW16(1, _mm512_load_ps(qb + 16));
-                FMA_ROW16(2, _mm512_load_ps(qb + 32));
-                FMA_ROW16(3, _mm512_load_ps(qb + 48));
-            }
-            if (d < dim) {
-                const __m512 x0 = both_halves(LOAD_TAIL(b0 + d)), x1 = both_halves(LOAD_TAIL(b1 + d)),
-                             x2 = both_halves(LOAD_TAIL(b2 + d));
-                FMA_ROW16(0, _mm512_load_ps(qb));
-                FMA_ROW16(1, _mm512_load_ps(qb + 16));
-                FMA_ROW16(2, _mm512_load_ps(qb + 32));
-                FMA_ROW16(3, _mm512_load_ps(qb + 48));
-            }
-            const __m512 sums[4][3] = {{c00, c01, c02}, {c10, c11, c12}, {c20, c21, c22}, {c30, c31, c32}};
-            for (int64_t i = 0; i < 4; ++i)
-                for (int64_t j = 0; j < nj; ++j) {
-                    s[(hb * 8 + 2 * i) * ts + j0 + j] = hsum(_mm512_castps512_ps256(sums[i][j]));
-                    s[(hb * 8 + 2 * i + 1) * ts + j0 + j] = hsum(high_half(sums[i][j]));
-                }
+            else
+                for (; d < full; d += 8, qa += 64)
+                    DOT8_STEP(LOAD_FULL);
+            if (d < dim)
+                DOT8_STEP(LOAD_TAIL);
+            STORE_PAIR(0, hb * 8);
+            STORE_PAIR(1, hb * 8 + 2);
+            STORE_PAIR(2, hb * 8 + 4);
+            STORE_PAIR(3, hb * 8 + 6);
         }
     }
-    free(packed);
+    free(own);
     return blocks * 8;
 }
 
 /* s[h * ts + j] = a[h] . b[tok[j]] over d < dim, for h < heads, j < n. Blocks of 4 heads x 3 keys keep 12 sums in
  * registers (named: arrays of vectors measured 2x slower); the 3 key rows are reused from L1 by every head block. */
 static void row_dots(const float *a, int64_t heads, int64_t dim, const float *b, int64_t ldb, const int64_t *tok,
-                     int64_t n, float *s, int64_t ts) {
-    const int64_t first = use_avx512 ? row_dots16(a, heads, dim, b, ldb, tok, n, s, ts) : 0;
+                     int64_t n, float *s, int64_t ts, const float *packed) {
+    const int64_t first = use_avx512 ? row_dots16(a, heads, dim, b, ldb, tok, n, s, ts, packed) : 0;
     if (first == heads)
         return;
     const int64_t full = dim / 8 * 8;
@@ -484,9 +555,13 @@ static void forward_range(const float *q, int64_t heads, int64_t dqk, const floa
     float *s = malloc(sizeof(float) * heads * ts);
     float *keep = malloc(sizeof(float) * heads);
     int64_t *sel = malloc(sizeof(int64_t) * (w > 0 ? w : 1));
+    /* The row's queries packed once for its key chunks' dot products (NULL: row_dots16 does not run). */
+    float *packed = use_avx512 && heads >= 8 ? aligned_alloc(64, sizeof(float) * packed_floats16(heads, dqk)) : NULL;
     for (int64_t r = r0; r < r1; ++r) {
         const int64_t n = compact_row(tok + r * w, valid ? valid + r * w : NULL, w, sel);
         float *mr = m + r * heads, *lr = l + r * heads, *orow = o + r * heads * dv;
+        if (packed && n > 0)
+            pack_heads16(q + r * heads * dqk, heads / 8, dqk, packed);
         for (int64_t h = 0; h < heads; ++h) {
             mr[h] = -INFINITY;
             lr[h] = 0.0f;
@@ -495,7 +570,7 @@ static void forward_range(const float *q, int64_t heads, int64_t dqk, const floa
             memset(orow, 0, sizeof(float) * heads * dv);
         for (int64_t c0 = 0; c0 < n; c0 += KEY_CHUNK) {
             const int64_t nc = n - c0 < KEY_CHUNK ? n - c0 : KEY_CHUNK;
-            row_dots(q + r * heads * dqk, heads, dqk, k, ldk, sel + c0, nc, s, ts);
+            row_dots(q + r * heads * dqk, heads, dqk, k, ldk, sel + c0, nc, s, ts, packed);
             for (int64_t h = 0; h < heads; ++h) {
                 const float m_new = max_nan(mr[h], row_max(s + h * ts, nc));
                 const float shift = m_new == -INFINITY ? 0.0f : m_new;
@@ -507,6 +582,7 @@ static void forward_range(const float *q, int64_t heads, int64_t dqk, const floa
             row_combine(s, ts, heads, nc, v, ldv, sel + c0, dv, 1.0f, c0 == 0 ? NULL : keep, orow);
         }
     }
+    free(packed);
     free(sel);
     free(keep);
     free(s);
@@ -535,8 +611,8 @@ static void backward_range(const float *q, const float *dout, const float *dsum,
         /* Key chunks, as in the forward: a chunk's K rows stay in L2 for the three products that read them. */
         for (int64_t c0 = 0; c0 < n; c0 += KEY_CHUNK) {
             const int64_t nc = n - c0 < KEY_CHUNK ? n - c0 : KEY_CHUNK;
-            row_dots(q + r * heads * dqk, heads, dqk, k, ldk, rsel + c0, nc, p + c0, w);
-            row_dots(dout + r * heads * dv, heads, dv, v, ldv, rsel + c0, nc, dp, ts);
+            row_dots(q + r * heads * dqk, heads, dqk, k, ldk, rsel + c0, nc, p + c0, w, NULL);
+            row_dots(dout + r * heads * dv, heads, dv, v, ldv, rsel + c0, nc, dp, ts, NULL);
             for (int64_t h = 0; h < heads; ++h) {
                 float *ph = p + h * w + c0, *dph = dp + h * ts, *dsh = ds + h * w + c0;
                 row_exp(ph, nc, shift[r * heads + h], log2e, floor2, inv_l[r * heads + h]);
@@ -634,7 +710,7 @@ static void kl_target_range(const float *q, int64_t heads, int64_t dqk, const fl
     for (int64_t r = r0; r < r1; ++r) {
         const uint8_t *vr = valid ? valid + r * w : NULL;
         const int64_t n = compact_row(tok + r * w, vr, w, sel);
-        row_dots(q + r * heads * dqk, heads, dqk, k, ldk, sel, n, s, ts);
+        row_dots(q + r * heads * dqk, heads, dqk, k, ldk, sel, n, s, ts, NULL);
         float *pr = p + r * w;
         memset(pr, 0, sizeof(float) * w);
         for (int64_t h = 0; h < heads; ++h)
@@ -730,7 +806,7 @@ void rows_dot(const float *a, int64_t heads, int64_t dim, const float *b, int64_
         int64_t lo, hi;
         part_range(rows, omp_get_num_threads(), omp_get_thread_num(), 1, &lo, &hi);
         for (int64_t r = lo; r < hi; ++r)
-            row_dots(a + r * heads * dim, heads, dim, b, ldb, tok + r * w, w, out + r * heads * w, w);
+            row_dots(a + r * heads * dim, heads, dim, b, ldb, tok + r * w, w, out + r * heads * w, w, NULL);
     }
 }
 
