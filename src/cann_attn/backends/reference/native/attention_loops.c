@@ -492,8 +492,12 @@ static float row_max(const float *s, int64_t n) {
     return best == 0.0f ? row_max_ordered(s, n) : best;
 }
 
-/* exp2_flushed on 16 lanes: the same operations (max, min, round to nearest, sub, the FMA chain, the exponent halves,
- * the flush), so the same floats. */
+/* exp2_flushed on 16 lanes: the same operations (max, min, round to nearest, sub, the FMA chain, the flush), so the
+ * same floats. 2^n comes from VSCALEFPS, p 2^n rounded once: the halves' first product p 2^(n >> 1) is exact (a
+ * normal float: p in [0.7, 1.5], n >> 1 in [-63, 64]), so their result is that same single rounding, overflow to inf
+ * and subnormal results included (checked bitwise against the halves over all 2^32 inputs, floor2 -126, -125.5,
+ * -100 and -20). It saves 8 of the 28 vector operations per 16 lanes: the forward's exponential pass took 17 ms of a
+ * 120 ms B=1 N=8 S=2048 D=128 fp32 fused forward on one thread, 12.5 ms with it (Xeon, AVX-512). */
 __attribute__((target("avx512f"))) static inline __m512 exp2_flushed16(__m512 x, __m512 floor2) {
     const __mmask16 keep = _mm512_cmp_ps_mask(x, floor2, _CMP_NLE_UQ);
     x = _mm512_max_ps(_mm512_set1_ps(-126.0f), x); /* NaN stays: it is the second operand */
@@ -503,28 +507,30 @@ __attribute__((target("avx512f"))) static inline __m512 exp2_flushed16(__m512 x,
     __m512 p = _mm512_set1_ps(EXP2_TAYLOR[0]);
     for (int i = 1; i < 8; ++i)
         p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(EXP2_TAYLOR[i]));
-    const __m512i bias = _mm512_set1_epi32(127);
-    __m512i n_all = _mm512_cvtps_epi32(n), n_low = _mm512_srai_epi32(n_all, 1);
-    __m512 low = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_add_epi32(n_low, bias), 23));
-    __m512 high = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_add_epi32(_mm512_sub_epi32(n_all, n_low), bias), 23));
-    return _mm512_maskz_mov_ps(keep, _mm512_mul_ps(_mm512_mul_ps(p, low), high));
+    return _mm512_maskz_scalef_ps(keep, p, n);
 }
 
 /* row_exp's steps over the first n / 16 * 16 entries; returns how many it took, their sum added into *acc: the two
- * 8-entry halves one after the other, the AVX2 loop's order, so the row sum is the same float too. (This pass is ~1/6
- * of the dense forward's time at D = 128.) */
+ * 8-entry halves one after the other, the AVX2 loop's order, so the row sum is the same float too. (This pass is
+ * ~1/10 of the dense forward's time at D = 128.) */
 __attribute__((target("avx512f"))) static int64_t row_exp16(float *s, int64_t n, float shift, float log2e,
                                                              float floor2, float factor, __m256 *acc) {
     const __m512 sv = _mm512_set1_ps(shift), lv = _mm512_set1_ps(log2e), fl = _mm512_set1_ps(floor2);
     const __m512 fv = _mm512_set1_ps(factor);
     __m256 sum = *acc;
     int64_t j = 0;
-    for (; j + 16 <= n; j += 16) {
-        const __m512 e = exp2_flushed16(_mm512_mul_ps(_mm512_sub_ps(_mm512_loadu_ps(s + j), sv), lv), fl);
-        sum = _mm256_add_ps(sum, _mm512_castps512_ps256(e));
-        sum = _mm256_add_ps(sum, _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(e), 1)));
-        _mm512_storeu_ps(s + j, _mm512_mul_ps(e, fv));
+#define EXP_STEP(STORED)                                                                                             \
+    for (; j + 16 <= n; j += 16) {                                                                                   \
+        const __m512 e = exp2_flushed16(_mm512_mul_ps(_mm512_sub_ps(_mm512_loadu_ps(s + j), sv), lv), fl);           \
+        sum = _mm256_add_ps(sum, _mm512_castps512_ps256(e));                                                         \
+        sum = _mm256_add_ps(sum, _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(e), 1)));                  \
+        _mm512_storeu_ps(s + j, STORED);                                                                             \
     }
+    if (factor == 1.0f) /* e * 1 is e: the forward's case skips the multiply */
+        EXP_STEP(e)
+    else
+        EXP_STEP(_mm512_mul_ps(e, fv))
+#undef EXP_STEP
     *acc = sum;
     return j;
 }
