@@ -1434,11 +1434,43 @@ struct backward_rows {
     const struct alibi_rows *al;
 };
 
+/* One score row of backward_piece: s[j] <- P = 2^((s[j] - shift) log2e) * factor (flushed at floor2: row_exp's
+ * floats, without its sum) and dp[j] <- dS = (dp[j] - d) P, in one pass; probs_ds16 takes the first n / 16 * 16
+ * entries where use_avx512 (the same operations on 16 lanes) and returns how many it took. */
+__attribute__((target("avx512f"))) static int64_t probs_ds16(float *s, float *dp, int64_t n, float shift, float log2e,
+                                                              float floor2, float factor, float d) {
+    const __m512 sv = _mm512_set1_ps(shift), lv = _mm512_set1_ps(log2e), fl = _mm512_set1_ps(floor2);
+    const __m512 fv = _mm512_set1_ps(factor), dv = _mm512_set1_ps(d);
+    int64_t j = 0;
+    for (; j + 16 <= n; j += 16) {
+        const __m512 e = exp2_flushed16(_mm512_mul_ps(_mm512_sub_ps(_mm512_loadu_ps(s + j), sv), lv), fl);
+        const __m512 p = _mm512_mul_ps(e, fv);
+        _mm512_storeu_ps(s + j, p);
+        _mm512_storeu_ps(dp + j, _mm512_mul_ps(_mm512_sub_ps(_mm512_loadu_ps(dp + j), dv), p));
+    }
+    return j;
+}
+
+static void probs_ds_row(float *s, float *dp, int64_t n, float shift, float log2e, float floor2, float factor,
+                         float d) {
+    const __m256 sv = _mm256_set1_ps(shift), lv = _mm256_set1_ps(log2e), fl = _mm256_set1_ps(floor2);
+    const __m256 fv = _mm256_set1_ps(factor), dv = _mm256_set1_ps(d);
+    for (int64_t j = use_avx512 ? probs_ds16(s, dp, n, shift, log2e, floor2, factor, d) : 0; j < n; j += 8) {
+        const __m256i mask = lane_mask(n - j);
+        const __m256 e = exp2_flushed(_mm256_mul_ps(_mm256_sub_ps(load_part(s + j, n - j, mask), sv), lv), fl);
+        const __m256 p = _mm256_mul_ps(e, fv);
+        store_part(s + j, p, n - j, mask);
+        store_part(dp + j, _mm256_mul_ps(_mm256_sub_ps(load_part(dp + j, n - j, mask), dv), p), n - j, mask);
+    }
+}
+
 /* The backward terms of n query rows (`row`: their index over all entries; `r0`: within the entry, for the bias)
  * against w key columns (kp, vp, dkp, dvp: their first rows; `col`: their column in the tile's bias and keep bits),
  * as fa_backward_blocks describes; s and dp are [n, round8(w)] scratch blocks, dq_rows the rows' dQ (ld_rows). With
  * a->bf, S and dP come from the bf16 rows and the piece's keys and values packed by pack_piece (packed_w wide; these
- * columns start at packed_col). a->al: the rows' generated ALiBi, these columns starting at key column j_abs. */
+ * columns start at packed_col). a->al: the rows' generated ALiBi, these columns starting at key column j_abs.
+ * dP is formed before P, so that one pass per row turns S into P and dP into dS (probs_ds_row); with dropout, P then
+ * becomes P * keep / keep_prob in place for dV. */
 static void backward_piece(int64_t n, int64_t row, int64_t r0, int64_t col, int64_t w, const struct backward_rows *a,
                            const float *kp, const float *vp, const float *bt, int64_t tile_w, float *s,
                            float *dp, float *dq_rows, int64_t ld_rows, float *dkp, float *dvp,
@@ -1448,46 +1480,28 @@ static void backward_piece(int64_t n, int64_t row, int64_t r0, int64_t col, int6
     const struct bf16_scores *bf = a->bf;
     if (!bf) {
         gemm_nt((int)n, (int)w, (int)a->dk, a->q + row * a->dk, (int)a->dk, kp, (int)a->ldk, 0.0f, s, (int)lds);
+        gemm_nt((int)n, (int)w, (int)a->dv, a->dy + row * a->dv, (int)a->dv, vp, (int)a->ldv, 0.0f, dp, (int)lds);
     } else {
         gemm_nt_bf16(n, w, bf->d16, bf->q + row * bf->d16, bf->d16, packed_k, packed_w, packed_col, bf->scale, s,
                      lds);
         if (a->dk > bf->d16)
             add_features(s, n, w, lds, a->q + row * a->dk + bf->d16, a->dk, kp + bf->d16, a->ldk, a->dk - bf->d16,
                          features);
+        gemm_nt_bf16(n, w, a->dv, bf->dy + row * a->dv, a->dv, packed_v, packed_w, packed_col, 1.0f, dp, lds);
     }
     if (a->al)
         add_alibi_rows(s, n, w, lds, a->al->slope + row, a->al->pos + row, a->al->sqrt_dist, j_abs);
     if (bt)
         add_mask_rows(s, n, w, lds, bt, r0, a->bias_rows, tile_w, col);
-    for (int64_t i = 0; i < n; ++i)
-        row_exp(s + i * lds, w, a->shift[row + i], a->log2e, a->floor2, a->factor[row + i]);
-    if (a->keep) { /* dV takes the dropped probabilities P * keep / keep_prob, formed in dp first */
-        for (int64_t i = 0; i < n; ++i) {
-            memcpy(dp + i * lds, s + i * lds, sizeof(float) * w);
-            keep_row(dp + i * lds, a->keep, a->keep_first[row + i] + col, w, a->inv_keep);
-        }
-    }
-    gemm_tn_acc((int)w, (int)a->dv, (int)n, a->keep ? dp : s, (int)lds, a->dy + row * a->dv, (int)a->dv, dvp,
-                (int)a->lddv);
-    if (bf)
-        gemm_nt_bf16(n, w, a->dv, bf->dy + row * a->dv, a->dv, packed_v, packed_w, packed_col, 1.0f, dp, lds);
-    else
-        gemm_nt((int)n, (int)w, (int)a->dv, a->dy + row * a->dv, (int)a->dv, vp, (int)a->ldv, 0.0f, dp, (int)lds);
-    if (a->keep)
-        for (int64_t i = 0; i < n; ++i)
-            keep_row(dp + i * lds, a->keep, a->keep_first[row + i] + col, w, a->inv_keep);
     for (int64_t i = 0; i < n; ++i) {
-        float *di = dp + i * lds;
-        const float *pi = s + i * lds;
-        const float d_i = a->d_sum[row + i];
-        const __m256 dsum = _mm256_set1_ps(d_i);
-        int64_t j = 0;
-        for (; j + 8 <= w; j += 8)
-            _mm256_storeu_ps(di + j, _mm256_mul_ps(_mm256_sub_ps(_mm256_loadu_ps(di + j), dsum),
-                                                   _mm256_loadu_ps(pi + j)));
-        for (; j < w; ++j)
-            di[j] = (di[j] - d_i) * pi[j];
+        float *si = s + i * lds, *di = dp + i * lds;
+        if (a->keep)
+            keep_row(di, a->keep, a->keep_first[row + i] + col, w, a->inv_keep);
+        probs_ds_row(si, di, w, a->shift[row + i], a->log2e, a->floor2, a->factor[row + i], a->d_sum[row + i]);
+        if (a->keep)
+            keep_row(si, a->keep, a->keep_first[row + i] + col, w, a->inv_keep);
     }
+    gemm_tn_acc((int)w, (int)a->dv, (int)n, s, (int)lds, a->dy + row * a->dv, (int)a->dv, dvp, (int)a->lddv);
     gemm_tn_acc((int)w, (int)a->dg, (int)n, dp, (int)lds, a->q + row * a->dk, (int)a->dk, dkp, (int)a->lddk);
     gemm_nn((int)n, (int)a->dg, (int)w, dp, (int)lds, kp, (int)a->ldk, 1.0f, dq_rows, (int)ld_rows);
 }
