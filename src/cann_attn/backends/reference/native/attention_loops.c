@@ -352,42 +352,58 @@ int cann_attn_set_avx512(int on) {
     return use_avx512;
 }
 
-/* row_combine over the column blocks of 48 that fit in dim (returns how many columns it took), 4 heads x 3 AVX-512
- * vectors at a time: each output column is the same chain of FMAs over j as in row_combine's 24-column blocks (the
- * lanes are independent), so the results are its bits. */
-__attribute__((target("avx512f"))) static int64_t row_combine48(const float *w, int64_t ts, int64_t heads, int64_t n,
-                                                                 const float *b, int64_t ldb, const int64_t *tok,
-                                                                 int64_t dim, float alpha, const float *keep,
-                                                                 float *out) {
+/* One step of row_combine48: entry j's weights for 4 heads times 3 vectors of its row, loaded by LOAD(p, v). */
+#define COMBINE48_STEP(LOAD)                                                                                         \
+    do {                                                                                                             \
+        const float *bj = b + tok[j] * ldb + d;                                                                      \
+        const __m512 x0 = LOAD(bj, 0), x1 = LOAD(bj, 1), x2 = LOAD(bj, 2);                                           \
+        FMA_ROW16(0, _mm512_set1_ps(w0[j]));                                                                         \
+        FMA_ROW16(1, _mm512_set1_ps(w1[j]));                                                                         \
+        FMA_ROW16(2, _mm512_set1_ps(w2[j]));                                                                         \
+        FMA_ROW16(3, _mm512_set1_ps(w3[j]));                                                                         \
+    } while (0)
+#define LOAD16(p, v) _mm512_loadu_ps((p) + 16 * (v))
+#define LOAD16_PART(p, v) _mm512_maskz_loadu_ps(lanes[v], (p) + 16 * (v))
+
+/* row_combine in AVX-512 steps, 4 heads x 3 vectors (48 columns) at a time, the last block of 1..47 columns with
+ * masked loads and stores (the AVX2 loop's 24- and 8-column blocks took ~1/5 of the forward's sums for the last 32 of
+ * DSA's 512 columns). Each output column is the same chain of FMAs over j as in row_combine's blocks (the lanes are
+ * independent), so the results are its bits. */
+__attribute__((target("avx512f"))) static void row_combine48(const float *w, int64_t ts, int64_t heads, int64_t n,
+                                                              const float *b, int64_t ldb, const int64_t *tok,
+                                                              int64_t dim, float alpha, const float *keep, float *out) {
     const __m512 scale = _mm512_set1_ps(alpha);
-    int64_t d = 0;
-    for (; d + 48 <= dim; d += 48) {
+    for (int64_t d = 0; d < dim; d += 48) {
+        const int64_t cols = dim - d < 48 ? dim - d : 48;
+        __mmask16 lanes[3];
+        for (int64_t v = 0; v < 3; ++v) {
+            const int64_t live = cols - 16 * v;
+            lanes[v] = live >= 16 ? 0xFFFF : live <= 0 ? 0 : (__mmask16)((1u << live) - 1);
+        }
         for (int64_t h0 = 0; h0 < heads; h0 += 4) {
             const int64_t nh = heads - h0 < 4 ? heads - h0 : 4;
             BLOCK_ROWS(w, w + h0 * ts, ts);
             __m512 c00 = _mm512_setzero_ps(), c01 = c00, c02 = c00, c10 = c00, c11 = c00, c12 = c00;
             __m512 c20 = c00, c21 = c00, c22 = c00, c30 = c00, c31 = c00, c32 = c00;
-            for (int64_t j = 0; j < n; ++j) {
-                const float *bj = b + tok[j] * ldb + d;
-                const __m512 x0 = _mm512_loadu_ps(bj), x1 = _mm512_loadu_ps(bj + 16), x2 = _mm512_loadu_ps(bj + 32);
-                FMA_ROW16(0, _mm512_set1_ps(w0[j]));
-                FMA_ROW16(1, _mm512_set1_ps(w1[j]));
-                FMA_ROW16(2, _mm512_set1_ps(w2[j]));
-                FMA_ROW16(3, _mm512_set1_ps(w3[j]));
-            }
+            if (cols == 48)
+                for (int64_t j = 0; j < n; ++j)
+                    COMBINE48_STEP(LOAD16);
+            else
+                for (int64_t j = 0; j < n; ++j)
+                    COMBINE48_STEP(LOAD16_PART);
             const __m512 sums[4][3] = {{c00, c01, c02}, {c10, c11, c12}, {c20, c21, c22}, {c30, c31, c32}};
             for (int64_t i = 0; i < nh; ++i) {
                 float *oi = out + (h0 + i) * dim + d;
                 for (int64_t v = 0; v < 3; ++v) {
                     __m512 x = _mm512_mul_ps(sums[i][v], scale);
                     if (keep)
-                        x = _mm512_fmadd_ps(_mm512_loadu_ps(oi + 16 * v), _mm512_set1_ps(keep[h0 + i]), x);
-                    _mm512_storeu_ps(oi + 16 * v, x);
+                        x = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(lanes[v], oi + 16 * v), _mm512_set1_ps(keep[h0 + i]),
+                                            x);
+                    _mm512_mask_storeu_ps(oi + 16 * v, lanes[v], x);
                 }
             }
         }
     }
-    return d;
 }
 
 /* One step of row_combine: entry j's weights for 4 heads times columns [d, d + 24) of its row, loaded by LOAD
@@ -409,9 +425,12 @@ __attribute__((target("avx512f"))) static int64_t row_combine48(const float *w, 
  * column block is the outer loop so the 4 head blocks re-read the same n x 24 slice of the selected rows from L2. */
 static void row_combine(const float *w, int64_t ts, int64_t heads, int64_t n, const float *b, int64_t ldb,
                         const int64_t *tok, int64_t dim, float alpha, const float *keep, float *out) {
+    if (use_avx512) {
+        row_combine48(w, ts, heads, n, b, ldb, tok, dim, alpha, keep, out);
+        return;
+    }
     const __m256 scale = _mm256_set1_ps(alpha);
-    for (int64_t d = use_avx512 ? row_combine48(w, ts, heads, n, b, ldb, tok, dim, alpha, keep, out) : 0; d < dim;
-         d += 24) {
+    for (int64_t d = 0; d < dim; d += 24) {
         const int64_t cols = dim - d < 24 ? dim - d : 24;
         const int64_t nv = (cols + 7) / 8;
         const __m256i tail = lane_mask(cols - (nv - 1) * 8);
