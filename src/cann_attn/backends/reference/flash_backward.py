@@ -42,6 +42,9 @@ FUSED_MIN_ITEMS = 8
 # every sum, stay the same (a GQA group's rows are stacked per tile: taller tiles would reorder dK / dV's sums).
 # Masked runs keep their tile height: taller causal tiles measured slower (256: 178 ms, 1024: 188 ms).
 FUSED_TILE_ROWS = 2048
+# Elements of the product dY * O that `_row_sums` forms at a time on the CPU (512 KB fp32, within L2): a tile-sized
+# temporary (8 MB at B=1 N=8 S=2048 D=128) cost its page faults and a trip through memory, ~4 ms per backward.
+ROW_SUM_ELEMENTS = 1 << 17
 
 
 @torch.no_grad()  # kernels fill preallocated outputs; autograd pairs the ops one level up
@@ -101,7 +104,7 @@ def _backward_run(kernel: RunKernel, problem: AttentionProblem, run: Run, dy, at
         q_tile = kernel.query_tile(i0, i1)
         dy_t = dy_all[:, :, i0:i1].to(dtype)
         # rowsum(dY * O) with O the forward output (after dropout), per docs/semantics/dropout.md.
-        d_sum = (dy_t * o_all[:, :, i0:i1].to(dtype)).sum(-1)
+        d_sum = _row_sums(dy_t, o_all[:, :, i0:i1], dtype)
         if run_d_sum is not None:
             run_d_sum[:, :, i0:i1] = d_sum
         dy_g = group_rows(dy_t, n2)
@@ -146,6 +149,22 @@ def _backward_run(kernel: RunKernel, problem: AttentionProblem, run: Run, dy, at
         terms = sinks.sink_grad_terms_from_rowsum(run_d_sum, max_all, sum_all,
                                                   sinks.head_values(problem.sink, dtype, device))
         dsink_acc += terms.sum(dim=(0, 2)).to(dsink_acc.dtype)
+
+
+def _row_sums(dy_t: torch.Tensor, o_t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """rowsum(dY * O) [c, N1, rows] of dy_t (`dtype`) and o_t [c, N1, rows, Dv]: the products and sums of
+    `(dy_t * o_t.to(dtype)).sum(-1)`, on the CPU a block of rows at a time (ROW_SUM_ELEMENTS)."""
+    c, n1, rows, dv = dy_t.shape
+    step = max(1, ROW_SUM_ELEMENTS // max(1, c * n1 * dv))
+    if dy_t.device.type != "cpu" or step >= rows:
+        return (dy_t * o_t.to(dtype)).sum(-1)
+    out = torch.empty((c, n1, rows), dtype=dtype, device=dy_t.device)
+    buf = torch.empty((c, n1, step, dv), dtype=dtype, device=dy_t.device)
+    for r0 in range(0, rows, step):
+        r1 = min(r0 + step, rows)
+        prod = torch.mul(dy_t[:, :, r0:r1], o_t[:, :, r0:r1].to(dtype), out=buf[:, :, : r1 - r0])
+        torch.sum(prod, -1, out=out[:, :, r0:r1])
+    return out
 
 
 def _tile_rows(kernel: RunKernel, problem: AttentionProblem, run: Run) -> int:
