@@ -5,7 +5,8 @@ Two ways to form the selected logits, chosen per tile by estimated cost, give id
 - gather: copy each row's selected K/V rows ([rows, T, D]) and use batched GEMMs (scattered selections,
   e.g. top-k of single tokens);
 - union: one dense GEMM against the union of the tile's selected blocks, then pick each row's entries out of
-  it (block selections shared by neighbouring rows, e.g. causal block-sparse patterns).
+  it (block selections shared by neighbouring rows, e.g. causal block-sparse patterns); where every row's valid
+  entries are the union's blocks in order (each row's leading blocks), the GEMM's output is used as it stands.
 Duplicated entries are kept (gathered twice, gradients added). No S1 x S2 matrix is ever formed.
 
 Both paths compute products with keys a row did not select (unused entries gather token 0, clipped blocks their
@@ -148,6 +149,10 @@ class _TileKeys:
     key_tokens: torch.Tensor  # positions of `keys` rows in the sequence
     union_pos: torch.Tensor | None  # [rows, T] column of each entry in the union (union mode)
     all_valid: bool  # every entry valid: every row has keys, no -inf in z
+    # Union mode with every valid entry at its own column (union_pos[r, e] == e, T == U: e.g. each row selecting the
+    # leading blocks of a causal pattern in order): z is the dense product itself and per-entry values need no
+    # scatter into union columns.
+    union_identity: bool = False
 
 
 def _sequence_selection(seq: SparseSequence, sparse_mode: int, block_size: int) -> RowSelection:
@@ -205,7 +210,7 @@ def _tile_keys(seq: SparseSequence, q_tile: torch.Tensor, heads: int, sel: RowSe
             if not seq.value_is_key:  # else values is a view of keys, zeroed already
                 values.masked_fill_(unselected, 0.0)
         products = torch.bmm(q_tile, keys.transpose(1, 2), out=ws.take("z", (n_rows, stacked, width), q_tile.dtype))
-        union_pos, key_tokens = None, sel.tokens
+        union_pos, key_tokens, union_identity = None, sel.tokens, False
     else:
         # Sorted distinct selected blocks without a sort: mark them in a per-block table. Unused entries hold
         # block 0, which may add one block to the union: harmless, their logits are masked.
@@ -220,7 +225,11 @@ def _tile_keys(seq: SparseSequence, q_tile: torch.Tensor, heads: int, sel: RowSe
         dense = dense.view(n_rows, stacked, -1)
         slot = torch.searchsorted(union_blocks, sel.blocks.contiguous()).clamp_(max=union_blocks.numel() - 1)
         union_pos = (slot.unsqueeze(-1) * block_size + offsets).reshape(n_rows, -1)
-        products = torch.gather(dense, 2, union_pos.unsqueeze(1).expand(-1, stacked, -1))
+        # Invalid entries' products are masked to -inf below whichever column they read, so only the valid entries'
+        # columns must match for the dense product to serve as the gathered one.
+        union_identity = union_pos.shape[1] == dense.shape[2] and bool(
+            ((slot == torch.arange(slot.shape[1], device=device)) | ~sel.entry_valid).all())
+        products = dense if union_identity else torch.gather(dense, 2, union_pos.unsqueeze(1).expand(-1, stacked, -1))
     z = products[:, :heads]
     extra = products[:, heads:] if stacked > heads else None
     all_valid = bool(sel.valid.all())
@@ -231,7 +240,7 @@ def _tile_keys(seq: SparseSequence, q_tile: torch.Tensor, heads: int, sel: RowSe
         # A 0/-inf [rows, 1, T] addend: far cheaper than masked_fill_ with a mask broadcast over heads.
         z.add_(torch.zeros(sel.valid.shape, dtype=z.dtype, device=z.device).masked_fill_(~sel.valid, float("-inf"))
                .unsqueeze(1))
-    return _TileKeys(z, extra, sel, keys, values, key_tokens, union_pos, all_valid)
+    return _TileKeys(z, extra, sel, keys, values, key_tokens, union_pos, all_valid, union_identity)
 
 
 def _to_union(tk: _TileKeys, per_entry: torch.Tensor) -> torch.Tensor:
@@ -246,7 +255,10 @@ def _weighted_values(tk: _TileKeys, p: torch.Tensor, out: torch.Tensor) -> torch
     rows, heads, _ = p.shape
     if tk.union_pos is None:
         return torch.bmm(p, tk.values, out=out)
-    return torch.mm(_to_union(tk, p).view(rows * heads, -1), tk.values, out=out.view(rows * heads, -1)).view_as(out)
+    # With union_identity p already sits in union columns, and _to_union would return its bits: every p >= +0 (an
+    # exponential), and invalid entries add exactly +0 to the zeros.
+    union_p = p if tk.union_identity else _to_union(tk, p)
+    return torch.mm(union_p.reshape(rows * heads, -1), tk.values, out=out.view(rows * heads, -1)).view_as(out)
 
 
 def _use_native(seq: SparseSequence, block_size: int, dtype: torch.dtype) -> bool:
