@@ -431,16 +431,27 @@ class RunKernel:
         for i0 in range(0, run.seq_q, block_q):
             i1 = min(i0 + block_q, run.seq_q)
             rows = i1 - i0
-            q_tile = self.query_tile(i0, i1, formed=not self.bf16_scores_only)
-            row_max = torch.full((c, problem.heads_q, rows), float("-inf"), dtype=self.dtype, device=self.device)
-            row_sum = torch.zeros_like(row_max)
+            whole = self.fused_tiles(i0, i1) if self.fused else None
+            io = None if whole is None else self.fused_io(i0, i1, out_view, max_view, sum_view, sink_heads is None)
+            q_tile = self.query_tile(i0, i1, formed=not (self.bf16_scores_only or (io and io.query is not None)))
+            row_max = torch.empty((c, problem.heads_q, rows), dtype=self.dtype, device=self.device)
+            row_sum = torch.empty_like(row_max)
             acc = torch.empty((c * n2, q_tile.shape[1], dv), dtype=self.dtype, device=self.device)
-            self._accumulate(q_tile, i0, i1, row_max, row_sum, acc)
-            if self.value_scales is None and has_non_finite(acc) and self._scale_values():
+            if whole is None:
+                row_max.fill_(float("-inf"))
+                row_sum.zero_()
+            self._accumulate(q_tile, i0, i1, row_max, row_sum, acc, whole, io)
+            if io is not None and io.out is not None:
+                # The loops finished the rows (`native.ForwardIo`) unless P V overflowed and V can be scaled.
+                if not io.non_finite() or not self._scale_values():
+                    continue
+                io = io.without_out()
+                self._accumulate(q_tile, i0, i1, row_max, row_sum, acc, whole, io)
+            elif self.value_scales is None and has_non_finite(acc) and self._scale_values():
                 # P V overflowed on values near FLT_MAX: again with V scaled by exact powers of two (`stats`).
                 row_max.fill_(float("-inf"))
                 row_sum.zero_()
-                self._accumulate(q_tile, i0, i1, row_max, row_sum, acc)
+                self._accumulate(q_tile, i0, i1, row_max, row_sum, acc, whole, io)
             if sink_heads is not None:
                 # The sink joins the finished running statistics before the fp32 output is normalised (and rounded).
                 acc.mul_(sinks.merge_into_rows_(row_max, row_sum, sink_heads).view(c * n2, -1, 1))
@@ -458,11 +469,31 @@ class RunKernel:
                 write_stat(max_view[:, :, i0:i1], torch.where(valid, row_max, -FLT_MAX))
                 write_stat(sum_view[:, :, i0:i1], torch.where(valid, row_sum, FLT_MAX))
 
-    def _accumulate(self, q_tile, i0: int, i1: int, row_max, row_sum, acc) -> None:
+    def _accumulate(self, q_tile, i0: int, i1: int, row_max, row_sum, acc, whole, io) -> None:
         if self.fused:
-            self._fused_forward(q_tile, i0, i1, row_max, row_sum, acc)
+            self._fused_forward(q_tile, i0, i1, row_max, row_sum, acc, whole, io)
         else:
             self._forward_tiles(q_tile, i0, i1, row_max, row_sum, acc)
+
+    def fused_io(self, i0: int, i1: int, out_view, max_view, sum_view, finish: bool) -> native.ForwardIo | None:
+        """The ends of a whole-tile fused call (`native.ForwardIo`), or None: the query rows read in place where the
+        fp32 query tile has no other reader (ALiBi's norms, pse features), and with `finish` (no sink), before V is
+        scaled, the output and statistics written by the loops where they are fp32 with unit column stride (the
+        normalisation below then has nothing left to do: one pass over the output instead of a division pass, a
+        non-finite check and the statistics' passes)."""
+        q = self.q_all[:, :, i0:i1]
+        own_q = not self.native_alibi and not self.linear_pse and q.stride(-1) == 1 and (
+            q.dtype in (torch.float32, torch.bfloat16) or (q.dtype == torch.float16 and native.has_f16c()))
+        out = out_view[:, :, i0:i1]
+        stats = None if max_view is None else (max_view[:, :, i0:i1], sum_view[:, :, i0:i1])
+        finish = finish and self.value_scales is None and out.dtype == torch.float32 and out.stride(-1) == 1 and (
+            stats is None or all(t.dtype == torch.float32 and t.stride(-1) == 1 for t in stats))
+        if not own_q and not finish:
+            return None
+        if not finish:
+            return native.ForwardIo(q, self.problem.scale, self.problem.heads_kv)
+        return native.ForwardIo(q if own_q else None, self.problem.scale, self.problem.heads_kv, out,
+                                self.problem.keep_prob, *(stats or (None, None)))
 
     value_scales: torch.Tensor | None = None
 
@@ -495,15 +526,15 @@ class RunKernel:
         rows = min(cap, budget) // FUSED_BLOCK_ROWS * FUSED_BLOCK_ROWS
         return max(self.block_q, min(rows, self.run.seq_q))
 
-    def _fused_forward(self, q_tile, i0: int, i1: int, row_max, row_sum, acc) -> None:
-        """The query tile through the fused native loop: one call for all key tiles where `fused_tiles` allows,
-        else one call per tile (after the same entry skipping as the PyTorch loop)."""
-        whole = self.fused_tiles(i0, i1)
+    def _fused_forward(self, q_tile, i0: int, i1: int, row_max, row_sum, acc, whole, io) -> None:
+        """The query tile through the fused native loop: one call for all key tiles (`whole`, from `fused_tiles`;
+        `io` from `fused_io`) where `fused_tiles` allows, else one call per tile (after the same entry skipping as the
+        PyTorch loop)."""
         bf16 = self.bf16_scores(i0, i1)
         alibi = self.alibi_rows(q_tile, i0, i1)
         if whole is not None:
             native.fa_forward_blocks(q_tile, self.k, self.v, *whole, FUSED_BLOCK_ROWS, FUSED_SUB_COLS, LOG2E,
-                                     EXP2_FLOOR, row_max, row_sum, acc, bf16=bf16, alibi=alibi)
+                                     EXP2_FLOOR, row_max, row_sum, acc, bf16=bf16, alibi=alibi, io=io)
             return
         acc.zero_()
         max_rows, sum_rows = row_max.view(acc.shape[0], -1), row_sum.view(acc.shape[0], -1)

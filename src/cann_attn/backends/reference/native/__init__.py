@@ -63,7 +63,7 @@ _SIGNATURES = {
     "cann_attn_set_sgemm": [_P],
     "cann_attn_has_sgemm": [],
     "fa_forward_blocks": [_P, _I, _I, _I, _P, _I, _I, _P, _I, _I, _I, _I, _P, _P, _P, _I, _I, _P, _P, _I, _I, _I,
-                          _F, _F, _P, _P, _P, _P, _P],
+                          _F, _F, _P, _P, _P, _P, _P, _P],
     "fa_backward_blocks": [_P, _P, _P, _P, _P, _I, _I, _I, _I, _I, _P, _I, _I, _P, _I, _I, _I, _P, _P, _P, _I, _I, _P,
                            _P, _F, _I, _I, _I, _F, _F, _P, _P, _P, _I, _I, _P, _I, _I, _P, _I, _I],
     "cann_attn_has_bf16_dot": [],
@@ -395,6 +395,12 @@ def has_bf16_dot() -> bool:
     return bool(library().cann_attn_has_bf16_dot())
 
 
+def has_f16c() -> bool:
+    """Whether the loaded loops can convert fp16 (a CPU with F16C)."""
+    lib = library()
+    return lib is not None and bool(lib.cann_attn_has_f16c())
+
+
 def set_avx512(on: bool) -> bool:
     """Whether the exponential pass takes AVX-512 steps (where the CPU has AVX-512F; CANN_ATTN_NATIVE_AVX512=0 turns
     them off at load): bit for bit the AVX2 loop's results, only faster. Returns the setting now in force."""
@@ -513,13 +519,15 @@ def fa_forward_blocks(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tiles: 
                       bias: BiasTiles, block_rows: int, sub_cols: int, log2e: float, floor2: float,
                       row_max: torch.Tensor, row_sum: torch.Tensor, acc: torch.Tensor, init: bool = True,
                       keep: KeepBits | None = None, bf16: Bf16Scores | None = None,
-                      alibi: AlibiRows | None = None) -> None:
+                      alibi: AlibiRows | None = None, io: ForwardIo | None = None) -> None:
     """Online softmax of q [E, R, Dk] (contiguous, scaled) over the key tiles `tiles` of k [E, Skv, Dk] and v [E, Skv,
     Dv] (unit column stride), each with its optional additive bias tile (`BiasTiles`): row_max / row_sum [E, R] and the
     unnormalised acc [E, R, Dv] are updated, after being reset when `init` is set. `keep`: the dropout of a single key
     tile (`KeepBits`); dropped terms count in row_sum but not in acc. `bf16`: the scores from bf16 operands instead
     (`Bf16Scores`; q and k still give the shapes). `alibi`: generated ALiBi added to the scores (`AlibiRows`), with
-    its tile skipping; the tiles then go nearest the diagonal first."""
+    its tile skipping; the tiles then go nearest the diagonal first. `io` (`ForwardIo`): the query rows read and scaled
+    from the query tile itself (q only gives the shape), and / or the rows finished into the output and statistics
+    (acc is then not written)."""
     lib = library()
     _check_rows(q, row_max, row_sum, acc)
     _unit_rows(k, v)
@@ -528,11 +536,75 @@ def fa_forward_blocks(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tiles: 
     keep_mask, keep_first = _keep_pointers(keep, tiles, entries, rows)
     _struct, bf16_address = _bf16_pointer(bf16, q, k)
     _alibi, alibi_address = _alibi_pointer(alibi, q, k)
+    assert io is None or (init and io.fits(entries, rows, dk, v.shape[-1])), "ForwardIo: init and the call's shape"
+    _io = None if io is None else io.struct()
     lib.fa_forward_blocks(q.data_ptr(), entries, rows, dk, k.data_ptr(), k.stride(0), k.stride(1), v.data_ptr(),
                           v.stride(0), v.stride(1), v.shape[-1], len(tiles), tj0.data_ptr(), tj1.data_ptr(),
                           pointers.data_ptr(), bias.rows, bias.entry_stride, keep_mask, keep_first, block_rows,
-                          sub_cols, int(init), log2e, floor2, bf16_address, alibi_address, row_max.data_ptr(),
-                          row_sum.data_ptr(), acc.data_ptr())
+                          sub_cols, int(init), log2e, floor2, bf16_address, alibi_address,
+                          0 if _io is None else ctypes.addressof(_io), row_max.data_ptr(), row_sum.data_ptr(),
+                          acc.data_ptr())
+
+
+_STRIDES = ctypes.c_int64 * 3
+
+
+class _ForwardIoStruct(ctypes.Structure):
+    _fields_ = [("q", _P), ("q_dtype", _I), ("qs", _STRIDES), ("scale", _F), ("heads_kv", _I), ("group", _I),
+                ("head_rows", _I), ("out", _P), ("os", _STRIDES), ("keep_prob", _F), ("smax", _P), ("ssum", _P),
+                ("ms", _STRIDES), ("ss", _STRIDES), ("non_finite", _P)]
+
+
+_Q_DTYPES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
+
+
+class ForwardIo:
+    """The ends of a fused forward call over a query tile (attention_loops.c, struct forward_io): `query`, the tile's
+    unscaled rows [c, N1, rows, Dk] (fp32, fp16 or bf16, unit column stride; None: the call's q is read), scaled by
+    `scale` in the loops; `out` [c, N1, rows, Dv] (fp32, unit column stride; None: acc is left unnormalised), the
+    finished rows acc / (row_sum * keep_prob), with the statistics `softmax_max` / `softmax_sum` [c, N1, rows, 8]
+    (optional). Entry e of the call is sequence e // heads_kv, kv head e % heads_kv, its rows the group's heads'
+    rows one after the other (`group_rows`)."""
+
+    def __init__(self, query: torch.Tensor | None, scale: float, heads_kv: int, out: torch.Tensor | None = None,
+                 keep_prob: float = 1.0, softmax_max: torch.Tensor | None = None,
+                 softmax_sum: torch.Tensor | None = None) -> None:
+        shape = (query if query is not None else out).shape
+        for t in (query, out, softmax_max, softmax_sum):
+            assert t is None or (t.dim() == 4 and t.shape[:3] == shape[:3] and t.stride(-1) == 1), t
+        assert query is None or query.dtype in _Q_DTYPES, query.dtype
+        assert all(t is None or t.dtype == torch.float32 for t in (out, softmax_max, softmax_sum))
+        assert (softmax_max is None) == (softmax_sum is None) and (out is not None or softmax_max is None)
+        self.query, self.scale, self.heads_kv, self.out, self.keep_prob = query, scale, heads_kv, out, keep_prob
+        self.softmax_max, self.softmax_sum = softmax_max, softmax_sum
+        self.flag = torch.zeros(1, dtype=torch.int32)
+        self.count, self.heads, self.head_rows = shape[:3]
+
+    def fits(self, entries: int, rows: int, dk: int, dv: int) -> bool:
+        group = self.heads // self.heads_kv
+        return entries == self.count * self.heads_kv and rows == group * self.head_rows \
+            and (self.query is None or self.query.shape[-1] == dk) and (self.out is None or self.out.shape[-1] == dv)
+
+    def non_finite(self) -> bool:
+        """Whether some accumulated (unnormalised) output was not finite in the last call."""
+        return bool(self.flag.item())
+
+    def without_out(self) -> ForwardIo:
+        return ForwardIo(self.query, self.scale, self.heads_kv)
+
+    def struct(self) -> _ForwardIoStruct:
+        def strides(t):
+            return _STRIDES(*t.stride()[:3]) if t is not None else _STRIDES(0, 0, 0)
+
+        def ptr(t):
+            return 0 if t is None else t.data_ptr()
+
+        q = self.query
+        self.flag.zero_()
+        return _ForwardIoStruct(ptr(q), 0 if q is None else _Q_DTYPES[q.dtype], strides(q), self.scale,
+                                self.heads_kv, self.heads // self.heads_kv, self.head_rows, ptr(self.out),
+                                strides(self.out), self.keep_prob, ptr(self.softmax_max), ptr(self.softmax_sum),
+                                strides(self.softmax_max), strides(self.softmax_sum), self.flag.data_ptr())
 
 
 class KeepBits:

@@ -13,6 +13,7 @@
  * Layouts: every per-row tensor is contiguous, row r at r * (H * D); K and V rows have a row stride (ldk, ldv) and
  * unit column stride. Entries: tok [R, W] int64 token positions, valid [R, W] bytes (NULL: all valid).
  */
+#include <float.h>
 #include <immintrin.h>
 #include <omp.h>
 #include <math.h>
@@ -1346,6 +1347,104 @@ static void forward_piece(const float *qr, int64_t n, int64_t dk, const float *k
     gemm_nn((int)n, (int)dv, (int)w, s, (int)lds, vc, (int)ldv, 1.0f, o, (int)dv);
 }
 
+/* The optional ends of a fused forward call (fa_forward_blocks). With `q`, a row block's query rows are read from the
+ * query tile itself (unscaled, fp32 / fp16 / bf16 by q_dtype 0 / 1 / 2, [count, N1, head_rows, dk] by the element
+ * strides qs) and scaled into a per-thread block: the fp32 value times `scale`, rounded once, as the Python query tile
+ * (a copy and a multiply, two passes over memory per tile) makes them (fp16 needs F16C). Entry e is sequence e / heads_kv, kv head
+ * e % heads_kv; its grouped row r is head (e % heads_kv) * group + r / head_rows, row r % head_rows. With `out`, each
+ * row block is finished where it ends, its accumulator still in cache: the fp32 output row (strides os, unit column
+ * stride) is acc / (row_sum * keep_prob), or acc / 1 where row_sum is 0 (no visible key: acc is 0), and the 8-wide
+ * statistics (smax / ssum, strides ms / ss; NULL: none) are the row's max and sum, or -FLT_MAX / FLT_MAX without a
+ * visible key (RunKernel.forward's rules, the same floats: one fp32 product and quotient each); the accumulator is then
+ * a per-thread block and `acc` is not written. *non_finite is set where some accumulator value is not finite (the
+ * caller reruns with scaled values, docs/semantics/softmax-stats.md). */
+struct forward_io {
+    const void *q;
+    int64_t q_dtype, qs[3];
+    float scale;
+    int64_t heads_kv, group, head_rows;
+    float *out;
+    int64_t os[3];
+    float keep_prob;
+    float *smax, *ssum;
+    int64_t ms[3], ss[3];
+    int32_t *non_finite;
+};
+
+/* The address offset (elements) of grouped row r of entry e in a [count, N1, head_rows, ..] tensor with strides st. */
+static int64_t io_row(const struct forward_io *io, const int64_t *st, int64_t e, int64_t r) {
+    const int64_t head = (e % io->heads_kv) * io->group + r / io->head_rows;
+    return (e / io->heads_kv) * st[0] + head * st[1] + (r % io->head_rows) * st[2];
+}
+
+/* dst[0..n) = (float)src[0..n) * scale (src of dtype 0 fp32, 1 fp16, 2 bf16: converted exactly, then one product),
+ * 16 lanes at a time; scaled_row is the AVX2 loop (the same operations on each element). */
+__attribute__((target("avx512f"))) static int64_t scaled_row16(const void *src, int64_t dtype, int64_t n, float scale,
+                                                                float *dst) {
+    const __m512 sc = _mm512_set1_ps(scale);
+    int64_t j = 0;
+    for (; j + 16 <= n; j += 16) {
+        const __m256i h = _mm256_loadu_si256((const __m256i *)((const uint16_t *)src + j));
+        const __m512 x = dtype == 0   ? _mm512_loadu_ps((const float *)src + j)
+                         : dtype == 1 ? _mm512_cvtph_ps(h)
+                                      : _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+        _mm512_storeu_ps(dst + j, _mm512_mul_ps(x, sc));
+    }
+    return j;
+}
+
+__attribute__((target("avx2,fma,f16c"))) static void scaled_row(const void *src, int64_t dtype, int64_t n,
+                                                                 float scale, float *dst) {
+    int64_t j = use_avx512 ? scaled_row16(src, dtype, n, scale, dst) : 0;
+    for (; j < n; ++j) {
+        float x;
+        if (dtype == 0) {
+            x = ((const float *)src)[j];
+        } else if (dtype == 1) {
+            x = _cvtsh_ss(((const uint16_t *)src)[j]);
+        } else {
+            const uint32_t bits = (uint32_t)((const uint16_t *)src)[j] << 16;
+            memcpy(&x, &bits, sizeof x);
+        }
+        dst[j] = x * scale;
+    }
+}
+
+/* The n query rows of a row block (grouped rows r0.. of entry e) scaled into qb [n, dk]. */
+static void io_query_rows(const struct forward_io *io, int64_t e, int64_t r0, int64_t n, int64_t dk, float *qb) {
+    const int64_t size = io->q_dtype == 0 ? 4 : 2;
+    for (int64_t i = 0; i < n; ++i)
+        scaled_row((const char *)io->q + size * io_row(io, io->qs, e, r0 + i), io->q_dtype, dk, io->scale,
+                   qb + i * dk);
+}
+
+/* The finished rows of a row block (io->out): outputs, statistics, and the non-finite check of its accumulator. */
+static void io_finish_rows(const struct forward_io *io, int64_t e, int64_t r0, int64_t n, int64_t dv, const float *m,
+                           const float *l, const float *o) {
+    int non_finite = 0;
+    for (int64_t i = 0; i < n; ++i) {
+        const int valid = l[i] != 0.0f;
+        const float denom = valid ? l[i] * io->keep_prob : 1.0f;
+        const float *oi = o + i * dv;
+        float *dst = io->out + io_row(io, io->os, e, r0 + i);
+        for (int64_t d = 0; d < dv; ++d) {
+            non_finite |= !isfinite(oi[d]);
+            dst[d] = oi[d] / denom;
+        }
+        if (io->smax) {
+            float *mx = io->smax + io_row(io, io->ms, e, r0 + i), *sm = io->ssum + io_row(io, io->ss, e, r0 + i);
+            for (int j = 0; j < 8; ++j) {
+                mx[j] = valid ? m[i] : -FLT_MAX;
+                sm[j] = valid ? l[i] : FLT_MAX;
+            }
+        }
+    }
+    if (non_finite) {
+#pragma omp atomic write
+        *io->non_finite = 1;
+    }
+}
+
 /* For `entries` GEMM batch entries (a kv head with its group's query rows), each with `rows` query rows q [E, rows,
  * dk] (contiguous, scaled), keys k (entry stride ske, row stride ldk) and values v (sve, ldv): run the online
  * softmax over the key tiles [tj0[t], tj1[t]) in order, each with an optional additive tile bias[t] (row-major, tile
@@ -1366,15 +1465,20 @@ void fa_forward_blocks(const float *q, int64_t entries, int64_t rows, int64_t dk
                        const int64_t *tj0, const int64_t *tj1, const int64_t *bias, int64_t bias_rows,
                        int64_t bias_stride, const uint8_t *keep, const int64_t *keep_first, int64_t block_rows,
                        int64_t sub_cols, int64_t init, float log2e, float floor2, const struct bf16_scores *bf,
-                       const struct alibi_rows *al, float *row_max_out, float *row_sum_out, float *acc) {
+                       const struct alibi_rows *al, const struct forward_io *io, float *row_max_out,
+                       float *row_sum_out, float *acc) {
     const int64_t blocks = (rows + block_rows - 1) / block_rows;
     const uint16_t *q16 = bf ? bf->q : NULL;
     const int64_t d16 = q16 ? bf->d16 : dk;
+    /* The fp32 query rows are read only without bf16 scores, or for their feature columns. */
+    const int own_q = io && io->q && (!q16 || dk > d16), own_o = io && io->out;
 #pragma omp parallel
     {
         float *s = aligned_alloc(64, sizeof(float) * round8(block_rows) * round8(sub_cols));
         uint32_t *packed = q16 ? malloc(sizeof(uint32_t) * packed_words(sub_cols, d16)) : NULL;
         float *features = q16 && dk > d16 ? malloc(sizeof(float) * (dk - d16) * sub_cols) : NULL;
+        float *q_block = own_q ? aligned_alloc(64, sizeof(float) * round8(block_rows * dk)) : NULL;
+        float *o_block = own_o ? aligned_alloc(64, sizeof(float) * round8(block_rows * dv)) : NULL;
         int64_t ranges[2 * MAX_SUB_BLOCKS];
 #pragma omp for schedule(dynamic, 1)
         for (int64_t item = 0; item < entries * blocks; ++item) {
@@ -1382,7 +1486,11 @@ void fa_forward_blocks(const float *q, int64_t entries, int64_t rows, int64_t dk
             const int64_t n = rows - r0 < block_rows ? rows - r0 : block_rows;
             const float *qe = q + (e * rows + r0) * dk;
             float *m = row_max_out + e * rows + r0, *l = row_sum_out + e * rows + r0;
-            float *o = acc + (e * rows + r0) * dv;
+            float *o = own_o ? o_block : acc + (e * rows + r0) * dv;
+            if (own_q) {
+                io_query_rows(io, e, r0, n, dk, q_block);
+                qe = q_block;
+            }
             if (init) {
                 for (int64_t i = 0; i < n; ++i) {
                     m[i] = -INFINITY;
@@ -1420,7 +1528,11 @@ void fa_forward_blocks(const float *q, int64_t entries, int64_t rows, int64_t dk
                     }
                 }
             }
+            if (own_o)
+                io_finish_rows(io, e, r0, n, dv, m, l, o);
         }
+        free(o_block);
+        free(q_block);
         free(features);
         free(packed);
         free(s);
