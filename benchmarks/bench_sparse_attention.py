@@ -4,7 +4,10 @@ DeepSeek-V3.2 shapes: B=1, S1=1024, S2=4096, N1=16, D=512 + rope 64 (value = the
 key), K=512 entries per row, sparse_mode 3 (bottom-right causal: row t sees keys [0, 3073 + t)):
   sparse_block_size 1:  each row a random top-512 of its allowed tokens (all valid);
   sparse_block_size 64: each row the allowed blocks in order (49..65 of them), then -1.
-fp32 and bf16 inputs. Throughput with the ANCHORS.md sparse-MLA convention (Dqk = 576, Dv = 512):
+fp32 and bf16 inputs. Besides, the fp32 forward in sparse_mode 0 (every row sees all 4096 keys: block 1 a random
+top-512 of them, block 64 all 64 blocks), the case issue 37 names; at block size 1 it does the same work as mode 3
+(random top-512 of >= 3073 allowed tokens), at block size 64 every row selects every block (4096 tokens).
+Throughput with the ANCHORS.md sparse-MLA convention (Dqk = 576, Dv = 512):
   forward  = 2 * tokens * topk * N1 * (Dqk + Dv)
   backward = 2 * tokens * N1 * topk * (2 * Dv + 3 * Dqk)
 with topk = the actual number of selected key tokens per row, averaged over rows (block 64: ~3585 tokens per row,
@@ -49,6 +52,8 @@ DEVICES = ("cpu",)
 B, S1, S2, N1, D, DR, K = 1, 1024, 4096, 16, 512, 64, 512
 DQK, DV = D + DR, D
 MODE = 3
+# Extra rows (fp32 forward only) in sparse_mode 0: (block size, ...).
+MODE0_BLOCK_SIZES = (1, 64)
 SCALE = DQK**-0.5
 BLOCK_SIZES = (1, 64)
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
@@ -106,14 +111,16 @@ def backward_flops(tokens: int, topk: float) -> float:
 # ----------------------------------------------------------------------------------------------------------
 # Inputs
 # ----------------------------------------------------------------------------------------------------------
-def thresholds() -> torch.Tensor:
-    """thr(t) = S2 - S1 + t + 1: row t may see keys [0, thr) (sparse_mode 3)."""
+def thresholds(mode: int | None = None) -> torch.Tensor:
+    """thr(t): row t may see keys [0, thr): S2 - S1 + t + 1 in sparse_mode 3, S2 in mode 0 (default mode: MODE)."""
+    if (MODE if mode is None else mode) == 0:
+        return torch.full((S1,), S2)
     return torch.arange(S1) + (S2 - S1 + 1)
 
 
-def make_indices(bs: int, seed: int = 0) -> tuple[torch.Tensor, float]:
+def make_indices(bs: int, seed: int = 0, mode: int | None = None) -> tuple[torch.Tensor, float]:
     """sparse_indices [1, S1, 1, K] (int32) and the average number of selected key tokens per row."""
-    thr = thresholds()
+    thr = thresholds(mode)
     if bs == 1:
         gen = torch.Generator().manual_seed(seed)
         keys = torch.rand(S1, S2, generator=gen)
@@ -129,10 +136,11 @@ def make_indices(bs: int, seed: int = 0) -> tuple[torch.Tensor, float]:
     return idx.to(torch.int32).view(B, S1, 1, K), avg
 
 
-def make_inputs(dtype: torch.dtype, bs: int, seed: int = 0) -> dict[str, Any]:
+def make_inputs(dtype: torch.dtype, bs: int, seed: int = 0, mode: int | None = None) -> dict[str, Any]:
+    mode = MODE if mode is None else mode
     gen = torch.Generator().manual_seed(seed)
     latent = torch.randn(B, S2, 1, D, generator=gen).to(dtype)
-    idx, avg = make_indices(bs, seed)
+    idx, avg = make_indices(bs, seed, mode)
     return {
         "query": torch.randn(B, S1, N1, D, generator=gen).to(dtype),
         "key": latent,
@@ -141,6 +149,7 @@ def make_inputs(dtype: torch.dtype, bs: int, seed: int = 0) -> dict[str, Any]:
         "key_rope": torch.randn(B, S2, 1, DR, generator=gen).to(dtype),
         "sparse_indices": idx,
         "avg_topk": avg,
+        "mode": mode,
     }
 
 
@@ -148,7 +157,7 @@ def forward_call(inp: dict[str, Any], bs: int):
     def call():
         return cann_attn.sparse_flash_attention(
             inp["query"], inp["key"], inp["value"], inp["sparse_indices"], SCALE, query_rope=inp["query_rope"],
-            key_rope=inp["key_rope"], sparse_block_size=bs, sparse_mode=MODE, layout="BSND")
+            key_rope=inp["key_rope"], sparse_block_size=bs, sparse_mode=inp["mode"], layout="BSND")
 
     return call
 
@@ -158,7 +167,7 @@ def backward_call(inp: dict[str, Any], bs: int, fwd, d_out: torch.Tensor):
         return cann_attn.sparse_flash_attention_grad(
             inp["query"], inp["key"], inp["value"], inp["sparse_indices"], d_out, fwd.attention_out,
             fwd.softmax_max, fwd.softmax_sum, SCALE, sparse_block_size=bs, query_rope=inp["query_rope"],
-            key_rope=inp["key_rope"], sparse_mode=MODE, layout="BSND")
+            key_rope=inp["key_rope"], sparse_mode=inp["mode"], layout="BSND")
 
     return call
 
@@ -166,7 +175,7 @@ def backward_call(inp: dict[str, Any], bs: int, fwd, d_out: torch.Tensor):
 def check_rows(inp: dict[str, Any], bs: int, out: torch.Tensor) -> tuple[bool, float]:
     """Recompute CHECK_ROWS in float64 from the selection rule (all examined entries are valid and precede the
     -1 padding here; blocks clipped at thr) and compare with the forward output."""
-    thr = thresholds()
+    thr = thresholds(inp["mode"])
     worst = 0.0
     for t in CHECK_ROWS:
         entries = [int(e) for e in inp["sparse_indices"][0, t, 0].tolist()]
@@ -202,11 +211,11 @@ def reset_peak_rss() -> bool:
 # ----------------------------------------------------------------------------------------------------------
 # Peak memory (child side of common.peak_rss)
 # ----------------------------------------------------------------------------------------------------------
-def rss_case(dtype: str, bs: int, which: str, threads: int | None = None):
+def rss_case(dtype: str, bs: int, which: str, threads: int | None = None, mode: int | None = None):
     """Build the inputs (and, for the backward, the forward outputs) and return the call to measure."""
     if threads:
         torch.set_num_threads(threads)
-    inp = make_inputs(DTYPES[dtype], bs)
+    inp = make_inputs(DTYPES[dtype], bs, mode=mode)
     if which == "forward":
         return forward_call(inp, bs), {"which": which, "peak_reset": reset_peak_rss()}
     fwd = forward_call(inp, bs)()
@@ -218,16 +227,17 @@ def rss_case(dtype: str, bs: int, which: str, threads: int | None = None):
 # Runs
 # ----------------------------------------------------------------------------------------------------------
 def run(dtype_name: str, bs: int, warmup: int, repeats: int, gemm: float, rss: bool, threads: int | None,
-        progress, task) -> list[dict[str, Any]]:
+        progress, task, mode: int = MODE,
+        directions: tuple[str, ...] = ("forward", "backward")) -> list[dict[str, Any]]:
     dtype = DTYPES[dtype_name]
-    inp = make_inputs(dtype, bs)
+    inp = make_inputs(dtype, bs, mode=mode)
     tokens, avg, nominal = B * S1, inp["avg_topk"], float(K * bs)
     rows = []
-    base = {"dtype": dtype_name, "sparse_block_size": bs, "avg_topk": avg, "nominal_topk": nominal,
-            "shape": f"B{B} S1={S1} S2={S2} N1={N1} D={D}+{DR} K={K} mode {MODE}"}
+    base = {"dtype": dtype_name, "sparse_block_size": bs, "sparse_mode": mode, "avg_topk": avg,
+            "nominal_topk": nominal, "shape": f"B{B} S1={S1} S2={S2} N1={N1} D={D}+{DR} K={K} mode {mode}"}
     fwd = None
-    for which in ("forward", "backward"):
-        progress.update(task, description=f"{dtype_name} bs={bs} {which}")
+    for which in directions:
+        progress.update(task, description=f"{dtype_name} bs={bs} mode {mode} {which}")
         row = {**base, "which": which, "target": TARGETS[which]}
         flops_fn = forward_flops if which == "forward" else backward_flops
         row["flops"], row["nominal_flops"] = flops_fn(tokens, avg), flops_fn(tokens, nominal)
@@ -250,8 +260,8 @@ def run(dtype_name: str, bs: int, warmup: int, repeats: int, gemm: float, rss: b
             row["passed"] = row["ratio"] >= row["target"]
             row["error"] = None
             if rss:
-                mem = common.peak_rss(__file__, "rss_case",
-                                      {"dtype": dtype_name, "bs": bs, "which": which, "threads": threads})
+                mem = common.peak_rss(__file__, "rss_case", {"dtype": dtype_name, "bs": bs, "which": which,
+                                                             "threads": threads, "mode": mode})
                 row.update(peak_rss_mb=mem["peak_mb"], rss_before_mb=mem["before_mb"], rss_delta_mb=mem["delta_mb"])
         except Exception as exc:  # a failing case is reported, the others still run
             row.update(error=f"{type(exc).__name__}: {exc}", traceback=traceback.format_exc(limit=3),
@@ -305,24 +315,26 @@ def ratio_plot(path: str | Path, labels: list[str], gflops: list[float | None], 
 def print_table(results, gemm: dict, console) -> None:
     from rich.table import Table
 
-    table = Table(title=f"DSA sparse attention on CPU ({results[0]['shape']}); fp32 GEMM {gemm['gflops']:.1f} "
-                        f"GFLOP/s", header_style="bold")
-    for col in ("dtype", "bs", "direction", "ms", "avg topk", "GFLOP/s", "ratio", "vs best GEMM", "target", "ok",
-                "nominal GFLOP/s", "nominal ratio", "peak RSS MB (delta)", "check"):
+    shape = results[0]["shape"].rsplit(" mode", 1)[0]
+    table = Table(title=f"DSA sparse attention on CPU ({shape}); fp32 GEMM {gemm['gflops']:.1f} GFLOP/s",
+                  header_style="bold")
+    for col in ("dtype", "bs", "mode", "direction", "ms", "avg topk", "GFLOP/s", "ratio", "vs best GEMM", "target",
+                "ok", "nominal GFLOP/s", "nominal ratio", "peak RSS MB (delta)", "check"):
         table.add_column(col, justify="left" if col in ("dtype", "direction") else "right")
     for r in results:
+        case = (r["dtype"], str(r["sparse_block_size"]), str(r["sparse_mode"]), r["which"])
         if r.get("error"):
-            table.add_row(r["dtype"], str(r["sparse_block_size"]), r["which"], "-", f"{r['avg_topk']:.0f}", "-", "-",
-                          "-", f">= {r['target']}", "[bold red]ERROR[/]", "-", "-", "-", r["error"][:60])
+            table.add_row(*case, "-", f"{r['avg_topk']:.0f}", "-", "-", "-", f">= {r['target']}", "[bold red]ERROR[/]",
+                          "-", "-", "-", r["error"][:60])
             continue
         ok = "[green]yes[/]" if r["passed"] else "[bold red]no[/]"
         rss = "-" if "peak_rss_mb" not in r else f"{r['peak_rss_mb']:.0f} ({r['rss_delta_mb']:+.0f})"
         check = "[green]ok[/]" if r["check_passed"] else "[bold red]MISMATCH[/]"
         if r["check_max_abs_diff"] is not None:
             check += f" ({r['check_max_abs_diff']:.1e})"
-        table.add_row(r["dtype"], str(r["sparse_block_size"]), r["which"], f"{r['ms']:.0f}", f"{r['avg_topk']:.0f}",
-                      f"{r['gflops']:.2f}", f"{r['ratio']:.3f}", f"{r['ratio_vs_best_gemm']:.3f}",
-                      f">= {r['target']}", ok, f"{r['nominal_gflops']:.2f}", f"{r['nominal_ratio']:.3f}", rss, check)
+        table.add_row(*case, f"{r['ms']:.0f}", f"{r['avg_topk']:.0f}", f"{r['gflops']:.2f}", f"{r['ratio']:.3f}",
+                      f"{r['ratio_vs_best_gemm']:.3f}", f">= {r['target']}", ok, f"{r['nominal_gflops']:.2f}",
+                      f"{r['nominal_ratio']:.3f}", rss, check)
     console.print(table)
     console.print("ratio = our median GFLOP/s (actual selected tokens) / median fp32 torch.mm GFLOP/s timed "
                   "alternately with the case; vs best GEMM: / the run's best-of torch.mm rate; nominal: topk = K * bs.",
@@ -351,11 +363,14 @@ def main(argv=None) -> int:
                         transient=True)
     results = []
     with progress:
-        task = progress.add_task("", total=2 * len(DTYPES) * len(BLOCK_SIZES))
+        task = progress.add_task("", total=2 * len(DTYPES) * len(BLOCK_SIZES) + len(MODE0_BLOCK_SIZES))
         for dtype_name in DTYPES:
             for bs in BLOCK_SIZES:
                 results += run(dtype_name, bs, warmup, repeats, gemm["gflops"], not args.no_rss, args.threads,
                                progress, task)
+        for bs in MODE0_BLOCK_SIZES:
+            results += run("fp32", bs, warmup, repeats, gemm["gflops"], not args.no_rss, args.threads, progress,
+                           task, mode=0, directions=("forward",))
     gemm_after = gemm_rate(3)  # the machine may be shared: a second measurement shows the drift
     print_table(results, gemm, console)
     console.print(f"memory copy bandwidth: {memory_before:.1f} GB/s before the cases, "
@@ -368,10 +383,12 @@ def main(argv=None) -> int:
         "machine": common.machine_info("cpu"),
         "busy_warning": busy,
         "settings": {"warmup": warmup, "repeats": repeats, "quick": args.quick, "B": B, "S1": S1, "S2": S2,
-                     "N1": N1, "D": D, "D_rope": DR, "K": K, "sparse_mode": MODE, "scale": SCALE,
+                     "N1": N1, "D": D, "D_rope": DR, "K": K, "sparse_mode": MODE,
+                     "mode0_forward_block_sizes": list(MODE0_BLOCK_SIZES), "scale": SCALE,
                      "block_sizes": list(BLOCK_SIZES), "value_is_key": True, "targets": TARGETS,
                      "indices": {"1": "random top-512 of the allowed tokens per row (all valid)",
-                                 "64": "the allowed blocks in order, then -1"}},
+                                 "64": "the allowed blocks in order, then -1"},
+                     "mode0": "every row sees all S2 keys: the same rules over [0, S2)"},
         "gemm_fp32": gemm,
         "gemm_fp32_after": gemm_after,
         "memory_copy_gbps_before": memory_before,  # machine["memory_copy_gbps"] is measured after the run
@@ -388,7 +405,7 @@ def main(argv=None) -> int:
     json_path = common.write_json(out_dir / "sparse_attention_cpu.json", payload)
     png_path = ratio_plot(
         out_dir / "sparse_attention_cpu.png",
-        [f"{r['dtype']} bs={r['sparse_block_size']} {r['which']}" for r in results],
+        [f"{r['dtype']} bs={r['sparse_block_size']} mode {r['sparse_mode']} {r['which']}" for r in results],
         [r.get("gflops") for r in results], gemm["gflops"], [r.get("ratio") for r in results],
         [r["target"] for r in results],
         f"DSA sparse attention, S1={S1} S2={S2} N1={N1} K={K} ({payload['machine']['cpu']}, "
@@ -397,7 +414,8 @@ def main(argv=None) -> int:
     failed = [r for r in results if r.get("error") or not r.get("check_passed")]
     if failed:
         console.print("[bold red]errors / mismatches[/]: " + ", ".join(
-            f"{r['dtype']} bs={r['sparse_block_size']} {r['which']}" for r in failed), highlight=False)
+            f"{r['dtype']} bs={r['sparse_block_size']} mode {r['sparse_mode']} {r['which']}" for r in failed),
+            highlight=False)
         return 1
     return 1 if args.strict and any(not r["passed"] for r in results) else 0
 
