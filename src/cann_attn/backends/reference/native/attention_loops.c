@@ -341,6 +341,7 @@ static void row_dots(const float *a, int64_t heads, int64_t dim, const float *b,
  * rather than 16 columns of one head, which would change the order of the additions.) CANN_ATTN_NATIVE_AVX512=0
  * (read at load) keeps the AVX2 loops. */
 static int use_avx512 = 0;
+static int use_avx512dq = 0; /* with use_avx512: AVX-512DQ's VREDUCEPS too (row_exp_max) */
 
 int cann_attn_has_avx512(void) {
     __builtin_cpu_init();
@@ -350,6 +351,7 @@ int cann_attn_has_avx512(void) {
 /* 1 (where supported) or 0: whether the loops take their AVX-512 steps; returns the setting now in force. */
 int cann_attn_set_avx512(int on) {
     use_avx512 = on && cann_attn_has_avx512();
+    use_avx512dq = use_avx512 && __builtin_cpu_supports("avx512dq");
     return use_avx512;
 }
 
@@ -555,13 +557,11 @@ __attribute__((target("avx512f"))) static int64_t row_exp16(float *s, int64_t n,
     return j;
 }
 
-/* s[0..n) <- 2^((s - shift) * log2e) * factor (flushed at floor2); returns the sum of the exponentials (before
- * `factor`). */
-static float row_exp(float *s, int64_t n, float shift, float log2e, float floor2, float factor) {
+/* row_exp's 8-lane steps over entries [done, n), their sum added to acc (the 16-lane steps' running sum). */
+static float row_exp_tail(float *s, int64_t n, int64_t done, float shift, float log2e, float floor2, float factor,
+                          __m256 acc) {
     const __m256 sv = _mm256_set1_ps(shift), lv = _mm256_set1_ps(log2e), fl = _mm256_set1_ps(floor2);
     const __m256 fv = _mm256_set1_ps(factor);
-    __m256 acc = _mm256_setzero_ps();
-    const int64_t done = use_avx512 ? row_exp16(s, n, shift, log2e, floor2, factor, &acc) : 0;
     for (int64_t j = done; j < n; j += 8) {
         const __m256i mask = lane_mask(n - j);
         __m256 e = exp2_flushed(_mm256_mul_ps(_mm256_sub_ps(load_part(s + j, n - j, mask), sv), lv), fl);
@@ -570,6 +570,55 @@ static float row_exp(float *s, int64_t n, float shift, float log2e, float floor2
         store_part(s + j, _mm256_mul_ps(e, fv), n - j, mask);
     }
     return hsum(acc);
+}
+
+/* s[0..n) <- 2^((s - shift) * log2e) * factor (flushed at floor2); returns the sum of the exponentials (before
+ * `factor`). */
+static float row_exp(float *s, int64_t n, float shift, float log2e, float floor2, float factor) {
+    __m256 acc = _mm256_setzero_ps();
+    const int64_t done = use_avx512 ? row_exp16(s, n, shift, log2e, floor2, factor, &acc) : 0;
+    return row_exp_tail(s, n, done, shift, log2e, floor2, factor, acc);
+}
+
+/* exp2_flushed16 for lanes x <= 0 or NaN (the forward's rows, shifted by at least their largest entry) and floor2 >=
+ * -126: the clamps to [-126, 129] change no such lane that is kept, and VREDUCEPS gives f = x - round(x) in one step,
+ * exactly as the subtraction does (|f| <= 1/2 is a float), with n = x - f = round(x) exactly; so the same floats
+ * (checked bitwise over every such 32-bit input, floor2 -126 and -100), 3 fewer operations per 16 lanes: the forward's
+ * exponential pass measured 13.3 -> 11.9 ms of a 113 ms B=1 N=8 S=2048 D=128 fp32 fused forward on one thread. */
+__attribute__((target("avx512f,avx512dq"))) static inline __m512 exp2_flushed16_nonpos(__m512 x, __m512 floor2) {
+    const __mmask16 keep = _mm512_cmp_ps_mask(x, floor2, _CMP_NLE_UQ);
+    const __m512 f = _mm512_reduce_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    const __m512 n = _mm512_sub_ps(x, f);
+    __m512 p = _mm512_set1_ps(EXP2_TAYLOR[0]);
+    for (int i = 1; i < 8; ++i)
+        p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(EXP2_TAYLOR[i]));
+    return _mm512_maskz_scalef_ps(keep, p, n);
+}
+
+/* row_exp16 with factor 1 for a row whose shift is at least every entry (row_exp_max). */
+__attribute__((target("avx512f,avx512dq"))) static int64_t row_exp16_max(float *s, int64_t n, float shift,
+                                                                           float log2e, float floor2, __m256 *acc) {
+    const __m512 sv = _mm512_set1_ps(shift), lv = _mm512_set1_ps(log2e), fl = _mm512_set1_ps(floor2);
+    __m256 sum = *acc;
+    int64_t j = 0;
+    for (; j + 16 <= n; j += 16) {
+        const __m512 e = exp2_flushed16_nonpos(_mm512_mul_ps(_mm512_sub_ps(_mm512_loadu_ps(s + j), sv), lv), fl);
+        sum = _mm256_add_ps(sum, _mm512_castps512_ps256(e));
+        sum = _mm256_add_ps(sum, _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(e), 1)));
+        _mm512_storeu_ps(s + j, e);
+    }
+    *acc = sum;
+    return j;
+}
+
+/* row_exp(s, n, shift, log2e, floor2, 1) where shift is at least every entry of the row, or NaN (the online softmax's
+ * new maximum): the same floats. */
+static float row_exp_max(float *s, int64_t n, float shift, float log2e, float floor2) {
+    __m256 acc = _mm256_setzero_ps();
+    const int64_t done = use_avx512dq ? row_exp16_max(s, n, shift, log2e, floor2, &acc)
+                         : use_avx512 ? row_exp16(s, n, shift, log2e, floor2, 1.0f, &acc)
+                                      : 0;
+    return row_exp_tail(s, n, done, shift, log2e, floor2, 1.0f, acc);
 }
 
 static int64_t round8(int64_t n) { return (n + 7) / 8 * 8; }
@@ -1332,7 +1381,7 @@ static void forward_piece(const float *qr, int64_t n, int64_t dk, const float *k
         float *si = s + i * lds;
         const float m_new = max_nan(m[i], row_max(si, w));
         const float shift = m_new == -INFINITY ? 0.0f : m_new;
-        const float total = row_exp(si, w, shift, log2e, floor2, 1.0f);
+        const float total = row_exp_max(si, w, shift, log2e, floor2);
         if (keep)
             keep_row(si, keep, keep_first[i] + keep_col, w, 1.0f);
         const float corr = expf(m[i] - shift);
