@@ -112,6 +112,22 @@ class SparseSequence:
             return keys, keys[..., : self.v.shape[-1]]
         return keys, ws.gather_rows("values", self.v, tokens)
 
+    def key_range(self, blocks: torch.Tensor, block_size: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The K and V rows of the sorted distinct `blocks` as views, where they are one run of whole blocks (a causal
+        pattern's union) laid out as `gather` would write them (contiguous, 64-byte aligned): the GEMMs then see the
+        same operands without the copy. None otherwise."""
+        first, count = int(blocks[0]), blocks.numel()
+        if int(blocks[-1]) != first + count - 1 or (first + count) * block_size > self.seq_kv:
+            return None
+        rows = slice(first * block_size, (first + count) * block_size)
+        keys = self.k[rows]
+        if self.value_is_key:
+            values, own = keys[:, : self.v.shape[-1]], (keys,)
+        else:
+            values = self.v[rows]
+            own = (keys, values)
+        return (keys, values) if all(t.is_contiguous() and t.data_ptr() % 64 == 0 for t in own) else None
+
     @property
     def values(self) -> torch.Tensor:
         """V for loops that read rows in place: K's first Dv columns when V is the key latent (one array in cache
@@ -219,7 +235,7 @@ def _tile_keys(seq: SparseSequence, q_tile: torch.Tensor, heads: int, sel: RowSe
         union_blocks = present.nonzero().view(-1)
         offsets = torch.arange(block_size, device=device)
         key_tokens = (union_blocks.view(-1, 1) * block_size + offsets).reshape(-1).clamp_(max=seq.seq_kv - 1)
-        keys, values = seq.gather(ws, key_tokens)
+        keys, values = seq.key_range(union_blocks, block_size) or seq.gather(ws, key_tokens)
         dense = torch.mm(q_tile.reshape(-1, d_qk), keys.transpose(0, 1),
                          out=ws.take("dense", (n_rows * stacked, key_tokens.numel()), q_tile.dtype))
         dense = dense.view(n_rows, stacked, -1)
