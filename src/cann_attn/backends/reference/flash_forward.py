@@ -478,15 +478,17 @@ class RunKernel:
     def fused_io(self, i0: int, i1: int, out_view, max_view, sum_view, finish: bool) -> native.ForwardIo | None:
         """The ends of a whole-tile fused call (`native.ForwardIo`), or None: the query rows read in place where the
         fp32 query tile has no other reader (ALiBi's norms, pse features), and with `finish` (no sink), before V is
-        scaled, the output and statistics written by the loops where they are fp32 with unit column stride (the
-        normalisation below then has nothing left to do: one pass over the output instead of a division pass, a
-        non-finite check and the statistics' passes)."""
+        scaled, the output (fp32 or fp16) and fp32 statistics written by the loops where their columns are contiguous
+        (the normalisation below then has nothing left to do: one pass over the output instead of a division pass, a
+        non-finite check and the statistics' passes). bf16 outputs stay with PyTorch's rounding, whose NaN bits
+        differ between its vector and scalar loops."""
         q = self.q_all[:, :, i0:i1]
         own_q = not self.native_alibi and not self.linear_pse and q.stride(-1) == 1 and (
             q.dtype in (torch.float32, torch.bfloat16) or (q.dtype == torch.float16 and native.has_f16c()))
         out = out_view[:, :, i0:i1]
         stats = None if max_view is None else (max_view[:, :, i0:i1], sum_view[:, :, i0:i1])
-        finish = finish and self.value_scales is None and out.dtype == torch.float32 and out.stride(-1) == 1 and (
+        finish = finish and self.value_scales is None and out.stride(-1) == 1 and (
+            out.dtype == torch.float32 or (out.dtype == torch.float16 and native.has_f16c())) and (
             stats is None or all(t.dtype == torch.float32 and t.stride(-1) == 1 for t in stats))
         if not own_q and not finish:
             return None

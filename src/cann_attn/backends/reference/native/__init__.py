@@ -551,7 +551,7 @@ _STRIDES = ctypes.c_int64 * 3
 
 class _ForwardIoStruct(ctypes.Structure):
     _fields_ = [("q", _P), ("q_dtype", _I), ("qs", _STRIDES), ("scale", _F), ("heads_kv", _I), ("group", _I),
-                ("head_rows", _I), ("out", _P), ("os", _STRIDES), ("keep_prob", _F), ("smax", _P), ("ssum", _P),
+                ("head_rows", _I), ("out", _P), ("out_dtype", _I), ("os", _STRIDES), ("keep_prob", _F), ("smax", _P), ("ssum", _P),
                 ("ms", _STRIDES), ("ss", _STRIDES), ("non_finite", _P)]
 
 
@@ -561,8 +561,8 @@ _Q_DTYPES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
 class ForwardIo:
     """The ends of a fused forward call over a query tile (attention_loops.c, struct forward_io): `query`, the tile's
     unscaled rows [c, N1, rows, Dk] (fp32, fp16 or bf16, unit column stride; None: the call's q is read), scaled by
-    `scale` in the loops; `out` [c, N1, rows, Dv] (fp32, unit column stride; None: acc is left unnormalised), the
-    finished rows acc / (row_sum * keep_prob), with the statistics `softmax_max` / `softmax_sum` [c, N1, rows, 8]
+    `scale` in the loops; `out` [c, N1, rows, Dv] (fp32 or fp16, unit column stride; None: acc is left unnormalised),
+    the finished rows acc / (row_sum * keep_prob) rounded once to its dtype, with the statistics `softmax_max` / `softmax_sum` [c, N1, rows, 8]
     (optional). Entry e of the call is sequence e // heads_kv, kv head e % heads_kv, its rows the group's heads'
     rows one after the other (`group_rows`)."""
 
@@ -573,7 +573,8 @@ class ForwardIo:
         for t in (query, out, softmax_max, softmax_sum):
             assert t is None or (t.dim() == 4 and t.shape[:3] == shape[:3] and t.stride(-1) == 1), t
         assert query is None or query.dtype in _Q_DTYPES, query.dtype
-        assert all(t is None or t.dtype == torch.float32 for t in (out, softmax_max, softmax_sum))
+        assert out is None or out.dtype in (torch.float32, torch.float16), out.dtype
+        assert all(t is None or t.dtype == torch.float32 for t in (softmax_max, softmax_sum))
         assert (softmax_max is None) == (softmax_sum is None) and (out is not None or softmax_max is None)
         self.query, self.scale, self.heads_kv, self.out, self.keep_prob = query, scale, heads_kv, out, keep_prob
         self.softmax_max, self.softmax_sum = softmax_max, softmax_sum
@@ -603,7 +604,7 @@ class ForwardIo:
         self.flag.zero_()
         return _ForwardIoStruct(ptr(q), 0 if q is None else _Q_DTYPES[q.dtype], strides(q), self.scale,
                                 self.heads_kv, self.heads // self.heads_kv, self.head_rows, ptr(self.out),
-                                strides(self.out), self.keep_prob, ptr(self.softmax_max), ptr(self.softmax_sum),
+                                int(self.out is not None and self.out.dtype == torch.float16), strides(self.out), self.keep_prob, ptr(self.softmax_max), ptr(self.softmax_sum),
                                 strides(self.softmax_max), strides(self.softmax_sum), self.flag.data_ptr())
 
 

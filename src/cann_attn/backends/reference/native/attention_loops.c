@@ -1399,21 +1399,22 @@ static void forward_piece(const float *qr, int64_t n, int64_t dk, const float *k
 /* The optional ends of a fused forward call (fa_forward_blocks). With `q`, a row block's query rows are read from the
  * query tile itself (unscaled, fp32 / fp16 / bf16 by q_dtype 0 / 1 / 2, [count, N1, head_rows, dk] by the element
  * strides qs) and scaled into a per-thread block: the fp32 value times `scale`, rounded once, as the Python query tile
- * (a copy and a multiply, two passes over memory per tile) makes them (fp16 needs F16C). Entry e is sequence e / heads_kv, kv head
- * e % heads_kv; its grouped row r is head (e % heads_kv) * group + r / head_rows, row r % head_rows. With `out`, each
- * row block is finished where it ends, its accumulator still in cache: the fp32 output row (strides os, unit column
- * stride) is acc / (row_sum * keep_prob), or acc / 1 where row_sum is 0 (no visible key: acc is 0), and the 8-wide
- * statistics (smax / ssum, strides ms / ss; NULL: none) are the row's max and sum, or -FLT_MAX / FLT_MAX without a
- * visible key (RunKernel.forward's rules, the same floats: one fp32 product and quotient each); the accumulator is then
- * a per-thread block and `acc` is not written. *non_finite is set where some accumulator value is not finite (the
- * caller reruns with scaled values, docs/semantics/softmax-stats.md). */
+ * (a copy and a multiply, two passes over memory per tile) makes them (fp16 needs F16C). Entry e is sequence
+ * e / heads_kv, kv head e % heads_kv; its grouped row r is head (e % heads_kv) * group + r / head_rows, row
+ * r % head_rows. With `out`, each row block is finished where it ends, its accumulator still in cache: the output row
+ * (out_dtype 0 fp32, 1 fp16 (F16C); strides os, unit column stride) is acc / (row_sum * keep_prob) rounded to its
+ * dtype, or acc / 1 where row_sum is 0 (no visible key: acc is 0), and the 8-wide statistics (smax / ssum, strides
+ * ms / ss; NULL: none) are the row's max and sum, or -FLT_MAX / FLT_MAX without a visible key (RunKernel.forward's
+ * rules, the same floats: one fp32 product and quotient each); the accumulator is then a per-thread block and `acc` is
+ * not written. *non_finite is set where some accumulator value is not finite (the caller reruns with scaled values,
+ * docs/semantics/softmax-stats.md). */
 struct forward_io {
     const void *q;
     int64_t q_dtype, qs[3];
     float scale;
     int64_t heads_kv, group, head_rows;
-    float *out;
-    int64_t os[3];
+    void *out;
+    int64_t out_dtype, os[3];
     float keep_prob;
     float *smax, *ssum;
     int64_t ms[3], ss[3];
@@ -1467,6 +1468,19 @@ static void io_query_rows(const struct forward_io *io, int64_t e, int64_t r0, in
                    qb + i * dk);
 }
 
+/* dst[0..n) = x / denom rounded to fp16 (the fp32 quotient rounded to nearest even, as PyTorch's division into an fp16
+ * output rounds its fp32 result). */
+__attribute__((target("avx2,fma,f16c"))) static void quotient_row_f16(const float *x, int64_t n, float denom,
+                                                                       uint16_t *dst) {
+    const __m256 dv = _mm256_set1_ps(denom);
+    int64_t j = 0;
+    for (; j + 8 <= n; j += 8)
+        _mm_storeu_si128((__m128i *)(dst + j), _mm256_cvtps_ph(_mm256_div_ps(_mm256_loadu_ps(x + j), dv),
+                                                               _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+    for (; j < n; ++j)
+        dst[j] = _cvtss_sh(x[j] / denom, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+}
+
 /* The finished rows of a row block (io->out): outputs, statistics, and the non-finite check of its accumulator. */
 static void io_finish_rows(const struct forward_io *io, int64_t e, int64_t r0, int64_t n, int64_t dv, const float *m,
                            const float *l, const float *o) {
@@ -1475,10 +1489,14 @@ static void io_finish_rows(const struct forward_io *io, int64_t e, int64_t r0, i
         const int valid = l[i] != 0.0f;
         const float denom = valid ? l[i] * io->keep_prob : 1.0f;
         const float *oi = o + i * dv;
-        float *dst = io->out + io_row(io, io->os, e, r0 + i);
-        for (int64_t d = 0; d < dv; ++d) {
+        for (int64_t d = 0; d < dv; ++d)
             non_finite |= !isfinite(oi[d]);
-            dst[d] = oi[d] / denom;
+        if (io->out_dtype == 0) {
+            float *dst = (float *)io->out + io_row(io, io->os, e, r0 + i);
+            for (int64_t d = 0; d < dv; ++d)
+                dst[d] = oi[d] / denom;
+        } else {
+            quotient_row_f16(oi, dv, denom, (uint16_t *)io->out + io_row(io, io->os, e, r0 + i));
         }
         if (io->smax) {
             float *mx = io->smax + io_row(io, io->ms, e, r0 + i), *sm = io->ssum + io_row(io, io->ss, e, r0 + i);
