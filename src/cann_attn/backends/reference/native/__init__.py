@@ -551,8 +551,8 @@ _STRIDES = ctypes.c_int64 * 3
 
 class _ForwardIoStruct(ctypes.Structure):
     _fields_ = [("q", _P), ("q_dtype", _I), ("qs", _STRIDES), ("scale", _F), ("heads_kv", _I), ("group", _I),
-                ("head_rows", _I), ("out", _P), ("out_dtype", _I), ("os", _STRIDES), ("keep_prob", _F), ("smax", _P), ("ssum", _P),
-                ("ms", _STRIDES), ("ss", _STRIDES), ("non_finite", _P)]
+                ("head_rows", _I), ("out", _P), ("out_dtype", _I), ("os", _STRIDES), ("keep_prob", _F),
+                ("smax", _P), ("ssum", _P), ("ms", _STRIDES), ("ss", _STRIDES), ("non_finite", _P)]
 
 
 _Q_DTYPES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
@@ -562,9 +562,9 @@ class ForwardIo:
     """The ends of a fused forward call over a query tile (attention_loops.c, struct forward_io): `query`, the tile's
     unscaled rows [c, N1, rows, Dk] (fp32, fp16 or bf16, unit column stride; None: the call's q is read), scaled by
     `scale` in the loops; `out` [c, N1, rows, Dv] (fp32 or fp16, unit column stride; None: acc is left unnormalised),
-    the finished rows acc / (row_sum * keep_prob) rounded once to its dtype, with the statistics `softmax_max` / `softmax_sum` [c, N1, rows, 8]
-    (optional). Entry e of the call is sequence e // heads_kv, kv head e % heads_kv, its rows the group's heads'
-    rows one after the other (`group_rows`)."""
+    the finished rows acc / (row_sum * keep_prob) rounded once to its dtype, with the statistics `softmax_max` /
+    `softmax_sum` [c, N1, rows, 8] (optional). Entry e of the call is sequence e // heads_kv, kv head e % heads_kv,
+    its rows the group's heads' rows one after the other (`group_rows`)."""
 
     def __init__(self, query: torch.Tensor | None, scale: float, heads_kv: int, out: torch.Tensor | None = None,
                  keep_prob: float = 1.0, softmax_max: torch.Tensor | None = None,
@@ -604,7 +604,8 @@ class ForwardIo:
         self.flag.zero_()
         return _ForwardIoStruct(ptr(q), 0 if q is None else _Q_DTYPES[q.dtype], strides(q), self.scale,
                                 self.heads_kv, self.heads // self.heads_kv, self.head_rows, ptr(self.out),
-                                int(self.out is not None and self.out.dtype == torch.float16), strides(self.out), self.keep_prob, ptr(self.softmax_max), ptr(self.softmax_sum),
+                                int(self.out is not None and self.out.dtype == torch.float16), strides(self.out),
+                                self.keep_prob, ptr(self.softmax_max), ptr(self.softmax_sum),
                                 strides(self.softmax_max), strides(self.softmax_sum), self.flag.data_ptr())
 
 
