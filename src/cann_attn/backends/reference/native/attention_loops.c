@@ -661,7 +661,9 @@ static void forward_range(const float *q, int64_t heads, int64_t dqk, const floa
                 const float shift = m_new == -INFINITY ? 0.0f : m_new;
                 /* The first chunk has nothing to rescale (and -inf - -inf would be NaN). */
                 keep[h] = c0 == 0 ? 0.0f : exp2f((mr[h] - shift) * log2e);
-                lr[h] = lr[h] * keep[h] + row_exp(s + h * ts, nc, shift, log2e, floor2, 1.0f);
+                /* fmaf: one rounding, whatever the compiler inlines (GCC contracted the plain expression while row_exp
+                 * was inlined here, and stopped when 69171f6 restructured row_exp, moving the sums by an ulp). */
+                lr[h] = fmaf(lr[h], keep[h], row_exp(s + h * ts, nc, shift, log2e, floor2, 1.0f));
                 mr[h] = m_new;
             }
             row_combine(s, ts, heads, nc, v, ldv, sel + c0, dv, 1.0f, c0 == 0 ? NULL : keep, orow);
