@@ -21,8 +21,9 @@ Token selections (block size 1) in fp32 on the CPU take the native loops instead
 exponentials and weighted sums are formed from its valid entries' K/V rows read in place, which needs neither the
 gather nor the isolation pass; the selection, the statistics' conventions and the normalisation stay here.
 
-The query tile carries the softmax scale; exponentials come from `softmax_exp.exp_shifted_` (the native loops use
-the same base-2 rule and flush floor).
+The query tile carries the softmax scale (the native forward scales fp32 queries per row itself, each product rounded
+once as the tile's multiply rounds it); exponentials come from `softmax_exp.exp_shifted_` (the native loops use the
+same base-2 rule and flush floor).
 """
 
 from __future__ import annotations
@@ -308,16 +309,21 @@ def _forward_native(seq: SparseSequence, selection: RowSelection, scale: float, 
     ws = Workspace(seq.k.device)
     heads, dim_v = seq.q.shape[1], seq.v.shape[-1]
     direct = out.dtype == torch.float32 and out.is_contiguous()
+    # fp32 queries go to the loops as they are, which scale and join them per row (no [rows, N1, Dqk] copy).
+    in_place = all(t.dtype == torch.float32 and t.stride(-1) == 1 for t in (seq.q, seq.q_rope) if t is not None)
     for t0 in range(0, seq.seq_q, NATIVE_ROW_TILE):
         t1 = min(t0 + NATIVE_ROW_TILE, seq.seq_q)
         sel = selection.rows(t0, t1)
         all_valid = bool(sel.valid.all())
-        q_tile = seq.query_tile(ws, t0, t1, torch.float32, scale)
+        if in_place:
+            query = (seq.q[t0:t1], None if seq.q_rope is None else seq.q_rope[t0:t1], scale)
+        else:
+            query = (seq.query_tile(ws, t0, t1, torch.float32, scale), None, 1.0)
         o_tile = out[t0:t1] if direct else ws.take("pv", (t1 - t0, heads, dim_v), torch.float32)
         m = ws.take("m", (t1 - t0, heads), torch.float32)
         total = ws.take("total", (t1 - t0, heads), torch.float32)
-        native.sfa_forward(q_tile, seq.k, seq.values, sel.tokens, None if all_valid else sel.valid, LOG2E, EXP2_FLOOR,
-                           o_tile, m, total)
+        native.sfa_forward(query[0], seq.k, seq.values, sel.tokens, None if all_valid else sel.valid, LOG2E, EXP2_FLOOR,
+                           o_tile, m, total, q_rope=query[1], scale=query[2])
         _normalise_rows(o_tile, m, total, all_valid, row_max[t0:t1], row_sum[t0:t1])
         if not direct:
             out[t0:t1] = o_tile

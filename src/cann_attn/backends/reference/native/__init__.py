@@ -48,7 +48,8 @@ AVX512_SWITCH = "CANN_ATTN_NATIVE_AVX512"
 _P, _I, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
 _SIGNATURES = {
     "cann_attn_cpu_supported": [],
-    "sfa_forward_rows": [_P, _I, _I, _P, _I, _P, _I, _I, _P, _P, _I, _I, _I, _F, _F, _P, _P, _P],
+    "sfa_forward_rows": [_P, _I, _I, _I, _P, _I, _I, _I, _F, _I, _P, _I, _P, _I, _I, _P, _P, _I, _I, _I, _F, _F, _P,
+                         _P, _P],
     "sfa_backward_rows": [_P, _P, _P, _P, _P, _I, _I, _I, _P, _I, _P, _I, _P, _P, _I, _I, _I, _F, _F, _F, _P, _P,
                           _P, _P, _P],
     "sfa_scatter": [_P, _P, _I, _P, _I, _P, _P, _I, _P, _I, _I, _I, _P, _P, _I],
@@ -233,21 +234,26 @@ def _check_rows(*tensors: torch.Tensor) -> None:
 
 
 def sfa_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tokens: torch.Tensor, valid: torch.Tensor | None,
-                log2e: float, floor2: float, out: torch.Tensor, row_max: torch.Tensor,
-                row_sum: torch.Tensor) -> None:
+                log2e: float, floor2: float, out: torch.Tensor, row_max: torch.Tensor, row_sum: torch.Tensor,
+                q_rope: torch.Tensor | None = None, scale: float = 1.0) -> None:
     """Unnormalised out [R, H, Dv], the largest logit row_max [R, H] and row_sum [R, H] of the exponentials, from
-    the scaled queries q [R, H, Dqk] over each row's valid entries (see attention_loops.c)."""
+    the queries scale * (q [R, H, Dq] ++ q_rope [R, H, Dr]) over each row's valid entries (see attention_loops.c).
+    q and q_rope are fp32 with unit column stride (any row and head strides); scale multiplies each element once,
+    in fp32, as PyTorch's multiply by a Python float does."""
     lib = library()
-    _check_rows(q, out, row_max, row_sum)
-    rows, heads, dqk = q.shape
+    _check_rows(out, row_max, row_sum)
+    for t in (q,) if q_rope is None else (q, q_rope):
+        assert t.dtype == torch.float32 and t.stride(-1) == 1 and t.shape[:2] == q.shape[:2], (t.shape, t.stride())
+    rows, heads, dq = q.shape
+    rope = (0, 0, 0, 0) if q_rope is None else (q_rope.data_ptr(), q_rope.stride(0), q_rope.stride(1), q_rope.shape[2])
     tokens, valid_bytes = _entries(tokens, valid)
     width = tokens.shape[1]
     k, v = _unit_columns(k), _unit_columns(v)
     (kp, ldk), (vp, ldv) = _rows(k), _rows(v)
 
-    lib.sfa_forward_rows(q.data_ptr(), heads, dqk, kp, ldk, vp, ldv, out.shape[-1], tokens.data_ptr(),
-                         _ptr(valid_bytes), width, 0, rows, log2e, floor2, out.data_ptr(), row_max.data_ptr(),
-                         row_sum.data_ptr())
+    lib.sfa_forward_rows(q.data_ptr(), q.stride(0), q.stride(1), dq, rope[0] or None, *rope[1:], scale, heads, kp, ldk,
+                         vp, ldv, out.shape[-1], tokens.data_ptr(), _ptr(valid_bytes), width, 0, rows, log2e, floor2,
+                         out.data_ptr(), row_max.data_ptr(), row_sum.data_ptr())
 
 
 def sfa_backward(q: torch.Tensor, d_out: torch.Tensor, d_sum: torch.Tensor, shift: torch.Tensor,

@@ -633,11 +633,36 @@ static inline float max_nan(float a, float b) { return isnan(a) || isnan(b) ? NA
  * (-inf for a row without valid entries, NaN propagated), l [R, H] the sum of the exponentials. q carries the
  * softmax scale. Keys go in chunks with the running maximum (online softmax): earlier chunks' sums are rescaled by
  * 2^((m_old - m_new) log2e) when the maximum grows, which changes only their rounding. */
-static void forward_range(const float *q, int64_t heads, int64_t dqk, const float *k, int64_t ldk, const float *v,
-                      int64_t ldv, int64_t dv, const int64_t *tok, const uint8_t *valid, int64_t w, int64_t r0,
-                      int64_t r1, float log2e, float floor2, float *o, float *m, float *l) {
+/* The forward's queries as the caller holds them: row r, head h is scale * (q[r * q_row + h * q_head + [0, dq)] ++
+ * qr[r * r_row + h * r_head + [0, dr)]) (qr NULL: dr = 0). Each row is assembled here, products rounded once as
+ * PyTorch's multiply by the scale rounds them, instead of a scaled [R, H, Dqk] copy written and read back. */
+struct query_rows {
+    const float *q, *qr;
+    int64_t q_row, q_head, dq, r_row, r_head, dr;
+    float scale;
+};
+
+static void query_row(const struct query_rows *qs, int64_t r, int64_t heads, float *a) {
+    const int64_t dqk = qs->dq + qs->dr;
+    for (int64_t h = 0; h < heads; ++h) {
+        const float *qh = qs->q + r * qs->q_row + h * qs->q_head;
+        float *ah = a + h * dqk;
+        for (int64_t d = 0; d < qs->dq; ++d)
+            ah[d] = qh[d] * qs->scale;
+        if (qs->qr) {
+            const float *rh = qs->qr + r * qs->r_row + h * qs->r_head;
+            for (int64_t d = 0; d < qs->dr; ++d)
+                ah[qs->dq + d] = rh[d] * qs->scale;
+        }
+    }
+}
+
+static void forward_range(const struct query_rows *qs, int64_t heads, int64_t dqk, const float *k, int64_t ldk,
+                          const float *v, int64_t ldv, int64_t dv, const int64_t *tok, const uint8_t *valid, int64_t w,
+                          int64_t r0, int64_t r1, float log2e, float floor2, float *o, float *m, float *l) {
     const int64_t ts = round8(KEY_CHUNK);
     float *s = malloc(sizeof(float) * heads * ts);
+    float *q = malloc(sizeof(float) * heads * dqk); /* this row's scaled queries */
     float *keep = malloc(sizeof(float) * heads);
     int64_t *sel = malloc(sizeof(int64_t) * (w > 0 ? w : 1));
     /* The row's queries packed once for its key chunks' dot products (NULL: row_dots16 does not run). */
@@ -645,8 +670,10 @@ static void forward_range(const float *q, int64_t heads, int64_t dqk, const floa
     for (int64_t r = r0; r < r1; ++r) {
         const int64_t n = compact_row(tok + r * w, valid ? valid + r * w : NULL, w, sel);
         float *mr = m + r * heads, *lr = l + r * heads, *orow = o + r * heads * dv;
+        if (n > 0)
+            query_row(qs, r, heads, q);
         if (packed && n > 0)
-            pack_heads16(q + r * heads * dqk, heads / 8, dqk, packed);
+            pack_heads16(q, heads / 8, dqk, packed);
         for (int64_t h = 0; h < heads; ++h) {
             mr[h] = -INFINITY;
             lr[h] = 0.0f;
@@ -655,7 +682,7 @@ static void forward_range(const float *q, int64_t heads, int64_t dqk, const floa
             memset(orow, 0, sizeof(float) * heads * dv);
         for (int64_t c0 = 0; c0 < n; c0 += KEY_CHUNK) {
             const int64_t nc = n - c0 < KEY_CHUNK ? n - c0 : KEY_CHUNK;
-            row_dots(q + r * heads * dqk, heads, dqk, k, ldk, sel + c0, nc, s, ts, packed);
+            row_dots(q, heads, dqk, k, ldk, sel + c0, nc, s, ts, packed);
             for (int64_t h = 0; h < heads; ++h) {
                 const float m_new = max_nan(mr[h], row_max(s + h * ts, nc));
                 const float shift = m_new == -INFINITY ? 0.0f : m_new;
@@ -670,6 +697,7 @@ static void forward_range(const float *q, int64_t heads, int64_t dqk, const floa
         }
     }
     free(packed);
+    free(q);
     free(sel);
     free(keep);
     free(s);
@@ -827,15 +855,19 @@ static void part_range(int64_t n, int64_t parts, int64_t i, int64_t align, int64
     *hi = i == parts - 1 ? n : (n * (i + 1) / parts) / align * align;
 }
 
-void sfa_forward_rows(const float *q, int64_t heads, int64_t dqk, const float *k, int64_t ldk, const float *v,
-                      int64_t ldv, int64_t dv, const int64_t *tok, const uint8_t *valid, int64_t w, int64_t r0,
-                      int64_t r1, float log2e, float floor2, float *o, float *m, float *l) {
+/* The forward over rows [r0, r1); the queries as struct query_rows describes them. */
+void sfa_forward_rows(const float *q, int64_t q_row, int64_t q_head, int64_t dq, const float *qr, int64_t r_row,
+                      int64_t r_head, int64_t dr, float scale, int64_t heads, const float *k, int64_t ldk,
+                      const float *v, int64_t ldv, int64_t dv, const int64_t *tok, const uint8_t *valid, int64_t w,
+                      int64_t r0, int64_t r1, float log2e, float floor2, float *o, float *m, float *l) {
+    const struct query_rows qs = {q, qr, q_row, q_head, dq, r_row, r_head, qr ? dr : 0, scale};
 #pragma omp parallel
     {
         int64_t lo, hi;
         part_range(r1 - r0, omp_get_num_threads(), omp_get_thread_num(), 1, &lo, &hi);
         if (hi > lo)
-            forward_range(q, heads, dqk, k, ldk, v, ldv, dv, tok, valid, w, r0 + lo, r0 + hi, log2e, floor2, o, m, l);
+            forward_range(&qs, heads, dq + qs.dr, k, ldk, v, ldv, dv, tok, valid, w, r0 + lo, r0 + hi, log2e, floor2, o,
+                          m, l);
     }
 }
 
