@@ -474,6 +474,7 @@ FUSED_CASES = [  # entries, group, head_rows, dk, dv, n_keys, tiles, block_rows,
     (2, 4, 13, 40, 24, 130, [(0, 64), (64, 100), (110, 130)], 7, 16),
     (1, 2, 70, 130, 8, 300, [(256, 300), (0, 256)], 64, 100),
     (2, 1, 20, 13, 7, 40, [(0, 40)], 8, 24),  # odd head dims (the bf16 path's half pair)
+    (1, 1, 300, 32, 24, 600, [(0, 600)], 64, 512),  # the backward's fp32 S and dP from packed pieces (sgemm_pack)
 ]
 
 
@@ -714,6 +715,32 @@ def test_fused_loops_with_per_entry_bias_continuation_and_feature_columns(scores
     torch.testing.assert_close(dk.double(), torch.einsum("erj,erd->ejd", ds, q[..., :dg].double())[:, cols],
                                rtol=1e-4, atol=1e-5)
     torch.testing.assert_close(dv_.double(), torch.einsum("erj,erd->ejd", prob, dy.double()), rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.skipif(not native.library().cann_attn_has_sgemm_pack(), reason="the BLAS has no sgemm_pack")
+def test_fused_backward_from_packed_pieces_is_bitwise_sgemm():
+    """The fused backward's S and dP from key / value pieces packed once for their row blocks (MKL's sgemm_pack and
+    sgemm_compute: whole 128-row blocks of pieces at least 256 keys wide) are the floats of plain sgemm calls."""
+    gen = torch.Generator().manual_seed(17)
+    q, k, v, dy = (torch.randn(1, 2, 700, 64, generator=gen) for _ in range(4))
+    lib = native.library()
+
+    def run():
+        fwd = cann_attn.flash_attention_score(q, k, v, 2, "BNSD", scale_value=0.125)
+        return cann_attn.flash_attention_score_grad(q, k, v, dy, 2, "BNSD", scale_value=0.125,
+                                                    softmax_max=fwd.softmax_max, softmax_sum=fwd.softmax_sum,
+                                                    attention_in=fwd.attention_out)[:3]
+
+    packed = run()
+    try:
+        lib.cann_attn_set_sgemm_pack(None, None, None)
+        assert not lib.cann_attn_has_sgemm_pack()
+        plain = run()
+    finally:
+        lib.cann_attn_set_sgemm_pack(*(native._torch_cpu_symbol((name,)) for name in native.SGEMM_PACK_NAMES))
+    assert lib.cann_attn_has_sgemm_pack()
+    for a, b in zip(packed, plain, strict=True):
+        assert torch.equal(a, b)
 
 
 def test_blas_switch(monkeypatch):

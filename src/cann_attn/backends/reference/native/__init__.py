@@ -63,6 +63,8 @@ _SIGNATURES = {
     "fa_ds_rows": [_P, _P, _I, _I, _P],
     "cann_attn_set_sgemm": [_P],
     "cann_attn_has_sgemm": [],
+    "cann_attn_set_sgemm_pack": [_P, _P, _P],
+    "cann_attn_has_sgemm_pack": [],
     "fa_forward_blocks": [_P, _I, _I, _I, _P, _I, _I, _P, _I, _I, _I, _I, _P, _P, _P, _I, _I, _P, _P, _I, _I, _I,
                           _F, _F, _P, _P, _P, _P, _P, _P],
     "fa_backward_blocks": [_P, _P, _P, _P, _P, _I, _I, _I, _I, _I, _P, _I, _I, _P, _I, _I, _I, _P, _P, _P, _I, _I, _P,
@@ -75,8 +77,8 @@ _SIGNATURES = {
     "fia_decode_rows": [_P, _I, _I, _I, _I, _I, _P, _P, _I, _I, _I, _I, _I, _I, _I, _P, _P, _P, _P, _P, _I, _I, _P,
                         _P, _I, _I, _I, _I],
 }
-_INT_RESULTS = ("cann_attn_cpu_supported", "cann_attn_has_sgemm", "cann_attn_has_bf16_dot", "cann_attn_has_f16c",
-                "cann_attn_has_avx512", "cann_attn_set_avx512")
+_INT_RESULTS = ("cann_attn_cpu_supported", "cann_attn_has_sgemm", "cann_attn_has_sgemm_pack", "cann_attn_has_bf16_dot",
+                "cann_attn_has_f16c", "cann_attn_has_avx512", "cann_attn_set_avx512")
 _INT64_RESULTS = ("cann_attn_alibi_skipped_terms",)
 
 _lock = threading.Lock()
@@ -169,6 +171,7 @@ def _load() -> ctypes.CDLL | None:
     sgemm = _torch_sgemm()
     if sgemm is not None:
         lib.cann_attn_set_sgemm(sgemm)
+        lib.cann_attn_set_sgemm_pack(*(_torch_cpu_symbol((name,)) for name in SGEMM_PACK_NAMES))
     lib.cann_attn_set_avx512(0 if _switched_off(AVX512_SWITCH) else 1)
     return lib
 
@@ -178,15 +181,25 @@ def _load() -> ctypes.CDLL | None:
 SGEMM_NAMES = ("sgemm_", "SGEMM")
 
 
+# MKL's packed-operand GEMM (LP64 Fortran interface), which the fused backward uses where all three are exported
+# (attention_loops.c, pack_rows_t); other BLAS builds lack it and the loops call sgemm alone.
+SGEMM_PACK_NAMES = ("SGEMM_PACK_GET_SIZE", "SGEMM_PACK", "SGEMM_COMPUTE")
+
+
 def _torch_sgemm() -> int | None:
     """The address of the sgemm inside PyTorch's CPU library (the BLAS torch.mm itself uses), or None."""
+    return _torch_cpu_symbol(SGEMM_NAMES)
+
+
+def _torch_cpu_symbol(names: tuple[str, ...]) -> int | None:
+    """The address of the first of `names` that PyTorch's CPU library exports, or None."""
     lib_dir = Path(torch.__file__).resolve().parent / "lib"
     for candidate in sorted(lib_dir.glob("libtorch_cpu*")):
         try:
             torch_cpu = ctypes.CDLL(str(candidate))
         except OSError:
             continue
-        for name in SGEMM_NAMES:
+        for name in names:
             fn = getattr(torch_cpu, name, None)
             if fn is not None:
                 return ctypes.cast(fn, ctypes.c_void_p).value

@@ -1018,6 +1018,27 @@ void cann_attn_set_sgemm(void *fn) { blas_sgemm = (sgemm_fn)fn; }
 
 int cann_attn_has_sgemm(void) { return blas_sgemm != NULL; }
 
+/* MKL's packed-operand GEMM (sgemm_pack_get_size, sgemm_pack, sgemm_compute), where the BLAS has it: the fused
+ * backward packs a key (value) piece once for all the row blocks whose S (dP) it gives, where sgemm re-packed it
+ * for each block (~1/5 of those GEMMs' time at B=1 N=8 S=2048 D=128). All three or none are set. */
+typedef size_t (*sgemm_pack_size_fn)(const char *, const int *, const int *, const int *);
+typedef void (*sgemm_pack_fn)(const char *, const char *, const int *, const int *, const int *, const float *,
+                              const float *, const int *, float *);
+typedef void (*sgemm_compute_fn)(const char *, const char *, const int *, const int *, const int *, const float *,
+                                 const int *, const float *, const int *, const float *, float *, const int *);
+static sgemm_pack_size_fn blas_pack_size = NULL;
+static sgemm_pack_fn blas_pack = NULL;
+static sgemm_compute_fn blas_compute = NULL;
+
+void cann_attn_set_sgemm_pack(void *size, void *pack, void *compute) {
+    const int all = size && pack && compute;
+    blas_pack_size = all ? (sgemm_pack_size_fn)size : NULL;
+    blas_pack = all ? (sgemm_pack_fn)pack : NULL;
+    blas_compute = all ? (sgemm_compute_fn)compute : NULL;
+}
+
+int cann_attn_has_sgemm_pack(void) { return blas_compute != NULL; }
+
 /* Row-major C[m, n] (ldc) = A[m, kk] (lda) B[n, kk]^T (ldb) + beta C: column-major C^T = B A^T. */
 static void gemm_nt(int m, int n, int kk, const float *a, int lda, const float *b, int ldb, float beta, float *c,
                     int ldc) {
@@ -1036,6 +1057,23 @@ static void gemm_nn(int m, int n, int kk, const float *a, int lda, const float *
 static void gemm_tn_acc(int m, int n, int kk, const float *a, int lda, const float *b, int ldb, float *c, int ldc) {
     const float one = 1.0f;
     blas_sgemm("N", "T", &n, &m, &kk, &one, b, &ldb, a, &lda, &one, c, &ldc);
+}
+
+/* Bytes of a buffer for pack_rows_t: an m x kk operand (64-byte aligned, as the packed format's metadata wants). */
+static size_t packed_bytes(int m, int n, int kk) {
+    return (blas_pack_size("A", &m, &n, &kk) + 63) / 64 * 64;
+}
+
+/* B [m, kk] (row-major, ldb) packed for gemm_nt_packed, with n the number of rows of the A operands to come. */
+static void pack_rows_t(int m, int n, int kk, const float *b, int ldb, float *packed) {
+    const float one = 1.0f;
+    blas_pack("A", "T", &m, &n, &kk, &one, b, &ldb, packed);
+}
+
+/* gemm_nt (beta 0) with B packed by pack_rows_t: row-major C[m, n] (ldc) = A[m, kk] (lda) B[n, kk]^T. */
+static void gemm_nt_packed(int m, int n, int kk, const float *a, int lda, const float *packed, float *c, int ldc) {
+    const float zero = 0.0f;
+    blas_compute("P", "N", &n, &m, &kk, packed, &kk, a, &lda, &zero, c, &ldc);
 }
 
 /* ---- Scores of bf16 inputs: AVX512-BF16 dot products, fp32 accumulation ----
@@ -1654,6 +1692,16 @@ static int64_t key_pieces(int64_t n_tiles, const int64_t *tj0, const int64_t *tj
     return n;
 }
 
+/* The fp32 S and dP of whole row blocks of at least PACK_MIN_ROWS rows against whole key pieces of at least
+ * PACK_MIN_COLS keys take the packed path (pack_rows_t): there MKL's sgemm_compute gave the floats of its sgemm
+ * (checked with 64-128 rows, widths 256-512 and depths 8-256, on its AVX-512 kernels and with
+ * MKL_ENABLE_INSTRUCTIONS=AVX2; narrower pieces or 16 rows differed on the AVX2 ones, 8 rows or fewer on both). */
+#define PACK_MIN_ROWS 64
+#define PACK_MIN_COLS 256
+/* Whole row blocks a call needs for the packed path: causal tiles of 256 rows (two blocks) measured 2% slower packed
+ * (the packing and its buffers cost about what the one saved re-pack did); 2048-row tiles 2-3% faster. */
+#define PACK_MIN_BLOCKS 4
+
 /* The per-row inputs of a fused backward call, shared by its pieces (fa_backward_blocks documents them). */
 struct backward_rows {
     const float *q, *dy, *d_sum, *shift, *factor;
@@ -1700,17 +1748,21 @@ static void probs_ds_row(float *s, float *dp, int64_t n, float shift, float log2
  * against w key columns (kp, vp, dkp, dvp: their first rows; `col`: their column in the tile's bias and keep bits),
  * as fa_backward_blocks describes; s and dp are [n, round8(w)] scratch blocks, dq_rows the rows' dQ (ld_rows). With
  * a->bf, S and dP come from the bf16 rows and the piece's keys and values packed by pack_piece (packed_w wide; these
- * columns start at packed_col). a->al: the rows' generated ALiBi, these columns starting at key column j_abs.
+ * columns start at packed_col). a->al: the rows' generated ALiBi, these columns starting at key column j_abs. With
+ * sk / sv (NULL: none), the fp32 S and dP take the piece's keys and values packed by pack_rows_t.
  * dP is formed before P, so that one pass per row turns S into P and dP into dS (probs_ds_row); with dropout, P then
  * becomes P * keep / keep_prob in place for dV. */
 static void backward_piece(int64_t n, int64_t row, int64_t r0, int64_t col, int64_t w, const struct backward_rows *a,
                            const float *kp, const float *vp, const float *bt, int64_t tile_w, float *s,
                            float *dp, float *dq_rows, int64_t ld_rows, float *dkp, float *dvp,
                            const uint32_t *packed_k, const uint32_t *packed_v, int64_t packed_w, int64_t packed_col,
-                           float *features, int64_t j_abs) {
+                           float *features, int64_t j_abs, const float *sk, const float *sv) {
     const int64_t lds = round8(w);
     const struct bf16_scores *bf = a->bf;
-    if (!bf) {
+    if (sk) {
+        gemm_nt_packed((int)n, (int)w, (int)a->dk, a->q + row * a->dk, (int)a->dk, sk, s, (int)lds);
+        gemm_nt_packed((int)n, (int)w, (int)a->dv, a->dy + row * a->dv, (int)a->dv, sv, dp, (int)lds);
+    } else if (!bf) {
         gemm_nt((int)n, (int)w, (int)a->dk, a->q + row * a->dk, (int)a->dk, kp, (int)a->ldk, 0.0f, s, (int)lds);
         gemm_nt((int)n, (int)w, (int)a->dv, a->dy + row * a->dv, (int)a->dv, vp, (int)a->ldv, 0.0f, dp, (int)lds);
     } else {
@@ -1784,6 +1836,10 @@ void fa_backward_blocks(const float *q, const float *dy, const float *d_sum, con
     {
         float *s = aligned_alloc(64, sizeof(float) * round8(br) * round8(sub_cols));
         float *dp = aligned_alloc(64, sizeof(float) * round8(br) * round8(sub_cols));
+        /* fp32 S and dP from packed pieces (pack_rows_t) where the call has PACK_MIN_BLOCKS row blocks to share them */
+        const int sgemm_packed = !args.bf && blas_compute && br >= PACK_MIN_ROWS && rows / br >= PACK_MIN_BLOCKS;
+        float *sk = sgemm_packed ? aligned_alloc(64, packed_bytes((int)sub_cols, (int)br, (int)dk)) : NULL;
+        float *sv = sgemm_packed ? aligned_alloc(64, packed_bytes((int)sub_cols, (int)br, (int)dv)) : NULL;
         uint32_t *packed_k = args.bf ? malloc(sizeof(uint32_t) * packed_words(sub_cols, args.bf->d16)) : NULL;
         uint32_t *packed_v = args.bf ? malloc(sizeof(uint32_t) * packed_words(sub_cols, dv)) : NULL;
         float *features = args.bf && dk > args.bf->d16 ? malloc(sizeof(float) * (dk - args.bf->d16) * sub_cols) : NULL;
@@ -1803,6 +1859,11 @@ void fa_backward_blocks(const float *q, const float *dy, const float *d_sum, con
                     pack_piece(bf->k + e * bf->ske + c0 * bf->ldk, bf->ldk, w, bf->d16, packed_k);
                     pack_piece(bf->v + e * bf->sve + c0 * bf->ldv, bf->ldv, w, dv, packed_v);
                 }
+                const int piece_packed = sk && sv && w >= PACK_MIN_COLS;
+                if (piece_packed) {
+                    pack_rows_t((int)w, (int)br, (int)dk, kp, (int)ldk, sk);
+                    pack_rows_t((int)w, (int)br, (int)dv, vp, (int)ldv, sv);
+                }
                 for (int64_t r0 = 0; r0 < rows; r0 += br) {
                     const int64_t n = rows - r0 < br ? rows - r0 : br;
                     const int64_t step = live_blocks(bt, r0, n, bias_rows, tile_w, c0 - tj0[t], w, ranges);
@@ -1817,10 +1878,13 @@ void fa_backward_blocks(const float *q, const float *dy, const float *d_sum, con
                                                               log2e, floor2);
                             if (a0 >= end)
                                 break;
+                            /* the packed pieces serve whole blocks of whole pieces only (their n, m and columns) */
+                            const int whole = piece_packed && lo == 0 && hi == w && a1 - a0 == br;
                             backward_piece(a1 - a0, row0 + a0, r0 + a0, c0 - tj0[t] + lo, hi - lo, &args,
                                            kp + lo * ldk, vp + lo * ldv, bt, tile_w, s, dp,
                                            dq_rows + (r0 + a0) * ld_rows, ld_rows, dkp + lo * lddk, dvp + lo * lddv,
-                                           packed_k, packed_v, w, lo, features, c0 + lo);
+                                           packed_k, packed_v, w, lo, features, c0 + lo, whole ? sk : NULL,
+                                           whole ? sv : NULL);
                             a0 = a1;
                         }
                     }
@@ -1830,6 +1894,8 @@ void fa_backward_blocks(const float *q, const float *dy, const float *d_sum, con
         free(features);
         free(packed_k);
         free(packed_v);
+        free(sk);
+        free(sv);
         free(s);
         free(dp);
         if (dq_part) {
