@@ -1424,6 +1424,30 @@ static int64_t live_blocks(const float *bias, int64_t r0, int64_t n, int64_t bia
     return n;
 }
 
+/* row_max in 16-lane steps (two running maxima, the NaN test once per 32 entries): the same float, the largest value
+ * being the same whatever the order except for the sign of a zero, which row_max_ordered then decides as row_max does.
+ * ~1 ms of the 113 ms B=1 N=8 S=2048 D=128 fp32 fused forward on one thread (half of row_max's time). */
+__attribute__((target("avx512f"))) static float row_max16(const float *s, int64_t n) {
+    __m512 m0 = _mm512_set1_ps(-INFINITY), m1 = m0;
+    __mmask16 nan = 0;
+    int64_t j = 0;
+    for (; j + 32 <= n; j += 32) {
+        const __m512 x0 = _mm512_loadu_ps(s + j), x1 = _mm512_loadu_ps(s + j + 16);
+        m0 = _mm512_max_ps(m0, x0);
+        m1 = _mm512_max_ps(m1, x1);
+        nan |= _mm512_cmp_ps_mask(x0, x1, _CMP_UNORD_Q);
+    }
+    if (nan)
+        return NAN;
+    float best = _mm512_reduce_max_ps(_mm512_max_ps(m0, m1));
+    for (; j < n; ++j) {
+        if (isnan(s[j]))
+            return NAN;
+        best = s[j] > best ? s[j] : best;
+    }
+    return best == 0.0f ? row_max_ordered(s, n) : best;
+}
+
 /* One online-softmax step of n rows (q rows qr [n, dk], state m / l [n], unnormalised o [n, dv]) over w key columns
  * (kc, vc: their first rows), with the bias rows from bias_r0 at column bias_col of a tile_w-wide bias (NULL: none)
  * and the keep bits from keep_first[i] + keep_col (keep NULL: no dropout). With q16 (the rows' bf16 queries, unscaled)
@@ -1451,7 +1475,7 @@ static void forward_piece(const float *qr, int64_t n, int64_t dk, const float *k
         add_mask_rows(s, n, w, lds, bias, bias_r0, bias_rows, tile_w, bias_col);
     for (int64_t i = 0; i < n; ++i) {
         float *si = s + i * lds;
-        const float m_new = max_nan(m[i], row_max(si, w));
+        const float m_new = max_nan(m[i], use_avx512 ? row_max16(si, w) : row_max(si, w));
         const float shift = m_new == -INFINITY ? 0.0f : m_new;
         const float total = row_exp_max(si, w, shift, log2e, floor2);
         if (keep)
