@@ -134,10 +134,14 @@ def dense_forward(problem, shapes: FaShapes, backend: str, query, key, value
     statistics (docs/semantics/invalid-rows.md); with a sink, rows of runs without keys get the sink's statistics
     (docs/semantics/sinks.md)."""
     out_shape = layouts.output_shape(problem.layout, shapes.batch, shapes.total_q, shapes.heads_q, shapes.dim_v)
-    out = torch.zeros(out_shape, dtype=query.dtype, device=query.device)
+    keyless_rows = problem.has_keyless_rows or shapes.padding_q > 0
+    # The reference forward writes every row of every run with keys, so without keyless rows nothing needs the zeros
+    # (1.8 ms of memset on an 8 MB output, ~1.5% of a B=1 N=8 S=2048 fp32 forward on one thread).
+    written = not keyless_rows and backend == "reference" and not precision.npu_mode()
+    out = (torch.empty if written else torch.zeros)(out_shape, dtype=query.dtype, device=query.device)
     stat_shape = stats.stats_shape(problem.tnd, shapes.batch, shapes.heads_q, shapes.total_q)
     softmax_max, softmax_sum = stats.allocate(stat_shape, stats.accumulation_dtype(query.dtype), query.device,
-                                              keyless_rows=problem.has_keyless_rows or shapes.padding_q > 0)
+                                              keyless_rows=keyless_rows)
     if out.numel() > 0 and precision.npu_mode():
         npu_attention.forward(problem, precision.fa_pipeline(query.dtype), query, key, value, out, softmax_max,
                               softmax_sum)
