@@ -217,9 +217,11 @@ class RunKernel:
                         device=self.device)
         if not formed:  # only its shape is read (bf16 score operands)
             return group_rows(q, self.problem.heads_kv)
-        # Converted first, then scaled: a multiply of fp16/bf16 input would round the product to the input dtype.
-        q[..., :d_qk] = src
-        q[..., :d_qk].mul_(self.problem.scale)
+        if src.dtype == q.dtype:  # one pass (not a copy, then a multiply in place): the same products
+            torch.mul(src, self.problem.scale, out=q[..., :d_qk])
+        else:  # converted first, then scaled: a multiply of fp16/bf16 input would round the product to the input dtype
+            q[..., :d_qk] = src
+            q[..., :d_qk].mul_(self.problem.scale)
         q[..., d_qk:] = 0.0
         return group_rows(q, self.problem.heads_kv)
 
