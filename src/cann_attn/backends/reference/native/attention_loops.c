@@ -1377,6 +1377,35 @@ static void keep_row(float *s, const uint8_t *bits, int64_t first, int64_t w, fl
 #define MASKED_SUB_ROWS 64
 #define MAX_SUB_BLOCKS 16
 
+/* The first j < a with b[j] not -inf (a where there is none), 8 entries per compare: live_columns' scans took 4% of
+ * a band forward (B=1 N=8 S=2048, pre = next = 256, fp32, one thread) one entry at a time. */
+static int64_t first_live(const float *b, int64_t a) {
+    const __m256 minus_inf = _mm256_set1_ps(-INFINITY);
+    int64_t j = 0;
+    for (; j + 8 <= a; j += 8) {
+        const int live = _mm256_movemask_ps(_mm256_cmp_ps(_mm256_loadu_ps(b + j), minus_inf, _CMP_NEQ_UQ));
+        if (live)
+            return j + __builtin_ctz((unsigned)live);
+    }
+    while (j < a && b[j] == -INFINITY)
+        ++j;
+    return j;
+}
+
+/* One past the last j in [lo, w) with b[j] not -inf (lo where there is none). */
+static int64_t last_live(const float *b, int64_t lo, int64_t w) {
+    const __m256 minus_inf = _mm256_set1_ps(-INFINITY);
+    int64_t g = w;
+    for (; g - 8 >= lo; g -= 8) {
+        const int live = _mm256_movemask_ps(_mm256_cmp_ps(_mm256_loadu_ps(b + g - 8), minus_inf, _CMP_NEQ_UQ));
+        if (live)
+            return g - 8 + 32 - __builtin_clz((unsigned)live);
+    }
+    while (g > lo && b[g - 1] == -INFINITY)
+        --g;
+    return g;
+}
+
 /* [*lo, *hi): the columns of a piece (w columns from column `col` of a bias tile `tile_w` wide) that some row of the
  * block [r0, r0 + n) can see; outside it every row's bias is -inf, so every term there is exactly 0 (and its logit is
  * never formed). Rounded out to multiples of 8 from the piece's start: the 8-lane row sums then add the same nonzero
@@ -1386,14 +1415,8 @@ static void live_columns(const float *bias, int64_t r0, int64_t n, int64_t bias_
     int64_t a = w, b = 0;
     for (int64_t i = 0; i < n; ++i) {
         const float *bi = bias + ((r0 + i) % bias_rows) * tile_w + col;
-        int64_t j = 0;
-        while (j < a && bi[j] == -INFINITY)
-            ++j;
-        a = j;
-        int64_t g = w;
-        while (g > b && bi[g - 1] == -INFINITY)
-            --g;
-        b = g;
+        a = first_live(bi, a);
+        b = last_live(bi, b, w);
     }
     *lo = a / 8 * 8;
     *hi = round8(b) < w ? round8(b) : w;
