@@ -183,26 +183,42 @@ static int64_t packed_floats16(int64_t heads, int64_t dim) { return heads / 8 * 
         FMA_ROW16(i, y);                                                                                             \
     } while (0)
 
-/* Steps of 16 heads (two packed blocks, qa and qc) against 3 keys: 24 sums. */
+/* The 3 keys' columns [d, d + 8), loaded by LOAD, in both halves. */
+#define DOT_KEYS(LOAD)                                                                                               \
+    const __m512 x0 = both_halves(LOAD(b0 + d)), x1 = both_halves(LOAD(b1 + d)), x2 = both_halves(LOAD(b2 + d))
+/* The 4 vectors (8 heads) of packed block Q into rows I0..I0 + 3 of the sums. */
+#define DOT_BLOCK(I0, I1, I2, I3, Q)                                                                                 \
+    DOT_ROW(I0, Q, 0);                                                                                               \
+    DOT_ROW(I1, Q, 1);                                                                                               \
+    DOT_ROW(I2, Q, 2);                                                                                               \
+    DOT_ROW(I3, Q, 3)
+/* Steps of 16 heads (two packed blocks, qa and qc) against 3 keys: 24 sums; of 8 heads (qa): 12 sums. */
 #define DOT16_STEP(LOAD)                                                                                             \
     do {                                                                                                             \
-        const __m512 x0 = both_halves(LOAD(b0 + d)), x1 = both_halves(LOAD(b1 + d)), x2 = both_halves(LOAD(b2 + d)); \
-        DOT_ROW(0, qa, 0);                                                                                           \
-        DOT_ROW(1, qa, 1);                                                                                           \
-        DOT_ROW(2, qa, 2);                                                                                           \
-        DOT_ROW(3, qa, 3);                                                                                           \
-        DOT_ROW(4, qc, 0);                                                                                           \
-        DOT_ROW(5, qc, 1);                                                                                           \
-        DOT_ROW(6, qc, 2);                                                                                           \
-        DOT_ROW(7, qc, 3);                                                                                           \
+        DOT_KEYS(LOAD);                                                                                              \
+        DOT_BLOCK(0, 1, 2, 3, qa);                                                                                   \
+        DOT_BLOCK(4, 5, 6, 7, qc);                                                                                   \
     } while (0)
 #define DOT8_STEP(LOAD)                                                                                              \
     do {                                                                                                             \
-        const __m512 x0 = both_halves(LOAD(b0 + d)), x1 = both_halves(LOAD(b1 + d)), x2 = both_halves(LOAD(b2 + d)); \
-        DOT_ROW(0, qa, 0);                                                                                           \
-        DOT_ROW(1, qa, 1);                                                                                           \
-        DOT_ROW(2, qa, 2);                                                                                           \
-        DOT_ROW(3, qa, 3);                                                                                           \
+        DOT_KEYS(LOAD);                                                                                              \
+        DOT_BLOCK(0, 1, 2, 3, qa);                                                                                   \
+    } while (0)
+/* A register block's column loop: STEP every 8 columns (the first head block also fetching the keys ahead), NEXT
+ * moving the packed queries on, then the last 1..7 columns masked. */
+#define DOT_COLUMNS(STEP, NEXT)                                                                                      \
+    do {                                                                                                             \
+        int64_t d = 0;                                                                                               \
+        if (hb == 0)                                                                                                 \
+            for (; d < full; d += 8, NEXT) {                                                                         \
+                PREFETCH_KEYS(d);                                                                                    \
+                STEP(LOAD_FULL);                                                                                     \
+            }                                                                                                        \
+        else                                                                                                         \
+            for (; d < full; d += 8, NEXT)                                                                           \
+                STEP(LOAD_FULL);                                                                                     \
+        if (d < dim)                                                                                                 \
+            STEP(LOAD_TAIL);                                                                                         \
     } while (0)
 
 /* Sums c<i>0..c<i>2 of packed vector i (heads h and h + 1) into s, keys j0..j0 + nj. */
@@ -213,6 +229,14 @@ static int64_t packed_floats16(int64_t heads, int64_t dim) { return heads / 8 * 
             s[(h) * ts + j0 + j] = hsum(_mm512_castps512_ps256(pair[j]));                                            \
             s[((h) + 1) * ts + j0 + j] = hsum(high_half(pair[j]));                                                   \
         }                                                                                                            \
+    } while (0)
+/* Rows I0..I0 + 3 of the sums (heads h..h + 7) into s. */
+#define STORE_BLOCK(I0, I1, I2, I3, h)                                                                               \
+    do {                                                                                                             \
+        STORE_PAIR(I0, h);                                                                                           \
+        STORE_PAIR(I1, (h) + 2);                                                                                     \
+        STORE_PAIR(I2, (h) + 4);                                                                                     \
+        STORE_PAIR(I3, (h) + 6);                                                                                     \
     } while (0)
 
 /* row_dots for the first heads / 8 * 8 heads (returns how many it took), from their queries packed by pack_heads16
@@ -252,45 +276,16 @@ __attribute__((target("avx512f"))) static int64_t row_dots16(const float *a, int
             __m512 c20 = c00, c21 = c00, c22 = c00, c30 = c00, c31 = c00, c32 = c00;
             __m512 c40 = c00, c41 = c00, c42 = c00, c50 = c00, c51 = c00, c52 = c00;
             __m512 c60 = c00, c61 = c00, c62 = c00, c70 = c00, c71 = c00, c72 = c00;
-            int64_t d = 0;
-            if (hb == 0)
-                for (; d < full; d += 8, qa += 64, qc += 64) {
-                    PREFETCH_KEYS(d);
-                    DOT16_STEP(LOAD_FULL);
-                }
-            else
-                for (; d < full; d += 8, qa += 64, qc += 64)
-                    DOT16_STEP(LOAD_FULL);
-            if (d < dim)
-                DOT16_STEP(LOAD_TAIL);
-            STORE_PAIR(0, hb * 8);
-            STORE_PAIR(1, hb * 8 + 2);
-            STORE_PAIR(2, hb * 8 + 4);
-            STORE_PAIR(3, hb * 8 + 6);
-            STORE_PAIR(4, hb * 8 + 8);
-            STORE_PAIR(5, hb * 8 + 10);
-            STORE_PAIR(6, hb * 8 + 12);
-            STORE_PAIR(7, hb * 8 + 14);
+            DOT_COLUMNS(DOT16_STEP, (qa += 64, qc += 64));
+            STORE_BLOCK(0, 1, 2, 3, hb * 8);
+            STORE_BLOCK(4, 5, 6, 7, hb * 8 + 8);
         }
         if (hb < blocks) {
             const float *qa = packed + hb * steps * 64;
             __m512 c00 = _mm512_setzero_ps(), c01 = c00, c02 = c00, c10 = c00, c11 = c00, c12 = c00;
             __m512 c20 = c00, c21 = c00, c22 = c00, c30 = c00, c31 = c00, c32 = c00;
-            int64_t d = 0;
-            if (hb == 0)
-                for (; d < full; d += 8, qa += 64) {
-                    PREFETCH_KEYS(d);
-                    DOT8_STEP(LOAD_FULL);
-                }
-            else
-                for (; d < full; d += 8, qa += 64)
-                    DOT8_STEP(LOAD_FULL);
-            if (d < dim)
-                DOT8_STEP(LOAD_TAIL);
-            STORE_PAIR(0, hb * 8);
-            STORE_PAIR(1, hb * 8 + 2);
-            STORE_PAIR(2, hb * 8 + 4);
-            STORE_PAIR(3, hb * 8 + 6);
+            DOT_COLUMNS(DOT8_STEP, qa += 64);
+            STORE_BLOCK(0, 1, 2, 3, hb * 8);
         }
     }
     free(own);
