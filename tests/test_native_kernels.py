@@ -899,3 +899,58 @@ def test_bf16_operators_form_scores_with_bf16_dot_products(monkeypatch, kind):
     assert seen and not any(seen)
     for a, c in zip(dots, sgemm, strict=True):
         torch.testing.assert_close(a, c, rtol=1e-2, atol=1e-2)  # bf16 outputs: one bf16 ulp apart at most
+
+
+def _fused_forward_cases() -> list[dict]:
+    """flash_attention_score inputs through the fused forward: fp32 / fp16 / bf16, BNSD and BSND (strided rows), GQA,
+    an unmasked run, a causal one (masked sub-blocks) and a band, with NaN and -inf logits and a row of zeros."""
+    gen = torch.Generator().manual_seed(11)
+    cases = []
+    for dtype in (torch.float32, torch.float16, torch.bfloat16):
+        q = torch.randn(2, 4, 300, 64, generator=gen) * 3
+        k, v = torch.randn(2, 2, 333, 64, generator=gen) * 3, torch.randn(2, 2, 333, 64, generator=gen)
+        q[1, 2, 17] = math.nan
+        k[0, 1, 5] = -math.inf
+        q[0, 0, 3] = 0.0
+        q, k, v = (t.to(dtype) for t in (q, k, v))
+        for layout in ("BNSD", "BSND"):
+            args = (q, k, v) if layout == "BNSD" else tuple(t.transpose(1, 2).contiguous() for t in (q, k, v))
+            for extra in ({}, {"atten_mask": cann_attn.compressed_mask(3), "sparse_mode": 3},
+                          {"atten_mask": cann_attn.compressed_mask(4), "sparse_mode": 4, "pre_tokens": 40,
+                           "next_tokens": 20}):
+                cases.append({"args": args, "layout": layout, **extra})
+    return cases
+
+
+def _fused_forward_bits() -> list[torch.Tensor]:
+    out = []
+    for case in _fused_forward_cases():
+        kw = {key: val for key, val in case.items() if key not in ("args", "layout")}
+        r = cann_attn.flash_attention_score(*case["args"], 4, case["layout"], scale_value=0.125, **kw)
+        out += [t.contiguous().view(torch.uint8) for t in (r.attention_out, r.softmax_max, r.softmax_sum)]
+    return out
+
+
+@pytest.mark.skipif(not native.has_sgemm(), reason="no BLAS sgemm: the fused forward does not run")
+def test_fused_forward_ends_are_bitwise_the_python_ones(monkeypatch):
+    """The query rows read and scaled in the loops and the rows finished there (`native.ForwardIo`: output division
+    rounded to fp32 or fp16, statistics, the non-finite check) give the bits of the Python query tile and
+    normalisation."""
+    from cann_attn.backends.reference import flash_forward
+
+    in_loops = _fused_forward_bits()
+    monkeypatch.setattr(flash_forward.RunKernel, "fused_io", lambda *args: None)
+    in_python = _fused_forward_bits()
+    for a, b in zip(in_loops, in_python, strict=True):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.skipif(not native.has_sgemm() or not native.set_avx512(True), reason="no sgemm or no AVX-512F")
+def test_avx512_fused_forward_is_bitwise_the_avx2_one():
+    """The fused forward's AVX-512 steps (row_max16, row_exp_max without exp2's clamps and with VREDUCEPS, the query
+    rows' scaling) give the AVX2 loops' bits."""
+    def run(avx512: bool) -> list[torch.Tensor]:
+        assert native.set_avx512(avx512) == avx512
+        return _fused_forward_bits()
+
+    _assert_same_bits_both_ways(run)
