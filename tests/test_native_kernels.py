@@ -5,6 +5,10 @@ loops on and off, and the fallback when the library cannot be built."""
 from __future__ import annotations
 
 import math
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -669,6 +673,21 @@ def test_fused_dense_backward_blocks(case, min_items, scores):
     for a, b, w, s0 in zip(one, two, want, start, strict=True):
         assert torch.equal(a, b)
         torch.testing.assert_close(a.double(), w + s0.transpose(0, 1).double(), rtol=1e-4, atol=5e-5)
+
+
+@pytest.mark.skipif(not native.has_sgemm(), reason="no BLAS sgemm found: the fused loops are off")
+def test_fused_loops_do_not_depend_on_the_thread_count_on_mkl_avx2_kernels(tmp_path):
+    """The fused forward and backward's 1- vs 2-thread checks again, in a child process with MKL held to its AVX2
+    kernels (those of AVX2-only CPUs): there sgemm picks other kernels when it may use 2 threads than 1, even inside
+    the loops' parallel region, unless each call's MKL thread count is 1 (attention_loops.c, ON_ONE_THREAD). Without
+    MKL the variable does nothing and the checks run as above."""
+    env = dict(os.environ, MKL_ENABLE_INSTRUCTIONS="AVX2", PYTHONDONTWRITEBYTECODE="1",
+               PYTHONPATH=os.pathsep.join([str(Path(cann_attn.__file__).parents[1]), os.environ.get("PYTHONPATH", "")]))
+    env.pop("MKL_CBWR", None)
+    run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-k",
+                          "test_fused_dense_forward_blocks or test_fused_dense_backward_blocks", __file__],
+                         env=env, capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert run.returncode == 0 and " passed" in run.stdout, (run.stdout + run.stderr)[-4000:]
 
 
 @pytest.mark.parametrize("scores", SCORES)

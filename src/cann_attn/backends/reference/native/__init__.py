@@ -64,6 +64,7 @@ _SIGNATURES = {
     "cann_attn_set_sgemm": [_P],
     "cann_attn_has_sgemm": [],
     "cann_attn_set_sgemm_pack": [_P, _P, _P],
+    "cann_attn_set_blas_threads": [_P],
     "cann_attn_has_sgemm_pack": [],
     "fa_forward_blocks": [_P, _I, _I, _I, _P, _I, _I, _P, _I, _I, _I, _I, _P, _P, _P, _I, _I, _P, _P, _I, _I, _I,
                           _F, _F, _P, _P, _P, _P, _P, _P],
@@ -172,6 +173,7 @@ def _load() -> ctypes.CDLL | None:
     if sgemm is not None:
         lib.cann_attn_set_sgemm(sgemm)
         lib.cann_attn_set_sgemm_pack(*(_torch_cpu_symbol((name,)) for name in SGEMM_PACK_NAMES))
+        lib.cann_attn_set_blas_threads(_torch_cpu_symbol(BLAS_THREADS_NAMES))
     lib.cann_attn_set_avx512(0 if _switched_off(AVX512_SWITCH) else 1)
     return lib
 
@@ -184,6 +186,12 @@ SGEMM_NAMES = ("sgemm_", "SGEMM")
 # MKL's packed-operand GEMM (LP64 Fortran interface), which the fused backward uses where all three are exported
 # (attention_loops.c, pack_rows_t); other BLAS builds lack it and the loops call sgemm alone.
 SGEMM_PACK_NAMES = ("SGEMM_PACK_GET_SIZE", "SGEMM_PACK", "SGEMM_COMPUTE")
+
+
+# MKL's per-thread thread count, C interface (by value; MKL's lower-case `mkl_set_num_threads_local` is the Fortran
+# one, by reference): the loops set it to 1 around each BLAS call so that MKL gives the same bits whatever the
+# OpenMP team size (attention_loops.c, ON_ONE_THREAD). Absent from other BLAS builds, which then run as they are.
+BLAS_THREADS_NAMES = ("MKL_Set_Num_Threads_Local",)
 
 
 def _torch_sgemm() -> int | None:
