@@ -107,6 +107,21 @@ class SequenceMask:
             return None
         return j0 - i0, i1 - i0, j1 - j0
 
+    def bias_tile(self, i0: int, i1: int, j0: int, j1: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        """`masked_tile` as a 0 / MASKED_LOGIT additive tile of `dtype` (`mask_bias`). Tiles with a `tile_key` come from
+        a process-wide cache shared by every call with the same band: read-only, callers must never modify them."""
+        key = self.tile_key(i0, i1, j0, j1)
+        if key is None:
+            return mask_bias(self.masked_tile(i0, i1, j0, j1, device), dtype)
+        key = (self.lower, self.upper, *key, dtype, str(device))
+        bias = _BIAS_TILES.get(key)
+        if bias is None:
+            bias = mask_bias(self.masked_tile(i0, i1, j0, j1, device), dtype)
+            if sum(t.numel() for t in list(_BIAS_TILES.values())) + bias.numel() > BIAS_CACHE_ELEMENTS:
+                _BIAS_TILES.clear()
+            bias = _BIAS_TILES.setdefault(key, bias)
+        return bias
+
     def explicit_tile_all_masked(self, i0: int, i1: int, j0: int, j1: int) -> bool:
         """True when the explicit mask hides the whole tile (lets kernels skip it)."""
         if self.explicit is None:
@@ -117,6 +132,13 @@ class SequenceMask:
 
 # The additive form of "masked" in a 0 / -inf mask tile.
 MASKED_LOGIT = float("-inf")
+
+# Band-only bias tiles (`SequenceMask.bias_tile`), kept across calls: building one is ~6 elementwise passes over the
+# tile, each a parallel region of PyTorch's threads, serial work between the native calls (~12 ms per pass on the
+# shared 2-core machine when a thread has to wait for a busy core). Bounded (32 MiB of fp32); no lock, as
+# `_MASK_CACHE` below: a race builds a tile twice at worst.
+BIAS_CACHE_ELEMENTS = 1 << 23
+_BIAS_TILES: dict[tuple, torch.Tensor] = {}
 
 
 def mask_bias(masked: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

@@ -31,7 +31,7 @@ import torch
 
 from ...problem import sink as sinks
 from ...problem.attention import AttentionProblem, Run
-from ...problem.mask import TileState, add_mask_bias, mask_bias
+from ...problem.mask import TileState, add_mask_bias
 from ...problem.pse import ALIBI_TYPES
 from ...problem.stats import FLT_MAX, accumulation_dtype, value_column_scales
 from . import native
@@ -189,7 +189,6 @@ class RunKernel:
         rows = c * problem.heads_q * self.block_q * self.max_width
         self._buffer = torch.empty(rows, dtype=self.dtype, device=self.device)
         self._scratch: torch.Tensor | None = None
-        self._mask_biases: dict[tuple[int, int, int], torch.Tensor] = {}
         # bf16 inputs: the score products from the inputs themselves with AVX512-BF16 dot products (exact products,
         # fp32 sums: the fp32 GEMM of the upcast inputs up to summation order); generated ALiBi is added after them.
         self.k16 = self.v16 = None
@@ -334,14 +333,8 @@ class RunKernel:
 
     def _mask_bias(self, i0: int, i1: int, j0: int, j1: int) -> torch.Tensor:
         """The tile's mask as a 0 / -inf additive tile (adding it is ~10x faster than masked_fill_ with a mask
-        broadcast over heads), reused across tiles with the same pattern (every diagonal tile of a causal mask)."""
-        key = self.run.mask.tile_key(i0, i1, j0, j1)
-        bias = self._mask_biases.get(key) if key is not None else None
-        if bias is None:
-            bias = mask_bias(self.run.mask.masked_tile(i0, i1, j0, j1, self.device), self.dtype)
-            if key is not None:
-                self._mask_biases[key] = bias
-        return bias
+        broadcast over heads), shared by tiles and calls with the same pattern (`SequenceMask.bias_tile`): read-only."""
+        return self.run.mask.bias_tile(i0, i1, j0, j1, self.dtype, self.device)
 
     def _softmax_step(self, s: torch.Tensor, row_max: torch.Tensor, row_sum: torch.Tensor) -> torch.Tensor:
         """Online softmax over one score tile s [c, heads, rows, cols] in place (s becomes the exponentials),
