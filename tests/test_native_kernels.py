@@ -762,6 +762,36 @@ def test_fused_backward_from_packed_pieces_is_bitwise_sgemm():
         assert torch.equal(a, b)
 
 
+@pytest.mark.skipif(not native.library().cann_attn_has_sgemm_pack(), reason="the BLAS has no sgemm_pack")
+@pytest.mark.parametrize("dtype, heads_kv, alibi", [(torch.float32, 2, False), (torch.float16, 1, False),
+                                                    (torch.float32, 2, True)])
+def test_fused_forward_from_packed_pieces_is_bitwise_sgemm(dtype, heads_kv, alibi):
+    """The fused forward's scores from key pieces packed once per call (a call of 1024 rows: four 256-row blocks;
+    pieces of at least 256 keys, here 512 of 700 and not the last 188) are the floats of plain sgemm calls, for whole
+    blocks and beside the plain ones (the 76 rows of the second call, the narrow piece, ALiBi's skipped runs)."""
+    gen = torch.Generator().manual_seed(19)
+    q = torch.randn(1, 2, 1100, 64, generator=gen).to(dtype)
+    k, v = (torch.randn(1, heads_kv, 700, 64, generator=gen).to(dtype) for _ in range(2))
+    pse = {"pse": torch.tensor([0.5, 0.125]), "pse_type": 2} if alibi else {}
+    lib = native.library()
+
+    def run():
+        fwd = cann_attn.flash_attention_score(q, k, v, 2, "BNSD", scale_value=0.125, **pse)
+        return fwd.attention_out, fwd.softmax_max, fwd.softmax_sum
+
+    lib.cann_attn_forward_packed_gemms()
+    packed = run()
+    assert lib.cann_attn_forward_packed_gemms() > 0  # the packed path was taken
+    try:
+        lib.cann_attn_set_sgemm_pack(None, None, None)
+        plain = run()
+        assert lib.cann_attn_forward_packed_gemms() == 0
+    finally:
+        lib.cann_attn_set_sgemm_pack(*(native._torch_cpu_symbol((name,)) for name in native.SGEMM_PACK_NAMES))
+    for a, b in zip(packed, plain, strict=True):
+        assert torch.equal(a, b)
+
+
 def test_blas_switch(monkeypatch):
     assert native.has_sgemm()
     monkeypatch.setenv(native.BLAS_SWITCH, "0")

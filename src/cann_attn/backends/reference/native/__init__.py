@@ -72,6 +72,7 @@ _SIGNATURES = {
                            _P, _F, _I, _I, _I, _F, _F, _P, _P, _P, _I, _I, _P, _I, _I, _P, _I, _I],
     "cann_attn_has_bf16_dot": [],
     "cann_attn_alibi_skipped_terms": [],
+    "cann_attn_forward_packed_gemms": [],
     "cann_attn_has_f16c": [],
     "cann_attn_has_avx512": [],
     "cann_attn_set_avx512": [ctypes.c_int],
@@ -80,7 +81,7 @@ _SIGNATURES = {
 }
 _INT_RESULTS = ("cann_attn_cpu_supported", "cann_attn_has_sgemm", "cann_attn_has_sgemm_pack", "cann_attn_has_bf16_dot",
                 "cann_attn_has_f16c", "cann_attn_has_avx512", "cann_attn_set_avx512")
-_INT64_RESULTS = ("cann_attn_alibi_skipped_terms",)
+_INT64_RESULTS = ("cann_attn_alibi_skipped_terms", "cann_attn_forward_packed_gemms")
 
 _lock = threading.Lock()
 _state: dict[str, object] = {}

@@ -1341,18 +1341,21 @@ static int alibi_reaches(const struct alibi_rows *a, int64_t e, int64_t r, int64
     return 0;
 }
 
-/* Rows times key columns skipped by alibi_reaches since the last read (tests check that a case exercises it). */
-static int64_t alibi_skipped_terms = 0;
-
-int64_t cann_attn_alibi_skipped_terms(void) {
+/* A test counter's value, reset to 0. */
+static int64_t take_count(int64_t *count) {
     int64_t n;
 #pragma omp atomic capture
     {
-        n = alibi_skipped_terms;
-        alibi_skipped_terms = 0;
+        n = *count;
+        *count = 0;
     }
     return n;
 }
+
+/* Rows times key columns skipped by alibi_reaches since the last read (tests check that a case exercises it). */
+static int64_t alibi_skipped_terms = 0;
+
+int64_t cann_attn_alibi_skipped_terms(void) { return take_count(&alibi_skipped_terms); }
 
 /* The next run of rows in [*a0, end) (row indices from row0; shift: those rows' maxima) whose ALiBi blocks of
  * ALIBI_SUB_ROWS rows may reach the key columns [c0, c0 + w) of entry e: *a0 moves past the blocks that do not (every
@@ -1493,16 +1496,19 @@ __attribute__((target("avx512f"))) static float row_max16(const float *s, int64_
  * and the keep bits from keep_first[i] + keep_col (keep NULL: no dropout). With q16 (the rows' bf16 queries, unscaled)
  * the scores are scale * q16 K^T from the piece's keys packed by pack_piece (packed_w wide; these columns start at
  * packed_col). With `al`, the rows' generated ALiBi (their first row is arow over all entries; these columns start at
- * key column j_abs) is added before the mask. s: an [n, round8(w)] scratch block. */
+ * key column j_abs) is added before the mask. With sk (NULL: none), the fp32 scores take the piece's keys packed by
+ * pack_rows_t. s: an [n, round8(w)] scratch block. */
 static void forward_piece(const float *qr, int64_t n, int64_t dk, const float *kc, int64_t ldk, const float *vc,
                           int64_t ldv, int64_t dv, int64_t w, const float *bias, int64_t bias_r0, int64_t bias_rows,
                           int64_t tile_w, int64_t bias_col, const uint8_t *keep, const int64_t *keep_first,
                           int64_t keep_col, float log2e, float floor2, const uint16_t *q16, int64_t d16,
                           const uint32_t *packed, int64_t packed_w, int64_t packed_col, float scale,
-                          float *features, const struct alibi_rows *al, int64_t arow, int64_t j_abs, float *s,
-                          float *m, float *l, float *o) {
+                          float *features, const struct alibi_rows *al, int64_t arow, int64_t j_abs, const float *sk,
+                          float *s, float *m, float *l, float *o) {
     const int64_t lds = round8(w);
-    if (!q16) {
+    if (sk) {
+        gemm_nt_packed((int)n, (int)w, (int)dk, qr, (int)dk, sk, s, (int)lds);
+    } else if (!q16) {
         gemm_nt((int)n, (int)w, (int)dk, qr, (int)dk, kc, (int)ldk, 0.0f, s, (int)lds);
     } else {
         gemm_nt_bf16(n, w, d16, q16, d16, packed, packed_w, packed_col, scale, s, lds);
@@ -1531,6 +1537,43 @@ static void forward_piece(const float *qr, int64_t n, int64_t dk, const float *k
     }
     gemm_nn((int)n, (int)dv, (int)w, s, (int)lds, vc, (int)ldv, 1.0f, o, (int)dv);
 }
+
+/* The key tiles cut into pieces at most `sub_cols` wide: piece p covers [pj0[p], pj1[p]) of tile ptile[p]. Returns
+ * the number of pieces (the arrays hold n_cols / 1 + n_tiles entries at most, allocated by the caller). */
+static int64_t key_pieces(int64_t n_tiles, const int64_t *tj0, const int64_t *tj1, int64_t sub_cols, int64_t *pj0,
+                          int64_t *pj1, int64_t *ptile) {
+    int64_t n = 0;
+    for (int64_t t = 0; t < n_tiles; ++t)
+        for (int64_t c0 = tj0[t]; c0 < tj1[t]; c0 += sub_cols) {
+            pj0[n] = c0;
+            pj1[n] = tj1[t] - c0 < sub_cols ? tj1[t] : c0 + sub_cols;
+            ptile[n++] = t;
+        }
+    return n;
+}
+
+/* The fp32 S and dP of whole row blocks of at least PACK_MIN_ROWS rows against whole key pieces of at least
+ * PACK_MIN_COLS keys take the packed path (pack_rows_t): there MKL's sgemm_compute gave the floats of its sgemm
+ * (checked with 64-128 rows, widths 256-512 and depths 8-256, on its AVX-512 kernels and with
+ * MKL_ENABLE_INSTRUCTIONS=AVX2; narrower pieces or 16 rows differed on the AVX2 ones, 8 rows or fewer on both). */
+#define PACK_MIN_ROWS 64
+#define PACK_MIN_COLS 256
+/* Whole row blocks a call needs for the packed path: causal tiles of 256 rows (two blocks) measured 2% slower packed
+ * (the packing and its buffers cost about what the one saved re-pack did); 2048-row tiles 2-3% faster. */
+#define PACK_MIN_BLOCKS 4
+/* Bound on a fused forward call's packed key pieces (fa_forward_blocks): 8 MB holds the pieces of 8 entries of 2048
+ * keys, d 128 (B=1 N=8 S=2048 D=128 fp32, one thread: 1.4-2.4% faster than re-packing per block; with 2 MB, one entry
+ * per group, 1.4%). Its 1024-row calls pack; masked 256-row tiles of one head (one block) do not. */
+#define FORWARD_PACK_BYTES ((int64_t)8 << 20)
+/* Keys of a piece the forward packs, in calls without a bias tile: PFA's GQA 8/2 causal tiles (4 heads x 256 rows,
+ * 256-key pieces, or 512-key ones among masked tiles) measured 2.7-3.8% slower packed (one thread, alternated in one
+ * process): masked pieces are cut to their live columns, which the packed pieces do not serve. */
+#define FORWARD_PACK_MIN_COLS 512
+
+/* Score GEMMs of fa_forward_blocks from packed key pieces since the last read (tests check that a case takes them). */
+static int64_t forward_packed_gemms = 0;
+
+int64_t cann_attn_forward_packed_gemms(void) { return take_count(&forward_packed_gemms); }
 
 /* The optional ends of a fused forward call (fa_forward_blocks). With `q`, a row block's query rows are read from the
  * query tile itself (unscaled, fp32 / fp16 / bf16 by q_dtype 0 / 1 / 2, [count, N1, head_rows, dk] by the element
@@ -1675,6 +1718,26 @@ void fa_forward_blocks(const float *q, int64_t entries, int64_t rows, int64_t dk
     const int64_t d16 = q16 ? bf->d16 : dk;
     /* The fp32 query rows are read only without bf16 scores, or for their feature columns. */
     const int own_q = io && io->q && (!q16 || dk > d16), own_o = io && io->out;
+    /* fp32 scores of whole row blocks from key pieces packed once per call (pack_rows_t) where the call has
+     * PACK_MIN_BLOCKS row blocks to share them: the entries go in groups whose packed pieces fit FORWARD_PACK_BYTES,
+     * each group's pieces packed before its row blocks run. Every row still meets its pieces in the same order. */
+    int64_t pieces = 0, group = entries, slot = 0;
+    float *pk = NULL;
+    if (!q16 && blas_compute && block_rows >= PACK_MIN_ROWS && rows / block_rows >= PACK_MIN_BLOCKS) {
+        int64_t wide = 0, masked = 0;
+        for (int64_t t = 0; t < n_tiles; ++t) {
+            pieces += (tj1[t] - tj0[t] + sub_cols - 1) / sub_cols;
+            wide += (tj1[t] - tj0[t]) / FORWARD_PACK_MIN_COLS;
+            masked |= bias[t] != 0;
+        }
+        if (wide && !masked) {
+            slot = (int64_t)packed_bytes((int)sub_cols, (int)block_rows, (int)dk) / (int64_t)sizeof(float);
+            group = FORWARD_PACK_BYTES / (int64_t)sizeof(float) / (pieces * slot > 0 ? pieces * slot : 1);
+            group = group < 1 ? 1 : group < entries ? group : entries;
+            pk = pieces * slot > 0 ? aligned_alloc(64, sizeof(float) * group * pieces * slot) : NULL;
+            group = pk ? group : entries;
+        }
+    }
 #pragma omp parallel
     {
         float *s = aligned_alloc(64, sizeof(float) * round8(block_rows) * round8(sub_cols));
@@ -1683,56 +1746,81 @@ void fa_forward_blocks(const float *q, int64_t entries, int64_t rows, int64_t dk
         float *q_block = own_q ? aligned_alloc(64, sizeof(float) * round8(block_rows * dk)) : NULL;
         float *o_block = own_o ? aligned_alloc(64, sizeof(float) * round8(block_rows * dv)) : NULL;
         int64_t ranges[2 * MAX_SUB_BLOCKS];
+        for (int64_t g0 = 0; g0 < entries; g0 += group) {
+            const int64_t g1 = entries - g0 < group ? entries : g0 + group;
+            if (pk) {
 #pragma omp for schedule(dynamic, 1)
-        for (int64_t item = 0; item < entries * blocks; ++item) {
-            const int64_t e = item / blocks, r0 = (item % blocks) * block_rows;
-            const int64_t n = rows - r0 < block_rows ? rows - r0 : block_rows;
-            const float *qe = q + (e * rows + r0) * dk;
-            float *m = row_max_out + e * rows + r0, *l = row_sum_out + e * rows + r0;
-            float *o = own_o ? o_block : acc + (e * rows + r0) * dv;
-            if (own_q) {
-                io_query_rows(io, e, r0, n, dk, q_block);
-                qe = q_block;
-            }
-            if (init) {
-                for (int64_t i = 0; i < n; ++i) {
-                    m[i] = -INFINITY;
-                    l[i] = 0.0f;
+                for (int64_t ep = g0 * pieces; ep < g1 * pieces; ++ep) {
+                    const int64_t e = ep / pieces;
+                    int64_t p = ep % pieces, t = 0, c0;
+                    for (; p >= (tj1[t] - tj0[t] + sub_cols - 1) / sub_cols; ++t)
+                        p -= (tj1[t] - tj0[t] + sub_cols - 1) / sub_cols;
+                    c0 = tj0[t] + p * sub_cols;
+                    const int64_t w = tj1[t] - c0 < sub_cols ? tj1[t] - c0 : sub_cols;
+                    if (w >= FORWARD_PACK_MIN_COLS)
+                        pack_rows_t((int)w, (int)block_rows, (int)dk, k + e * ske + c0 * ldk, (int)ldk,
+                                    pk + (ep - g0 * pieces) * slot);
                 }
-                memset(o, 0, sizeof(float) * n * dv);
             }
-            for (int64_t t = 0; t < n_tiles; ++t) {
-                const float *bt = bias[t] ? (const float *)(intptr_t)bias[t] + e * bias_stride : NULL;
-                const int64_t tile_w = tj1[t] - tj0[t];
-                for (int64_t c0 = tj0[t]; c0 < tj1[t]; c0 += sub_cols) {
-                    const int64_t w = tj1[t] - c0 < sub_cols ? tj1[t] - c0 : sub_cols, col = c0 - tj0[t];
-                    const int64_t step = live_blocks(bt, r0, n, bias_rows, tile_w, col, w, ranges);
-                    if (q16)
-                        pack_piece(bf->k + e * bf->ske + c0 * bf->ldk, bf->ldk, w, d16, packed);
-                    for (int64_t s0 = 0, b = 0; s0 < n; s0 += step, ++b) {
-                        const int64_t lo = ranges[2 * b], hi = ranges[2 * b + 1];
-                        if (lo >= hi)
-                            continue; /* every term 0: the row state would not change */
-                        const int64_t end = s0 + (n - s0 < step ? n - s0 : step), row0 = e * rows + r0;
-                        /* Runs of rows whose ALiBi terms may reach these columns; the others' terms are all 0. */
-                        for (int64_t a0 = s0; a0 < end;) {
-                            const int64_t a1 = alibi_live_run(al, e, row0, &a0, end, c0 + lo, hi - lo, m, log2e,
-                                                              floor2);
-                            if (a0 >= end)
-                                break;
-                            forward_piece(qe + a0 * dk, a1 - a0, dk, k + e * ske + (c0 + lo) * ldk, ldk,
-                                          v + e * sve + (c0 + lo) * ldv, ldv, dv, hi - lo, bt, r0 + a0, bias_rows,
-                                          tile_w, col + lo, keep, keep ? keep_first + e * rows + r0 + a0 : NULL,
-                                          col + lo, log2e, floor2, q16 ? q16 + (e * rows + r0 + a0) * d16 : NULL,
-                                          d16, packed, w, lo, q16 ? bf->scale : 0.0f, features, al, row0 + a0,
-                                          c0 + lo, s, m + a0, l + a0, o + a0 * dv);
-                            a0 = a1;
+#pragma omp for schedule(dynamic, 1)
+            for (int64_t item = g0 * blocks; item < g1 * blocks; ++item) {
+                const int64_t e = item / blocks, r0 = (item % blocks) * block_rows;
+                const float *pe = pk ? pk + (e - g0) * pieces * slot : NULL;
+                const int64_t n = rows - r0 < block_rows ? rows - r0 : block_rows;
+                const float *qe = q + (e * rows + r0) * dk;
+                float *m = row_max_out + e * rows + r0, *l = row_sum_out + e * rows + r0;
+                float *o = own_o ? o_block : acc + (e * rows + r0) * dv;
+                if (own_q) {
+                    io_query_rows(io, e, r0, n, dk, q_block);
+                    qe = q_block;
+                }
+                if (init) {
+                    for (int64_t i = 0; i < n; ++i) {
+                        m[i] = -INFINITY;
+                        l[i] = 0.0f;
+                    }
+                    memset(o, 0, sizeof(float) * n * dv);
+                }
+                for (int64_t t = 0; t < n_tiles; ++t) {
+                    const float *bt = bias[t] ? (const float *)(intptr_t)bias[t] + e * bias_stride : NULL;
+                    const int64_t tile_w = tj1[t] - tj0[t];
+                    for (int64_t c0 = tj0[t]; c0 < tj1[t]; c0 += sub_cols, pe = pe ? pe + slot : NULL) {
+                        const int64_t w = tj1[t] - c0 < sub_cols ? tj1[t] - c0 : sub_cols, col = c0 - tj0[t];
+                        const int64_t step = live_blocks(bt, r0, n, bias_rows, tile_w, col, w, ranges);
+                        if (q16)
+                            pack_piece(bf->k + e * bf->ske + c0 * bf->ldk, bf->ldk, w, d16, packed);
+                        for (int64_t s0 = 0, b = 0; s0 < n; s0 += step, ++b) {
+                            const int64_t lo = ranges[2 * b], hi = ranges[2 * b + 1];
+                            if (lo >= hi)
+                                continue; /* every term 0: the row state would not change */
+                            const int64_t end = s0 + (n - s0 < step ? n - s0 : step), row0 = e * rows + r0;
+                            /* Runs of rows whose ALiBi terms may reach these columns; the others' terms are all 0. */
+                            for (int64_t a0 = s0; a0 < end;) {
+                                const int64_t a1 = alibi_live_run(al, e, row0, &a0, end, c0 + lo, hi - lo, m, log2e,
+                                                                  floor2);
+                                if (a0 >= end)
+                                    break;
+                                /* the packed pieces serve whole blocks of whole pieces only (their n, m and columns) */
+                                const int whole = pe && w >= FORWARD_PACK_MIN_COLS && lo == 0 && hi == w &&
+                                                  a1 - a0 == block_rows;
+                                if (whole) {
+#pragma omp atomic
+                                    forward_packed_gemms += 1;
+                                }
+                                forward_piece(qe + a0 * dk, a1 - a0, dk, k + e * ske + (c0 + lo) * ldk, ldk,
+                                              v + e * sve + (c0 + lo) * ldv, ldv, dv, hi - lo, bt, r0 + a0, bias_rows,
+                                              tile_w, col + lo, keep, keep ? keep_first + e * rows + r0 + a0 : NULL,
+                                              col + lo, log2e, floor2, q16 ? q16 + (e * rows + r0 + a0) * d16 : NULL,
+                                              d16, packed, w, lo, q16 ? bf->scale : 0.0f, features, al, row0 + a0,
+                                              c0 + lo, whole ? pe : NULL, s, m + a0, l + a0, o + a0 * dv);
+                                a0 = a1;
+                            }
                         }
                     }
                 }
+                if (own_o)
+                    io_finish_rows(io, e, r0, n, dv, m, l, o);
             }
-            if (own_o)
-                io_finish_rows(io, e, r0, n, dv, m, l, o);
         }
         free(o_block);
         free(q_block);
@@ -1740,31 +1828,8 @@ void fa_forward_blocks(const float *q, int64_t entries, int64_t rows, int64_t dk
         free(packed);
         free(s);
     }
+    free(pk);
 }
-
-/* The key tiles cut into pieces at most `sub_cols` wide: piece p covers [pj0[p], pj1[p]) of tile ptile[p]. Returns
- * the number of pieces (the arrays hold n_cols / 1 + n_tiles entries at most, allocated by the caller). */
-static int64_t key_pieces(int64_t n_tiles, const int64_t *tj0, const int64_t *tj1, int64_t sub_cols, int64_t *pj0,
-                          int64_t *pj1, int64_t *ptile) {
-    int64_t n = 0;
-    for (int64_t t = 0; t < n_tiles; ++t)
-        for (int64_t c0 = tj0[t]; c0 < tj1[t]; c0 += sub_cols) {
-            pj0[n] = c0;
-            pj1[n] = tj1[t] - c0 < sub_cols ? tj1[t] : c0 + sub_cols;
-            ptile[n++] = t;
-        }
-    return n;
-}
-
-/* The fp32 S and dP of whole row blocks of at least PACK_MIN_ROWS rows against whole key pieces of at least
- * PACK_MIN_COLS keys take the packed path (pack_rows_t): there MKL's sgemm_compute gave the floats of its sgemm
- * (checked with 64-128 rows, widths 256-512 and depths 8-256, on its AVX-512 kernels and with
- * MKL_ENABLE_INSTRUCTIONS=AVX2; narrower pieces or 16 rows differed on the AVX2 ones, 8 rows or fewer on both). */
-#define PACK_MIN_ROWS 64
-#define PACK_MIN_COLS 256
-/* Whole row blocks a call needs for the packed path: causal tiles of 256 rows (two blocks) measured 2% slower packed
- * (the packing and its buffers cost about what the one saved re-pack did); 2048-row tiles 2-3% faster. */
-#define PACK_MIN_BLOCKS 4
 
 /* The per-row inputs of a fused backward call, shared by its pieces (fa_backward_blocks documents them). */
 struct backward_rows {
