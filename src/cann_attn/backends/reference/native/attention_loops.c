@@ -1561,10 +1561,11 @@ static int64_t key_pieces(int64_t n_tiles, const int64_t *tj0, const int64_t *tj
 /* Whole row blocks a call needs for the packed path: causal tiles of 256 rows (two blocks) measured 2% slower packed
  * (the packing and its buffers cost about what the one saved re-pack did); 2048-row tiles 2-3% faster. */
 #define PACK_MIN_BLOCKS 4
-/* Bound on a fused forward call's packed key pieces (fa_forward_blocks): 8 MB holds the pieces of 8 entries of 2048
- * keys, d 128 (B=1 N=8 S=2048 D=128 fp32, one thread: 1.4-2.4% faster than re-packing per block; with 2 MB, one entry
- * per group, 1.4%). Its 1024-row calls pack; masked 256-row tiles of one head (one block) do not. */
-#define FORWARD_PACK_BYTES ((int64_t)8 << 20)
+/* Bound on a fused forward call's packed key pieces (fa_forward_blocks): 2 MB holds the pieces of one entry of 2048
+ * keys, d 128, so each entry's are packed just before its row blocks run (B=1 N=8 S=2048 D=128 fp32, one thread,
+ * alternated in one process: forward 2.5-3.7% faster than re-packing per block, forward + backward -1.2..+0.5%; with
+ * 8 MB, all 8 entries at once, the forward gained 1.4-2.4% and forward + backward lost 0.6-1.6%). */
+#define FORWARD_PACK_BYTES ((int64_t)2 << 20)
 /* Keys of a piece the forward packs, in calls without a bias tile: PFA's GQA 8/2 causal tiles (4 heads x 256 rows,
  * 256-key pieces, or 512-key ones among masked tiles) measured 2.7-3.8% slower packed (one thread, alternated in one
  * process): masked pieces are cut to their live columns, which the packed pieces do not serve. */
