@@ -96,10 +96,13 @@ static int64_t compact_row(const int64_t *tok, const uint8_t *valid, int64_t w, 
     const float *P##2 = nh > 2 ? P##0 + 2 * (STRIDE) : P##0;                                                         \
     const float *P##3 = nh > 3 ? P##0 + 3 * (STRIDE) : P##0
 
-/* The 12 accumulators c00..c32 of the 4 x 3 register block, zeroed. */
-#define ZERO_BLOCK                                                                                                   \
-    __m256 c00 = _mm256_setzero_ps(), c01 = c00, c02 = c00, c10 = c00, c11 = c00, c12 = c00;                         \
-    __m256 c20 = c00, c21 = c00, c22 = c00, c30 = c00, c31 = c00, c32 = c00
+/* The 12 accumulators c00..c32 of a 4 x 3 register block of vector type T, zeroed (ZERO_BLOCK: AVX2;
+ * ZERO_BLOCK16: AVX-512). */
+#define ZERO_SUMS(T, ZERO)                                                                                           \
+    T c00 = ZERO, c01 = c00, c02 = c00, c10 = c00, c11 = c00, c12 = c00;                                             \
+    T c20 = c00, c21 = c00, c22 = c00, c30 = c00, c31 = c00, c32 = c00
+#define ZERO_BLOCK ZERO_SUMS(__m256, _mm256_setzero_ps())
+#define ZERO_BLOCK16 ZERO_SUMS(__m512, _mm512_setzero_ps())
 
 /* Row i of the 4 x 3 register block of row_dots / row_combine: c_i0..c_i2 += y * (x0, x1, x2). */
 #define FMA_ROW(i, y)                                                                                                \
@@ -272,8 +275,7 @@ __attribute__((target("avx512f"))) static int64_t row_dots16(const float *a, int
         int64_t hb = 0;
         for (; hb + 2 <= blocks; hb += 2) {
             const float *qa = packed + hb * steps * 64, *qc = qa + steps * 64;
-            __m512 c00 = _mm512_setzero_ps(), c01 = c00, c02 = c00, c10 = c00, c11 = c00, c12 = c00;
-            __m512 c20 = c00, c21 = c00, c22 = c00, c30 = c00, c31 = c00, c32 = c00;
+            ZERO_BLOCK16;
             __m512 c40 = c00, c41 = c00, c42 = c00, c50 = c00, c51 = c00, c52 = c00;
             __m512 c60 = c00, c61 = c00, c62 = c00, c70 = c00, c71 = c00, c72 = c00;
             DOT_COLUMNS(DOT16_STEP, (qa += 64, qc += 64));
@@ -282,8 +284,7 @@ __attribute__((target("avx512f"))) static int64_t row_dots16(const float *a, int
         }
         if (hb < blocks) {
             const float *qa = packed + hb * steps * 64;
-            __m512 c00 = _mm512_setzero_ps(), c01 = c00, c02 = c00, c10 = c00, c11 = c00, c12 = c00;
-            __m512 c20 = c00, c21 = c00, c22 = c00, c30 = c00, c31 = c00, c32 = c00;
+            ZERO_BLOCK16;
             DOT_COLUMNS(DOT8_STEP, qa += 64);
             STORE_BLOCK(0, 1, 2, 3, hb * 8);
         }
@@ -381,8 +382,7 @@ __attribute__((target("avx512f"))) static void row_combine48(const float *w, int
         for (int64_t h0 = 0; h0 < heads; h0 += 4) {
             const int64_t nh = heads - h0 < 4 ? heads - h0 : 4;
             BLOCK_ROWS(w, w + h0 * ts, ts);
-            __m512 c00 = _mm512_setzero_ps(), c01 = c00, c02 = c00, c10 = c00, c11 = c00, c12 = c00;
-            __m512 c20 = c00, c21 = c00, c22 = c00, c30 = c00, c31 = c00, c32 = c00;
+            ZERO_BLOCK16;
             if (cols == 48)
                 for (int64_t j = 0; j < n; ++j)
                     COMBINE48_STEP(LOAD16);
