@@ -1,5 +1,5 @@
 """The dense indexer pair and the quantised DSA operators under torch.compile(fullgraph=True): called directly in
-compiled code they route to their custom ops (cann_attn.library_quant) and return the eager results bit for bit;
+compiled code they route to their custom ops (cann_attn.library._quant_dsa) and return the eager results bit for bit;
 the differentiable `dense_indexer_kl_loss` gives the eager gradients ("aot_eager": dynamo + AOT autograd over the
 real ops)."""
 

@@ -6,18 +6,18 @@ tensors to int lists."""
 import torch
 from torch import Tensor
 
-from .ops.dense_indexer import (
+from ..ops.dense_indexer import (
     DenseLightningIndexerGradKLLossResult,
     DenseLightningIndexerSoftmaxLseResult,
 )
-from .ops.dense_indexer import dense_lightning_indexer_grad_kl_loss as _eager_dense_grad_kl_loss
-from .ops.dense_indexer import dense_lightning_indexer_softmax_lse as _eager_dense_softmax_lse
-from .ops.quant_dsa import kv_quant_sparse_flash_attention as _eager_kv_quant_sfa
-from .ops.quant_dsa import quant_lightning_indexer as _eager_quant_lightning_indexer
-from .ops.sparse_flash_attention import INT64_MAX
-from .problem.dequant import LATENT_DIM
-from .problem.lengths import to_int_list
-from .problem.stats import accumulation_dtype
+from ..ops.dense_indexer import dense_lightning_indexer_grad_kl_loss as _eager_dense_grad_kl_loss
+from ..ops.dense_indexer import dense_lightning_indexer_softmax_lse as _eager_dense_softmax_lse
+from ..ops.quant_dsa import kv_quant_sparse_flash_attention as _eager_kv_quant_sfa
+from ..ops.quant_dsa import quant_lightning_indexer as _eager_quant_lightning_indexer
+from ..ops.sparse_flash_attention import INT64_MAX
+from ..problem.dequant import LATENT_DIM
+from ..problem.lengths import to_int_list
+from ..problem.stats import accumulation_dtype
 
 
 def _index_stat_shape(query_index: Tensor, layout: str) -> tuple[int, ...]:

@@ -6,10 +6,10 @@ tensors on the host, so a compiled region traces the call as one opaque node ins
 import torch
 from torch import Tensor
 
-from .ops.atb_attention import atb_flash_attention as _eager_flash_attention
-from .ops.atb_attention import atb_flash_attention_unpad as _eager_flash_attention_unpad
-from .ops.atb_attention import atb_paged_attention as _eager_paged_attention
-from .ops.atb_attention import atb_paged_attention_splitfuse as _eager_splitfuse
+from ..ops.atb_attention import atb_flash_attention as _eager_flash_attention
+from ..ops.atb_attention import atb_flash_attention_unpad as _eager_flash_attention_unpad
+from ..ops.atb_attention import atb_paged_attention as _eager_paged_attention
+from ..ops.atb_attention import atb_paged_attention_splitfuse as _eager_splitfuse
 
 
 @torch.library.custom_op("cann_attn::atb_paged_attention", mutates_args=("out",))
