@@ -69,3 +69,16 @@ def every_path(request, monkeypatch) -> str:
 
         monkeypatch.setenv(native.ENV_SWITCH, "0")
     return "reference"
+
+
+def pytest_collection_modifyitems(config, items) -> None:
+    """`CANN_ATTN_TEST_SAMPLE=N`: a covering sample of the parametrised cases (tests/matrix_sample.py)."""
+    from matrix_sample import covering_sample, sample_stride
+
+    stride = sample_stride()
+    if stride == 1:
+        return
+    kept, dropped = covering_sample(items, stride)
+    if dropped:
+        config.hook.pytest_deselected(items=dropped)
+        items[:] = kept

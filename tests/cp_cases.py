@@ -18,6 +18,7 @@ import torch
 import cann_attn
 import cann_attn.distributed as cp
 from cann_attn.testing.precision import assert_close_to_oracle
+from patience import COLLECTIVE_SECONDS
 
 F32, BF16 = torch.float32, torch.bfloat16
 
@@ -152,8 +153,8 @@ def run_fa_case(rank: int, world: int, device, case: dict) -> None:
     q_l, k_l, v_l = (part(t, w).requires_grad_() for t, w in ((q, "q"), (k, "kv"), (v, "kv")))
     cp_kwargs = {key: (val.to(device) if isinstance(val, torch.Tensor) else val) for key, val in kwargs.items()}
     out = cp.flash_attention(q_l, k_l, v_l, case["heads"], layout, method=case["method"], load_balance=lb,
-                             overlap=case["overlap"], keep_prob=case["keep_prob"], dropout_seed=seed, timeout=60,
-                             **cp_kwargs)
+                             overlap=case["overlap"], keep_prob=case["keep_prob"], dropout_seed=seed,
+                             timeout=COLLECTIVE_SECONDS, **cp_kwargs)
     out.backward(part(dy))
     names = ("out", "dq", "dk", "dv")
     actuals = (out, q_l.grad, k_l.grad, v_l.grad)
@@ -193,8 +194,8 @@ def run_fa_error_case(rank: int, world: int, device, case: dict) -> None:
     if case.get("full_mask"):
         kwargs.update(sparse_mode=0, atten_mask=torch.zeros(q_l.shape[dim], k_l.shape[dim], dtype=torch.bool))
     try:
-        cp.flash_attention(q_l, k_l, v_l, case["heads"], case["layout"], method=case["method"], timeout=30,
-                           **kwargs)
+        cp.flash_attention(q_l, k_l, v_l, case["heads"], case["layout"], method=case["method"],
+                           timeout=COLLECTIVE_SECONDS, **kwargs)
     except cann_attn.ParamInvalidError as exc:
         if case["expect"] not in str(exc):
             raise AssertionError(f"expected {case['expect']!r} in the error, got {exc}") from exc
@@ -344,7 +345,7 @@ def _run_dsa_case(rank: int, world: int, device, case: dict, check) -> None:
     li_kw = dict(sparse_count=count, sparse_mode=mode, **layout, **q_len,
                  **({} if not tnd else {"actual_seq_lengths_key": lengths["kv"]}))
     local = cp.lightning_indexer(part(t["query_index"]), part(t["key_index"]), part(t["weights"]),
-                                 load_balance=lb, timeout=60, **li_kw)
+                                 load_balance=lb, timeout=COLLECTIVE_SECONDS, **li_kw)
     whole = cann_attn.lightning_indexer(t["query_index"], t["key_index"], t["weights"], **li_kw).sparse_indices
     check(_assert_equal, local.sparse_indices.cpu(), part(whole).cpu(), "lightning_indexer indices")
 
@@ -365,7 +366,7 @@ def _run_dsa_case(rank: int, world: int, device, case: dict, check) -> None:
     cp_in = {k: part(t[k]).requires_grad_() for k in ("query", "key", "query_rope", "key_rope")}
     c_out = cp.sparse_attention(cp_in["query"], cp_in["key"], cp_in["key"], part(t["sparse_indices"]), scale,
                                 query_rope=cp_in["query_rope"], key_rope=cp_in["key_rope"], load_balance=lb,
-                                timeout=60, **sfa_kw)
+                                timeout=COLLECTIVE_SECONDS, **sfa_kw)
     c_out.backward(part(d_out))
     check(assert_close_to_oracle, c_out.detach().cpu(), part(g_out.detach()).cpu(),
           naive=part(n_out.detach()).cpu(), name="sparse_attention out")
@@ -412,7 +413,8 @@ def _run_dsa_case(rank: int, world: int, device, case: dict, check) -> None:
         loss = cp.indexer_kl_loss(part(t["query"]), part(t["key"]), c_in["query_index"], c_in["key_index"],
                                   c_in["weights"], part(t["sparse_indices"]), part(stats.softmax_max, stat_seq),
                                   part(stats.softmax_sum, stat_seq), scale, query_rope=part(t["query_rope"]),
-                                  key_rope=part(t["key_rope"]), reduction=reduction, load_balance=lb, timeout=60,
+                                  key_rope=part(t["key_rope"]), reduction=reduction, load_balance=lb,
+                                  timeout=COLLECTIVE_SECONDS,
                                   **{k: v for k, v in kl_kw.items() if k not in ("query_rope", "key_rope")})
         loss.backward()
         check(torch.testing.assert_close, loss.detach().cpu(), single_loss.detach(), rtol=1e-5, atol=1e-6,

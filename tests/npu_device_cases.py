@@ -13,6 +13,7 @@ from pathlib import Path
 import torch
 
 import cann_attn.torch_npu as torch_npu
+from patience import HANG_SECONDS
 
 ROOT = Path(__file__).resolve().parents[1]
 SEED, SHAPE, HEADS, SCALE = 3, (2, 8, 2, 16), 2, 0.25
@@ -58,7 +59,7 @@ def run_python(script: str, *args: str) -> subprocess.CompletedProcess:
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT / "src"), env.get("PYTHONPATH")) if p)
     return subprocess.run([sys.executable, "-c", textwrap.dedent(script), *args], env=env, cwd=ROOT,
-                          capture_output=True, text=True, timeout=600)
+                          capture_output=True, text=True, timeout=HANG_SECONDS)
 
 
 def run_npu_script(device: str, out_file: Path) -> dict:

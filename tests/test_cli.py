@@ -14,6 +14,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from patience import HANG_SECONDS
+
 
 def _cli() -> list[str]:
     script = Path(sys.executable).parent / "cann-attn"
@@ -53,7 +55,7 @@ def test_bad_usage_exits_2_with_one_line(args):
 
 
 def test_verify_quick_flash_attention_score():
-    proc = _run("verify", "--quick", "--op", "flash_attention_score", timeout=60)
+    proc = _run("verify", "--quick", "--op", "flash_attention_score", timeout=HANG_SECONDS)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     assert "flash_attention_score" in proc.stdout and "OK" in proc.stdout
 
@@ -113,7 +115,7 @@ def test_bench_all_skips_gpu_only_suites_without_cuda(tmp_path):
     if torch.cuda.is_available():
         pytest.skip("a CUDA device is present: the GPU suites run")
     env = _fake_benchmarks(tmp_path)
-    proc = subprocess.run([*_cli(), "bench"], capture_output=True, text=True, timeout=120, env=env)
+    proc = subprocess.run([*_cli(), "bench"], capture_output=True, text=True, timeout=HANG_SECONDS, env=env)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "cpu suite ran" in proc.stdout and "gpu suite ran" not in proc.stdout
     assert "skipped (no CUDA device" in proc.stdout and "gpu_case" in proc.stdout
@@ -121,8 +123,8 @@ def test_bench_all_skips_gpu_only_suites_without_cuda(tmp_path):
 
 def test_bench_named_suite_reports_its_failure(tmp_path):
     env = _fake_benchmarks(tmp_path)
-    proc = subprocess.run([*_cli(), "bench", "--suite", "gpu_case"], capture_output=True, text=True, timeout=120,
-                          env=env)
+    proc = subprocess.run([*_cli(), "bench", "--suite", "gpu_case"], capture_output=True, text=True,
+                          timeout=HANG_SECONDS, env=env)
     assert proc.returncode == 1, proc.stdout + proc.stderr
     assert "gpu suite ran" in proc.stdout and "exit status 2" in proc.stderr
 
@@ -151,7 +153,7 @@ def _device_benchmarks(tmp_path: Path) -> dict[str, str]:
 
 
 def _bench(env: dict[str, str], *args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([*_cli(), "bench", *args], capture_output=True, text=True, timeout=120, env=env)
+    return subprocess.run([*_cli(), "bench", *args], capture_output=True, text=True, timeout=HANG_SECONDS, env=env)
 
 
 def _one_line_usage_error(proc: subprocess.CompletedProcess, message: str) -> None:
@@ -224,7 +226,7 @@ def test_real_benchmarks_take_the_devices_they_declare():
 
     folder = Path(__file__).resolve().parents[1] / "benchmarks"
     proc = subprocess.run([sys.executable, "-c", _PARSE_EACH_BENCHMARK, str(folder)], capture_output=True,
-                          text=True, timeout=300)
+                          text=True, timeout=HANG_SECONDS)
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads(proc.stdout.strip().splitlines()[-1])
     assert {"fa_forward", "fa_backward", "pfa", "indexer", "sparse_attention", "gpu_dense", "gpu_dsa",

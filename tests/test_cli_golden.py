@@ -22,6 +22,7 @@ import torch
 
 from cann_attn.cli import main as cli_main
 from cann_attn.cli import tensorio
+from patience import HANG_SECONDS
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLES = sorted((ROOT / "examples" / "cases").glob("*.json"))
@@ -63,7 +64,7 @@ def _cli() -> list[str]:
 
 def _run(*args: str) -> subprocess.CompletedProcess:
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    return subprocess.run([*_cli(), *map(str, args)], capture_output=True, text=True, timeout=120, env=env)
+    return subprocess.run([*_cli(), *map(str, args)], capture_output=True, text=True, timeout=HANG_SECONDS, env=env)
 
 
 def _main(capsys, *args) -> tuple[int, str, str]:

@@ -18,6 +18,7 @@ from cann_attn.cli import cases as registry
 from cann_attn.cli import compare, verify
 from cann_attn.cli import main as cli_main
 from cann_attn.cli.metrics import TensorMetrics
+from patience import HANG_SECONDS
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -145,10 +146,11 @@ def test_bench_writes_to_a_folder_outside_the_source_tree(tmp_path):
     work.mkdir()
     env = {**os.environ, "CANN_ATTN_BENCHMARKS": str(folder), "PYTHONPATH": str(ROOT / "src")}
     proc = subprocess.run([sys.executable, "-m", "cann_attn.cli", "bench", "--suite", "echo"], cwd=work,
-                          capture_output=True, text=True, timeout=120, env=env)
+                          capture_output=True, text=True, timeout=HANG_SECONDS, env=env)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "echo ran with out cann_attn_bench" in proc.stdout
     assert f"results in {work / 'cann_attn_bench'}" in proc.stdout
     proc = subprocess.run([sys.executable, "-m", "cann_attn.cli", "bench", "--suite", "echo", "--out",
-                           str(tmp_path / "mine")], cwd=work, capture_output=True, text=True, timeout=120, env=env)
+                           str(tmp_path / "mine")], cwd=work, capture_output=True, text=True, timeout=HANG_SECONDS,
+                          env=env)
     assert proc.returncode == 0 and f"echo ran with out {tmp_path / 'mine'}" in proc.stdout, proc.stderr

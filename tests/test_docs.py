@@ -19,6 +19,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from patience import HANG_SECONDS
+
 ROOT = Path(__file__).resolve().parent.parent
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
 NO_RUN = "<!-- no-run -->"
@@ -59,7 +61,7 @@ def test_site_builds_strictly(tmp_path):
     proc = subprocess.run(
         # Not --quiet: it drops the warnings before --strict counts them (a docstring warning would pass).
         [sys.executable, "-m", "mkdocs", "build", "--strict", "--site-dir", str(tmp_path / "site")],
-        cwd=ROOT, capture_output=True, text=True, timeout=300,
+        cwd=ROOT, capture_output=True, text=True, timeout=HANG_SECONDS,
         env={**os.environ, "NO_MKDOCS_2_WARNING": "1"},
     )
     assert proc.returncode == 0, f"mkdocs build --strict failed:\n{proc.stdout[-6000:]}\n{proc.stderr[-6000:]}"

@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 from cann_attn.testing.distributed import free_port, one_group_at_a_time
+from patience import HANG_SECONDS
 
 EXAMPLES = str(Path(__file__).resolve().parents[1] / "examples")
 
@@ -35,7 +36,7 @@ def test_torchrun_example_on_two_processes_matches_single_process():
     with one_group_at_a_time():  # a process group of its own: queue with the other tests' groups
         result = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
                                  "--master-port", str(free_port()), str(script)], env=env, cwd=root,
-                                capture_output=True, text=True, timeout=300)
+                                capture_output=True, text=True, timeout=HANG_SECONDS)
     assert result.returncode == 0, result.stderr[-3000:]
     difference = float(result.stdout.split("=")[-1])
     assert difference < 1e-5, result.stdout

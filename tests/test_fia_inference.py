@@ -18,6 +18,7 @@ from cann_attn.problem.antiquant import unpack_int4
 from cann_attn.testing.fia_oracle import fia_oracle
 from fia_cases import check_fia, check_lse, compare, make_qkv, rand, to_layout, v2_arguments
 from paged_utils import paginate
+from patience import HANG_SECONDS
 
 SCALE = 0.125
 
@@ -424,7 +425,7 @@ def test_torch_npu_spellings_and_torch_ops_npu_after_install():
     env = dict(os.environ)
     src = str(Path(__file__).resolve().parents[1] / "src")
     env["PYTHONPATH"] = os.pathsep.join(p for p in (src, env.get("PYTHONPATH")) if p)
-    done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
+    done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=HANG_SECONDS)
     assert done.returncode == 0 and done.stdout.strip().endswith("OK"), done.stderr[-3000:]
 
 

@@ -15,6 +15,7 @@ import torch
 import cann_attn.torch_npu as torch_npu
 from cann_attn.errors import ParamInvalidError, ParamNullptrError
 from paged_utils import paginate
+from patience import HANG_SECONDS
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 
@@ -128,6 +129,6 @@ def test_torch_ops_npu_out_overloads_after_install():
     """
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in ("src", os.environ.get("PYTHONPATH")) if p))
     result = subprocess.run([sys.executable, "-c", textwrap.dedent(script)], env=env, capture_output=True, text=True,
-                            timeout=300)
+                            timeout=HANG_SECONDS)
     assert result.returncode == 0, result.stderr
     assert result.stdout.split() == ["ok"]

@@ -13,6 +13,8 @@ from pathlib import Path
 
 import pytest
 
+from patience import HANG_SECONDS
+
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "benchmarks" / "gpu_checks.sh"
 
@@ -44,7 +46,7 @@ def test_first_config_switch_trims_every_autotuner(switch: str, expected: int | 
     code = ("from cann_attn.backends.triton import sparse_attention as s, jit, dense_backward as b;"
             "print(len(s._sfa_fwd_tuned.configs), len(s._sfa_bwd_atomic_tuned.configs),"
             " len(jit.tuning_configs(b._configs('BLOCK_N', 'BLOCK_M'))))")
-    got = _run([sys.executable, "-c", code], env={"CANN_ATTN_TRITON_AUTOTUNE": switch}, timeout=120)
+    got = _run([sys.executable, "-c", code], env={"CANN_ATTN_TRITON_AUTOTUNE": switch}, timeout=HANG_SECONDS)
     assert got.returncode == 0, got.stderr
     counts = [int(x) for x in got.stdout.split()]
     assert counts == [1, 1, 1] if expected == 1 else min(counts) > 1

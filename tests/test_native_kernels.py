@@ -17,6 +17,7 @@ import torch
 import cann_attn
 from cann_attn.backends.reference import native
 from cann_attn.backends.reference.softmax_exp import EXP2_FLOOR, LOG2E, exp2_flushed_
+from patience import HANG_SECONDS
 
 pytestmark = pytest.mark.skipif(native.library() is None, reason="native loops unavailable (no compiler or no AVX2)")
 
@@ -686,7 +687,7 @@ def test_fused_loops_do_not_depend_on_the_thread_count_on_mkl_avx2_kernels(tmp_p
     env.pop("MKL_CBWR", None)
     run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-k",
                           "test_fused_dense_forward_blocks or test_fused_dense_backward_blocks", __file__],
-                         env=env, capture_output=True, text=True, timeout=300, cwd=tmp_path)
+                         env=env, capture_output=True, text=True, timeout=HANG_SECONDS, cwd=tmp_path)
     assert run.returncode == 0 and " passed" in run.stdout, (run.stdout + run.stderr)[-4000:]
 
 

@@ -20,6 +20,7 @@ import pytest
 
 import cann_attn
 from cann_attn.backends.reference import native
+from patience import HANG_SECONDS
 
 TESTS = Path(__file__).resolve().parent
 UNDER_SANITIZERS = ["test_thread_safety.py", "test_native_kernels.py", "test_masked_logits.py", "test_nan_rows.py"]
@@ -52,10 +53,10 @@ def test_native_loops_under_address_sanitizer(tmp_path: Path) -> None:
     env = _sanitized_env(tmp_path / "cache")
     probe = subprocess.run([sys.executable, "-c", "from cann_attn.backends.reference import native; "
                             "lib = native.library(); print(lib is not None and hasattr(lib, '__asan_init'))"],
-                           env=env, capture_output=True, text=True, timeout=300, cwd=tmp_path)
+                           env=env, capture_output=True, text=True, timeout=HANG_SECONDS, cwd=tmp_path)
     assert probe.stdout.strip().endswith("True"), f"no ASan-instrumented library loaded:\n{probe.stderr[-3000:]}"
     run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", "-k", "not triton",
                           *(str(TESTS / name) for name in UNDER_SANITIZERS)],
-                         env=env, capture_output=True, text=True, timeout=900, cwd=tmp_path)
+                         env=env, capture_output=True, text=True, timeout=HANG_SECONDS, cwd=tmp_path)
     output = run.stdout + run.stderr
     assert run.returncode == 0 and "Sanitizer" not in output and "runtime error" not in output, output[-6000:]

@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from cann_attn.backends.reference import native
+from patience import HANG_SECONDS
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -32,7 +33,7 @@ print("ok", native.library_path().name)
 
 
 def _run(command: list[str], **kwargs) -> subprocess.CompletedProcess:
-    result = subprocess.run(command, capture_output=True, text=True, timeout=300, **kwargs)
+    result = subprocess.run(command, capture_output=True, text=True, timeout=HANG_SECONDS, **kwargs)
     assert result.returncode == 0, f"{command}\n{result.stdout[-3000:]}\n{result.stderr[-3000:]}"
     return result
 

@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from cann_attn.problem.policy import STRICT_DOCS_ENV
+from patience import HANG_SECONDS
 
 SRC = Path(__file__).resolve().parents[1] / "src"
 
@@ -115,7 +116,7 @@ def _run(name: str, strict: bool) -> str:
     env["CANN_ATTN_BACKEND"] = "reference"
     if strict:
         env[STRICT_DOCS_ENV] = "1"
-    done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
+    done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=HANG_SECONDS)
     assert done.returncode == 0, done.stderr[-3000:]
     return done.stdout.strip().splitlines()[-1]
 

@@ -16,6 +16,7 @@ import torch
 
 import cann_attn.torch_npu as torch_npu
 from cann_attn.errors import ParamInvalidError
+from patience import HANG_SECONDS
 
 
 def _peer_drop_mask(q, numel: int, seed: int, gen_p: float) -> torch.Tensor:
@@ -139,6 +140,6 @@ def test_peer_test_runs_unchanged_after_install():
     """
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in ("src", os.environ.get("PYTHONPATH")) if p))
     result = subprocess.run([sys.executable, "-c", textwrap.dedent(script)], env=env, capture_output=True, text=True,
-                            timeout=300)
+                            timeout=HANG_SECONDS)
     assert result.returncode == 0, result.stderr
     assert result.stdout.split() == ["ok"]

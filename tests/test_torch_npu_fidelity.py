@@ -18,6 +18,7 @@ import cann_attn.torch_npu as torch_npu
 from cann_attn import library
 from cann_attn.testing.oracle import fa_forward_oracle
 from cann_attn.testing.precision import assert_close_to_oracle
+from patience import HANG_SECONDS
 
 F32, F64 = torch.float32, torch.float64
 FLT_MAX = 3.4028234663852886e38
@@ -295,7 +296,7 @@ def _run(script: str, extra_path: str | None = None) -> subprocess.CompletedProc
     paths = [p for p in (extra_path, "src", env.get("PYTHONPATH")) if p]
     env["PYTHONPATH"] = os.pathsep.join(paths)
     return subprocess.run([sys.executable, "-c", textwrap.dedent(script)], env=env, capture_output=True, text=True,
-                          timeout=300)
+                          timeout=HANG_SECONDS)
 
 
 def test_install_then_import_torch_npu_and_call_torch_ops_npu():

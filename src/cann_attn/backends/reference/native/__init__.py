@@ -113,6 +113,11 @@ def cache_dir() -> Path:
     return path
 
 
+# A compile takes ~15 s on an idle 2-core machine and several minutes on a loaded one (or with sanitizers); the
+# limit only reports a compiler that hangs, so no slow machine may reach it.
+COMPILE_HANG_SECONDS = 1800
+
+
 def _compiler() -> list[str]:
     """$CC split like a shell would (`CC="gcc -O0"` or `CC="ccache cc"` is a command with arguments), else cc."""
     return shlex.split(os.environ.get("CC") or "") or ["cc"]
@@ -126,7 +131,7 @@ def _build(target: Path) -> None:
     os.close(fd)
     try:
         subprocess.run([*_compiler(), *FLAGS, str(SOURCE), "-o", tmp], check=True, capture_output=True, text=True,
-                       timeout=120)
+                       timeout=COMPILE_HANG_SECONDS)
         os.replace(tmp, target)
     finally:
         if os.path.exists(tmp):
