@@ -57,3 +57,27 @@ def test_a_relative_cache_dir_is_refused(monkeypatch, tmp_path) -> None:
     monkeypatch.setenv(native.CACHE_DIR_VARIABLE, "~/attn-cache")
     monkeypatch.setenv("HOME", str(tmp_path))
     assert native.cache_dir() == tmp_path / "attn-cache"
+
+
+def test_every_included_source_keys_the_cache(monkeypatch, tmp_path) -> None:
+    """attention_loops.c includes one file per kernel family: an edit to any of them must build a new library
+    (a stale cached one would run the old loops), and every file it includes is one that keys the cache."""
+    sources = native.sources()
+    names = {p.name for p in sources}
+    included = {line.split('"')[1] for p in sources for line in p.read_text().splitlines()
+                if line.startswith('#include "')}
+    assert native.SOURCE in sources and included and included <= names, included - names
+    assert names - included == {native.SOURCE.name}, "a source file that nothing includes"
+    copy = tmp_path / "native"
+    copy.mkdir()
+    for p in sources:
+        shutil.copy(p, copy / p.name)
+    monkeypatch.setattr(native, "SOURCE", copy / native.SOURCE.name)
+    before = native.library_path()
+    for name in sorted(included):
+        edited = copy / name
+        original = edited.read_text()
+        edited.write_text(original + "\n/* edited */\n")
+        assert native.library_path() != before, f"an edit to {name} left the cache key unchanged"
+        edited.write_text(original)
+        assert native.library_path() == before

@@ -1,15 +1,15 @@
-"""Optional compiled loops for the CPU reference backend (`attention_loops.c`): gathered (DSA) attention rows,
-the dense forward's online-softmax step, and the fused dense forward (`fa_forward_blocks`).
+"""Optional compiled loops for the CPU reference backend (`attention_loops.c`, which includes one file per kernel
+family: gathered (DSA) attention rows, the KL target, the fused dense forward and backward, decode rows).
 
 At DeepSeek-V3.2 shapes (block size 1, 512 scattered keys per row, 16 heads) the PyTorch formulation gathers every
 row's keys through memory and runs batched GEMMs with M = 16; the fused C loops read the selected rows in place and
 measured ~1.6x faster (benchmarks/bench_sparse_attention.py). They compute only sums over the entries the Python
 code marks valid; every rule (selection, statistics conventions, normalisation) stays in Python.
 
-The C file is compiled on first use with the system C compiler (`$CC`, a command with arguments, else `cc`) into a
-per-user cache (`$CANN_ATTN_CACHE_DIR`, an absolute path, else `$XDG_CACHE_HOME/cann_attn` or `~/.cache/cann_attn`),
-named by a hash of the source, compiler and flags, and loaded with ctypes: no build step at install time and no
-dependency beyond a compiler; a cached file that does not load is rebuilt. Without a
+The C sources are compiled on first use with the system C compiler (`$CC`, a command with arguments, else `cc`)
+into a per-user cache (`$CANN_ATTN_CACHE_DIR`, an absolute path, else `$XDG_CACHE_HOME/cann_attn` or
+`~/.cache/cann_attn`), named by a hash of every source file, the compiler and the flags, and loaded with ctypes: no
+build step at install time and no dependency beyond a compiler; a cached file that does not load is rebuilt. Without a
 compiler, on a CPU without AVX2/FMA, or with `CANN_ATTN_NATIVE=0`, `library()` is None (with one warning when a
 compile or load failed) and the kernels take their PyTorch path, which gives the same results up to rounding.
 
@@ -39,6 +39,8 @@ from pathlib import Path
 import torch
 
 SOURCE = Path(__file__).with_name("attention_loops.c")
+# SOURCE is the one translation unit; it includes the other files of the directory, so all of them key the cache.
+SOURCE_PATTERNS = ("*.c", "*.h")
 FLAGS = ("-O3", "-mavx2", "-mfma", "-fopenmp", "-fPIC", "-shared", "-fno-math-errno")
 ENV_SWITCH = "CANN_ATTN_NATIVE"
 BLAS_SWITCH = "CANN_ATTN_NATIVE_BLAS"
@@ -152,10 +154,19 @@ def _open(target: Path) -> ctypes.CDLL:
         return ctypes.CDLL(str(target))
 
 
+def sources() -> list[Path]:
+    """Every C source file of the library: SOURCE and the files it includes, in a fixed order."""
+    return sorted({path for pattern in SOURCE_PATTERNS for path in SOURCE.parent.glob(pattern)})
+
+
 def library_path() -> Path:
-    """Where the library built from SOURCE with the current compiler command and FLAGS is cached."""
-    digest = hashlib.sha256(SOURCE.read_bytes() + " ".join((*_compiler(), *FLAGS)).encode()).hexdigest()[:16]
-    return cache_dir() / f"attention_loops-{digest}.so"
+    """Where the library built from the sources with the current compiler command and FLAGS is cached: the key
+    hashes each file's name and content, so an edit to any included file builds a new library."""
+    digest = hashlib.sha256()
+    for path in sources():
+        digest.update(path.name.encode() + b"\0" + path.read_bytes() + b"\0")
+    digest.update(" ".join((*_compiler(), *FLAGS)).encode())
+    return cache_dir() / f"attention_loops-{digest.hexdigest()[:16]}.so"
 
 
 def _load() -> ctypes.CDLL | None:
