@@ -205,7 +205,7 @@ def paged_sequence_spans(layout: str, query: torch.Tensor, cache: torch.Tensor, 
         seq_q = q_len
     pages = page_table(block_table, block_size=cache.shape[1], block_count=cache.shape[0], kv_lengths=actual_kv,
                        batch=len(q_len), rule=DSA_BLOCK_SIZES, lengths_param=kv_param,
-                       block_size_param=f"{key_param} (block_size = {key_param}.shape[1])")
+                       block_size_param=f"{key_param} (block_size = {key_param}.shape[1])", cache_param=key_param)
     kv_len = list(pages.kv_lengths)
     kv_spans = [(b, 0, n) for b, n in enumerate(kv_len)]
     return SparseProblem(layout, heads, q_spans, kv_spans, seq_q, kv_len, q_len, kv_len, pages)
