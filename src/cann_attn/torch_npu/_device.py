@@ -11,11 +11,15 @@ Every replaced attribute is recorded and :func:`unmap_npu_device` puts the origi
 from __future__ import annotations
 
 import functools
+import re
 import sys
 from collections.abc import Callable
 from typing import Any
 
 import torch
+
+from ..errors import ParamInvalidError
+from . import _script
 
 # Keyword arguments that carry a device (factories, torch.load, autocast, init_process_group's device_id).
 _DEVICE_KEYWORDS = ("device", "device_type", "map_location", "device_id")
@@ -24,8 +28,12 @@ _DEVICE_KEYWORDS = ("device", "device_type", "map_location", "device_id")
 _LIKE_FACTORIES = ("empty_like", "zeros_like", "ones_like", "full_like", "rand_like", "randn_like", "randint_like")
 _TENSOR_METHODS = ("to", "new_empty", "new_empty_strided", "new_full", "new_ones", "new_tensor", "new_zeros")
 
-_STATE: dict[str, Any] = {"target": None, "saved": []}
+_STATE: dict[str, Any] = {"target": None, "saved": [], "modules": [], "cuda_is_npu": False}
 _TORCH_DEVICE = torch.device  # torch's own class, also while install() has replaced torch.device
+_TORCH_GENERATOR = torch.Generator
+_CUDA_IS_AVAILABLE = torch.cuda.is_available  # torch's own, also while transfer_to_npu maps torch.cuda
+# A device string naming the npu (or, after transfer_to_npu, cuda): torch's own grammar, "type" or "type:index".
+_DEVICE_STRING = re.compile(r"(npu|cuda)(?::(0|[1-9][0-9]*))?")
 
 
 def target() -> torch.device | None:
@@ -35,27 +43,46 @@ def target() -> torch.device | None:
 
 def default_target() -> torch.device:
     """CUDA when a GPU is available, else the CPU."""
-    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return _TORCH_DEVICE("cuda" if _CUDA_IS_AVAILABLE() else "cpu")
 
 
 def resolve_target(device: str | torch.device | None) -> torch.device:
     """``install(device=...)``'s argument as a device: None picks :func:`default_target`; cpu or cuda only."""
-    chosen = default_target() if device is None else _TORCH_DEVICE(device)
+    names_npu = isinstance(device, str) and device.partition(":")[0].strip() == "npu"
+    if names_npu or (isinstance(device, _TORCH_DEVICE) and device.type == "npu"):
+        raise ParamInvalidError(f"install(): device={device!r}: the npu device is mapped onto 'cpu' or 'cuda' "
+                                "(install(device='cpu')); it cannot be npu itself")
+    try:
+        chosen = default_target() if device is None else _TORCH_DEVICE(device)
+    except (RuntimeError, TypeError) as error:
+        raise ParamInvalidError(f"install(): device={device!r} is not a device ({error})") from None
     if chosen.type not in ("cpu", "cuda"):
-        raise ValueError(f"install(device={device!r}): the npu device can be mapped to 'cpu' or 'cuda' only")
-    if chosen.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError(f"install(device={device!r}): CUDA is not available in this process")
+        raise ParamInvalidError(f"install(): device={device!r}: the npu device can be mapped to 'cpu' or 'cuda' "
+                                "only (it is the device npu stands for, so it cannot be npu itself)")
+    if chosen.type == "cuda" and not _CUDA_IS_AVAILABLE():
+        raise ParamInvalidError(f"install(): device={device!r}: CUDA is not available in this process")
     return chosen
 
 
+def _mapped_types() -> tuple[str, ...]:
+    return ("npu", "cuda") if _STATE["cuda_is_npu"] else ("npu",)
+
+
 def npu_index(device: Any) -> tuple[bool, int | None]:
-    """(is it an npu device, its index): ``"npu"``, ``"npu:1"`` or a ``torch.device`` of type npu."""
+    """(is it an npu device, its index): ``"npu"``, ``"npu:1"`` or a ``torch.device`` of type npu (after
+    transfer_to_npu also cuda ones). A malformed npu string (``"npu:-1"``, ``" npu"``) raises
+    ParamInvalidError (a ValueError), as torch refuses ``"cuda:-1"``."""
     if isinstance(device, _TORCH_DEVICE):
-        return device.type == "npu", device.index
+        return device.type in _mapped_types(), device.index
     if isinstance(device, str):
-        name, _, index = device.partition(":")
-        if name.strip() == "npu":
-            return True, int(index) if index else None
+        name = device.partition(":")[0].strip()
+        if name not in _mapped_types():
+            return False, None
+        match = _DEVICE_STRING.fullmatch(device)
+        if match is None:
+            raise ParamInvalidError(f"device: invalid device string {device!r} (expected {name!r} or "
+                                    f"'{name}:<index>' with an index >= 0 and no spaces)")
+        return True, None if match[2] is None else int(match[2])
     return False, None
 
 
@@ -70,7 +97,11 @@ def to_target(device: Any) -> Any:
     return _TORCH_DEVICE("cuda", mapped.index if index is None else index)
 
 
-def _map_argument(value: Any) -> Any:
+def _map_argument(value: Any, integers: bool = False) -> Any:
+    """One device argument as the target's. ``integers``: an int is an npu index (after transfer_to_npu, where
+    torch_npu reads ``device=0`` as ``npu:0``)."""
+    if integers and _STATE["cuda_is_npu"] and isinstance(value, int) and not isinstance(value, bool):
+        value = f"npu:{value}"
     if isinstance(value, dict):  # torch.load(map_location={"npu:0": "npu:1"})
         return {_map_argument(key): _map_argument(item) for key, item in value.items()}
     mapped = to_target(value)
@@ -80,49 +111,95 @@ def _map_argument(value: Any) -> Any:
     return mapped
 
 
-def _mapping_arguments(function: Callable, positional: bool) -> Callable:
+def _mapping_arguments(function: Callable, positional: bool, positional_integers: bool = False) -> Callable:
     @functools.wraps(function)
     def mapped(*args, **kwargs):
         if positional:
-            args = tuple(_map_argument(arg) for arg in args)
+            args = tuple(_map_argument(arg, positional_integers) for arg in args)
         for key in _DEVICE_KEYWORDS:
             if key in kwargs:
-                kwargs[key] = _map_argument(kwargs[key])
+                kwargs[key] = _map_argument(kwargs[key], integers=True)
         return function(*args, **kwargs)
 
     return mapped
 
 
-def _replace(owner: Any, name: str, value: Any) -> None:
+def replace(owner: Any, name: str, value: Any) -> None:
+    """Set ``owner.name = value``, recording the original for :func:`unmap_npu_device`; TorchScript resolves
+    ``value`` as it resolved the original (:mod:`._script`)."""
     missing = object()
-    _STATE["saved"].append((owner, name, owner.__dict__.get(name, missing) if isinstance(owner, type)
-                            else getattr(owner, name, missing), missing))
+    original = owner.__dict__.get(name, missing) if isinstance(owner, type) else getattr(owner, name, missing)
+    if original is not missing:
+        _script.mirror_builtin(original, value)
+    _STATE["saved"].append((owner, name, original, missing))
     setattr(owner, name, value)
 
 
-def _wrap(owner: Any, name: str, positional: bool = False) -> None:
+def replace_module(name: str, module: Any) -> None:
+    """``sys.modules[name] = module``, recording what was there for :func:`unmap_npu_device`."""
+    _STATE["modules"].append((name, sys.modules.get(name)))
+    sys.modules[name] = module
+
+
+def original(owner: Any, name: str) -> Any:
+    """``owner.name`` as it was before install() replaced it (the attribute itself when it was not replaced)."""
+    for saved_owner, saved_name, value, missing in _STATE["saved"]:
+        if saved_owner is owner and saved_name == name and value is not missing:
+            return value
+    return getattr(owner, name)
+
+
+_replace = replace
+
+
+def wrap(owner: Any, name: str, positional: bool = False, positional_integers: bool = False) -> None:
+    """Replace ``owner.name`` by a function mapping its device arguments (:func:`replace`)."""
     function = getattr(owner, name, None)
     if function is not None:
-        _replace(owner, name, _mapping_arguments(function, positional))
+        _replace(owner, name, _mapping_arguments(function, positional, positional_integers))
 
 
-class _DeviceType(type):
+_wrap = wrap
+
+
+class _StandIn(type):
+    """The type of a constructor standing in for a torch class (``torch_class``): isinstance and issubclass answer
+    for that class, so code checking ``isinstance(d, torch.device)`` keeps working while install() replaced it."""
+
+    torch_class: type
+
     def __instancecheck__(cls, instance: Any) -> bool:
-        return isinstance(instance, _TORCH_DEVICE)
+        return isinstance(instance, cls.torch_class)
 
     def __subclasscheck__(cls, subclass: type) -> bool:
-        return issubclass(subclass, _TORCH_DEVICE)
+        return issubclass(subclass, cls.torch_class)
 
 
-class _MappingDevice(metaclass=_DeviceType):
+class _MappingDevice(metaclass=_StandIn):
     """``torch.device`` while installed: ``torch.device("npu:1")`` is the target device; anything else is
     torch's own. Instances are real ``torch.device`` objects."""
 
+    torch_class = _TORCH_DEVICE
+
     def __new__(cls, type: Any, index: int | None = None) -> torch.device:
-        if isinstance(type, str) and index is not None and type.strip() == "npu":
-            type, index = f"npu:{index}", None
+        if isinstance(type, str) and index is not None and type.strip() in _mapped_types():
+            if not isinstance(index, int) or index < 0:
+                raise ParamInvalidError(f"device: index {index!r} of torch.device({type!r}, {index!r}) must be an "
+                                        "int >= 0")
+            type, index = f"{type.strip()}:{index}", None
         mapped = to_target(type)
         return _TORCH_DEVICE(mapped) if index is None else _TORCH_DEVICE(mapped, index)
+
+
+class _MappingGenerator(metaclass=_StandIn):
+    """``torch.Generator`` while installed: ``torch.Generator(device="npu")`` is a generator of the target device
+    (its own state, independent of the default generator, like an NPU generator); instances are real
+    ``torch.Generator`` objects."""
+
+    torch_class = _TORCH_GENERATOR
+
+    def __new__(cls, device: Any = "cpu") -> torch.Generator:
+        return _TORCH_GENERATOR(_map_argument(device, integers=True))
 
 
 def _npu_argument(device: Any) -> Any:
@@ -163,7 +240,26 @@ def _distributed_backend(function: Callable) -> Callable:
 
 
 def _backend_name(backend: str, replacement: str) -> str:
-    return backend.replace("hccl", replacement).replace("npu:", f"{_STATE['target'].type}:")
+    """``"hccl"`` -> the target's backend; in a mixed string (``"cpu:gloo,npu:hccl"``) the npu entry becomes the
+    target's, and when the target is the CPU it merges with the cpu entry (torch refuses a device named twice).
+    After transfer_to_npu ``nccl`` / ``cuda:`` are the npu's, as torch_npu rewrites them to hccl / npu."""
+    if _STATE["cuda_is_npu"]:
+        backend = backend.replace("nccl", "hccl").replace("cuda:", "npu:")
+    if ":" not in backend:
+        return backend.replace("hccl", replacement)
+    target_type = _STATE["target"].type
+    entries: dict[str, str] = {}
+    for entry in backend.split(","):
+        device_type, separator, name = entry.strip().partition(":")
+        if not separator:
+            raise ParamInvalidError(f"backend: {backend!r} mixes plain and device:backend entries")
+        device_type, name = device_type.strip(), name.strip().replace("hccl", replacement)
+        if device_type == "npu":
+            device_type = target_type
+            if device_type in entries:  # the target's own entry wins over the npu one it stands for
+                continue
+        entries[device_type] = name
+    return ",".join(f"{device_type}:{name}" for device_type, name in entries.items())
 
 
 def map_npu_device(device: torch.device, npu_module: Any) -> None:
@@ -176,6 +272,9 @@ def map_npu_device(device: torch.device, npu_module: Any) -> None:
     # torch's current accelerator, which torch.compile then fails to query. torch.device itself is replaced by a
     # constructor that maps npu devices when they are made and stays a torch.device for isinstance.
     _replace(torch, "device", _MappingDevice)
+    _replace(torch, "Generator", _MappingGenerator)
+    _replace(torch.jit.annotations, "try_ann_to_type", _script.annotation_converter(
+        {"device": (_TORCH_DEVICE, _MappingDevice), "Generator": (_TORCH_GENERATOR, _MappingGenerator)}))
     from torch.utils._device import _device_constructors
 
     for factory in _device_constructors():
@@ -186,8 +285,8 @@ def map_npu_device(device: torch.device, npu_module: Any) -> None:
     for name in (*_LIKE_FACTORIES, "load"):
         _wrap(torch, name)
     for name in _TENSOR_METHODS:
-        _wrap(torch.Tensor, name, positional=True)
-    _wrap(torch.nn.Module, "to", positional=True)
+        _wrap(torch.Tensor, name, positional=True, positional_integers=name == "to")
+    _wrap(torch.nn.Module, "to", positional=True, positional_integers=True)
     _wrap(torch.nn.Module, "to_empty")
     _wrap(torch.amp.autocast_mode.autocast, "__init__", positional=True)
     _replace(torch.Tensor, "npu", _tensor_npu)
@@ -195,17 +294,27 @@ def map_npu_device(device: torch.device, npu_module: Any) -> None:
     _replace(torch.nn.Module, "npu", _module_npu)
     if torch.distributed.is_available():
         _replace(torch.distributed, "init_process_group", _distributed_backend(torch.distributed.init_process_group))
+    _wrap(torch.amp.GradScaler, "__init__", positional=True)
     _replace(torch, "npu", npu_module)
-    sys.modules["torch.npu"] = npu_module
+    replace_module("torch.npu", npu_module)
+    replace_module("torch.npu.amp", npu_module.amp)
+    replace_module("torch.npu.utils", npu_module.utils)
 
 
 def unmap_npu_device() -> None:
     """Put back every attribute :func:`map_npu_device` replaced."""
     while _STATE["saved"]:
         owner, name, original, missing = _STATE["saved"].pop()
+        _script.forget_builtin(owner.__dict__.get(name) if isinstance(owner, type) else getattr(owner, name, None))
         if original is missing:
             delattr(owner, name)
         else:
             setattr(owner, name, original)
-    sys.modules.pop("torch.npu", None)
+    while _STATE["modules"]:
+        name, module = _STATE["modules"].pop()
+        if module is None:
+            sys.modules.pop(name, None)
+        else:
+            sys.modules[name] = module
     _STATE["target"] = None
+    _STATE["cuda_is_npu"] = False

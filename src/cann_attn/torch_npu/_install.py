@@ -3,15 +3,19 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import importlib.util
 import sys
 from collections.abc import Iterator
 
 import torch
 
-from . import _device, _registry, _rng
+from . import _device, _metadata, _registry, _rng
 
-_STATE: dict = {"libraries": {}, "defined": set(), "manual_seed": None}
+_STATE: dict = {"libraries": {}, "defined": set()}
+# The submodule names torch_npu code imports: the package's modules under torch_npu's names.
+_ALIASES = {"torch_npu": "", "torch_npu.npu": ".npu", "torch_npu.npu.amp": "._amp",
+            "torch_npu.npu.utils": "._npu_utils"}
 
 
 class TorchNpuPresentError(RuntimeError):
@@ -28,7 +32,8 @@ def _real_torch_npu_origin(package) -> str | None:
     return None if spec is None else (spec.origin or "an importable torch_npu package")
 
 
-def install(device: str | torch.device | None = None, *, release: str | None = None) -> None:
+def install(device: str | torch.device | None = None, *, release: str | None = None,
+            device_name: str | None = None) -> None:
     """Opt-in, once at a program's entry point, before code that imports torch_npu runs.
 
     Afterwards ``import torch_npu`` (and ``torch_npu.npu``) yields :mod:`cann_attn.torch_npu`, every registered
@@ -43,10 +48,15 @@ def install(device: str | torch.device | None = None, *, release: str | None = N
     Args:
         device: ``"cpu"``, ``"cuda"`` or ``"cuda:i"``; None picks CUDA when a GPU is available, else the CPU.
         release: a torch_npu release for the ``torch.ops.npu`` schemas (``"7.2"``...), see :func:`use_release`.
+        device_name: what ``torch.npu.get_device_name()`` and ``get_device_properties().name`` report
+            (``"Ascend910B4"`` for code gated on an SoC name); None: ``CANN_ATTN_NPU_DEVICE_NAME`` or the target's.
+
+    It is all or nothing: when a step fails, what the call applied is undone before the error propagates.
 
     Raises:
         TorchNpuPresentError: the real torch_npu is importable.
-        ValueError: ``device`` is not a CPU or an available CUDA device.
+        ParamInvalidError: (a ValueError) ``device`` is not a CPU or an available CUDA device, or ``device_name``
+            is not a non-empty string.
     """
     package = sys.modules[__package__]
     origin = _real_torch_npu_origin(package)
@@ -54,15 +64,30 @@ def install(device: str | torch.device | None = None, *, release: str | None = N
         raise TorchNpuPresentError(
             f"cann_attn.torch_npu.install(): the real torch_npu is importable ({origin}); use it on an NPU machine, "
             "or import cann_attn.torch_npu as torch_npu without install() to run these operators off the NPU")
+    previous_target = _device.target()
     # Called again without a device (an example's own install() line after a test's install("cpu")): keep it.
-    target = _device.target() if device is None and _device.target() is not None else _device.resolve_target(device)
-    if release is not None:
-        _registry.use_release(release)
-    sys.modules["torch_npu"] = package
-    sys.modules["torch_npu.npu"] = package.npu
-    _register_ops()
-    _seed_with_torch()
-    _device.map_npu_device(target, package.npu)
+    target = previous_target if device is None and previous_target is not None else _device.resolve_target(device)
+    if device_name is not None:
+        package.npu.set_device_name(device_name)  # validates before anything is applied
+    previous_release = _registry.active_release()
+    try:
+        if release is not None:
+            _registry.use_release(release)
+        for alias, suffix in _ALIASES.items():
+            sys.modules[alias] = sys.modules[__package__ + suffix]
+        _register_ops()
+        _device.map_npu_device(target, package.npu)
+        if previous_target is None:
+            _device.replace(torch, "manual_seed", _seeding_dropout_too(torch.manual_seed))
+        _metadata.add_finder()
+        package.npu._lazy_init()
+    except BaseException:
+        if previous_target is None:
+            uninstall()
+        else:
+            _device.map_npu_device(previous_target, package.npu)
+        _registry.use_release(previous_release)
+        raise
 
 
 def uninstall() -> None:
@@ -70,11 +95,12 @@ def uninstall() -> None:
     ``torch.npu``. The ``torch.ops.npu`` operators stay defined (torch.library cannot drop a schema while it may be
     referenced) and ``torch.device("npu")`` keeps parsing (torch cannot rename its PrivateUse1 device twice)."""
     _device.unmap_npu_device()
-    if _STATE["manual_seed"] is not None:
-        torch.manual_seed = _STATE["manual_seed"]
-        _STATE["manual_seed"] = None
-    for name in ("torch_npu", "torch_npu.npu"):
-        if sys.modules.get(name) in (sys.modules[__package__], sys.modules[__package__].npu):
+    _metadata.remove_finder()
+    package = sys.modules[__package__]
+    package.npu._reset_runtime()
+    ours = {id(module) for name, module in sys.modules.items() if name.startswith(__package__)}
+    for name in [name for name in sys.modules if name == "torch_npu" or name.startswith("torch_npu.")]:
+        if id(sys.modules[name]) in ours or name.startswith("torch_npu.contrib"):
             del sys.modules[name]
 
 
@@ -106,16 +132,11 @@ def _register_ops() -> None:
         _STATE["defined"].add(name)
 
 
-def _seed_with_torch() -> None:
-    if _STATE["manual_seed"] is not None:
-        return
-    original = torch.manual_seed
-
+def _seeding_dropout_too(original):
+    @functools.wraps(original)
     def manual_seed(seed):
         generator = original(seed)
         _rng.manual_seed(seed)
         return generator
 
-    manual_seed.__doc__ = original.__doc__
-    _STATE["manual_seed"] = original
-    torch.manual_seed = manual_seed
+    return manual_seed

@@ -26,6 +26,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from ..errors import ParamInvalidError
 from . import _device, _rng
 
 
@@ -47,7 +48,7 @@ def _seed_mapped_device(seed: int, all_devices: bool) -> None:
     if _device.target() is None:
         return
     if _on_cuda():
-        (torch.cuda.manual_seed_all if all_devices else torch.cuda.manual_seed)(seed)
+        _cuda("manual_seed_all" if all_devices else "manual_seed")(seed)
     else:
         torch.default_generator.manual_seed(seed)
 
@@ -95,35 +96,35 @@ def set_rng_state_all(new_states) -> None:
 # ----------------------------------------------------------------------------------------------- device functions
 def is_available() -> bool:
     """Whether the device npu is mapped to is available (the CPU always is)."""
-    return torch.cuda.is_available() if _on_cuda() else True
+    return _cuda("is_available")() if _on_cuda() else True
 
 
 def device_count() -> int:
-    return torch.cuda.device_count() if _on_cuda() else 1
+    return _cuda("device_count")() if _on_cuda() else 1
 
 
 def current_device() -> int:
-    return torch.cuda.current_device() if _on_cuda() else 0
+    return _cuda("current_device")() if _on_cuda() else 0
 
 
 def set_device(device: Any) -> None:
     """``torch.npu.set_device(local_rank)``: torch.cuda.set_device on CUDA; accepted and ignored on the CPU."""
     if _on_cuda():
-        torch.cuda.set_device(_cuda_index(device))
+        _cuda("set_device")(_cuda_index(device))
 
 
 def synchronize(device: Any = None) -> None:
     if _on_cuda():
-        torch.cuda.synchronize(_cuda_index(device))
-
-
-def get_device_name(device: Any = None) -> str:
-    return torch.cuda.get_device_name(_cuda_index(device)) if _on_cuda() else (platform.processor() or "cpu")
+        _cuda("synchronize")(_cuda_index(device))
 
 
 def device(device: Any):
-    """``with torch.npu.device(i):``: torch.cuda.device on CUDA, a no-op context on the CPU."""
-    return torch.cuda.device(_cuda_index(device)) if _on_cuda() else contextlib.nullcontext()
+    """``with torch.npu.device(i):`` makes device i current inside the block and restores the previous one after
+    it (None or -1: no change): torch.cuda.device on CUDA; on the CPU, the one device 0."""
+    index = _device_argument_index(device, "device")
+    if _on_cuda():
+        return _cuda("device")(index)
+    return contextlib.nullcontext()
 
 
 def set_compile_mode(**_: Any) -> None:
@@ -132,7 +133,7 @@ def set_compile_mode(**_: Any) -> None:
 
 def _memory(name: str, cpu_value: Any) -> Any:
     def statistic(device: Any = None) -> Any:
-        return getattr(torch.cuda, name)(_cuda_index(device)) if _on_cuda() else cpu_value()
+        return _cuda(name)(_cuda_index(device)) if _on_cuda() else cpu_value()
 
     statistic.__name__ = name
     statistic.__doc__ = f"torch.cuda.{name} on CUDA; {cpu_value()!r} on the CPU (no device allocator to report)."
@@ -150,13 +151,13 @@ reset_max_memory_allocated = _memory("reset_max_memory_allocated", lambda: None)
 
 def empty_cache() -> None:
     if _on_cuda():
-        torch.cuda.empty_cache()
+        _cuda("empty_cache")()
 
 
 def mem_get_info(device: Any = None) -> tuple[int, int]:
     """(free, total) bytes: torch.cuda.mem_get_info on CUDA, the host's available and physical memory on the CPU."""
     if _on_cuda():
-        return torch.cuda.mem_get_info(_cuda_index(device))
+        return _cuda("mem_get_info")(_cuda_index(device))
     page = os.sysconf("SC_PAGE_SIZE")
     return os.sysconf("SC_AVPHYS_PAGES") * page, os.sysconf("SC_PHYS_PAGES") * page
 
@@ -193,12 +194,12 @@ def _cpu_default_stream(device: Any = None) -> torch.cpu.Stream:
 # Streams and events are the target device's own classes (torch.cuda.Stream is then torch.npu.Stream), looked up
 # when used so that install(device=...) decides.
 _STREAM_API = {
-    "Stream": (lambda: torch.cuda.Stream, lambda: torch.cpu.Stream),
-    "Event": (lambda: torch.cuda.Event, lambda: _CpuEvent),
-    "stream": (lambda: torch.cuda.stream, lambda: torch.cpu.stream),
-    "StreamContext": (lambda: torch.cuda.StreamContext, lambda: torch.cpu.StreamContext),
-    "current_stream": (lambda: torch.cuda.current_stream, lambda: torch.cpu.current_stream),
-    "default_stream": (lambda: torch.cuda.default_stream, lambda: _cpu_default_stream),
+    "Stream": (lambda: _cuda("Stream"), lambda: torch.cpu.Stream),
+    "Event": (lambda: _cuda("Event"), lambda: _CpuEvent),
+    "stream": (lambda: _cuda("stream"), lambda: torch.cpu.stream),
+    "StreamContext": (lambda: _cuda("StreamContext"), lambda: torch.cpu.StreamContext),
+    "current_stream": (lambda: _cuda("current_stream"), lambda: torch.cpu.current_stream),
+    "default_stream": (lambda: _cuda("default_stream"), lambda: _cpu_default_stream),
 }
 
 
@@ -208,3 +209,156 @@ def __getattr__(name: str) -> Any:
         return on_cuda() if _on_cuda() else on_cpu()
     raise AttributeError(f"module {__name__!r} has no attribute {name!r} (docs/guides/torch_npu.md lists what "
                          "torch.npu maps)")
+
+
+# --------------------------------------------------------------------------------- runtime: properties, lazy init
+# The runtime names of torch_npu.npu (docs/guides/torch_npu.md, "The npu device"). torch.cuda's functions are
+# looked up as they were before transfer_to_npu pointed torch.cuda's names at this module.
+DEVICE_NAME_ENV = "CANN_ATTN_NPU_DEVICE_NAME"
+_RUNTIME: dict[str, Any] = {"device_name": None, "initialized": False, "queued": []}
+_TORCH_DEVICE = _device._TORCH_DEVICE
+
+
+def _cuda(name: str) -> Any:
+    return _device.original(torch.cuda, name)
+
+
+def _device_argument_index(device: Any, argument: str) -> int | None:
+    """An npu device argument (None, an int, "npu:i", a torch.device) as an index checked against device_count()."""
+    if device is None:
+        return None
+    if isinstance(device, bool) or not isinstance(device, (int, str, _TORCH_DEVICE)):
+        raise ParamInvalidError(f"{argument}: expected an index, 'npu:<index>' or a torch.device, got {device!r}")
+    if isinstance(device, int):
+        index = device
+    else:
+        is_npu, index = _device.npu_index(device)
+        if not is_npu:  # the target's own spelling ("cuda:1", "cpu")
+            try:
+                own = _TORCH_DEVICE(device)
+            except RuntimeError:
+                own = None
+            if own is None or own.type != _mapped().type:
+                raise ParamInvalidError(f"{argument}: {device!r} is not the npu device")
+            index = own.index
+    if index is None or index == -1:
+        return None
+    if not 0 <= index < device_count():
+        raise ParamInvalidError(f"{argument}: device index {index} out of range (device_count() is {device_count()})")
+    return index
+
+
+def set_device_name(name: str | None) -> None:
+    """The name ``get_device_name()`` / ``get_device_properties().name`` report (None: the target's own, or the
+    ``CANN_ATTN_NPU_DEVICE_NAME`` environment variable). ``install(device_name=...)`` sets it."""
+    if name is not None and (not isinstance(name, str) or not name.strip()):
+        raise ParamInvalidError(f"device_name: expected a non-empty string, got {name!r}")
+    _RUNTIME["device_name"] = name
+
+
+def _target_device_name(index: int | None) -> str:
+    chosen = _RUNTIME["device_name"] or os.environ.get(DEVICE_NAME_ENV, "").strip()
+    if chosen:
+        return chosen
+    return _cuda("get_device_name")(index) if _on_cuda() else (platform.processor() or "cpu")
+
+
+def get_device_name(device: Any = None) -> str:
+    """The device's name: the target's own (the GPU's, the CPU's processor) unless set (:func:`set_device_name`)."""
+    return _target_device_name(_device_argument_index(device, "device"))
+
+
+class NPUDeviceProperties:
+    """``torch.npu.get_device_properties(i)``: torch_npu's fields. ``name`` as :func:`get_device_name`,
+    ``total_memory`` in bytes; the core counts are the GPU's multiprocessors or the CPU's cores (there are no cube
+    and vector units to count); ``L2_cache_size`` the GPU's L2 (0 on the CPU)."""
+
+    def __init__(self, name: str, total_memory: int, cores: int, l2_cache_size: int) -> None:
+        self.name = name
+        self.total_memory = total_memory
+        self.cube_core_num = cores
+        self.vector_core_num = cores
+        self.L2_cache_size = l2_cache_size
+
+    def __repr__(self) -> str:
+        return (f"_NPUDeviceProperties(name='{self.name}', total_memory={self.total_memory // 2 ** 20}MB, "
+                f"cube_core_num={self.cube_core_num}, vector_core_num={self.vector_core_num}, "
+                f"L2_cache_size={self.L2_cache_size // 2 ** 20}MB)")
+
+
+def get_device_properties(device: Any = None) -> NPUDeviceProperties:
+    index = _device_argument_index(device, "device")
+    if _on_cuda():
+        cuda = _cuda("get_device_properties")(current_device() if index is None else index)
+        return NPUDeviceProperties(_target_device_name(index), cuda.total_memory, cuda.multi_processor_count,
+                                   getattr(cuda, "L2_cache_size", 0))
+    return NPUDeviceProperties(_target_device_name(index), mem_get_info()[1], os.cpu_count() or 1, 0)
+
+
+def is_bf16_supported(including_emulation: bool = False) -> bool:
+    """bfloat16 on the target: always on the CPU; torch.cuda.is_bf16_supported on CUDA."""
+    return bool(_cuda("is_bf16_supported")(including_emulation)) if _on_cuda() else True
+
+
+def is_support_inf_nan() -> bool:
+    """True: the target computes with IEEE infs and NaNs (an Ascend 910B or later mode; torch_npu's GradScaler
+    then checks gradients for them instead of reading an overflow flag)."""
+    return True
+
+
+def is_initialized() -> bool:
+    return _RUNTIME["initialized"]
+
+
+def init() -> None:
+    """Initialise the npu runtime: runs the callbacks :func:`_lazy_call` queued, once, in order."""
+    _lazy_init()
+
+
+def _lazy_init() -> None:
+    if _RUNTIME["initialized"]:
+        return
+    _RUNTIME["initialized"] = True
+    queued, _RUNTIME["queued"] = _RUNTIME["queued"], []
+    for callback in queued:
+        callback()
+
+
+def _lazy_call(callback, **_: Any) -> None:
+    """torch_npu's deferred initialisation: ``callback`` runs now when the runtime is initialised, else when it is
+    (:func:`init`, install() mapping the device). Keyword flags torch's variant takes (``seed=True``) are
+    accepted."""
+    if _RUNTIME["initialized"]:
+        callback()
+    else:
+        _RUNTIME["queued"].append(callback)
+
+
+def _reset_runtime() -> None:
+    """uninstall(): a later install() initialises again; the device name set by install() is forgotten."""
+    _RUNTIME.update(device_name=None, initialized=False, queued=[])
+
+
+class _CpuStream(torch.cpu.Stream):
+    """A CPU stream with the NPU stream's ``synchronize()`` and ``query()``: the work queued on it is done when a
+    call returns."""
+
+    def synchronize(self) -> None:
+        pass
+
+    def query(self) -> bool:
+        return True
+
+
+def _cpu_stream(device: Any = None) -> _CpuStream:
+    return _CpuStream()
+
+
+_STREAM_API.update({
+    "Stream": (lambda: _cuda("Stream"), lambda: _CpuStream),
+    "current_stream": (lambda: _cuda("current_stream"), lambda: _cpu_stream),
+    "default_stream": (lambda: _cuda("default_stream"), lambda: _cpu_stream),
+})
+
+from . import _amp as amp  # noqa: E402, F401  (torch.npu.amp: needs the functions above)
+from . import _npu_utils as utils  # noqa: E402, F401  (torch_npu.npu.utils: re-exports the functions above)

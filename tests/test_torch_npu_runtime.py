@@ -1,0 +1,23 @@
+"""The torch_npu runtime around the operators after install(device="cpu") (docs/guides/torch_npu.md): TorchScript
+and distribution metadata, torch_npu.npu's runtime names, AMP, transfer_to_npu, and two unedited distributed
+programs. Each case runs in a fresh interpreter (tests/torch_npu_runtime_cases.py)."""
+
+from __future__ import annotations
+
+import torch_npu_runtime_cases as cases
+
+
+def test_scripted_factories_metadata_all_or_nothing_install_and_uninstall(tmp_path):
+    cases.run_case(cases.SCRIPTING_AND_METADATA, "cpu", tmp_path)
+
+
+def test_runtime_names_device_properties_generator_streams_and_mixed_backends(tmp_path):
+    cases.run_case(cases.RUNTIME_NAMES, "cpu", tmp_path)
+
+
+def test_npu_amp_autocast_dtype_and_grad_scaler_steps_skips_and_backs_off(tmp_path):
+    cases.run_case(cases.AMP, "cpu", tmp_path)
+
+
+def test_transfer_to_npu_sends_cuda_code_to_the_target(tmp_path):
+    cases.run_case(cases.TRANSFER_TO_NPU, "cpu", tmp_path)
