@@ -19,6 +19,8 @@ text per release (:mod:`._registry`; :func:`use_release` or ``CANN_ATTN_TORCH_NP
   (+ ``_v2``), ``npu_incre_flash_attention`` (``_infer.py``); ``npu_prompt_flash_attention``,
   ``npu_trans_quant_param``; ``npu_sparse_flash_attention``, ``npu_sparse_flash_attention_grad``,
   ``npu_lightning_indexer``, ``npu_sparse_lightning_indexer_grad_kl_loss`` (paged caches: docs/semantics/paged-kv.md).
+* ``npu_format_cast`` / ``npu_format_cast_`` / ``get_npu_format`` and the ``Format`` enum (``_format.py``): the
+  logical tensor unchanged, the storage format recorded and read back.
 
 Dropout (``keep_prob < 1``): like torch_npu, the mask is not returned but drawn from (seed, offset) of a generator
 (:mod:`cann_attn.torch_npu.npu`, seeded from ``torch.initial_seed()``), and the grads regenerate it from the
@@ -44,6 +46,12 @@ from ._atb import (  # noqa: F401  (torch_npu's private ATB spellings, not in __
     _npu_paged_attention_splitfuse,
 )
 from ._dropout import _npu_dropout_gen_mask  # noqa: F401  (torch_npu's private spelling, not in __all__)
+from ._format import (
+    Format,
+    get_npu_format,
+    npu_format_cast,
+    npu_format_cast_,  # noqa: F401  (in-place form, overloaded in torch_npu; not in __all__)
+)
 from ._fusion import (
     npu_fusion_attention,
     npu_fusion_attention_grad,
@@ -89,8 +97,10 @@ __all__ = [
     "OPS",
     "RELEASES",
     "RELEASE_ENV",
+    "Format",
     "TorchNpuPresentError",
     "active_release",
+    "get_npu_format",
     "get_rng_state",
     "install",
     "installed",
@@ -99,6 +109,7 @@ __all__ = [
     "npu_attention_update",
     "npu_dense_lightning_indexer_grad_kl_loss",
     "npu_dense_lightning_indexer_softmax_lse",
+    "npu_format_cast",
     "npu_fused_infer_attention_score",
     "npu_fused_infer_attention_score_v2",
     "npu_fusion_attention",
