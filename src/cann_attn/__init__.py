@@ -34,6 +34,7 @@ from .ops.lightning_indexer import (
     lightning_indexer,
     sparse_lightning_indexer_grad_kl_loss,
 )
+from .ops.mla_prolog import MlaPrologResult, mla_prolog
 from .ops.prompt_flash_attention import prompt_flash_attention
 from .ops.quant_dsa import kv_quant_sparse_flash_attention, quant_lightning_indexer
 from .ops.ring_attention_update import RingAttentionUpdateResult, ring_attention_update
@@ -59,6 +60,7 @@ __all__ = [
     "FlashAttentionScoreGradResult",
     "FlashAttentionScoreResult",
     "LightningIndexerResult",
+    "MlaPrologResult",
     "ParamInvalidError",
     "ParamNullptrError",
     "RingAttentionUpdateResult",
@@ -87,6 +89,7 @@ __all__ = [
     "indexer_kl_loss",
     "kv_quant_sparse_flash_attention",
     "lightning_indexer",
+    "mla_prolog",
     "precision",
     "prompt_flash_attention",
     "quant_lightning_indexer",

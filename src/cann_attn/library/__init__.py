@@ -5,8 +5,9 @@ One module per operator family, grouped as :mod:`cann_attn.torch_npu` groups the
 (FlashAttentionScore, var-len, grad), ``_prompt`` (PromptFlashAttention, TransQuantParam), ``_infer``
 (FusedInferAttentionScore v1/v2, IncreFlashAttention), ``_sparse`` (SparseFlashAttention + grad, LightningIndexer,
 its KL-loss grad), ``_quant_dsa`` (the dense indexer pair, QuantLightningIndexer, KvQuantSparseFlashAttention),
-``_merge`` (RingAttentionUpdate, AttentionUpdate), ``_atb`` (the ATB operators), ``_dropout`` (keep masks). Every
-wrapper is importable from here, where ``traced_as_custom_op`` looks it up.
+``_merge`` (RingAttentionUpdate, AttentionUpdate), ``_mla_prolog`` (MlaProlog, the one op that writes its inputs:
+the caches), ``_atb`` (the ATB operators), ``_dropout`` (keep masks). Every wrapper is importable from here, where
+``traced_as_custom_op`` looks it up.
 
 Layering, once per operator:
 
@@ -42,6 +43,7 @@ from ._dropout import dropout_mask, mix_seed
 from ._fusion import flash_attention_score, flash_attention_score_grad, flash_attention_var_len_score
 from ._infer import fused_infer_attention_score, fused_infer_attention_score_v2, incre_flash_attention
 from ._merge import attention_update, ring_attention_update
+from ._mla_prolog import mla_prolog
 from ._prompt import prompt_flash_attention, trans_quant_param
 from ._quant_dsa import (
     dense_lightning_indexer_grad_kl_loss,
@@ -76,6 +78,7 @@ __all__ = [
     "kv_quant_sparse_flash_attention",
     "lightning_indexer",
     "mix_seed",
+    "mla_prolog",
     "prompt_flash_attention",
     "quant_lightning_indexer",
     "ring_attention_update",

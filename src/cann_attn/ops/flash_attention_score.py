@@ -1,4 +1,4 @@
-"""FlashAttentionScore and FlashAttentionVarLenScore (training forward; FlashAttentionVarLenScore documentation)."""
+"""FlashAttentionScore and FlashAttentionVarLenScore (training forward; seed FlashAttentionVarLenScore.md)."""
 
 from __future__ import annotations
 

@@ -1,5 +1,4 @@
-"""PromptFlashAttentionV2 (prefill inference with GQA, actual lengths and int8; PromptFlashAttentionV2
-documentation)."""
+"""PromptFlashAttentionV2 (prefill inference with GQA, actual lengths and int8; seed PromptFlashAttentionV2.md)."""
 
 from __future__ import annotations
 

@@ -21,6 +21,7 @@ text per release (:mod:`._registry`; :func:`use_release` or ``CANN_ATTN_TORCH_NP
   ``npu_lightning_indexer``, ``npu_sparse_lightning_indexer_grad_kl_loss`` (paged caches: docs/semantics/paged-kv.md).
 * ``npu_format_cast`` / ``npu_format_cast_`` / ``get_npu_format`` and the ``Format`` enum (``_format.py``): the
   logical tensor unchanged, the storage format recorded and read back.
+* ``npu_mla_prolog`` / ``_v2`` / ``_v3`` (``_mla_prolog.py``): the MLA pre-processing, caches written in place.
 
 Dropout (``keep_prob < 1``): like torch_npu, the mask is not returned but drawn from (seed, offset) of a generator
 (:mod:`cann_attn.torch_npu.npu`, seeded from ``torch.initial_seed()``), and the grads regenerate it from the
@@ -71,6 +72,7 @@ from ._infer_out import (  # noqa: F401  (also sets npu_fused_infer_attention_sc
 )
 from ._install import TorchNpuPresentError, install, installed, uninstall
 from ._merge import npu_attention_update, npu_ring_attention_update
+from ._mla_prolog import npu_mla_prolog, npu_mla_prolog_v2, npu_mla_prolog_v3
 from ._prompt import PFA_PRE_TOKENS, npu_prompt_flash_attention, npu_trans_quant_param  # noqa: F401
 from ._quant_dsa import (
     npu_dense_lightning_indexer_grad_kl_loss,
@@ -121,6 +123,9 @@ __all__ = [
     "npu_incre_flash_attention",
     "npu_kv_quant_sparse_flash_attention",
     "npu_lightning_indexer",
+    "npu_mla_prolog",
+    "npu_mla_prolog_v2",
+    "npu_mla_prolog_v3",
     "npu_op",
     "npu_prompt_flash_attention",
     "npu_quant_lightning_indexer",

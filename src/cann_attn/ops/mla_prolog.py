@@ -1,0 +1,346 @@
+"""MlaProlog (torch_npu npu_mla_prolog / _v2 / _v3): the MLA pre-processing of one attention layer's new tokens,
+queries out and the key/value latent and rope key written into the caches in place (docs/operators/mla_prolog.md).
+
+Every argument is checked before anything is computed or written: a refused call leaves both caches untouched.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import torch
+
+from ..backends import select_backend
+from ..backends.reference import mla_prolog as reference
+from ..errors import ParamInvalidError, ParamNullptrError, describe, require, require_bool, require_int, require_real
+from ..traceable import traced_as_custom_op
+
+FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
+PAGED_MODES = ("PA_BSND", "PA_NZ")
+CACHE_MODES = (*PAGED_MODES, "BSND", "TND")
+BLOCK_INDEX_MODES = ("PA_BLK_BSND", "PA_BLK_NZ")
+NZ_FRACTAL_BYTES = 32  # an NZ block stores its channels in groups of 32 bytes (16 bf16 values)
+MIN_BLOCK_SIZE, MAX_BLOCK_SIZE, BLOCK_SIZE_MULTIPLE = 16, 1024, 16
+KV_HEADS = 1
+
+# The quantised scenarios and what each mode parameter's non-zero values select (op-plugin's page); none is
+# computed here, each is refused naming its parameter.
+QUANT_MODES = {
+    "weight_quant_mode": {0: "no weight quantisation", 1: "int8 weight_uq_qr", 2: "int8 weight_dq, weight_uq_qr and "
+                          "weight_dkv_kr (int8 token_x)", 3: "per-tile / mxfp8 weights"},
+    "kv_cache_quant_mode": {0: "no cache quantisation", 1: "per-tensor int8 kv_cache", 2: "per-channel int8 caches",
+                            3: "per-tile int8 kv_cache"},
+    "query_quant_mode": {0: "no query quantisation", 1: "per-token-head int8 query"},
+    "ckvkr_repo_mode": {0: "separate kv_cache and kr_cache", 1: "kv_cache and kr_cache stored together"},
+    "quant_scale_repo_mode": {0: "scales apart from the data", 1: "scales stored with the data"},
+}
+QUANT_TENSORS = ("dequant_scale_x", "dequant_scale_w_dq", "dequant_scale_w_uq_qr", "dequant_scale_w_dkv_kr",
+                 "quant_scale_ckv", "quant_scale_ckr", "smooth_scales_cq", "k_nope_clip_alpha")
+
+
+class MlaPrologResult(NamedTuple):
+    """query [.., N, Hckv], query_rope [.., N, Dr] (token_x's leading dims), dequant_scale_q_nope (float32 [0]: the
+    query is not quantised), query_norm ([.., Hcq] with query_norm_flag, else [0]) and dequant_scale_q_norm (float32
+    [0])."""
+
+    query: torch.Tensor
+    query_rope: torch.Tensor
+    dequant_scale_q_nope: torch.Tensor
+    query_norm: torch.Tensor
+    dequant_scale_q_norm: torch.Tensor
+
+
+@dataclass(frozen=True)
+class MlaPrologProblem:
+    """The sizes and scalars of one call (the letters of op-plugin's page)."""
+
+    token_shape: tuple[int, ...]  # (T,) or (B, S)
+    hidden: int  # He
+    q_latent: int  # Hcq
+    heads: int  # N
+    nope_dim: int  # D
+    rope_dim: int  # Dr
+    latent: int  # Hckv
+    cache_mode: str
+    epsilon_cq: float
+    epsilon_ckv: float
+    qc_qr_scale: float
+    kc_scale: float
+    query_norm: bool
+
+    @property
+    def tokens(self) -> int:
+        return int(torch.Size(self.token_shape).numel())
+
+
+def _present(tensor, name: str) -> torch.Tensor:
+    if tensor is None:
+        raise ParamNullptrError(f"{name}: a required tensor, got None")
+    require(isinstance(tensor, torch.Tensor), name, "a torch.Tensor", tensor)
+    return tensor
+
+
+def _check_modes(modes: dict[str, int], quant_tensors: dict[str, torch.Tensor | None], actual_seq_len,
+                 tile_size) -> None:
+    for name, value in modes.items():
+        value = require_int(value, name)
+        meanings = QUANT_MODES[name]
+        if value not in meanings:
+            raise ParamInvalidError(f"{name}: expected one of {sorted(meanings)}, got {value}")
+        if value != 0:
+            raise ParamInvalidError(
+                f"{name}: {value} ({meanings[value]}) is not supported: only the unquantised MlaProlog "
+                f"(weight_quant_mode, kv_cache_quant_mode, query_quant_mode, ckvkr_repo_mode and "
+                f"quant_scale_repo_mode all 0) is computed (docs/operators/mla_prolog.md)")
+    require_int(tile_size, "tile_size")
+    for name, tensor in quant_tensors.items():
+        if tensor is not None:
+            raise ParamInvalidError(f"{name}: only the quantised modes take it, and they are not supported; "
+                                    f"expected None, got {describe(tensor)}")
+    if actual_seq_len is not None:
+        raise ParamInvalidError("actual_seq_len: only the block-index cache modes (PA_BLK_BSND, PA_BLK_NZ) take it, "
+                                "and they are not supported; expected None")
+
+
+def _check_cache_mode(cache_mode) -> str:
+    if not isinstance(cache_mode, str):
+        raise ParamInvalidError(f"cache_mode: expected a str, got {cache_mode!r}")
+    if cache_mode in BLOCK_INDEX_MODES:
+        raise ParamInvalidError(f"cache_mode: {cache_mode!r} (one cache_index entry per block, with actual_seq_len) "
+                                f"is not supported; expected one of {list(CACHE_MODES)}")
+    if cache_mode not in CACHE_MODES:
+        raise ParamInvalidError(f"cache_mode: expected one of {list(CACHE_MODES)}, got {cache_mode!r}")
+    return cache_mode
+
+
+def _check_weights(token_x, weight_dq, weight_uq_qr, weight_uk, weight_dkv_kr, gamma_cq, gamma_ckv, rope_sin,
+                   rope_cos) -> tuple[int, ...]:
+    """(He, Hcq, N, D, Dr, Hckv) after checking every weight's dtype and shape against token_x and each other."""
+    dtype = token_x.dtype
+    require(dtype in FLOAT_DTYPES, "token_x",
+            "dtype bfloat16 (float16 / float32 / float64 on the reference backend; int8 token_x is the quantised "
+            "mode weight_quant_mode=2, not supported)", token_x)
+    require(token_x.dim() in (2, 3), "token_x", "a 2-D [T, He] or 3-D [B, S, He] tensor", token_x)
+    hidden = token_x.shape[-1]
+    require(hidden > 0, "token_x", "a hidden size He > 0", token_x)
+    for name, tensor in (("weight_dq", weight_dq), ("weight_uq_qr", weight_uq_qr), ("weight_uk", weight_uk),
+                         ("weight_dkv_kr", weight_dkv_kr), ("rmsnorm_gamma_cq", gamma_cq),
+                         ("rmsnorm_gamma_ckv", gamma_ckv), ("rope_sin", rope_sin), ("rope_cos", rope_cos)):
+        require(tensor.dtype == dtype, name, f"token_x's dtype {dtype} (int8 weights are the quantised modes, "
+                f"not supported)", tensor)
+        require(tensor.device == token_x.device, name, f"token_x's device {token_x.device}", tensor)
+    require(weight_uk.dim() == 3 and min(weight_uk.shape) > 0, "weight_uk", "a 3-D tensor [N, D, Hckv]", weight_uk)
+    heads, nope_dim, latent = weight_uk.shape
+    require(weight_dq.dim() == 2 and weight_dq.shape[0] == hidden and weight_dq.shape[1] > 0, "weight_dq",
+            f"a 2-D tensor [He, Hcq] with He = {hidden} (token_x's last dim)", weight_dq)
+    q_latent = weight_dq.shape[1]
+    require(gamma_cq.dim() == 1 and gamma_cq.shape[0] == q_latent, "rmsnorm_gamma_cq",
+            f"a 1-D tensor [Hcq] = [{q_latent}] (weight_dq's columns)", gamma_cq)
+    require(gamma_ckv.dim() == 1 and gamma_ckv.shape[0] == latent, "rmsnorm_gamma_ckv",
+            f"a 1-D tensor [Hckv] = [{latent}] (weight_uk's last dim)", gamma_ckv)
+    lead = tuple(token_x.shape[:-1])
+    require(rope_sin.dim() == token_x.dim() and tuple(rope_sin.shape[:-1]) == lead, "rope_sin",
+            f"a tensor [{', '.join(map(str, lead))}, Dr] (token_x's leading dims)", rope_sin)
+    rope_dim = rope_sin.shape[-1]
+    require(rope_dim > 0 and rope_dim % 2 == 0, "rope_sin", "an even rope width Dr > 0 (its last dim)", rope_sin)
+    require(rope_cos.shape == rope_sin.shape, "rope_cos", f"rope_sin's shape {list(rope_sin.shape)}", rope_cos)
+    require(weight_uq_qr.dim() == 2 and tuple(weight_uq_qr.shape) == (q_latent, heads * (nope_dim + rope_dim)),
+            "weight_uq_qr", f"a 2-D tensor [Hcq, N * (D + Dr)] = [{q_latent}, {heads * (nope_dim + rope_dim)}] "
+            f"(Hcq of weight_dq, N and D of weight_uk, Dr of rope_sin)", weight_uq_qr)
+    require(weight_dkv_kr.dim() == 2 and tuple(weight_dkv_kr.shape) == (hidden, latent + rope_dim), "weight_dkv_kr",
+            f"a 2-D tensor [He, Hckv + Dr] = [{hidden}, {latent + rope_dim}]", weight_dkv_kr)
+    return hidden, q_latent, heads, nope_dim, rope_dim, latent
+
+
+def _check_caches(token_x, kv_cache, kr_cache, cache_mode: str, latent: int, rope_dim: int) -> None:
+    lead = tuple(token_x.shape[:-1])
+    for name, cache, width in (("kv_cache", kv_cache, latent), ("kr_cache", kr_cache, rope_dim)):
+        require(cache.dtype == token_x.dtype, name, f"token_x's dtype {token_x.dtype} (an int8 cache is the "
+                f"quantised mode kv_cache_quant_mode != 0, not supported)", cache)
+        require(cache.device == token_x.device, name, f"token_x's device {token_x.device}", cache)
+        if cache_mode in PAGED_MODES:
+            expected = f"a 4-D tensor [BlockNum, BlockSize, {KV_HEADS}, {width}] ({cache_mode})"
+            require(cache.dim() == 4 and tuple(cache.shape[2:]) == (KV_HEADS, width), name, expected, cache)
+        elif cache_mode == "BSND":
+            require(token_x.dim() == 3, "token_x", "a 3-D tensor [B, S, He] with cache_mode 'BSND'", token_x)
+            require(tuple(cache.shape) == (*lead, KV_HEADS, width), name,
+                    f"a tensor [B, S, {KV_HEADS}, {width}] = {[*lead, KV_HEADS, width]} (cache_mode 'BSND')", cache)
+        else:
+            require(token_x.dim() == 2, "token_x", "a 2-D tensor [T, He] with cache_mode 'TND'", token_x)
+            require(tuple(cache.shape) == (*lead, KV_HEADS, width), name,
+                    f"a tensor [T, {KV_HEADS}, {width}] = {[*lead, KV_HEADS, width]} (cache_mode 'TND')", cache)
+    if cache_mode not in PAGED_MODES:
+        return
+    require(kr_cache.shape[:2] == kv_cache.shape[:2], "kr_cache",
+            f"kv_cache's [BlockNum, BlockSize] = {list(kv_cache.shape[:2])}", kr_cache)
+    block_size = kv_cache.shape[1]
+    require(MIN_BLOCK_SIZE <= block_size <= MAX_BLOCK_SIZE and block_size % BLOCK_SIZE_MULTIPLE == 0, "kv_cache",
+            f"a BlockSize (dim 1) in [{MIN_BLOCK_SIZE}, {MAX_BLOCK_SIZE}], a multiple of {BLOCK_SIZE_MULTIPLE}",
+            kv_cache)
+    if cache_mode == "PA_NZ":
+        for name, cache, width in (("kv_cache", kv_cache, latent), ("kr_cache", kr_cache, rope_dim)):
+            c0 = nz_group(cache)
+            require(width % c0 == 0, name, f"a last dim that is a multiple of {c0} (the NZ channel group of "
+                    f"{cache.dtype})", cache)
+            require(cache.is_contiguous(), name, "a contiguous tensor (PA_NZ reads its memory as NZ blocks)", cache)
+
+
+def nz_group(cache: torch.Tensor) -> int:
+    """Channels per NZ group of a cache: 32 bytes of its dtype (16 for bf16 / fp16)."""
+    return max(1, NZ_FRACTAL_BYTES // cache.element_size())
+
+
+def _check_cache_index(cache_index, token_x, kv_cache, cache_mode: str) -> torch.Tensor | None:
+    """The flat slot of every token, or None where nothing is written (BSND / TND write every token in order; a
+    paged cache of 0 blocks is left as it is)."""
+    if cache_mode not in PAGED_MODES:
+        if cache_index is not None:
+            raise ParamInvalidError(f"cache_index: cache_mode {cache_mode!r} writes token t at cache row t and takes "
+                                    f"no cache_index; expected None")
+        return None
+    if cache_index is None:
+        raise ParamNullptrError(f"cache_index: required with cache_mode {cache_mode!r}, got None")
+    require(isinstance(cache_index, torch.Tensor), "cache_index", "a torch.Tensor", cache_index)
+    lead = list(token_x.shape[:-1])
+    require(cache_index.dtype == torch.int64, "cache_index", "dtype int64", cache_index)
+    require(list(cache_index.shape) == lead, "cache_index", f"a tensor {lead} (token_x's leading dims: [T] or "
+            f"[B, S])", cache_index)
+    require(cache_index.device == token_x.device, "cache_index", f"token_x's device {token_x.device}", cache_index)
+    slots = kv_cache.shape[0] * kv_cache.shape[1]
+    if slots == 0:
+        return None
+    flat = cache_index.reshape(-1)
+    if flat.numel():
+        low, high = int(flat.min()), int(flat.max())
+        if low < 0 or high >= slots:
+            bad = low if low < 0 else high
+            raise ParamInvalidError(f"cache_index: expected every slot in [0, BlockNum * BlockSize) = [0, {slots}), "
+                                    f"got {bad}")
+        if torch.unique(flat).numel() != flat.numel():
+            raise ParamInvalidError("cache_index: expected a different slot for every token, got a slot written "
+                                    "twice (the order of the two writes is undefined)")
+    return flat
+
+
+def _check_scalars(epsilon_cq, epsilon_ckv, qc_qr_scale, kc_scale, query_norm_flag) -> tuple:
+    values = []
+    for name, value in (("rmsnorm_epsilon_cq", epsilon_cq), ("rmsnorm_epsilon_ckv", epsilon_ckv),
+                        ("qc_qr_scale", qc_qr_scale), ("kc_scale", kc_scale)):
+        value = require_real(value, name)
+        if not math.isfinite(value):
+            raise ParamInvalidError(f"{name}: expected a finite float, got {value}")
+        values.append(value)
+    query_norm = require_bool(query_norm_flag, "query_norm_flag")
+    if query_norm and values[2] != 1.0:
+        raise ParamInvalidError(f"qc_qr_scale: {values[2]} with query_norm_flag=True is not supported: the page does "
+                                f"not say whether query_norm carries the scale; expected 1.0")
+    return (*values, query_norm)
+
+
+@traced_as_custom_op
+def mla_prolog(
+    token_x: torch.Tensor,
+    weight_dq: torch.Tensor,
+    weight_uq_qr: torch.Tensor,
+    weight_uk: torch.Tensor,
+    weight_dkv_kr: torch.Tensor,
+    rmsnorm_gamma_cq: torch.Tensor,
+    rmsnorm_gamma_ckv: torch.Tensor,
+    rope_sin: torch.Tensor,
+    rope_cos: torch.Tensor,
+    kv_cache: torch.Tensor,
+    kr_cache: torch.Tensor,
+    *,
+    cache_index: torch.Tensor | None = None,
+    dequant_scale_x: torch.Tensor | None = None,
+    dequant_scale_w_dq: torch.Tensor | None = None,
+    dequant_scale_w_uq_qr: torch.Tensor | None = None,
+    dequant_scale_w_dkv_kr: torch.Tensor | None = None,
+    quant_scale_ckv: torch.Tensor | None = None,
+    quant_scale_ckr: torch.Tensor | None = None,
+    smooth_scales_cq: torch.Tensor | None = None,
+    actual_seq_len: torch.Tensor | None = None,
+    k_nope_clip_alpha: torch.Tensor | None = None,
+    rmsnorm_epsilon_cq: float = 1e-05,
+    rmsnorm_epsilon_ckv: float = 1e-05,
+    cache_mode: str = "PA_BSND",
+    query_norm_flag: bool = False,
+    weight_quant_mode: int = 0,
+    kv_cache_quant_mode: int = 0,
+    query_quant_mode: int = 0,
+    ckvkr_repo_mode: int = 0,
+    quant_scale_repo_mode: int = 0,
+    tile_size: int = 128,
+    qc_qr_scale: float = 1.0,
+    kc_scale: float = 1.0,
+    backend: str = "auto",
+) -> MlaPrologResult:
+    """MLA pre-processing: queries of the new tokens, and their key/value latent and rope key written into
+    `kv_cache` / `kr_cache` in place (docs/operators/mla_prolog.md).
+
+    c^Q = qc_qr_scale * RmsNorm(x W^DQ); [q^C | q^R] per head = c^Q W^UQQR; query = q^C W^UK (per head);
+    query_rope = RoPE(q^R); latent = kc_scale * RmsNorm((x W^DKVKR)[:Hckv]) and key rope = RoPE((x W^DKVKR)[Hckv:])
+    go to the cache rows `cache_index` names (PA_BSND / PA_NZ) or to row t of a BSND / TND cache. token_x is
+    [T, He] or [B, S, He]; weight_dq [He, Hcq], weight_uq_qr [Hcq, N * (D + Dr)], weight_uk [N, D, Hckv],
+    weight_dkv_kr [He, Hckv + Dr] (NZ-cast or plain: the same values). Only the unquantised modes are computed.
+    """
+    names = ("token_x", "weight_dq", "weight_uq_qr", "weight_uk", "weight_dkv_kr", "rmsnorm_gamma_cq",
+             "rmsnorm_gamma_ckv", "rope_sin", "rope_cos", "kv_cache", "kr_cache")
+    tensors = [token_x, weight_dq, weight_uq_qr, weight_uk, weight_dkv_kr, rmsnorm_gamma_cq, rmsnorm_gamma_ckv,
+               rope_sin, rope_cos, kv_cache, kr_cache]
+    for name, tensor in zip(names, tensors, strict=True):
+        _present(tensor, name)
+    _check_modes(
+        {"weight_quant_mode": weight_quant_mode, "kv_cache_quant_mode": kv_cache_quant_mode,
+         "query_quant_mode": query_quant_mode, "ckvkr_repo_mode": ckvkr_repo_mode,
+         "quant_scale_repo_mode": quant_scale_repo_mode},
+        {"dequant_scale_x": dequant_scale_x, "dequant_scale_w_dq": dequant_scale_w_dq,
+         "dequant_scale_w_uq_qr": dequant_scale_w_uq_qr, "dequant_scale_w_dkv_kr": dequant_scale_w_dkv_kr,
+         "quant_scale_ckv": quant_scale_ckv, "quant_scale_ckr": quant_scale_ckr,
+         "smooth_scales_cq": smooth_scales_cq, "k_nope_clip_alpha": k_nope_clip_alpha},
+        actual_seq_len, tile_size)
+    cache_mode = _check_cache_mode(cache_mode)
+    hidden, q_latent, heads, nope_dim, rope_dim, latent = _check_weights(
+        token_x, weight_dq, weight_uq_qr, weight_uk, weight_dkv_kr, rmsnorm_gamma_cq, rmsnorm_gamma_ckv, rope_sin,
+        rope_cos)
+    _check_caches(token_x, kv_cache, kr_cache, cache_mode, latent, rope_dim)
+    slots = _check_cache_index(cache_index, token_x, kv_cache, cache_mode)
+    epsilon_cq, epsilon_ckv, qc_qr, kc, query_norm = _check_scalars(
+        rmsnorm_epsilon_cq, rmsnorm_epsilon_ckv, qc_qr_scale, kc_scale, query_norm_flag)
+    problem = MlaPrologProblem(tuple(token_x.shape[:-1]), hidden, q_latent, heads, nope_dim, rope_dim, latent,
+                               cache_mode, epsilon_cq, epsilon_ckv, qc_qr, kc, query_norm)
+    select_backend(backend, token_x.device, op="mla_prolog",
+                   unsupported=lambda: "MlaProlog is computed by the reference backend only")
+    rows = reference.mla_prolog(
+        problem, token_x.reshape(-1, hidden), weight_dq, weight_uq_qr, weight_uk, weight_dkv_kr, rmsnorm_gamma_cq,
+        rmsnorm_gamma_ckv, rope_sin.reshape(-1, rope_dim), rope_cos.reshape(-1, rope_dim))
+    write_caches(kv_cache, kr_cache, rows.latent, rows.key_rope, slots, cache_mode)
+    lead = problem.token_shape
+    empty = token_x.new_empty((0,), dtype=torch.float32)
+    query_norm_out = rows.query_norm.reshape(*lead, q_latent) if query_norm else token_x.new_empty((0,))
+    return MlaPrologResult(rows.query.reshape(*lead, heads, latent), rows.query_rope.reshape(*lead, heads, rope_dim),
+                           empty, query_norm_out, empty.clone())
+
+
+def write_caches(kv_cache: torch.Tensor, kr_cache: torch.Tensor, latent: torch.Tensor, key_rope: torch.Tensor,
+                 slots: torch.Tensor | None, cache_mode: str) -> None:
+    """Write token t's latent [T, Hckv] and rope key [T, Dr] (the caches' dtype) at its cache row: slot slots[t]
+    = block * BlockSize + offset of a paged cache (PA_NZ: the element of channel c at [block, head, c // c0,
+    offset, c % c0] of the NZ blocks), row t of a BSND / TND cache. Nothing else is touched."""
+    if cache_mode not in PAGED_MODES:
+        kv_cache.view(-1, latent.shape[-1]).copy_(latent)
+        kr_cache.view(-1, key_rope.shape[-1]).copy_(key_rope)
+        return
+    if slots is None or slots.numel() == 0:
+        return
+    for cache, values in ((kv_cache, latent), (kr_cache, key_rope)):
+        blocks, block_size = cache.shape[0], cache.shape[1]
+        block, offset = slots // block_size, slots % block_size
+        if cache_mode == "PA_NZ":
+            c0 = nz_group(cache)
+            nz = cache.view(blocks, KV_HEADS, values.shape[-1] // c0, block_size, c0)
+            nz[block, :, :, offset, :] = values.view(-1, KV_HEADS, values.shape[-1] // c0, c0)
+        else:
+            cache[block, offset] = values.view(-1, KV_HEADS, values.shape[-1])

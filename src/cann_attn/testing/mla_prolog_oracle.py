@@ -1,0 +1,105 @@
+"""Independent float64 oracle of MlaProlog (torch_npu npu_mla_prolog_v3 / _v2), written from op-plugin's pages and
+ops-transformer's MlaPrologV3 design note (docs/operators/mla_prolog.md): one token at a time, nothing imported from
+``cann_attn`` outside this testing package. It validates nothing: feed valid inputs.
+
+`mla_prolog_oracle` returns the float64 query, query_rope and query_norm rows and the caches as they must be after
+the call: float64 copies of the given caches with the written elements replaced, and a mask of those elements.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+F64 = torch.float64
+
+
+@dataclass
+class MlaPrologOracle:
+    query: torch.Tensor  # [.., N, Hckv]
+    query_rope: torch.Tensor  # [.., N, Dr]
+    query_norm: torch.Tensor  # [.., Hcq]
+    kv_cache: torch.Tensor  # the cache's shape, float64
+    kr_cache: torch.Tensor
+    kv_written: torch.Tensor  # bool, the cache's shape
+    kr_written: torch.Tensor
+
+
+def _rmsnorm(row: torch.Tensor, gamma: torch.Tensor, eps: float) -> torch.Tensor:
+    rms = torch.sqrt((row * row).sum() / row.numel() + eps)
+    return gamma.to(F64) * row / rms
+
+
+def _rope(row: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """The design note's formula (15) element by element: pair i = (x_{2i}, x_{2i+1}) lands at channels i and
+    Dr/2 + i, each with its own entry of the cos / sin row."""
+    half = row.numel() // 2
+    out = torch.empty_like(row)
+    for i in range(half):
+        even, odd = row[2 * i], row[2 * i + 1]
+        out[i] = even * cos[i] - odd * sin[i]
+        out[half + i] = odd * cos[half + i] + even * sin[half + i]
+    return out
+
+
+def _nz_flat_index(block: int, slot: int, channel: int, *, block_size: int, width: int, c0: int) -> int:
+    """Element (block, slot, head 0, channel) of an NZ paged cache in memory order: blocks of [width / c0,
+    block_size, c0]."""
+    return ((block * (width // c0) + channel // c0) * block_size + slot) * c0 + channel % c0
+
+
+def mla_prolog_oracle(token_x, weight_dq, weight_uq_qr, weight_uk, weight_dkv_kr, gamma_cq, gamma_ckv, rope_sin,
+                      rope_cos, kv_cache, kr_cache, cache_index=None, *, cache_mode: str = "PA_BSND",
+                      eps_cq: float = 1e-5, eps_ckv: float = 1e-5, qc_qr_scale: float = 1.0,
+                      kc_scale: float = 1.0) -> MlaPrologOracle:
+    heads, nope_dim, latent = weight_uk.shape
+    rope_dim = rope_sin.shape[-1]
+    lead = tuple(token_x.shape[:-1])
+    x = token_x.to(F64).reshape(-1, token_x.shape[-1])
+    sin, cos = rope_sin.to(F64).reshape(-1, rope_dim), rope_cos.to(F64).reshape(-1, rope_dim)
+    w_dq, w_uq_qr, w_uk, w_dkv_kr = (w.to(F64) for w in (weight_dq, weight_uq_qr, weight_uk, weight_dkv_kr))
+    tokens = x.shape[0]
+    query = torch.zeros(tokens, heads, latent, dtype=F64)
+    query_rope = torch.zeros(tokens, heads, rope_dim, dtype=F64)
+    query_norm = torch.zeros(tokens, w_dq.shape[1], dtype=F64)
+    latents = torch.zeros(tokens, latent, dtype=F64)
+    key_ropes = torch.zeros(tokens, rope_dim, dtype=F64)
+    for t in range(tokens):
+        c_q = qc_qr_scale * _rmsnorm(x[t] @ w_dq, gamma_cq, eps_cq)
+        query_norm[t] = c_q
+        q_all = c_q @ w_uq_qr
+        for n in range(heads):
+            head = q_all[n * (nope_dim + rope_dim) : (n + 1) * (nope_dim + rope_dim)]
+            query[t, n] = head[:nope_dim] @ w_uk[n]
+            query_rope[t, n] = _rope(head[nope_dim:], cos[t], sin[t])
+        kv = x[t] @ w_dkv_kr
+        latents[t] = kc_scale * _rmsnorm(kv[:latent], gamma_ckv, eps_ckv)
+        key_ropes[t] = _rope(kv[latent:], cos[t], sin[t])
+
+    caches = []
+    for cache, rows in ((kv_cache, latents), (kr_cache, key_ropes)):
+        expected = cache.to(F64).clone()
+        written = torch.zeros(cache.shape, dtype=torch.bool)
+        flat_expected, flat_written = expected.view(-1), written.view(-1)
+        width = rows.shape[1]
+        for t in range(tokens):
+            if cache_mode in ("BSND", "TND"):
+                targets = [t * width + c for c in range(width)]
+            elif cache.shape[0] * cache.shape[1] == 0:
+                targets = []
+            else:
+                slot = int(cache_index.reshape(-1)[t])
+                block, offset, block_size = slot // cache.shape[1], slot % cache.shape[1], cache.shape[1]
+                if cache_mode == "PA_NZ":
+                    c0 = 32 // cache.element_size()
+                    targets = [_nz_flat_index(block, offset, c, block_size=block_size, width=width, c0=c0)
+                               for c in range(width)]
+                else:
+                    targets = [(block * block_size + offset) * width + c for c in range(width)]
+            for c, target in enumerate(targets):
+                flat_expected[target] = rows[t, c]
+                flat_written[target] = True
+        caches += [expected, written]
+    return MlaPrologOracle(query.reshape(*lead, heads, latent), query_rope.reshape(*lead, heads, rope_dim),
+                           query_norm.reshape(*lead, -1), caches[0], caches[2], caches[1], caches[3])

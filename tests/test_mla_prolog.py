@@ -1,0 +1,385 @@
+"""MlaProlog (cann_attn.mla_prolog, torch_npu npu_mla_prolog / _v2 / _v3) against the independent float64 oracle
+(docs/operators/mla_prolog.md): every cache mode callers use, [T, He] and [B, S, He] tokens, both scales and
+epsilons, query_norm; the caches written only at their rows; NZ caches read back the way callers view them; the
+custom op under torch.compile; every refusal naming its parameter with both caches untouched."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import cann_attn
+import cann_attn.torch_npu as torch_npu
+from cann_attn.testing.mla_prolog_oracle import mla_prolog_oracle
+from cann_attn.testing.precision import assert_close_to_oracle
+
+pytestmark = pytest.mark.usefixtures("single_thread")
+
+BF16, F64 = torch.bfloat16, torch.float64
+WEIGHTS = ("token_x", "weight_dq", "weight_uq_qr", "weight_uk", "weight_dkv_kr", "rmsnorm_gamma_cq",
+           "rmsnorm_gamma_ckv", "rope_sin", "rope_cos")
+
+
+class PrologCase:
+    """Inputs built as the callers build them: caches [block_num, block_size, 1, D] ("PA_*"), [B, S, 1, D]
+    ("BSND") or [T, 1, D] ("TND"), cache_index = the tokens' slots (distinct, shuffled over the pool)."""
+
+    def __init__(self, gen, *, dtype=BF16, lead=(5,), cache_mode="PA_BSND", hidden=48, q_latent=32, heads=2,
+                 nope=16, rope=16, latent=32, blocks=3, block_size=16):
+        self.cache_mode, self.dtype = cache_mode, dtype
+
+        def draw(*shape, scale=1.0):
+            return (torch.randn(*shape, generator=gen, dtype=F64) * scale).to(dtype)
+
+        tokens = int(torch.Size(lead).numel())
+        self.inputs = {
+            "token_x": draw(*lead, hidden),
+            "weight_dq": draw(hidden, q_latent, scale=hidden ** -0.5),
+            "weight_uq_qr": draw(q_latent, heads * (nope + rope), scale=q_latent ** -0.5),
+            "weight_uk": draw(heads, nope, latent, scale=nope ** -0.5),
+            "weight_dkv_kr": draw(hidden, latent + rope, scale=hidden ** -0.5),
+            "rmsnorm_gamma_cq": draw(q_latent) + 1,
+            "rmsnorm_gamma_ckv": draw(latent) + 1,
+            # cos / sin rows as a rotary embedding builds them: [c_0 .. c_{Dr/2-1}] twice, positions of the tokens
+            **self._rotary(torch.randint(0, 4096, (tokens,), generator=gen), rope, lead, dtype),
+        }
+        if cache_mode in ("PA_BSND", "PA_NZ"):
+            cache_lead = (blocks, block_size)
+            # (a pool of 0 blocks is never written: any index will do)
+            slots = torch.randperm(blocks * block_size, generator=gen)[:tokens] if blocks else torch.zeros(tokens)
+            self.cache_index = slots.to(torch.int64).view(lead)
+        else:
+            cache_lead = lead
+            self.cache_index = None
+        self.kv_cache = draw(*cache_lead, 1, latent)
+        self.kr_cache = draw(*cache_lead, 1, rope)
+
+    @staticmethod
+    def _rotary(positions, rope, lead, dtype):
+        freq = 10000.0 ** (-torch.arange(rope // 2, dtype=F64) * 2 / rope)
+        angle = positions.to(F64)[:, None] * freq
+        angle = torch.cat([angle, angle], -1).view(*lead, rope)
+        return {"rope_sin": angle.sin().to(dtype), "rope_cos": angle.cos().to(dtype)}
+
+    def weights(self):
+        return [self.inputs[n] for n in WEIGHTS]
+
+    def run(self, **kw):
+        kw = {"cache_index": self.cache_index, "cache_mode": self.cache_mode, **kw}
+        return cann_attn.mla_prolog(*self.weights(), self.kv_cache, self.kr_cache, **kw)
+
+    def oracle(self, kv_cache, kr_cache, **kw):
+        return mla_prolog_oracle(*self.weights(), kv_cache, kr_cache, self.cache_index, cache_mode=self.cache_mode,
+                                 **kw)
+
+
+def naive(case: PrologCase, qc_qr_scale=1.0, kc_scale=1.0, eps_cq=1e-5, eps_ckv=1e-5) -> dict:
+    """The formulas in plain PyTorch in the input dtype (the "naive" side of the flash-attn precision rule):
+    query, query_rope, query_norm and the latent / rope-key rows of every token."""
+    i = case.inputs
+    heads, nope, latent = i["weight_uk"].shape
+    rope = i["rope_sin"].shape[-1]
+    x = i["token_x"].reshape(-1, i["token_x"].shape[-1])
+    cos, sin = i["rope_cos"].reshape(-1, 1, rope), i["rope_sin"].reshape(-1, 1, rope)
+
+    def norm(v, gamma, eps):
+        return gamma * v * torch.rsqrt(v.pow(2).mean(-1, keepdim=True) + eps)
+
+    def rotate(v):
+        pairs = v.unflatten(-1, (-1, 2)).transpose(-1, -2).flatten(-2)
+        return pairs * cos + torch.cat([-pairs[..., rope // 2 :], pairs[..., : rope // 2]], -1) * sin
+
+    c_q = qc_qr_scale * norm(x @ i["weight_dq"], i["rmsnorm_gamma_cq"], eps_cq)
+    q = (c_q @ i["weight_uq_qr"]).view(-1, heads, nope + rope)
+    kv = x @ i["weight_dkv_kr"]
+    lead = case.inputs["token_x"].shape[:-1]
+    return {"query": torch.einsum("tnd,ndc->tnc", q[..., :nope], i["weight_uk"]).reshape(*lead, heads, latent),
+            "query_rope": rotate(q[..., nope:]).reshape(*lead, heads, rope), "query_norm": c_q.reshape(*lead, -1),
+            "kv_cache": kc_scale * norm(kv[:, :latent], i["rmsnorm_gamma_ckv"], eps_ckv),
+            "kr_cache": rotate(kv[:, None, latent:])[:, 0]}
+
+
+def token_rows(case: PrologCase, cache: torch.Tensor) -> torch.Tensor:
+    """Every token's cache row [tokens, width], read the way the callers read their caches: row t of a BSND / TND
+    cache, slot cache_index[t] of a PA_BSND pool, and through the [block_num, 1, width / 16, block_size, 16] view
+    of a PA_NZ pool."""
+    width = cache.shape[-1]
+    if case.cache_index is None:
+        return cache.reshape(-1, width)
+    slots = case.cache_index.reshape(-1)
+    if case.cache_mode == "PA_NZ":
+        blocks, block_size = cache.shape[:2]
+        view = cache.view(blocks, 1, width // 16, block_size, 16)
+        return view[slots // block_size, 0, :, slots % block_size, :].flatten(1)
+    return cache.reshape(-1, width)[slots]
+
+
+def check_against_oracle(case: PrologCase, out, expected, kv_before, kr_before, *, query_norm=True, **scalars):
+    """Outputs close to the float64 oracle (1e-12 for float64 inputs; for bf16 the Ascend rule, or the flash-attn
+    rule against the naive bf16 computation), every token's cache row close to it too and every element no token
+    writes bit for bit what it was."""
+    plain = naive(case, **scalars) if case.dtype != F64 else {}
+    pairs = [("query", out.query, expected.query), ("query_rope", out.query_rope, expected.query_rope)]
+    if query_norm:
+        pairs.append(("query_norm", out.query_norm, expected.query_norm))
+    for cache, before, oracle_cache, written, name in (
+            (case.kv_cache, kv_before, expected.kv_cache, expected.kv_written, "kv_cache"),
+            (case.kr_cache, kr_before, expected.kr_cache, expected.kr_written, "kr_cache")):
+        assert torch.equal(cache[~written], before[~written]), f"{name}: an element outside cache_index changed"
+        pairs.append((name, token_rows(case, cache), token_rows(case, oracle_cache)))
+    for name, actual, golden in pairs:
+        assert actual.dtype == case.dtype, name
+        if case.dtype == F64:
+            torch.testing.assert_close(actual, golden, rtol=1e-12, atol=1e-12, msg=name)
+        else:
+            assert_close_to_oracle(actual, golden, plain[name].reshape(actual.shape), name=name)
+
+
+@pytest.mark.parametrize("dtype", [F64, BF16])
+@pytest.mark.parametrize(("cache_mode", "lead"), [
+    ("PA_BSND", (5,)), ("PA_BSND", (2, 3)), ("PA_NZ", (5,)), ("PA_NZ", (3, 1)), ("BSND", (1, 6)), ("TND", (4,))])
+def test_matches_the_oracle_and_writes_only_the_indexed_rows(cache_mode, lead, dtype):
+    """Callers: cann-recipes-infer models/deepseek_v3_2_exp/models/modeling_deepseek.py:1475 (decode: [T, He]
+    tokens, "PA_BSND", cache_index = slot_mapping.view(-1), query_norm_flag=True) and :1309 (prefill under context
+    parallelism: cache_mode "BSND", token_x.view(1, token_num, -1)); models/deepseek_r1/models/modeling_deepseek.py
+    :1251 ("PA_NZ", [T, He], cache_index = slot_mapping); models/kimi_k2_thinking/models/modeling_deepseek.py:1234;
+    vllm-ascend vllm_ascend/device/device_op.py:1409 ([bsz, 1, He] tokens, cache_index [bsz, 1]) and
+    vllm_ascend/attention/sfa_v1.py:1041."""
+    case = PrologCase(torch.Generator().manual_seed(len(lead) * 7 + len(cache_mode)), dtype=dtype, lead=lead,
+                      cache_mode=cache_mode)
+    kv_before, kr_before = case.kv_cache.clone(), case.kr_cache.clone()
+    out = case.run(query_norm_flag=True)
+    expected = case.oracle(kv_before, kr_before)
+    assert out.query.shape == (*lead, 2, 32) and out.query_rope.shape == (*lead, 2, 16)
+    assert out.query_norm.shape == (*lead, 32)
+    assert out.dequant_scale_q_nope.shape == (0,) and out.dequant_scale_q_norm.shape == (0,)
+    assert out.dequant_scale_q_nope.dtype == torch.float32
+    check_against_oracle(case, out, expected, kv_before, kr_before)
+    assert int(expected.kv_written.sum()) == out.query.shape[:-2].numel() * 32  # every token's row, nothing else
+
+
+@pytest.mark.parametrize("cache_mode", ["PA_NZ", "PA_BSND"])
+def test_scales_and_epsilons(cache_mode):
+    """qc_qr_scale scales c^Q (query and query rope), kc_scale the cached latent, the epsilons their RmsNorm
+    (longcat: models/longcat_flash/models/modeling_longcat_flash.py:951, "PA_NZ" with qc_qr_scale; longcat_flash_lite
+    models/longcat_flash_lite/models/modeling_longcat_flash_lite.py:537, qc_qr_scale with kc_scale=1.0)."""
+    case = PrologCase(torch.Generator().manual_seed(3), dtype=F64, cache_mode=cache_mode)
+    kv_before, kr_before = case.kv_cache.clone(), case.kr_cache.clone()
+    scalars = dict(qc_qr_scale=0.37, kc_scale=2.5)
+    epsilons = dict(rmsnorm_epsilon_cq=0.3, rmsnorm_epsilon_ckv=0.05)
+    out = case.run(**scalars, **epsilons)
+    expected = case.oracle(kv_before, kr_before, eps_cq=0.3, eps_ckv=0.05, **scalars)
+    check_against_oracle(case, out, expected, kv_before, kr_before, query_norm=False)
+    bf16 = PrologCase(torch.Generator().manual_seed(3), cache_mode=cache_mode)
+    kv_before, kr_before = bf16.kv_cache.clone(), bf16.kr_cache.clone()
+    out = bf16.run(**scalars, **epsilons)
+    expected = bf16.oracle(kv_before, kr_before, eps_cq=0.3, eps_ckv=0.05, **scalars)
+    check_against_oracle(bf16, out, expected, kv_before, kr_before, query_norm=False, eps_cq=0.3, eps_ckv=0.05,
+                         **scalars)
+    assert out.query_norm.shape == (0,)  # query_norm_flag=False
+
+
+def test_nz_cache_reads_back_through_the_callers_view():
+    """deepseek_r1 reads the "PA_NZ" caches as nope_cache.view(block_num, 1, Hckv // 16, block_size, 16)
+    (models/deepseek_r1/models/modeling_deepseek.py:1281): token t's channel c at [block, 0, c // 16, slot, c % 16]
+    equals what "PA_BSND" writes at [block, slot, 0, c]."""
+    gen = torch.Generator().manual_seed(5)
+    nz = PrologCase(gen, cache_mode="PA_NZ")
+    nd = PrologCase(torch.Generator().manual_seed(5), cache_mode="PA_BSND")
+    out_nz, out_nd = nz.run(), nd.run()
+    assert torch.equal(out_nz.query, out_nd.query) and torch.equal(out_nz.query_rope, out_nd.query_rope)
+    for cache_nz, cache_nd in ((nz.kv_cache, nd.kv_cache), (nz.kr_cache, nd.kr_cache)):
+        blocks, block_size, _, width = cache_nz.shape
+        view = cache_nz.view(blocks, 1, width // 16, block_size, 16)
+        slots = nz.cache_index.view(-1)
+        written = view[slots // block_size, 0, :, slots % block_size, :].flatten(1)
+        assert torch.equal(written, cache_nd.view(-1, width)[slots])
+
+
+def test_weights_after_format_cast_equal_plain_weights():
+    """Callers pass weight_dq / weight_uq_qr / weight_dkv_kr through npu_format_cast(w, 29) (op-plugin's example,
+    vllm-ascend, every recipe): the logical tensor is unchanged, so the result is the plain weights' bit for bit."""
+    cast = getattr(torch_npu, "npu_format_cast", None)
+    plain = PrologCase(torch.Generator().manual_seed(8))
+    nz = PrologCase(torch.Generator().manual_seed(8))
+    if cast is not None:
+        for name in ("weight_dq", "weight_uq_qr", "weight_dkv_kr"):
+            nz.inputs[name] = cast(nz.inputs[name].contiguous(), 29)
+    a, b = plain.run(), nz.run()
+    assert all(torch.equal(x, y) for x, y in zip(a, b, strict=True))
+    assert torch.equal(plain.kv_cache, nz.kv_cache) and torch.equal(plain.kr_cache, nz.kr_cache)
+
+
+def test_rope_pairs_interleaved_channels():
+    """A mutant that rotates the halves (rotate_half without taking the pairs (x0, x1), (x2, x3), ...) differs
+    from the oracle: the test above would catch it."""
+    from cann_attn.problem import rope as rope_rule
+
+    x = torch.randn(3, 8, dtype=F64)
+    angle = torch.rand(3, 4, dtype=F64)
+    cos, sin = torch.cat([angle.cos()] * 2, -1), torch.cat([angle.sin()] * 2, -1)
+    ours = rope_rule.interleaved_rope(x, cos, sin)
+    # pair i = (x_{2i}, x_{2i+1}) rotated by angle i, written at channels i and 4 + i
+    even, odd = x[:, 0::2], x[:, 1::2]
+    expected = torch.cat([even * angle.cos() - odd * angle.sin(), odd * angle.cos() + even * angle.sin()], -1)
+    torch.testing.assert_close(ours, expected, rtol=0, atol=1e-15)
+    half_split = x * cos + torch.cat([-x[:, 4:], x[:, :4]], -1) * sin
+    assert not torch.allclose(ours, half_split)
+
+
+def test_empty_token_batch_and_empty_pool():
+    """T = 0: empty outputs and nothing written; BlockNum = 0 (Skv = 0): the queries are computed and nothing is
+    written (op-plugin's page, "B、S、T、Skv值允许一个或多个取0")."""
+    case = PrologCase(torch.Generator().manual_seed(9), lead=(0,))
+    kv_before = case.kv_cache.clone()
+    out = case.run(query_norm_flag=True)
+    assert out.query.shape == (0, 2, 32) and out.query_norm.shape == (0, 32)
+    assert torch.equal(case.kv_cache, kv_before)
+    case = PrologCase(torch.Generator().manual_seed(9), blocks=0, dtype=F64)
+    out = case.run()
+    expected = case.oracle(case.kv_cache, case.kr_cache)
+    torch.testing.assert_close(out.query, expected.query, rtol=1e-12, atol=1e-12)
+
+
+# ------------------------------------------------------------------------------------------------- torch_npu
+def test_torch_npu_spellings_return_their_outputs():
+    """v3 -> (query, query_rope, dequant_scale_q_nope [0], query_norm, dequant_scale_q_norm [0]); v2 -> (query,
+    query_rope, kv_cache, kr_cache, dequant_scale_q_nope [1]); v1 -> the first four of v2; install() makes
+    torch.ops.npu.npu_mla_prolog_v3 the same function."""
+    reference = PrologCase(torch.Generator().manual_seed(11))
+    expected = reference.run(query_norm_flag=True)
+    v3 = PrologCase(torch.Generator().manual_seed(11))
+    out = torch_npu.npu_mla_prolog_v3(*v3.weights(), v3.kv_cache, v3.kr_cache, cache_index=v3.cache_index,
+                                      query_norm_flag=True)
+    assert len(out) == 5 and all(torch.equal(a, b) for a, b in zip(out, expected, strict=True))
+    assert torch.equal(v3.kv_cache, reference.kv_cache) and torch.equal(v3.kr_cache, reference.kr_cache)
+    for spelling, arity in ((torch_npu.npu_mla_prolog_v2, 5), (torch_npu.npu_mla_prolog, 4)):
+        case = PrologCase(torch.Generator().manual_seed(11))
+        out = spelling(*case.weights(), case.cache_index, case.kv_cache, case.kr_cache)
+        assert len(out) == arity and out[2] is case.kv_cache and out[3] is case.kr_cache
+        assert torch.equal(out[0], expected.query) and torch.equal(case.kv_cache, reference.kv_cache)
+    case = PrologCase(torch.Generator().manual_seed(11))
+    assert torch_npu.npu_mla_prolog_v2(*case.weights(), case.cache_index, case.kv_cache, case.kr_cache)[4].shape == (1,)
+
+
+@pytest.mark.parametrize(("release", "has_dtype_overrides"), [("current", True), ("26.0", False), ("7.3", False)])
+def test_v3_signature_per_release(release, has_dtype_overrides):
+    """op-plugin's op_plugin_functions.yaml: npu_mla_prolog_v3 from 7.3 on, master adds the *_dtype overrides."""
+    import inspect
+
+    previous = torch_npu.use_release(release)
+    try:
+        params = inspect.signature(torch_npu.npu_mla_prolog_v3).parameters
+        assert list(params)[:11] == [*WEIGHTS, "kv_cache", "kr_cache"]
+        assert params["cache_index"].kind is inspect.Parameter.KEYWORD_ONLY and params["tile_size"].default == 128
+        assert ("kv_cache_dtype" in params) == has_dtype_overrides
+    finally:
+        torch_npu.use_release(previous)
+
+
+def test_custom_op_under_torch_compile_writes_the_caches():
+    """The cann_attn::mla_prolog custom op marks kv_cache / kr_cache as written: a compiled call updates them."""
+    eager = PrologCase(torch.Generator().manual_seed(12))
+    compiled_case = PrologCase(torch.Generator().manual_seed(12))
+    expected = eager.run(query_norm_flag=True)
+
+    @torch.compile(fullgraph=True, backend="aot_eager")
+    def step(*tensors, cache_index):
+        return cann_attn.mla_prolog(*tensors, cache_index=cache_index, query_norm_flag=True)
+
+    out = step(*compiled_case.weights(), compiled_case.kv_cache, compiled_case.kr_cache,
+               cache_index=compiled_case.cache_index)
+    assert all(torch.equal(a, b) for a, b in zip(out, expected, strict=True))
+    assert torch.equal(compiled_case.kv_cache, eager.kv_cache)
+    args = (*compiled_case.weights(), compiled_case.kv_cache, compiled_case.kr_cache)
+    result = torch.library.opcheck(torch.ops.cann_attn.mla_prolog, args,
+                                   {"cache_index": compiled_case.cache_index, "query_norm_flag": True})
+    assert all(v == "SUCCESS" for v in result.values()), result
+
+
+# ------------------------------------------------------------------------------------------------ bad input
+def _bad_calls():
+    """(what is wrong, the parameter the error must name, a change to a fresh case's call)."""
+    def set_input(name, value):
+        return lambda c, kw: c.inputs.__setitem__(name, value(c.inputs[name]))
+
+    def cast(dtype):
+        return lambda t: t.to(dtype)
+
+    def trim(t):
+        return t[..., :-2] if t.dim() > 1 else t[:-2]
+
+    # The sizes come from token_x (He), weight_dq (Hcq), weight_uk (N, D, Hckv) and rope_sin (Dr): those four are
+    # broken in a dim another tensor fixes, every other tensor in its last dim.
+    own_dim = {"weight_dq": lambda t: t[:-1], "weight_uk": lambda t: t[0], "rope_sin": lambda t: t[:-1]}
+    calls = []
+    for name in WEIGHTS[1:]:
+        calls.append((f"{name} dtype", name, set_input(name, cast(torch.float16))))
+        calls.append((f"{name} shape", name, set_input(name, own_dim.get(name, trim))))
+    calls += [
+        ("token_x int8", "token_x", set_input("token_x", cast(torch.int8))),
+        ("token_x 4-D", "token_x", set_input("token_x", lambda t: t[None, None])),
+        ("kv_cache dtype", "kv_cache", lambda c, kw: setattr(c, "kv_cache", c.kv_cache.float())),
+        ("kr_cache shape", "kr_cache", lambda c, kw: setattr(c, "kr_cache", c.kr_cache[..., :8])),
+        ("kr_cache blocks", "kr_cache", lambda c, kw: setattr(c, "kr_cache", c.kr_cache[:2])),
+        ("Nkv 2", "kv_cache", lambda c, kw: setattr(c, "kv_cache", c.kv_cache.expand(-1, -1, 2, -1).clone())),
+        ("block size 8", "kv_cache", lambda c, kw: (setattr(c, "kv_cache", c.kv_cache[:, :8]),
+                                                     setattr(c, "kr_cache", c.kr_cache[:, :8]),
+                                                     setattr(c, "cache_index", c.cache_index % 8))),
+        ("cache_mode PA_BLK_NZ", "cache_mode", lambda c, kw: kw.update(cache_mode="PA_BLK_NZ")),
+        ("cache_mode unknown", "cache_mode", lambda c, kw: kw.update(cache_mode="BNSD")),
+        ("cache_index missing", "cache_index", lambda c, kw: setattr(c, "cache_index", None)),
+        ("cache_index int32", "cache_index", lambda c, kw: setattr(c, "cache_index", c.cache_index.int())),
+        ("cache_index shape", "cache_index", lambda c, kw: setattr(c, "cache_index", c.cache_index[:2])),
+        ("cache_index past the pool", "cache_index",
+         lambda c, kw: c.cache_index.__setitem__(-1, c.kv_cache.shape[0] * c.kv_cache.shape[1])),
+        ("cache_index negative", "cache_index", lambda c, kw: c.cache_index.__setitem__(0, -1)),
+        ("cache_index repeated", "cache_index", lambda c, kw: c.cache_index.__setitem__(1, int(c.cache_index[0]))),
+        ("qc_qr_scale with query_norm", "qc_qr_scale", lambda c, kw: kw.update(qc_qr_scale=0.5,
+                                                                              query_norm_flag=True)),
+        ("epsilon not a number", "rmsnorm_epsilon_cq", lambda c, kw: kw.update(rmsnorm_epsilon_cq="1e-5")),
+        ("kc_scale nan", "kc_scale", lambda c, kw: kw.update(kc_scale=float("nan"))),
+        ("query_norm_flag int", "query_norm_flag", lambda c, kw: kw.update(query_norm_flag=1)),
+        ("actual_seq_len", "actual_seq_len", lambda c, kw: kw.update(actual_seq_len=torch.tensor([5]))),
+        ("tile_size float", "tile_size", lambda c, kw: kw.update(tile_size=128.0)),
+    ]
+    for mode, value in (("weight_quant_mode", 1), ("weight_quant_mode", 2), ("kv_cache_quant_mode", 1),
+                        ("kv_cache_quant_mode", 2), ("kv_cache_quant_mode", 3), ("query_quant_mode", 1),
+                        ("ckvkr_repo_mode", 1), ("quant_scale_repo_mode", 1), ("weight_quant_mode", 7)):
+        calls.append((f"{mode} {value}", mode, lambda c, kw, m=mode, v=value: kw.update({m: v})))
+    for name in ("dequant_scale_x", "dequant_scale_w_dq", "dequant_scale_w_uq_qr", "dequant_scale_w_dkv_kr",
+                 "quant_scale_ckv", "quant_scale_ckr", "smooth_scales_cq", "k_nope_clip_alpha"):
+        calls.append((name, name, lambda c, kw, n=name: kw.update({n: torch.ones(1, 4)})))
+    return calls
+
+
+@pytest.mark.parametrize(("what", "param", "change"), _bad_calls(), ids=[c[0] for c in _bad_calls()])
+def test_bad_input_names_the_parameter_and_writes_nothing(what, param, change):
+    case = PrologCase(torch.Generator().manual_seed(13))
+    kw = {}
+    change(case, kw)
+    kv_before, kr_before = case.kv_cache.clone(), case.kr_cache.clone()
+    with pytest.raises(cann_attn.ParamInvalidError if "missing" not in what else cann_attn.ParamNullptrError,
+                       match=rf"^\[\d+\] {param}:"):
+        case.run(**kw)
+    assert torch.equal(case.kv_cache, kv_before) and torch.equal(case.kr_cache, kr_before)
+
+
+def test_missing_weight_and_the_spellings_own_refusals():
+    case = PrologCase(torch.Generator().manual_seed(14))
+    weights = case.weights()
+    weights[3] = None
+    with pytest.raises(cann_attn.ParamNullptrError, match="weight_uk"):
+        cann_attn.mla_prolog(*weights, case.kv_cache, case.kr_cache, cache_index=case.cache_index)
+    with pytest.raises(cann_attn.ParamInvalidError, match=r"^\[161002\] cache_mode"):
+        torch_npu.npu_mla_prolog_v2(*case.weights(), case.cache_index, case.kv_cache, case.kr_cache,
+                                    cache_mode="TND")
+    with pytest.raises(cann_attn.ParamInvalidError, match="kv_cache_dtype"):
+        torch_npu.npu_mla_prolog_v3(*case.weights(), case.kv_cache, case.kr_cache, cache_index=case.cache_index,
+                                    kv_cache_dtype=2)
+    bsnd = PrologCase(torch.Generator().manual_seed(14), lead=(1, 3), cache_mode="BSND")
+    with pytest.raises(cann_attn.ParamInvalidError, match="cache_index"):  # BSND writes row t: no index
+        cann_attn.mla_prolog(*bsnd.weights(), bsnd.kv_cache, bsnd.kr_cache, cache_mode="BSND",
+                             cache_index=torch.zeros(1, 3, dtype=torch.int64))
+    with pytest.raises(cann_attn.ParamInvalidError, match="token_x"):  # TND takes [T, He] tokens
+        cann_attn.mla_prolog(*bsnd.weights(), bsnd.kv_cache, bsnd.kr_cache, cache_mode="TND")
