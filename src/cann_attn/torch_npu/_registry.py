@@ -127,6 +127,8 @@ class NpuOp:
 
 OPS: dict[str, NpuOp] = {}
 _active = {"release": CURRENT}
+# Called instead of the implementation while one is present: graph capture records calls through it (_graphs.py).
+CALL_HOOKS: list[Callable] = []
 
 
 def active_release() -> str:
@@ -171,12 +173,17 @@ def npu_op(schemas: dict[tuple[str, ...], str], namespace: str = "npu") -> Calla
     def register(impl: Callable) -> Callable:
         op = NpuOp(impl.__name__, impl, parsed, namespace=namespace)
 
-        @functools.wraps(impl)
-        def call(*args, **kwargs):
+        def run(*args, **kwargs):
             release = _active["release"]
             if release == CURRENT or release not in op.schemas:
                 return impl(*args, **kwargs)
             return _call_as(op, op.schemas[release], release, args, kwargs)
+
+        @functools.wraps(impl)
+        def call(*args, **kwargs):
+            if CALL_HOOKS:
+                return CALL_HOOKS[-1](op, run, args, kwargs)
+            return run(*args, **kwargs)
 
         op.wrapper = call
         OPS[op.name] = op

@@ -28,6 +28,17 @@ from torch import Tensor
 
 from ..errors import ParamInvalidError
 from . import _device, _rng
+from ._graphs import (  # noqa: F401  (torch.npu's graph capture, docs/guides/torch_npu.md "Graph capture")
+    ExternalEvent,
+    NPUGraph,
+    graph,
+    graph_pool_handle,
+    graph_task_group_begin,
+    graph_task_group_end,
+    graph_task_update_begin,
+    graph_task_update_end,
+    is_current_stream_capturing,
+)
 
 
 def _mapped() -> torch.device:
