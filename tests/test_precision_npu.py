@@ -128,18 +128,20 @@ def _random_mask(sq, skv, seed=1):
 
 
 @pytest.mark.parametrize("dtype", HALF_TYPES)
-def test_pfa_npu_mode_within_two_ulps(dtype):
+@pytest.mark.parametrize("with_pse", [False, True])
+def test_pfa_npu_mode_within_two_ulps(dtype, with_pse):
     q, k, v = _inputs(dtype)
     mask = _random_mask(q.shape[2], k.shape[2])
-    pse = (torch.randn(1, 4, q.shape[2], k.shape[2]) * 0.5).to(dtype)
+    pse = (torch.randn(1, 4, q.shape[2], k.shape[2]) * 0.5).to(dtype) if with_pse else None
     kwargs = dict(num_heads=4, num_key_value_heads=2, input_layout="BNSD", scale_value=0.125, atten_mask=mask,
                   pse_shift=pse, next_tokens=2**31 - 1)  # PFA's next_tokens defaults to 0 (causal)
     with cann_attn.precision("npu"):
         out = cann_attn.prompt_flash_attention(q, k, v, **kwargs)
-    # torch_npu's npu_prompt_flash_attention passes inner_precise=1: fp16 runs the high-performance (fp16) pipeline.
+    # torch_npu's npu_prompt_flash_attention passes inner_precise=1: fp16 runs the high-performance (fp16) pipeline,
+    # except with a pse shift, where the tiling switches fp16 to high precision.
     assert_within_ulps(out, pfa_recipe(q, k, v, 0.125, 1, mask=mask, pse=pse))
     exact = cann_attn.prompt_flash_attention(q, k, v, **kwargs)
-    if dtype == torch.float16:  # the recipe tells the fp16 pipeline from the fp32 one
+    if dtype == torch.float16 and not with_pse:  # the recipe tells the fp16 pipeline from the fp32 one
         with pytest.raises(AssertionError):
             assert_within_ulps(exact, pfa_recipe(q, k, v, 0.125, 1, mask=mask, pse=pse))
 

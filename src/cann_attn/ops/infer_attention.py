@@ -228,7 +228,8 @@ def attend(
         return
     if precision.npu_mode():
         pipeline = precision.infer_pipeline(op, query.dtype, key.dtype, plan.output_dtype, inner_precise,
-                                            query.shape[2] == 1 if decode is None else decode)
+                                            query.shape[2] == 1 if decode is None else decode,
+                                            pse=pse_shift is not None)
         _attend_npu(problem, pipeline, query, key, value, out, plan, softmax_lse)
         return
     if query.dtype == torch.int8:

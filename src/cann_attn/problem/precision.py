@@ -36,12 +36,16 @@ __all__ = [
     "HALF_EVEN",
     "MODES",
     "PRECISION_ENV",
+    "SFA_KEY_BLOCK",
     "AttentionPipeline",
     "Cast",
     "GradPipeline",
     "IndexerPipeline",
+    "KeyShape",
     "PostQuant",
     "QuantIndexerPipeline",
+    "amla_factor",
+    "amla_rescale_bits",
     "current_mode",
     "fa_grad_pipeline",
     "fa_pipeline",
@@ -49,6 +53,7 @@ __all__ = [
     "ifa_pipeline",
     "indexer_pipeline",
     "infer_pipeline",
+    "key_block",
     "kl_loss_pipeline",
     "npu_mode",
     "pfa_pipeline",
@@ -244,13 +249,24 @@ class AttentionPipeline:
     divisor: Cast
     output: Cast
     dropout_in_probabilities: bool = False
-    # The kernels' key block (columns of one online-softmax step): rounding of an fp16 accumulator depends on it.
-    block: int = 512
+    # Which kernel's tiling decides the key block (`key_block`): "fa", "pfa_fp16" (fp16 high performance),
+    # "pfa_int8", "pfa_fp32" (fp16 high precision, bf16), "ifa", "sfa". P is rounded against its block's running
+    # max, so the block boundaries change the bits.
+    tiling: str = "fa"
+    # The running output's rescale factor exp(old max - new max) (None: rounded as `accumulator`).
+    rescale: Cast | None = None
+    # SparseFlashAttention's AMLA step (`amla_factor`): P times 2^(m/ln2 - round(m/ln2)), rounded to the KV dtype,
+    # before P's cast; the sum times the same factor.
+    amla: bool = False
+
+    @property
+    def rescale_cast(self) -> Cast:
+        return self.accumulator if self.rescale is None else self.rescale
 
     def stages(self) -> dict[str, Cast]:
         return {"scores": self.scores, "logits": self.logits, "probabilities": self.probabilities,
-                "products": self.products, "accumulator": self.accumulator, "divisor": self.divisor,
-                "output": self.output}
+                "products": self.products, "accumulator": self.accumulator, "rescale": self.rescale_cast,
+                "divisor": self.divisor, "output": self.output}
 
 
 @dataclass(frozen=True)
@@ -277,18 +293,20 @@ def half_away(dtype: torch.dtype) -> Cast:
     return FP32 if dtype == torch.float32 else Cast(dtype, HALF_AWAY)
 
 
-def pfa_pipeline(dtype: torch.dtype, inner_precise: int) -> AttentionPipeline:
+def pfa_pipeline(dtype: torch.dtype, inner_precise: int, pse: bool = False) -> AttentionPipeline:
     """PromptFlashAttention (and FIA's prefill kernel) for input `dtype`: fp16 with `inner_precise` bit 0 set
-    (high performance) computes in fp16 (matmul outputs, scale, softmax, P V, the running output and the division);
-    fp16 with bit 0 clear (high precision) and bf16 compute in fp32, cast P and the output half away; int8 computes
-    in fp16 like the high-performance mode (its P is quantised on top: `quant_attention`)."""
-    if dtype == torch.int8 or (dtype == torch.float16 and inner_precise & 1):
-        half = Cast(torch.float16)
-        return AttentionPipeline("prompt_flash_attention", scores=half, logits=half, probabilities=half,
-                                 products=half, accumulator=half, divisor=Cast(torch.float16, HALF_AWAY),
-                                 output=half)
+    (high performance) computes in fp16 (matmul outputs, scale, softmax, P V, the running output and the division),
+    SoftmaxFlashV2 casting P and the rescale factor half away; fp16 with bit 0 clear (high precision), fp16 with a
+    `pse` shift (the tiling forces high precision) and bf16 compute in fp32, cast P and the output half away; int8
+    computes in fp16 like the high-performance mode (its P is quantised on top: `quant_attention`)."""
+    if dtype == torch.int8 or (dtype == torch.float16 and inner_precise & 1 and not pse):
+        half, away = Cast(torch.float16), Cast(torch.float16, HALF_AWAY)
+        return AttentionPipeline("prompt_flash_attention", scores=half, logits=half, probabilities=away,
+                                 products=half, accumulator=half, divisor=away, output=half, rescale=away,
+                                 tiling="pfa_int8" if dtype == torch.int8 else "pfa_fp16")
     return AttentionPipeline("prompt_flash_attention", scores=FP32, logits=FP32, probabilities=half_away(dtype),
-                             products=FP32, accumulator=FP32, divisor=FP32, output=half_away(dtype))
+                             products=FP32, accumulator=FP32, divisor=FP32, output=half_away(dtype),
+                             tiling="pfa_fp32")
 
 
 def fa_pipeline(dtype: torch.dtype) -> AttentionPipeline:
@@ -305,11 +323,11 @@ def ifa_pipeline(kv_dtype: torch.dtype, out_dtype: torch.dtype) -> AttentionPipe
     a bf16 output rounds half to even, an fp16 one half away."""
     output = Cast(out_dtype, HALF_EVEN) if out_dtype == torch.bfloat16 else half_away(out_dtype)
     return AttentionPipeline("incre_flash_attention", scores=FP32, logits=FP32, probabilities=half_away(kv_dtype),
-                             products=FP32, accumulator=FP32, divisor=FP32, output=output)
+                             products=FP32, accumulator=FP32, divisor=FP32, output=output, tiling="ifa")
 
 
 def infer_pipeline(op: str, dtype: torch.dtype, kv_dtype: torch.dtype, out_dtype: torch.dtype, inner_precise: int,
-                   decode: bool) -> AttentionPipeline:
+                   decode: bool, pse: bool = False) -> AttentionPipeline:
     """The pipeline of an inference operator's kernel: IncreFlashAttention, and FusedInferAttentionScore with one
     query token (`decode`), run the IFA kernel; PromptFlashAttention and FIA's prefill the PFA kernel with
     `inner_precise` (torch_npu's npu_prompt_flash_attention passes 1). An int8 output leaves the pipeline in its
@@ -317,7 +335,7 @@ def infer_pipeline(op: str, dtype: torch.dtype, kv_dtype: torch.dtype, out_dtype
     if op == "incre_flash_attention" or (op.startswith("fused_infer_attention_score") and decode):
         pipeline = ifa_pipeline(kv_dtype, dtype if out_dtype == torch.int8 else out_dtype)
     else:
-        pipeline = pfa_pipeline(dtype, inner_precise)
+        pipeline = pfa_pipeline(dtype, inner_precise, pse)
     return replace(pipeline, output=pipeline.accumulator) if out_dtype == torch.int8 else pipeline
 
 
@@ -418,6 +436,110 @@ def quant_indexer_pipeline(query_dtype: torch.dtype, weights_dtype: torch.dtype)
                                 scores=FP32)
 
 
+# SparseFlashAttention's AMLA step, in fp32 as the kernel computes it (each operation one fp32 rounding).
+_LN2 = torch.tensor(0.6931471805599453094172, dtype=torch.float32)
+_RECIP_LN2 = 1.0 / _LN2  # an fp32 division of fp32 constants, as the kernel's constexpr
+_AMLA_MIN_STEP = -30.0
+_AMLA_EPS_GAIN = 1.5
+_AMLA_EPS = torch.tensor(0.000001, dtype=torch.float32)
+_MANTISSA_UNIT = 2.0**23
+
+
+def _round_integer_half_away(x: torch.Tensor) -> torch.Tensor:
+    return torch.sign(x) * torch.floor(x.abs() + 0.5)
+
+
+def amla_factor(row_max: torch.Tensor, kv: Cast) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(n, c, cof) of AMLA for fp32 running maxima `row_max`: n = round_half_away(-max / ln2) (an integer in fp32);
+    e = exp((max / ln2 + n) ln2), about 2^(max / ln2 - round(max / ln2)); c = e rounded to the KV dtype (`kv`) and
+    widened; cof = e / c. P is multiplied by c before its cast and the row sum by c at the end."""
+    n = _round_integer_half_away(row_max * -_RECIP_LN2)
+    e = torch.exp(((row_max * _RECIP_LN2) + n) * _LN2)
+    c = kv(e)
+    return n, c, e / c
+
+
+def amla_rescale_bits(acc: torch.Tensor, n_old: torch.Tensor, n_new: torch.Tensor, cof_old: torch.Tensor,
+                      cof_new: torch.Tensor) -> torch.Tensor:
+    """The running output `acc` (fp32, rows of [.., rows, D]) moved to the new step's scale the AMLA way: the int32
+    round_half_away((max(n_new - n_old, -30) + 1.5 (cof_old / cof_new - 1) + 1e-6) 2^23), each step in fp32, added
+    to every element's bit pattern (a power-of-two rescale and a linear correction of the mantissa)."""
+    eps = ((cof_old / cof_new) - 1.0) * _AMLA_EPS_GAIN + _AMLA_EPS
+    step = ((n_new - n_old).clamp(min=_AMLA_MIN_STEP) + eps) * _MANTISSA_UNIT
+    bits = _round_integer_half_away(step).to(torch.int32).unsqueeze(-1)
+    return (acc.contiguous().view(torch.int32) + bits).view(torch.float32)
+
+
+@dataclass(frozen=True)
+class KeyShape:
+    """What the kernels' tiling reads to size the key block: the longest query and key sequence of the call, the
+    query-key head dim, whether an attention-mask tensor is given, the layout, the query heads per kv head, and the
+    page size of a paged cache (0: contiguous)."""
+
+    seq_q: int
+    seq_kv: int
+    dim: int
+    has_mask: bool = False
+    layout: str = "BNSD"
+    group: int = 1
+    page_size: int = 0
+
+
+_FA_BASE = 128  # FlashAttentionScore's s2 basic block; nRatio of them form one softmax step
+
+
+def _fa_key_block(shape: KeyShape) -> int:
+    """FlashAttentionScore forward: 128-column basic blocks, nRatio of them per vector step (8; 5 when
+    1024 < S2 <= 1040; 6 for 2049 <= S2 <= 2304 with D = 64 in BNSD); TND always 8. S2 <= 1024 is one step."""
+    n_ratio = 8
+    if shape.layout != "TND":
+        if shape.seq_kv // _FA_BASE == 8 and 0 < shape.seq_kv % _FA_BASE <= 16:
+            n_ratio = 5
+        if 2049 <= shape.seq_kv <= 2304 and shape.dim == 64 and shape.layout == "BNSD":
+            n_ratio = 6
+    return _FA_BASE * n_ratio
+
+
+def _pfa_key_block(tiling: str, shape: KeyShape) -> int:
+    """PromptFlashAttention (and FIA prefill): sInner 1024, 512 for Skv <= 1024 (not int8) and in the fp32-compute
+    kernels (fp16 high precision, bf16); with Sq <= 16, no mask and Skv > 2048: 2048 on every path."""
+    block = 1024
+    if shape.seq_kv <= 1024 and tiling != "pfa_int8":
+        block = 512
+    if tiling == "pfa_fp32":
+        block = 512
+    if shape.seq_q <= 16 and shape.seq_kv > 2048 and not shape.has_mask:
+        block = 2048
+    return block
+
+
+_IFA_BLOCKS = (8192, 4096, 2048)  # by query heads per kv head: < 5, < 10, more
+
+
+def _ifa_key_block(shape: KeyShape) -> int:
+    """IncreFlashAttention (and FIA decode): sInner 8192 / 4096 / 2048 as the group grows, floored to a multiple of
+    the page size in a paged cache."""
+    block = _IFA_BLOCKS[min(shape.group // 5, 2)]
+    if shape.page_size and block % shape.page_size:
+        block = block // shape.page_size * shape.page_size
+    return block
+
+
+SFA_KEY_BLOCK = 512  # SparseFlashAttention's s2 base size (selected keys per softmax step)
+
+
+def key_block(pipeline: AttentionPipeline, shape: KeyShape) -> int:
+    """The key block (columns of one online-softmax step) of `pipeline`'s kernel for a call of `shape`, as the
+    kernel's host tiling decides it (docs/semantics/precision.md, "Key blocks")."""
+    if pipeline.tiling == "fa":
+        return _fa_key_block(shape)
+    if pipeline.tiling.startswith("pfa"):
+        return _pfa_key_block(pipeline.tiling, shape)
+    if pipeline.tiling == "ifa":
+        return _ifa_key_block(shape)
+    return SFA_KEY_BLOCK
+
+
 def fa_grad_pipeline(dtype: torch.dtype) -> GradPipeline:
     """FlashAttentionScoreGrad: P and dS cast to the input dtype half away before their GEMMs; gradients half away."""
     cast = half_away(dtype)
@@ -426,8 +548,8 @@ def fa_grad_pipeline(dtype: torch.dtype) -> GradPipeline:
 
 def sfa_pipeline(kv_dtype: torch.dtype, out_dtype: torch.dtype) -> AttentionPipeline:
     """SparseFlashAttention: IncreFlashAttention's stages over the selected keys (fp32; P to the KV dtype half away;
-    bf16 output half to even, fp16 half away)."""
-    return replace(ifa_pipeline(kv_dtype, out_dtype), operator="sparse_flash_attention")
+    bf16 output half to even, fp16 half away), with the AMLA step (`amla_factor`) before P's cast."""
+    return replace(ifa_pipeline(kv_dtype, out_dtype), operator="sparse_flash_attention", tiling="sfa", amla=True)
 
 
 def sfa_grad_pipeline(dtype: torch.dtype) -> GradPipeline:

@@ -23,6 +23,7 @@ __all__ = [
     "fa_grad_recipe",
     "fa_recipe",
     "ifa_recipe",
+    "kernel_key_tile",
     "kl_loss_recipe",
     "lightning_indexer_recipe",
     "op_plugin_pfa_golden",
@@ -81,23 +82,84 @@ def _expand_kv(t: torch.Tensor, heads: int) -> torch.Tensor:
     return t.repeat_interleave(heads // t.shape[1], dim=1)
 
 
-def pfa_recipe(q, k, v, scale: float, inner_precise: int = 1, mask: torch.Tensor | None = None,
-               pse: torch.Tensor | None = None, int8: dict | None = None, compute_output: bool = False) -> torch.Tensor:
-    """PromptFlashAttention on BNSD tensors, one key block (Skv within the kernel's block).
+def kernel_key_tile(op: str, *, sq: int, skv: int, d: int = 128, masked: bool = False, layout: str = "BNSD",
+                    group: int = 1, dtype: torch.dtype = torch.float16, inner_precise: int = 1) -> int:
+    """Columns of one online-softmax step, read off the kernels' host tiling (the precision page cites the lines).
 
-    fp16 with inner_precise bit 0 set, and int8 (prompt_flash_attention_base.h: mmOutputType and softmaxType half):
-    S = half(Q K^T) (int8: half(int32 * deq_scale1)); S = half(S * half(scale)) (x910.h Muls in computeType);
-    + pse in half; max / sum fp32 (SoftmaxFlashV2 with float max/sum); P = half(exp(S - max)); int8:
-    P = int8(half(P * half(quant_scale1))), PV = half(int32 * deq_scale2); else PV = half(P V);
-    O = half(PV / half_away(sum)) (Bmm2UpdateDivNoTail casts the sum CAST_ROUND, divides in half).
-    fp16 with bit 0 clear, and bf16: fp32 throughout, P = half_away(exp(S - max)) to the input dtype (x910.h
-    SoftmaxResCopyOut, CAST_ROUND), O = half_away(PV / sum) (x910_base.h DataCopyTransposeOut, CAST_ROUND).
+    "fa": flash_attention_score_tiling_general.cpp: s2 basic block min(128, S2) times nRatio; nRatio is 8, but 5
+    when S2 / 128 == 8 with a remainder of 1..16, and 6 when 2049 <= S2 <= 2304, D == 64 and BNSD (not TND).
+    "pfa": prompt_flash_attention_tiling.cpp AdjustCVTilingCVDiff: rectangleFactor 1024; 512 when KV_S <= 1024
+    and the input is not int8; 512 for bf16 and fp16 high precision; 2048 when Q_S <= 16, KV_S > 2048 and no
+    mask. "ifa": incre_flash_attention_tiling.cpp CalcInnerSize: {8192, 4096, 2048}[min(G / 5, 2)].
+    "sfa": 512 (the SFA vector's largest step)."""
+    if op == "fa":
+        ratio = 8
+        if layout != "TND" and skv // 128 == 8 and skv % 128 in range(1, 17):
+            ratio = 5
+        if layout == "BNSD" and d == 64 and 2049 <= skv <= 2304:
+            ratio = 6
+        return 128 * ratio
+    if op == "pfa":
+        precise = dtype == torch.bfloat16 or (dtype == torch.float16 and not inner_precise & 1)
+        tile = 512 if precise or (skv <= 1024 and dtype != torch.int8) else 1024
+        return 2048 if sq <= 16 and skv > 2048 and not masked else tile
+    if op == "ifa":
+        return [8192, 4096, 2048][min(group // 5, 2)]
+    return 512
+
+
+def _online(s: torch.Tensor, v: torch.Tensor, tile: int, to_p, mix):
+    """The kernels' online softmax over column steps of `tile`: per step, the new running max m (fp32), e =
+    exp(s - m) in fp32, the fp32 sum updated with exp(m_old - m), P = to_p(e, the step's columns), and the running
+    output updated by
+    `mix(acc, exp(m_old - m), P)` (acc None on the first step). Returns (acc, max, sum)."""
+    m = torch.full((*s.shape[:-1], 1), float("-inf"))
+    total = torch.zeros_like(m)
+    acc = None
+    for c0 in range(0, s.shape[-1], tile):
+        part = s[..., c0:c0 + tile]
+        m_new = torch.maximum(m, part.amax(-1, keepdim=True))
+        base = torch.where(torch.isfinite(m_new), m_new, torch.zeros_like(m_new))
+        e = torch.exp(part - base)
+        carry = torch.exp(m - base)
+        total = total * carry + e.sum(-1, keepdim=True)
+        acc = mix(acc, carry, to_p(e, slice(c0, c0 + tile)), v[..., c0:c0 + tile, :])
+        m = m_new
+    return acc, m, total
+
+
+def _fp32_mix(acc, carry, p, v_part):
+    """fp32 running output: acc * carry + P V (the product taken exactly, rounded once to fp32)."""
+    pv = _matmul(p, v_part).float()
+    return pv if acc is None else acc * carry + pv
+
+
+def pfa_recipe(q, k, v, scale: float, inner_precise: int = 1, mask: torch.Tensor | None = None,
+               pse: torch.Tensor | None = None, int8: dict | None = None, compute_output: bool = False,
+               tile: int | None = None) -> torch.Tensor:
+    """PromptFlashAttention on BNSD tensors, online over key steps of `tile` columns (default: the kernel's,
+    `kernel_key_tile`).
+
+    fp16 with inner_precise bit 0 set and no pse (the tiling switches fp16 with pse to high precision), and int8
+    (prompt_flash_attention_base.h: mmOutputType and softmaxType half): S = half(Q K^T) (int8: half(int32 *
+    deq_scale1)); S = half(S * half(scale)) (x910.h Muls in computeType); max / sum fp32 (SoftmaxFlashV2 with float
+    max / sum); P and the rescale factor exp(m_old - m) cast to half with CAST_ROUND (SoftmaxFlashV2's v220
+    FLOAT2HALF_ROUND_MODE); int8: P = int8(half(P * half(quant_scale1))), PV = half(int32 * deq_scale2); else
+    PV = half(P V); running output half(half(acc * factor) + PV); O = half(acc / half_away(sum)) (Bmm2UpdateDivNoTail
+    casts the sum CAST_ROUND, divides in half).
+    fp16 with bit 0 clear or with pse, and bf16: fp32 throughout (pse added in fp32), P = half_away(exp(S - max)) to
+    the input dtype (x910.h SoftmaxResCopyOut, CAST_ROUND), O = half_away(acc / sum) (x910_base.h
+    DataCopyTransposeOut, CAST_ROUND).
     `mask`: True = masked, broadcast to [B, N, Sq, Skv]. `int8`: deq1, quant1, deq2 floats. `compute_output`: O as
     the kernel holds it before the output cast (fp32 in the fp32 pipelines), what an int8 output quantises.
     """
     heads = q.shape[1]
     k, v = _expand_kv(k, heads), _expand_kv(v, heads)
-    low = int8 is not None or (q.dtype == torch.float16 and inner_precise & 1)
+    low = int8 is not None or (q.dtype == torch.float16 and inner_precise & 1 and pse is None)
+    if tile is None:
+        tile = kernel_key_tile("pfa", sq=q.shape[2], skv=k.shape[2], masked=mask is not None,
+                               dtype=torch.int8 if int8 is not None else q.dtype,
+                               inner_precise=inner_precise if low or q.dtype != torch.float16 else 0)
     if int8 is not None:
         s = rnd(_matmul(q, k.transpose(-1, -2)) * int8["deq1"], torch.float16)
     else:
@@ -113,49 +175,64 @@ def pfa_recipe(q, k, v, scale: float, inner_precise: int = 1, mask: torch.Tensor
             s = s + pse.float()
     if mask is not None:
         s = s.masked_fill(mask, float("-inf"))
-    _, e, total = _softmax_parts(s)
     if not low:
-        p = rnd(e, q.dtype, away=True)
-        o = _matmul(p, v).float() / total
+        acc, _, total = _online(s, v, tile, lambda e, _: rnd(e, q.dtype, away=True), _fp32_mix)
+        o = acc / total
         o = o if compute_output else rnd(o, q.dtype, away=True)
         return o.masked_fill(total == 0, 0.0)
-    p = rnd(e, torch.float16)
-    if int8 is not None:
+    half = torch.float16
+
+    def products(p, v_part):
+        if int8 is None:
+            return rnd(_matmul(p, v_part), half)
         # AscendQuant (QuantCompute with the float quant_scale1): the scale held in half, the product in half
-        p_q = torch.round(rnd(p.double() * rnd(torch.tensor(int8["quant1"]), torch.float16).double(),
-                              torch.float16)).clamp(-128, 127)
-        pv = rnd(_matmul(p_q, v) * int8["deq2"], torch.float16)
-    else:
-        pv = rnd(_matmul(p, v), torch.float16)
-    o = rnd(pv / rnd(total, torch.float16, away=True), torch.float16)
+        p_q = torch.round(rnd(p.double() * rnd(torch.tensor(int8["quant1"]), half).double(), half)).clamp(-128, 127)
+        return rnd(_matmul(p_q, v_part) * int8["deq2"], half)
+
+    def mix(acc, carry, p, v_part):
+        pv = products(p, v_part)
+        return pv if acc is None else rnd(rnd(acc.double() * rnd(carry, half, away=True).double(), half).double()
+                                          + pv.double(), half)
+
+    acc, _, total = _online(s, v, tile, lambda e, _: rnd(e, half, away=True), mix)
+    o = rnd(acc.double() / rnd(total, half, away=True).double(), half)
     return o.masked_fill(total == 0, 0.0)
 
 
 def fa_recipe(q, k, v, scale: float, mask: torch.Tensor | None = None,
-              keep: torch.Tensor | None = None, keep_prob: float = 1.0) -> tuple[torch.Tensor, torch.Tensor,
-                                                                              torch.Tensor]:
-    """FlashAttentionScore forward on BNSD tensors: (out, row max, row sum). fp32 throughout (fp16 takes the
+              keep: torch.Tensor | None = None, keep_prob: float = 1.0, tile: int | None = None,
+              layout: str = "BNSD") -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """FlashAttentionScore forward on BNSD tensors: (out, row max, row sum), online over key steps of `tile`
+    (default: the kernel's, `kernel_key_tile`; `layout` the call's). fp32 throughout (fp16 takes the
     FLOAT16_PRECISION template, flash_attention_score.cpp); S = (Q K^T) * scale; max / sum fp32; P = exp(S - max),
     times keep / keep_prob, cast half away to the input dtype (s1s2_bn2gs1.h, Cast CAST_ROUND before bmm2);
     O = half_away(PV / sum) (Cast CAST_ROUND of the attention output)."""
     heads = q.shape[1]
+    if tile is None:
+        tile = kernel_key_tile("fa", sq=q.shape[2], skv=k.shape[2], d=q.shape[-1], layout=layout)
     k, v = _expand_kv(k, heads), _expand_kv(v, heads)
     s = _matmul(q, k.transpose(-1, -2)).float() * scale
     if mask is not None:
         s = s.masked_fill(mask, float("-inf"))
-    m, e, total = _softmax_parts(s)
-    if keep is not None:
-        e = e * keep.float() / keep_prob
-    p = rnd(e, q.dtype, away=True)
-    o = rnd(_matmul(p, v).float() / total, q.dtype, away=True).masked_fill(total == 0, 0.0)
+
+    def to_p(e, cols):
+        if keep is not None:
+            e = e * keep[..., cols].float() / keep_prob
+        return rnd(e, q.dtype, away=True)
+
+    acc, m, total = _online(s, v, tile, to_p, _fp32_mix)
+    o = rnd(acc / total, q.dtype, away=True).masked_fill(total == 0, 0.0)
     return o, m.squeeze(-1), total.squeeze(-1)
 
 
-def fa_grad_recipe(q, k, v, dy, out, row_max, row_sum, scale: float, mask: torch.Tensor | None = None):
+def fa_grad_recipe(q, k, v, dy, out, row_max, row_sum, scale: float, mask: torch.Tensor | None = None,
+                   fp32_gemms: bool = False, score_grad: bool = False):
     """FlashAttentionScoreGrad on BNSD tensors: (dq, dk, dv). D = rowsum(dy * out) in fp32 (SoftmaxGradFront on
     the widened inputs); P = exp(S - max) / sum in fp32, cast half away before dV = P^T dy (grad s1s2_bn2gs1s2.h,
     "cast fp322bf16" CAST_ROUND); dP = dy V^T; dS = P (dP - D) in fp32, cast half away before dQ = dS K and
-    dK = dS^T Q (CAST_ROUND); dq, dk times the scale in fp32, every gradient cast half away (grad_post.h)."""
+    dK = dS^T Q (CAST_ROUND); dq, dk times the scale in fp32, every gradient cast half away (grad_post.h).
+    `fp32_gemms`: the dV, dQ, dK GEMMs accumulate in fp32 (PyTorch's order) instead of exactly; `score_grad`: return
+    the rounded dS [B, N1, Sq, Skv] instead."""
     heads, heads_kv = q.shape[1], k.shape[1]
     group = heads // heads_kv
     ke, ve = _expand_kv(k, heads).float(), _expand_kv(v, heads).float()
@@ -165,10 +242,13 @@ def fa_grad_recipe(q, k, v, dy, out, row_max, row_sum, scale: float, mask: torch
     p = torch.exp(s - row_max.float().unsqueeze(-1)) / row_sum.float().unsqueeze(-1)
     dyf = dy.float()
     d = (dyf * out.float()).sum(-1, keepdim=True)
-    dv = _matmul(rnd(p, q.dtype, away=True).transpose(-1, -2), dyf).float()
+    gemm = (lambda a, b: a.float() @ b.float()) if fp32_gemms else (lambda a, b: _matmul(a, b).float())
+    dv = gemm(rnd(p, q.dtype, away=True).transpose(-1, -2), dyf)
     ds = rnd(p * (_matmul(dyf, ve.transpose(-1, -2)).float() - d), q.dtype, away=True)
-    dq = _matmul(ds, ke).float() * scale
-    dk = _matmul(ds.transpose(-1, -2), q).float() * scale
+    if score_grad:
+        return ds
+    dq = gemm(ds, ke) * scale
+    dk = gemm(ds.transpose(-1, -2), q) * scale
 
     def fold(t):  # a GQA group's gradients sum into its kv head
         return t.reshape(t.shape[0], heads_kv, group, *t.shape[2:]).sum(2)
@@ -176,17 +256,19 @@ def fa_grad_recipe(q, k, v, dy, out, row_max, row_sum, scale: float, mask: torch
     return (rnd(dq, q.dtype, away=True), rnd(fold(dk), q.dtype, away=True), rnd(fold(dv), q.dtype, away=True))
 
 
-def ifa_recipe(q, k, v, scale: float, compute_output: bool = False) -> torch.Tensor:
-    """IncreFlashAttention (and FIA with one query token) on BNSD tensors: fp32 throughout (preload.h `T = float`);
-    S = (Q K^T) * scale; P = exp(S - max) cast half away to the KV dtype before P V (CAST_ROUND); the output
-    divided in fp32 and cast half to even for bf16 (CAST_RINT), half away for fp16 (CAST_ROUND); with
-    `compute_output` left in fp32 (what an int8 output quantises)."""
+def ifa_recipe(q, k, v, scale: float, compute_output: bool = False, tile: int | None = None) -> torch.Tensor:
+    """IncreFlashAttention (and FIA with one query token) on BNSD tensors, online over key steps of `tile` (default:
+    the kernel's, `kernel_key_tile`): fp32 throughout (preload.h `T = float`); S = (Q K^T) * scale;
+    P = exp(S - max) cast half away to the KV dtype before P V (CAST_ROUND); the output divided in fp32 and cast
+    half to even for bf16 (CAST_RINT), half away for fp16 (CAST_ROUND); with `compute_output` left in fp32 (what an
+    int8 output quantises)."""
     heads = q.shape[1]
+    if tile is None:
+        tile = kernel_key_tile("ifa", sq=q.shape[2], skv=k.shape[2], group=heads // k.shape[1])
     k, v = _expand_kv(k, heads), _expand_kv(v, heads)
     s = _matmul(q, k.transpose(-1, -2)).float() * scale
-    _, e, total = _softmax_parts(s)
-    p = rnd(e, k.dtype, away=True)
-    o = _matmul(p, v).float() / total
+    acc, _, total = _online(s, v, tile, lambda e, _: rnd(e, k.dtype, away=True), _fp32_mix)
+    o = acc / total
     return o if compute_output else rnd(o, q.dtype, away=q.dtype != torch.bfloat16)
 
 
@@ -221,25 +303,68 @@ def _selected_rows(t: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
     return t[:, :, 0][b, indices[:, :, 0].long()]
 
 
-def sfa_recipe(q, k, v, indices, scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+_F32 = torch.float32
+
+
+def _away_to_integer(x: torch.Tensor) -> torch.Tensor:
+    """Cast fp32 -> fp32 with CAST_ROUND: the nearest integer, ties away from zero."""
+    return torch.trunc(x + torch.where(x < 0, -0.5, 0.5).to(x.dtype))
+
+
+def sfa_recipe(q, k, v, indices, scale: float, skip_amla: bool = False) -> tuple[torch.Tensor, torch.Tensor,
+                                                                                 torch.Tensor]:
     """SparseFlashAttention on BSND tensors (N2 = 1, token selection, every index valid): (out, row max, row sum).
-    sparse_flash_attention_service_vector_mla.h: fp32 (`T = float`), scale in fp32 (:428), P cast half away to the KV
-    dtype (:685, CAST_ROUND), output bf16 half to even / fp16 half away (:1263-1265)."""
+    sparse_flash_attention_service_vector_mla.h: fp32 (`T = float`), scale in fp32 (:428), the selected keys in
+    steps of 512; after each step's SoftmaxFlashV2, AmlaVecCompute: n = CAST_ROUND(max * (-1/ln2)), x =
+    exp(((max * (1/ln2)) + n) * ln2) in fp32, c = x cast CAST_ROUND to the KV dtype, P *= c; P cast CAST_ROUND to the
+    KV dtype (:685); from the second step on, the fp32 running output's bits get the int32
+    CAST_ROUND((max(n - n_prev, -30) + (cof_prev / cof - 1) * 1.5 + 1e-6) * 2^23) added (cof = x / c, ProcessAmlaNupdate
+    atomic add); the divisor is sum * c of the last step; output bf16 half to even / fp16 half away (:1263-1265).
+    `skip_amla`: the plain SoftmaxFlashV2 recipe (a planted difference for tests)."""
     keys, values = _selected_rows(k, indices), _selected_rows(v, indices)  # [B, S1, K, D]
     s = _matmul(q, keys.transpose(-1, -2)).float() * scale  # [B, S1, N1, K]
-    m, e, total = _softmax_parts(s)
-    o = _matmul(rnd(e, k.dtype, away=True), values).float() / total
+    ln2 = torch.tensor(0.6931471805599453094172, dtype=_F32)
+    inv_ln2 = torch.tensor(1.0, dtype=_F32) / ln2
+    m = torch.full((*s.shape[:-1], 1), float("-inf"))
+    total = torch.zeros_like(m)
+    acc = n_prev = cof_prev = c = None
+    for c0 in range(0, s.shape[-1], 512):
+        part = s[..., c0:c0 + 512]
+        m_new = torch.maximum(m, part.amax(-1, keepdim=True))
+        e = torch.exp(part - m_new)
+        total = total * torch.exp(m - m_new) + e.sum(-1, keepdim=True)
+        if skip_amla:
+            pv = _matmul(rnd(e, k.dtype, away=True), values[..., c0:c0 + 512, :]).float()
+            acc = pv if acc is None else acc * torch.exp(m - m_new) + pv
+            m = m_new
+            continue
+        n = _away_to_integer(m_new * (torch.tensor(-1.0, dtype=_F32) * inv_ln2))
+        x = torch.exp((m_new * inv_ln2 + n) * ln2)
+        c = rnd(x.double(), k.dtype, away=True)
+        cof = x / c
+        pv = _matmul(rnd((e * c).double(), k.dtype, away=True), values[..., c0:c0 + 512, :]).float()
+        if acc is not None:
+            eps = (cof_prev / cof - 1.0) * 1.5 + torch.tensor(1e-6, dtype=_F32)
+            step = torch.clamp(n - n_prev, min=-30.0) + eps
+            add = _away_to_integer(step * 8388608.0).to(torch.int32)
+            acc = (acc.view(torch.int32) + add).view(_F32) + pv
+        else:
+            acc = pv
+        n_prev, cof_prev, m = n, cof, m_new
+    divisor = total if skip_amla else total * c
+    o = acc / divisor
     return rnd(o, q.dtype, away=q.dtype != torch.bfloat16), m.squeeze(-1), total.squeeze(-1)
 
 
 def sfa_grad_recipe(q, k, v, indices, dy, out, row_max, row_sum, scale: float):
     """SparseFlashAttentionGrad on BSND tensors (as `sfa_recipe`): (dq, dk, dv). sparse_flash_attention_grad
-    vec_op.h: dy, out widened (:458-459); P = exp(scale S - max) / sum in fp32 (:537-550) cast half away (:557); dS =
+    vec_op.h: dy, out widened (:458-459); P = exp(scale S - max) * (1 / sum) in fp32 (:537-550, the reciprocal
+    taken once per row, then a multiply) cast half away (:557); dS =
     P (dP - D) in fp32 cast half away (:578-589); grad_post.h: dq, dk times the scale in fp32, every gradient cast
     half away (:533-542, :589-598, :644)."""
     keys, values = _selected_rows(k, indices), _selected_rows(v, indices)
     s = _matmul(q, keys.transpose(-1, -2)).float() * scale
-    p = torch.exp(s - row_max.float().unsqueeze(-1)) / row_sum.float().unsqueeze(-1)
+    p = torch.exp(s - row_max.float().unsqueeze(-1)) * (1.0 / row_sum.float().unsqueeze(-1))
     dyf = dy.float()
     d = (dyf * out.float()).sum(-1, keepdim=True)
     ds = rnd(p * (_matmul(dyf, values.transpose(-1, -2)).float() - d), q.dtype, away=True)

@@ -22,10 +22,15 @@ from ...problem.attention import AttentionProblem, Run
 from ...problem.mask import TileState
 from ...problem.precision import (
     ASCEND_QUANT,
+    SFA_KEY_BLOCK,
     AttentionPipeline,
     GradPipeline,
     IndexerPipeline,
+    KeyShape,
     QuantIndexerPipeline,
+    amla_factor,
+    amla_rescale_bits,
+    key_block,
 )
 from ...problem.quant import round_to_fp16
 from ...problem.stats import FLT_MAX
@@ -48,12 +53,22 @@ def forward(problem: AttentionProblem, pipeline: AttentionPipeline, query, key, 
     """Fill `out` (query layout) and, when given, the [.., 8] statistics for every run with keys, rounding as
     `pipeline` says. `quant` (int8 PromptFlashAttention's `QuantPlan`) dequantises int8 inputs; `out` is then the
     fp16 (or fp32, for a later int8 quantisation) result."""
+    block = key_block(pipeline, key_shape(problem))
     for run in problem.runs:
         if run.seq_q > 0 and run.seq_kv > 0:
             max_view = None if softmax_max is None else problem.stat_view(softmax_max, run)
             sum_view = None if softmax_sum is None else problem.stat_view(softmax_sum, run)
-            _forward_run(problem, pipeline, run, query, key, value, problem.q_view(out, run), max_view, sum_view,
-                         quant)
+            _forward_run(problem, pipeline, block, run, query, key, value, problem.q_view(out, run), max_view,
+                         sum_view, quant)
+
+
+def key_shape(problem: AttentionProblem) -> KeyShape:
+    """What the kernels' tiling reads of `problem` (`problem.precision.key_block`)."""
+    masked = any(run.mask.explicit is not None or run.mask.lower is not None or run.mask.upper is not None
+                 or run.mask.prefix is not None for run in problem.runs)
+    return KeyShape(seq_q=max((run.seq_q for run in problem.runs), default=0),
+                    seq_kv=max((run.seq_kv for run in problem.runs), default=0), dim=problem.dim_qk,
+                    has_mask=masked, layout=problem.layout, group=problem.heads_q // problem.heads_kv)
 
 
 def _scale(pipeline: AttentionPipeline, scale: float) -> torch.Tensor:
@@ -76,8 +91,8 @@ def _logits(problem: AttentionProblem, pipeline: AttentionPipeline, run: Run, q_
     return s
 
 
-def _forward_run(problem: AttentionProblem, pipeline: AttentionPipeline, run: Run, query, key, value, out_view,
-                 max_view, sum_view, quant) -> None:
+def _forward_run(problem: AttentionProblem, pipeline: AttentionPipeline, block: int, run: Run, query, key, value,
+                 out_view, max_view, sum_view, quant) -> None:
     c, n2, heads = run.count, problem.heads_kv, problem.heads_q
     # The GEMM operands, widened once per run (`_gemm`).
     q_all = problem.q_view(query, run).to(torch.float64)
@@ -92,7 +107,7 @@ def _forward_run(problem: AttentionProblem, pipeline: AttentionPipeline, run: Ru
         row_max = torch.full((c, heads, rows), float("-inf"), device=query.device)
         row_sum = torch.zeros_like(row_max)
         acc = torch.zeros((c, heads, rows, dv), device=query.device)
-        for j0, j1, state in key_tiles(run, i0, i1, pipeline.block):
+        for j0, j1, state in key_tiles(run, i0, i1, block):
             s = _logits(problem, pipeline, run, q_tile, k, i0, i1, j0, j1, state, quant)
             new_max = torch.maximum(row_max, s.amax(-1))
             shift = torch.where(new_max == float("-inf"), 0.0, new_max)
@@ -104,7 +119,7 @@ def _forward_run(problem: AttentionProblem, pipeline: AttentionPipeline, run: Ru
                 keep = run.dropout.keep_tile(i0, i1, j0, j1, p.device).to(torch.float32)
                 p = p * (keep / problem.keep_prob if pipeline.dropout_in_probabilities else keep)
             products = _products(pipeline, pipeline.probabilities(p), v, j0, j1, quant).view(acc.shape)
-            scaled = pipeline.accumulator(acc * pipeline.accumulator(correction).unsqueeze(-1))
+            scaled = pipeline.accumulator(acc * pipeline.rescale_cast(correction).unsqueeze(-1))
             acc = pipeline.accumulator(scaled + products)
         if sink_heads is not None:
             acc = pipeline.accumulator(acc * sinks.merge_into_rows_(row_max, row_sum, sink_heads).unsqueeze(-1))
@@ -210,22 +225,50 @@ def sparse_forward_sequence(seq, pipeline: AttentionPipeline, scale: float, spar
                             out: torch.Tensor, row_max: torch.Tensor, row_sum: torch.Tensor) -> None:
     """SparseFlashAttention of one sequence (`sparse_attention.SparseSequence`) rounded as `pipeline` says: out
     [Sq, N1, Dv] (fp32 rows, unrounded, when a sink is merged afterwards; else the output rows), row_max / row_sum
-    [Sq, N1]."""
+    [Sq, N1]. The selected keys are taken in steps of `SFA_KEY_BLOCK` entries (online softmax), with the AMLA step
+    when the pipeline has it."""
     selection = sequence_selection(seq, sparse_mode, block_size)
     for t0 in range(0, seq.seq_q, BLOCK_Q):
         t1 = min(t0 + BLOCK_Q, seq.seq_q)
         sel, q, keys, values = _selected(seq, selection, t0, t1)
-        s = pipeline.logits(pipeline.scores(_gemm(q, keys.transpose(1, 2))) * _scale(pipeline, scale))
-        s.masked_fill_(~sel.valid.unsqueeze(1), float("-inf"))
-        m = s.amax(-1)
+        s_all = pipeline.logits(pipeline.scores(_gemm(q, keys.transpose(1, 2))) * _scale(pipeline, scale))
+        s_all.masked_fill_(~sel.valid.unsqueeze(1), float("-inf"))
+        m, total, divisor, acc = _sparse_online(pipeline, s_all, values)
         has_keys = m != float("-inf")
-        p = torch.exp(s - torch.where(has_keys, m, 0.0).unsqueeze(-1))
-        total = p.sum(-1)
-        o = pipeline.products(_gemm(pipeline.probabilities(p), values))
-        o = o / pipeline.divisor(torch.where(has_keys, total, 1.0)).unsqueeze(-1)
+        o = acc / pipeline.divisor(torch.where(has_keys, divisor, 1.0)).unsqueeze(-1)
         out[t0:t1] = (o if out.dtype == torch.float32 else pipeline.output(o)).masked_fill_(~has_keys.unsqueeze(-1), 0)
         row_max[t0:t1] = torch.where(has_keys, m, INVALID_MAX)
-        row_sum[t0:t1] = total
+        row_sum[t0:t1] = torch.where(has_keys, total, 0.0)
+
+
+def _sparse_online(pipeline: AttentionPipeline, s_all: torch.Tensor, values: torch.Tensor):
+    """(row max, row sum, divisor, running output) over the selected entries of logits [rows, N1, E] in steps of
+    SFA_KEY_BLOCK; with AMLA the divisor is the sum times the last step's factor, else the sum."""
+    rows, heads, entries = s_all.shape
+    m = torch.full((rows, heads), float("-inf"))
+    total = torch.zeros((rows, heads))
+    acc = torch.zeros((rows, heads, values.shape[-1]))
+    n = cof = c = None
+    for e0 in range(0, entries, SFA_KEY_BLOCK):
+        e1 = min(e0 + SFA_KEY_BLOCK, entries)
+        s = s_all[..., e0:e1]
+        new_m = torch.maximum(m, s.amax(-1))
+        shift = torch.where(new_m == float("-inf"), 0.0, new_m)
+        p = torch.exp(s - shift.unsqueeze(-1))
+        total = total * torch.exp(m - shift) + p.sum(-1)
+        if pipeline.amla:
+            new_n, c, new_cof = amla_factor(shift, pipeline.probabilities)
+            p = p * c.unsqueeze(-1)
+            if n is not None:
+                acc = amla_rescale_bits(acc, n, new_n, cof, new_cof)
+            n, cof = new_n, new_cof
+        else:
+            acc = acc * torch.exp(m - shift).unsqueeze(-1)
+        products = pipeline.products(_gemm(pipeline.probabilities(p), values[:, e0:e1]))
+        acc = pipeline.accumulator(acc + products)
+        m = new_m
+    divisor = total * c if c is not None else total
+    return m, total, divisor, acc
 
 
 @torch.no_grad()
