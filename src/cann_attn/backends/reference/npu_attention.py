@@ -47,6 +47,15 @@ def _gemm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return torch.bmm(a.to(torch.float64), b.to(torch.float64))
 
 
+def _cube(a: torch.Tensor, b: torch.Tensor, stage: Cast) -> torch.Tensor:
+    """a @ b (batched) for a GEMM whose result leaves at `stage`: fp16 / bf16-valued fp32 operands accumulated in
+    fp32 (BLAS order) where the stage keeps fp32; the exact sum (float64) where it rounds to fp16 / bf16, so that the
+    result is rounded once (an fp32 sum rounded again would move fp16 logits by whole ulps)."""
+    if stage.dtype == torch.float32 and a.dtype == b.dtype == torch.float32:
+        return torch.bmm(a, b)
+    return _gemm(a, b)
+
+
 @torch.no_grad()
 def forward(problem: AttentionProblem, pipeline: AttentionPipeline, query, key, value, out, softmax_max=None,
             softmax_sum=None, quant=None) -> None:
@@ -80,7 +89,7 @@ def _logits(problem: AttentionProblem, pipeline: AttentionPipeline, run: Run, q_
             state: TileState, quant) -> torch.Tensor:
     """Masked logits of one tile [c, N1, rows, cols] in fp32, rounded at the scores and logits stages."""
     c, rows, cols = run.count, i1 - i0, j1 - j0
-    s = _gemm(q_tile, k[:, j0:j1].transpose(1, 2))
+    s = _cube(q_tile, k[:, j0:j1].transpose(1, 2), pipeline.scores)
     # int8: the int32 products dequantised by the cube's fixpipe into fp16 (one rounding)
     s = pipeline.scores(s) if quant is None else round_to_fp16(s * quant.deq1).to(torch.float32)
     s = pipeline.logits(s.view(c, problem.heads_q, rows, cols) * _scale(pipeline, problem.scale))
@@ -94,10 +103,11 @@ def _logits(problem: AttentionProblem, pipeline: AttentionPipeline, run: Run, q_
 def _forward_run(problem: AttentionProblem, pipeline: AttentionPipeline, block: int, run: Run, query, key, value,
                  out_view, max_view, sum_view, quant) -> None:
     c, n2, heads = run.count, problem.heads_kv, problem.heads_q
-    # The GEMM operands, widened once per run (`_gemm`).
-    q_all = problem.q_view(query, run).to(torch.float64)
-    k = problem.kv_view(key, run).to(torch.float64).reshape(c * n2, run.seq_kv, -1)
-    v = problem.kv_view(value, run).to(torch.float64).reshape(c * n2, run.seq_kv, -1)
+    # The GEMM operands, widened once per run (`_cube`: int8 sums exactly in float64).
+    wide = torch.float64 if quant is not None else torch.float32
+    q_all = problem.q_view(query, run).to(wide)
+    k = problem.kv_view(key, run).to(wide).reshape(c * n2, run.seq_kv, -1)
+    v = problem.kv_view(value, run).to(wide).reshape(c * n2, run.seq_kv, -1)
     dv = v.shape[-1]
     sink_heads = None if problem.sink is None else sinks.head_values(problem.sink, torch.float32, query.device)
     for i0 in range(0, run.seq_q, BLOCK_Q):
@@ -107,7 +117,11 @@ def _forward_run(problem: AttentionProblem, pipeline: AttentionPipeline, block: 
         row_max = torch.full((c, heads, rows), float("-inf"), device=query.device)
         row_sum = torch.zeros_like(row_max)
         acc = torch.zeros((c, heads, rows, dv), device=query.device)
-        for j0, j1, state in key_tiles(run, i0, i1, block):
+        lo, hi = run.mask.key_range(i0, i1)
+        for tile_start, tile_end, state in key_tiles(run, i0, i1, block):
+            # One online-softmax step per kernel tile; only its columns the rows may see are computed (the others
+            # would add exact zeros).
+            j0, j1 = max(tile_start, lo), min(tile_end, hi)
             s = _logits(problem, pipeline, run, q_tile, k, i0, i1, j0, j1, state, quant)
             new_max = torch.maximum(row_max, s.amax(-1))
             shift = torch.where(new_max == float("-inf"), 0.0, new_max)
@@ -139,7 +153,7 @@ def _products(pipeline: AttentionPipeline, p: torch.Tensor, v: torch.Tensor, j0:
     cols = p.shape[-1]
     p = p.reshape(v.shape[0], -1, cols)
     if quant is None:
-        return pipeline.products(_gemm(p, v[:, j0:j1]))
+        return pipeline.products(_cube(p, v[:, j0:j1], pipeline.products))
     p_q = ASCEND_QUANT(p, torch.tensor(quant.quant1, device=p.device), None).to(torch.float32)
     return round_to_fp16(_gemm(p_q, v[:, j0:j1]) * quant.deq2).to(torch.float32)
 
