@@ -24,6 +24,7 @@ from ...problem.precision import (
     ASCEND_QUANT,
     SFA_KEY_BLOCK,
     AttentionPipeline,
+    Cast,
     GradPipeline,
     IndexerPipeline,
     KeyShape,
