@@ -1,4 +1,5 @@
-"""How much of the ALiBi benchmark case could any faithful kernel skip? (issue 2/3 target (d), ALiBi >= 1.5x SDPA)
+"""How much of the ALiBi benchmark case could any faithful kernel skip? (case (d) of
+bench_fa_forward.py, whose target is ALiBi >= 1.5x SDPA)
 
 SDPA given the materialised ALiBi bias runs at the speed of unmasked SDPA on the CPU (its flash kernel reads the bias
 tile by tile; benchmarks/results/fa_forward_cpu.json: (d) and (a) take the same time), so 1.5x SDPA means doing at most

@@ -1,5 +1,6 @@
 """FlashAttentionScore forward + backward (cann_attn.flash_attention, autograd through FlashAttentionScoreGradV2)
-vs PyTorch SDPA + autograd, measured in the same run (ANCHORS.md conventions).
+vs PyTorch SDPA + autograd, measured in the same run (FLOPs as in
+benchmarks/common.py).
 
 B=1, N=8, S=2048, D=128, fp32 and bf16, layout BNSD; each timed call is forward + `.backward(dy)` on leaf inputs
 with requires_grad (their .grad reset before every call):
@@ -9,7 +10,7 @@ with requires_grad (their .grad reset before every call):
   (d) ALiBi pse_type=2 (slopes 2**(-8(h+1)/N), fp32 [N]) vs SDPA with the float bias [1, N, S, S]  target >= 1.5
   (e) S=16384, N=1, D=128, fp32, no mask: our peak RSS during forward + backward in a fresh process (target
       < 2 GB), SDPA's for comparison, and both times.
-ratio = SDPA time / our time (median of repeats). FLOPs (ANCHORS.md): forward = 2*B*N*visible_pairs*(Dqk+Dv),
+ratio = SDPA time / our time (median of repeats). FLOPs: forward = 2*B*N*visible_pairs*(Dqk+Dv),
 backward = 2.5 x forward, so forward + backward = 3.5 x forward; (a)/(d) count every pair, (b) the causal
 triangle, (c) the band, for both implementations. Our dq/dk/dv are checked against SDPA's (allclose) in the same
 run; a mismatch makes the exit status 1 (with --strict, so does a missed target).
@@ -44,7 +45,7 @@ B, N, S, D = 1, 8, 2048, 128
 BAND = 256
 LONG_S, LONG_N = 16384, 1
 RSS_TARGET_GB = 2.0
-FWD_BWD_FACTOR = 3.5  # forward + backward FLOPs = (1 + 2.5) x forward (ANCHORS.md)
+FWD_BWD_FACTOR = 3.5  # forward + backward FLOPs = (1 + 2.5) x forward
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 # allclose tolerances of our gradients vs SDPA's: both accumulate in fp32, but bf16 rounds the inputs of each
 # GEMM (SDPA also rounds P and dS to bf16) and SDPA adds the ALiBi bias / band mask rounded to bf16.
@@ -289,7 +290,7 @@ def main(argv=None) -> int:
             "layout": "BNSD",
             "long": {"S": LONG_S, "N": LONG_N, "repeats": 1},
         },
-        "flop_convention": "forward+backward = 3.5 * 2*B*N*visible_pairs*(Dqk+Dv) (ANCHORS.md: bwd = 2.5 x fwd)",
+        "flop_convention": "forward+backward = 3.5 * 2*B*N*visible_pairs*(Dqk+Dv) (bwd = 2.5 x fwd)",
         "warnings": {"before": busy_before, "after": busy_after},
         "results": results,
         "long": long,

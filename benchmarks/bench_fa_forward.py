@@ -1,4 +1,4 @@
-"""FlashAttentionScore forward vs PyTorch SDPA, measured in the same run (ANCHORS.md conventions).
+"""FlashAttentionScore forward vs PyTorch SDPA, measured in the same run (FLOPs as in benchmarks/common.py).
 
 B=1, N=8, S=2048, D=128, fp32 and bf16, layout BNSD (ratio = SDPA time / our time; target: ratio >= it):
   (a) no mask: flash_attention_score(..., scale_value=D**-0.5) vs SDPA                           target 0.8
@@ -268,7 +268,7 @@ def main(argv=None) -> int:
             "band": BAND,
             "long": {"S": LONG_S, "N": LONG_N, "repeats": 1},
         },
-        "flop_convention": "2*B*N*visible_pairs*(Dqk+Dv) (ANCHORS.md)",
+        "flop_convention": "2*B*N*visible_pairs*(Dqk+Dv)",
         "warnings": {"before": busy_before, "after": busy_after},
         "results": results,
         "long": long,

@@ -153,7 +153,7 @@ def main(argv=None) -> int:
         "machine": common.machine_info("cpu"),
         "settings": {"warmup": warmup, "repeats": repeats, "quick": args.quick, "prefill": PREFILL, "decode": DECODE,
                      "targets": TARGETS},
-        "flop_convention": "2*B*N*visible_pairs*(Dqk+Dv) (ANCHORS.md); decode: visible pairs = KV_S per row",
+        "flop_convention": "2*B*N*visible_pairs*(Dqk+Dv); decode: visible pairs = KV_S per row",
         "results": results,
         "memory": memory,
     }

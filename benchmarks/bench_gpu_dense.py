@@ -1,4 +1,4 @@
-"""Dense FlashAttention Triton kernels on a CUDA GPU vs PyTorch SDPA (flash, cuDNN) and FlexAttention (issue 9).
+"""Dense FlashAttention Triton kernels on a CUDA GPU vs PyTorch SDPA (flash, cuDNN) and FlexAttention.
 
 bf16, B*S = 16k tokens, N = 16, D = 128, S in {1k, 2k, 4k, 8k, 16k} (B = 16k / S), layout BNSD, causal and not:
 forward and backward TFLOPS of ours (flash_attention_score / flash_attention_score_grad on backend="triton"),
@@ -6,9 +6,9 @@ SDPA's flash backend, SDPA's cuDNN backend and FlexAttention (torch.compile'd). 
 against FlexAttention: band (sparse_mode 4, pre = 512, next = 0), ALiBi (pse_type 2), prefix (sparse_mode 6,
 prefix S/4) and varlen documents (TND, causal per document, 16k packed tokens).
 
-FLOPs (ANCHORS.md): forward = 2 * B * N * visible_pairs * (Dqk + Dv) (= 4 B N S^2 D dense), backward = 2.5 x
-forward; the same count for every system. Ratios = other system's time / ours (> 1: we are faster). Targets
-(issue 9): forward >= 1.1x SDPA flash, backward >= 1.0x SDPA flash; masks >= 1.2x FlexAttention (forward and
+FLOPs: forward = 2 * B * N * visible_pairs * (Dqk + Dv) (= 4 B N S^2 D dense), backward = 2.5 x
+forward; the same count for every system. Ratios = other system's time / ours (> 1: we are faster). Targets:
+forward >= 1.1x SDPA flash, backward >= 1.0x SDPA flash; masks >= 1.2x FlexAttention (forward and
 backward). Each system's output is checked against ours (max abs diff) in the same run.
 
     python benchmarks/bench_gpu_dense.py [--quick] [--out DIR] [--device cuda] [--strict]

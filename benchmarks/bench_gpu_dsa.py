@@ -1,4 +1,5 @@
-"""DSA Triton kernels on a CUDA GPU at DeepSeek-V3.2 shapes (issue 10; ANCHORS.md FLOP convention).
+"""DSA Triton kernels on a CUDA GPU at DeepSeek-V3.2 shapes (FLOPs as in
+benchmarks/common.py).
 
 Sparse MLA: B=1, S1=4096 query tokens, S2 in {8k, 16k, 32k, 64k}, N1=128, D=512 latent + 64 rope, value = the
 512 latent (the same tensor as key), topk=2048 single tokens per row (sparse_block_size 1, sparse_mode 3: a random
@@ -7,7 +8,7 @@ top-2048 of each row's causally allowed keys). Throughput:
   backward = 2 * tokens * N1 * topk * (2 * Dv + 3 * Dqk)
 for the atomic backward and the deterministic one. Indexer: N=64 index heads, D=128: lightning_indexer (scores +
 top-2048) and the KL-loss backward (sparse_lightning_indexer_grad_kl_loss), whose time is reported relative to
-the sparse backward. Peak memory: torch.cuda.max_memory_allocated of each call. Targets (issue 10): forward >= 300
+the sparse backward. Peak memory: torch.cuda.max_memory_allocated of each call. Targets: forward >= 300
 TFLOPS, backward >= 150 TFLOPS on H100/H200.
 
     python benchmarks/bench_gpu_dsa.py [--quick] [--out DIR] [--device cuda] [--strict]

@@ -4,7 +4,7 @@ B=1, N=8 query heads with GQA 8:2 (num_key_value_heads=2), S=2048, D=128, layout
   (a) fp16 and bf16: sparse_mode=3 with the compressed mask vs SDPA(is_causal=True, enable_gqa=True)   target 0.8
   (b) int8 inputs (deq_scale1/quant_scale1/deq_scale2) with fp16 output, and with int8 output
       (quant_scale2 + quant_offset2): time and throughput reported beside SDPA fp16 (ratio shown, no target).
-GFLOP/s use the ANCHORS.md convention 2*B*N*visible_pairs*(Dqk+Dv) with the causal triangle's visible pairs, for
+GFLOP/s use the convention 2*B*N*visible_pairs*(Dqk+Dv) with the causal triangle's visible pairs, for
 ours and SDPA alike. Times are medians of repeats. The fp16/bf16 outputs are checked against SDPA's (allclose);
 the int8 -> fp16 output against SDPA on the dequantized inputs (loose: p is quantized to int8). A mismatch makes
 the exit status 1 (with --strict, so does a missed target).
@@ -276,7 +276,7 @@ def main(argv=None) -> int:
             "scale": SCALE,
             "target_ratio": TARGET,
         },
-        "flop_convention": "2*B*N*visible_pairs*(Dqk+Dv), causal visible pairs (ANCHORS.md)",
+        "flop_convention": "2*B*N*visible_pairs*(Dqk+Dv), causal visible pairs",
         "results": results,
     }
     json_path = common.write_json(out_dir / "pfa_cpu.json", payload)

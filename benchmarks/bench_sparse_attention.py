@@ -5,9 +5,9 @@ key), K=512 entries per row, sparse_mode 3 (bottom-right causal: row t sees keys
   sparse_block_size 1:  each row a random top-512 of its allowed tokens (all valid);
   sparse_block_size 64: each row the allowed blocks in order (49..65 of them), then -1.
 fp32 and bf16 inputs. Besides, the fp32 forward in sparse_mode 0 (every row sees all 4096 keys: block 1 a random
-top-512 of them, block 64 all 64 blocks), the case issue 37 names; at block size 1 it does the same work as mode 3
+top-512 of them, block 64 all 64 blocks); at block size 1 it does the same work as mode 3
 (random top-512 of >= 3073 allowed tokens), at block size 64 every row selects every block (4096 tokens).
-Throughput with the ANCHORS.md sparse-MLA convention (Dqk = 576, Dv = 512):
+Throughput with the sparse-MLA FLOP convention (Dqk = 576, Dv = 512):
   forward  = 2 * tokens * topk * N1 * (Dqk + Dv)
   backward = 2 * tokens * N1 * topk * (2 * Dv + 3 * Dqk)
 with topk = the actual number of selected key tokens per row, averaged over rows (block 64: ~3585 tokens per row,
@@ -393,7 +393,7 @@ def main(argv=None) -> int:
         "gemm_fp32_after": gemm_after,
         "memory_copy_gbps_before": memory_before,  # machine["memory_copy_gbps"] is measured after the run
         "flop_convention": {
-            "forward": "2*tokens*topk*N1*(Dqk+Dv), Dqk=576, Dv=512 (ANCHORS.md sparse MLA)",
+            "forward": "2*tokens*topk*N1*(Dqk+Dv), Dqk=576, Dv=512 (sparse MLA)",
             "backward": "2*tokens*N1*topk*(2*Dv+3*Dqk)",
             "topk": "actual selected key tokens per row, averaged (avg_topk); nominal_*: topk = K * block size",
             "ratio": "median GFLOP/s divided by the median fp32 torch.mm 2048x2048 GFLOP/s, timed alternately "

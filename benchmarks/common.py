@@ -7,7 +7,7 @@
   peak resident set (VmHWM of /proc/self/status, falling back to getrusage ru_maxrss), together with the peak
   before the measured call (imports + inputs) so the call's own overhead is visible. On CUDA the child reports
   torch.cuda.max_memory_allocated as well.
-- `attention_flops(...)`: the FLOP convention of ANCHORS.md: 2 * B * N * visible_pairs * (Dqk + Dv) (dense:
+- `attention_flops(...)`: the FLOP convention of every suite: 2 * B * N * visible_pairs * (Dqk + Dv) (dense:
   4 * B * N * Sq * Skv * D); `visible_pairs` counts the (i, j) a window lets through.
 - `write_json`, `bar_plot` (matplotlib, Agg backend), `machine_info`.
 
@@ -170,7 +170,7 @@ def _child(script: str, func: str, kwargs_json: str) -> None:
 
 
 # ----------------------------------------------------------------------------------------------------------
-# FLOPs (ANCHORS.md)
+# FLOPs
 # ----------------------------------------------------------------------------------------------------------
 def visible_pairs(
     seq_q: int, seq_kv: int, pre: int | None = None, nxt: int | None = None, delta: int = 0

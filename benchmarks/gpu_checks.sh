@@ -1,31 +1,29 @@
 #!/usr/bin/env bash
-# Every pending GPU check in one device call (METHOD.md: few, full calls). Run it on the lent GPU machine from
-# the repository root, with that machine's own python3 (PyTorch with CUDA and Triton are installed there):
+# The GPU checks and the GPU benchmarks in one run of under ten minutes on a fresh machine. Run it on a CUDA machine
+# from the repository root, with a python3 that has PyTorch with CUDA and Triton:
 #
-#   bash benchmarks/gpu_checks.sh             # results under $OUT (device tool) or benchmarks/results
-#   bash benchmarks/gpu_checks.sh --dry-run   # the steps, their time budgets and commands; runs nothing
+#   bash benchmarks/gpu_checks.sh             # results under $OUT when it is set, else benchmarks/results
+#   bash benchmarks/gpu_checks.sh --dry-run   # the steps, their time limits and commands; runs nothing
 #
-# A lease is 15 minutes of device time, the machine's start (1-2 min) included, and one command may run 10 minutes.
-# On a fresh machine every Triton specialisation compiles from scratch (an H200 on 2026-11-26 spent 15-20 s per test
-# compiling autotune candidates and never reached the benchmarks), so:
+# On a fresh machine every Triton specialisation compiles from scratch (15-20 s per test when every autotune
+# candidate compiles, enough to use up ten minutes before the benchmarks start), so:
 #   - the benchmarks run first, and with CANN_ATTN_TRITON_AUTOTUNE=first (each autotuner keeps only its first
 #     config, the one a launch without autotuning takes): one compile per specialisation instead of up to 28;
 #   - the tests follow in priority order (the newest, never-run features first), on the same first configs;
-#   - TRITON_CACHE_DIR is .triton_cache in the checkout: a cache carried along (device tool: carry .triton_cache) is
+#   - TRITON_CACHE_DIR is .triton_cache in the checkout: a cache built elsewhere and copied there is
 #     used when its manifest's Triton and Python versions match the machine's (benchmarks/triton_cache.py check),
 #     and each step logs how many kernels it compiled (new cubins in the cache = cache misses).
 #
-# Timing plan (minutes of this script; the machine's start comes before it). Budgets are each step's timeout in
-# seconds, overridable by the environment variables named; their sum stays under the 10-minute command limit:
+# Timing plan (minutes of this script). Budgets are each step's timeout in seconds, overridable by the environment
+# variables named; their sum stays under ten minutes:
 #   0:00-0:15  gpu_info              nvidia-smi, torch/triton versions, cache status            (INFO_SECONDS 15)
 #   0:15-3:15  bench_gpu_dense       dense figures, --quick, first autotune configs             (DENSE_SECONDS 180)
 #   3:15-5:15  bench_gpu_dsa         DSA figures, --quick, first autotune configs               (DSA_SECONDS 120)
 #   5:15-8:45  gpu_tests             pytest -m gpu, newest features first, per-test durations   (TESTS_SECONDS 210)
 #   8:45-9:30  gpu_context_parallel  NCCL tests (skipped with fewer than 2 GPUs)                (CP_SECONDS 45)
-# So both figures are in hand about 5.5 minutes into the script, ~7-8 minutes after asking for a fresh machine.
+# So both figures are in hand about 5.5 minutes into the script.
 # Each step's output goes to one log ($RESULTS/gpu_checks.log) and its exit status, seconds and compile count to
-# $RESULTS/gpu_checks_steps.json: with the benchmarks' JSON + PNG and
-# test_gpu_paged's paged_gpu.jsonl that is 7 files, within the device tool's 8.
+# $RESULTS/gpu_checks_steps.json, beside the benchmarks' JSON + PNG and test_gpu_paged's paged_gpu.jsonl (7 files).
 # A failing or timed-out step (exit 124) does not stop the later ones; the exit status is the worst one.
 set -u
 cd "$(dirname "$0")/.." || exit 2
@@ -65,8 +63,8 @@ if [ "$DRY_RUN" = 1 ]; then
       "${STEP_NAMES[i]}" "${STEP_BUDGETS[i]}" "$(step_command "${STEP_NAMES[i]}")"
     start=$end
   done
-  echo "total budget ${start}s (limit of one device command: 600s)"
-  [ "$start" -le 600 ] || { echo "over the 10-minute command limit" >&2; exit 1; }
+  echo "total budget ${start}s (limit: 600s)"
+  [ "$start" -le 600 ] || { echo "over the 10-minute limit of the whole run" >&2; exit 1; }
   exit 0
 fi
 

@@ -1,4 +1,4 @@
-"""A Triton kernel cache for sm_90 built without a GPU, to carry to a lent H100/H200 (benchmarks/gpu_checks.sh).
+"""A Triton kernel cache for sm_90 built without a GPU, to copy to an H100/H200 machine (benchmarks/gpu_checks.sh).
 
     python benchmarks/triton_cache.py build [--dir .triton_cache] [--specs FILE] [--all-configs] [--workers N]
     python benchmarks/triton_cache.py check [--dir .triton_cache]
@@ -11,11 +11,11 @@ launch on the GPU finds an entry when its cache key matches, and that key hashes
 compiled library (built per Python version), the ptxas version, the kernel source, the specialisation and the
 options: a cache built here is only of use where Triton and Python match the machine's. `check` compares the
 manifest with this interpreter and says whether the cache can serve (exit 0 either way; gpu_checks.sh logs it).
-The device tool carries the folder with `carry: [".triton_cache"]` (it is git-ignored).
+Copy the folder (it is git-ignored) into the GPU machine's checkout as `.triton_cache`.
 
-On 2026-11-28 they did not match: Triton 3.9.0 on Python 3.11 here, Triton 3.6.0 on Python 3.12 on the GPU
-machines (device KINDS.md), so gpu_checks.sh does not rely on a carried cache; it compiles on the machine, one
-config per autotuner on its first pass (docs/performance.md).
+A cache built with Triton 3.9.0 on Python 3.11 does not serve a machine with Triton 3.6.0 on Python 3.12, so
+gpu_checks.sh does not rely on a prebuilt cache; it compiles on the machine, one config per autotuner on its first
+pass (docs/performance.md).
 """
 
 from __future__ import annotations
@@ -84,12 +84,12 @@ def check(folder: Path) -> tuple[bool, str]:
     here = versions()
     manifest_path = folder / MANIFEST
     if not manifest_path.exists():
-        return False, f"no carried Triton cache manifest in {folder}: kernels compile here ({here})"
+        return False, f"no prebuilt Triton cache manifest in {folder}: kernels compile here ({here})"
     built = json.loads(manifest_path.read_text())
     differ = [f"{k} {built.get(k)} there, {here[k]} here" for k in ("triton", "python") if built.get(k) != here[k]]
     if differ:
-        return False, f"carried Triton cache not usable ({'; '.join(differ)}): kernels compile here"
-    return True, (f"carried Triton cache usable: {built['cubins']} kernels built {built['created']} for "
+        return False, f"prebuilt Triton cache not usable ({'; '.join(differ)}): kernels compile here"
+    return True, (f"prebuilt Triton cache usable: {built['cubins']} kernels built {built['created']} for "
                   f"sm_{built['target']['arch']} with Triton {here['triton']} / Python {here['python']}")
 
 

@@ -406,3 +406,47 @@ def test_torch_npu_7_1_has_no_workspace(rng):
     finally:
         torch_npu.use_release(previous)
     assert not (args["out"] == 7).all()
+
+
+# ---------------------------------------------------------------------------------------------------- out tensors
+ATB_OUT_CALLS = {  # op -> (its arguments, an input at least as large as out)
+    "_npu_paged_attention": (_paged_args, "value_cache"),
+    "_npu_paged_attention_splitfuse": (_splitfuse_args, "key_cache"),
+    "_npu_flash_attention": (_flash_args, "key"),
+    "_npu_flash_attention_unpad": (lambda rng: {k: v for k, v in _flash_args(rng).items() if k != "mask"}, "key"),
+}
+
+
+def _inside(tensor: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """A tensor of `like`'s shape and dtype whose memory is the start of `tensor`'s."""
+    return tensor.flatten()[: like.numel()].view(like.shape)
+
+
+@pytest.mark.parametrize("op", sorted(ATB_OUT_CALLS))
+@pytest.mark.parametrize("case", ["stride 0", "inside query", "inside another input", "other device"])
+def test_out_sharing_memory_or_on_another_device_is_refused_before_anything_is_written(op, case, rng):
+    """Before: an expanded (stride-0) out gave a raw torch error from copy_; an out inside an input was accepted."""
+    make, other = ATB_OUT_CALLS[op]
+    args = make(rng)
+    out = args["out"]
+    if case == "stride 0":
+        args["out"] = out[:1].expand(out.shape)
+    elif case == "inside query":
+        args["out"] = _inside(args["query"], out)
+    elif case == "inside another input":
+        args["out"] = _inside(args[other], out)
+    else:
+        args["out"] = torch.empty(out.shape, dtype=out.dtype, device="meta")
+    before = {k: v.clone() for k, v in args.items() if isinstance(v, torch.Tensor) and v.device.type != "meta"}
+    named = {"inside query": "query", "inside another input": other}.get(case, "")
+    with pytest.raises(ParamInvalidError, match=rf"\] out: .*{named}"):
+        getattr(torch_npu, op)(**args)
+    assert all(torch.equal(args[k].contiguous().view(torch.uint8), v.view(torch.uint8)) for k, v in before.items())
+
+
+def test_too_few_cache_blocks_names_key_cache(rng):
+    """Before: the error named `key`, which ATB's paged attention does not take."""
+    args = _paged_args(rng)
+    args |= {"key_cache": args["key_cache"][:1], "value_cache": args["value_cache"][:1]}
+    with pytest.raises(ParamInvalidError, match=r"\] key_cache: expected at least 3 blocks"):
+        torch_npu._npu_paged_attention(**args)

@@ -14,28 +14,8 @@ import pytest
 
 from cann_attn.cli import main as cli_main
 from cann_attn.cli import tensorio
-
-CASE = {
-    "op": "flash_attention_score",
-    "seed": 2,
-    "inputs": {"query": {"shape": [1, 16, 2, 16], "dtype": "float16"},
-               "key": {"shape": [1, 16, 2, 16], "dtype": "float16"},
-               "value": {"shape": [1, 16, 2, 16], "dtype": "float16"}},
-    "params": {"head_num": 2, "input_layout": "BSND", "scale_value": 0.25},
-}
-
-
-def _main(capsys, *args) -> tuple[int, str, str]:
-    capsys.readouterr()
-    rc = cli_main.main([str(a) for a in args])
-    out = capsys.readouterr()
-    return rc, out.out, out.err
-
-
-def _refused(capsys, *args, match: str) -> None:
-    rc, out, err = _main(capsys, *args)
-    assert rc == 2, out + err
-    assert len(err.strip().splitlines()) == 1 and match in err, err
+from cli_utils import SMALL_FP16_FA as CASE
+from cli_utils import refused, run_main
 
 
 @pytest.fixture(scope="module")
@@ -62,12 +42,12 @@ def _manifest_pointing(tmp_path: Path, golden: Path, rewrite) -> Path:
 def test_manifest_entries_cannot_climb_out(golden, tmp_path, capsys):
     """Before: a manifest naming ../golden/FILE passed every tensor with zero error."""
     actual = _manifest_pointing(tmp_path, golden, lambda name: f"../../{golden.name}/golden/{name}")
-    _refused(capsys, "compare", actual, golden / "golden", match="is not a name inside the manifest's directory")
+    refused(capsys, "compare", actual, golden / "golden", match="is not a name inside the manifest's directory")
 
 
 def test_manifest_entries_cannot_be_absolute(golden, tmp_path, capsys):
     actual = _manifest_pointing(tmp_path, golden, lambda name: str(golden / "golden" / name))
-    _refused(capsys, "compare", actual, golden / "golden", match="is not a name inside the manifest's directory")
+    refused(capsys, "compare", actual, golden / "golden", match="is not a name inside the manifest's directory")
 
 
 @pytest.mark.skipif(not hasattr(os, "symlink"), reason="no symbolic links")
@@ -78,18 +58,18 @@ def test_symlinks_leading_out_are_refused(golden, tmp_path, capsys):
     for name in ("attention_out", "softmax_max", "softmax_sum"):
         for ext in ("npy", "bin"):
             (actual / f"{name}.{ext}").symlink_to(golden / "golden" / f"{name}.{ext}")
-    _refused(capsys, "compare", actual, golden / "golden", match="leads outside")
+    refused(capsys, "compare", actual, golden / "golden", match="leads outside")
     manifest_only = tmp_path / "manifest_link"
     manifest_only.mkdir()
     (manifest_only / "manifest.json").symlink_to(golden / "actual" / "manifest.json")
-    _refused(capsys, "compare", manifest_only, golden / "golden", match="leads outside")
+    refused(capsys, "compare", manifest_only, golden / "golden", match="leads outside")
     # a link inside the directory is fine
     inner = tmp_path / "inner"
     inner.mkdir()
     for p in (golden / "actual").iterdir():
         (inner / f"real_{p.name}").write_bytes(p.read_bytes())
         (inner / p.name).symlink_to(inner / f"real_{p.name}")
-    assert _main(capsys, "compare", inner, golden / "golden")[0] == 0
+    assert run_main(capsys, "compare", inner, golden / "golden")[0] == 0
 
 
 def _only(golden: Path, tmp_path: Path, npy_bytes: bytes) -> Path:
@@ -110,28 +90,28 @@ def _npy_with_shape(shape: tuple[int, ...], data: bytes) -> bytes:
 
 
 def test_empty_npy(golden, tmp_path, capsys):
-    _refused(capsys, "compare", _only(golden, tmp_path, b""), golden / "golden", match="not a readable .npy file")
+    refused(capsys, "compare", _only(golden, tmp_path, b""), golden / "golden", match="not a readable .npy file")
 
 
 def test_npy_header_claiming_a_huge_shape_is_refused_before_allocation(golden, tmp_path, capsys):
     bogus = _npy_with_shape((2**40, 2**20), b"\x00" * 64)
-    _refused(capsys, "compare", _only(golden, tmp_path, bogus), golden / "golden", match="the header says")
+    refused(capsys, "compare", _only(golden, tmp_path, bogus), golden / "golden", match="the header says")
 
 
 def test_truncated_npy(golden, tmp_path, capsys):
     full = np.lib.format.header_data_from_array_1_0(np.zeros((1, 16, 2, 16), np.float16))
     bogus = _npy_with_shape(full["shape"], b"\x00" * 100)
-    _refused(capsys, "compare", _only(golden, tmp_path, bogus), golden / "golden", match="the file holds 100 bytes")
+    refused(capsys, "compare", _only(golden, tmp_path, bogus), golden / "golden", match="the file holds 100 bytes")
 
 
 def test_deeply_nested_json(golden, tmp_path, capsys):
     deep = "[" * 100_000 + "]" * 100_000
     case = tmp_path / "case.json"
     case.write_text(deep)
-    _refused(capsys, "golden", "--case", case, "--out", tmp_path / "out", match="nested deeper than")
+    refused(capsys, "golden", "--case", case, "--out", tmp_path / "out", match="nested deeper than")
     actual = tmp_path / "actual"
     actual.mkdir()
     (actual / "manifest.json").write_text(deep)
-    _refused(capsys, "compare", actual, golden / "golden", match="nested deeper than")
+    refused(capsys, "compare", actual, golden / "golden", match="nested deeper than")
     # brackets inside strings do not count
     assert tensorio.load_json('{"a": "' + "[" * 200 + '\\"["}') == {"a": "[" * 200 + '"['}

@@ -1,7 +1,8 @@
 """The documentation: the site builds with warnings as errors, and every Python example in it runs.
 
 Examples are the fenced ```python blocks of README.md and docs/**/*.md. The blocks of one page run in order in
-one namespace (a page reads like a session), in a temporary working directory. A block that cannot run here (it
+one namespace (a page reads like one interpreter run), in a temporary working directory. A block that cannot run here
+(it
 needs an NPU or a GPU, or shows code written for Ascend) opts out with the line ``<!-- no-run -->`` right before
 its fence; the marker is described in docs/contributing-docs.md, and this file checks that it stays rare.
 """

@@ -1,4 +1,4 @@
-"""One test per documented constraint of FlashAttentionScoreGradV2 (seed aclnnFlashAttentionScoreGradV2.md,
+"""One test per documented constraint of FlashAttentionScoreGradV2 (aclnnFlashAttentionScoreGradV2 documentation,
 约束说明 and the parameter table; docs/semantics/layouts.md, docs/semantics/masks.md, docs/semantics/invalid-rows.md,
 docs/semantics/pse.md, docs/semantics/dropout.md, docs/semantics/softmax-stats.md, docs/semantics/errors.md).
 
@@ -495,7 +495,7 @@ def test_tnd_row_broadcast_pse_rejected():
 @pytest.mark.parametrize("pse_type", [1, 2, 3])
 @pytest.mark.parametrize("variant", ["zero_length_sequence", "mode7", "mode8_unequal_lengths"])
 def test_tnd_pse_restrictions_every_pse_type(variant, pse_type):
-    """Seed FlashAttentionVarLenScore.md:144-146 (the grad shares the forward's checks): no pse, tensor or ALiBi
+    """FlashAttentionVarLenScore documentation (the grad shares the forward's checks): no pse, tensor or ALiBi
     slopes, with an Sq_b = 0 sequence or with sparse_mode 7; with mode 8 only if every Sq_b == Skv_b."""
     q_lens, kv_lens = {"zero_length_sequence": ([0, S], [3, S]), "mode7": ([4, S], [4, S]),
                        "mode8_unequal_lengths": ([4, S], [5, S])}[variant]
@@ -536,7 +536,7 @@ def test_tnd_length_counts_differ():
 
 
 def test_tnd_key_tokens_above_1m():
-    """Seed FlashAttentionVarLenScore.md:132: T in 1..1M, for key/value as for the query."""
+    """FlashAttentionVarLenScore documentation: T in 1..1M, for key/value as for the query."""
     t = (1 << 20) + 1
     q, k = _t(4, 1, 1), torch.zeros(t, 1, 1)
     _raises([q, k, k, q, 1, "TND"], {"actual_seq_qlen": [4], "actual_seq_kvlen": [t]}, "key")
@@ -568,7 +568,7 @@ def test_batch_range_doc_allows_more_than_2k():
 
 
 def test_prefix_batch_limit_dense_2k():
-    """B <= 2K with prefix for BSH/SBH/BSND/BNSD (seed aclnnFlashAttentionScoreGradV2.md:486)."""
+    """B <= 2K with prefix for BSH/SBH/BSND/BNSD (aclnnFlashAttentionScoreGradV2 documentation)."""
     q = _t(1500, 1, 2, 1)
     res = cann_attn.flash_attention_score_grad(q, q, q, q, 1, "BNSD", sparse_mode=6,
                                                atten_mask=make_compressed_mask(6), prefix=[2] * 1500)
@@ -579,7 +579,7 @@ def test_prefix_batch_limit_dense_2k():
 
 
 def test_prefix_batch_limit_tnd_1k():
-    """TND (FlashAttentionVarLenScore's backward): B <= 1K with prefix (seed FlashAttentionVarLenScore.md:133)."""
+    """TND (FlashAttentionVarLenScore's backward): B <= 1K with prefix (FlashAttentionVarLenScore documentation)."""
     q = _t(1025, 1, 1)
     lens = list(range(1, 1026))
     kw = {"actual_seq_qlen": lens, "actual_seq_kvlen": lens, "sparse_mode": 6,

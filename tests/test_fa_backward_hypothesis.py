@@ -102,7 +102,7 @@ def configs(draw):
         0 in q_lens or (with_mask and (mode == 7 or (mode == 8 and q_lens != kv_lens)))
     ):
         # TND pse rules, ALiBi slopes included: none with a zero-length query sequence, nor with mode 7, and with
-        # mode 8 only when every sequence has Sq_b == Skv_b (FlashAttentionVarLenScore.md 144-146).
+        # mode 8 only when every sequence has Sq_b == Skv_b (FlashAttentionVarLenScore documentation).
         pse_type = None
     cfg["pse"] = None
     if pse_type is not None:

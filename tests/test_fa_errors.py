@@ -2,7 +2,8 @@
 
 Sources: docs/semantics/layouts.md, docs/semantics/masks.md, docs/semantics/invalid-rows.md,
 docs/semantics/pse.md, docs/semantics/dropout.md, docs/semantics/softmax-stats.md, docs/semantics/errors.md,
-and the 约束说明 of FlashAttentionVarLenScore.md. Each test checks the error type, its aclnn status code and a
+and the 约束说明 of FlashAttentionVarLenScore documentation. Each test checks the error type, its aclnn status code and
+a
 message naming the Python parameter.
 """
 
@@ -236,7 +237,7 @@ def test_scale_value_must_be_a_number(scale):
 
 @pytest.mark.parametrize("layout", ["BSND", "BNSD"])
 def test_sequence_length_at_most_1m(layout):
-    """S: 1..1M for the dense layouts too (seed FlashAttentionVarLenScore.md:135), checked before any work."""
+    """S: 1..1M for the dense layouts too (FlashAttentionVarLenScore documentation), checked before any work."""
     args = base(layout, b=1, n1=1, sq=1, skv=1, d=1)
     dims = {"BSND": (1, (1 << 20) + 1, 1, 1), "BNSD": (1, 1, (1 << 20) + 1, 1)}[layout]
     long_kv = torch.zeros(dims).expand(*dims)
@@ -309,7 +310,7 @@ def test_tnd_tokens_above_1m():
 
 
 def test_tnd_key_tokens_above_1m():
-    """Seed FlashAttentionVarLenScore.md:132, T in 1..1M, holds for the key/value tokens too."""
+    """FlashAttentionVarLenScore documentation, T in 1..1M, holds for the key/value tokens too."""
     t = (1 << 20) + 1
     q, k = torch.zeros(4, 1, 1), torch.zeros(t, 1, 1)
     args = {"query": q, "key": k, "value": k, "head_num": 1, "input_layout": "TND",
@@ -319,7 +320,7 @@ def test_tnd_key_tokens_above_1m():
 
 @pytest.mark.parametrize("mode", [5, 6])
 def test_prefix_batch_dense_limit_2048(mode):
-    """Dense layouts: B <= 2K with prefix (seed aclnnFlashAttentionScoreGradV2.md:486), 1K is TND's limit."""
+    """Dense layouts: B <= 2K with prefix (aclnnFlashAttentionScoreGradV2 documentation), 1K is TND's limit."""
     q = torch.zeros(2048, 1, 2, 1)
     args = {"query": q, "key": q, "value": q, "head_num": 1, "input_layout": "BNSD"}
     mask = torch.zeros(2048, 1, 2, 2, dtype=torch.bool) if mode == 5 else make_compressed_mask(6)
@@ -331,7 +332,7 @@ def test_prefix_batch_dense_limit_2048(mode):
 
 
 def test_prefix_batch_tnd_limit_1024():
-    """TND: B <= 1K with prefix (seed FlashAttentionVarLenScore.md:133)."""
+    """TND: B <= 1K with prefix (FlashAttentionVarLenScore documentation)."""
     q = torch.zeros(1025, 1, 1)
     lens = list(range(1, 1026))
     args = {"query": q, "key": q, "value": q, "head_num": 1, "input_layout": "TND",
@@ -579,7 +580,7 @@ def test_tnd_pse_with_zero_length_sequence():
 @pytest.mark.parametrize("pse_type", [1, 2, 3])
 @pytest.mark.parametrize("variant", ["zero_length_sequence", "mode7", "mode8_unequal_lengths"])
 def test_tnd_pse_restrictions_every_pse_type(variant, pse_type):
-    """Seed FlashAttentionVarLenScore.md:144-146: no pse (tensor or ALiBi slopes) with an Sq_b = 0 sequence, none
+    """FlashAttentionVarLenScore documentation: no pse (tensor or ALiBi slopes) with an Sq_b = 0 sequence, none
     with sparse_mode 7, and with sparse_mode 8 only when every sequence has Sq_b == Skv_b."""
     q_lens, kv_lens = {"zero_length_sequence": ([4, 0, 6], [5, 2, 6]), "mode7": ([4, 6], [4, 6]),
                        "mode8_unequal_lengths": ([4, 6], [5, 6])}[variant]

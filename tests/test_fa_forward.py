@@ -530,7 +530,7 @@ def test_tnd_zero_length_sequences(rng, lens, variant):
     elif variant == "dropout":
         kw = {"drop_mask": keep_drop_mask(case.drop_numel, gen=rng)[1], "keep_prob": 0.8}
     elif variant == "alibi":
-        # Seed FlashAttentionVarLenScore.md:144: a sequence with Sq_b = 0 takes no pse, ALiBi slopes included.
+        # FlashAttentionVarLenScore documentation: a sequence with Sq_b = 0 takes no pse, ALiBi slopes included.
         for var_len in (False, True):
             with pytest.raises(cann_attn.ParamInvalidError, match=r"\bpse\b"):
                 case.run(var_len=var_len, pse=torch.tensor([0.5, 0.125]), pse_type=2)

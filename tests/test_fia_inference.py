@@ -314,7 +314,7 @@ BAD = {
         torch.zeros(1, 8, 1, 128, dtype=torch.bfloat16), torch.zeros(2, 2, 8, 128, 16, dtype=torch.bfloat16),
         torch.zeros(2, 2, 8, 128, 16, dtype=torch.bfloat16), num_heads=8, num_key_value_heads=2,
         input_layout="BNSD", block_table=torch.zeros(1, 1, dtype=torch.int32), block_size=128,
-        actual_seq_lengths_kv=[3]), "key: expected an int8 NZ cache"),
+        actual_seq_lengths_kv=[3]), "key: a torch.bfloat16 NZ cache"),
 }
 
 

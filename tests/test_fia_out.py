@@ -132,3 +132,46 @@ def test_torch_ops_npu_out_overloads_after_install():
                             timeout=HANG_SECONDS)
     assert result.returncode == 0, result.stderr
     assert result.stdout.split() == ["ok"]
+
+
+@pytest.mark.parametrize("v2", [False, True])
+@pytest.mark.parametrize("case", ["lse inside attention_out", "attention_out stride 0", "lse stride 0",
+                                  "attention_out inside query", "attention_out inside value"])
+def test_out_tensors_sharing_memory_are_refused_before_anything_is_written(case, v2, rng):
+    """Before: a softmax_lse inside attention_out's memory was accepted and attention_out came back silently wrong
+    (the lse copy overwrote part of it); a stride-0 out gave a raw torch error."""
+    query, key, value, kw = _decode_call(rng)
+    if v2:
+        kw = {"block_table": kw["block_table"], "input_layout": "BNSD", "block_size": 16, "actual_seq_kvlen":
+              kw["actual_seq_lengths_kv"], "num_key_value_heads": 2, "num_query_heads": 4, "softmax_scale": 0.25,
+              "return_softmax_lse": True}
+        op = torch_npu.npu_fused_infer_attention_score_v2
+    else:
+        kw = kw | {"softmax_lse_flag": True}
+        op = torch_npu.npu_fused_infer_attention_score
+    expected, lse = op(query, key, value, **kw)
+    attention_out, softmax_lse = torch.full_like(expected, 7.0), torch.full_like(lse, 7.0)
+    param, named = {"lse inside attention_out": ("softmax_lse", "attention_out"),
+                    "attention_out stride 0": ("attention_out", "stride"), "lse stride 0": ("softmax_lse", "stride"),
+                    "attention_out inside query": ("attention_out", "query"),
+                    "attention_out inside value": ("attention_out", "value")}[case]
+    if case == "lse inside attention_out":
+        softmax_lse = attention_out.view(-1).view(torch.float32)[: lse.numel()].view(lse.shape)
+    elif case == "attention_out stride 0":
+        attention_out = attention_out[:1].expand(expected.shape)
+    elif case == "lse stride 0":
+        softmax_lse = softmax_lse[:1].expand(lse.shape)
+    elif case == "attention_out inside query":
+        attention_out = query.flatten()[: expected.numel()].view(expected.shape)
+    else:
+        attention_out = value.flatten()[: expected.numel()].view(expected.shape)
+    before = [t.clone() for t in (attention_out, softmax_lse, query, key, value)]
+    with pytest.raises(ParamInvalidError, match=rf"\] {param}: .*{named}"):
+        op.out(query, key, value, out=[attention_out, softmax_lse], **kw)
+    assert all(_same_bits(t, b) for t, b in zip((attention_out, softmax_lse, query, key, value), before,
+                                                strict=True))
+
+
+def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Bitwise equal (the paged caches hold NaN in unread slots)."""
+    return torch.equal(a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8))

@@ -434,7 +434,7 @@ def test_kl_random_configs(cfg, data):
 
 
 # ==========================================================================================================
-# Errors (docs/semantics/errors.md; 参数说明 / 约束说明 of aclnnSparseLightningIndexerGradKLLoss.md)
+# Errors (docs/semantics/errors.md; 参数说明 / 约束说明 of aclnnSparseLightningIndexerGradKLLoss documentation)
 # ==========================================================================================================
 def expect_error(param_pattern: str, fn, *, nullptr: bool = False, **overrides):
     exc_type = cann_attn.ParamNullptrError if nullptr else cann_attn.ParamInvalidError
@@ -535,7 +535,7 @@ def test_li_head_dim_mismatch():
 
 @pytest.mark.parametrize("layout", ["BSND", "TND"])
 def test_li_index_heads_at_least_one(layout):
-    """Nidx1 = 0 with query tokens: no score to rank (any Nidx1 >= 1 is accepted, not only the seed's 8..64)."""
+    """Nidx1 = 0 with query tokens: no score to rank (any Nidx1 >= 1 is accepted, not only the documented 8..64)."""
     a = li_args(layout)
     expect_error("query_index.*Nidx1", li_call, _layout=layout, query_index=a["query_index"][..., :0, :],
                  weights=a["weights"][..., :0])

@@ -1,7 +1,8 @@
 """Inputs a fuzz of ~550 bad-input cases turned into raw Python errors, silent acceptance or a misleading message
 (docs/semantics/errors.md): each now gives ParamInvalidError naming the parameter, or the documented result.
 
-- a nonzero quant_offset2 where the user's mask hides every key of a row: accepted, as the seed's exact rule says
+- a nonzero quant_offset2 where the user's mask hides every key of a row: accepted, as the documentation's exact rule
+says
   (the docs' wording is now exact);
 - integer lists taking True and 7.0, a 2-D length tensor flattened;
 - distributed `timeout` NaN / inf (raw ValueError / OverflowError) and True (taken as 1 s);
@@ -42,7 +43,7 @@ def _int8_out_call(mask: torch.Tensor, op: str, **kw):
 
 @pytest.mark.parametrize("op", ["pfa", "fia"])
 def test_quant_offset2_follows_the_seeds_interception_rule(op: str) -> None:
-    """The fuzz flagged a nonzero offset accepted where the mask's content hides a whole row. The seed's rule
+    """The fuzz flagged a nonzero offset accepted where the mask's content hides a whole row. The documented rule
     (PromptFlashAttentionV2, 约束说明) intercepts from the mode, band and lengths only, and never in modes 1 and 2:
     such a row is accepted and gives 0, like every invalid row (docs/operators/prompt_flash_attention.md)."""
     mask = torch.zeros(8, 8, dtype=torch.bool)

@@ -247,7 +247,8 @@ def test_mask_per_batch_content_differs(rng):
 
 
 def test_mask_padded_kv_columns(rng):
-    """The seed recommends padding atten_mask's KV_S to a multiple of 32 with ones: only the top-left block is
+    """The PromptFlashAttentionV2 documentation recommends padding atten_mask's KV_S to a multiple of 32 with ones:
+    only the top-left block is
     used (docs/semantics/masks.md: top-left [actQ, actKv] block)."""
     q, k, v = make_qkv("BNSD", rng, b=1, n=2, sq=10, skv=20, d=8)
     mask = torch.ones(10, 32, dtype=torch.bool)
@@ -488,7 +489,7 @@ def test_int8_out_rows_beyond_actual_length_are_zero_with_offset(rng):
 def test_float_in_int8_out_fully_masked_row_is_zero_with_offset(dtype, rng):
     """A row with no visible key outputs 0 (docs/semantics/invalid-rows.md), also for int8 output with a nonzero offset.
 
-    Mode 1 is never intercepted for a nonzero quant_offset2 (seed 约束说明), so this configuration is valid."""
+    Mode 1 is never intercepted for a nonzero quant_offset2 (约束说明), so this configuration is valid."""
     q, k, v = make_qkv("BNSD", rng, b=1, n=2, sq=4, skv=6, d=8, dtype=dtype)
     mask = torch.zeros(4, 6, dtype=torch.bool)
     mask[1] = True

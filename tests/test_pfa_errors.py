@@ -1,4 +1,5 @@
-"""prompt_flash_attention: one test per documented constraint (seed 参数说明 / 约束说明, docs/semantics/layouts.md,
+"""prompt_flash_attention: one test per documented constraint (参数说明 / 约束说明 of the
+PromptFlashAttentionV2 documentation, docs/semantics/layouts.md,
 docs/semantics/masks.md, docs/operators/prompt_flash_attention.md, docs/semantics/errors.md).
 
 Each checks the error class, its aclnn status code and that the message names the parameter.
@@ -345,7 +346,7 @@ def test_pse_shift_dtype_differs_from_fp16_query(dtype):
 
 
 # ---------------------------------------------------------------------------------------------------------
-# Quantization combinations (seed 约束说明; docs/operators/prompt_flash_attention.md)
+# Quantization combinations (约束说明; docs/operators/prompt_flash_attention.md)
 # ---------------------------------------------------------------------------------------------------------
 INT8_REQUIRED = ("deq_scale1", "quant_scale1", "deq_scale2")
 
@@ -504,7 +505,7 @@ def test_quant_scale1_bad(bad):
     expect(ParamInvalidError, "quant_scale1", pfa(q, k, v, num_heads=2, input_layout="BNSD", **kw))
 
 
-# Nonzero quant_offset2 with configurations that can produce invalid rows (seed 约束说明;
+# Nonzero quant_offset2 with configurations that can produce invalid rows (约束说明;
 # docs/operators/prompt_flash_attention.md)
 INVALID_ROW_CASES = [
     # (mode, sq, skv, pre, next, lens_q, lens_kv)

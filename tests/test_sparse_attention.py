@@ -471,7 +471,7 @@ def test_tnd_zero_length_sequences(rng):
 @pytest.mark.parametrize("layout", ["BSND", "TND"])
 def test_empty_query(layout, empty):
     """Empty query (no tokens, N1 = 0 or D = 0): outputs of the documented shapes (0 / -2e38 / 0), zero
-    gradients, no error (docs/semantics/errors.md; "query为空Tensor：直接返回", seed :560)."""
+    gradients, no error (docs/semantics/errors.md; "query为空Tensor：直接返回")."""
     s1, n1, d = {"tokens": (0, 2, 8), "heads": (3, 0, 8), "head_dim": (3, 2, 0)}[empty]
     if layout == "TND":
         q, idx = torch.zeros(s1, n1, d), torch.zeros(s1, 1, 3, dtype=torch.int32)

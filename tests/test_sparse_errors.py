@@ -1,6 +1,7 @@
 """One test per documented SparseFlashAttention / SparseFlashAttentionGrad constraint (docs/semantics/layouts.md,
 docs/operators/sparse_flash_attention.md, docs/semantics/errors.md and the
-参数说明 / 约束说明 of aclnnSparseFlashAttentionGrad.md): error type, aclnn status code, and a message naming the
+参数说明 / 约束说明 of aclnnSparseFlashAttentionGrad documentation): error type, aclnn status code, and a message naming
+the
 Python parameter."""
 
 from __future__ import annotations
@@ -167,7 +168,7 @@ def test_numpy_integer_block_size_is_accepted(fn, make):
 @pytest.mark.parametrize("name", ["pre_tokens", "next_tokens"])
 @pytest.mark.parametrize("value", [0, 5, -3, 2147483646, 2**62, 2147483647.0, "2147483647", None, True], ids=repr)
 def test_window_bounds_only_the_documented_value(fn, make, name, value):
-    """preTokens / nextTokens: "仅支持取值：2147483647" (aclnnSparseFlashAttentionGrad.md:364, :379); this API's
+    """preTokens / nextTokens: "仅支持取值：2147483647" (aclnnSparseFlashAttentionGrad, 参数说明); this API's
     default 2**63-1 (docs/design.md) means the same. Anything else is rejected, not ignored."""
     expect_error(name, fn, make(), **{name: value})
 

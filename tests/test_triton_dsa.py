@@ -140,7 +140,7 @@ def test_gradients_are_laid_out_like_their_inputs(rng):
 
 
 def test_global_deterministic_setting_reaches_the_kernels(rng, monkeypatch):
-    """`deterministic` follows torch.use_deterministic_algorithms (the seeds: "与整网确定性参数
+    """`deterministic` follows torch.use_deterministic_algorithms (the operator documentation: "与整网确定性参数
     use_deterministic_algorithms保持一致"), so backwards reached through autograd, which pass the default False,
     are deterministic when the user asked for it globally."""
     from cann_attn.backends.triton import indexer as triton_indexer

@@ -45,6 +45,11 @@ generated tensors together, counted at 8 bytes per element (the generators draw 
 to the tensor's dtype), must stay within ``--max-bytes`` (default `MAX_GENERATED_BYTES`, 4 GiB); a case naming a
 huge shape is one line naming the input, exit 2, not an allocation failure.
 
+``values`` must mean what they say in the tensor's dtype: for an integer or bool dtype every value must be exactly
+representable (37.9 or 2**31 for int32, 2 for bool are refused, not truncated or wrapped); for a float dtype a
+value is rounded to the nearest representable one, as a decimal literal means, but one beyond the dtype's range
+(70000 for float16) is refused rather than made infinite.
+
 Numbers are JSON numbers; NaN and Infinity (which Python's json module accepts) are refused for the float
 parameters and generator options (the operators would take e.g. scale_value NaN and return NaN everywhere).
 Every problem raises `CaseError` (exit status 2) with one line naming the field, e.g.
@@ -55,7 +60,8 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Mapping
+import os
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -70,11 +76,15 @@ from . import cases as registry
 from .tensorio import (
     DTYPES,
     canonical_dtype,
+    convert_exactly,
     entry_files,
+    exact_conversion_problem,
     find_entry,
+    inside,
     load_json,
     parse_dtype,
     read_entry,
+    read_json_text,
     read_manifest,
     read_npy,
 )
@@ -176,9 +186,9 @@ def load_case(path: str | Path, op: str | None = None, max_bytes: int = MAX_GENE
         return CaseError(f"{where}: {message}")
 
     try:
-        text = Path(path).read_text()
-    except OSError as exc:
-        raise CaseError(f"--case: cannot read {where} ({exc.strerror or exc})") from exc
+        text = read_json_text(Path(path))
+    except UsageError as exc:
+        raise CaseError(f"--case: {exc}") from exc
     except UnicodeDecodeError as exc:
         raise fail("not a JSON case file (not UTF-8 text)") from exc
     try:
@@ -376,13 +386,50 @@ def _check_options(field_: str, generator: str, dtype: torch.dtype, options: dic
         if "values" not in options:
             raise fail(f"{field_}.values: missing (generator {generator})")
         try:
-            torch.tensor(options["values"], dtype=torch.float64)
-        except (TypeError, ValueError, RuntimeError) as exc:
+            values = values_tensor(options["values"])
+        except (TypeError, ValueError, RuntimeError, OverflowError) as exc:
             raise fail(f"{field_}.values: expected a (nested) list of numbers ({exc})") from exc
+        target = torch.float32 if generator == "trans_quant_param" else dtype
+        problem = _values_problem(values, target)
+        if problem:
+            raise fail(f"{field_}.values: not representable in {canonical_dtype(target)} ({problem})")
     if generator in ("compressed_mask", "triu", "bernoulli") and dtype not in (torch.bool, torch.uint8):
         raise fail(f"{field_}.dtype: generator {generator} gives bool or uint8, got {canonical_dtype(dtype)}")
     if generator in ("sparse_indices", "lightning_indexer") and dtype not in (torch.int32, torch.int64):
         raise fail(f"{field_}.dtype: generator {generator} gives int32 or int64, got {canonical_dtype(dtype)}")
+
+
+def _leaves(values: Any) -> Iterator[Any]:
+    if isinstance(values, list):
+        for v in values:
+            yield from _leaves(v)
+    else:
+        yield values
+
+
+def values_tensor(values: Any) -> torch.Tensor:
+    """A ``values`` list as a tensor that holds every number exactly: int64 when all are integers (beyond int64:
+    OverflowError), else float64 (an integer float64 cannot hold exactly: ValueError)."""
+    leaves = list(_leaves(values))
+    if all(isinstance(v, int) for v in leaves):
+        return torch.tensor(values, dtype=torch.int64)
+    inexact = next((v for v in leaves if isinstance(v, int) and float(v) != v), None)
+    if inexact is not None:
+        raise ValueError(f"{inexact} is not exactly a float64 beside the other, non-integer values")
+    return torch.tensor(values, dtype=torch.float64)
+
+
+def _values_problem(t: torch.Tensor, dtype: torch.dtype) -> str:
+    """Why `t` (a case's values) cannot be `dtype` ('' if it can): integers and bools must be exact; floats round
+    to the nearest, but a finite value must stay finite."""
+    if not dtype.is_floating_point:
+        return exact_conversion_problem(t, dtype)
+    converted = t.to(dtype)
+    overflow = torch.isfinite(t) & ~torch.isfinite(converted)
+    if bool(overflow.any()):
+        first = tuple(overflow.nonzero()[0].tolist())
+        return f"{t[first].item()!r} becomes {converted[first].item()!r}, beyond its range"
+    return ""
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -394,6 +441,7 @@ def load_inputs(paths: list[str], case: CaseFile) -> dict[str, tuple[torch.Tenso
     Returns {name: (tensor, where it came from)}; dtypes follow the case file, else the manifest, else the file."""
     inputs = registry.tensor_parameters(case.op)
     found: dict[str, tuple[torch.Tensor, str]] = {}
+    limit = case.max_bytes
 
     def add(name: str, t: torch.Tensor, where: str) -> None:
         spec = case.tensors.get(name)
@@ -403,7 +451,7 @@ def load_inputs(paths: list[str], case: CaseFile) -> dict[str, tuple[torch.Tenso
                     f"--inputs {where}: shape {list(t.shape)} differs from inputs.{name}.shape {list(spec.shape)} "
                     f"in {case.path}"
                 )
-            t = t.to(spec.dtype)
+            t = convert_exactly(t, spec.dtype, f"--inputs {where}")
         found[name] = (t, f"loaded from {where}")
 
     for raw in paths:
@@ -414,17 +462,18 @@ def load_inputs(paths: list[str], case: CaseFile) -> dict[str, tuple[torch.Tenso
             if manifest is not None:
                 entries = [e for e in manifest["tensors"] if e.get("role") == "input" and e.get("name") in inputs]
                 for entry in entries:
-                    files = [f for f in entry_files(path, entry).values() if f.is_file()]
-                    add(entry["name"], read_entry(path, entry), str(files[0] if files else path))
+                    files = [f for f in entry_files(path, entry).values() if f.exists()]
+                    t = read_entry(path, entry, max_bytes=limit, exact=True)
+                    add(entry["name"], t, str(files[0] if files else path))
                 matched = len(entries)
             else:
                 files = [p for p in sorted(path.glob("*.npy")) if p.stem in inputs]
                 for p in files:
-                    add(p.stem, read_npy(p), str(p))
+                    add(p.stem, read_npy(inside(path, p.name, named_by=path), max_bytes=limit), str(p))
                 matched = len(files)
             if not matched:
                 raise CaseError(f"--inputs {raw}: no input of {case.op} there (inputs: {', '.join(inputs)})")
-        elif path.is_file():
+        elif os.path.lexists(path):
             name = name or path.stem
             if path.suffix != ".npy":
                 raise CaseError(f"--inputs {raw}: expected a .npy file or a directory")
@@ -432,7 +481,7 @@ def load_inputs(paths: list[str], case: CaseFile) -> dict[str, tuple[torch.Tenso
                 raise CaseError(f"--inputs {raw}: {name!r} is not an input of {case.op} (inputs: {', '.join(inputs)})")
             entry = find_entry(read_manifest(path.parent), file=path.name)
             dtype = parse_dtype(entry.get("dtype")) if entry else None
-            add(name, read_npy(path, dtype), str(path))
+            add(name, read_npy(path, dtype, limit, exact=True), str(path))
         else:
             raise CaseError(f"--inputs {raw}: no such file or directory")
     return found
@@ -509,7 +558,7 @@ def _generate(spec: TensorSpec, gen: torch.Generator, named: Mapping[str, Any], 
     elif g == "bernoulli":
         t = torch.rand(shape, generator=gen, dtype=torch.float64) < o.get("p", 0.5)
     elif g in ("values", "trans_quant_param"):
-        t = torch.tensor(o["values"], dtype=torch.float64)
+        t = values_tensor(o["values"])
         if shape is not None and tuple(t.shape) != shape:
             raise CaseError(f"{field_}.shape: {list(shape)} but values have shape {list(t.shape)}")
         if g == "trans_quant_param":

@@ -27,6 +27,7 @@ Exit status 0 when every tensor passes, 1 when one fails or is missing, 2 for ba
 from __future__ import annotations
 
 import argparse
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -47,6 +48,7 @@ from .tensorio import (
     NPU_SUFFIX,
     entry_files,
     find_entry,
+    inside,
     parse_dtype,
     read_bin,
     read_entry,
@@ -165,7 +167,7 @@ def _from_actual_manifest(actual_path: Path, entry, name: str, golden: torch.Ten
     if entry is None:
         return _problem(name, golden, f"missing: {where} does not list {name}"), None
     files = entry_files(actual_path, entry)
-    absent = [p.name for p in files.values() if not p.is_file()]
+    absent = [p.name for p in files.values() if not os.path.lexists(p)]
     if absent:
         return _problem(name, golden, f"missing: {', '.join(absent)} (listed in {where}) not found"), None
     tensors = {kind: read_file_of_entry(path, kind, entry) for kind, path in files.items()}
@@ -235,8 +237,8 @@ def _actual_row(actual_path: Path, actual_manifest, name: str, golden: torch.Ten
         entry = find_entry(actual_manifest, name=name)
         row, actual = _from_actual_manifest(actual_path, entry, name, golden, strict, naive)
         return row, None if row.problem else actual
-    candidates = [actual_path / f"{name}.npy", actual_path / f"{name}.bin"]
-    found = next((c for c in candidates if c.is_file()), None)
+    candidates = [inside(actual_path, f"{name}{ext}", named_by=actual_path) for ext in (".npy", ".bin")]
+    found = next((c for c in candidates if os.path.lexists(c)), None)
     if found is None:
         return _problem(name, golden, f"missing: no {name}.npy or {name}.bin in {actual_path}"), None
     actual = _load_actual(found, golden, dtype_option)

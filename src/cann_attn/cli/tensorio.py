@@ -8,6 +8,12 @@ and directories written all-or-nothing.
   int8 / uint8 / bool 1 (bool as 0 / 1), int32 4, int64 8.
 - ``manifest.json``: per tensor its name, role (input / output), shape, dtype and files, plus the operator, its
   parameters, the seed and the cann_attn version (see ``golden.py``).
+
+Every file is read through `open_regular`: only a regular file (a device, FIFO or directory is refused without
+reading it: ``/dev/zero`` would never end), of at most a given size, checked before reading. A manifest's tensor
+names and files name files of its own directory only (`inside`). An input loaded in another dtype than its file's
+converts only when every value converts exactly (`convert_exactly`, ``exact=True``). docs/guides/golden.md states
+these rules.
 """
 
 from __future__ import annotations
@@ -15,7 +21,10 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import stat
 import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -35,10 +44,13 @@ __all__ = [
     "bin_dtype_name",
     "canonical_dtype",
     "check_output",
+    "convert_exactly",
     "entry_files",
+    "exact_conversion_problem",
     "find_entry",
     "inside",
     "load_json",
+    "open_regular",
     "parse_dtype",
     "read_bin",
     "read_entry",
@@ -57,6 +69,10 @@ NAIVE_SUFFIX = ".naive"
 # (docs/semantics/precision.md).
 NPU_ROLE = "npu_output"
 NPU_SUFFIX = ".npu"
+# Size bounds checked before a file is read: JSON (case files, manifests) and tensor files (compare; golden --inputs
+# takes its --max-bytes instead).
+MAX_JSON_BYTES = 64 * 2**20
+MAX_TENSOR_FILE_BYTES = 16 * 2**30
 
 # Canonical dtype names (torch's, without the prefix) and the aliases accepted in case files and on the command line.
 DTYPES: dict[str, torch.dtype] = {
@@ -146,34 +162,91 @@ def write_tensor(directory: Path, name: str, t: torch.Tensor, role: str, **extra
 # ----------------------------------------------------------------------------------------------------------
 # Reading
 # ----------------------------------------------------------------------------------------------------------
-def read_npy(path: Path, dtype: torch.dtype | None = None) -> torch.Tensor:
-    """A .npy file as a tensor (cast to `dtype` when given: bfloat16 .npy files hold float32 values). The header is
-    checked against the file's size before anything is allocated: a header claiming more elements than the file
-    holds (or a truncated, empty or non-.npy file) is a one-line error."""
+@contextmanager
+def open_regular(path: Path, max_bytes: int, what: str = "file") -> Iterator[Any]:
+    """`path` opened for binary reading, refused (UsageError) unless it is a regular file of at most `max_bytes`
+    bytes. Checked on the opened descriptor (no blocking open: a FIFO is refused, not waited on)."""
     try:
-        with open(path, "rb") as f:
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
+    except OSError as exc:
+        raise UsageError(f"cannot read {path} ({exc.strerror or exc})") from exc
+    try:
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode):
+            raise UsageError(f"{path}: not a regular file")
+        if info.st_size > max_bytes:
+            raise UsageError(f"{path}: {info.st_size} bytes, more than the {max_bytes} a {what} may take")
+        os.set_blocking(fd, True)
+        f = os.fdopen(fd, "rb")
+    except BaseException:
+        os.close(fd)
+        raise
+    with f:
+        yield f
+
+
+def exact_conversion_problem(t: torch.Tensor, dtype: torch.dtype) -> str:
+    """'' when every element of `t` converts to `dtype` and back unchanged (NaN stays NaN), else the first that
+    does not, e.g. '4294967333 becomes 37'."""
+    if t.dtype == dtype:
+        return ""
+    converted = t.to(dtype)
+    back = converted.to(t.dtype)
+    same = back == t
+    if t.dtype.is_floating_point:
+        same |= t.isnan() & back.isnan()
+    if bool(same.all()):
+        return ""
+    first = tuple((~same).nonzero()[0].tolist())
+    return f"{t[first].item()!r} becomes {converted[first].item()!r}"
+
+
+def convert_exactly(t: torch.Tensor, dtype: torch.dtype | None, where: str) -> torch.Tensor:
+    """`t` in `dtype`, or UsageError naming `where` and both dtypes when a value would change."""
+    if dtype is None or t.dtype == dtype:
+        return t
+    problem = exact_conversion_problem(t, dtype)
+    if problem:
+        src, dst = canonical_dtype(t.dtype), canonical_dtype(dtype)
+        raise UsageError(f"{where}: its values are not exactly {dst} ({src} to {dst}: {problem}); nothing written")
+    return t.to(dtype)
+
+
+def read_npy(path: Path, dtype: torch.dtype | None = None, max_bytes: int = MAX_TENSOR_FILE_BYTES,
+             exact: bool = False) -> torch.Tensor:
+    """A .npy file as a tensor, cast to `dtype` when given (bfloat16 .npy files hold float32 values; `exact`: only
+    when every value converts exactly, else UsageError, as golden --inputs loads). A regular file of at most
+    `max_bytes`; the header is checked against the file's size before anything
+    is allocated: a header claiming more elements than the file holds (or a truncated, empty or non-.npy file) is
+    a one-line error."""
+    with open_regular(path, max_bytes, "tensor file") as f:
+        try:
             version = np.lib.format.read_magic(f)
             read_header = {(1, 0): np.lib.format.read_array_header_1_0, (2, 0): np.lib.format.read_array_header_2_0}
             if version not in read_header:
                 raise ValueError(f"unsupported .npy format version {version}")
-            shape, _, np_dtype = read_header[version](f)
+            shape, fortran_order, np_dtype = read_header[version](f)
             offset = f.tell()
-    except (OSError, ValueError, EOFError, SyntaxError, TypeError) as exc:
-        raise UsageError(f"{path}: not a readable .npy file ({_one_line(exc)})") from exc
-    if np_dtype.hasobject or np_dtype.newbyteorder("=") not in _FROM_NUMPY:
-        raise UsageError(f"{path}: unsupported numpy dtype {np_dtype}")
-    numel = 1
-    for n in shape:
-        numel *= int(n)
-    data_bytes = path.stat().st_size - offset
-    if data_bytes != numel * np_dtype.itemsize:
-        raise UsageError(f"{path}: the header says {np_dtype} {list(shape)} ({numel * np_dtype.itemsize} bytes) but "
-                         f"the file holds {data_bytes} bytes of data")
-    try:
-        arr = np.load(path, allow_pickle=False)
-    except (OSError, ValueError, EOFError) as exc:
-        raise UsageError(f"{path}: not a readable .npy file ({_one_line(exc)})") from exc
+        except (OSError, ValueError, EOFError, SyntaxError, TypeError) as exc:
+            raise UsageError(f"{path}: not a readable .npy file ({_one_line(exc)})") from exc
+        if np_dtype.hasobject or np_dtype.newbyteorder("=") not in _FROM_NUMPY:
+            raise UsageError(f"{path}: unsupported numpy dtype {np_dtype}")
+        numel = 1
+        for n in shape:
+            numel *= int(n)
+        data_bytes = os.fstat(f.fileno()).st_size - offset
+        if data_bytes != numel * np_dtype.itemsize:
+            raise UsageError(f"{path}: the header says {np_dtype} {list(shape)} ({numel * np_dtype.itemsize} bytes) "
+                             f"but the file holds {data_bytes} bytes of data")
+        try:
+            arr = np.fromfile(f, dtype=np_dtype, count=numel)
+        except (OSError, ValueError) as exc:
+            raise UsageError(f"{path}: not a readable .npy file ({_one_line(exc)})") from exc
+    order = "F" if fortran_order else "C"
+    arr = arr.reshape(tuple(int(n) for n in shape), order=order)
     t = torch.from_numpy(np.ascontiguousarray(arr.astype(arr.dtype.newbyteorder("="), copy=False)))
+    if exact:
+        return convert_exactly(t, dtype, str(path))
     return t if dtype is None else t.to(dtype)
 
 
@@ -182,18 +255,22 @@ def _one_line(exc: BaseException) -> str:
     return text.splitlines()[0] if text else type(exc).__name__
 
 
-def read_bin(path: Path, dtype: torch.dtype, shape: list[int] | tuple[int, ...]) -> torch.Tensor:
-    """A raw little-endian .bin file of `dtype` and `shape` (bfloat16: raw 16-bit patterns)."""
+def read_bin(path: Path, dtype: torch.dtype, shape: list[int] | tuple[int, ...],
+             max_bytes: int = MAX_TENSOR_FILE_BYTES) -> torch.Tensor:
+    """A raw little-endian .bin file of `dtype` and `shape` (bfloat16: raw 16-bit patterns); a regular file of at
+    most `max_bytes`."""
     numel = 1
     for s in shape:
         numel *= int(s)
     np_dtype = np.dtype(np.uint16 if dtype == torch.bfloat16 else _NUMPY[dtype]).newbyteorder("<")
-    size = path.stat().st_size
-    if size != numel * np_dtype.itemsize:
-        raise UsageError(
-            f"{path}: {size} bytes, expected {numel * np_dtype.itemsize} for {canonical_dtype(dtype)} {list(shape)}"
-        )
-    arr = np.fromfile(path, dtype=np_dtype).astype(np_dtype.newbyteorder("="))
+    with open_regular(path, max_bytes, "tensor file") as f:
+        size = os.fstat(f.fileno()).st_size
+        if size != numel * np_dtype.itemsize:
+            raise UsageError(
+                f"{path}: {size} bytes, expected {numel * np_dtype.itemsize} for {canonical_dtype(dtype)} "
+                f"{list(shape)}"
+            )
+        arr = np.fromfile(f, dtype=np_dtype, count=numel).astype(np_dtype.newbyteorder("="))
     if dtype == torch.bfloat16:
         return torch.from_numpy(arr.view(np.int16)).view(torch.bfloat16).reshape(tuple(shape))
     return torch.from_numpy(arr).reshape(tuple(shape))
@@ -202,11 +279,11 @@ def read_bin(path: Path, dtype: torch.dtype, shape: list[int] | tuple[int, ...])
 def read_manifest(directory: Path) -> dict[str, Any] | None:
     """The directory's manifest.json (None if it has none), its tensor entries checked (`_check_entry`)."""
     path = directory / MANIFEST
-    if not path.is_file():
+    if not os.path.lexists(path):
         return None
     inside(directory, MANIFEST, path)
     try:
-        manifest = load_json(path.read_text())
+        manifest = load_json(read_json_text(path))
     except (OSError, ValueError) as exc:  # UnicodeDecodeError is a ValueError
         raise UsageError(f"{path}: not a readable manifest ({_one_line(exc)})") from exc
     if not isinstance(manifest, dict) or not isinstance(manifest.get("tensors"), list):
@@ -226,6 +303,8 @@ def _check_entry(entry: Any) -> str:
     name = entry.get("name")
     if not isinstance(name, str) or not name:
         return "name: missing or not a string"
+    if not is_file_name(name):  # compare reads ACTUAL/NAME.npy: a name is never a path
+        return f"name: {json.dumps(name)} is not a file name (no '/', '\\', '..' or absolute path)"
     if "role" in entry and not isinstance(entry["role"], str):
         return f"{name}: role: expected a string, got {json.dumps(entry['role'])}"
     if "shape" in entry:
@@ -247,6 +326,12 @@ def _check_entry(entry: Any) -> str:
     return ""
 
 
+def is_file_name(name: str) -> bool:
+    """A name that stays in the directory it is joined to: no separator, not '.' or '..', not absolute."""
+    return bool(name) and "/" not in name and "\\" not in name and name not in (".", "..") and not Path(
+        name).is_absolute()
+
+
 def find_entry(manifest: dict[str, Any] | None, *, name: str | None = None, file: str | None = None):
     """The manifest entry of tensor `name`, or of the tensor stored in file `file` (None if absent)."""
     for entry in (manifest or {}).get("tensors", []):
@@ -263,19 +348,26 @@ def entry_files(directory: Path, entry: dict[str, Any]) -> dict[str, Path]:
     return {kind: inside(directory, files[kind]) for kind in ("npy", "bin") if kind in files}
 
 
-def inside(directory: Path, name: str, path: Path | None = None) -> Path:
+def inside(directory: Path, name: str, path: Path | None = None, named_by: Path | None = None) -> Path:
     """`directory / name`, refused (UsageError) when it leads outside `directory`, through ``..``, an absolute
-    name or a symbolic link: a manifest only ever names files of its own directory."""
+    name or a symbolic link: a manifest only ever names files of its own directory (`named_by`: what named the
+    file, default the directory's manifest)."""
     path = directory / name if path is None else path
     try:
         path.resolve().relative_to(directory.resolve())
-    except ValueError:
-        raise UsageError(f"{directory / MANIFEST}: {name!r} leads outside {directory}") from None
+    except (ValueError, OSError, RuntimeError):  # RuntimeError: a symbolic link loop (Python < 3.13)
+        raise UsageError(f"{named_by or directory / MANIFEST}: {name!r} leads outside {directory}") from None
     return path
 
 
 # json.loads recurses once per nesting level: a deeply nested file would exhaust the stack (RecursionError).
 MAX_JSON_DEPTH = 64
+
+
+def read_json_text(path: Path) -> str:
+    """The text of a JSON file (case file, manifest): a regular file of at most MAX_JSON_BYTES, UTF-8."""
+    with open_regular(path, MAX_JSON_BYTES, "JSON file") as f:
+        return f.read().decode()
 
 
 def load_json(text: str) -> Any:
@@ -301,21 +393,25 @@ def load_json(text: str) -> Any:
     return json.loads(text)
 
 
-def read_file_of_entry(path: Path, kind: str, entry: dict[str, Any]) -> torch.Tensor:
-    """One listed file ('npy' or 'bin') of a checked manifest entry, in the entry's dtype."""
+def read_file_of_entry(path: Path, kind: str, entry: dict[str, Any], max_bytes: int = MAX_TENSOR_FILE_BYTES,
+                       exact: bool = False) -> torch.Tensor:
+    """One listed file ('npy' or 'bin') of a checked manifest entry, in the entry's dtype (`exact`: see read_npy)."""
     dtype = parse_dtype(entry["dtype"])
-    return read_npy(path, dtype) if kind == "npy" else read_bin(path, dtype, entry.get("shape", []))
+    if kind == "npy":
+        return read_npy(path, dtype, max_bytes, exact)
+    return read_bin(path, dtype, entry.get("shape", []), max_bytes)
 
 
-def read_entry(directory: Path, entry: dict[str, Any], prefer: str = "npy") -> torch.Tensor:
+def read_entry(directory: Path, entry: dict[str, Any], prefer: str = "npy", max_bytes: int = MAX_TENSOR_FILE_BYTES,
+               exact: bool = False) -> torch.Tensor:
     """The tensor of a manifest entry, from its .npy (or .bin) file, in the manifest's dtype."""
     dtype = parse_dtype(entry.get("dtype"))
     if dtype is None:
         raise UsageError(f"{directory / MANIFEST}: tensor {entry.get('name')!r}: unknown dtype {entry.get('dtype')!r}")
     files = entry_files(directory, entry)
     for kind in ("npy", "bin") if prefer == "npy" else ("bin", "npy"):
-        if kind in files and files[kind].is_file():
-            return read_file_of_entry(files[kind], kind, entry)
+        if kind in files and os.path.lexists(files[kind]):
+            return read_file_of_entry(files[kind], kind, entry, max_bytes, exact)
     raise UsageError(f"{directory}: the files of tensor {entry.get('name')!r} are missing")
 
 
@@ -327,7 +423,13 @@ class Staged:
     commit that fails) removes the temporary directory. Nothing is created before `open()`."""
 
     def __init__(self, target: Path, force: bool = False):
+        # A symbolic link is written through: its target is replaced, the link itself stays as it was.
         self.target = Path(target)
+        if self.target.is_symlink():
+            try:
+                self.target = self.target.resolve()
+            except (OSError, RuntimeError) as exc:  # a link loop
+                raise UsageError(f"--out: cannot follow the symbolic link {target} ({exc})") from None
         self.force = force
         self.option = "--out"
         self.tmp: Path | None = None

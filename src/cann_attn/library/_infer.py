@@ -19,6 +19,7 @@ from ..ops.fused_infer_attention_score import (
 )
 from ..ops.incre_flash_attention import incre_flash_attention as _eager_incre_flash_attention
 from ..problem.layout import BATCH_SEQ_DIMS
+from ..problem.nz import NZ_DIMS, nz_width
 from ._outputs import _ints
 from ._prompt import _pfa_output_dtype
 
@@ -32,7 +33,10 @@ def _fia_fake_outputs(query, value, num_heads, num_key_value_heads, input_layout
     q_layout, out_layout = FIA_LAYOUTS.get(input_layout, ("BSH", "BSH"))
     heads_kv = num_key_value_heads or num_heads
     packs_heads = q_layout == "BSH" or (paged and value.dim() == 3)
-    dim_v = value.shape[-1] // heads_kv if packs_heads else value.shape[-1]
+    if paged and value.dim() == NZ_DIMS:
+        dim_v = nz_width(value)
+    else:
+        dim_v = value.shape[-1] // heads_kv if packs_heads else value.shape[-1]
     if q_layout in FIA_PACKED:
         batch, seq = None, query.shape[0 if q_layout == "TND" else 1]  # seq: the token count T
     else:

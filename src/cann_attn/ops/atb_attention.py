@@ -20,6 +20,7 @@ from ..problem.page_table import BlockSizeRule, page_table
 from ..traceable import traced_as_custom_op
 from .flash_attention_score import INT_MAX
 from .infer_attention import QuantPlan, attend, attend_pages
+from .out_tensors import check_out_tensor
 from .paged_infer import CacheShape, PagedKv, length_groups
 
 __all__ = ["atb_flash_attention", "atb_flash_attention_unpad", "atb_paged_attention", "atb_paged_attention_splitfuse"]
@@ -80,15 +81,10 @@ def _scale(scale_value) -> float:
     return require_real(scale_value, "scale_value")
 
 
-def _check_out(out, shape: tuple[int, ...], query: Tensor) -> Tensor:
-    """`out` must be the [tokens, num_heads, head_size_v] tensor of the query's dtype and device; it is checked
-    before anything is computed and written only at the end."""
-    if out is None:
-        raise ParamNullptrError("out: required (the operator writes its result there), got None")
-    require(isinstance(out, Tensor) and tuple(out.shape) == shape and out.dtype == query.dtype
-            and out.device == query.device, "out", f"a {query.dtype} tensor of shape {list(shape)} on "
-            f"{query.device}", out)
-    return out
+def _check_out(out, shape: tuple[int, ...], query: Tensor, inputs: dict) -> Tensor:
+    """`out` must be the [tokens, num_heads, head_size_v] tensor of the query's dtype and device, sharing no memory
+    with `inputs` (ops/out_tensors.py); it is checked before anything is computed and written only at the end."""
+    return check_out_tensor(out, "out", shape=shape, dtype=query.dtype, device=query.device, inputs=inputs)
 
 
 def _additive_mask(mask, query: Tensor, rows: int, cols: int, batch: int | None) -> Tensor:
@@ -120,7 +116,7 @@ def _paged_caches(key_cache, value_cache, block_table, kv_lengths: list[int], qu
     num_blocks, block_size = key_cache.shape[:2]
     pages = page_table(block_table, block_size=block_size, block_count=num_blocks, kv_lengths=kv_lengths,
                        batch=len(kv_lengths), rule=ATB_BLOCK_SIZES, lengths_param="context_lens",
-                       block_size_param="key_cache")
+                       block_size_param="key_cache", cache_param="key_cache")
     shape = CacheShape(num_blocks, block_size, heads_kv, key_cache.shape[-1], token_dim=1)
     # As FIA's BnBsH caches [num_blocks, block_size, KVN * D] (views of vLLM's contiguous caches).
     return PagedKv(pages, key_cache.flatten(2), value_cache.flatten(2), None, shape)
@@ -143,7 +139,8 @@ def atb_paged_attention(query: Tensor, key_cache: Tensor, value_cache: Tensor, n
     lengths = _lengths(context_lens, "context_lens", query.shape[0])
     pages = _paged_caches(key_cache, value_cache, block_table, lengths, query, heads_kv)
     result = torch.zeros(query.shape[0], num_heads, value_cache.shape[-1], dtype=query.dtype, device=query.device)
-    _check_out(out, tuple(result.shape), query)
+    _check_out(out, tuple(result.shape), query, {"query": query, "key_cache": key_cache, "value_cache": value_cache,
+                                                 "block_table": block_table, "context_lens": context_lens})
     if query.shape[0]:
         attend_pages(pages, query.unsqueeze(2), result.unsqueeze(2), atten_mask=None, mask_views=None,
                      act_q=[1] * query.shape[0], act_kv=lengths, pse_shift=None,
@@ -172,7 +169,9 @@ def atb_paged_attention_splitfuse(query: Tensor, key_cache: Tensor, value_cache:
     pages = _paged_caches(key_cache, value_cache, block_table, kv_lens, query, heads_kv)
     mask = _additive_mask(mask, query, query.shape[0], max(kv_lens, default=0), None)
     result = torch.zeros(query.shape[0], num_heads, value_cache.shape[-1], dtype=query.dtype, device=query.device)
-    _check_out(out, tuple(result.shape), query)
+    _check_out(out, tuple(result.shape), query, {"query": query, "key_cache": key_cache, "value_cache": value_cache,
+                                                 "block_table": block_table, "context_lens": context_lens,
+                                                 "mask": mask, "seq_len": seq_len})
     common = _common(heads_kv, scale, query, backend, "atb_paged_attention_splitfuse")
     start = 0
     # Consecutive sequences with equal query lengths (every decode of a batch) run as one batch of [c, N, s, D].
@@ -206,7 +205,8 @@ def _self_attention(query, key, value, mask, seq_len, scale_value, num_heads, nu
     if mask is not None:
         mask = _additive_mask(mask, query, longest, longest, len(lengths))
     result = torch.zeros(tokens, num_heads, value.shape[-1], dtype=query.dtype, device=query.device)
-    _check_out(out, tuple(result.shape), query)
+    _check_out(out, tuple(result.shape), query, {"query": query, "key": key, "value": value, "mask": mask,
+                                                 "seq_len": seq_len})
     common = _common(heads_kv, scale, query, backend, op)
     start = 0
     for group in length_groups(lengths, lengths):

@@ -37,14 +37,14 @@ from ..problem.lengths import (
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 MAX_HEADS = 256
 MAX_HEAD_DIM = 512
-# FlashAttentionVarLenScore documents B <= 2K (1K with prefix) for TND (seed FlashAttentionVarLenScore.md:133);
-# the dense layouts allow up to 2M (2K with prefix: seed aclnnFlashAttentionScoreGradV2.md:486).
+# FlashAttentionVarLenScore documents B <= 2K (1K with prefix) for TND (FlashAttentionVarLenScore documentation);
+# the dense layouts allow up to 2M (2K with prefix: aclnnFlashAttentionScoreGradV2 documentation).
 MAX_BATCH_TND = 2048
 MAX_BATCH_DENSE = 2 * 1024 * 1024
 MAX_BATCH_WITH_PREFIX_TND = 1024
 MAX_BATCH_WITH_PREFIX_DENSE = 2048
 # TND token count T, and S of the other layouts, of query and of key/value: 1..1M (seed
-# FlashAttentionVarLenScore.md:132 and :135).
+# FlashAttentionVarLenScore documentation).
 MAX_TOKENS = 1 << 20
 # From this key length on, sequences with generated ALiBi get a run each (see _make_runs): shorter ones have no
 # key tile far enough from the diagonal to underflow (the reference tiles are 256-512 wide), and batching them
@@ -78,7 +78,7 @@ def validate_shapes(
     query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, head_num: int, input_layout: str,
     actual_seq_qlen, actual_seq_kvlen,
 ) -> FaShapes:
-    """Checks of section 1: dtypes, layout, head counts, D relations, batch and TND lengths."""
+    """Checks of docs/semantics/layouts.md: dtypes, layout, head counts, D relations, batch and TND lengths."""
     for name, t in (("query", query), ("key", key), ("value", value)):
         _require_tensor(t, name)
         require(t.dtype in FLOAT_DTYPES, name, "dtype float16, bfloat16 or float32", t)
@@ -134,7 +134,7 @@ def validate_shapes(
         batch = len(seq_q)
         padding_q = padding_tokens(seq_q, q.seq)
     else:
-        # S: 1..1M (seed FlashAttentionVarLenScore.md:135, aclnnFlashAttentionScoreGradV2.md:488).
+        # S: 1..1M (FlashAttentionVarLenScore documentation, aclnnFlashAttentionScoreGradV2 documentation).
         require(q.seq <= MAX_TOKENS, "query", f"S in 1..{MAX_TOKENS}", query)
         require(k.seq <= MAX_TOKENS, "key", f"S in 1..{MAX_TOKENS}", key)
         require(q.batch == k.batch, "key", f"batch B={q.batch} like the query", key)
@@ -316,14 +316,14 @@ def _check_tnd_pse_allowed(shapes: FaShapes, sparse_mode: int, has_mask: bool, p
     """TND combinations that take no pse. Modes 7/8 only count with a mask: without one the mode is ignored
     (full attention, docs/semantics/masks.md). The experimental mode-8 start-index rule of :146 is not enforced."""
     empty = [b for b, s in enumerate(shapes.seq_q) if s == 0]
-    if empty:  # seed FlashAttentionVarLenScore.md:144
+    if empty:  # FlashAttentionVarLenScore documentation
         raise ParamInvalidError(
             f"pse: not supported (pse_type {pse_type}) when a TND sequence has Sq=0 (actual_seq_qlen), "
             f"got Sq=0 for sequence(s) {empty}"
         )
-    if has_mask and sparse_mode == 7:  # seed FlashAttentionVarLenScore.md:145
+    if has_mask and sparse_mode == 7:  # FlashAttentionVarLenScore documentation
         raise ParamInvalidError(f"pse: not supported with sparse_mode 7, got pse_type {pse_type}")
-    if has_mask and sparse_mode == 8:  # seed FlashAttentionVarLenScore.md:146
+    if has_mask and sparse_mode == 8:  # FlashAttentionVarLenScore documentation
         unequal = [b for b, (sq, skv) in enumerate(zip(shapes.seq_q, shapes.seq_kv, strict=True)) if sq != skv]
         if unequal:
             b = unequal[0]

@@ -18,6 +18,7 @@ from ..problem import antiquant as antiquants
 from ..problem import layout as layouts
 from ..problem import sink as sinks
 from ..problem.lengths import cumulative_lengths, per_batch_lengths, require_same_sequence_count, to_int_list
+from ..problem.nz import NZ_DIMS, nz_shape
 from ..problem.policy import beyond_docs
 from .flash_attention_score import INT_MAX
 from .infer_attention import (
@@ -50,6 +51,7 @@ MAX_DECODE_KV = 262144
 MAX_PACKED_BATCH = 4096
 ROPE_DIM = 64
 MLA_DIMS = (128, 512)
+MLA_LATENT_DIM = 512  # MLA over the latent cache: paged, NZ caches, N2 = 1
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 # learnable_sink (v2): "仅支持TND、NTD_TND；仅支持value的D小于等于128" (npu_fused_infer_attention_score_v2 page).
 SINK_LAYOUTS = ("TND", "NTD_TND")
@@ -277,7 +279,10 @@ def _check_rope(query, key, query_rope, key_rope, *, q_layout, num_heads, heads_
     require(q_dim in MLA_DIMS, "query", f"head dim D in {MLA_DIMS} with query_rope", query)
     exp_q = (*query.shape[:-1], ROPE_DIM if q_layout != "BSH" else num_heads * ROPE_DIM)
     require(tuple(query_rope.shape) == exp_q, "query_rope", f"shape {list(exp_q)} (D={ROPE_DIM})", query_rope)
-    exp_k = (*key.shape[:-1], ROPE_DIM if q_layout != "BSH" else heads_kv * ROPE_DIM)
+    if key.dim() == NZ_DIMS:  # an NZ cache: key_rope is one too ("key_rope的数据类型、数据格式与key一致")
+        exp_k = nz_shape(key.shape[0], key.shape[1], ROPE_DIM, key.shape[3], key_rope.dtype)
+    else:
+        exp_k = (*key.shape[:-1], ROPE_DIM if q_layout != "BSH" else heads_kv * ROPE_DIM)
     require(tuple(key_rope.shape) == exp_k, "key_rope", f"shape {list(exp_k)} (D={ROPE_DIM})", key_rope)
     if q_dim == 512:
         require(heads_kv == 1, "num_key_value_heads", "1 for MLA with D=512", heads_kv)
@@ -556,9 +561,14 @@ def build_fia_problem(
         value_antiquant_scale=value_antiquant_scale, value_antiquant_offset=value_antiquant_offset,
         antiquant_mode=antiquant_mode, key_antiquant_mode=key_antiquant_mode,
         value_antiquant_mode=value_antiquant_mode)
-    if pages is not None and pages.shape.nz:
+    if pages is not None and pages.shape.nz and int8_kv:
         _check_nz_cache(query, q_seq=q_seq, q_dim=q_dim, num_heads=num_heads, heads_kv=heads_kv,
                         block_size=pages.shape.block_size, antiquant=antiquant)
+    elif pages is not None and pages.shape.nz and not (rope and q_dim == MLA_LATENT_DIM):
+        # "当query的D等于512时 ... 支持key、value、key_rope的数据格式为ND或NZ": float NZ is an MLA cache.
+        raise ParamInvalidError(f"key: a {key.dtype} NZ cache [block_num, KV_N, D/16, block_size, 16] is "
+                                f"documented for MLA only (query_rope/key_rope with D = {MLA_LATENT_DIM}), got "
+                                f"D = {q_dim}{'' if rope else ' without rope'}")
     prefix = _shared_prefix(query, key, key_shared_prefix, value_shared_prefix, actual_shared_prefix_len,
                             q_layout=q_layout, heads_kv=heads_kv, k_dim=k_dim, antiquant=antiquant)
     prefix_len = 0 if prefix is None else prefix[2]

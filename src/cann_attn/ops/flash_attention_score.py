@@ -1,4 +1,4 @@
-"""FlashAttentionScore and FlashAttentionVarLenScore (training forward; seed FlashAttentionVarLenScore.md)."""
+"""FlashAttentionScore and FlashAttentionVarLenScore (training forward; FlashAttentionVarLenScore documentation)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""FlashAttentionScoreGradV2 (training backward; seed aclnnFlashAttentionScoreGradV2.md), all five layouts
+"""FlashAttentionScoreGradV2 (training backward; aclnnFlashAttentionScoreGradV2 documentation), all five layouts
 including TND, which is the backward of FlashAttentionVarLenScore."""
 
 from __future__ import annotations
@@ -66,7 +66,8 @@ def flash_attention_score_grad(
 
     Takes every forward parameter (docs/semantics/layouts.md, docs/semantics/masks.md, docs/semantics/invalid-rows.md,
     docs/semantics/pse.md, docs/semantics/dropout.md) plus `dy` (gradient of attention_out) and the forward's
-    softmax_max / softmax_sum (same layout as produced, section 6) and attention_in (its output). P is
+    softmax_max / softmax_sum (same layout as produced, docs/semantics/softmax-stats.md) and attention_in (its
+    output). P is
     recomputed from the given statistics without renormalisation; when they (or attention_in) are absent they
     are recomputed by the forward. dk / dv of GQA/MQA are summed over each query-head group. `dpse` is the real
     gradient w.r.t. a type 0/1 pse tensor in the pse's own shape (reduced over its broadcast dimensions, the

@@ -49,7 +49,8 @@ def validate_mask(atten_mask, sparse_mode, batch, heads, seq_q, seq_kv, pre_toke
         return None
     if sparse_mode == 0:
         masks.check_band(pre_tokens, next_tokens)
-    # The mask may be padded beyond (Q_S, KV_S) (the seed recommends padding KV_S to 32 with ones): only its
+    # The mask may be padded beyond (Q_S, KV_S) (the PromptFlashAttentionV2 documentation recommends padding KV_S to
+    # 32 with ones): only its
     # top-left block is read.
     rows, cols = atten_mask.shape[-2:] if atten_mask.dim() >= 2 else (0, 0)
     if rows < seq_q or cols < seq_kv or atten_mask.dim() > 4:
@@ -132,7 +133,8 @@ def quant_plan(query, deq_scale1, quant_scale1, deq_scale2, quant_scale2, quant_
 
 def reject_offset_with_invalid_rows(has_mask, sparse_mode, act_q, act_kv, pre_tokens, next_tokens) -> None:
     """A nonzero quant_offset2 would turn rows with no visible key into quant(0) + offset
-    (docs/operators/prompt_flash_attention.md): refused exactly where the seed intercepts it, from the mode, the band
+    (docs/operators/prompt_flash_attention.md): refused exactly where the operator documentation
+    intercepts it, from the mode, the band
     and the lengths. A row that the mask's content hides entirely is not among them (modes 1 and 2: "不会出现满足拦截
     条件的情况") and gives 0 like every invalid row."""
     for b, (sq, skv) in enumerate(zip(act_q, act_kv, strict=True)):

@@ -1,5 +1,5 @@
 """LightningIndexer forward and SparseLightningIndexerGradKLLoss (DSA indexer; seed
-aclnnSparseLightningIndexerGradKLLoss.md, docs/operators/lightning_indexer.md)."""
+aclnnSparseLightningIndexerGradKLLoss documentation, docs/operators/lightning_indexer.md)."""
 
 from __future__ import annotations
 
@@ -64,7 +64,7 @@ def _check_common(query_index, key_index, weights, layout, sparse_mode, allowed_
 
 
 def _require_heads(t: torch.Tensor, name: str, label: str) -> None:
-    """At least one head when the tensor has query tokens. The seed's 约束说明 head counts (N1 in 8..128, Nidx1 in
+    """At least one head when the tensor has query tokens. The documented (约束说明) head counts (N1 in 8..128, Nidx1 in
     8..64, powers of two) are the NPU kernel's tilings, not semantics, so any positive count is accepted. Zero heads
     describe no indexer / attention: every index score would be the empty sum 0 and the 1/N1 head mean of the KL
     target (docs/operators/lightning_indexer.md) is undefined. A query without tokens is an empty problem and returns
@@ -148,7 +148,7 @@ def check_kl_rope(query: torch.Tensor, key: torch.Tensor, query_rope: torch.Tens
                   key_rope: torch.Tensor | None) -> None:
     """The KL-loss operators' optional rope pair (sparse and dense): Q = [query ; query_rope] and
     K = [key ; key_rope] (docs/operators/lightning_indexer.md), so both or neither are given, each rope tensor
-    shares its main tensor's leading dims, and both carry the same Dr (seed 参数说明, queryRope (B,S1,N1,Dr) /
+    shares its main tensor's leading dims, and both carry the same Dr (参数说明, queryRope (B,S1,N1,Dr) /
     keyRope (B,S2,N2,Dr)); a mismatch would broadcast or crash."""
     if (query_rope is None) != (key_rope is None):
         raise ParamInvalidError("query_rope/key_rope: give both rope tensors or neither")

@@ -7,8 +7,8 @@ Cache layouts (npu_fused_infer_attention_score / npu_incre_flash_attention): BnB
 up to 512; Q_S > 1 a multiple of 128 in [128, 512]; MLA with D = 512 and the packed layouts a multiple of 16 up to
 1024. The caller gives `block_size`, which must be the caches' block dimension.
 
-The NZ cache of int8 key/value (GQA anti-quantisation + KV NZ, vLLM's C8 decode) is
-[block_num, KV_N, D/32, block_size, 32]: channel d of token t of block n, head h, is at [n, h, d // 32, t, d % 32].
+NZ caches [block_num, KV_N, D/c0, block_size, c0] (`problem/nz.py`, the one rule of where their elements live):
+int8 (c0 = 32) for GQA anti-quantisation + KV NZ (vLLM's C8 decode), float16 / bfloat16 (c0 = 16) for MLA.
 """
 
 from __future__ import annotations
@@ -20,10 +20,15 @@ import torch
 from ..backends.reference.workspace import Workspace
 from ..errors import ParamInvalidError, describe, require
 from ..problem import antiquant as antiquants
+from ..problem.nz import check_nz_cache, nz_tokens, nz_width
 from ..problem.page_table import BlockSizeRule, PageTable, page_table
 
 # Query layouts that take a BnNBsD cache ("BNSD/TND支持BnBsH和BnNBsD", FIA PageAttention constraints).
 BNNBSD_QUERY_LAYOUTS = ("BNSD", "TND")
+# Query layouts (of the input_layout) an NZ cache takes: int8 GQA anti-quantisation lists BSH/BSND/BNSD; MLA with
+# D = 512 lists BSH, BSND, BNSD, BNSD_NBSD, BSND_NBSD, BSH_NBSD, TND and TND_NTD.
+NZ_QUERY_LAYOUTS = {torch.int8: ("BSH", "BSND", "BNSD"), torch.float16: ("BSH", "BSND", "BNSD", "TND"),
+                    torch.bfloat16: ("BSH", "BSND", "BNSD", "TND")}
 
 
 def fia_block_sizes(*, decode: bool, wide: bool, int8_kv: bool) -> BlockSizeRule:
@@ -42,7 +47,7 @@ class CacheShape:
     heads: int
     dim: int
     token_dim: int  # 1: BnBsH, 2: BnNBsD, 3: NZ [block_num, N, D/c0, block_size, c0]
-    c0: int = 0  # the NZ cache's innermost channel group (32 for int8)
+    c0: int = 0  # the NZ cache's innermost channel group (problem/nz.py: 32 for int8, 16 for float16 / bfloat16)
 
     @property
     def nz(self) -> bool:
@@ -63,14 +68,13 @@ def cache_shape(cache: torch.Tensor, param: str, heads_kv: int, q_layout: str) -
                                     f"{q_layout}")
         return CacheShape(cache.shape[0], cache.shape[2], cache.shape[1], cache.shape[3], 2)
     if cache.dim() == 5:
-        require(cache.dtype == torch.int8 and cache.shape[4] == 32, param,
-                "an int8 NZ cache [block_num, KV_N, D/32, block_size, 32] (the only NZ cache supported here)", cache)
-        if q_layout not in ("BSH", "BSND", "BNSD"):
-            raise ParamInvalidError(f"{param}: the NZ cache takes query layouts BSH, BSND or BNSD, got {q_layout}")
-        return CacheShape(cache.shape[0], cache.shape[3], cache.shape[1], cache.shape[2] * cache.shape[4], 3,
-                          cache.shape[4])
+        c0 = check_nz_cache(cache, param)
+        if q_layout not in NZ_QUERY_LAYOUTS[cache.dtype]:
+            raise ParamInvalidError(f"{param}: a {cache.dtype} NZ cache takes query layouts "
+                                    f"{', '.join(NZ_QUERY_LAYOUTS[cache.dtype])}, got {q_layout}")
+        return CacheShape(cache.shape[0], cache.shape[3], cache.shape[1], nz_width(cache), 3, c0)
     raise ParamInvalidError(f"{param}: expected a paged cache [block_num, block_size, H], [block_num, N, "
-                            f"block_size, D] or NZ [block_num, N, D/32, block_size, 32] with block_table, got "
+                            f"block_size, D] or NZ [block_num, N, D/c0, block_size, c0] with block_table, got "
                             f"{describe(cache)}")
 
 
@@ -94,7 +98,7 @@ class PagedKv:
             # The head dim spelled out: a cache of 0 blocks has no elements to infer it from.
             return cache.view(cache.shape[0], cache.shape[1], self.shape.heads, cache.shape[2] // self.shape.heads)
         if self.shape.nz:
-            return cache.permute(0, 3, 1, 2, 4)
+            return nz_tokens(cache)
         return cache.permute(0, 2, 1, 3)
 
     def cache_views(self) -> tuple[torch.Tensor, torch.Tensor] | None:
@@ -141,19 +145,19 @@ class PagedKv:
             col = 0
             for cache, d in zip(parts, dims, strict=True):
                 self.pages.gather_tokens(self._tokens(cache), [b],
-                                         out=self._token_rows(k[i, :, :, col : col + d].permute(1, 0, 2)))
+                                         out=self._token_rows(k[i, :, :, col : col + d].permute(1, 0, 2), cache))
                 col += d
-            self.pages.gather_tokens(self._tokens(self.value), [b], out=self._token_rows(v[i].permute(1, 0, 2)))
+            self.pages.gather_tokens(self._tokens(self.value), [b],
+                                     out=self._token_rows(v[i].permute(1, 0, 2), self.value))
         return k, v
 
     def _width(self, cache: torch.Tensor) -> int:
         """The head dim of a cache's tokens."""
-        tokens = self._tokens(cache)
-        return tokens.shape[-1] * (tokens.shape[-2] if self.shape.nz else 1)
+        return nz_width(cache) if self.shape.nz else self._tokens(cache).shape[-1]
 
-    def _token_rows(self, rows: torch.Tensor) -> torch.Tensor:
-        """[L, N2, d] destination rows as the cache's token shape ([L, N2, d/c0, c0] for NZ; a view)."""
-        return rows.unflatten(-1, (-1, self.shape.c0)) if self.shape.nz else rows
+    def _token_rows(self, rows: torch.Tensor, cache: torch.Tensor) -> torch.Tensor:
+        """[L, N2, d] destination rows as `cache`'s token shape ([L, N2, d/c0, c0] for NZ; a view)."""
+        return rows.unflatten(-1, (-1, cache.shape[-1])) if self.shape.nz else rows
 
 
 def paged_kv(key: torch.Tensor, value: torch.Tensor, key_rope: torch.Tensor | None, block_table, *, block_size,

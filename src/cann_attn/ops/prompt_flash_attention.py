@@ -1,4 +1,5 @@
-"""PromptFlashAttentionV2 (prefill inference with GQA, actual lengths and int8; seed PromptFlashAttentionV2.md)."""
+"""PromptFlashAttentionV2 (prefill inference with GQA, actual lengths and int8; PromptFlashAttentionV2
+documentation)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""SparseFlashAttention forward and SparseFlashAttentionGrad (DSA; seed aclnnSparseFlashAttentionGrad.md)."""
+"""SparseFlashAttention forward and SparseFlashAttentionGrad (DSA; aclnnSparseFlashAttentionGrad documentation)."""
 
 from __future__ import annotations
 
@@ -22,8 +22,8 @@ from ..problem.stats import accumulation_dtype
 from ..traceable import traced_as_custom_op
 
 INT64_MAX = 2**63 - 1
-# The only sliding-window bounds SparseFlashAttention(Grad) supports: the seed's 2147483647 (参数说明 of preTokens /
-# nextTokens, aclnnSparseFlashAttentionGrad.md:364 and :379) and this API's default 2**63-1 (docs/design.md), which
+# The only sliding-window bounds SparseFlashAttention(Grad) supports: the documented 2147483647 (参数说明 of
+# preTokens / nextTokens in aclnnSparseFlashAttentionGrad) and this API's default 2**63-1 (docs/design.md), which
 # mean the same thing here: no window.
 SFA_WINDOW_VALUES = (2147483647, INT64_MAX)
 SFA_MODES = (0, 3)
@@ -135,7 +135,7 @@ def validate_sparse(query, key, value, sparse_indices, scale_value, *, query_rop
     heads, heads_kv = query.shape[-2], key.shape[-2]
     require(heads_kv == 1, "key", "N2 = 1 (MLA-absorbed MQA)", key)
     require(value.shape[-2] == 1, "value", "N2 = 1", value)
-    # N1 = 0 is an empty query, which returns empty outputs without error (docs/semantics/errors.md; seed :560).
+    # N1 = 0 is an empty query, which returns empty outputs without error (docs/semantics/errors.md).
     require(heads <= MAX_HEADS and (heads >= 1 or query.numel() == 0), "query", f"N1 in 1..{MAX_HEADS}", query)
     require(key.shape[-1] == query.shape[-1], "key", f"head dim {query.shape[-1]} like the query", key)
     require(value.shape[:-1] == key.shape[:-1], "value", f"key's leading dims {list(key.shape[:-1])}", value)
@@ -205,7 +205,7 @@ def paged_sequence_spans(layout: str, query: torch.Tensor, cache: torch.Tensor, 
         seq_q = q_len
     pages = page_table(block_table, block_size=cache.shape[1], block_count=cache.shape[0], kv_lengths=actual_kv,
                        batch=len(q_len), rule=DSA_BLOCK_SIZES, lengths_param=kv_param,
-                       block_size_param=f"{key_param} (block_size = {key_param}.shape[1])")
+                       block_size_param=f"{key_param} (block_size = {key_param}.shape[1])", cache_param=key_param)
     kv_len = list(pages.kv_lengths)
     kv_spans = [(b, 0, n) for b, n in enumerate(kv_len)]
     return SparseProblem(layout, heads, q_spans, kv_spans, seq_q, kv_len, q_len, kv_len, pages)
@@ -338,7 +338,7 @@ def forward_problem(problem: SparseProblem, query, key, value, sparse_indices, q
     """`sparse_flash_attention` of a validated problem (also KvQuantSparseFlashAttention's path over a dequantised
     temporary, whose block sizes are its own)."""
     if query.numel() == 0:
-        # Empty query (B, S1/T1, N1 or D zero): "query为空Tensor：直接返回" (seed :560, docs/semantics/errors.md).
+        # Empty query (B, S1/T1, N1 or D zero): "query为空Tensor：直接返回" (docs/semantics/errors.md).
         return SparseFlashAttentionResult(*_initial_outputs(problem, query, value))
     if select_backend(backend, query.device, op="sparse_flash_attention",
                       unsupported=lambda: sparse_unsupported(query, key, value, query_rope)) == "triton":
@@ -466,7 +466,7 @@ def sparse_flash_attention_grad(
     deterministic = resolve_deterministic(deterministic)
     d_sinks = None if sinks is None else _sink_grads(problem, d_out, out, softmax_max, softmax_sum, sinks)
     if query.numel() == 0:
-        # Empty query: "直接返回" (seed :560, docs/semantics/errors.md); no row selects anything, so all gradients
+        # Empty query: "直接返回" (docs/semantics/errors.md); no row selects anything, so all gradients
         # are 0.
         return SparseFlashAttentionGradResult(*_zero_grads(query, key, value, query_rope, key_rope), d_sinks)
     if select_backend(backend, query.device, op="sparse_flash_attention_grad",

@@ -147,12 +147,13 @@ class PageTable:
 
 def page_table(block_table, *, block_size: int, block_count: int, kv_lengths: IntList | None, batch: int,
                rule: BlockSizeRule, lengths_param: str, block_size_param: str = "block_size",
-               table_param: str = "block_table") -> PageTable:
+               table_param: str = "block_table", cache_param: str = "key") -> PageTable:
     """Validate a paged cache's `block_table` and per-sequence key lengths (docs/semantics/paged-kv.md).
 
     `block_size` and `block_count` come from the cache's shape (or the operator's `block_size` argument, which the
     caller has checked against it); `kv_lengths` are plain per-sequence lengths (None is an error: a paged cache
-    has no S to default to); `batch` is the query's number of sequences."""
+    has no S to default to); `batch` is the query's number of sequences; `cache_param` names the key cache in
+    errors."""
     rule.check(block_size, block_size_param)
     if block_table is None:
         raise ParamNullptrError(f"{table_param}: required with a paged KV cache, got None")
@@ -174,7 +175,7 @@ def page_table(block_table, *, block_size: int, block_count: int, kv_lengths: In
         )
     if sum(needed) > block_count:
         raise ParamInvalidError(
-            f"key: expected at least {sum(needed)} blocks (the blocks the sequences need together), got "
+            f"{cache_param}: expected at least {sum(needed)} blocks (the blocks the sequences need together), got "
             f"block_num={block_count}"
         )
     if sum(needed):

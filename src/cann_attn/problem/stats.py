@@ -2,7 +2,7 @@
 
 Non-TND: [B, N1, Sq, 8], the value repeated 8 times. TND: a [T, N1, 8] tensor whose memory holds per-sequence
 [N1, Sq_b, 8] blocks one after another (softmax_layout "", what Ascend writes) or a true [T, N1, 8]
-(softmax_layout "TND"). Invalid rows carry max = -FLT_MAX and sum = +FLT_MAX (section 3).
+(softmax_layout "TND"). Invalid rows carry max = -FLT_MAX and sum = +FLT_MAX (docs/semantics/invalid-rows.md).
 """
 
 from __future__ import annotations

@@ -1,6 +1,7 @@
 """Independent float64 oracle for FlashAttentionScore / FlashAttentionVarLenScore (forward).
 
-Written from ``docs/semantics/index.md`` (sections 1-6) and nothing else: it imports nothing from ``cann_attn``
+Written from ``docs/semantics/`` (layouts, masks, invalid rows, pse, dropout, softmax statistics) and nothing else: it
+imports nothing from ``cann_attn``
 (pure PyTorch), materialises the full score matrix of every sequence, and states each rule as literally as
 possible so that it can serve as the independent truth in tests. It validates almost nothing: feed it valid
 inputs.

@@ -1,4 +1,5 @@
-"""Independent oracle for PromptFlashAttentionV2, written from docs/semantics/index.md(sections 1-4 and 7) only.
+"""Independent oracle for PromptFlashAttentionV2, written from docs/semantics/ (layouts, masks,
+invalid rows, pse) and docs/operators/prompt_flash_attention.md (int8) only.
 
 Pure torch, nothing imported from the rest of cann_attn. Every score matrix is materialised per batch:
 clarity over speed; meant for small shapes.
@@ -7,7 +8,8 @@ clarity over speed; meant for small shapes.
   excluded, softmax, P V. The golden is returned in float64 (compare after casting to the output dtype). With
   `quant_scale2` the float64 output is quantized: y = o * quant_scale2 + quant_offset2, round half to even,
   saturate to int8.
-- int8 inputs: section 7 applied literally. s32 = Q K^T (exact, int64); s = fp16(s32 * deq1), the product taken
+- int8 inputs: the documented int8 rule applied literally. s32 = Q K^T (exact, int64); s = fp16(s32 * deq1), the
+product taken
   in float64 and rounded ONCE to fp16 (torch's float64 -> float16 cast rounds twice, via float32, so the oracle
   rounds by hand); then fp32 steps: s * scale (+ pse_shift), mask, m = row max, l = sum exp(s - m),
   p = exp(s - m), p_q = sat_int8(round_half_even(p * quant_scale1)), o = fp32(p_q V exact) * deq2 / l, and for

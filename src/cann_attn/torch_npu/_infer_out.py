@@ -22,6 +22,7 @@ import torch
 from torch import Tensor
 
 from ..errors import ParamInvalidError, ParamNullptrError, describe, require
+from ..ops.out_tensors import check_out_tensor
 from ._infer import (
     NPU_FUSED_INFER_ATTENTION_SCORE_SCHEMAS,
     NPU_FUSED_INFER_ATTENTION_SCORE_V2_SCHEMAS,
@@ -47,10 +48,9 @@ def _variant_schemas(schemas: dict, name: str, *, out: bool) -> dict:
     return variants
 
 
-def _check_into(given, computed: Tensor, param: str) -> None:
-    require(isinstance(given, Tensor) and given.shape == computed.shape and given.dtype == computed.dtype
-            and given.device == computed.device, param,
-            f"a {computed.dtype} tensor of shape {list(computed.shape)} on {computed.device}", given)
+def _check_into(given, computed: Tensor, param: str, inputs: dict, outputs: dict | None = None) -> None:
+    check_out_tensor(given, param, shape=tuple(computed.shape), dtype=computed.dtype, device=computed.device,
+                     inputs=inputs, outputs=outputs)
 
 
 def _outputs(attention_out, softmax_lse, out) -> tuple[Tensor, Tensor]:
@@ -79,10 +79,11 @@ def _out_overload(compute, flag_name: str, schemas: dict):
             require(isinstance(workspace, Tensor), "workspace", "a tensor (from the get_max_workspace helper)",
                     workspace)
         result, lse = compute(query, key, value, **kwargs)
-        _check_into(attention_out, result, "attention_out")
+        inputs = {"query": query, "key": key, "value": value, **kwargs}
+        _check_into(attention_out, result, "attention_out", inputs)
         lse_written = bool(kwargs.get(flag_name, False))
         if lse_written:
-            _check_into(softmax_lse, lse, "softmax_lse")
+            _check_into(softmax_lse, lse, "softmax_lse", inputs, {"attention_out": attention_out})
         elif not isinstance(softmax_lse, Tensor):
             raise ParamInvalidError(f"softmax_lse: expected a tensor, got {describe(softmax_lse)}")
         attention_out.copy_(result)

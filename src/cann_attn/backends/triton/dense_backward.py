@@ -3,7 +3,7 @@ docs/semantics/dropout.md, docs/semantics/softmax-stats.md).
 
 Three launches, all driven by the `dense_plan` table (varlen TND in one launch each):
 
-1. `_delta_kernel`: Dsum = rowsum(dY * O) in fp32 (section 5), one value per (sequence, head, row).
+1. `_delta_kernel`: Dsum = rowsum(dY * O) in fp32 (docs/semantics/dropout.md), one value per (sequence, head, row).
 2. `_dkdv_kernel`, grid (key blocks, N2 kv heads, sequences): each program owns a key block and loops over the
    G query heads of its GQA group and over the query blocks the band lets see that key block, accumulating
    dK / dV in registers. Nothing is shared between programs, so dK / dV are deterministic (no atomics).
@@ -78,7 +78,8 @@ def _delta_kernel(O, DY, DELTA, TAB, soh, sos, sod, sdyh, sdys, sdyd,
 @tiles.device_function
 def _row_stats(SMAX, SSUM, DELTA, row, h, offs_m, seq_q, stat_rs):
     """max (log2 units), 1 / sum and Dsum of rows offs_m; rows past Sq get harmless finite values. A fully
-    masked row (max -FLT_MAX, section 3) gets max +inf: its P is 0 without overflowing exp2 (every entry of
+    masked row (max -FLT_MAX, docs/semantics/invalid-rows.md) gets max +inf: its P is 0 without overflowing exp2
+    (every entry of
     such a row is masked anyway)."""
     ok = offs_m < seq_q
     stat = tl.load(row + C_STAT) + h * tl.load(row + C_STAT_HS) + offs_m * stat_rs
@@ -286,7 +287,8 @@ def _dq_kernel(
             s += tiles.bias_log2(PSE, pse_base, SLOPES, slope_addr, i2, j2, seq_q, seq_kv, comp, pse_rs, pse_cs,
                                  q_start, kv_start, pse_mul, PSE_KIND, COMPRESSED)
         p = tl.math.exp2(s - m2[:, None]) * inv_l[:, None]
-        # Masked entries are zeroed after the exp: the max of a fully masked row is -FLT_MAX (section 3).
+        # Masked entries are zeroed after the exp: the max of a fully masked row is -FLT_MAX
+        # (docs/semantics/invalid-rows.md).
         if HAS_MASK:
             vis = tiles.visible(i2, j2, seq_q, seq_kv, lower, upper, prefix)
             vis &= tiles.explicit_visible(MASK, mask_base, i2, j2, seq_q, seq_kv, mask_rs, mask_cs)

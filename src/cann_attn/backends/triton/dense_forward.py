@@ -11,7 +11,7 @@ expanded); Dv < Dqk uses separately padded head dims.
 
 Matches `backends/reference/flash_forward.py`: softmax_max / softmax_sum are taken before dropout,
 out = sum(P * keep * V) / (row_sum * keep_prob), and rows with nothing visible give out 0, max -FLT_MAX,
-sum +FLT_MAX (section 3).
+sum +FLT_MAX (docs/semantics/invalid-rows.md).
 """
 
 from __future__ import annotations
@@ -244,7 +244,8 @@ def _forward_kernel(
                                     PAGE, BLOCK_M, RESCUE_BLOCK_N, BLOCK_DQK, BLOCK_DV, True, 1)
 
     # "!= 0", not "> 0": a row with a NaN logit keeps its NaN sum and gives a NaN output, as in the reference
-    # backend and the formulas; only rows without a visible key (sum exactly 0) are invalid rows (section 3).
+    # backend and the formulas; only rows without a visible key (sum exactly 0) are invalid rows
+    # (docs/semantics/invalid-rows.md).
     valid = l_i != 0.0
     denom = tl.where(valid, l_i * keep_prob, 1.0)
     out = tl.where(valid[:, None], acc / (denom[:, None] * value_scale[None, :]), 0.0)

@@ -169,7 +169,8 @@ def build_plan(problem: AttentionProblem, tensors: dict[str, torch.Tensor], *,
                stats: torch.Tensor | None = None, dpse: torch.Tensor | None = None,
                block_table: torch.Tensor | None = None) -> DensePlan:
     """Lower `problem` with the caller's tensors (keys from `COLUMNS`: q, k, v, o, dy, dq, dk, dv; any subset)
-    to a `DensePlan` on their device. `stats` is softmax_max (softmax_sum shares its layout, section 6); `dpse`
+    to a `DensePlan` on their device. `stats` is softmax_max (softmax_sum shares its layout,
+    docs/semantics/softmax-stats.md); `dpse`
     the fp32 gradient buffer of a type 0/1 pse (the pse's own shape). With `block_table` (paged caches,
     docs/semantics/paged-kv.md) k and v are [block_num, N2, block_size, D] cache views: their table column holds
     the offset of the sequence's row in the block table and `plan.block_strides` their block strides."""

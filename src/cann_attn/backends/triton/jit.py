@@ -18,7 +18,7 @@ def device_function(fn):
 
 # CANN_ATTN_TRITON_AUTOTUNE=first: every autotuner gets only its first config (the one a launch without autotuning
 # takes), so a specialisation costs one compile instead of one per config. benchmarks/gpu_checks.sh sets it for
-# its first pass: a fresh GPU machine spends most of a short lease compiling autotune candidates otherwise
+# its first pass: otherwise a fresh GPU machine spends its first minutes compiling autotune candidates
 # (docs/performance.md). Read once, at import, like INTERPRET.
 AUTOTUNE_SWITCH = "CANN_ATTN_TRITON_AUTOTUNE"
 FIRST_CONFIG_ONLY = os.environ.get(AUTOTUNE_SWITCH, "all").strip().lower() == "first"

@@ -69,7 +69,7 @@ static void forward_range(const struct query_rows *qs, int64_t heads, int64_t dq
                 /* The first chunk has nothing to rescale (and -inf - -inf would be NaN). */
                 keep[h] = c0 == 0 ? 0.0f : exp2f((mr[h] - shift) * log2e);
                 /* fmaf: one rounding, whatever the compiler inlines (GCC contracted the plain expression while row_exp
-                 * was inlined here, and stopped when 69171f6 restructured row_exp, moving the sums by an ulp). */
+                 * was inlined here, and stopped once row_exp was restructured, moving the sums by an ulp). */
                 lr[h] = fmaf(lr[h], keep[h], row_exp(s + h * ts, nc, shift, log2e, floor2, 1.0f));
                 mr[h] = m_new;
             }

@@ -1,0 +1,133 @@
+"""The repository speaks of the project alone: no tracked file refers to issue numbers, to how the machines the
+project was built or measured on are lent and run, to files that are not in the repository, or tells the code's
+history (commit hashes as history, before/after sections); history lives in the git log.
+
+Every file `git ls-files` lists is read (images, fonts and the bundled third-party assets excepted) and each line is
+matched against the patterns below. A hit fails the test with file, line and the matched text. Legitimate text that
+a pattern would catch is listed in ALLOWED, each entry a (path, exact line fragment) pair, so that an allowance never
+covers more than the line it was made for."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+PATTERNS: dict[str, re.Pattern[str]] = {
+    # "issue 37", "issues 9/10", "issue #4", "#42" (not "#include", a markdown anchor, a CSS colour or "sm_90").
+    "an issue number": re.compile(r"\bissues? ?#?\d+|(?<![\w&/#'\"=:.-])#\d{1,4}\b(?![\w;-])", re.I),
+    # Files of the specification folder and of the machines' instructions, or paths outside the checkout.
+    "a file outside the repository": re.compile(
+        r"\b(ANCHORS|SEMANTICS|DESIGN|KINDS|METHOD|HOPPER|H200|COMMON)\.md\b|\.\./shared\b|\bshared/spec\b|/work/"
+        r"|\bspec folder\b|\bseeds?\b(?='s|\s*:\d|\s+(?:参|约|intercept|recommend|FlashAttention|aclnn|Prompt))"
+        r"|\bthe seeds\b|\(sections? \d|\bsections? \d+(?:-\d+)?\)|\b\w+\.md:\d+"),
+    # How the machines are lent and run: time budgets of a lease, what comes back, what is carried to them.
+    "the machines' procedure": re.compile(
+        r"\bleased?\b|\bleases\b|\bdevice (?:tool|time|call|command)s?\b|\blent\b|\bcarr(?:y|ied|ies)\b:?\s*"
+        r"(?:\[?\"?\.?triton_cache|Triton cache|cache\b)|carried (?:cache|folder)|\bhelpers'? load|\bCEO\b"
+        r"|\b(?:this|the|a|one|that|next|previous) session\b|\bsession's\b|result files come back",
+        re.I),
+    # History told in the docs and comments: a before/after section, a commit hash as a point in the history.
+    "history": re.compile(r"\bBefore and after\b|\bbefore_[0-9a-f]{7}|(?<![\w.+-])(?!0[bx])"
+                          r"(?=[0-9a-f]*[a-f])(?=[0-9a-f]*\d)[0-9a-f]{7,12}\b(?![.\w])"),
+}
+
+# Recorded data may hold the commit it measured (perf_guard's "commit" field): provenance, not history.
+HISTORY_EXEMPT_SUFFIXES = (".json", ".jsonl")
+SKIPPED_SUFFIXES = (".png", ".jpg", ".svg", ".woff", ".woff2", ".ttf", ".otf", ".ico", ".pdf")
+SKIPPED_PREFIXES = ("docs/assets/",)  # third-party files bundled as they are (KaTeX)
+
+# (path, fragment of the exact line): text a pattern catches that is not what the rule is about.
+ALLOWED: tuple[tuple[str, str], ...] = (
+    # The public upstream sources are pinned by their commit: provenance of a quoted source, not our history.
+    ("docs/guides/torch_npu.md", "(op-plugin master as read on 2026-08-21, commit 517f2e7)"),
+    ("src/cann_attn/torch_npu/_registry.py", "op-plugin master as read on 2026-08-21 (commit 517f2e7)"),
+    ("tests/test_torch_npu_schema.py", "master as read on 2026-08-21 (commit 517f2e7)"),
+    ("docs/semantics/precision.md", "hicann/ops-transformer at commit `c29bc1069d32`"),
+    ("docs/semantics/precision.md", "repo-mirror-test/ops-transformer at commit `bfbbec839121`"),
+    ("docs/semantics/precision.md", "and op-plugin at commit `517f2e7d0f20`"),
+    # This file names the patterns it looks for.
+    ("tests/test_repository_hygiene.py", ""),
+)
+
+
+def tracked_files() -> list[str]:
+    out = subprocess.run(["git", "ls-files", "-z"], cwd=ROOT, capture_output=True, text=True, check=True).stdout
+    return [p for p in out.split("\0") if p and not p.endswith(SKIPPED_SUFFIXES)
+            and not p.startswith(SKIPPED_PREFIXES)]
+
+
+def findings(path: str, text: str) -> list[str]:
+    """Every (line, pattern) hit of one file's text, as 'path:line: [what] matched: line'."""
+    hits = []
+    for number, line in enumerate(text.splitlines(), 1):
+        if any(path == where and fragment in line for where, fragment in ALLOWED):
+            continue
+        for what, pattern in PATTERNS.items():
+            if what == "history" and path.endswith(HISTORY_EXEMPT_SUFFIXES):
+                continue
+            match = pattern.search(line)
+            if match:
+                hits.append(f"{path}:{number}: [{what}] {match.group(0)!r}: {line.strip()[:160]}")
+    if re.search(r"issues?[_ -]?\d", path, re.I):
+        hits.append(f"{path}: [an issue number] in the file's name")
+    return hits
+
+
+def test_no_tracked_file_refers_to_issues_procedures_outside_files_or_history():
+    hits = []
+    for path in tracked_files():
+        file = ROOT / path
+        if not file.is_file():  # deleted in the working tree, not yet committed
+            continue
+        try:
+            text = file.read_text(encoding="utf-8")
+        except UnicodeDecodeError:
+            continue
+        hits += findings(path, text)
+    assert not hits, "\n".join(["these lines speak of something other than the project:", *hits])
+
+
+@pytest.mark.parametrize("line", [
+    "Before and after issue 37 (2026-11-28)",
+    "see issues 9/10 for the targets",
+    "fixed in #42",
+    "FLOPs (ANCHORS.md): forward = 2 B N S D",
+    "written from SEMANTICS.md section 3",
+    "Invalid rows carry max = -FLT_MAX (section 3).",
+    "the seed's interception conditions hold",
+    "(seed FlashAttentionVarLenScore.md:133)",
+    "spec at ../shared/spec/seeds",
+    "A lease is 15 minutes of device time",
+    "seven files, within the device tool's eight",
+    "the device tool carries it with `carry: [\".triton_cache\"]`",
+    "an H200 lent on 2026-11-26 spent its lease compiling",
+    "the session's first commit and main alternated",
+    "under the other helpers' load",
+    "the regressions of 98224a7 measured -24%",
+    "benchmarks/results/issue37_cpu/before_24b9c48/",
+])
+def test_each_pattern_catches_a_planted_line(line: str):
+    assert findings("docs/planted.md", line), line
+
+
+@pytest.mark.parametrize("line", [
+    "Shell sessions belong in `console` blocks",
+    "an interactive session of the CLI",
+    "The issue of overflow: softmax_max = -3.4028235e38",
+    "#include <immintrin.h>",
+    "see [Design](../design.md#layers) and #every-suite",
+    "color: #333;",
+    "torch.manual_seed(seed)",
+    "the dropout seed (default: drawn from `generator`)",
+    "`$CC` may carry arguments, and a relative `CANN_ATTN_CACHE_DIR` is refused",
+    "offset 3 -> 0b000000011 at bits 37..45",
+    "For centuries barges carried salt fish and barley along the Gade",
+    "the tile budget bounds memory",
+])
+def test_ordinary_text_passes(line: str):
+    assert not findings("docs/ordinary.md", line), findings("docs/ordinary.md", line)
