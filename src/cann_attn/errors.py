@@ -6,6 +6,7 @@ was given, so a user can fix the call without reading the operator documentation
 
 from __future__ import annotations
 
+import math
 import numbers
 import os
 import sys
@@ -22,6 +23,7 @@ __all__ = [
     "describe",
     "require",
     "require_bool",
+    "require_finite",
     "require_int",
     "require_real",
 ]
@@ -77,6 +79,15 @@ def require_real(value: Any, param: str) -> float:
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
         raise ParamInvalidError(f"{param}: expected a float, got {value!r}")
     return float(value)
+
+
+def require_finite(value: Any, param: str) -> float:
+    """`value` must be a finite real number (as `require_real`): a scale of NaN or +-inf can only produce NaN
+    (docs/semantics/errors.md)."""
+    number = require_real(value, param)
+    if not math.isfinite(number):
+        raise ParamInvalidError(f"{param}: expected a finite float, got {number!r}")
+    return number
 
 
 def require_bool(value: Any, param: str) -> bool:

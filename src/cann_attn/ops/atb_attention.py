@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from ..errors import ParamInvalidError, ParamNullptrError, require, require_int, require_real
+from ..errors import ParamInvalidError, ParamNullptrError, require, require_finite, require_int
 from ..problem.page_table import BlockSizeRule, page_table
 from ..traceable import traced_as_custom_op
 from .flash_attention_score import INT_MAX
@@ -78,7 +78,7 @@ def _lengths(lengths, param: str, count: int | None = None) -> list[int]:
 
 
 def _scale(scale_value) -> float:
-    return require_real(scale_value, "scale_value")
+    return require_finite(scale_value, "scale_value")
 
 
 def _check_out(out, shape: tuple[int, ...], query: Tensor, inputs: dict) -> Tensor:

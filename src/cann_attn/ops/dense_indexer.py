@@ -12,7 +12,7 @@ from ..backends import select_backend
 from ..backends.reference import dense_indexer as kernel
 from ..backends.reference.sparse_attention import INVALID_MAX
 from ..backends.triton.sparse_plan import indexer_tables, indexer_unsupported
-from ..errors import ParamInvalidError, require, require_int, require_real
+from ..errors import ParamInvalidError, require, require_finite, require_int
 from ..problem.lengths import IntList
 from ..problem.stats import accumulation_dtype
 from ..traceable import traced_as_custom_op
@@ -206,7 +206,7 @@ def dense_lightning_indexer_grad_kl_loss(
         _check_tensor(t, name)
         require(t.dtype in (torch.float32, torch.float64) and tuple(t.shape) == shape, name,
                 f"float32 of shape {list(shape)}", t)
-    scale = require_real(scale_value, "scale_value")
+    scale = require_finite(scale_value, "scale_value")
     # No Triton kernel yet: on CUDA tensors the reference backend's PyTorch loop computes it, with a
     # BackendFallbackWarning (docs/operators/dense_lightning_indexer.md, Backends).
     select_backend("auto", query_index.device, op="dense_lightning_indexer_grad_kl_loss",

@@ -16,6 +16,7 @@ from ..errors import (
     caller_stacklevel,
     describe,
     require,
+    require_finite,
     require_int,
     require_real,
 )
@@ -175,7 +176,7 @@ def build_problem(
         raise ParamInvalidError(f"sparse_mode: mode {sparse_mode} is only supported with input_layout TND")
     if sparse_mode == 5 and tnd:
         raise ParamInvalidError("sparse_mode: mode 5 (prefix, full mask) is not supported with input_layout TND")
-    require_real(scale_value, "scale_value")
+    require_finite(scale_value, "scale_value")
     if not 0.0 < require_real(keep_prob, "keep_prob") <= 1.0:
         raise ParamInvalidError(f"keep_prob: expected a value in (0, 1], got {keep_prob!r}")
 

@@ -13,7 +13,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from ..errors import ParamInvalidError, ParamNullptrError, describe, require, require_int
+from ..errors import ParamInvalidError, ParamNullptrError, describe, require, require_finite, require_int
 from ..problem import antiquant as antiquants
 from ..problem import layout as layouts
 from ..problem import sink as sinks
@@ -643,7 +643,7 @@ def build_fia_problem(
         batch=batch, q_seq=q_seq, k_seq=k_seq, num_heads=num_heads, heads_kv=heads_kv, q_dim=q_dim, v_dim=v_dim,
         decode=decode, act_q=act_q_list, act_kv=act_kv_list, pages=pages, antiquant=antiquant, prefix=prefix,
         q_pad=q_pad, kv_pad=kv_pad, sparse_mode=mode, pre_tokens=pre, next_tokens=nxt, atten_mask=mask,
-        mask_views=mask_views, pse_shift=pse_shift, plan=plan, scale=float(scale),
+        mask_views=mask_views, pse_shift=pse_shift, plan=plan, scale=require_finite(scale, "scale"),
         softmax_lse_flag=softmax_lse_flag, inner_precise=inner_precise, sink=sink, int4_packed=int4_packed,
     )
     if left_padding:
@@ -702,18 +702,17 @@ def _check_nz_cache(query, *, q_seq: int, q_dim: int, num_heads: int, heads_kv: 
                     "model's heads per tensor-parallel rank)")
 
 
-def scalar_type_number(out_dtype):
-    """A torch.dtype as its c10::ScalarType number (what op-plugin's binding passes for an `int?` dtype); anything
-    else unchanged (validated by `out_dtype_of`)."""
-    if isinstance(out_dtype, torch.dtype) and out_dtype in SCALAR_TYPE_NUMBERS:
-        return SCALAR_TYPE_NUMBERS[out_dtype]
-    return out_dtype
+def scalar_type_number(out_dtype) -> int | None:
+    """A torch.dtype as its c10::ScalarType number (what op-plugin's binding passes for an `int?` dtype); a number
+    unchanged. Anything else (a string, a bool, a float, another dtype) is a ParamInvalidError (`out_dtype_of`)."""
+    dtype = out_dtype_of(out_dtype)
+    return None if dtype is None else SCALAR_TYPE_NUMBERS[dtype]
 
 
 def out_dtype_of(out_dtype) -> torch.dtype | None:
     """v2's `out_dtype` as a torch.dtype: given as a torch.dtype, or as the c10::ScalarType number op-plugin's
     binding turns a dtype into."""
-    if out_dtype is None or isinstance(out_dtype, torch.dtype):
+    if out_dtype is None or out_dtype in SCALAR_TYPE_NUMBERS:
         return out_dtype
     if isinstance(out_dtype, int) and not isinstance(out_dtype, bool):
         for dtype, number in SCALAR_TYPE_NUMBERS.items():

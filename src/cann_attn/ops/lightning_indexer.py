@@ -12,7 +12,7 @@ from ..backends import select_backend
 from ..backends.reference import indexer as kernel
 from ..backends.reference import npu_attention
 from ..backends.triton.sparse_plan import index_rows, indexer_tables, indexer_unsupported
-from ..errors import ParamInvalidError, require, require_int, require_real
+from ..errors import ParamInvalidError, require, require_finite, require_int
 from ..problem import precision
 from ..problem.page_table import PAGED_KV_LAYOUT
 from ..problem.sparse import indexer_selection
@@ -215,7 +215,7 @@ def sparse_lightning_indexer_grad_kl_loss(
         _check_tensor(t, name)
         require(t.dtype in (torch.float32, torch.float64) and tuple(t.shape) == stat_shape, name,
                 f"float32 of shape {list(stat_shape)}", t)
-    require_real(scale_value, "scale_value")
+    require_finite(scale_value, "scale_value")
     problem = sequence_spans(layout, query_index, key_index, actual_seq_lengths_query, actual_seq_lengths_key,
                              "actual_seq_lengths_key", "key_index")
     deterministic = resolve_deterministic(deterministic)

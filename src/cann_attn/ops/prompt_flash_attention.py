@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from ..errors import ParamInvalidError, ParamNullptrError, require, require_int
+from ..errors import ParamInvalidError, ParamNullptrError, require, require_finite, require_int
 from ..problem import layout as layouts
 from ..problem.lengths import per_batch_lengths
 from ..traceable import traced_as_custom_op
@@ -123,6 +123,7 @@ def prompt_flash_attention(
                       "BSND" if input_layout == "BNSD_BSND" else input_layout, num_heads, q.head_dim)
     if plan.offset_nonzero:
         reject_offset_with_invalid_rows(atten_mask is not None, sparse_mode, act_q, act_kv, pre_tokens, next_tokens)
+    scale = require_finite(scale_value, "scale_value")
     out_layout = "BSND" if input_layout == "BNSD_BSND" else input_layout
     out = torch.zeros(layouts.output_shape(out_layout, batch, seq_q, num_heads, q.head_dim),
                       dtype=plan.output_dtype, device=query.device)
@@ -130,7 +131,7 @@ def prompt_flash_attention(
     attend(
         layouts.as_bnsd(query, input_layout, num_heads), layouts.as_bnsd(key, kv_layout, heads_kv),
         layouts.as_bnsd(value, kv_layout, heads_kv), layouts.as_bnsd(out, out_layout, num_heads),
-        heads_kv=heads_kv, scale=float(scale_value), atten_mask=atten_mask, mask_views=mask_views,
+        heads_kv=heads_kv, scale=scale, atten_mask=atten_mask, mask_views=mask_views,
         sparse_mode=sparse_mode, act_q=act_q, act_kv=act_kv, pre_tokens=pre_tokens, next_tokens=next_tokens,
         pse_shift=pse_shift, plan=plan, backend=backend, op="prompt_flash_attention",
     )

@@ -12,7 +12,14 @@ from ..backends import select_backend
 from ..backends.reference import npu_attention
 from ..backends.reference import sparse_attention as kernel
 from ..backends.triton.sparse_plan import index_rows, sfa_tables, sparse_unsupported
-from ..errors import ParamInvalidError, ParamNullptrError, require, require_bool, require_int, require_real
+from ..errors import (
+    ParamInvalidError,
+    ParamNullptrError,
+    require,
+    require_bool,
+    require_finite,
+    require_int,
+)
 from ..problem import precision
 from ..problem import sink as sink_rule
 from ..problem.lengths import cumulative_lengths, per_batch_lengths, starts_of
@@ -115,7 +122,7 @@ def validate_sparse(query, key, value, sparse_indices, scale_value, *, query_rop
         if require_int(bound, name) not in SFA_WINDOW_VALUES:
             raise ParamInvalidError(f"{name}: expected an int equal to 2147483647 or 2**63-1 (the only supported "
                                     f"value: no sliding window), got {bound!r}")
-    require_real(scale_value, "scale_value")
+    require_finite(scale_value, "scale_value")
     layout_kv = kv_layout(layout, layout_kv, block_table, "layout_kv")
     rank = 4 if layout == "BSND" else 3
     for name, t in (("query", query), ("sparse_indices", sparse_indices)):

@@ -21,20 +21,33 @@ bits). This module is the one place of that rule: validation, the merge of the s
 from __future__ import annotations
 
 import torch
+from torch._subclasses.fake_tensor import is_fake
 
-from ..errors import require
+from ..errors import ParamInvalidError, require
 from .stats import FLT_MAX
 
 
 def check_sink(sink, heads_q: int, param: str = "sink") -> torch.Tensor | None:
     """`sink` must be None or a float32 tensor of shape [N1] (torch_npu: "shape [head_num], float32 only"); float64
-    is accepted as well, for float64 inputs (gradcheck, goldens)."""
+    is accepted as well, for float64 inputs (gradcheck, goldens). A -inf entry is no sink for that head; NaN and
+    +inf are refused: they can only make every row of the head NaN (exp(inf - inf))."""
     if sink is None:
         return None
     require(isinstance(sink, torch.Tensor) and sink.dtype in (torch.float32, torch.float64)
             and tuple(sink.shape) == (heads_q,), param, f"a float32 tensor of shape [{heads_q}] (one per query head)",
             sink)
+    if not _is_symbolic(sink):
+        bad = sink.isnan() | (sink == float("inf"))
+        if bool(bad.any()):
+            head = int(bad.nonzero()[0, 0])
+            raise ParamInvalidError(f"{param}: expected finite logits or -inf (no sink), got {sink[head].item()} for "
+                                    f"head {head}")
     return sink
+
+
+def _is_symbolic(t: torch.Tensor) -> bool:
+    """A tensor without values to read (meta, or a fake tensor while torch.compile traces)."""
+    return t.device.type == "meta" or is_fake(t)
 
 
 def head_values(sink: torch.Tensor, dtype: torch.dtype, device) -> torch.Tensor:

@@ -16,6 +16,7 @@ from torch import Tensor
 
 from ..errors import ParamInvalidError, require, require_int, require_real
 from ..library import dropout_mask
+from ..problem.lengths import to_int_list
 from ._registry import npu_op
 
 # op-plugin's DropoutGenMask kernels allocate the mask in 128-bit units (DATA_ALIGN = 128 bits).
@@ -50,11 +51,10 @@ def _npu_dropout_gen_mask(self: Tensor, size, p: float, seed: int, offset: int, 
     (its dtype is the NPU kernel's probability dtype); ``parallel`` and ``sync`` choose an NPU stream and have no
     effect here."""
     require(isinstance(self, Tensor), "self", "a torch.Tensor (the mask's device)", self)
-    if isinstance(size, Tensor):
-        size = size.tolist()
-    require(isinstance(size, (list, tuple)), "size", "a list of non-negative ints", size)
-    dims = [require_int(d, "size") for d in size]
-    require(all(d >= 0 for d in dims), "size", "a list of non-negative ints", size)
+    # int[]: Python or NumPy ints and 0-dim integer tensors (op-plugin's test passes one), or a 1-d integer tensor.
+    require(isinstance(size, (list, tuple, Tensor)), "size", "a list of non-negative ints", size)
+    dims = to_int_list(size, "size")
+    require(dims is not None and all(d >= 0 for d in dims), "size", "a list of non-negative ints", size)
     p = require_real(p, "p")
     if not 0.0 <= p <= 1.0:
         raise ParamInvalidError(f"p: dropout probability has to be between 0 and 1, got {p!r}")

@@ -70,7 +70,7 @@ NPU_QUANT_LIGHTNING_INDEXER_SCHEMAS = {
 }
 
 
-@npu_op(NPU_QUANT_LIGHTNING_INDEXER_SCHEMAS)
+@npu_op(NPU_QUANT_LIGHTNING_INDEXER_SCHEMAS, renamed={"layout": "layout_query"})
 def npu_quant_lightning_indexer(
     query: Tensor, key: Tensor, weights: Tensor, query_dequant_scale: Tensor, key_dequant_scale: Tensor,
     query_quant_mode: int, key_quant_mode: int, *, actual_seq_lengths_query: IntList | None = None,
@@ -103,7 +103,7 @@ NPU_KV_QUANT_SPARSE_FLASH_ATTENTION_SCHEMAS = {
 }
 
 
-@npu_op(NPU_KV_QUANT_SPARSE_FLASH_ATTENTION_SCHEMAS)
+@npu_op(NPU_KV_QUANT_SPARSE_FLASH_ATTENTION_SCHEMAS, renamed={"layout": "layout_query"})
 def npu_kv_quant_sparse_flash_attention(
     query: Tensor, key: Tensor, value: Tensor, sparse_indices: Tensor, scale_value: float, key_quant_mode: int,
     value_quant_mode: int, *, key_dequant_scale: Tensor | None = None, value_dequant_scale: Tensor | None = None,

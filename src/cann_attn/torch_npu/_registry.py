@@ -23,7 +23,7 @@ import re
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from ..errors import ParamInvalidError
+from ..errors import AclnnError, ParamInvalidError
 
 CURRENT = "current"
 # Oldest first: the op-plugin branches 7.1.0, 7.2.0, 7.3.0, 26.0.0 (26.1.0 has the same attention schemas) and
@@ -161,16 +161,21 @@ def _apply_signature(op: NpuOp, release: str) -> None:
         op.wrapper.__signature__ = op.schemas[release].signature()
 
 
-def npu_op(schemas: dict[tuple[str, ...], str], namespace: str = "npu") -> Callable[[Callable], Callable]:
+def npu_op(schemas: dict[tuple[str, ...], str], namespace: str = "npu",
+           renamed: dict[str, str] | None = None) -> Callable[[Callable], Callable]:
     """Register a torch_npu spelling with its op-plugin schema text, keyed by the releases that have that text
     (``"current"`` required; a release left out does not have the operator). `namespace` is the torch.library
-    namespace install() defines it in: "npu", or "atb" for the ATB operators (torch.ops.atb.*)."""
+    namespace install() defines it in: "npu", or "atb" for the ATB operators (torch.ops.atb.*). `renamed` maps a
+    cann_attn parameter name to the torch_npu one it is passed as (``{"layout": "layout_query"}``): errors naming
+    the first name the second, as the caller spelled it."""
 
     parsed = {release: parse_schema(text) for releases, text in schemas.items() for release in releases}
     if CURRENT not in parsed or any(r not in RELEASES for r in parsed):
         raise ValueError(f"schemas: expected releases among {RELEASES} including {CURRENT!r}, got {list(parsed)}")
 
     def register(impl: Callable) -> Callable:
+        if renamed:
+            impl = _naming_errors(impl, renamed)
         op = NpuOp(impl.__name__, impl, parsed, namespace=namespace)
 
         def run(*args, **kwargs):
@@ -191,6 +196,22 @@ def npu_op(schemas: dict[tuple[str, ...], str], namespace: str = "npu") -> Calla
         return call
 
     return register
+
+
+def _naming_errors(impl: Callable, renamed: dict[str, str]) -> Callable:
+    """`impl` whose AclnnErrors about a parameter of `renamed` name it as torch_npu spells it."""
+
+    @functools.wraps(impl)
+    def call(*args, **kwargs):
+        try:
+            return impl(*args, **kwargs)
+        except AclnnError as exc:
+            for ours, theirs in renamed.items():
+                if exc.message.startswith(f"{ours}:"):
+                    raise type(exc)(theirs + exc.message[len(ours):]) from None
+            raise
+
+    return call
 
 
 def _call_as(op: NpuOp, schema: Schema, release: str, args: tuple, kwargs: dict):

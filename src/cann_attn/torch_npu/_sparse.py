@@ -100,7 +100,7 @@ def _check_attention_mode(attention_mode: int) -> None:
         raise ParamInvalidError(f"attention_mode: expected 0 or 2 (MLA-absorb), got {attention_mode!r}")
 
 
-@npu_op(NPU_SPARSE_FLASH_ATTENTION_SCHEMAS)
+@npu_op(NPU_SPARSE_FLASH_ATTENTION_SCHEMAS, renamed={"layout": "layout_query"})
 def npu_sparse_flash_attention(
     query: Tensor, key: Tensor, value: Tensor, sparse_indices: Tensor, scale_value: float, *,
     block_table: Tensor | None = None, actual_seq_lengths_query=None, actual_seq_lengths_kv=None,
@@ -151,7 +151,7 @@ def npu_sparse_flash_attention_grad(
     )[:5]
 
 
-@npu_op(NPU_LIGHTNING_INDEXER_SCHEMAS)
+@npu_op(NPU_LIGHTNING_INDEXER_SCHEMAS, renamed={"layout": "layout_query"})
 def npu_lightning_indexer(
     query: Tensor, key: Tensor, weights: Tensor, *, actual_seq_lengths_query=None, actual_seq_lengths_key=None,
     block_table: Tensor | None = None, layout_query: str = "BSND", layout_key: str = "BSND",
