@@ -58,6 +58,18 @@ CALLS = {
             ref, _ = fia_oracle(q, k, k, **kw)
             torch.testing.assert_close(out.double(), ref, atol=2e-2, rtol=2e-2)
         """, "query"),
+    "gemma-4 TND D=256 GQA": ("""
+        q = torch.randn(9, 4, 256).bfloat16(); k = torch.randn(9, 2, 256).bfloat16()
+        kw = dict(num_heads=4, num_key_value_heads=2, input_layout="TND", scale=0.0625, sparse_mode=4,
+                  pre_tokens=3, next_tokens=0, atten_mask=cann_attn.compressed_mask(4), actual_seq_lengths=[4, 9],
+                  actual_seq_lengths_kv=[4, 9])
+        def call():
+            return cann_attn.fused_infer_attention_score(q, k, k, **kw)
+        def check():
+            out, _ = call()
+            ref, _ = fia_oracle(q, k, k, **kw)
+            torch.testing.assert_close(out.double(), ref, atol=2e-2, rtol=2e-2)
+        """, "query"),
     "NZ cache undocumented heads": ("""
         q = torch.randn(2, 4, 1, 128).bfloat16()
         cache = torch.randint(-100, 100, (4, 2, 4, 32, 32)).to(torch.int8)

@@ -52,6 +52,8 @@ MAX_PACKED_BATCH = 4096
 ROPE_DIM = 64
 MLA_DIMS = (128, 512)
 MLA_LATENT_DIM = 512  # MLA over the latent cache: paged, NZ caches, N2 = 1
+# Head dims production calls the packed layouts with beyond the documented ones (docs/semantics/beyond-docs.md).
+PRODUCTION_PACKED_DIMS = (96, 256, 512)
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 # learnable_sink (v2): "仅支持TND、NTD_TND；仅支持value的D小于等于128" (npu_fused_infer_attention_score_v2 page).
 SINK_LAYOUTS = ("TND", "NTD_TND")
@@ -305,6 +307,12 @@ def _check_packed(input_layout, value, q_dim, v_dim, rope, mha, atten_mask, spar
         beyond_docs("query", f"layout {input_layout} with D=64 and fewer key/value heads than query heads (GQA)",
                     "gpt-oss prefill in vllm-ascend (vllm_ascend/attention/attention_v1.py, "
                     "npu_fused_infer_attention_score_v2 with learnable_sink, TND, head dim 64, GQA)")
+    elif not rope and q_dim == v_dim and q_dim in PRODUCTION_PACKED_DIMS:
+        beyond_docs("query", f"layout {input_layout} with D={q_dim} (documented without rope: 128, 192, MHA 64)",
+                    "cann-recipes-infer gemma_4 (models/gemma_4/models/modeling_gemma4.py, _attn_tnd_sliding: "
+                    "npu_fused_infer_attention_score_v2 TND, head dim 256, GQA, sparse_mode 4, prefill and paged "
+                    "decode) and vllm-ascend (vllm_ascend/attention/attention_v1.py, full_graph_fia: TND with "
+                    "the model's head size)")
     elif not rope and not (q_dim == v_dim == 128 or (q_dim == 192 and v_dim in (128, 192))
                            or (mha and q_dim == v_dim == 64)):
         raise ParamInvalidError(
