@@ -21,3 +21,15 @@ def test_npu_amp_autocast_dtype_and_grad_scaler_steps_skips_and_backs_off(tmp_pa
 
 def test_transfer_to_npu_sends_cuda_code_to_the_target(tmp_path):
     cases.run_case(cases.TRANSFER_TO_NPU, "cpu", tmp_path)
+
+
+def test_unedited_ulysses_npu_test_runs_to_its_end_on_two_ranks():
+    """yunchang's NPU Ulysses test pattern (hccl, npu:{rank}, npu_fusion_attention_v2, module-level scripted
+    helpers) with only the install line added: output and gradients equal the whole-sequence call."""
+    assert "ulysses ok on 2 ranks, device cpu" in cases.run_program("ulysses_npu.py", 2)
+
+
+def test_unedited_mindspeed_style_ring_attention_runs_to_its_end_on_two_ranks():
+    """CUDA-spelled ring attention made NPU code by transfer_to_npu (nccl, .cuda(), isend/irecv,
+    npu_ring_attention_update) with only the install line added."""
+    assert "ring attention ok" in cases.run_program("mindspeed_ring_attention.py", 2)

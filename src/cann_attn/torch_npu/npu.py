@@ -282,14 +282,22 @@ def get_device_name(device: Any = None) -> str:
 class NPUDeviceProperties:
     """``torch.npu.get_device_properties(i)``: torch_npu's fields. ``name`` as :func:`get_device_name`,
     ``total_memory`` in bytes; the core counts are the GPU's multiprocessors or the CPU's cores (there are no cube
-    and vector units to count); ``L2_cache_size`` the GPU's L2 (0 on the CPU)."""
+    and vector units to count); ``L2_cache_size`` the GPU's L2 (0 on the CPU). On CUDA the GPU's other properties
+    (``major``, ``multi_processor_count``...) read through, for torch code that queries them via torch.cuda after
+    transfer_to_npu."""
 
-    def __init__(self, name: str, total_memory: int, cores: int, l2_cache_size: int) -> None:
+    def __init__(self, name: str, total_memory: int, cores: int, l2_cache_size: int, cuda: Any = None) -> None:
         self.name = name
         self.total_memory = total_memory
         self.cube_core_num = cores
         self.vector_core_num = cores
         self.L2_cache_size = l2_cache_size
+        self._cuda = cuda
+
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("_") or self.__dict__.get("_cuda") is None:
+            raise AttributeError(name)
+        return getattr(self._cuda, name)
 
     def __repr__(self) -> str:
         return (f"_NPUDeviceProperties(name='{self.name}', total_memory={self.total_memory // 2 ** 20}MB, "
@@ -302,7 +310,7 @@ def get_device_properties(device: Any = None) -> NPUDeviceProperties:
     if _on_cuda():
         cuda = _cuda("get_device_properties")(current_device() if index is None else index)
         return NPUDeviceProperties(_target_device_name(index), cuda.total_memory, cuda.multi_processor_count,
-                                   getattr(cuda, "L2_cache_size", 0))
+                                   getattr(cuda, "L2_cache_size", 0), cuda)
     return NPUDeviceProperties(_target_device_name(index), mem_get_info()[1], os.cpu_count() or 1, 0)
 
 
