@@ -35,7 +35,7 @@ RESULTS=${OUT:-benchmarks/results}
 DRY_RUN=0
 [ "${1:-}" = "--dry-run" ] && DRY_RUN=1
 
-TESTS=(tests/test_gpu_torch_npu_runtime.py
+TESTS=(tests/test_gpu_graphs.py tests/test_gpu_torch_npu_runtime.py
        tests/test_gpu_npu_device.py tests/test_gpu_atb.py tests/test_gpu_sinks.py tests/test_gpu_fia.py
        tests/test_gpu_paged.py
        tests/test_gpu_torch_npu.py tests/test_gpu_merge.py tests/test_gpu_quant_dsa.py

@@ -169,7 +169,7 @@ same(output_graph, output_t)
 # vLLM-Ascend's paged-attention update: in-place input changes, then new context_lens and a new block table.
 for lens in ([9, 50], [33, 1]):
     query_t.copy_(torch.randn(T, N, D, dtype=torch.float16))
-    value_cache_t[block_tables_t[0, 0]].normal_()
+    value_cache_t[int(block_tables_t[0, 0])].normal_()
     new_table = torch.randint(0, BLOCKS, (T, MAX_BLOCKS), dtype=torch.int32).npu()
     seq_lens = torch.tensor(lens, dtype=torch.int32)
     g.replay()

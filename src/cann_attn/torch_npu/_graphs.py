@@ -300,7 +300,9 @@ class NPUGraph:
             raise GraphReplayError(f"replay: this NPUGraph holds no finished capture ({self._state})")
         if _STATE.graph is not None:
             raise GraphCaptureError("replay: a graph capture is under way")
-        _STATE.pending.append([self, 0])
+        from . import npu
+
+        _STATE.pending.append([self, 0, npu.current_stream()])
         if len(_STATE.pending) == 1:
             _drain()
 
@@ -308,7 +310,7 @@ class NPUGraph:
         """Drop the capture and the tensors it owns; the graph can capture again."""
         if _STATE.graph is self:
             raise GraphCaptureError("reset: the graph is being captured")
-        if any(graph is self for graph, _ in _STATE.pending):
+        if any(entry[0] is self for entry in _STATE.pending):
             raise GraphReplayError("reset: a replay of this graph is waiting for an ExternalEvent")
         self._steps, self._owned, self._auto_groups = [], {}, []
         self._state = "empty"
@@ -396,20 +398,25 @@ def _restore_generators(states: tuple) -> None:
 def _drain() -> None:
     """Run queued replays in order until one waits for an event that is not recorded. Replays write below
     autograd, as kernels do: the captured tensors' values change, their autograd history does not."""
+    from . import npu
+
     while _STATE.pending:
-        graph, index = entry = _STATE.pending[0]
+        graph, index, stream = entry = _STATE.pending[0]
         steps = graph._steps
-        while index < len(steps):
-            step = steps[index]
-            if isinstance(step, _EventStep) and step.action == "wait" and not step.event._recorded:
-                entry[1] = index
-                return
-            try:
-                step.run()
-            except BaseException:
-                _STATE.pending.popleft()
-                raise
-            index += 1
+        # A replay resumed by a record on another stream goes on on the stream it was launched on (on CUDA its
+        # first calls may still be running there).
+        with npu.stream(stream):
+            while index < len(steps):
+                step = steps[index]
+                if isinstance(step, _EventStep) and step.action == "wait" and not step.event._recorded:
+                    entry[1] = index
+                    return
+                try:
+                    step.run()
+                except BaseException:
+                    _STATE.pending.popleft()
+                    raise
+                index += 1
         _STATE.pending.popleft()
 
 
