@@ -18,6 +18,19 @@ from patience import HANG_SECONDS
 
 SRC = Path(__file__).resolve().parents[1] / "src"
 
+# `call()`: an FIA call over q with k as key and value and the keywords kw.
+_FIA_QK_CALL = """
+        def call():
+            return cann_attn.fused_infer_attention_score(q, k, k, **kw)
+        """
+# ... and its `check()` against the oracle (bf16: to 2e-2).
+_FIA_QK_CLOSE = _FIA_QK_CALL + """
+        def check():
+            out, _ = call()
+            ref, _ = fia_oracle(q, k, k, **kw)
+            torch.testing.assert_close(out.double(), ref, atol=2e-2, rtol=2e-2)
+        """
+
 # name -> (python source building the call as `call()`, the parameter the strict refusal names)
 CALLS = {
     "mla decode BNSD_NBSD": ("""
@@ -38,8 +51,7 @@ CALLS = {
         k = torch.randn(3, 20, 1, 512); kr = torch.randn(3, 20, 1, 64)
         kw = dict(query_rope=qr, key_rope=kr, num_heads=4, num_key_value_heads=1, scale=0.04, input_layout="BSND",
                   actual_seq_lengths_kv=[20, 7, 0], softmax_lse_flag=True)
-        def call():
-            return cann_attn.fused_infer_attention_score(q, k, k, **kw)
+        """ + _FIA_QK_CALL + """
         def check():
             out, lse = call()
             ref, ref_lse = fia_oracle(q, k, k, **kw)
@@ -51,25 +63,13 @@ CALLS = {
         q = torch.randn(10, 4, 64).bfloat16(); k = torch.randn(10, 2, 64).bfloat16()
         kw = dict(num_heads=4, num_key_value_heads=2, input_layout="TND", scale=0.125, sparse_mode=3,
                   atten_mask=cann_attn.compressed_mask(3), actual_seq_lengths=[4, 10], actual_seq_lengths_kv=[4, 10])
-        def call():
-            return cann_attn.fused_infer_attention_score(q, k, k, **kw)
-        def check():
-            out, _ = call()
-            ref, _ = fia_oracle(q, k, k, **kw)
-            torch.testing.assert_close(out.double(), ref, atol=2e-2, rtol=2e-2)
-        """, "query"),
+        """ + _FIA_QK_CLOSE, "query"),
     "gemma-4 TND D=256 GQA": ("""
         q = torch.randn(9, 4, 256).bfloat16(); k = torch.randn(9, 2, 256).bfloat16()
         kw = dict(num_heads=4, num_key_value_heads=2, input_layout="TND", scale=0.0625, sparse_mode=4,
                   pre_tokens=3, next_tokens=0, atten_mask=cann_attn.compressed_mask(4), actual_seq_lengths=[4, 9],
                   actual_seq_lengths_kv=[4, 9])
-        def call():
-            return cann_attn.fused_infer_attention_score(q, k, k, **kw)
-        def check():
-            out, _ = call()
-            ref, _ = fia_oracle(q, k, k, **kw)
-            torch.testing.assert_close(out.double(), ref, atol=2e-2, rtol=2e-2)
-        """, "query"),
+        """ + _FIA_QK_CLOSE, "query"),
     "NZ cache undocumented heads": ("""
         q = torch.randn(2, 4, 1, 128).bfloat16()
         cache = torch.randint(-100, 100, (4, 2, 4, 32, 32)).to(torch.int8)
