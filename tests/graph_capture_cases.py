@@ -80,7 +80,7 @@ with torch.npu.graph(graph, pool=torch.npu.graph_pool_handle()):
     event.wait(stream)
     event.reset(stream)
     params.events.append(event)
-    params.attn_params.append((query, output, softmax_lse, workspace))
+    params.attn_params.append(tuple(torch_npu._C._weak_ref_tensor(t) for t in (query, output, softmax_lse, workspace)))
     torch.npu.graph_task_group_begin(stream)
     torch_npu.npu_fused_infer_attention_score.out(
         query, key_cache, value_cache, block_table=block_table, actual_seq_lengths_kv=seq_lens, **common,
@@ -299,6 +299,33 @@ with torch.npu.stream(update_stream):
 g.replay()
 same(output, res_src[0])
 assert output2 is output and softmax_lse2 is softmax_lse
+
+# torch_npu's test_fia_out_4in1_with_graph: the update, the call and the record in one call.
+q = torch.randn(1, 8, 24, 64, dtype=torch.float16, device="npu")
+k = torch.randn(1, 8, 160, 64, dtype=torch.float16, device="npu")
+four = dict(num_heads=8, input_layout="BNSD", scale=64 ** -0.5, pre_tokens=65535, next_tokens=65535)
+output = torch.empty(1, 8, 24, 64, dtype=torch.float16, device="npu")
+softmax_lse = torch.empty(1, dtype=torch.float16, device="npu")
+torch_npu.npu_fused_infer_attention_score.out(q, k, k, actual_seq_lengths=[24], actual_seq_lengths_kv=[160],
+                                              **four, out=[output, softmax_lse])
+g, event = torch.npu.NPUGraph(), torch.npu.ExternalEvent()
+with torch.npu.graph(g):
+    stream = torch.npu.current_stream()
+    output1 = torch.empty(1, 8, 24, 64, dtype=torch.float16, device="npu")
+    softmax_lse1 = torch.empty(1, dtype=torch.float16, device="npu")
+    event.wait(stream)
+    event.reset(stream)
+    torch.npu.graph_task_group_begin(stream)
+    torch_npu.npu_fused_infer_attention_score.out(q, k, k, actual_seq_lengths=[24], actual_seq_lengths_kv=[100],
+                                                  **four, out=[output1, softmax_lse1])
+    handle = torch.npu.graph_task_group_end(stream)
+with torch.npu.stream(update_stream):
+    output2, softmax_lse2 = torch_npu._C._npu_fused_infer_attention_score_out_graph(
+        update_stream, handle, event, q, k, k, actual_seq_lengths=[24], actual_seq_lengths_kv=[160], **four,
+        out=[output1, softmax_lse1])
+g.replay()
+same(output1, output)
+assert output2 is output1
 
 for non_out in (False, True):
     g = torch.npu.NPUGraph()

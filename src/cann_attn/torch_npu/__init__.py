@@ -38,7 +38,7 @@ are turned into lists with ``.tolist()`` (a graph break under torch.compile: pas
 
 
 from ..ops.sparse_flash_attention import INT64_MAX  # noqa: F401  (re-exported for callers of the old module)
-from . import npu
+from . import _C, npu  # noqa: F401  (_C: torch_npu._C's graph helpers)
 from ._atb import (  # noqa: F401  (torch_npu's private ATB spellings, not in __all__)
     _npu_flash_attention,
     _npu_flash_attention_unpad,

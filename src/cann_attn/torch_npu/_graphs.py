@@ -647,6 +647,13 @@ def graph_task_update_end(stream: Any) -> None:
     graph._steps[handle.start:handle.stop] = steps
 
 
+def cancel_task_update() -> None:
+    """Close an open task update without applying it (its call raised): the task keeps its calls."""
+    if _STATE.update is not None:
+        _STATE.update = None
+        _registry.CALL_HOOKS.remove(_operator_call)
+
+
 # ---------------------------------------------------------------------------------------------------- events
 class ExternalEvent:
     """``torch.npu.ExternalEvent()``: an event that may be waited on before it is recorded. ``reset`` clears
