@@ -3,8 +3,9 @@ links in every docstring.
 
 * A function whose docstring has no ``Args:`` section gets one, built from its signature: every parameter with its
   type annotation and default (rendered by mkdocstrings as a table) and the meaning from :data:`MEANINGS`, the one
-  glossary of the parameter names the operators share, each pointing to the page that decides it. A parameter the
-  glossary does not know points to its operator's page. New functions are covered without editing anything here.
+  glossary of the parameter names the operators share, each pointing to the page that decides it (with
+  ``_FOR_OPERATOR`` for the names one operator uses in its own sense). tests/test_docs_api.py fails on a public
+  parameter the glossary does not know, so a new parameter comes with its meaning.
 * Plain-text paths to documentation pages (``docs/semantics/masks.md``) become links.
 """
 
@@ -17,6 +18,11 @@ import griffe
 MASKS, LAYOUTS, PSE = "semantics/masks.md", "semantics/layouts.md", "semantics/pse.md"
 STATS, DROPOUT, PAGED = "semantics/softmax-stats.md", "semantics/dropout.md", "semantics/paged-kv.md"
 SINKS, BACKENDS, CP = "semantics/sinks.md", "guides/backends.md", "guides/context_parallel.md"
+FIA, PFA_INT8 = "operators/fused_infer_attention_score.md", "operators/prompt_flash_attention.md#int8-quantisation"
+FIA_KV, SFA = FIA + "#kv-anti-quantisation", "operators/sparse_flash_attention.md"
+INDEXER, DENSE_IDX = "operators/lightning_indexer.md", "operators/dense_lightning_indexer.md"
+QUANT_DSA, ATB = "operators/quant_dsa.md", "operators/atb_attention.md#parameters-and-constraints"
+UPDATE, RING = "operators/attention_update.md#parameters", "operators/ring_attention_update.md#parameters"
 
 # name -> (meaning, page that decides it)
 MEANINGS: dict[str, tuple[str, str]] = {
@@ -85,42 +91,183 @@ MEANINGS: dict[str, tuple[str, str]] = {
     "seq_dim": ("the axis that holds the sequence", CP),
     "actual_seq_len": ("cumulative ends of the packed sequences, no leading 0", CP),
     "release": ("a torch_npu release: '7.1', '7.2', '7.3', '26.0' or 'current'", "guides/torch_npu.md"),
-}
-_OPERATOR_PAGES = {
-    "flash_attention_score": "operators/flash_attention_score.md",
-    "flash_attention_score_grad": "operators/flash_attention_score_grad.md",
-    "prompt_flash_attention": "operators/prompt_flash_attention.md",
-    "fused_infer_attention_score": "operators/fused_infer_attention_score.md",
-    "incre_flash_attention": "operators/incre_flash_attention.md",
-    "sparse_flash_attention": "operators/sparse_flash_attention.md",
-    "lightning_indexer": "operators/lightning_indexer.md",
-    "dense_indexer": "operators/dense_lightning_indexer.md",
-    "ring_attention_update": "operators/ring_attention_update.md",
-    "attention_update": "operators/attention_update.md",
-    "distributed": CP,
-    "torch_npu": "guides/torch_npu.md",
+    # Quantisation of the FA inference family (PromptFlashAttention, IncreFlashAttention, FusedInferAttentionScore).
+    "dequant_scale1": ("int8 pipeline: dequantisation factor after Q K^T (BMM1), per tensor; fp32, or uint64 words "
+                       "from trans_quant_param", PFA_INT8),
+    "deq_scale1": ("int8 pipeline: dequantisation factor after Q K^T (BMM1), per tensor; fp32, or uint64 words from "
+                   "trans_quant_param (PromptFlashAttention's name of dequant_scale1)", PFA_INT8),
+    "deq_scale2": ("int8 pipeline: dequantisation factor after P V (BMM2), per tensor; fp32 or uint64 words "
+                   "(PromptFlashAttention's name of dequant_scale2)", PFA_INT8),
+    "quant_scale1": ("int8 pipeline: quantisation factor of P before P V (BMM2), per tensor, fp32", PFA_INT8),
+    "dequant_scale2": ("int8 pipeline: dequantisation factor after P V (BMM2), per tensor; fp32 or uint64 words",
+                       PFA_INT8),
+    "quant_scale2": ("int8 output: quantisation factor of the output, per tensor or per channel (N * D values)",
+                     PFA_INT8),
+    "quant_offset2": ("int8 output: quantisation offset, the shape and dtype of quant_scale2 (None: 0)", PFA_INT8),
+    "antiquant_scale": ("int8 / int4 key and value: dequantisation factors, key and value stacked on a leading axis "
+                        "of 2 (per channel, per tensor or, with antiquant_mode 1, per token)", FIA_KV),
+    "antiquant_offset": ("int8 / int4 key and value: dequantisation offsets, shaped as antiquant_scale (None: "
+                         "symmetric, no offset)", FIA_KV),
+    "antiquant_mode": ("how antiquant_scale / antiquant_offset apply: 0 per channel (or per tensor), 1 per token",
+                       FIA_KV),
+    "key_antiquant_scale": ("the key's own dequantisation factors (separate key and value factors)", FIA_KV),
+    "key_antiquant_offset": ("the key's own dequantisation offsets (None: symmetric)", FIA_KV),
+    "value_antiquant_scale": ("the value's own dequantisation factors (separate key and value factors)", FIA_KV),
+    "value_antiquant_offset": ("the value's own dequantisation offsets (None: symmetric)", FIA_KV),
+    "key_antiquant_mode": ("how the key's factors apply: 0 per channel (or per tensor), 1 per token, 2 per tensor and "
+                           "head, 3 per token and head, 4 / 5 per token (and head) with factors in the paged layout",
+                           FIA_KV),
+    "value_antiquant_mode": ("how the value's factors apply, numbered as key_antiquant_mode; equal to it except key "
+                             "0 with value 1", FIA_KV),
+    "key_rope_antiquant_scale": ("reserved by the documentation: any value but None raises", FIA),
+    "query_padding_size": ("left padding: int tensor with one value, the number of query rows after each batch's "
+                           "last real row (Q_S > 1)", FIA + "#left-padding"),
+    "kv_padding_size": ("left padding: int tensor with one value, the number of cache positions after each "
+                        "batch's last real key", FIA + "#left-padding"),
+    "key_shared_prefix": ("keys every batch attends to before its own ([1, ...] in the key's layout)",
+                          FIA + "#shared-prefix"),
+    "value_shared_prefix": ("values of the shared prefix, laid out as key_shared_prefix", FIA + "#shared-prefix"),
+    "actual_shared_prefix_len": ("the shared prefix's real length (None: its whole S)", FIA + "#shared-prefix"),
+    "softmax_lse_flag": ("also return the log-sum-exp of each query row (else a [1] zero tensor)",
+                         FIA + "#the-log-sum-exp-output"),
+    # FusedInferAttentionScore v2 spellings.
+    "num_query_heads": ("N1, the number of query heads (v2 name of num_heads)", LAYOUTS),
+    "softmax_scale": ("the factor applied to Q K^T (v2 name of scale)", PSE),
+    "return_softmax_lse": ("also return the log-sum-exp of each query row (v2 name of softmax_lse_flag)",
+                           FIA + "#the-log-sum-exp-output"),
+    "dequant_scale_key": ("v2 name of key_antiquant_scale", FIA_KV),
+    "dequant_offset_key": ("v2 name of key_antiquant_offset", FIA_KV),
+    "dequant_scale_value": ("v2 name of value_antiquant_scale", FIA_KV),
+    "dequant_offset_value": ("v2 name of value_antiquant_offset", FIA_KV),
+    "dequant_scale_query": ("the query's dequantisation factor (full quantisation of the query): not supported yet, "
+                            "any value but None raises", FIA + "#v2"),
+    "quant_scale_out": ("v2 name of quant_scale2 (int8 output)", PFA_INT8),
+    "quant_offset_out": ("v2 name of quant_offset2", PFA_INT8),
+    "quant_scale_p": ("reserved by the documentation: any value but None raises", FIA + "#v2"),
+    "dequant_scale_key_rope": ("reserved by the documentation: any value but None raises", FIA + "#v2"),
+    "out_dtype": ("the output dtype (torch.dtype or its ScalarType number); other than the query's only with a "
+                  "quantised output", FIA + "#v2"),
+    **{f"{part}_dtype": ("reserved: only None is accepted (the value would name a type torch has no tensor type "
+                         "for, such as hifloat8)", FIA + "#v2")
+       for part in ("query", "key", "value", "query_rope", "key_rope", "dequant_scale_query", "dequant_scale_key",
+                    "dequant_scale_value", "dequant_scale_key_rope", "key_shared_prefix", "value_shared_prefix")},
+    # The DSA operators.
+    "sparse_indices": ("int32 [B, S1, 1, K] or [T1, 1, K]: the entries (key blocks) each query row selects, -1 "
+                       "after the last", SFA),
+    "sparse_block_size": ("how many consecutive keys one entry of sparse_indices names", SFA + "#which-entries-count"),
+    "d_out": ("the gradient of attention_out", SFA + "#the-gradients"),
+    "attention_mode": ("0, or 2 for MLA-absorb (the query holds q_nope ++ q_rope, the key the latent cache)", SFA),
+    "query_index": ("the indexer's queries, [B, S1, Nidx, D] or [T1, Nidx, D]", INDEXER),
+    "key_index": ("the indexer's keys, [B, S2, 1, D] or [T2, 1, D] (one head)", INDEXER),
+    "weights": ("the indexer's per-head weights w[t, h], [B, S1, Nidx] or [T1, Nidx]; the caller folds any scale "
+                "into them", INDEXER + "#the-index-score"),
+    "sparse_count": ("K, how many keys each query row selects (the top K index scores)", INDEXER),
+    "return_value": ("also return the selected index scores", INDEXER),
+    "reduction": ("'sum' or 'mean' of the per-token losses", INDEXER + "#the-differentiable-form"),
+    "softmax_max_index": ("the row maxima of the index scores (from dense_lightning_indexer_softmax_lse)", DENSE_IDX),
+    "softmax_sum_index": ("the row sums of exp(score - max) of the index scores", DENSE_IDX),
+    "query_dequant_scale": ("per query token and head: the query's dequantisation factor", QUANT_DSA),
+    "key_dequant_scale": ("per key token: the key's dequantisation factor", QUANT_DSA),
+    "value_dequant_scale": ("reserved: only None (the scales travel inside the packed cache)",
+                            QUANT_DSA + "#parameters"),
+    "query_quant_mode": ("how the query is quantised: 0 (per token and head) only", QUANT_DSA),
+    "quant_scale_repo_mode": ("where the cache's scales are stored: 1 (inside each packed row) only",
+                              QUANT_DSA + "#parameters"),
+    "tile_size": ("channels per dequantisation scale of the cache: 128 only", QUANT_DSA + "#parameters"),
+    "rope_head_dim": ("the rope part's head dim in the packed cache: 64 only", QUANT_DSA + "#parameters"),
+    # The merge operators.
+    "lse": ("list of the sp shards' log-sum-exp, float32 [batch * seqLen * headNum] each", UPDATE),
+    "local_out": ("list of the sp shards' outputs, [batch * seqLen * headNum, headDim] each", UPDATE),
+    "update_type": ("0: return the merged output only; 1: also the merged lse", UPDATE),
+    "prev_attn_out": ("the output merged so far (SBH [S, B, H] or TND [T, N, D])", RING),
+    "prev_softmax_max": ("its row maxima (float32, [B, N, S, 8] or [T, N, 8])", RING),
+    "prev_softmax_sum": ("its row sums of exp(score - max)", RING),
+    "cur_attn_out": ("the output of the new block, shaped as prev_attn_out", RING),
+    "cur_softmax_max": ("the new block's row maxima", RING),
+    "cur_softmax_sum": ("the new block's row sums", RING),
+    # ATB.
+    "key_cache": ("the paged key cache [num_blocks, block_size, num_kv_heads, head_size]", ATB),
+    "value_cache": ("the paged value cache [num_blocks, block_size, num_kv_heads, head_size_v]", ATB),
+    "context_lens": ("1-D int32, the number of keys of each sequence", ATB),
+    "seq_len": ("1-D int32, the number of packed query tokens of each sequence", ATB),
+    "num_kv_heads": ("the key/value heads (0: num_heads), dividing num_heads", ATB),
+    "mask": ("additive mask in the query's dtype, added after the scale (0 visible, a large negative masked)", ATB),
+    "out": ("the tensor the result is written into (and returned), [tokens, num_heads, head_size_v]", ATB),
+    # Dropout, context parallelism and the helpers.
+    "dropout_p": ("the dropout probability, 1 - keep_prob (give one of the two)", DROPOUT),
+    "dropout_seed": ("the dropout seed (default: drawn from generator)", CP + "#dropout"),
+    "method": ("'ring' or 'ulysses'", CP),
+    "overlap": ("ring: post the next exchange before computing the current block", CP + "#ring"),
+    "x": ("the tensor to gather from every rank's shard", CP),
+    "batch": ("B of a dense layout", DROPOUT),
+    "seq_q": ("Sq of a dense layout", DROPOUT),
+    "seq_kv": ("Skv of a dense layout", DROPOUT),
+    "numel": ("the number of mask elements (drop_mask_numel)", DROPOUT),
+    "device": ("where the tensor is made (default: CPU)", BACKENDS),
+    "mode": ("'exact' or 'npu'", "semantics/precision.md#precision-modes-exact-and-npu"),
+    "round_mode": ("0: truncate the fp32 scale to the 19 bits the word keeps; 1: round to nearest, ties to even",
+                   PFA_INT8),
+    "state": ("a state from get_rng_state (int64 [seed, offset]) or torch_npu's 16-byte one", "guides/torch_npu.md"),
+    "schemas": ("op-plugin schema text per tuple of torch_npu releases ('current' required)",
+                "guides/torch_npu.md#adding-an-operator"),
+    "namespace": ("the torch.library namespace install() defines it in: 'npu' or 'atb'",
+                  "guides/torch_npu.md#adding-an-operator"),
 }
 _DOC_PATH = re.compile(r"`?docs/((?:semantics|operators|guides)/[\w.-]+\.md|[\w-]+\.md)`?")
 
 
+# Where a name means something else for one operator: operator (a function name without torch_npu's "npu_"
+# prefix, matched by its start) -> name -> (meaning, page).
+_FOR_OPERATOR: dict[str, dict[str, tuple[str, str]]] = {
+    "fused_infer_attention_score_v2": {
+        "key_quant_mode": ("v2 name of key_antiquant_mode", FIA_KV),
+        "value_quant_mode": ("v2 name of value_antiquant_mode", FIA_KV),
+        "query_quant_mode": ("full quantisation of the query: not supported yet, only the default is accepted",
+                             FIA + "#v2"),
+        "actual_seq_qlen": ("per-batch query lengths (TND: cumulative ends); v2 name of actual_seq_lengths", LAYOUTS),
+        "actual_seq_kvlen": ("per-batch key lengths (TND: cumulative ends); v2 name of actual_seq_lengths_kv",
+                             LAYOUTS),
+    },
+    "kv_quant_sparse_flash_attention": {
+        "key_quant_mode": ("how the cache is quantised: 2 (one fp32 scale per tile of 128 channels) only",
+                           QUANT_DSA + "#parameters"),
+        "value_quant_mode": ("as key_quant_mode: 2 only", QUANT_DSA + "#parameters"),
+        "key_dequant_scale": ("reserved: only None (the scales travel inside the packed cache)",
+                              QUANT_DSA + "#parameters"),
+        "attention_mode": ("2 (MLA-absorb) only: the query holds q_nope ++ q_rope", QUANT_DSA + "#parameters"),
+    },
+    "quant_lightning_indexer": {
+        "key_quant_mode": ("how the key is quantised: 0 (per token and head) only", QUANT_DSA),
+    },
+    "sparse_flash_attention": {
+        "return_softmax_lse": ("also return softmax_max and softmax_sum (the statistics the grad takes)", SFA),
+    },
+    "installed": {
+        "device": ("what the npu device maps to: 'cpu', 'cuda' or 'cuda:i' (None: CUDA when available)",
+                   "guides/torch_npu.md#the-npu-device"),
+    },
+}
+
+
 def _link(path: str, text: str | None = None) -> str:
-    return f"[{text or path.rsplit('/', 1)[-1].removesuffix('.md')}]({path})"
+    return f"[{text or path.rsplit('/', 1)[-1].split('#')[0].removesuffix('.md')}]({path})"
 
 
-def _page_of(func: griffe.Function) -> str | None:
-    for part in reversed(func.path.split(".")):
-        for name, page in _OPERATOR_PAGES.items():
-            if part == name or part.startswith(name):
-                return page
-    return None
+def meaning_of(name: str, function: str) -> tuple[str, str] | None:
+    """The (meaning, page) of parameter `name` of the public function named `function`, or None."""
+    operator = function.removeprefix("npu_")
+    for prefix, names in sorted(_FOR_OPERATOR.items(), key=lambda item: -len(item[0])):
+        if operator.startswith(prefix) and name in names:
+            return names[name]
+    return MEANINGS.get(name)
 
 
 def _meaning(name: str, func: griffe.Function) -> str:
-    if name in MEANINGS:
-        text, page = MEANINGS[name]
-        return f"{text} ({_link(page)})."
-    page = _page_of(func)
-    return f"See {_link(page, 'the operator page')}." if page else ""
+    found = meaning_of(name, func.name)
+    if found is None:  # tests/test_docs_api.py lists every public parameter without one
+        return ""
+    text, page = found
+    return f"{text} ({_link(page)})."
 
 
 class ApiReference(griffe.Extension):

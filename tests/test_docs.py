@@ -55,18 +55,25 @@ def _page_id(page: Path) -> str:
     return str(page.relative_to(ROOT))
 
 
-def test_site_builds_strictly(tmp_path):
-    """`mkdocs build --strict`: a broken link or anchor, a page missing from the nav or a nav entry without a page,
-    and any mkdocstrings warning about a docstring fail the build. mkdocs is installed by `make test` (the `docs`
-    extra), so its absence is a failure, not a skip."""
+@pytest.fixture(scope="module")
+def built_site(tmp_path_factory) -> tuple[subprocess.CompletedProcess, Path]:
+    """The site, built once per module (and per xdist worker) with `mkdocs build --strict`."""
+    site = tmp_path_factory.mktemp("docs") / "site"
     proc = subprocess.run(
         # Not --quiet: it drops the warnings before --strict counts them (a docstring warning would pass).
-        [sys.executable, "-m", "mkdocs", "build", "--strict", "--site-dir", str(tmp_path / "site")],
+        [sys.executable, "-m", "mkdocs", "build", "--strict", "--site-dir", str(site)],
         cwd=ROOT, capture_output=True, text=True, timeout=HANG_SECONDS,
         env={**os.environ, "NO_MKDOCS_2_WARNING": "1"},
     )
+    return proc, site
+
+
+def test_site_builds_strictly(built_site):
+    """`mkdocs build --strict`: a broken link or anchor, a page missing from the nav or a nav entry without a page,
+    and any mkdocstrings warning about a docstring fail the build. mkdocs is installed by `make test` (the `docs`
+    extra), so its absence is a failure, not a skip."""
+    proc, site = built_site
     assert proc.returncode == 0, f"mkdocs build --strict failed:\n{proc.stdout[-6000:]}\n{proc.stderr[-6000:]}"
-    site = tmp_path / "site"
     assert (site / "operators" / "flash_attention_score.html").is_file()
     # Opened from file:// (use_directory_urls: false): every local link names a file, never a folder, and nothing
     # is fetched from the network (fonts off, KaTeX bundled).
@@ -80,6 +87,37 @@ def test_site_builds_strictly(tmp_path):
         assert not re.findall(r'<(?:script|link)[^>]+(?:src|href)="https?://', html), f"{page.name} loads from the web"
     assert (site / "assets" / "katex" / "katex.min.js").is_file()
     assert 'class="arithmatex"' in (site / "operators" / "attention_update.html").read_text(encoding="utf-8")
+    # Every page loads the bundled KaTeX and the CJK font's stylesheet: math and quoted Chinese render anywhere.
+    pages = [p for p in site.rglob("*.html") if "assets" not in p.parts]
+    for page in pages:
+        html = page.read_text(encoding="utf-8")
+        assert "katex.min.js" in html and "auto-render.min.js" in html and "extra.css" in html, page.name
+    assert (site / "assets" / "fonts" / "cjk-subset.woff").is_file()
+
+
+def test_site_layout_at_1280_px(built_site):
+    """docs/layout_check.py in headless chromium, every page in a 1280 x 900 window: every formula rendered by
+    KaTeX, no formula or table wider than its column, no contents entry cut short, the CJK font loaded where a page
+    quotes Chinese. It needs chromium (Debian: apt-get install chromium)."""
+    proc, site = built_site
+    assert proc.returncode == 0, "the site did not build (test_site_builds_strictly says why)"
+    check = _docs_module("layout_check")
+    if check.chromium() is None:
+        pytest.skip("chromium is not installed (Debian: apt-get install chromium)")
+    pages = sorted(p.relative_to(site).as_posix() for p in site.rglob("*.html")
+                   if p.name != "404.html" and "assets" not in p.parts)
+    problems = {page: found for page, found in check.check_pages(check.chromium(), site, pages).items() if found}
+    assert not problems, problems
+
+
+def test_cjk_font_holds_every_chinese_character_of_the_pages():
+    """The bundled font (docs/cjk_font.py) has a glyph for every CJK character README.md, docs/ and the docstrings
+    use; a page that quotes a character outside it needs `python docs/cjk_font.py` run again."""
+    ttfont = pytest.importorskip("fontTools.ttLib", reason="fontTools comes with matplotlib")
+    font = _docs_module("cjk_font")
+    cmap = {chr(code) for code in ttfont.TTFont(font.FONT).getBestCmap()}
+    missing = sorted(font.page_characters() - cmap)
+    assert not missing, f"not in {font.FONT.name}: {''.join(missing)} (run python docs/cjk_font.py)"
 
 
 def _docs_module(name: str):

@@ -272,8 +272,8 @@ def _read_shapes(query, key, value, block_table, q_layout, num_heads, heads_kv, 
 
 def _check_rope(query, key, query_rope, key_rope, *, q_layout, num_heads, heads_kv, q_dim, sparse_mode,
                 softmax_lse_flag, excluded) -> None:
-    """MLA: query_rope / key_rope (D = 64) beside a query of D 128 or 512 (docs/operators/
-    fused_infer_attention_score.md, "MLA")."""
+    """MLA: query_rope / key_rope (D = 64) beside a query of D 128 or 512
+    (docs/operators/fused_infer_attention_score.md, "MLA rope")."""
     if query_rope is None or key_rope is None:
         raise ParamInvalidError("query_rope/key_rope: must be given together")
     require(query_rope.dtype == query.dtype, "query_rope", f"the query's dtype {query.dtype}", query_rope)

@@ -131,11 +131,12 @@ def fused_infer_attention_score(
     softmax_lse_flag: bool = False,
     backend: str = "auto",
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(attention_out, softmax_lse) of softmax(scale * Q K^T + pse_shift, masked) V (docs/operators/
-    fused_infer_attention_score.md). Q_S > 1 follows PromptFlashAttention (sparse_mode 0..4, pre/next tokens,
-    actual lengths, int8 full and output quantisation); Q_S = 1 is decode: sparse_mode, pre/next_tokens and (outside
-    TND) actual_seq_lengths have no effect, and the mask may be [B, KV_S]. softmax_lse: [B, N, Q_S, 1] float32
-    (TND/NTD_TND: [T, N, 1]), -inf (log 0) for rows that see no key; without softmax_lse_flag a [1] zero tensor."""
+    """(attention_out, softmax_lse) of softmax(scale * Q K^T + pse_shift, masked) V
+    (docs/operators/fused_infer_attention_score.md). Q_S > 1 follows PromptFlashAttention (sparse_mode 0..4,
+    pre/next tokens, actual lengths, int8 full and output quantisation); Q_S = 1 is decode: sparse_mode,
+    pre/next_tokens and (outside TND) actual_seq_lengths have no effect, and the mask may be [B, KV_S].
+    softmax_lse: [B, N, Q_S, 1] float32 (TND/NTD_TND: [T, N, 1]), +inf for rows that see no key
+    (docs/semantics/invalid-rows.md); without softmax_lse_flag a [1] zero tensor."""
     params = dict(locals())
     del params["backend"]
     return _run(params, backend)
