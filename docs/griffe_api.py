@@ -23,6 +23,7 @@ FIA_KV, SFA = FIA + "#kv-anti-quantisation", "operators/sparse_flash_attention.m
 INDEXER, DENSE_IDX = "operators/lightning_indexer.md", "operators/dense_lightning_indexer.md"
 QUANT_DSA, ATB = "operators/quant_dsa.md", "operators/atb_attention.md#parameters-and-constraints"
 UPDATE, RING = "operators/attention_update.md#parameters", "operators/ring_attention_update.md#parameters"
+MLA = "operators/mla_prolog.md"
 
 # name -> (meaning, page that decides it)
 MEANINGS: dict[str, tuple[str, str]] = {
@@ -150,7 +151,8 @@ MEANINGS: dict[str, tuple[str, str]] = {
     **{f"{part}_dtype": ("reserved: only None is accepted (the value would name a type torch has no tensor type "
                          "for, such as hifloat8)", FIA + "#v2")
        for part in ("query", "key", "value", "query_rope", "key_rope", "dequant_scale_query", "dequant_scale_key",
-                    "dequant_scale_value", "dequant_scale_key_rope", "key_shared_prefix", "value_shared_prefix")},
+                    "dequant_scale_value", "dequant_scale_key_rope", "key_shared_prefix", "value_shared_prefix",
+                    "token_x", "weight_dq", "weight_uq_qr", "weight_dkv_kr", "kv_cache")},
     # The DSA operators.
     "sparse_indices": ("int32 [B, S1, 1, K] or [T1, 1, K]: the entries (key blocks) each query row selects, -1 "
                        "after the last", SFA),
@@ -212,6 +214,43 @@ MEANINGS: dict[str, tuple[str, str]] = {
                 "guides/torch_npu.md#adding-an-operator"),
     "namespace": ("the torch.library namespace install() defines it in: 'npu' or 'atb'",
                   "guides/torch_npu.md#adding-an-operator"),
+    "renamed": ("cann_attn parameter name -> the torch_npu name it is passed as, so errors name the caller's "
+                "spelling", "guides/torch_npu.md#adding-an-operator"),
+    # Storage formats.
+    "self": ("the tensor", "guides/torch_npu.md#storage-formats"),
+    "src": ("the format to record: an int, a Format, or a tensor whose format to take",
+            "guides/torch_npu.md#storage-formats"),
+    "acl_format": ("the storage format: an int (2 ND, 29 FRACTAL_NZ, ...) or a Format; values never change",
+                   "guides/torch_npu.md#storage-formats"),
+    "customize_dtype": ("the NZ chunk's dtype on the NPU; changes no value here",
+                        "guides/torch_npu.md#storage-formats"),
+    # MlaProlog.
+    "token_x": ("the new tokens' hidden states, [T, He] or [B, S, He]", MLA),
+    "weight_dq": ("W^DQ [He, Hcq], the query down-projection (plain or NZ-cast)", MLA),
+    "weight_uq_qr": ("the two query up-projections side by side, [Hcq, N (D + Dr)]: per head D no-rope then Dr rope "
+                     "columns", MLA),
+    "weight_uk": ("W^UK [N, D, Hckv], the key up-projection absorbed into the query", MLA),
+    "weight_dkv_kr": ("[He, Hckv + Dr]: the latent and rope-key down-projection", MLA),
+    "rmsnorm_gamma_cq": ("the query latent's RmsNorm weights [Hcq]", MLA + "#rmsnorm"),
+    "rmsnorm_gamma_ckv": ("the key/value latent's RmsNorm weights [Hckv]", MLA + "#rmsnorm"),
+    "rmsnorm_epsilon_cq": ("epsilon of the query latent's RmsNorm", MLA + "#rmsnorm"),
+    "rmsnorm_epsilon_ckv": ("epsilon of the key/value latent's RmsNorm", MLA + "#rmsnorm"),
+    "rope_sin": ("one row of Dr sines per token (half-split form, entries i and Dr/2 + i equal)", MLA + "#rope"),
+    "rope_cos": ("one row of Dr cosines per token, as rope_sin", MLA + "#rope"),
+    "kv_cache": ("the latent cache, updated in place at the tokens' slots (layout: cache_mode)", MLA + "#the-caches"),
+    "kr_cache": ("the rope-key cache, updated in place like kv_cache", MLA + "#the-caches"),
+    "cache_index": ("int64, one cache slot per token (the paged cache modes)", MLA + "#the-caches"),
+    "cache_mode": ("the caches' layout: 'PA_BSND', 'PA_NZ', 'BSND' or 'TND'", MLA + "#the-caches"),
+    "query_norm_flag": ("also return c^Q, the query latent after its RmsNorm", MLA + "#the-computation"),
+    "qc_qr_scale": ("alpha_q, multiplies the query latent (so query and query_rope)", MLA + "#scales"),
+    "kc_scale": ("alpha_kv, multiplies the cached latent (not the rope key)", MLA + "#scales"),
+    "weight_quant_mode": ("quantised weights: 0 (none) only; 1 / 2 / 3 are refused", MLA + "#not-supported"),
+    "kv_cache_quant_mode": ("quantised caches: 0 (none) only; 1 / 2 / 3 are refused", MLA + "#not-supported"),
+    "ckvkr_repo_mode": ("latent and rope key packed into one cache row: 0 only", MLA + "#not-supported"),
+    **{name: ("a scale of the quantised scenarios, which are not supported: only None is accepted",
+              MLA + "#not-supported")
+       for name in ("dequant_scale_x", "dequant_scale_w_dq", "dequant_scale_w_uq_qr", "dequant_scale_w_dkv_kr",
+                    "quant_scale_ckv", "quant_scale_ckr", "smooth_scales_cq", "k_nope_clip_alpha")},
 }
 _DOC_PATH = re.compile(r"`?docs/((?:semantics|operators|guides)/[\w.-]+\.md|[\w-]+\.md)`?")
 
@@ -241,6 +280,14 @@ _FOR_OPERATOR: dict[str, dict[str, tuple[str, str]]] = {
     },
     "sparse_flash_attention": {
         "return_softmax_lse": ("also return softmax_max and softmax_sum (the statistics the grad takes)", SFA),
+    },
+    "mla_prolog": {
+        "query_quant_mode": ("quantised query: 0 (none) only; 1 is refused", MLA + "#not-supported"),
+        "quant_scale_repo_mode": ("scales packed into the cache rows: 0 only", MLA + "#not-supported"),
+        "tile_size": ("channels per scale of a per-tile quantised cache; no effect without one",
+                      MLA + "#not-supported"),
+        "actual_seq_len": ("the per-block cache modes' lengths: only None (those modes are refused)",
+                           MLA + "#the-caches"),
     },
     "installed": {
         "device": ("what the npu device maps to: 'cpu', 'cuda' or 'cuda:i' (None: CUDA when available)",
