@@ -164,6 +164,7 @@ def test_triton_dequantises_in_the_kernel(dtype, qdtype, rng, monkeypatch):
     monkeypatch.setattr(dequant, "dequantize_tiles", no_temporary)
     assert torch.equal(case.run(backend="triton"), want)
     assert torch.equal(case.run_paged(16, backend="triton"), want)
+    assert torch.equal(case.run(value=_latent_only(case)[0], backend="triton"), want)
 
 
 @pytest.mark.parametrize("block", [2, 8])
@@ -177,6 +178,50 @@ def test_npu_mode_block_sizes(block, rng, monkeypatch):
     got = case.run(sparse_block_size=block)
     assert_close_to_oracle(got, case.oracle(sparse_block_size=block), name="attention_out")
     assert torch.equal(case.run_paged(16, sparse_block_size=block), got)
+
+
+def _latent_only(case: KvQuantCase, latent: torch.Tensor | None = None):
+    """(a latent-only value [.., 1, 512], the packed rows with that latent and the key rows' rope and scales)."""
+    parts = dequant.split_combined(case.key, case.query.dtype)
+    latent = parts.latent.contiguous() if latent is None else latent
+    return latent, pack_rows(latent, parts.rope, parts.scales)
+
+
+@pytest.mark.parametrize("npu_mode", [False, True])
+@pytest.mark.parametrize("layout", ["BSND", "TND"])
+def test_latent_only_value_equals_the_packed_value(layout, npu_mode, rng, monkeypatch):
+    """op-plugin's own test passes value = the int8 latent alone [blocks, block_size, 1, 512] beside the packed key
+    (test/test_custom_ops/test_npu_kv_quant_sparse_flash_attention.py:433-444: ``value = key.clone()`` before
+    ``key = torch.cat((key, key_rope.view(torch.int8), antiquant_scale.view(torch.int8)), axis=3)``), and its
+    golden dequantises the value with the key rows' tile scales: the result of the packed value, bit for bit, also
+    with a latent that differs from the key's (read from `value`, scaled by the key rows' scales)."""
+    if npu_mode:
+        monkeypatch.setenv("CANN_ATTN_PRECISION", "npu")
+    case = KvQuantCase(layout, rng, sinks=True)
+    latent, packed = _latent_only(case)
+    assert torch.equal(packed, case.key)
+    assert torch.equal(case.run(value=latent), case.run())
+    other = torch.randint(-127, 128, latent.shape, generator=rng).to(I8)
+    other_latent, other_packed = _latent_only(case, other)
+    got = case.run(value=other_latent)
+    assert torch.equal(got, case.run(value=other_packed))
+    want = oracle.kv_quant_sparse_attention_oracle(case.query, case.key, other_packed, case.sparse_indices,
+                                                   case.scale, sinks=case.sinks, **case.kw)
+    assert_close_to_oracle(got, want, name="attention_out")
+    assert not torch.equal(got, case.run())
+
+
+def test_latent_only_value_over_a_paged_cache(rng):
+    """op-plugin's test call: PA_BSND key cache and the latent-only value cache of the same blocks."""
+    case = KvQuantCase("BSND", rng, s2=40)
+    rows = [case.key[b, :n] for b, n in enumerate(case.kv_lens)]
+    caches, table = paginate({"kv": rows}, 16, case.gen)
+    key_cache = caches["kv"]
+    value_cache = dequant.split_combined(key_cache, BF16).latent.contiguous()
+    paged = dict(case.kw, actual_seq_lengths_kv=case.kv_lens, block_table=table, layout_kv="PA_BSND")
+    got = cann_attn.kv_quant_sparse_flash_attention(case.query, key_cache, value_cache, case.sparse_indices,
+                                                    case.scale, **paged)
+    assert torch.equal(got, case.run())
 
 
 def test_torch_npu_spelling(rng):
@@ -225,7 +270,8 @@ def test_hypothesis_against_oracle(s1, s2, n1, k, mode, block, seed):
     (lambda c: dict(query=c.query[..., :512]), "query"),
     (lambda c: dict(key=c.key.view(torch.uint8)), "key"),
     (lambda c: dict(key=c.key[..., :640]), "key"),
-    (lambda c: dict(value=c.key[..., :512]), "value"),
+    (lambda c: dict(value=c.key[..., :600]), "value"),
+    (lambda c: dict(value=c.key[:, :5, :, :512]), "value"),
     (lambda c: dict(sparse_indices=c.sparse_indices.long()), "sparse_indices"),
     (lambda c: dict(key_quant_mode=0), "key_quant_mode"),
     (lambda c: dict(value_quant_mode=1), "value_quant_mode"),

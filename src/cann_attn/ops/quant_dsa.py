@@ -5,6 +5,7 @@ docs/operators/quant_dsa.md). Dequantisation: problem/dequant.py."""
 from __future__ import annotations
 
 import functools
+from dataclasses import replace
 
 import torch
 
@@ -216,7 +217,8 @@ def kv_quant_sparse_flash_attention(
 
     query [B, S1, N1, 576] / [T1, N1, 576] (nope 512 ++ rope 64, fp16 / bf16); key and value [.., 1, 656] int8 or
     float8_e4m3fn combined rows (512 quantised latent values, the 64 rope values in the query's dtype as bytes, 4
-    fp32 tile scales as bytes), BSND, TND or a paged PA_BSND cache with `block_table`. Each tile of 128 latent values
+    fp32 tile scales as bytes), BSND, TND or a paged PA_BSND cache with `block_table`; `value` may be the latent
+    alone [.., 1, 512], dequantised with the key rows' scales. Each tile of 128 latent values
     is dequantised as x * scale in fp32, rounded once to the query's dtype (problem/dequant.py); the attention, its
     selection rule, lengths, modes and `sinks` are those of `sparse_flash_attention`. Returns the attention output
     [.., N1, 512] in the query's dtype (docs/operators/quant_dsa.md).
@@ -252,8 +254,9 @@ def kv_quant_sparse_flash_attention(
     row = dequant.combined_width(query.dtype)
     require(key.shape[-1] == row and key.shape[-2] == 1, "key", f"KV_N = 1 and KV_D = {row} bytes per row (latent "
             f"{dequant.LATENT_DIM} + rope {dequant.ROPE_DIM} x {query.dtype} + 4 fp32 scales)", key)
-    require(tuple(value.shape) == tuple(key.shape), "value", f"the key's shape {list(key.shape)} (combined rows)",
-            value)
+    latent_only = tuple(value.shape) == (*key.shape[:-1], dequant.LATENT_DIM)
+    require(tuple(value.shape) == tuple(key.shape) or latent_only, "value",
+            f"the key's shape {list(key.shape)} (combined rows) or the latent alone {[*key.shape[:-1], 512]}", value)
     key_parts = dequant.split_combined(key, query.dtype)
     # The lengths, table and indices checked as SparseFlashAttention checks them (on the rope parts: same rows).
     problem = validate_sparse(query[..., dequant.LATENT_DIM :], key_parts.rope, key_parts.rope, sparse_indices,
@@ -263,7 +266,14 @@ def kv_quant_sparse_flash_attention(
                               layout=layout, sparse_mode=sparse_mode, block_table=block_table, layout_kv=layout_kv,
                               block_sizes=KV_QUANT_BLOCK_SIZES)
     value_is_key = value is key or (value.data_ptr() == key.data_ptr() and value.stride() == key.stride())
-    value_parts = key_parts if value_is_key else dequant.split_combined(value, query.dtype)
+    if value_is_key:
+        value_parts = key_parts
+    elif latent_only:
+        # The latent alone carries no scales: each row is dequantised with its key row's tile scales, as
+        # op-plugin's own test builds and checks it (value = the int8 latent, key = latent ++ rope ++ scales).
+        value_parts = replace(key_parts, latent=value)
+    else:
+        value_parts = dequant.split_combined(value, query.dtype)
     sinks = sink_rule.check_sink(sinks, problem.heads, "sinks")
     if query.numel() and not precision.npu_mode():
         if select_backend(backend, query.device, op="kv_quant_sparse_flash_attention",
