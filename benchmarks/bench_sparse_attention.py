@@ -5,8 +5,10 @@ key), K=512 entries per row, sparse_mode 3 (bottom-right causal: row t sees keys
   sparse_block_size 1:  each row a random top-512 of its allowed tokens (all valid);
   sparse_block_size 64: each row the allowed blocks in order (49..65 of them), then -1.
 fp32 and bf16 inputs. Besides, the fp32 forward in sparse_mode 0 (every row sees all 4096 keys: block 1 a random
-top-512 of them, block 64 all 64 blocks); at block size 1 it does the same work as mode 3
-(random top-512 of >= 3073 allowed tokens), at block size 64 every row selects every block (4096 tokens).
+top-512 of them, block 64 all 64 blocks); at block size 1 it does the same work as mode 3 (random top-512 of >= 3073
+allowed tokens), at block size 64 every row selects every block (4096 tokens). And the fp32 forward of dispersed
+blocks (sparse_mode 0, block 64): each row K / 64 = 8 random blocks of the 64, then -1 (512 tokens, block 1's
+budget), so the rows of a tile select different blocks and their union is nearly the whole sequence.
 Throughput with the sparse-MLA FLOP convention (Dqk = 576, Dv = 512):
   forward  = 2 * tokens * topk * N1 * (Dqk + Dv)
   backward = 2 * tokens * N1 * topk * (2 * Dv + 3 * Dqk)
@@ -54,6 +56,8 @@ DQK, DV = D + DR, D
 MODE = 3
 # Extra rows (fp32 forward only) in sparse_mode 0: (block size, ...).
 MODE0_BLOCK_SIZES = (1, 64)
+# Block size of the dispersed-selection forward (sparse_mode 0, K / DISPERSED_BLOCK random blocks per row).
+DISPERSED_BLOCK = 64
 SCALE = DQK**-0.5
 BLOCK_SIZES = (1, 64)
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
@@ -118,10 +122,22 @@ def thresholds(mode: int | None = None) -> torch.Tensor:
     return torch.arange(S1) + (S2 - S1 + 1)
 
 
-def make_indices(bs: int, seed: int = 0, mode: int | None = None) -> tuple[torch.Tensor, float]:
-    """sparse_indices [1, S1, 1, K] (int32) and the average number of selected key tokens per row."""
+def make_indices(bs: int, seed: int = 0, mode: int | None = None,
+                 dispersed: bool = False) -> tuple[torch.Tensor, float]:
+    """sparse_indices [1, S1, 1, K] (int32) and the average number of selected key tokens per row. `dispersed`
+    (block size > 1): each row K // bs distinct random allowed blocks, then -1."""
     thr = thresholds(mode)
-    if bs == 1:
+    if dispersed and bs > 1:
+        gen = torch.Generator().manual_seed(seed)
+        n_blocks = (thr + bs - 1) // bs
+        count = min(K // bs, int(n_blocks.min()))
+        keys = torch.rand(S1, int(n_blocks.max()), generator=gen)
+        keys = keys.masked_fill(torch.arange(keys.shape[1]).view(1, -1) >= n_blocks.view(-1, 1), -1.0)
+        idx = torch.full((S1, K), -1, dtype=torch.int64)
+        idx[:, :count] = keys.topk(count, dim=-1).indices
+        ends = torch.minimum((idx[:, :count] + 1) * bs, thr.view(-1, 1))
+        avg = float((ends - idx[:, :count] * bs).sum(-1).float().mean())
+    elif bs == 1:
         gen = torch.Generator().manual_seed(seed)
         keys = torch.rand(S1, S2, generator=gen)
         keys = keys.masked_fill(torch.arange(S2).view(1, -1) >= thr.view(-1, 1), -1.0)
@@ -136,11 +152,12 @@ def make_indices(bs: int, seed: int = 0, mode: int | None = None) -> tuple[torch
     return idx.to(torch.int32).view(B, S1, 1, K), avg
 
 
-def make_inputs(dtype: torch.dtype, bs: int, seed: int = 0, mode: int | None = None) -> dict[str, Any]:
+def make_inputs(dtype: torch.dtype, bs: int, seed: int = 0, mode: int | None = None,
+                dispersed: bool = False) -> dict[str, Any]:
     mode = MODE if mode is None else mode
     gen = torch.Generator().manual_seed(seed)
     latent = torch.randn(B, S2, 1, D, generator=gen).to(dtype)
-    idx, avg = make_indices(bs, seed, mode)
+    idx, avg = make_indices(bs, seed, mode, dispersed)
     return {
         "query": torch.randn(B, S1, N1, D, generator=gen).to(dtype),
         "key": latent,
@@ -150,6 +167,7 @@ def make_inputs(dtype: torch.dtype, bs: int, seed: int = 0, mode: int | None = N
         "sparse_indices": idx,
         "avg_topk": avg,
         "mode": mode,
+        "selection": "dispersed" if dispersed and bs > 1 else "topk" if bs == 1 else "leading",
     }
 
 
@@ -211,11 +229,12 @@ def reset_peak_rss() -> bool:
 # ----------------------------------------------------------------------------------------------------------
 # Peak memory (child side of common.peak_rss)
 # ----------------------------------------------------------------------------------------------------------
-def rss_case(dtype: str, bs: int, which: str, threads: int | None = None, mode: int | None = None):
+def rss_case(dtype: str, bs: int, which: str, threads: int | None = None, mode: int | None = None,
+             dispersed: bool = False):
     """Build the inputs (and, for the backward, the forward outputs) and return the call to measure."""
     if threads:
         torch.set_num_threads(threads)
-    inp = make_inputs(DTYPES[dtype], bs, mode=mode)
+    inp = make_inputs(DTYPES[dtype], bs, mode=mode, dispersed=dispersed)
     if which == "forward":
         return forward_call(inp, bs), {"which": which, "peak_reset": reset_peak_rss()}
     fwd = forward_call(inp, bs)()
@@ -227,17 +246,18 @@ def rss_case(dtype: str, bs: int, which: str, threads: int | None = None, mode: 
 # Runs
 # ----------------------------------------------------------------------------------------------------------
 def run(dtype_name: str, bs: int, warmup: int, repeats: int, gemm: float, rss: bool, threads: int | None,
-        progress, task, mode: int = MODE,
-        directions: tuple[str, ...] = ("forward", "backward")) -> list[dict[str, Any]]:
+        progress, task, mode: int = MODE, directions: tuple[str, ...] = ("forward", "backward"),
+        dispersed: bool = False) -> list[dict[str, Any]]:
     dtype = DTYPES[dtype_name]
-    inp = make_inputs(dtype, bs, mode=mode)
+    inp = make_inputs(dtype, bs, mode=mode, dispersed=dispersed)
     tokens, avg, nominal = B * S1, inp["avg_topk"], float(K * bs)
     rows = []
-    base = {"dtype": dtype_name, "sparse_block_size": bs, "sparse_mode": mode, "avg_topk": avg,
-            "nominal_topk": nominal, "shape": f"B{B} S1={S1} S2={S2} N1={N1} D={D}+{DR} K={K} mode {mode}"}
+    base = {"dtype": dtype_name, "sparse_block_size": bs, "sparse_mode": mode, "selection": inp["selection"],
+            "avg_topk": avg, "nominal_topk": nominal,
+            "shape": f"B{B} S1={S1} S2={S2} N1={N1} D={D}+{DR} K={K} mode {mode}"}
     fwd = None
     for which in directions:
-        progress.update(task, description=f"{dtype_name} bs={bs} mode {mode} {which}")
+        progress.update(task, description=f"{dtype_name} bs={bs} mode {mode} {inp['selection']} {which}")
         row = {**base, "which": which, "target": TARGETS[which]}
         flops_fn = forward_flops if which == "forward" else backward_flops
         row["flops"], row["nominal_flops"] = flops_fn(tokens, avg), flops_fn(tokens, nominal)
@@ -261,7 +281,8 @@ def run(dtype_name: str, bs: int, warmup: int, repeats: int, gemm: float, rss: b
             row["error"] = None
             if rss:
                 mem = common.peak_rss(__file__, "rss_case", {"dtype": dtype_name, "bs": bs, "which": which,
-                                                             "threads": threads, "mode": mode})
+                                                             "threads": threads, "mode": mode,
+                                                             "dispersed": dispersed})
                 row.update(peak_rss_mb=mem["peak_mb"], rss_before_mb=mem["before_mb"], rss_delta_mb=mem["delta_mb"])
         except Exception as exc:  # a failing case is reported, the others still run
             row.update(error=f"{type(exc).__name__}: {exc}", traceback=traceback.format_exc(limit=3),
@@ -322,7 +343,8 @@ def print_table(results, gemm: dict, console) -> None:
                 "ok", "nominal GFLOP/s", "nominal ratio", "peak RSS MB (delta)", "check"):
         table.add_column(col, justify="left" if col in ("dtype", "direction") else "right")
     for r in results:
-        case = (r["dtype"], str(r["sparse_block_size"]), str(r["sparse_mode"]), r["which"])
+        mode = f"{r['sparse_mode']}{' dispersed' if r['selection'] == 'dispersed' else ''}"
+        case = (r["dtype"], str(r["sparse_block_size"]), mode, r["which"])
         if r.get("error"):
             table.add_row(*case, "-", f"{r['avg_topk']:.0f}", "-", "-", "-", f">= {r['target']}", "[bold red]ERROR[/]",
                           "-", "-", "-", r["error"][:60])
@@ -363,7 +385,7 @@ def main(argv=None) -> int:
                         transient=True)
     results = []
     with progress:
-        task = progress.add_task("", total=2 * len(DTYPES) * len(BLOCK_SIZES) + len(MODE0_BLOCK_SIZES))
+        task = progress.add_task("", total=2 * len(DTYPES) * len(BLOCK_SIZES) + len(MODE0_BLOCK_SIZES) + 1)
         for dtype_name in DTYPES:
             for bs in BLOCK_SIZES:
                 results += run(dtype_name, bs, warmup, repeats, gemm["gflops"], not args.no_rss, args.threads,
@@ -371,6 +393,8 @@ def main(argv=None) -> int:
         for bs in MODE0_BLOCK_SIZES:
             results += run("fp32", bs, warmup, repeats, gemm["gflops"], not args.no_rss, args.threads, progress,
                            task, mode=0, directions=("forward",))
+        results += run("fp32", DISPERSED_BLOCK, warmup, repeats, gemm["gflops"], not args.no_rss, args.threads,
+                       progress, task, mode=0, directions=("forward",), dispersed=True)
     gemm_after = gemm_rate(3)  # the machine may be shared: a second measurement shows the drift
     print_table(results, gemm, console)
     console.print(f"memory copy bandwidth: {memory_before:.1f} GB/s before the cases, "
@@ -387,7 +411,9 @@ def main(argv=None) -> int:
                      "mode0_forward_block_sizes": list(MODE0_BLOCK_SIZES), "scale": SCALE,
                      "block_sizes": list(BLOCK_SIZES), "value_is_key": True, "targets": TARGETS,
                      "indices": {"1": "random top-512 of the allowed tokens per row (all valid)",
-                                 "64": "the allowed blocks in order, then -1"},
+                                 "64": "the allowed blocks in order, then -1",
+                                 "dispersed": f"block {DISPERSED_BLOCK}, mode 0: K / {DISPERSED_BLOCK} random "
+                                              "blocks per row, then -1"},
                      "mode0": "every row sees all S2 keys: the same rules over [0, S2)"},
         "gemm_fp32": gemm,
         "gemm_fp32_after": gemm_after,
@@ -405,7 +431,8 @@ def main(argv=None) -> int:
     json_path = common.write_json(out_dir / "sparse_attention_cpu.json", payload)
     png_path = ratio_plot(
         out_dir / "sparse_attention_cpu.png",
-        [f"{r['dtype']} bs={r['sparse_block_size']} mode {r['sparse_mode']} {r['which']}" for r in results],
+        [f"{r['dtype']} bs={r['sparse_block_size']} mode {r['sparse_mode']}"
+         f"{' dispersed' if r['selection'] == 'dispersed' else ''} {r['which']}" for r in results],
         [r.get("gflops") for r in results], gemm["gflops"], [r.get("ratio") for r in results],
         [r["target"] for r in results],
         f"DSA sparse attention, S1={S1} S2={S2} N1={N1} K={K} ({payload['machine']['cpu']}, "

@@ -10,6 +10,7 @@ they measure:
   fa_fwd_bwd.dense / causal             forward + backward vs SDPA + autograd (same shape, fp32)
   pfa.causal_fp16                       PFA fp16 causal GQA 8/2 vs SDPA (enable_gqa)
   sfa.forward_bs1 / bs64                SFA forward GFLOP/s over a 2048^3 fp32 GEMM's (mode 3, top-512 of 4096)
+  sfa.forward_bs64_dispersed            the same, block 64 in mode 0, each row 8 random blocks of the 64
 The clock (`--clock`, default `cpu`) is this process's CPU time with one thread (torch.set_num_threads(1)): on the
 shared 2-core machine wall times of the same build move by 2x with the neighbours' load, single-thread CPU times by
 ~10-20%. `--clock wall` times wall-clock with torch's threads (what the benchmarks report; catches threading
@@ -98,13 +99,14 @@ def build_cases(config: str = "full", only: tuple[str, ...] = ()) -> list[Case]:
     if wanted("pfa.causal_fp16"):
         bench = _module("bench_pfa", config).float_bench("fp16", torch.float16)
         cases.append(Case("pfa.causal_fp16", bench.ours, bench.sdpa))
-    sfa_names = [f"sfa.forward_bs{bs}" for bs in (1, 64)]
-    if any(wanted(n) for n in sfa_names):
+    sfa_cases = {"sfa.forward_bs1": (1, False), "sfa.forward_bs64": (64, False),
+                 "sfa.forward_bs64_dispersed": (64, True)}
+    if any(wanted(n) for n in sfa_cases):
         sfa = _module("bench_sparse_attention", config)
         gemm, gemm_flops = sfa.gemm_call(TINY_GEMM if config == "tiny" else 2048)
-        for bs, name in zip((1, 64), sfa_names, strict=True):
+        for name, (bs, dispersed) in sfa_cases.items():
             if wanted(name):
-                inp = sfa.make_inputs(torch.float32, bs)
+                inp = sfa.make_inputs(torch.float32, bs, mode=0 if dispersed else None, dispersed=dispersed)
                 flops = sfa.forward_flops(sfa.S1, inp["avg_topk"])
                 cases.append(Case(name, sfa.forward_call(inp, bs), gemm, flops / gemm_flops))
     return cases

@@ -19,7 +19,9 @@ checks cost one pass over K and V (and the query-side tensors) per sequence; the
 
 Token selections (block size 1) in fp32 on the CPU take the native loops instead (`native`, C): each row's logits,
 exponentials and weighted sums are formed from its valid entries' K/V rows read in place, which needs neither the
-gather nor the isolation pass; the selection, the statistics' conventions and the normalisation stay here.
+gather nor the isolation pass; the selection, the statistics' conventions and the normalisation stay here. Block
+selections whose rows select different blocks (the union of a tile's blocks NATIVE_UNION_RATIO times the rows'
+selections or more) take them too: the union path would multiply every row against every block of the union.
 
 The query tile carries the softmax scale (the native forward scales fp32 queries per row itself, each product rounded
 once as the tile's multiply rounds it); exponentials come from `softmax_exp.exp_shifted_` (the native loops use the
@@ -53,6 +55,15 @@ NATIVE_ROW_TILE = 128
 # Cost of gathering one fp32 element, in multiply-adds: memory traffic versus GEMM throughput on a CPU.
 GATHER_COST = 8.0
 INVALID_MAX = -2e38
+# Block selections (block size > 1) take the native per-row loops where the union path would multiply every row
+# against at least this many times the blocks the rows select (`_dispersed`). Measured by
+# benchmarks/bench_sparse_dispersed.py (block 64, N1 16, D 512 + 64, each row 8 blocks drawn per 32-row tile from a
+# pool of 8..64 blocks; one thread, CPU time, both paths alternated in one process, best of 3): from a union 1.25x
+# the selection up, the native loops took 1.6-3.2x less time in the forward and 1.2-2.2x in the backward than the
+# path chosen before (gather or union). At 1.0 (rows sharing their blocks) they gained 1.33x / 1.05x where the rows
+# order their blocks differently, and the union's dense GEMM kept the backward 1.5x faster where each row's blocks
+# are the union's in order (a block-causal pattern: bench_sparse_attention's mode 3 block 64).
+NATIVE_UNION_RATIO = 1.25
 # Bound on the [tiles, blocks] table that counts each tile's distinct blocks.
 UNION_TABLE_ELEMENTS = 1 << 24
 
@@ -278,10 +289,28 @@ def _weighted_values(tk: _TileKeys, p: torch.Tensor, out: torch.Tensor) -> torch
     return torch.mm(union_p.reshape(rows * heads, -1), tk.values, out=out.view(rows * heads, -1)).view_as(out)
 
 
-def _use_native(seq: SparseSequence, block_size: int, dtype: torch.dtype) -> bool:
+def _use_native(seq: SparseSequence, selection: RowSelection, block_size: int, dtype: torch.dtype,
+                row_tile: int) -> bool:
     """The native loops take token selections (block size 1: scattered keys, where the gather path's copies and
-    M = N1 GEMMs are slowest) in fp32 on the CPU. Block selections keep the union path's dense GEMMs."""
-    return block_size == 1 and dtype == torch.float32 and native.usable(seq.k, seq.v)
+    M = N1 GEMMs are slowest) in fp32 on the CPU, and block selections whose rows select different blocks: where the
+    union of a tile's blocks is NATIVE_UNION_RATIO times the blocks its rows select or more (`_dispersed`). Block
+    selections that neighbouring rows share keep the union path's dense GEMMs."""
+    if dtype != torch.float32 or not native.usable(seq.k, seq.v):
+        return False
+    return block_size == 1 or _dispersed(selection, row_tile, -(-seq.seq_kv // block_size))
+
+
+def _dispersed(selection: RowSelection, row_tile: int, n_blocks: int) -> bool:
+    """Whether the union path would compute NATIVE_UNION_RATIO times the rows' selected blocks or more: every row of
+    a tile of `row_tile` rows is multiplied against the tile's whole union, while the native loops read each row's
+    own valid blocks only."""
+    rows = selection.blocks.shape[0]
+    selected = int(selection.entry_valid.sum())
+    if rows == 0 or selected == 0:
+        return False
+    counts = _union_block_counts(selection, row_tile, n_blocks)
+    union = sum(count * min(row_tile, rows - tile * row_tile) for tile, count in enumerate(counts))
+    return union >= NATIVE_UNION_RATIO * selected
 
 
 def _normalise_rows(o: torch.Tensor, m: torch.Tensor, total: torch.Tensor, all_valid: bool,
@@ -334,7 +363,7 @@ def forward_sequence(seq: SparseSequence, scale: float, sparse_mode: int, block_
                      out: torch.Tensor, row_max: torch.Tensor, row_sum: torch.Tensor) -> None:
     """Fill out [Sq, N1, Dv] (any dtype; written per tile), row_max / row_sum [Sq, N1] of one sequence."""
     selection = _sequence_selection(seq, sparse_mode, block_size)
-    if _use_native(seq, block_size, dtype):
+    if _use_native(seq, selection, block_size, dtype, ROW_TILE):
         _forward_native(seq, selection, scale, out, row_max, row_sum)
         return
     ws = Workspace(seq.k.device)
@@ -385,7 +414,7 @@ def backward_sequence(seq: SparseSequence, d_out: torch.Tensor, out: torch.Tenso
     """dq [Sq, N1, Dq] written; dk [Skv, Dq] and dv [Skv, Dv] (fp32, zero-initialised, this sequence's only
     contributions) accumulated, in a fixed order."""
     selection = _sequence_selection(seq, sparse_mode, block_size)
-    if _use_native(seq, block_size, dtype):
+    if _use_native(seq, selection, block_size, dtype, BACKWARD_ROW_TILE):
         _backward_native(seq, selection, d_out, out, row_max, row_sum, scale, dq, dk, dv)
         return
     ws = Workspace(seq.k.device)
