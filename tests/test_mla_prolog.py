@@ -73,10 +73,12 @@ class PrologCase:
                                  **kw)
 
 
-def naive(case: PrologCase, qc_qr_scale=1.0, kc_scale=1.0, eps_cq=1e-5, eps_ckv=1e-5) -> dict:
-    """The formulas in plain PyTorch in the input dtype (the "naive" side of the flash-attn precision rule):
-    query, query_rope, query_norm and the latent / rope-key rows of every token."""
-    i = case.inputs
+def naive(case: PrologCase, qc_qr_scale=1.0, kc_scale=1.0, eps_cq=1e-5, eps_ckv=1e-5, *, dtype=None,
+          quantized=None) -> dict:
+    """The formulas in plain PyTorch in the input dtype (the "naive" side of the flash-attn precision rule) or in
+    `dtype`: query, query_rope, query_norm and the latent / rope-key rows of every token. `quantized` = (int8 c^Q,
+    its scales [T, 1], dequant_scale_w_uq_qr) replaces c^Q W^UQQR by the dequantised int8 product."""
+    i = {k: v if v.dtype == torch.int8 else v.to(dtype or v.dtype) for k, v in case.inputs.items()}
     heads, nope, latent = i["weight_uk"].shape
     rope = i["rope_sin"].shape[-1]
     x = i["token_x"].reshape(-1, i["token_x"].shape[-1])
@@ -90,7 +92,12 @@ def naive(case: PrologCase, qc_qr_scale=1.0, kc_scale=1.0, eps_cq=1e-5, eps_ckv=
         return pairs * cos + torch.cat([-pairs[..., rope // 2 :], pairs[..., : rope // 2]], -1) * sin
 
     c_q = qc_qr_scale * norm(x @ i["weight_dq"], i["rmsnorm_gamma_cq"], eps_cq)
-    q = (c_q @ i["weight_uq_qr"]).view(-1, heads, nope + rope)
+    if quantized is None:
+        q = (c_q @ i["weight_uq_qr"]).view(-1, heads, nope + rope)
+    else:
+        values, scale, dequant = quantized
+        product = values.reshape(-1, values.shape[-1]).double() @ i["weight_uq_qr"].double()
+        q = (product * scale.double() * dequant.double()).to(c_q.dtype).view(-1, heads, nope + rope)
     kv = x @ i["weight_dkv_kr"]
     lead = case.inputs["token_x"].shape[:-1]
     return {"query": torch.einsum("tnd,ndc->tnc", q[..., :nope], i["weight_uk"]).reshape(*lead, heads, latent),
@@ -241,6 +248,62 @@ def test_empty_token_batch_and_empty_pool():
     torch.testing.assert_close(out.query, expected.query, rtol=1e-12, atol=1e-12)
 
 
+def quantized_uq_qr(case: PrologCase, gen, smooth_shape) -> dict:
+    """weight_quant_mode 1 inputs as the W8A8 recipes pass them: int8 weight_uq_qr with its per-column float32
+    dequant scales [1, N (D + Dr)], optional smooth scales."""
+    w = case.inputs["weight_uq_qr"]
+    case.inputs["weight_uq_qr"] = torch.randint(-127, 128, w.shape, generator=gen, dtype=torch.int8)
+    extra = {"dequant_scale_w_uq_qr": torch.rand(1, w.shape[1], generator=gen) / (127 * w.shape[0] ** 0.5),
+             "weight_quant_mode": 1}
+    if smooth_shape is not None:
+        extra["smooth_scales_cq"] = 0.5 + torch.rand(*smooth_shape, generator=gen)
+    return extra
+
+
+@pytest.mark.parametrize("smooth_shape", [None, (1, 32), (1,)])
+@pytest.mark.parametrize("dtype", [F64, BF16])
+def test_weight_quant_mode_1(dtype, smooth_shape):
+    """int8 weight_uq_qr: c^Q quantised per token (scale = max |c^Q * smooth| / 127), the int8 product dequantised
+    by that scale and the column's dequant_scale_w_uq_qr; query_norm is the int8 c^Q and dequant_scale_q_norm its
+    scale [T, 1]. Caller: cann-recipes-infer models/deepseek_v3_2_exp/models/modeling_deepseek.py:1475 (W8A8:
+    weight_quant_mode=1, dequant_scale_w_uq_qr=q_b_proj.weight_scale.view(1, -1), query_norm_flag=True; the indexer
+    takes dequant_q_norm as its per-token scale, :1497)."""
+    gen = torch.Generator().manual_seed(21)
+    case = PrologCase(gen, dtype=dtype, lead=(2, 3))
+    quant = quantized_uq_qr(case, gen, smooth_shape)
+    kv_before, kr_before = case.kv_cache.clone(), case.kr_cache.clone()
+    out = case.run(query_norm_flag=True, **quant)
+    expected = case.oracle(kv_before, kr_before, dequant_scale_w_uq_qr=quant["dequant_scale_w_uq_qr"],
+                           smooth_scales_cq=quant.get("smooth_scales_cq"))
+    assert out.query_norm.dtype == torch.int8 and out.query_norm.shape == (2, 3, 32)
+    assert out.dequant_scale_q_norm.dtype == torch.float32 and out.dequant_scale_q_norm.shape == (6, 1)
+    torch.testing.assert_close(out.dequant_scale_q_norm.double(), expected.query_norm_scale, rtol=1e-2 if
+                               dtype == BF16 else 1e-6, atol=0)
+    off = (out.query_norm.double() - expected.query_norm).abs()
+    if dtype == F64:
+        assert off.max() == 0
+        torch.testing.assert_close(out.query, expected.query, rtol=1e-9, atol=1e-9)
+        torch.testing.assert_close(out.query_rope, expected.query_rope, rtol=1e-9, atol=1e-9)
+    else:  # c^Q is bf16 before it is quantised: a value next to a rounding boundary may land one step away
+        assert off.max() <= 1 and (off > 0).float().mean() < 0.25  # bf16 c^Q: 2^-9 relative, up to 0.25 step
+        # past the quantisation: the float64 formulas from the int8 c^Q the call made (the naive side in bf16)
+        given = (out.query_norm, out.dequant_scale_q_norm, quant["dequant_scale_w_uq_qr"])
+        golden, plain = naive(case, dtype=F64, quantized=given), naive(case, quantized=given)
+        for name in ("query", "query_rope"):
+            assert_close_to_oracle(getattr(out, name), golden[name], plain[name], name=name)
+    assert torch.equal(case.kv_cache[~expected.kv_written], kv_before[~expected.kv_written])
+
+
+def test_weight_quant_mode_1_under_the_custom_op():
+    gen = torch.Generator().manual_seed(22)
+    case = PrologCase(gen)
+    quant = quantized_uq_qr(case, gen, (1, 32))
+    args = (*case.weights(), case.kv_cache, case.kr_cache)
+    result = torch.library.opcheck(torch.ops.cann_attn.mla_prolog, args,
+                                   {"cache_index": case.cache_index, "query_norm_flag": True, **quant})
+    assert all(v == "SUCCESS" for v in result.values()), result
+
+
 # ------------------------------------------------------------------------------------------------- torch_npu
 def test_torch_npu_spellings_return_their_outputs():
     """v3 -> (query, query_rope, dequant_scale_q_nope [0], query_norm, dequant_scale_q_norm [0]); v2 -> (query,
@@ -343,7 +406,26 @@ def _bad_calls():
         ("actual_seq_len", "actual_seq_len", lambda c, kw: kw.update(actual_seq_len=torch.tensor([5]))),
         ("tile_size float", "tile_size", lambda c, kw: kw.update(tile_size=128.0)),
     ]
-    for mode, value in (("weight_quant_mode", 1), ("weight_quant_mode", 2), ("kv_cache_quant_mode", 1),
+    def mode_1(change):
+        def apply(c, kw):
+            kw.update(quantized_uq_qr(c, torch.Generator().manual_seed(1), (1, 32)))
+            change(c, kw)
+        return apply
+
+    calls += [
+        ("mode 1 with a bf16 weight_uq_qr", "weight_uq_qr", lambda c, kw: kw.update(weight_quant_mode=1)),
+        ("mode 1 without dequant scales", "dequant_scale_w_uq_qr",
+         mode_1(lambda c, kw: kw.update(dequant_scale_w_uq_qr=None))),
+        ("mode 1 dequant scales shape", "dequant_scale_w_uq_qr",
+         mode_1(lambda c, kw: kw.update(dequant_scale_w_uq_qr=kw["dequant_scale_w_uq_qr"][:, :-1]))),
+        ("mode 1 dequant scales dtype", "dequant_scale_w_uq_qr",
+         mode_1(lambda c, kw: kw.update(dequant_scale_w_uq_qr=kw["dequant_scale_w_uq_qr"].double()))),
+        ("mode 1 smooth shape", "smooth_scales_cq", mode_1(lambda c, kw: kw.update(smooth_scales_cq=torch.ones(2)))),
+        ("mode 1 with quant_scale_ckv", "quant_scale_ckv",
+         mode_1(lambda c, kw: kw.update(quant_scale_ckv=torch.ones(1, 32)))),
+        ("mode 0 with smooth", "smooth_scales_cq", lambda c, kw: kw.update(smooth_scales_cq=torch.ones(1, 32))),
+    ]
+    for mode, value in (("weight_quant_mode", 2), ("kv_cache_quant_mode", 1),
                         ("kv_cache_quant_mode", 2), ("kv_cache_quant_mode", 3), ("query_quant_mode", 1),
                         ("ckvkr_repo_mode", 1), ("quant_scale_repo_mode", 1), ("weight_quant_mode", 7)):
         calls.append((f"{mode} {value}", mode, lambda c, kw, m=mode, v=value: kw.update({m: v})))
@@ -359,7 +441,8 @@ def test_bad_input_names_the_parameter_and_writes_nothing(what, param, change):
     kw = {}
     change(case, kw)
     kv_before, kr_before = case.kv_cache.clone(), case.kr_cache.clone()
-    with pytest.raises(cann_attn.ParamInvalidError if "missing" not in what else cann_attn.ParamNullptrError,
+    nullptr = "missing" in what or "without" in what
+    with pytest.raises(cann_attn.ParamNullptrError if nullptr else cann_attn.ParamInvalidError,
                        match=rf"^\[\d+\] {param}:"):
         case.run(**kw)
     assert torch.equal(case.kv_cache, kv_before) and torch.equal(case.kr_cache, kr_before)

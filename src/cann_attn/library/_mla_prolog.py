@@ -36,14 +36,21 @@ _PARAMETERS = inspect.signature(_run)
 def _(*args, **kwargs):
     bound = _PARAMETERS.bind(*args, **kwargs)
     bound.apply_defaults()
-    token_x, weight_dq, weight_uk, rope_sin, query_norm_flag = (
-        bound.arguments[n] for n in ("token_x", "weight_dq", "weight_uk", "rope_sin", "query_norm_flag"))
+    token_x, weight_dq, weight_uk, rope_sin, query_norm_flag, weight_quant_mode = (
+        bound.arguments[n] for n in ("token_x", "weight_dq", "weight_uk", "rope_sin", "query_norm_flag",
+                                     "weight_quant_mode"))
     lead = tuple(token_x.shape[:-1])
     heads, latent = weight_uk.shape[0], weight_uk.shape[2]
     empty = token_x.new_empty((0,), dtype=torch.float32)
-    query_norm = token_x.new_empty((*lead, weight_dq.shape[1])) if query_norm_flag else token_x.new_empty((0,))
+    query_norm, scale_q_norm = token_x.new_empty((0,)), empty.clone()
+    if query_norm_flag:
+        # weight_quant_mode 1: int8 c^Q with its float32 per-token scale [T, 1]
+        norm_dtype = torch.int8 if weight_quant_mode == 1 else token_x.dtype
+        query_norm = token_x.new_empty((*lead, weight_dq.shape[1]), dtype=norm_dtype)
+        if weight_quant_mode == 1:
+            scale_q_norm = token_x.new_empty((torch.Size(lead).numel(), 1), dtype=torch.float32)
     return (token_x.new_empty((*lead, heads, latent)), token_x.new_empty((*lead, heads, rope_sin.shape[-1])),
-            empty, query_norm, empty.clone())
+            empty, query_norm, scale_q_norm)
 
 
 def mla_prolog(

@@ -25,8 +25,8 @@ NZ_FRACTAL_BYTES = 32  # an NZ block stores its channels in groups of 32 bytes (
 MIN_BLOCK_SIZE, MAX_BLOCK_SIZE, BLOCK_SIZE_MULTIPLE = 16, 1024, 16
 KV_HEADS = 1
 
-# The quantised scenarios and what each mode parameter's non-zero values select (op-plugin's page); none is
-# computed here, each is refused naming its parameter.
+# The quantised scenarios and what each mode parameter's non-zero values select (op-plugin's page); only
+# weight_quant_mode 1 is computed, every other non-zero value is refused naming its parameter.
 QUANT_MODES = {
     "weight_quant_mode": {0: "no weight quantisation", 1: "int8 weight_uq_qr", 2: "int8 weight_dq, weight_uq_qr and "
                           "weight_dkv_kr (int8 token_x)", 3: "per-tile / mxfp8 weights"},
@@ -36,14 +36,12 @@ QUANT_MODES = {
     "ckvkr_repo_mode": {0: "separate kv_cache and kr_cache", 1: "kv_cache and kr_cache stored together"},
     "quant_scale_repo_mode": {0: "scales apart from the data", 1: "scales stored with the data"},
 }
-QUANT_TENSORS = ("dequant_scale_x", "dequant_scale_w_dq", "dequant_scale_w_uq_qr", "dequant_scale_w_dkv_kr",
-                 "quant_scale_ckv", "quant_scale_ckr", "smooth_scales_cq", "k_nope_clip_alpha")
 
 
 class MlaPrologResult(NamedTuple):
     """query [.., N, Hckv], query_rope [.., N, Dr] (token_x's leading dims), dequant_scale_q_nope (float32 [0]: the
-    query is not quantised), query_norm ([.., Hcq] with query_norm_flag, else [0]) and dequant_scale_q_norm (float32
-    [0])."""
+    query is not quantised), query_norm ([.., Hcq] with query_norm_flag, int8 with weight_quant_mode 1, else [0]) and
+    dequant_scale_q_norm (float32 [T, 1] with query_norm_flag and weight_quant_mode 1, else [0])."""
 
     query: torch.Tensor
     query_rope: torch.Tensor
@@ -69,6 +67,7 @@ class MlaPrologProblem:
     qc_qr_scale: float
     kc_scale: float
     query_norm: bool
+    quantized_uq_qr: bool  # weight_quant_mode 1: int8 weight_uq_qr, c^Q quantised per token
 
     @property
     def tokens(self) -> int:
@@ -83,25 +82,51 @@ def _present(tensor, name: str) -> torch.Tensor:
 
 
 def _check_modes(modes: dict[str, int], quant_tensors: dict[str, torch.Tensor | None], actual_seq_len,
-                 tile_size) -> None:
+                 tile_size) -> bool:
+    """True for weight_quant_mode 1 (the one quantised scenario computed), False for the unquantised call."""
     for name, value in modes.items():
         value = require_int(value, name)
         meanings = QUANT_MODES[name]
         if value not in meanings:
             raise ParamInvalidError(f"{name}: expected one of {sorted(meanings)}, got {value}")
-        if value != 0:
+        if value != 0 and (name, value) != ("weight_quant_mode", 1):
             raise ParamInvalidError(
-                f"{name}: {value} ({meanings[value]}) is not supported: only the unquantised MlaProlog "
-                f"(weight_quant_mode, kv_cache_quant_mode, query_quant_mode, ckvkr_repo_mode and "
-                f"quant_scale_repo_mode all 0) is computed (docs/operators/mla_prolog.md)")
+                f"{name}: {value} ({meanings[value]}) is not supported: the unquantised MlaProlog and "
+                f"weight_quant_mode=1 with kv_cache_quant_mode, query_quant_mode, ckvkr_repo_mode and "
+                f"quant_scale_repo_mode 0 are computed (docs/operators/mla_prolog.md)")
     require_int(tile_size, "tile_size")
+    quantized = modes["weight_quant_mode"] == 1
+    taken = ("dequant_scale_w_uq_qr", "smooth_scales_cq") if quantized else ()
     for name, tensor in quant_tensors.items():
-        if tensor is not None:
-            raise ParamInvalidError(f"{name}: only the quantised modes take it, and they are not supported; "
-                                    f"expected None, got {describe(tensor)}")
+        if tensor is not None and name not in taken:
+            raise ParamInvalidError(f"{name}: only quantised modes that are not supported take it; expected None, "
+                                    f"got {describe(tensor)}")
     if actual_seq_len is not None:
         raise ParamInvalidError("actual_seq_len: only the block-index cache modes (PA_BLK_BSND, PA_BLK_NZ) take it, "
                                 "and they are not supported; expected None")
+    return quantized
+
+
+def _check_uq_qr_scales(weight_uq_qr, dequant_scale_w_uq_qr, smooth_scales_cq, q_latent: int,
+                        quantized: bool) -> None:
+    """weight_quant_mode 1: int8 weight_uq_qr with its per-column float32 dequant scales [1, N (D + Dr)] and the
+    optional smooth scales [1, Hcq] (or [1]) of the query latent."""
+    if not quantized:
+        return
+    columns = weight_uq_qr.shape[-1]
+    if dequant_scale_w_uq_qr is None:
+        raise ParamNullptrError("dequant_scale_w_uq_qr: required with weight_quant_mode=1, got None")
+    require(isinstance(dequant_scale_w_uq_qr, torch.Tensor) and dequant_scale_w_uq_qr.dtype == torch.float32
+            and tuple(dequant_scale_w_uq_qr.shape) == (1, columns), "dequant_scale_w_uq_qr",
+            f"a float32 tensor [1, N * (D + Dr)] = [1, {columns}]", dequant_scale_w_uq_qr)
+    if smooth_scales_cq is not None:
+        require(isinstance(smooth_scales_cq, torch.Tensor) and smooth_scales_cq.dtype == torch.float32
+                and tuple(smooth_scales_cq.shape) in ((1, q_latent), (1,)), "smooth_scales_cq",
+                f"a float32 tensor [1, Hcq] = [1, {q_latent}] or [1]", smooth_scales_cq)
+    for name, tensor in (("dequant_scale_w_uq_qr", dequant_scale_w_uq_qr), ("smooth_scales_cq", smooth_scales_cq)):
+        if tensor is not None:
+            require(tensor.device == weight_uq_qr.device, name, f"weight_uq_qr's device {weight_uq_qr.device}",
+                    tensor)
 
 
 def _check_cache_mode(cache_mode) -> str:
@@ -116,7 +141,7 @@ def _check_cache_mode(cache_mode) -> str:
 
 
 def _check_weights(token_x, weight_dq, weight_uq_qr, weight_uk, weight_dkv_kr, gamma_cq, gamma_ckv, rope_sin,
-                   rope_cos) -> tuple[int, ...]:
+                   rope_cos, quantized: bool) -> tuple[int, ...]:
     """(He, Hcq, N, D, Dr, Hckv) after checking every weight's dtype and shape against token_x and each other."""
     dtype = token_x.dtype
     require(dtype in FLOAT_DTYPES, "token_x",
@@ -128,8 +153,11 @@ def _check_weights(token_x, weight_dq, weight_uq_qr, weight_uk, weight_dkv_kr, g
     for name, tensor in (("weight_dq", weight_dq), ("weight_uq_qr", weight_uq_qr), ("weight_uk", weight_uk),
                          ("weight_dkv_kr", weight_dkv_kr), ("rmsnorm_gamma_cq", gamma_cq),
                          ("rmsnorm_gamma_ckv", gamma_ckv), ("rope_sin", rope_sin), ("rope_cos", rope_cos)):
-        require(tensor.dtype == dtype, name, f"token_x's dtype {dtype} (int8 weights are the quantised modes, "
-                f"not supported)", tensor)
+        if name == "weight_uq_qr" and quantized:
+            require(tensor.dtype == torch.int8, name, "dtype int8 with weight_quant_mode=1", tensor)
+        else:
+            require(tensor.dtype == dtype, name, f"token_x's dtype {dtype} (int8 weights: weight_uq_qr with "
+                    f"weight_quant_mode=1 only)", tensor)
         require(tensor.device == token_x.device, name, f"token_x's device {token_x.device}", tensor)
     require(weight_uk.dim() == 3 and min(weight_uk.shape) > 0, "weight_uk", "a 3-D tensor [N, D, Hckv]", weight_uk)
     heads, nope_dim, latent = weight_uk.shape
@@ -284,7 +312,8 @@ def mla_prolog(
     query_rope = RoPE(q^R); latent = kc_scale * RmsNorm((x W^DKVKR)[:Hckv]) and key rope = RoPE((x W^DKVKR)[Hckv:])
     go to the cache rows `cache_index` names (PA_BSND / PA_NZ) or to row t of a BSND / TND cache. token_x is
     [T, He] or [B, S, He]; weight_dq [He, Hcq], weight_uq_qr [Hcq, N * (D + Dr)], weight_uk [N, D, Hckv],
-    weight_dkv_kr [He, Hckv + Dr] (NZ-cast or plain: the same values). Only the unquantised modes are computed.
+    weight_dkv_kr [He, Hckv + Dr] (NZ-cast or plain: the same values). Computed: the unquantised call and
+    weight_quant_mode=1 (int8 weight_uq_qr, c^Q quantised per token: query_norm int8 with dequant_scale_q_norm).
     """
     names = ("token_x", "weight_dq", "weight_uq_qr", "weight_uk", "weight_dkv_kr", "rmsnorm_gamma_cq",
              "rmsnorm_gamma_ckv", "rope_sin", "rope_cos", "kv_cache", "kr_cache")
@@ -292,7 +321,7 @@ def mla_prolog(
                rope_sin, rope_cos, kv_cache, kr_cache]
     for name, tensor in zip(names, tensors, strict=True):
         _present(tensor, name)
-    _check_modes(
+    quantized = _check_modes(
         {"weight_quant_mode": weight_quant_mode, "kv_cache_quant_mode": kv_cache_quant_mode,
          "query_quant_mode": query_quant_mode, "ckvkr_repo_mode": ckvkr_repo_mode,
          "quant_scale_repo_mode": quant_scale_repo_mode},
@@ -304,24 +333,27 @@ def mla_prolog(
     cache_mode = _check_cache_mode(cache_mode)
     hidden, q_latent, heads, nope_dim, rope_dim, latent = _check_weights(
         token_x, weight_dq, weight_uq_qr, weight_uk, weight_dkv_kr, rmsnorm_gamma_cq, rmsnorm_gamma_ckv, rope_sin,
-        rope_cos)
+        rope_cos, quantized)
+    _check_uq_qr_scales(weight_uq_qr, dequant_scale_w_uq_qr, smooth_scales_cq, q_latent, quantized)
     _check_caches(token_x, kv_cache, kr_cache, cache_mode, latent, rope_dim)
     slots = _check_cache_index(cache_index, token_x, kv_cache, cache_mode)
     epsilon_cq, epsilon_ckv, qc_qr, kc, query_norm = _check_scalars(
         rmsnorm_epsilon_cq, rmsnorm_epsilon_ckv, qc_qr_scale, kc_scale, query_norm_flag)
     problem = MlaPrologProblem(tuple(token_x.shape[:-1]), hidden, q_latent, heads, nope_dim, rope_dim, latent,
-                               cache_mode, epsilon_cq, epsilon_ckv, qc_qr, kc, query_norm)
+                               cache_mode, epsilon_cq, epsilon_ckv, qc_qr, kc, query_norm, quantized)
     select_backend(backend, token_x.device, op="mla_prolog",
                    unsupported=lambda: "MlaProlog is computed by the reference backend only")
     rows = reference.mla_prolog(
         problem, token_x.reshape(-1, hidden), weight_dq, weight_uq_qr, weight_uk, weight_dkv_kr, rmsnorm_gamma_cq,
-        rmsnorm_gamma_ckv, rope_sin.reshape(-1, rope_dim), rope_cos.reshape(-1, rope_dim))
+        rmsnorm_gamma_ckv, rope_sin.reshape(-1, rope_dim), rope_cos.reshape(-1, rope_dim), dequant_scale_w_uq_qr,
+        smooth_scales_cq)
     write_caches(kv_cache, kr_cache, rows.latent, rows.key_rope, slots, cache_mode)
     lead = problem.token_shape
     empty = token_x.new_empty((0,), dtype=torch.float32)
     query_norm_out = rows.query_norm.reshape(*lead, q_latent) if query_norm else token_x.new_empty((0,))
+    scale_q_norm = rows.query_norm_scale if query_norm and quantized else empty.clone()
     return MlaPrologResult(rows.query.reshape(*lead, heads, latent), rows.query_rope.reshape(*lead, heads, rope_dim),
-                           empty, query_norm_out, empty.clone())
+                           empty, query_norm_out, scale_q_norm)
 
 
 def write_caches(kv_cache: torch.Tensor, kr_cache: torch.Tensor, latent: torch.Tensor, key_rope: torch.Tensor,

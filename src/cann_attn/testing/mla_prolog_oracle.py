@@ -19,7 +19,8 @@ F64 = torch.float64
 class MlaPrologOracle:
     query: torch.Tensor  # [.., N, Hckv]
     query_rope: torch.Tensor  # [.., N, Dr]
-    query_norm: torch.Tensor  # [.., Hcq]
+    query_norm: torch.Tensor  # [.., Hcq] (int8 values with weight_quant_mode 1)
+    query_norm_scale: torch.Tensor | None  # [T, 1] with weight_quant_mode 1
     kv_cache: torch.Tensor  # the cache's shape, float64
     kr_cache: torch.Tensor
     kv_written: torch.Tensor  # bool, the cache's shape
@@ -52,7 +53,10 @@ def _nz_flat_index(block: int, slot: int, channel: int, *, block_size: int, widt
 def mla_prolog_oracle(token_x, weight_dq, weight_uq_qr, weight_uk, weight_dkv_kr, gamma_cq, gamma_ckv, rope_sin,
                       rope_cos, kv_cache, kr_cache, cache_index=None, *, cache_mode: str = "PA_BSND",
                       eps_cq: float = 1e-5, eps_ckv: float = 1e-5, qc_qr_scale: float = 1.0,
-                      kc_scale: float = 1.0) -> MlaPrologOracle:
+                      kc_scale: float = 1.0, dequant_scale_w_uq_qr=None, smooth_scales_cq=None) -> MlaPrologOracle:
+    """With `dequant_scale_w_uq_qr` (weight_quant_mode 1: int8 weight_uq_qr) c^Q is quantised per token as the
+    MlaPrologV3 design note's dynamic quantisation says, scale = max |c^Q * smooth| / 127, int8 = round(c^Q * smooth
+    / scale) (ties to even), and the int8 product is dequantised by scale * dequant_scale_w_uq_qr[column]."""
     heads, nope_dim, latent = weight_uk.shape
     rope_dim = rope_sin.shape[-1]
     lead = tuple(token_x.shape[:-1])
@@ -65,10 +69,18 @@ def mla_prolog_oracle(token_x, weight_dq, weight_uq_qr, weight_uk, weight_dkv_kr
     query_norm = torch.zeros(tokens, w_dq.shape[1], dtype=F64)
     latents = torch.zeros(tokens, latent, dtype=F64)
     key_ropes = torch.zeros(tokens, rope_dim, dtype=F64)
+    query_norm_scale = torch.zeros(tokens, 1, dtype=F64) if dequant_scale_w_uq_qr is not None else None
     for t in range(tokens):
         c_q = qc_qr_scale * _rmsnorm(x[t] @ w_dq, gamma_cq, eps_cq)
-        query_norm[t] = c_q
-        q_all = c_q @ w_uq_qr
+        if dequant_scale_w_uq_qr is None:
+            query_norm[t] = c_q
+            q_all = c_q @ w_uq_qr
+        else:
+            smoothed = c_q if smooth_scales_cq is None else c_q * smooth_scales_cq.to(F64).reshape(-1)
+            scale = smoothed.abs().max() / 127
+            quantized = torch.round(smoothed / scale) if scale > 0 else torch.zeros_like(smoothed)
+            query_norm[t], query_norm_scale[t] = quantized, scale
+            q_all = (quantized @ w_uq_qr) * scale * dequant_scale_w_uq_qr.to(F64).reshape(-1)
         for n in range(heads):
             head = q_all[n * (nope_dim + rope_dim) : (n + 1) * (nope_dim + rope_dim)]
             query[t, n] = head[:nope_dim] @ w_uk[n]
@@ -102,4 +114,4 @@ def mla_prolog_oracle(token_x, weight_dq, weight_uq_qr, weight_uk, weight_dkv_kr
                 flat_written[target] = True
         caches += [expected, written]
     return MlaPrologOracle(query.reshape(*lead, heads, latent), query_rope.reshape(*lead, heads, rope_dim),
-                           query_norm.reshape(*lead, -1), caches[0], caches[2], caches[1], caches[3])
+                           query_norm.reshape(*lead, -1), query_norm_scale, caches[0], caches[2], caches[1], caches[3])
