@@ -45,11 +45,11 @@ def restore_generators(states):
 
 VLLM_FIA_DECODE = """
 torch.manual_seed(0)
-B, N, NKV, D, BLOCK, BLOCKS = 3, 4, 2, 16, 16, 16
+B, N, NKV, D, BLOCK, BLOCKS, LAYERS = 3, 4, 2, 16, 16, 16, 2
 scale = D ** -0.5
-w_q = (torch.randn(N * D, N * D) * 0.1).npu()
-key_cache = torch.randn(BLOCKS, BLOCK, NKV * D, dtype=torch.float16).npu()
-value_cache = torch.randn(BLOCKS, BLOCK, NKV * D, dtype=torch.float16).npu()
+w_q = [(torch.randn(N * D, N * D) * 0.1).npu() for _ in range(LAYERS)]
+key_caches = [torch.randn(BLOCKS, BLOCK, NKV * D, dtype=torch.float16).npu() for _ in range(LAYERS)]
+value_caches = [torch.randn(BLOCKS, BLOCK, NKV * D, dtype=torch.float16).npu() for _ in range(LAYERS)]
 block_table = torch.arange(B * 4, dtype=torch.int32).reshape(B, 4).npu()     # persistent metadata buffer
 hidden = torch.randn(B, N * D).npu()                                          # persistent input buffer
 positions = torch.zeros(B, dtype=torch.int64).npu()
@@ -57,10 +57,14 @@ seq_lens = [5, 17, 30]
 common = dict(num_heads=N, num_key_value_heads=NKV, input_layout="BSH", scale=scale, block_size=BLOCK)
 
 def step_eager(lens):
-    q = (hidden @ w_q).to(torch.float16).unsqueeze(1)
-    out, _ = torch_npu.npu_fused_infer_attention_score(q, key_cache, value_cache, block_table=block_table,
-                                                       actual_seq_lengths_kv=lens, **common)
-    return out.squeeze(1).float() * 2 + hidden
+    x = hidden
+    for layer in range(LAYERS):
+        q = (x @ w_q[layer]).to(torch.float16).unsqueeze(1)
+        out, _ = torch_npu.npu_fused_infer_attention_score(q, key_caches[layer], value_caches[layer],
+                                                           block_table=block_table, actual_seq_lengths_kv=lens,
+                                                           **common)
+        x = out.squeeze(1).float() * 2 + x
+    return x
 
 class GraphParams:
     events, handles, attn_params = [], [], []
@@ -68,46 +72,50 @@ class GraphParams:
 params = GraphParams()
 update_stream = torch.npu.Stream()
 graph = torch.npu.NPUGraph()
-before = (hidden.clone(), key_cache.clone(), positions.clone())
+before = (hidden.clone(), key_caches[0].clone(), positions.clone())
 with torch.npu.graph(graph, pool=torch.npu.graph_pool_handle()):
-    query = (hidden @ w_q).to(torch.float16).unsqueeze(1)
-    output = torch.empty_like(query)
-    softmax_lse = torch.empty(1, dtype=torch.float16, device=query.device)
-    workspace = torch_npu._npu_fused_infer_attention_score_get_max_workspace(
-        query, key_cache, value_cache, block_table=block_table, actual_seq_lengths_kv=seq_lens, **common)
-    stream = torch_npu.npu.current_stream()
-    event = torch.npu.ExternalEvent()
-    event.wait(stream)
-    event.reset(stream)
-    params.events.append(event)
-    params.attn_params.append(tuple(torch_npu._C._weak_ref_tensor(t) for t in (query, output, softmax_lse, workspace)))
-    torch.npu.graph_task_group_begin(stream)
-    torch_npu.npu_fused_infer_attention_score.out(
-        query, key_cache, value_cache, block_table=block_table, actual_seq_lengths_kv=seq_lens, **common,
-        workspace=workspace, out=[output, softmax_lse])
-    params.handles.append(torch.npu.graph_task_group_end(stream))
-    result = output.squeeze(1).float() * 2 + hidden
+    result = hidden
+    for layer in range(LAYERS):
+        query = (result @ w_q[layer]).to(torch.float16).unsqueeze(1)
+        output = torch.empty_like(query)
+        softmax_lse = torch.empty(1, dtype=torch.float16, device=query.device)
+        workspace = torch_npu._npu_fused_infer_attention_score_get_max_workspace(
+            query, key_caches[layer], value_caches[layer], block_table=block_table, actual_seq_lengths_kv=seq_lens,
+            **common)
+        stream = torch_npu.npu.current_stream()
+        event = torch.npu.ExternalEvent()
+        event.wait(stream)
+        event.reset(stream)
+        params.events.append(event)
+        params.attn_params.append((layer, *(torch_npu._C._weak_ref_tensor(t)
+                                            for t in (query, output, softmax_lse, workspace))))
+        torch.npu.graph_task_group_begin(stream)
+        torch_npu.npu_fused_infer_attention_score.out(
+            query, key_caches[layer], value_caches[layer], block_table=block_table, actual_seq_lengths_kv=seq_lens,
+            **common, workspace=workspace, out=[output, softmax_lse])
+        params.handles.append(torch.npu.graph_task_group_end(stream))
+        result = output.squeeze(1).float() * 2 + result
     positions.add_(1)
 # The capture ran nothing that existing tensors keep: the in-place increment waits for a replay.
-for now, then in zip((hidden, key_cache, positions), before):
+for now, then in zip((hidden, key_caches[0], positions), before):
     same(now, then)
 
 def update_attn_params(lens):
     with torch.npu.stream(update_stream):
-        for (q, out, lse, ws), handle, event in zip(params.attn_params, params.handles, params.events):
+        for (layer, q, out, lse, ws), handle, event in zip(params.attn_params, params.handles, params.events):
             torch.npu.graph_task_update_begin(update_stream, handle)
             torch_npu.npu_fused_infer_attention_score.out(
-                q, key_cache, value_cache, block_table=block_table, actual_seq_lengths_kv=lens, **common,
-                workspace=ws, out=[out, lse])
+                q, key_caches[layer], value_caches[layer], block_table=block_table, actual_seq_lengths_kv=lens,
+                **common, workspace=ws, out=[out, lse])
             torch.npu.graph_task_update_end(update_stream)
             event.record(update_stream)
 
 for step, lens in enumerate(([6, 18, 31], [7, 19, 32], [1, 2, 3])):
     hidden.copy_(torch.randn(B, N * D))                              # the next tokens' hidden states
-    key_cache[step, lens[0] % BLOCK].normal_()                       # the cache gains tokens in place
+    key_caches[1][step, lens[0] % BLOCK].normal_()                   # the cache gains tokens in place
     block_table[1, 3] = BLOCKS - 1 - step                            # a sequence gets a new block
     previous = result.clone()
-    graph.replay()                                                   # waits for the update's event ...
+    graph.replay()                                                   # waits for layer 0's update ...
     same(result, previous)
     update_attn_params(lens)                                         # ... made after it, as vLLM-Ascend does
     same(result, step_eager(lens))
@@ -117,7 +125,8 @@ for step, lens in enumerate(([6, 18, 31], [7, 19, 32], [1, 2, 3])):
 seq_lens[0] = 99
 hidden.mul_(0.5)
 graph.replay()
-params.events[0].record()
+for event in params.events:
+    event.record()
 same(result, step_eager([1, 2, 3]))
 print("ok")
 """
@@ -188,6 +197,15 @@ for lens in ([9, 50], [33, 1]):
     g.replay()
     event.record()
     same(output_graph, eager(new_table, torch.tensor(lens, dtype=torch.int32)))
+
+# The same call through torch.ops.atb (install() defines it) is captured alike.
+g2 = torch.npu.NPUGraph()
+with torch.npu.graph(g2):
+    torch.ops.atb._npu_paged_attention(query_t, key_cache_t, value_cache_t, NKV, N, scale, block_tables_t,
+                                       context_lens_new, output_graph)
+query_t.mul_(-1)
+g2.replay()
+same(output_graph, eager(block_tables_t, context_lens_new))
 print("ok")
 """
 

@@ -95,6 +95,18 @@ def test_host_lengths_are_frozen_until_a_task_update_and_the_update_persists():
         g.replay()
         event.record()
         assert torch.equal(out, expected)
+    # An update's arguments are checked when a replay runs them; a later update repairs the task.
+    for lengths, error in (([999, 7], ParamInvalidError), ([5, 7], None)):
+        npu.graph_task_update_begin(None, handle)
+        _paged(out, query, cache, table, torch.tensor(lengths, dtype=torch.int32))
+        npu.graph_task_update_end(None)
+        g.replay()
+        if error is None:
+            event.record()
+            assert torch.equal(out, expected)
+        else:
+            with pytest.raises(error, match="999 keys"):
+                event.record()
 
 
 def test_a_replay_waits_for_its_external_event_and_later_replays_queue_behind_it():
