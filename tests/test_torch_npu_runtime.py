@@ -33,3 +33,14 @@ def test_unedited_mindspeed_style_ring_attention_runs_to_its_end_on_two_ranks():
     """CUDA-spelled ring attention made NPU code by transfer_to_npu (nccl, .cuda(), isend/irecv,
     npu_ring_attention_update) with only the install line added."""
     assert "ring attention ok" in cases.run_program("mindspeed_ring_attention.py", 2)
+
+
+def test_transfer_train_example_runs_and_is_the_one_the_guide_shows():
+    script = cases.ROOT / "examples" / "transfer_train.py"
+    body = script.read_text().split('"""', 2)[2].strip()
+    assert body in (cases.ROOT / "docs" / "guides" / "torch_npu.md").read_text(), \
+        "docs/guides/torch_npu.md shows another version of examples/transfer_train.py"
+    output = cases.run_example(script, "--steps", "4")
+    assert output.splitlines()[-1].startswith("4 of 4 steps taken on cpu"), output
+    losses = [float(line.split()[3]) for line in output.splitlines() if line.startswith("step ")]
+    assert len(losses) == 4 and losses[-1] < losses[0]

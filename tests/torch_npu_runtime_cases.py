@@ -233,6 +233,8 @@ with torch.npu.amp.autocast():
     assert torch.is_autocast_enabled(model.weight.device.type)
     assert torch.get_autocast_dtype(model.weight.device.type) == torch.float16
     assert model(torch.randn(2, 8).npu()).dtype == torch.float16
+with torch.autocast("npu"), torch.autocast(device_type="npu", enabled=True):
+    assert model(torch.randn(2, 8).npu()).dtype == torch.float16
 with torch_npu.npu.amp.autocast(dtype=torch.bfloat16):
     assert model(torch.randn(2, 8).npu()).dtype == torch.bfloat16
 with torch.npu.amp.autocast(enabled=False):
@@ -365,4 +367,14 @@ def run_program(name: str, processes: int) -> str:
                                  "--master-port", str(free_port()), str(PROGRAMS / name)], env=env, cwd=ROOT,
                                 capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, (result.stdout[-2000:], result.stderr[-4000:])
+    return result.stdout
+
+
+def run_example(path: Path, *args: str) -> str:
+    """``python path args`` with src on the path, no GPU visible (its install() line then picks the CPU)."""
+    env = dict(os.environ, CUDA_VISIBLE_DEVICES="")
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT / "src"), env.get("PYTHONPATH")) if p)
+    result = subprocess.run([sys.executable, str(path), *args], env=env, cwd=ROOT, capture_output=True, text=True,
+                            timeout=600)
+    assert result.returncode == 0, result.stderr[-4000:]
     return result.stdout

@@ -239,6 +239,19 @@ def _distributed_backend(function: Callable) -> Callable:
     return mapped
 
 
+def _autocast_init(init: Callable) -> Callable:
+    """``torch.autocast("npu")`` on the target, with the npu's default dtype float16 when none is given (torch's
+    default for its PrivateUse1 device, torch_npu's; the CPU's own default would be bfloat16)."""
+
+    @functools.wraps(init)
+    def mapped(self, device_type, dtype=None, *args, **kwargs):
+        if dtype is None and npu_index(device_type)[0]:
+            dtype = torch.float16
+        return init(self, _map_argument(device_type), dtype, *args, **kwargs)
+
+    return mapped
+
+
 def _backend_name(backend: str, replacement: str) -> str:
     """``"hccl"`` -> the target's backend; in a mixed string (``"cpu:gloo,npu:hccl"``) the npu entry becomes the
     target's, and when the target is the CPU it merges with the cpu entry (torch refuses a device named twice).
@@ -288,7 +301,7 @@ def map_npu_device(device: torch.device, npu_module: Any) -> None:
         _wrap(torch.Tensor, name, positional=True, positional_integers=name == "to")
     _wrap(torch.nn.Module, "to", positional=True, positional_integers=True)
     _wrap(torch.nn.Module, "to_empty")
-    _wrap(torch.amp.autocast_mode.autocast, "__init__", positional=True)
+    _replace(torch.amp.autocast_mode.autocast, "__init__", _autocast_init(torch.amp.autocast_mode.autocast.__init__))
     _replace(torch.Tensor, "npu", _tensor_npu)
     _replace(torch.Tensor, "is_npu", property(_is_npu))
     _replace(torch.nn.Module, "npu", _module_npu)
