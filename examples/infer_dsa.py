@@ -64,12 +64,12 @@ class Config:
     d_latent: int = 256  # shared latent key/value dim (DeepSeek-V3.2: 512)
     d_rope: int = 64  # decoupled rope dim (DeepSeek-V3.2: 64)
     idx_heads: int = 8  # indexer heads (DeepSeek-V3.2: 64)
-    idx_dim: int = 64  # indexer head dim (DeepSeek-V3.2: 128)
+    idx_dim: int = 128  # indexer head dim (DeepSeek-V3.2: 128; the quantised indexer takes only 128)
     top_k: int = 128  # keys each query attends to (DeepSeek-V3.2: 2048)
     block_size: int = 64  # tokens per cache block (a multiple of 16, at most 1024)
     seed: int = 0
     device: str = "cpu"  # "cuda": the cann_attn ops pick their Triton kernels, which read the pages in place
-    quant: bool = False  # int8 latent and indexer caches (needs d_latent 512, d_rope 64)
+    quant: bool = False  # int8 latent and indexer caches (needs d_latent 512, d_rope 64, idx_dim 128)
 
     def prompt_lengths(self) -> list[int]:
         """Different prompt lengths per sequence: partially filled last blocks, sequences of several blocks."""
@@ -427,6 +427,8 @@ def main(argv: list[str] | None = None) -> dict:
         parser.error("--block-size must be a multiple of 16")
     if cfg.quant and (cfg.d_latent, cfg.d_rope) != (512, 64):
         parser.error("--quant needs --d-latent 512 and --d-rope 64 (the combined int8 cache row of 656 bytes)")
+    if cfg.quant and cfg.idx_dim != 128:
+        parser.error("--quant needs --idx-dim 128 (the quantised indexer's only head dim)")
     return run(cfg, out)
 
 

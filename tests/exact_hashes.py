@@ -79,8 +79,8 @@ def quant_cases() -> dict[str, str]:
                                            deq_scale2=torch.tensor([1 / 4096]))
     out = {"pfa_int8": digest(pfa)}
     if hasattr(cann_attn, "quant_lightning_indexer"):  # absent from older checkouts
-        qi = torch.randint(-127, 128, (1, 16, 8, 64), generator=g, dtype=torch.int8)
-        ki = torch.randint(-127, 128, (1, 512, 1, 64), generator=g, dtype=torch.int8)
+        qi = torch.randint(-127, 128, (1, 16, 8, 128), generator=g, dtype=torch.int8)
+        ki = torch.randint(-127, 128, (1, 512, 1, 128), generator=g, dtype=torch.int8)
         w = torch.randn(1, 16, 8, generator=g).half()
         q_scale = (torch.rand(1, 16, 8, generator=g) * 0.01).half()
         k_scale = (torch.rand(1, 512, 1, generator=g) * 0.01).half()

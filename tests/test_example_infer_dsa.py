@@ -26,7 +26,7 @@ def reference_backend(monkeypatch):
 
 def test_prefill_and_decode_match_the_unpaged_layer(infer_dsa, tmp_path):
     summary = infer_dsa.main(["--batch", "3", "--prompt", "40", "--steps", "5", "--d-model", "32", "--n-heads", "2",
-                              "--d-latent", "16", "--d-rope", "8", "--idx-heads", "2", "--idx-dim", "8",
+                              "--d-latent", "16", "--d-rope", "8", "--idx-heads", "2", "--idx-dim", "128",
                               "--top-k", "12", "--block-size", "16", "--out", str(tmp_path)])
     assert summary["bitwise"] and summary["checked_steps"] == 6
     lengths = summary["prompt_lengths"]
@@ -43,7 +43,7 @@ def test_a_paged_read_of_an_unwritten_slot_would_be_caught(infer_dsa, monkeypatc
     """The unwritten slots hold NaN: a layer that read one (here: the table pointing one block off) fails the
     step-by-step comparison."""
     cfg = infer_dsa.Config(batch=2, prompt=20, steps=2, d_model=32, n_heads=2, d_latent=16, d_rope=8, idx_heads=2,
-                           idx_dim=8, top_k=8, block_size=16)
+                           idx_dim=128, top_k=8, block_size=16)
     original = infer_dsa.PagedCache.append
 
     def append_then_corrupt(self, b, values):
@@ -56,7 +56,7 @@ def test_a_paged_read_of_an_unwritten_slot_would_be_caught(infer_dsa, monkeypatc
 
 
 QUANT_ARGS = ["--quant", "--d-latent", "512", "--batch", "3", "--prompt", "40", "--steps", "4", "--d-model", "32",
-              "--n-heads", "2", "--idx-heads", "2", "--idx-dim", "8", "--top-k", "12", "--block-size", "16"]
+              "--n-heads", "2", "--idx-heads", "2", "--idx-dim", "128", "--top-k", "12", "--block-size", "16"]
 
 
 def test_quant_mode_matches_the_dequantised_float_layer(infer_dsa, tmp_path):
@@ -65,7 +65,7 @@ def test_quant_mode_matches_the_dequantised_float_layer(infer_dsa, tmp_path):
     float64 index scores, attention bit for bit)."""
     summary = infer_dsa.main([*QUANT_ARGS, "--out", str(tmp_path)])
     assert summary["bitwise"] and summary["checked_steps"] == 5 and summary["config"]["quant"]
-    assert summary["cache_bytes_per_token"] == 656 + 8 + 2  # latent row, int8 indexer key, fp16 scale
+    assert summary["cache_bytes_per_token"] == 656 + 128 + 2  # latent row, int8 indexer key (D 128), fp16 scale
 
 
 def test_quant_mode_catches_a_wrong_tile_scale(infer_dsa, monkeypatch, tmp_path):

@@ -128,3 +128,15 @@ def test_inf_value_keeps_the_formula_result(path: str) -> None:
     want = golden(q, k, v)
     assert_matches_golden(out[..., 1:], want[..., 1:], v[..., 1:])
     assert_matches_golden(out[1], want[1], v[1])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_sparse_flash_attention(path: str, dtype: torch.dtype) -> None:
+    """Every key selected (sparse_mode 0), so the answer is the dense one. Before: inf where the answer is ~3e38
+    on every path."""
+    q, k, v = inputs_near_max(dtype)
+    q, k, v = q.transpose(1, 2), k[:, :1].transpose(1, 2), v[:, :1].transpose(1, 2)  # BSND, one kv head
+    indices = torch.arange(S, dtype=torch.int32).expand(B, S, 1, S).contiguous()
+    out = _call(path, "sparse_flash_attention", q, k, v, indices, SCALE, sparse_mode=0)[0]
+    want = golden(q.transpose(1, 2), k.transpose(1, 2).expand(B, N, S, D), v.transpose(1, 2).expand(B, N, S, D))
+    assert_matches_golden(out, want.transpose(1, 2), v.transpose(1, 2))  # column scales over the keys

@@ -294,8 +294,8 @@ def test_quant_indexer_npu_mode_ranks_as_the_kernel_rounds():
     """int8 QuantLightningIndexer with fp16 weights / scales: the fp16 products and folded weights decide the order
     of near-equal scores; "npu" mode returns the recipe's indices exactly, "exact" mode does not."""
     g = torch.Generator().manual_seed(0)
-    q = torch.randint(-127, 128, (1, 16, 8, 64), generator=g, dtype=torch.int8)
-    key = torch.randint(-127, 128, (1, 512, 1, 64), generator=g, dtype=torch.int8)
+    q = torch.randint(-127, 128, (1, 16, 8, 128), generator=g, dtype=torch.int8)
+    key = torch.randint(-127, 128, (1, 512, 1, 128), generator=g, dtype=torch.int8)
     weights = torch.randn(1, 16, 8, generator=g).half()
     q_scale = (torch.rand(1, 16, 8, generator=g) * 0.01 + 0.001).half()
     k_scale = (torch.rand(1, 512, 1, generator=g) * 0.01 + 0.001).half()

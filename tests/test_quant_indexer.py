@@ -28,7 +28,7 @@ class QuantCase:
     """Random quantised indexer inputs; `exact=True` draws small integers and dyadic scales/weights so every score is
     exact in fp32 (the top-k, ties included, must then equal the oracle's exactly)."""
 
-    def __init__(self, layout, gen, *, dtype=I8, h=4, d=16, exact=False, signed_scales=False, s1=7, s2=11):
+    def __init__(self, layout, gen, *, dtype=I8, h=4, d=128, exact=False, signed_scales=False, s1=7, s2=11):
         self.layout, self.dtype = layout, dtype
         q_lens, kv_lens = LENGTHS[layout]
         w_dt, qs_dt, ks_dt = SCALE_DTYPES[dtype]
@@ -161,7 +161,7 @@ def test_mutant_block_mapping_is_caught(rng, monkeypatch):
        mode=st.sampled_from([0, 3]), fp8=st.booleans(), seed=st.integers(0, 2**16))
 def test_hypothesis_exact_top_k(s1, s2, h, k, mode, fp8, seed):
     gen = torch.Generator().manual_seed(seed)
-    case = QuantCase("BSND", gen, dtype=FP8 if fp8 else I8, h=h, d=8, exact=True, s1=s1, s2=s2)
+    case = QuantCase("BSND", gen, dtype=FP8 if fp8 else I8, h=h, exact=True, s1=s1, s2=s2)
     case.kw.update(actual_seq_lengths_query=None, actual_seq_lengths_key=None)
     case.query, case.key = case.query[:1], case.key[:1]
     case.weights, case.query_scale, case.key_scale = case.weights[:1], case.query_scale[:1], case.key_scale[:1]
@@ -195,6 +195,8 @@ def _call(case, **changes):
     (lambda c: dict(layout_key="TND"), "layout_key"),
     (lambda c: dict(key=c.key.expand(-1, -1, 2, -1)), "key"),
     (lambda c: dict(key=c.key[..., :8]), "key"),
+    # "参数query中的D和参数key中的D值相等为128"; before: D = 64 was accepted.
+    (lambda c: dict(query=c.query[..., :64], key=c.key[..., :64]), "query: expected head dim D = 128"),
     (lambda c: dict(key_dequant_scale=c.key_scale[:, :5]), "key_dequant_scale"),
     (lambda c: dict(query_dequant_scale=c.query_scale[..., :2]), "query_dequant_scale"),
     (lambda c: dict(weights=torch.full_like(c.weights, 60000.0), query_dequant_scale=torch.full_like(

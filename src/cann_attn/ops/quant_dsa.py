@@ -40,6 +40,10 @@ INDEXER_SCALE_DTYPES = {
                           (torch.float16, torch.float16, torch.float16)),
 }
 FP16_MAX = 65504.0
+# npu_quant_lightning_indexer: "参数query中的D和参数key中的D值相等为128".
+QUANT_INDEXER_HEAD_DIM = 128
+# npu_kv_quant_sparse_flash_attention, query: "Q_N值支持1/2/4/8/16/32/48/64/128".
+KV_QUANT_QUERY_HEADS = (1, 2, 4, 8, 16, 32, 48, 64, 128)
 
 
 def _no_hifloat8(value, param: str) -> None:
@@ -119,6 +123,7 @@ def quant_lightning_indexer(
     require(query.dim() == rank, "query", f"a {rank}-D tensor for layout {layout}", query)
     require_key_rank(key, "key", layout_key)
     require(key.shape[-2] == 1, "key", "N2 = 1", key)
+    require(query.shape[-1] == QUANT_INDEXER_HEAD_DIM, "query", f"head dim D = {QUANT_INDEXER_HEAD_DIM}", query)
     require(key.shape[-1] == query.shape[-1], "key", f"head dim {query.shape[-1]} like the query", key)
     require(query.shape[:-2].numel() == 0 or query.shape[-2] >= 1, "query", "N1 >= 1 heads", query)
     for name, t, shape in (("weights", weights, query.shape[:-1]),
@@ -249,6 +254,8 @@ def kv_quant_sparse_flash_attention(
     width = dequant.LATENT_DIM + dequant.ROPE_DIM
     require(query.shape[-1] == width, "query", f"head dim {width} (nope {dequant.LATENT_DIM} ++ rope "
             f"{dequant.ROPE_DIM})", query)
+    require(query.dim() >= 2 and query.shape[-2] in KV_QUANT_QUERY_HEADS, "query",
+            f"Q_N (heads) among {list(KV_QUANT_QUERY_HEADS)}", query)
     layout_kv = kv_layout(layout, layout_kv, block_table, "layout_kv")
     require_key_rank(key, "key", layout_kv)
     row = dequant.combined_width(query.dtype)
@@ -264,7 +271,7 @@ def kv_quant_sparse_flash_attention(
                               actual_seq_lengths_query=actual_seq_lengths_query,
                               actual_seq_lengths_kv=actual_seq_lengths_kv, sparse_block_size=sparse_block_size,
                               layout=layout, sparse_mode=sparse_mode, block_table=block_table, layout_kv=layout_kv,
-                              block_sizes=KV_QUANT_BLOCK_SIZES)
+                              block_sizes=KV_QUANT_BLOCK_SIZES, keyless=True)
     value_is_key = value is key or (value.data_ptr() == key.data_ptr() and value.stride() == key.stride())
     if value_is_key:
         value_parts = key_parts

@@ -25,7 +25,7 @@ from ..problem import sink as sink_rule
 from ..problem.lengths import cumulative_lengths, per_batch_lengths, starts_of
 from ..problem.page_table import DSA_BLOCK_SIZES, PAGED_KV_LAYOUT, PageTable, page_table
 from ..problem.sparse import SPARSE_BLOCK_SIZES
-from ..problem.stats import accumulation_dtype
+from ..problem.stats import accumulation_dtype, value_column_scales
 from ..traceable import traced_as_custom_op
 
 INT64_MAX = 2**63 - 1
@@ -97,10 +97,12 @@ def _check_tensor(t, name: str, dtype: torch.dtype | None = None) -> torch.Tenso
 def validate_sparse(query, key, value, sparse_indices, scale_value, *, query_rope, key_rope, actual_seq_lengths_query,
                     actual_seq_lengths_kv, sparse_block_size, layout, sparse_mode, pre_tokens=INT64_MAX,
                     next_tokens=INT64_MAX, block_table=None, layout_kv=None,
-                    block_sizes: tuple[int, ...] = SPARSE_BLOCK_SIZES) -> SparseProblem:
+                    block_sizes: tuple[int, ...] = SPARSE_BLOCK_SIZES, keyless: bool = False) -> SparseProblem:
     """Documented constraints of the SFA family (docs/semantics/layouts.md, docs/operators/sparse_flash_attention.md,
     docs/semantics/errors.md; a paged key/value cache: docs/semantics/paged-kv.md). `block_sizes`: the operator's
-    documented `sparse_block_size` values (KvQuantSparseFlashAttention documents its own)."""
+    documented `sparse_block_size` values (KvQuantSparseFlashAttention documents its own); `keyless`: TND sequences
+    with queries but no keys are computed (their rows select nothing: output 0) instead of refused, as
+    KvQuantSparseFlashAttention documents lengths >= 0."""
     _check_tensor(query, "query")
     require(query.dtype in FLOAT_DTYPES, "query", "dtype float16 or bfloat16", query)
     for name, t in (("key", key), ("value", value)):
@@ -164,7 +166,8 @@ def validate_sparse(query, key, value, sparse_indices, scale_value, *, query_rop
                                     f"{key.shape[1]} (key.shape[1]), got {sparse_block_size}")
         return paged_sequence_spans(layout, query, key, actual_seq_lengths_query, actual_seq_lengths_kv,
                                     block_table, "actual_seq_lengths_kv")
-    return sequence_spans(layout, query, key, actual_seq_lengths_query, actual_seq_lengths_kv, "actual_seq_lengths_kv")
+    return sequence_spans(layout, query, key, actual_seq_lengths_query, actual_seq_lengths_kv, "actual_seq_lengths_kv",
+                          keyless=keyless)
 
 
 def kv_layout(layout: str, layout_kv: str | None, block_table, param: str) -> str:
@@ -219,8 +222,9 @@ def paged_sequence_spans(layout: str, query: torch.Tensor, cache: torch.Tensor, 
 
 
 def sequence_spans(layout: str, query: torch.Tensor, key: torch.Tensor, actual_q, actual_kv,
-                   kv_param: str, key_param: str = "key") -> SparseProblem:
-    """Per-sequence spans of a BSND (plain per-batch actual lengths) or TND (cumulative ends) DSA problem."""
+                   kv_param: str, key_param: str = "key", keyless: bool = False) -> SparseProblem:
+    """Per-sequence spans of a BSND (plain per-batch actual lengths) or TND (cumulative ends) DSA problem; a TND
+    sequence with queries but no keys is refused unless `keyless`."""
     heads = query.shape[-2]
     if layout == "BSND":
         batch = query.shape[0]
@@ -238,7 +242,7 @@ def sequence_spans(layout: str, query: torch.Tensor, key: torch.Tensor, actual_q
             f"{kv_param}: expected {len(q_len)} sequences like actual_seq_lengths_query, got {len(kv_len)}"
         )
     for b, (sq, skv) in enumerate(zip(q_len, kv_len, strict=True)):
-        if sq > 0 and skv == 0:
+        if sq > 0 and skv == 0 and not keyless:
             raise ParamInvalidError(f"{kv_param}: sequence {b} has {sq} query tokens but no key tokens")
     q_spans = [(-1, s, n) for s, n in zip(starts_of(q_len), q_len, strict=True)]
     kv_spans = [(-1, s, n) for s, n in zip(starts_of(kv_len), kv_len, strict=True)]
@@ -343,15 +347,40 @@ def sparse_flash_attention(
 def forward_problem(problem: SparseProblem, query, key, value, sparse_indices, query_rope, key_rope, scale_value: float,
                     sparse_mode: int, block_size: int, sinks, backend: str) -> SparseFlashAttentionResult:
     """`sparse_flash_attention` of a validated problem (also KvQuantSparseFlashAttention's path over a dequantised
-    temporary, whose block sizes are its own)."""
+    temporary, whose block sizes are its own).
+
+    Values near the float maximum (docs/semantics/precision.md, "Values near the float maximum"): where the output
+    is not finite, the value columns whose P V accumulation can overflow are scaled by exact powers of two
+    (`stats.value_column_scales`), the call is run again on the same backend and those columns are scaled back, so
+    a finite answer near 3e38 stays finite; ordinary calls pay one isfinite pass over the output."""
     if query.numel() == 0:
         # Empty query (B, S1/T1, N1 or D zero): "query为空Tensor：直接返回" (docs/semantics/errors.md).
         return SparseFlashAttentionResult(*_initial_outputs(problem, query, value))
-    if select_backend(backend, query.device, op="sparse_flash_attention",
-                      unsupported=lambda: sparse_unsupported(query, key, value, query_rope)) == "triton":
-        return SparseFlashAttentionResult(*triton_forward(problem, query, key, value, sparse_indices, query_rope,
-                                                          key_rope, float(scale_value), int(sparse_mode), block_size,
-                                                          sinks))
+    use_triton = select_backend(backend, query.device, op="sparse_flash_attention",
+                                unsupported=lambda: sparse_unsupported(query, key, value, query_rope)) == "triton"
+
+    def run(values: torch.Tensor) -> SparseFlashAttentionResult:
+        if use_triton:
+            return SparseFlashAttentionResult(*triton_forward(problem, query, key, values, sparse_indices, query_rope,
+                                                              key_rope, float(scale_value), int(sparse_mode),
+                                                              block_size, sinks))
+        return _reference_forward(problem, query, key, values, sparse_indices, query_rope, key_rope, scale_value,
+                                  sparse_mode, block_size, sinks)
+
+    result = run(value)
+    if kernel.all_finite(result.attention_out):
+        return result
+    column_max = value.detach().abs().reshape(-1, value.shape[-1]).amax(0)
+    scales = value_column_scales(column_max, max(problem.kv_lengths, default=0))
+    if scales is None:
+        return result
+    scaled = run(value * scales.to(device=value.device, dtype=value.dtype))
+    out = (scaled.attention_out.float() / scales.to(scaled.attention_out.device)).to(result.attention_out.dtype)
+    return SparseFlashAttentionResult(out, scaled.softmax_max, scaled.softmax_sum)
+
+
+def _reference_forward(problem: SparseProblem, query, key, value, sparse_indices, query_rope, key_rope,
+                       scale_value: float, sparse_mode: int, block_size: int, sinks) -> SparseFlashAttentionResult:
     out, softmax_max, softmax_sum = _initial_outputs(problem, query, value)
     dtype = accumulation_dtype(query.dtype)
     pipeline = precision.sfa_pipeline(key.dtype, query.dtype) if precision.npu_mode() else None

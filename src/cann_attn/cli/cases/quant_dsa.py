@@ -161,7 +161,7 @@ register_operator(Operator(
 
 
 def _quant_li_named(gen: torch.Generator, layout: str, q_lens, kv_lens, *, s1: int = 0, s2: int = 0,
-                    heads: int = 8, dim: int = 32, topk: int = 8, mode: int = 3) -> dict[str, Any]:
+                    heads: int = 8, dim: int = 128, topk: int = 8, mode: int = 3) -> dict[str, Any]:
     q_lead = (sum(q_lens),) if layout == "TND" else (len(q_lens), s1)
     kv_lead = (sum(kv_lens),) if layout == "TND" else (len(kv_lens), s2)
     lens = ({"actual_seq_lengths_query": cumulative(q_lens), "actual_seq_lengths_key": cumulative(kv_lens)}
