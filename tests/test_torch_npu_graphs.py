@@ -6,6 +6,7 @@ the errors of misuse."""
 from __future__ import annotations
 
 import gc
+import threading
 
 import pytest
 import torch
@@ -119,6 +120,8 @@ def test_a_replay_waits_for_its_external_event_and_later_replays_queue_behind_it
         z = y * 3
     g.replay()
     assert torch.equal(y, torch.full((2,), 2.0)) and npu.is_current_stream_capturing() is False
+    with pytest.raises(GraphReplayError, match="waits for an ExternalEvent"):
+        npu.synchronize()  # would never return on the NPU
     x.fill_(5)
     g.replay()  # queued behind the first
     z_before = z.clone()
@@ -129,6 +132,22 @@ def test_a_replay_waits_for_its_external_event_and_later_replays_queue_behind_it
     assert torch.equal(z, torch.full((2,), 18.0))
     with pytest.raises(GraphReplayError, match="not recorded"):
         event.wait()  # eagerly, nothing could record it
+
+
+def test_calls_of_other_threads_are_not_captured():
+    query, cache, table = _paged_inputs()
+    lens = torch.tensor([20, 32], dtype=torch.int32)
+    outside = torch.zeros(2, 2, 16, dtype=torch.half)
+    g = npu.NPUGraph()
+    with npu.graph(g):
+        worker = threading.Thread(target=_paged, args=(outside, query, cache, table, lens))
+        worker.start()
+        worker.join()
+        doubled = query * 2
+    assert len(g._steps) == 1 and outside.abs().sum() > 0  # the thread's call ran, eagerly, and only there
+    outside.zero_()
+    g.replay()
+    assert torch.equal(outside, torch.zeros_like(outside)) and torch.equal(doubled, query * 2)
 
 
 def test_refused_captures_name_the_reason_and_leave_no_graph():

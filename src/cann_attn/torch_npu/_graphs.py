@@ -29,6 +29,7 @@ import collections
 import contextlib
 import inspect
 import itertools
+import threading
 import weakref
 from dataclasses import dataclass, field
 from typing import Any
@@ -100,6 +101,7 @@ class _State:
     group_start: int | None = None           # index of the first step of the open task group
     update: _Update | None = None            # the open task update
     inside_operator: bool = False            # a torch_npu call is running: its inner calls are not recorded
+    thread: int | None = None                # the thread that captures or updates (others run as usual)
     pending: collections.deque = field(default_factory=collections.deque)  # replays waiting on an event
 
 
@@ -266,7 +268,7 @@ class NPUGraph:
         if _STATE.pending:
             raise GraphCaptureError("capture_begin: a replay is waiting for an ExternalEvent to be recorded")
         self._generators = _generator_states()
-        _STATE.graph, _STATE.group_start = self, None
+        _STATE.graph, _STATE.group_start, _STATE.thread = self, None, threading.get_ident()
         _STATE.auto_dispatch = self.auto_dispatch_capture
         self._state = "capturing"
         _STATE.mode = _Recorder()
@@ -546,7 +548,7 @@ def _operator_running():
 
 def _operator_call(op: Any, run_call: Any, args: tuple, kwargs: dict) -> Any:
     """The registry's hook while a capture or a task update is open (docs/guides/torch_npu.md, "Graph capture")."""
-    if _STATE.inside_operator:
+    if _STATE.inside_operator or _STATE.thread != threading.get_ident():
         return run_call(*args, **kwargs)
     if _STATE.update is not None:
         return _record_update(op, run_call, args, kwargs)
@@ -623,7 +625,7 @@ def graph_task_update_begin(stream: Any, handle: _TaskGroupHandle) -> None:
         raise GraphCaptureError("graph_task_update_begin: a task update is already open")
     if handle.graph() is None or handle.graph()._state != "captured":
         raise GraphReplayError("graph_task_update_begin: the handle's graph was reset or freed")
-    _STATE.update = _Update(handle)
+    _STATE.update, _STATE.thread = _Update(handle), threading.get_ident()
     _registry.CALL_HOOKS.append(_operator_call)
 
 
@@ -647,6 +649,14 @@ def graph_task_update_end(stream: Any) -> None:
     graph._steps[handle.start:handle.stop] = steps
 
 
+def refuse_waiting_replays(caller: str) -> None:
+    """A synchronisation while a replay waits for an ExternalEvent nothing has recorded would never return on the
+    NPU; here it raises instead of returning before the graph's outputs are written."""
+    if _STATE.pending:
+        raise GraphReplayError(f"{caller}: a graph replay waits for an ExternalEvent that is not recorded (record "
+                               "it, e.g. after the task updates, before synchronizing)")
+
+
 def cancel_task_update() -> None:
     """Close an open task update without applying it (its call raised): the task keeps its calls."""
     if _STATE.update is not None:
@@ -668,7 +678,7 @@ class ExternalEvent:
 
     def _captured(self, action: str) -> bool:
         graph = _STATE.graph
-        if graph is None or _STATE.inside_operator:
+        if graph is None or _STATE.inside_operator or _STATE.thread != threading.get_ident():
             return False
         graph._append(_EventStep(self, action))
         return True

@@ -27,7 +27,7 @@ import torch
 from torch import Tensor
 
 from ..errors import ParamInvalidError
-from . import _device, _rng
+from . import _device, _graphs, _rng
 from ._graphs import (  # noqa: F401  (torch.npu's graph capture, docs/guides/torch_npu.md "Graph capture")
     ExternalEvent,
     NPUGraph,
@@ -125,6 +125,7 @@ def set_device(device: Any) -> None:
 
 
 def synchronize(device: Any = None) -> None:
+    _graphs.refuse_waiting_replays("torch.npu.synchronize")
     if _on_cuda():
         _cuda("synchronize")(_cuda_index(device))
 
