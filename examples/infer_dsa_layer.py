@@ -280,18 +280,23 @@ def run(cfg: Config, verbose: bool = True) -> dict:
     return summary
 
 
-def main(argv: list[str] | None = None) -> dict:
-    defaults = Config()
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    for name, value in asdict(defaults).items():
+def cli(argv: list[str] | None, config: type, run_layer, doc: str) -> dict:
+    """Parse one --option per field of the `config` dataclass (and --json), run `run_layer` on it, write the
+    summary; shared by the layer examples."""
+    parser = argparse.ArgumentParser(description=doc.split("\n\n")[0])
+    for name, value in asdict(config()).items():
         parser.add_argument(f"--{name.replace('_', '-')}", type=type(value), default=value)
     parser.add_argument("--json", type=Path, default=None, help="write the summary here")
     args = vars(parser.parse_args(argv))
     out = args.pop("json")
-    summary = run(Config(**args))
+    summary = run_layer(config(**args))
     if out is not None:
         out.write_text(json.dumps(summary, indent=1))
     return summary
+
+
+def main(argv: list[str] | None = None) -> dict:
+    return cli(argv, Config, run, __doc__)
 
 
 if __name__ == "__main__":
