@@ -234,6 +234,29 @@ def test_rope_pairs_interleaved_channels():
     assert not torch.allclose(ours, half_split)
 
 
+@pytest.mark.parametrize("cache_mode", ["PA_BSND", "PA_NZ"])
+def test_padding_tokens_with_slot_minus_one_write_nothing(cache_mode, monkeypatch):
+    """vllm-ascend vllm_ascend/attention/sfa_v1.py:1006 passes cache_index = slot_mapping, whose graph-mode padding
+    tokens hold -1 (vllm_ascend/worker/model_runner_v1.py:2904): their queries are computed, nothing is written for
+    them (docs/semantics/beyond-docs.md); under CANN_ATTN_STRICT_DOCS=1 refused naming cache_index."""
+    monkeypatch.delenv("CANN_ATTN_STRICT_DOCS", raising=False)
+    case = PrologCase(torch.Generator().manual_seed(17), dtype=F64, lead=(6,), cache_mode=cache_mode)
+    case.cache_index[[1, 4]] = -1
+    kv_before, kr_before = case.kv_cache.clone(), case.kr_cache.clone()
+    out = case.run()
+    expected = case.oracle(kv_before, kr_before)
+    assert int(expected.kv_written.sum()) == 4 * 32
+    assert torch.equal(case.kv_cache[~expected.kv_written], kv_before[~expected.kv_written])
+    torch.testing.assert_close(case.kv_cache, expected.kv_cache, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(case.kr_cache, expected.kr_cache, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(out.query, expected.query, rtol=1e-12, atol=1e-12)
+    monkeypatch.setenv("CANN_ATTN_STRICT_DOCS", "1")
+    case.kv_cache.copy_(kv_before)
+    with pytest.raises(cann_attn.ParamInvalidError, match=r"cache_index:.*CANN_ATTN_STRICT_DOCS"):
+        case.run()
+    assert torch.equal(case.kv_cache, kv_before)
+
+
 def test_empty_token_batch_and_empty_pool():
     """T = 0: empty outputs and nothing written; BlockNum = 0 (Skv = 0): the queries are computed and nothing is
     written (op-plugin's page, "B、S、T、Skv值允许一个或多个取0")."""
@@ -396,7 +419,7 @@ def _bad_calls():
         ("cache_index shape", "cache_index", lambda c, kw: setattr(c, "cache_index", c.cache_index[:2])),
         ("cache_index past the pool", "cache_index",
          lambda c, kw: c.cache_index.__setitem__(-1, c.kv_cache.shape[0] * c.kv_cache.shape[1])),
-        ("cache_index negative", "cache_index", lambda c, kw: c.cache_index.__setitem__(0, -1)),
+        ("cache_index below -1", "cache_index", lambda c, kw: c.cache_index.__setitem__(0, -2)),
         ("cache_index repeated", "cache_index", lambda c, kw: c.cache_index.__setitem__(1, int(c.cache_index[0]))),
         ("qc_qr_scale with query_norm", "qc_qr_scale", lambda c, kw: kw.update(qc_qr_scale=0.5,
                                                                               query_norm_flag=True)),

@@ -96,6 +96,20 @@ CALLS = {
             out, smax, ssum = call()
             assert smax.numel() > 0 and ssum.numel() > 0
         """, "return_softmax_lse"),
+    "MlaProlog cache_index -1 padding": ("""
+        import cann_attn.torch_npu as torch_npu
+        g = lambda *s: torch.randn(*s) / s[0] ** 0.5
+        w = [g(3, 32), g(32, 8), g(8, 24), g(2, 4, 16), g(32, 24), torch.ones(8), torch.ones(16)]
+        rope = [torch.rand(3, 8), torch.rand(3, 8)]
+        kv, kr = torch.zeros(2, 16, 1, 16), torch.zeros(2, 16, 1, 8)
+        slots = torch.tensor([5, -1, 20])
+        def call():
+            return torch_npu.npu_mla_prolog_v3(w[0], *w[1:], *rope, kv, kr, cache_index=slots)
+        def check():
+            call()
+            written = kv.view(-1, 16).abs().sum(-1) > 0
+            assert written.nonzero().view(-1).tolist() == [5, 20]  # the padding token writes nothing
+        """, "cache_index"),
 }
 
 HARNESS = """

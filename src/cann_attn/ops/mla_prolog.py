@@ -15,6 +15,7 @@ import torch
 from ..backends import select_backend
 from ..backends.reference import mla_prolog as reference
 from ..errors import ParamInvalidError, ParamNullptrError, describe, require, require_bool, require_int, require_real
+from ..problem.policy import beyond_docs
 from ..traceable import traced_as_custom_op
 
 FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
@@ -24,6 +25,7 @@ BLOCK_INDEX_MODES = ("PA_BLK_BSND", "PA_BLK_NZ")
 NZ_FRACTAL_BYTES = 32  # an NZ block stores its channels in groups of 32 bytes (16 bf16 values)
 MIN_BLOCK_SIZE, MAX_BLOCK_SIZE, BLOCK_SIZE_MULTIPLE = 16, 1024, 16
 KV_HEADS = 1
+PADDING_SLOT = -1  # a cache_index entry of a padding token: nothing is written (docs/semantics/beyond-docs.md)
 
 # The quantised scenarios and what each mode parameter's non-zero values select (op-plugin's page); only
 # weight_quant_mode 1 is computed, every other non-zero value is refused naming its parameter.
@@ -242,11 +244,16 @@ def _check_cache_index(cache_index, token_x, kv_cache, cache_mode: str) -> torch
     flat = cache_index.reshape(-1)
     if flat.numel():
         low, high = int(flat.min()), int(flat.max())
-        if low < 0 or high >= slots:
-            bad = low if low < 0 else high
-            raise ParamInvalidError(f"cache_index: expected every slot in [0, BlockNum * BlockSize) = [0, {slots}), "
-                                    f"got {bad}")
-        if torch.unique(flat).numel() != flat.numel():
+        if low < PADDING_SLOT or high >= slots:
+            bad = low if low < PADDING_SLOT else high
+            raise ParamInvalidError(f"cache_index: expected every slot in [0, BlockNum * BlockSize) = [0, {slots}) "
+                                    f"(or -1: a padding token, not written), got {bad}")
+        if low == PADDING_SLOT:
+            beyond_docs("cache_index", "a slot of -1 (outside [0, BlockNum * BlockSize))",
+                        "vllm-ascend vllm_ascend/attention/sfa_v1.py passes its slot_mapping, whose graph-mode "
+                        "padding tokens hold -1 (vllm_ascend/worker/model_runner_v1.py)")
+        written = flat[flat != PADDING_SLOT]
+        if torch.unique(written).numel() != written.numel():
             raise ParamInvalidError("cache_index: expected a different slot for every token, got a slot written "
                                     "twice (the order of the two writes is undefined)")
     return flat
@@ -365,7 +372,11 @@ def write_caches(kv_cache: torch.Tensor, kr_cache: torch.Tensor, latent: torch.T
         kv_cache.view(-1, latent.shape[-1]).copy_(latent)
         kr_cache.view(-1, key_rope.shape[-1]).copy_(key_rope)
         return
-    if slots is None or slots.numel() == 0:
+    if slots is None:
+        return
+    kept = slots != PADDING_SLOT
+    slots, latent, key_rope = slots[kept], latent[kept], key_rope[kept]
+    if slots.numel() == 0:
         return
     for cache, values in ((kv_cache, latent), (kr_cache, key_rope)):
         blocks, block_size = cache.shape[0], cache.shape[1]

@@ -102,6 +102,8 @@ def mla_prolog_oracle(token_x, weight_dq, weight_uq_qr, weight_uk, weight_dkv_kr
                 targets = []
             else:
                 slot = int(cache_index.reshape(-1)[t])
+                if slot == -1:  # a padding token (docs/semantics/beyond-docs.md): not written
+                    continue
                 block, offset, block_size = slot // cache.shape[1], slot % cache.shape[1], cache.shape[1]
                 if cache_mode == "PA_NZ":
                     c0 = 32 // cache.element_size()
