@@ -210,7 +210,6 @@ print("ok")
 """
 
 PEER_PATTERNS = """
-import cann_attn.torch_npu._graphs as graphs
 
 torch.manual_seed(558)
 torch.npu.manual_seed(558)
@@ -282,7 +281,7 @@ try:
         torch_npu.npu_fusion_attention_v3(q, q, q, N, "TND", actual_seq_qlen=cu_q, actual_seq_kvlen=cu_q,
                                           keep_prob=0.9)
     raise AssertionError("captured")
-except graphs.GraphCaptureError as error:
+except cann_attn.torch_npu.GraphCaptureError as error:
     assert "keep_prob=0.9" in str(error), error
 
 # torch_npu's test_ifa_update (manual task update) and _with_auto_dispatch_capture (g.update), v1 and v2.

@@ -61,6 +61,7 @@ from ._fusion import (
     npu_fusion_attention_v2,
     npu_fusion_attention_v3,
 )
+from ._graphs import GraphCaptureError, GraphReplayError
 from ._infer import (
     npu_fused_infer_attention_score,
     npu_fused_infer_attention_score_v2,
@@ -100,6 +101,8 @@ __all__ = [
     "RELEASES",
     "RELEASE_ENV",
     "Format",
+    "GraphCaptureError",
+    "GraphReplayError",
     "TorchNpuPresentError",
     "active_release",
     "get_npu_format",

@@ -481,9 +481,11 @@ class _Recorder(TorchDispatchMode):
             graph._own(result)
         elif kind in ("functional", "allocation"):
             graph._own(result, (args, kwargs))
-        label = f"argument of {func}"
-        graph._append(_TorchStep(func, graph._freeze(args, label), graph._freeze(kwargs, label),
-                                 graph._freeze(result, f"output of {func}"), kind))
+        names = [argument.name for argument in func._schema.arguments]
+        frozen_args = tuple(graph._freeze(value, f"{func}({name}=...)")
+                            for value, name in zip(args, names + ["..."] * len(args), strict=False))
+        frozen_kwargs = {name: graph._freeze(value, f"{func}({name}=...)") for name, value in kwargs.items()}
+        graph._append(_TorchStep(func, frozen_args, frozen_kwargs, graph._freeze(result, f"output of {func}"), kind))
         return result
 
 
