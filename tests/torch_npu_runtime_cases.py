@@ -64,6 +64,16 @@ shim._metadata.add_finder = real_add_finder
 untouched("after a failed install()")
 
 shim.install(TARGET)
+name_before = torch.npu.get_device_name()
+shim._metadata.add_finder = failing_step                      # a failed second call keeps the first one's state
+try:
+    shim.install(device_name="Ascend910B1")
+except OSError:
+    pass
+else:
+    raise AssertionError("the planted failure did not propagate")
+shim._metadata.add_finder = real_add_finder
+assert torch.npu.get_device_name() == name_before and torch.zeros(1, device="npu").device.type == TARGET.split(":")[0]
 sys.path.insert(0, {str(PROGRAMS)!r})
 import ring_helpers  # compiles its @torch.jit.script helpers at import
 

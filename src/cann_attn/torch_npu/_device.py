@@ -3,9 +3,10 @@
 
 Ascend code names its device ``"npu"``: ``x.npu()``, ``x.to("npu:0")``, ``torch.zeros(n, device="npu")``,
 ``torch.npu.synchronize()``. This module rewrites those device arguments to the target device at the entry points
-that take them (the reverse of torch_npu's own ``transfer_to_npu``, which rewrites ``cuda`` to ``npu``), adds
-``Tensor.npu`` / ``Tensor.is_npu`` / ``Module.npu``, and exposes :mod:`cann_attn.torch_npu.npu` as ``torch.npu``.
-Every replaced attribute is recorded and :func:`unmap_npu_device` puts the original back.
+that take them (after ``transfer_to_npu``, :mod:`._transfer`, the cuda ones too), adds ``Tensor.npu`` /
+``Tensor.is_npu`` / ``Module.npu``, and exposes :mod:`cann_attn.torch_npu.npu` as ``torch.npu``. Every replaced
+attribute is recorded (TorchScript resolves each replacement as its original, :mod:`._script`) and
+:func:`unmap_npu_device` puts the original back.
 """
 
 from __future__ import annotations
@@ -149,17 +150,13 @@ def original(owner: Any, name: str) -> Any:
     return getattr(owner, name)
 
 
-_replace = replace
-
 
 def wrap(owner: Any, name: str, positional: bool = False, positional_integers: bool = False) -> None:
     """Replace ``owner.name`` by a function mapping its device arguments (:func:`replace`)."""
     function = getattr(owner, name, None)
     if function is not None:
-        _replace(owner, name, _mapping_arguments(function, positional, positional_integers))
+        replace(owner, name, _mapping_arguments(function, positional, positional_integers))
 
-
-_wrap = wrap
 
 
 class _StandIn(type):
@@ -284,9 +281,9 @@ def map_npu_device(device: torch.device, npu_module: Any) -> None:
     # torch has no npu device type, and renaming its PrivateUse1 device to "npu" (as torch_npu does) would make it
     # torch's current accelerator, which torch.compile then fails to query. torch.device itself is replaced by a
     # constructor that maps npu devices when they are made and stays a torch.device for isinstance.
-    _replace(torch, "device", _MappingDevice)
-    _replace(torch, "Generator", _MappingGenerator)
-    _replace(torch.jit.annotations, "try_ann_to_type", _script.annotation_converter(
+    replace(torch, "device", _MappingDevice)
+    replace(torch, "Generator", _MappingGenerator)
+    replace(torch.jit.annotations, "try_ann_to_type", _script.annotation_converter(
         {"device": (_TORCH_DEVICE, _MappingDevice), "Generator": (_TORCH_GENERATOR, _MappingGenerator)}))
     from torch.utils._device import _device_constructors
 
@@ -294,21 +291,21 @@ def map_npu_device(device: torch.device, npu_module: Any) -> None:
         owner, name = (torch.fft, factory.__name__[4:]) if factory.__name__.startswith("fft_") else \
             (torch, factory.__name__)
         if getattr(owner, name, None) is factory:
-            _wrap(owner, name)
+            wrap(owner, name)
     for name in (*_LIKE_FACTORIES, "load"):
-        _wrap(torch, name)
+        wrap(torch, name)
     for name in _TENSOR_METHODS:
-        _wrap(torch.Tensor, name, positional=True, positional_integers=name == "to")
-    _wrap(torch.nn.Module, "to", positional=True, positional_integers=True)
-    _wrap(torch.nn.Module, "to_empty")
-    _replace(torch.amp.autocast_mode.autocast, "__init__", _autocast_init(torch.amp.autocast_mode.autocast.__init__))
-    _replace(torch.Tensor, "npu", _tensor_npu)
-    _replace(torch.Tensor, "is_npu", property(_is_npu))
-    _replace(torch.nn.Module, "npu", _module_npu)
+        wrap(torch.Tensor, name, positional=True, positional_integers=name == "to")
+    wrap(torch.nn.Module, "to", positional=True, positional_integers=True)
+    wrap(torch.nn.Module, "to_empty")
+    replace(torch.amp.autocast_mode.autocast, "__init__", _autocast_init(torch.amp.autocast_mode.autocast.__init__))
+    replace(torch.Tensor, "npu", _tensor_npu)
+    replace(torch.Tensor, "is_npu", property(_is_npu))
+    replace(torch.nn.Module, "npu", _module_npu)
     if torch.distributed.is_available():
-        _replace(torch.distributed, "init_process_group", _distributed_backend(torch.distributed.init_process_group))
-    _wrap(torch.amp.GradScaler, "__init__", positional=True)
-    _replace(torch, "npu", npu_module)
+        replace(torch.distributed, "init_process_group", _distributed_backend(torch.distributed.init_process_group))
+    wrap(torch.amp.GradScaler, "__init__", positional=True)
+    replace(torch, "npu", npu_module)
     replace_module("torch.npu", npu_module)
     replace_module("torch.npu.amp", npu_module.amp)
     replace_module("torch.npu.utils", npu_module.utils)

@@ -67,9 +67,9 @@ def install(device: str | torch.device | None = None, *, release: str | None = N
     previous_target = _device.target()
     # Called again without a device (an example's own install() line after a test's install("cpu")): keep it.
     target = previous_target if device is None and previous_target is not None else _device.resolve_target(device)
+    previous_release, previous_name = _registry.active_release(), package.npu._RUNTIME["device_name"]
     if device_name is not None:
-        package.npu.set_device_name(device_name)  # validates before anything is applied
-    previous_release = _registry.active_release()
+        package.npu.set_device_name(device_name)  # validates before anything else is applied
     try:
         if release is not None:
             _registry.use_release(release)
@@ -86,14 +86,15 @@ def install(device: str | torch.device | None = None, *, release: str | None = N
             uninstall()
         else:
             _device.map_npu_device(previous_target, package.npu)
+            package.npu.set_device_name(previous_name)
         _registry.use_release(previous_release)
         raise
 
 
 def uninstall() -> None:
-    """Undo :func:`install`: torch's functions, ``torch.manual_seed`` and ``sys.modules`` as they were, no
-    ``torch.npu``. The ``torch.ops.npu`` operators stay defined (torch.library cannot drop a schema while it may be
-    referenced) and ``torch.device("npu")`` keeps parsing (torch cannot rename its PrivateUse1 device twice)."""
+    """Undo :func:`install`: torch's functions and classes, ``torch.cuda``'s names (after ``transfer_to_npu``),
+    TorchScript's builtin table, ``sys.modules`` and ``sys.meta_path`` as they were, no ``torch.npu``. The
+    ``torch.ops.npu`` operators stay defined (torch.library cannot drop a schema while it may be referenced)."""
     _device.unmap_npu_device()
     _metadata.remove_finder()
     package = sys.modules[__package__]
