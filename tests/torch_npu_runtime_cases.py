@@ -82,16 +82,17 @@ for name in ("merge_block", "padded_lse", "empty_lse", "causal_block_mask", "chu
 device = torch.device("npu")
 assert str(device).split(":")[0] == TARGET.split(":")[0]
 x = torch.randn(3, 5, device="npu")
+on_target = x.device  # a tensor's device: cuda:0 where torch.device("npu") is the index-less cuda
 expected = torch.linspace(0, 1, 5).expand(3, 5) + torch.eye(3, 5)
 torch.testing.assert_close(ring_helpers.chunk_weights(x).cpu(), expected)   # CUDA's linspace may round otherwise
 mask = ring_helpers.causal_block_mask(4, 6, 1, device)
-assert mask.device == device and torch.equal(mask.cpu(), torch.ones(4, 6, dtype=torch.bool).triu(2))
+assert mask.device == on_target and torch.equal(mask.cpu(), torch.ones(4, 6, dtype=torch.bool).triu(2))
 assert ring_helpers.causal_block_mask(2, 2, 0, device, torch.float16).dtype == torch.float16
 lse = ring_helpers.empty_lse(torch.ones(2, 3, 4, 8, device="npu"), torch.device("npu:0"))
-assert lse.shape == (2, 3, 4, 1) and lse.device == device and bool((lse == float("-inf")).all())
+assert lse.shape == (2, 3, 4, 1) and lse.device == on_target and bool((lse == float("-inf")).all())
 packed = torch.arange(10.0, device="npu").reshape(2, 5)
 padded = ring_helpers.padded_lse(packed, [0, 2, 5], 3)
-assert padded.device == device and padded[0, 1, :2].tolist() == [5.0, 6.0] and padded[0, 0, 2] == float("-inf")
+assert padded.device == on_target and padded[0, 1, :2].tolist() == [5.0, 6.0] and padded[0, 0, 2] == float("-inf")
 out, block_out = torch.randn(1, 4, 2, 8, device="npu"), torch.randn(1, 4, 2, 8, device="npu")
 old_lse, block_lse = torch.randn(1, 4, 2, 1, device="npu"), torch.randn(1, 2, 4, device="npu")
 merged, merged_lse = ring_helpers.merge_block(out, old_lse, block_out, block_lse)
@@ -161,7 +162,7 @@ assert torch.npu.get_device_name().startswith("Ascend910B") and torch.npu.get_de
 shim.install(device_name="Ascend910B4")                     # the argument wins over the environment
 assert torch_npu.npu.get_device_name(0) == "Ascend910B4"
 del os.environ["CANN_ATTN_NPU_DEVICE_NAME"]
-for bad in (7, "npu:7", -2, "npu:-1", 1.5):
+for bad in (99, "npu:99", -2, "npu:-1", 1.5):
     for call in (torch.npu.get_device_name, torch.npu.get_device_properties, torch_npu.npu.device):
         try:
             call(bad)
