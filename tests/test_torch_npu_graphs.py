@@ -56,13 +56,17 @@ def test_replay_reads_current_contents_and_plain_torch_ops_between_calls():
 
 def test_capture_leaves_existing_tensors_as_they_were_and_replay_applies_once():
     counter = torch.zeros(3)
+    rows = torch.tensor([2, 0])
     g = npu.NPUGraph()
     with npu.graph(g):
         counter.add_(1)
-        doubled = counter * 2
+        doubled = counter * 2 + torch.arange(3.0)
+        gathered = doubled[rows]  # integer indexing: the output's shape is the indices'
+    rows.copy_(torch.tensor([1, 1]))
     assert torch.equal(counter, torch.zeros(3))
     g.replay()
-    assert torch.equal(counter, torch.ones(3)) and torch.equal(doubled, torch.full((3,), 2.0))
+    assert torch.equal(counter, torch.ones(3)) and torch.equal(doubled, torch.tensor([2.0, 3.0, 4.0]))
+    assert torch.equal(gathered, torch.tensor([3.0, 3.0]))
     g.replay()
     assert torch.equal(counter, torch.full((3,), 2.0))
 
@@ -150,7 +154,8 @@ def test_calls_of_other_threads_are_not_captured():
 
 
 def test_refused_captures_name_the_reason_and_leave_no_graph():
-    for body, reason in ((lambda x: x.nonzero(), "depends on tensor values"), (lambda x: x.sum().item(), "host"),
+    for body, reason in ((lambda x: x.nonzero(), "depends on tensor values"), (lambda x: x[x > 0], "depends on"),
+                         (lambda x: x.sum().item(), "host"),
                          (lambda x: x.t_(), "shape or strides in place")):
         g = npu.NPUGraph()
         x = torch.ones(2, 2)

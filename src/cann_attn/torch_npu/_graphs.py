@@ -423,16 +423,22 @@ def _drain() -> None:
 
 
 # ------------------------------------------------------------------------------------------- plain torch ops
-def _refusal(func: Any) -> str | None:
+def _refusal(func: Any, args: tuple) -> str | None:
     name = func.__name__
     tags = set(func.tags)
-    if torch.Tag.dynamic_output_shape in tags:
+    if torch.Tag.dynamic_output_shape in tags and not _integer_indexing(func, args):
         return "its output shape depends on tensor values"
     if torch.Tag.inplace_view in tags or name in _METADATA_WRITES:
         return "it changes a tensor's shape or strides in place"
     if any(str(ret.type) not in _TENSOR_RETURNS for ret in func._schema.returns):
         return "it reads a tensor's value on the host (item(), bool(), equal...), which a replay cannot redo"
     return None
+
+
+def _integer_indexing(func: Any, args: tuple) -> bool:
+    """``x[index_tensor]`` with integer indices: the output's shape is the indices' (a boolean mask's is not)."""
+    return func.__name__ == "index.Tensor" and all(
+        index is None or not (index.dtype == torch.bool or index.dtype == torch.uint8) for index in args[1])
 
 
 def _written(func: Any, args: tuple, kwargs: dict) -> list[torch.Tensor]:
@@ -469,7 +475,7 @@ class _Recorder(TorchDispatchMode):
             if not _written(func, args, kwargs) and _kind(func, []) != "view":
                 graph._own(result, (args, kwargs))
             return result
-        reason = _refusal(func)
+        reason = _refusal(func, args)
         if reason is not None:
             raise GraphCaptureError(f"graph capture: torch operator {func} cannot be captured: {reason}")
         written = _written(func, args, kwargs)
