@@ -469,7 +469,7 @@ def test_fa_grad_dpse_npu_mode_is_the_unrounded_score_gradient():
     g = torch.Generator().manual_seed(9)
     pse = torch.randn(1, 4, 48, 48, generator=g).to(torch.bfloat16)
     dy = torch.randn(q.shape, generator=g).to(torch.bfloat16)
-    kwargs = {"scale_value": 0.125, "pse": pse, "pse_type": 1}
+    kwargs = {"scale_value": 0.1, "pse": pse, "pse_type": 1}
     with cann_attn.precision("npu"):
         fwd = cann_attn.flash_attention_score(q, k, v, 4, "BNSD", **kwargs)
         dpse = cann_attn.flash_attention_score_grad(q, k, v, dy, 4, "BNSD", attention_in=fwd.attention_out,
@@ -477,14 +477,15 @@ def test_fa_grad_dpse_npu_mode_is_the_unrounded_score_gradient():
                                                     **kwargs).dpse
     # recipe: logits = (Q K^T + pse) * scale (pse_type 1), P from the saved statistics, dS = P (dP - rowsum(dY * O))
     # in fp32; dpse = scale * dS, rounded once
-    s = ((q.double() @ k.double().transpose(-1, -2)).float() + pse.float()) * 0.125
+    s = ((q.double() @ k.double().transpose(-1, -2)).float() + pse.float()) * 0.1
     p = torch.exp(s - fwd.softmax_max[..., :1]) / fwd.softmax_sum[..., :1]
     dp = (dy.double() @ v.double().transpose(-1, -2)).float()
     ds = p * (dp - (dy.float() * fwd.attention_out.float()).sum(-1, keepdim=True))
-    recipe = rnd(ds * 0.125, torch.bfloat16).to(torch.bfloat16)
+    recipe = rnd(ds * 0.1, torch.bfloat16).to(torch.bfloat16)
     assert torch.equal(dpse, recipe)
-    # the mutant: dpse from the dS the kernel casts for dQ / dK (bf16, half away) differs
-    assert not torch.equal(dpse, rnd(rnd(ds, torch.bfloat16, away=True) * 0.125, torch.bfloat16).to(torch.bfloat16))
+    # the mutant: dpse from the dS the kernel casts for dQ / dK (bf16, half away) differs (a scale that is no power
+    # of two, so that the second rounding shows)
+    assert not torch.equal(dpse, rnd(rnd(ds, torch.bfloat16, away=True) * 0.1, torch.bfloat16).to(torch.bfloat16))
 
 
 def test_half_away_ties_near_the_float_maximum_stay_finite():
@@ -495,3 +496,24 @@ def test_half_away_ties_near_the_float_maximum_stay_finite():
     assert torch.isfinite(want).all()
     assert torch.equal(prec.round_half_away(y, torch.bfloat16).float(), want)
     assert torch.equal(prec.half_away(torch.bfloat16)(y), want)
+
+
+@pytest.mark.parametrize("dtype", HALF_TYPES)
+@pytest.mark.parametrize("rounding", [prec.HALF_EVEN, prec.HALF_AWAY])
+def test_native_rounding_is_the_cast_bit_for_bit(dtype, rounding):
+    """The native one-pass cast of the npu pipelines gives the Cast's bits: random values of every scale, random bit
+    patterns (subnormals, both fp16 ranges), ties, the overflow edge and infinities."""
+    native = pytest.importorskip("cann_attn.backends.reference.native")
+    if native.library() is None:
+        pytest.skip("no native library on this machine")
+    g = torch.Generator().manual_seed(0)
+    scaled = [torch.randn(20000, generator=g) * s for s in (1e-8, 1e-5, 1e-3, 1.0, 100.0, 6e4)]
+    patterns = torch.randint(0, 2**31 - 1, (50000,), generator=g, dtype=torch.int32).view(torch.float32)
+    step = 2.0**-10 if dtype == torch.float16 else 2.0**-7
+    ties = (torch.arange(1, 2000, dtype=torch.float32) + 0.5) * step * 2.0**-1
+    edges = torch.tensor([65504.0, 65519.99, 65520.0, 65536.0, math.inf, -math.inf, 0.0, -0.0, 2.0**-14,
+                          1.5 * 2.0**-24, 2.0**-25, 3 * 2.0**-25])
+    x = torch.cat([*scaled, patterns, -patterns, ties, -ties, edges])
+    x = x[~torch.isnan(x)]
+    ours = native.npu_round(x, dtype == torch.float16, rounding == prec.HALF_AWAY)
+    assert torch.equal(ours.view(torch.int32), prec.Cast(dtype, rounding)(x).view(torch.int32))

@@ -19,9 +19,10 @@ import torch
 
 from ...problem import sink as sinks
 from ...problem.attention import AttentionProblem, Run
-from ...problem.mask import TileState
+from ...problem.mask import TileState, add_mask_bias
 from ...problem.precision import (
     ASCEND_QUANT,
+    HALF_AWAY,
     SFA_KEY_BLOCK,
     AttentionPipeline,
     Cast,
@@ -35,8 +36,10 @@ from ...problem.precision import (
 )
 from ...problem.quant import round_to_fp16
 from ...problem.stats import FLT_MAX
+from . import native
 from .flash_backward import pse_grad_target, runs_to_fill
 from .flash_forward import group_rows, key_tiles, write_stat
+from .softmax_exp import EXP2_FLOOR, LOG2E
 from .sparse_attention import INVALID_MAX
 from .sparse_attention import _sequence_selection as sequence_selection
 
@@ -86,19 +89,50 @@ def _scale(pipeline: AttentionPipeline, scale: float) -> torch.Tensor:
     return pipeline.logits(torch.tensor(scale, dtype=torch.float64).to(torch.float32))
 
 
+def _rounded(cast: Cast, x: torch.Tensor) -> torch.Tensor:
+    """`cast(x)`, in one native pass where x is fp32 on the CPU (the same bits; a float64 GEMM result takes the
+    Cast's own single rounding)."""
+    if cast.dtype == torch.float32:
+        return x.to(torch.float32)
+    if x.dtype == torch.float32 and native.usable(x):
+        return native.npu_round(x, cast.dtype == torch.float16, cast.rounding == HALF_AWAY)
+    return cast(x)
+
+
 def _logits(problem: AttentionProblem, pipeline: AttentionPipeline, run: Run, q_tile, k, i0, i1, j0, j1,
             state: TileState, quant) -> torch.Tensor:
-    """Masked logits of one tile [c, N1, rows, cols] in fp32, rounded at the scores and logits stages."""
+    """Masked logits of one tile [c, N1, rows, cols] in fp32 (contiguous), rounded at the scores and logits
+    stages."""
     c, rows, cols = run.count, i1 - i0, j1 - j0
     s = _cube(q_tile, k[:, j0:j1].transpose(1, 2), pipeline.scores)
     # int8: the int32 products dequantised by the cube's fixpipe into fp16 (one rounding)
-    s = pipeline.scores(s) if quant is None else round_to_fp16(s * quant.deq1).to(torch.float32)
-    s = pipeline.logits(s.view(c, problem.heads_q, rows, cols) * _scale(pipeline, problem.scale))
+    s = _rounded(pipeline.scores, s) if quant is None else round_to_fp16(s * quant.deq1).to(torch.float32)
+    s = _rounded(pipeline.logits, s.view(c, problem.heads_q, rows, cols).mul_(_scale(pipeline, problem.scale)))
     if run.pse is not None:
-        s = pipeline.logits(s + pipeline.logits(run.pse.tile(i0, i1, j0, j1, s.device, torch.float32)))
+        s = _rounded(pipeline.logits, s + _rounded(pipeline.logits, run.pse.tile(i0, i1, j0, j1, s.device,
+                                                                                torch.float32)))
     if state is TileState.PARTIAL:
-        run.mask.exclude_masked_(s, i0, i1, j0, j1)
+        # the fill for NaN / +inf logits only where a tile has one (a finite sum rules both out)
+        add_mask_bias(s, run.mask.bias_tile(i0, i1, j0, j1, torch.float32, s.device),
+                      finite=bool(torch.isfinite(s.sum())), in_place=True)
     return s
+
+
+def _softmax_step(s: torch.Tensor, row_max: torch.Tensor, row_sum: torch.Tensor) -> torch.Tensor:
+    """One online-softmax step over logits s [c, N1, rows, cols] in place (s becomes exp(s - shift), fp32), the
+    running row_max / row_sum [c, N1, rows] updated in place; returns exp(old max - shift). The native pass where
+    available (its exponential is the exact mode's; it differs from torch.exp in the last fp32 bits)."""
+    if native.usable(s, row_max, row_sum):
+        correction = torch.empty_like(row_max)
+        native.fa_softmax_step(s, row_max, row_sum, correction, LOG2E, EXP2_FLOOR)
+        return correction
+    new_max = torch.maximum(row_max, s.amax(-1))
+    shift = torch.where(new_max == float("-inf"), 0.0, new_max)
+    s.sub_(shift.unsqueeze(-1)).exp_()
+    correction = torch.exp(row_max - shift)
+    row_sum.mul_(correction).add_(s.sum(-1))
+    row_max.copy_(new_max)
+    return correction
 
 
 def _forward_run(problem: AttentionProblem, pipeline: AttentionPipeline, block: int, run: Run, query, key, value,
@@ -110,6 +144,7 @@ def _forward_run(problem: AttentionProblem, pipeline: AttentionPipeline, block: 
     k = problem.kv_view(key, run).to(wide).reshape(c * n2, run.seq_kv, -1)
     v = problem.kv_view(value, run).to(wide).reshape(c * n2, run.seq_kv, -1)
     dv = v.shape[-1]
+    fp32_running = pipeline.accumulator.dtype == torch.float32
     sink_heads = None if problem.sink is None else sinks.head_values(problem.sink, torch.float32, query.device)
     for i0 in range(0, run.seq_q, BLOCK_Q):
         i1 = min(i0 + BLOCK_Q, run.seq_q)
@@ -123,19 +158,17 @@ def _forward_run(problem: AttentionProblem, pipeline: AttentionPipeline, block: 
             # One online-softmax step per kernel tile; only its columns the rows may see are computed (the others
             # would add exact zeros).
             j0, j1 = max(tile_start, lo), min(tile_end, hi)
-            s = _logits(problem, pipeline, run, q_tile, k, i0, i1, j0, j1, state, quant)
-            new_max = torch.maximum(row_max, s.amax(-1))
-            shift = torch.where(new_max == float("-inf"), 0.0, new_max)
-            p = torch.exp(s - shift.unsqueeze(-1))
-            correction = torch.exp(row_max - shift)
-            row_sum = row_sum * correction + p.sum(-1)
-            row_max = new_max
+            p = _logits(problem, pipeline, run, q_tile, k, i0, i1, j0, j1, state, quant)
+            correction = _softmax_step(p, row_max, row_sum)
             if run.dropout is not None:
                 keep = run.dropout.keep_tile(i0, i1, j0, j1, p.device).to(torch.float32)
                 p = p * (keep / problem.keep_prob if pipeline.dropout_in_probabilities else keep)
-            products = _products(pipeline, pipeline.probabilities(p), v, j0, j1, quant).view(acc.shape)
-            scaled = pipeline.accumulator(acc * pipeline.rescale_cast(correction).unsqueeze(-1))
-            acc = pipeline.accumulator(scaled + products)
+            products = _products(pipeline, _rounded(pipeline.probabilities, p), v, j0, j1, quant).view(acc.shape)
+            if fp32_running:
+                acc.mul_(correction.unsqueeze(-1)).add_(products)
+            else:
+                scaled = _rounded(pipeline.accumulator, acc * _rounded(pipeline.rescale_cast, correction).unsqueeze(-1))
+                acc = _rounded(pipeline.accumulator, scaled + products)
         if sink_heads is not None:
             acc = pipeline.accumulator(acc * sinks.merge_into_rows_(row_max, row_sum, sink_heads).unsqueeze(-1))
         valid = row_sum != 0

@@ -63,6 +63,7 @@ _SIGNATURES = {
     "fa_softmax_step": [_P, _I, _I, _I, _P, _P, _P, _F, _F],
     "fa_exp_rows": [_P, _I, _I, _P, _P, _F, _F],
     "fa_ds_rows": [_P, _P, _I, _I, _P],
+    "npu_round": [_P, _P, _I, _I, _I],
     "cann_attn_set_sgemm": [_P],
     "cann_attn_has_sgemm": [],
     "cann_attn_set_sgemm_pack": [_P, _P, _P],
@@ -384,6 +385,16 @@ def fa_softmax_step(s: torch.Tensor, row_max: torch.Tensor, row_sum: torch.Tenso
     assert row_max.numel() == rows == row_sum.numel() == correction.numel()
     lib.fa_softmax_step(s.data_ptr(), rows, cols, cols, row_max.data_ptr(), row_sum.data_ptr(), correction.data_ptr(),
                         log2e, floor2)
+
+
+def npu_round(x: torch.Tensor, half: bool, away: bool) -> torch.Tensor:
+    """fp32 `x` rounded once to the float16 (`half`) or bfloat16 grid, ties away from zero or to even, as fp32 (the
+    "npu" precision mode's `Cast`; docs/semantics/precision.md)."""
+    lib = library()
+    x = x.contiguous()
+    out = torch.empty_like(x)
+    lib.npu_round(x.data_ptr(), out.data_ptr(), x.numel(), int(half), int(away))
+    return out
 
 
 def fa_exp_rows(s: torch.Tensor, shift: torch.Tensor, factor: torch.Tensor, log2e: float, floor2: float) -> None:

@@ -96,3 +96,4 @@ static int64_t take_count(int64_t *count) {
 #include "dense_forward.c"
 #include "dense_backward.c"
 #include "decode.c"
+#include "npu_rounding.c"
