@@ -205,53 +205,59 @@ def backward(problem: AttentionProblem, pipeline: GradPipeline, query, key, valu
 def _backward_run(problem: AttentionProblem, pipeline: GradPipeline, run: Run, query, key, value, dy, attention_in,
                   softmax_max, softmax_sum, dq_view, dk_view, dv_view, dpse_source, dsink_acc) -> None:
     c, n2, heads = run.count, problem.heads_kv, problem.heads_q
-    f32 = torch.float32
-    f64 = torch.float64  # the GEMM operands, widened once per run (`_gemm`)
-    q_all = problem.q_view(query, run).to(f64)
-    k = problem.kv_view(key, run).to(f64).reshape(c * n2, run.seq_kv, -1)
-    v = problem.kv_view(value, run).to(f64).reshape(c * n2, run.seq_kv, -1)
-    dy_all = problem.q_view(dy, run).to(f64)
+    f32, f64 = torch.float32, torch.float64
+    # The GEMM operands, widened once per run: dP = dY V^T is an exact sum (float64, rounded once: dP - D cancels);
+    # the others accumulate in fp32 (docs/semantics/precision.md, "Gradients").
+    q_all = problem.q_view(query, run).to(f32)
+    k = problem.kv_view(key, run).to(f32).reshape(c * n2, run.seq_kv, -1)
+    v64 = problem.kv_view(value, run).to(f64).reshape(c * n2, run.seq_kv, -1)
+    dy_all = problem.q_view(dy, run).to(f32)
     max_all = problem.stat_view(softmax_max, run)[..., 0].to(f32)
     sum_all = problem.stat_view(softmax_sum, run)[..., 0].to(f32)
     dk_acc = torch.zeros(k.shape, dtype=f32, device=k.device)
-    dv_acc = torch.zeros(v.shape, dtype=f32, device=v.device)
+    dv_acc = torch.zeros(v64.shape, dtype=f32, device=k.device)
     pse = run.pse
     pse_grad = pse_grad_target(run, dpse_source)
-    d_sum_all = (problem.q_view(dy, run).to(f32) * problem.q_view(attention_in, run).to(f32)).sum(-1)
+    d_sum_all = (dy_all * problem.q_view(attention_in, run).to(f32)).sum(-1)
     scale = float(problem.scale)
+    dim = problem.dim_qk
     for i0 in range(0, run.seq_q, BLOCK_Q):
         i1 = min(i0 + BLOCK_Q, run.seq_q)
         rows = i1 - i0
         q_tile = group_rows(q_all[:, :, i0:i1], n2)
         dy_g = group_rows(dy_all[:, :, i0:i1], n2)
+        dy_g64 = dy_g.to(f64)
         d_sum = d_sum_all[:, :, i0:i1].unsqueeze(-1)
         row_max = max_all[:, :, i0:i1].unsqueeze(-1)
         row_sum = sum_all[:, :, i0:i1].unsqueeze(-1)
-        dq_acc = torch.zeros(q_tile.shape, dtype=f32, device=q_tile.device)
-        for j0, j1, state in key_tiles(run, i0, i1, BLOCK_Q * 4):
+        dq_acc = torch.zeros(q_tile.shape[:-1] + (dim,), dtype=f32, device=q_tile.device)
+        lo, hi = run.mask.key_range(i0, i1)
+        for tile_start, tile_end, state in key_tiles(run, i0, i1, BLOCK_Q * 4):
+            j0, j1 = max(tile_start, lo), min(tile_end, hi)
             cols = j1 - j0
-            s = _gemm(q_tile, k[:, j0:j1].transpose(1, 2)).to(f32).view(c, heads, rows, cols) * scale
+            s = _gemm(q_tile, k[:, j0:j1].transpose(1, 2)).to(f32).view(c, heads, rows, cols).mul_(scale)
             if pse is not None:
-                s = s + pse.tile(i0, i1, j0, j1, s.device, f32)
+                s.add_(pse.tile(i0, i1, j0, j1, s.device, f32))
             if state is TileState.PARTIAL:
-                run.mask.exclude_masked_(s, i0, i1, j0, j1)
-            p = torch.exp(s - row_max) / row_sum
-            dp = _gemm(dy_g, v[:, j0:j1].transpose(1, 2)).to(f32).view(p.shape)
+                add_mask_bias(s, run.mask.bias_tile(i0, i1, j0, j1, f32, s.device),
+                              finite=bool(torch.isfinite(s.sum())), in_place=True)
+            p = s.sub_(row_max).exp_().div_(row_sum)
+            dp = _gemm(dy_g64, v64[:, j0:j1].transpose(1, 2)).to(f32).view(p.shape)
             p_drop = p
             if run.dropout is not None:
                 keep = run.dropout.keep_tile(i0, i1, j0, j1, p.device).to(f32) / problem.keep_prob
                 p_drop, dp = p * keep, dp * keep
-            p_cast = pipeline.probabilities(p_drop).view(c * n2, -1, cols)
-            dv_acc[:, j0:j1] += _gemm(p_cast.transpose(1, 2), dy_g).to(f32)
-            ds = p * (dp - d_sum)
+            p_cast = _rounded(pipeline.probabilities, p_drop).view(c * n2, -1, cols)
+            dv_acc[:, j0:j1] += torch.bmm(p_cast.transpose(1, 2), dy_g)  # (baddbmm_ on a slice goes per batch)
+            ds = dp.sub_(d_sum).mul_(p)
             if pse_grad is not None:
                 pse.accumulate_grad(pse_grad, i0, i1, j0, j1, ds)
-            ds_g = pipeline.score_grad(ds).view(c * n2, -1, cols)
-            dq_acc += _gemm(ds_g, k[:, j0:j1, : problem.dim_qk]).to(f32)
-            dk_acc[:, j0:j1] += _gemm(ds_g.transpose(1, 2), q_tile[..., : problem.dim_qk]).to(f32)
-        dq_view[:, :, i0:i1] = pipeline.outputs(dq_acc * scale).view(c, heads, rows, -1)
-    dk_view.copy_(pipeline.outputs(dk_acc * scale).view(dk_view.shape))
-    dv_view.copy_(pipeline.outputs(dv_acc).view(dv_view.shape))
+            ds_g = _rounded(pipeline.score_grad, ds).view(c * n2, -1, cols)
+            dq_acc.baddbmm_(ds_g, k[:, j0:j1, :dim])
+            dk_acc[:, j0:j1] += torch.bmm(ds_g.transpose(1, 2), q_tile[..., :dim])
+        dq_view[:, :, i0:i1] = _rounded(pipeline.query_outputs, dq_acc * scale).view(c, heads, rows, -1)
+    dk_view.copy_(_rounded(pipeline.outputs, dk_acc * scale).view(dk_view.shape))
+    dv_view.copy_(_rounded(pipeline.outputs, dv_acc).view(dv_view.shape))
     if dsink_acc is not None:
         terms = sinks.sink_grad_terms_from_rowsum(d_sum_all, max_all, sum_all,
                                                   sinks.head_values(problem.sink, f32, query.device))
