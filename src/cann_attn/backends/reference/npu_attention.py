@@ -230,7 +230,7 @@ def _backward_run(problem: AttentionProblem, pipeline: GradPipeline, run: Run, q
         d_sum = d_sum_all[:, :, i0:i1].unsqueeze(-1)
         row_max = max_all[:, :, i0:i1].unsqueeze(-1)
         row_sum = sum_all[:, :, i0:i1].unsqueeze(-1)
-        dq_acc = torch.zeros(q_tile.shape[:-1] + (dim,), dtype=f32, device=q_tile.device)
+        dq_acc = torch.zeros((*q_tile.shape[:-1], dim), dtype=f32, device=q_tile.device)
         lo, hi = run.mask.key_range(i0, i1)
         for tile_start, tile_end, state in key_tiles(run, i0, i1, BLOCK_Q * 4):
             j0, j1 = max(tile_start, lo), min(tile_end, hi)
