@@ -56,7 +56,7 @@ class Config:
     heads: int = 4  # N
     nope_dim: int = 16  # D
     idx_heads: int = 4
-    idx_dim: int = 32  # of which ROPE // 4 channels are rotated
+    idx_dim: int = 128  # the quantised indexer's head dim (DeepSeek-V3.2: 128); ROPE // 4 channels rotated
     top_k: int = 16
     block_size: int = 16
     seed: int = 0
