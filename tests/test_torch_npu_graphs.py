@@ -42,8 +42,12 @@ def test_replay_reads_current_contents_and_plain_torch_ops_between_calls():
     with npu.graph(g):
         scaled = query * 2
         out = torch.empty(2, 2, 16, dtype=torch.half)
+        workspace = torch_npu._npu_paged_attention_get_workspace(scaled, cache, cache, 1, 2, 0.25, table,
+                                                                 torch.tensor([20, 32], dtype=torch.int32), out)
         _paged(out, scaled, cache, table, torch.tensor([20, 32], dtype=torch.int32))
         result = out.sum(-1) + bias.sum(-1)
+    # The workspace query ran on the host: not one of the graph's calls.
+    assert [type(step).__name__ for step in g._steps].count("_OperatorStep") == 1 and workspace.numel() == 0
     for _ in range(2):
         query.normal_()
         cache.normal_()

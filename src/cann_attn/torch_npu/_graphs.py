@@ -59,6 +59,8 @@ CAPTURE_ERROR_MODES = ("global", "thread_local", "relaxed")
 # ATB reads these tensors on the host when the task is set up (as FIA reads its int[] lengths): a captured call keeps
 # their values of the capture, and only a task update changes them.
 _HOST_TENSOR_PARAMS = frozenset({"context_lens", "seq_len"})
+# The workspace queries run on the host (a size, an allocation): called in a capture or an update, they run at once.
+_HOST_ONLY_SUFFIXES = ("_get_workspace", "_get_max_workspace")
 # Allocation only: no kernel to replay, the captured tensor keeps its memory.
 _ALLOCATIONS = frozenset({"empty.memory_format", "empty_strided.default", "empty_like.default", "new_empty.default",
                           "new_empty_strided.default"})
@@ -558,9 +560,15 @@ def _operator_call(op: Any, run_call: Any, args: tuple, kwargs: dict) -> Any:
     """The registry's hook while a capture or a task update is open (docs/guides/torch_npu.md, "Graph capture")."""
     if _STATE.inside_operator or _STATE.thread != threading.get_ident():
         return run_call(*args, **kwargs)
+    graph = _STATE.graph
+    if op.name.endswith(_HOST_ONLY_SUFFIXES):  # no device work to capture or update: run now, as on the NPU
+        with _operator_running():
+            result = run_call(*args, **kwargs)
+            if graph is not None:
+                graph._own(result, (args, kwargs))
+        return result
     if _STATE.update is not None:
         return _record_update(op, run_call, args, kwargs)
-    graph = _STATE.graph
     if graph is None:
         return run_call(*args, **kwargs)
     bound = _bound_or_raise(op, run_call, args, kwargs)
