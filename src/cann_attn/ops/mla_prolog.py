@@ -15,6 +15,7 @@ import torch
 from ..backends import select_backend
 from ..backends.reference import mla_prolog as reference
 from ..errors import ParamInvalidError, ParamNullptrError, describe, require, require_bool, require_int, require_real
+from ..problem.nz import nz_chunk, nz_shape, nz_tokens
 from ..problem.policy import beyond_docs
 from ..traceable import traced_as_custom_op
 
@@ -22,7 +23,6 @@ FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
 PAGED_MODES = ("PA_BSND", "PA_NZ")
 CACHE_MODES = (*PAGED_MODES, "BSND", "TND")
 BLOCK_INDEX_MODES = ("PA_BLK_BSND", "PA_BLK_NZ")
-NZ_FRACTAL_BYTES = 32  # an NZ block stores its channels in groups of 32 bytes (16 bf16 values)
 MIN_BLOCK_SIZE, MAX_BLOCK_SIZE, BLOCK_SIZE_MULTIPLE = 16, 1024, 16
 KV_HEADS = 1
 PADDING_SLOT = -1  # a cache_index entry of a padding token: nothing is written (docs/semantics/beyond-docs.md)
@@ -211,15 +211,10 @@ def _check_caches(token_x, kv_cache, kr_cache, cache_mode: str, latent: int, rop
             kv_cache)
     if cache_mode == "PA_NZ":
         for name, cache, width in (("kv_cache", kv_cache, latent), ("kr_cache", kr_cache, rope_dim)):
-            c0 = nz_group(cache)
+            c0 = nz_chunk(cache.dtype) or nz_chunk(torch.float16)
             require(width % c0 == 0, name, f"a last dim that is a multiple of {c0} (the NZ channel group of "
                     f"{cache.dtype})", cache)
             require(cache.is_contiguous(), name, "a contiguous tensor (PA_NZ reads its memory as NZ blocks)", cache)
-
-
-def nz_group(cache: torch.Tensor) -> int:
-    """Channels per NZ group of a cache: 32 bytes of its dtype (16 for bf16 / fp16)."""
-    return max(1, NZ_FRACTAL_BYTES // cache.element_size())
 
 
 def _check_cache_index(cache_index, token_x, kv_cache, cache_mode: str) -> torch.Tensor | None:
@@ -366,8 +361,8 @@ def mla_prolog(
 def write_caches(kv_cache: torch.Tensor, kr_cache: torch.Tensor, latent: torch.Tensor, key_rope: torch.Tensor,
                  slots: torch.Tensor | None, cache_mode: str) -> None:
     """Write token t's latent [T, Hckv] and rope key [T, Dr] (the caches' dtype) at its cache row: slot slots[t]
-    = block * BlockSize + offset of a paged cache (PA_NZ: the element of channel c at [block, head, c // c0,
-    offset, c % c0] of the NZ blocks), row t of a BSND / TND cache. Nothing else is touched."""
+    = block * BlockSize + offset of a paged cache (PA_NZ: its memory read as NZ blocks, `problem/nz.py`), row t of
+    a BSND / TND cache. Nothing else is touched."""
     if cache_mode not in PAGED_MODES:
         kv_cache.view(-1, latent.shape[-1]).copy_(latent)
         kr_cache.view(-1, key_rope.shape[-1]).copy_(key_rope)
@@ -382,8 +377,7 @@ def write_caches(kv_cache: torch.Tensor, kr_cache: torch.Tensor, latent: torch.T
         blocks, block_size = cache.shape[0], cache.shape[1]
         block, offset = slots // block_size, slots % block_size
         if cache_mode == "PA_NZ":
-            c0 = nz_group(cache)
-            nz = cache.view(blocks, KV_HEADS, values.shape[-1] // c0, block_size, c0)
-            nz[block, :, :, offset, :] = values.view(-1, KV_HEADS, values.shape[-1] // c0, c0)
+            nz = nz_tokens(cache.view(nz_shape(blocks, KV_HEADS, values.shape[-1], block_size, cache.dtype)))
+            nz[block, offset] = values.view(-1, KV_HEADS, *nz.shape[-2:])
         else:
             cache[block, offset] = values.view(-1, KV_HEADS, values.shape[-1])

@@ -106,7 +106,9 @@ def mla_prolog_oracle(token_x, weight_dq, weight_uq_qr, weight_uk, weight_dkv_kr
                     continue
                 block, offset, block_size = slot // cache.shape[1], slot % cache.shape[1], cache.shape[1]
                 if cache_mode == "PA_NZ":
-                    c0 = 32 // cache.element_size()
+                    # 32 bytes of channels per group: 16 for bf16 / fp16; float32 / float64 pools (the reference
+                    # backend's) group 16 channels as bf16 ones do
+                    c0 = 32 if cache.element_size() == 1 else 16
                     targets = [_nz_flat_index(block, offset, c, block_size=block_size, width=width, c0=c0)
                                for c in range(width)]
                 else:
