@@ -145,6 +145,12 @@ def test_out_symlink_is_written_through_to_its_target(tmp_path, capsys, existing
     assert rc == 0, err
     assert link.is_symlink() and (target / "manifest.json").is_file() and not (target / "stale").exists()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["case.json", "out", "real"]
+    # --actual alike
+    (tmp_path / "actual").symlink_to(tmp_path / "real_actual")
+    rc, _, err = run_main(capsys, "golden", "--case", case, "--out", tmp_path / "g2", "--actual", tmp_path / "actual")
+    assert rc == 0, err
+    assert (tmp_path / "actual").is_symlink() and (tmp_path / "real_actual" / "manifest.json").is_file()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["actual", "case.json", "g2", "out", "real", "real_actual"]
 
 
 # ------------------------------------------------------------------------------------------------------

@@ -423,13 +423,7 @@ class Staged:
     commit that fails) removes the temporary directory. Nothing is created before `open()`."""
 
     def __init__(self, target: Path, force: bool = False):
-        # A symbolic link is written through: its target is replaced, the link itself stays as it was.
         self.target = Path(target)
-        if self.target.is_symlink():
-            try:
-                self.target = self.target.resolve()
-            except (OSError, RuntimeError) as exc:  # a link loop
-                raise UsageError(f"--out: cannot follow the symbolic link {target} ({exc})") from None
         self.force = force
         self.option = "--out"
         self.tmp: Path | None = None
@@ -438,6 +432,12 @@ class Staged:
         """Refuse an existing non-empty target unless forced, and a target whose parent cannot be created or
         written in (before any work is done)."""
         self.option = option
+        # A symbolic link is written through: its target is replaced, the link itself stays as it was.
+        if self.target.is_symlink():
+            try:
+                self.target = self.target.resolve()
+            except (OSError, RuntimeError) as exc:  # a link loop
+                raise UsageError(f"{option}: cannot follow the symbolic link {self.target} ({exc})") from None
         t = self.target
         if t.exists() and not t.is_dir():
             raise UsageError(f"{option}: {t} exists and is not a directory")
