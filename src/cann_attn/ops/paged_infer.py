@@ -20,7 +20,7 @@ import torch
 from ..backends.reference.workspace import Workspace
 from ..errors import ParamInvalidError, describe, require
 from ..problem import antiquant as antiquants
-from ..problem.nz import check_nz_cache, nz_tokens, nz_width
+from ..problem.nz import check_nz_cache, gather_nz_tokens, nz_tokens, nz_width
 from ..problem.page_table import BlockSizeRule, PageTable, page_table
 
 # Query layouts that take a BnNBsD cache ("BNSD/TND支持BnBsH和BnNBsD", FIA PageAttention constraints).
@@ -144,12 +144,18 @@ class PagedKv:
         for i, b in enumerate(batches):
             col = 0
             for cache, d in zip(parts, dims, strict=True):
-                self.pages.gather_tokens(self._tokens(cache), [b],
-                                         out=self._token_rows(k[i, :, :, col : col + d].permute(1, 0, 2), cache))
+                self._gather(cache, b, k[i, :, :, col : col + d].permute(1, 0, 2))
                 col += d
-            self.pages.gather_tokens(self._tokens(self.value), [b],
-                                     out=self._token_rows(v[i].permute(1, 0, 2), self.value))
+            self._gather(self.value, b, v[i].permute(1, 0, 2))
         return k, v
+
+    def _gather(self, cache: torch.Tensor, b: int, rows: torch.Tensor) -> None:
+        """Sequence b's keys of `cache` into the [L, N2, d] destination `rows` (a view)."""
+        if self.shape.nz:
+            gather_nz_tokens(cache, self.pages.blocks_of(b).tolist(), self.pages.kv_lengths[b],
+                             self._token_rows(rows, cache))
+        else:
+            self.pages.gather_tokens(self._tokens(cache), [b], out=self._token_rows(rows, cache))
 
     def _width(self, cache: torch.Tensor) -> int:
         """The head dim of a cache's tokens."""

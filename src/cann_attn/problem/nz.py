@@ -49,6 +49,21 @@ def nz_tokens(cache: torch.Tensor) -> torch.Tensor:
     return cache.permute(0, 3, 1, 2, 4)
 
 
+def gather_nz_tokens(cache: torch.Tensor, blocks: list[int], length: int, out: torch.Tensor) -> torch.Tensor:
+    """Write the first `length` tokens held by the NZ cache's `blocks` (in logical order) into `out` [length, N,
+    D/c0, c0] (any strides). Within a block an NZ cache is contiguous, so each block is copied in one piece,
+    transposed on the way ([N, D/c0, slots, c0] -> [slots, N, D/c0, c0]), instead of gathering the tokens through
+    the permuted view one 32-byte chunk at a time."""
+    block_size = cache.shape[3]
+    for j, block in enumerate(blocks):
+        first = j * block_size
+        count = min(block_size, length - first)
+        if count <= 0:
+            break
+        out[first : first + count].copy_(cache[block, :, :, :count].permute(2, 0, 1, 3))
+    return out
+
+
 def nz_width(cache: torch.Tensor) -> int:
     """The head dim D of an NZ cache."""
     return cache.shape[2] * cache.shape[4]
