@@ -206,6 +206,17 @@ with torch.npu.graph(g2):
 query_t.mul_(-1)
 g2.replay()
 same(output_graph, eager(block_tables_t, context_lens_new))
+
+# CUDA graph code after transfer_to_npu: torch.cuda.CUDAGraph and torch.cuda.graph are torch.npu's.
+from torch_npu.contrib import transfer_to_npu  # noqa: F401
+g3 = torch.cuda.CUDAGraph()
+with torch.cuda.graph(g3, pool=torch.cuda.graph_pool_handle()):
+    assert torch.cuda.is_current_stream_capturing()
+    torch_npu._npu_paged_attention(query_t, key_cache_t, value_cache_t, NKV, N, scale, block_tables_t,
+                                   context_lens, output_graph)
+query_t.mul_(-1)
+g3.replay()
+same(output_graph, eager(block_tables_t, context_lens))
 print("ok")
 """
 

@@ -28,7 +28,8 @@ _CUDA_NAMES = (
     "initial_seed", "get_rng_state", "set_rng_state", "get_rng_state_all", "set_rng_state_all", "memory_allocated",
     "max_memory_allocated", "memory_reserved", "max_memory_reserved", "memory_stats", "reset_peak_memory_stats",
     "reset_max_memory_allocated", "empty_cache", "mem_get_info", "Stream", "Event", "stream", "current_stream",
-    "default_stream", "_lazy_call", "init", "is_initialized",
+    "default_stream", "_lazy_call", "init", "is_initialized", "graph", "graph_pool_handle",
+    "is_current_stream_capturing",
 )
 
 
@@ -44,6 +45,7 @@ def enable() -> None:
     cuda = sys.modules["torch.cuda"]
     for name in _CUDA_NAMES:
         _device.replace(cuda, name, getattr(npu_module, name))
+    _device.replace(cuda, "CUDAGraph", npu_module.NPUGraph)  # as torch_npu's transfer_to_npu sets it
     # torch.cuda.amp stays torch's module (torch._dynamo reads its submodules); its classes become torch.npu.amp's.
     for name in ("autocast", "GradScaler", "custom_fwd", "custom_bwd"):
         _device.replace(torch.cuda.amp, name, getattr(npu_module.amp, name))
