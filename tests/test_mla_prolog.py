@@ -206,12 +206,11 @@ def test_nz_cache_reads_back_through_the_callers_view():
 def test_weights_after_format_cast_equal_plain_weights():
     """Callers pass weight_dq / weight_uq_qr / weight_dkv_kr through npu_format_cast(w, 29) (op-plugin's example,
     vllm-ascend, every recipe): the logical tensor is unchanged, so the result is the plain weights' bit for bit."""
-    cast = getattr(torch_npu, "npu_format_cast", None)
     plain = PrologCase(torch.Generator().manual_seed(8))
     nz = PrologCase(torch.Generator().manual_seed(8))
-    if cast is not None:
-        for name in ("weight_dq", "weight_uq_qr", "weight_dkv_kr"):
-            nz.inputs[name] = cast(nz.inputs[name].contiguous(), 29)
+    for name in ("weight_dq", "weight_uq_qr", "weight_dkv_kr"):
+        nz.inputs[name] = torch_npu.npu_format_cast(nz.inputs[name].contiguous(), 29)
+        assert torch_npu.get_npu_format(nz.inputs[name]) == 29
     a, b = plain.run(), nz.run()
     assert all(torch.equal(x, y) for x, y in zip(a, b, strict=True))
     assert torch.equal(plain.kv_cache, nz.kv_cache) and torch.equal(plain.kr_cache, nz.kr_cache)
@@ -346,6 +345,52 @@ def test_torch_npu_spellings_return_their_outputs():
         assert torch.equal(out[0], expected.query) and torch.equal(case.kv_cache, reference.kv_cache)
     case = PrologCase(torch.Generator().manual_seed(11))
     assert torch_npu.npu_mla_prolog_v2(*case.weights(), case.cache_index, case.kv_cache, case.kr_cache)[4].shape == (1,)
+
+
+def test_unmodified_recipe_code_after_install():
+    """The recipes' lines as written: ``torch_npu.npu_format_cast(w, 29)`` on the three NZ weights, then
+    ``torch.ops.npu.npu_mla_prolog_v3(...)`` (deepseek_r1 models/deepseek_r1/models/modeling_deepseek.py:1251,
+    longcat models/longcat_flash/models/modeling_longcat_flash.py:951) and ``torch_npu.npu_mla_prolog_v3(...)``
+    after install() (a subprocess: install() replaces the torch_npu module for the process). The op schema's
+    Tensor(a!) caches are written in place through torch.ops.npu too."""
+    import os
+    import subprocess
+    import sys
+    import textwrap
+    from pathlib import Path
+
+    from patience import HANG_SECONDS
+
+    script = textwrap.dedent("""
+        import torch
+        import cann_attn.torch_npu
+        cann_attn.torch_npu.install()
+        import torch_npu
+        g = torch.Generator().manual_seed(0)
+        w = lambda *s: (torch.randn(*s, generator=g) / s[0] ** 0.5).bfloat16()
+        x, w_dq, w_uq_qr, w_uk, w_dkv_kr = w(3, 32), w(32, 16), w(16, 2 * (8 + 16)), w(2, 8, 32), w(32, 48)
+        nz = [torch_npu.npu_format_cast(t.contiguous(), 29) for t in (w_dq, w_uq_qr, w_dkv_kr)]
+        assert [torch_npu.get_npu_format(t) for t in nz] == [29, 29, 29]
+        gamma_cq, gamma_ckv = torch.ones(16, dtype=torch.bfloat16), torch.ones(32, dtype=torch.bfloat16)
+        sin, cos = torch.rand(3, 16).bfloat16(), torch.rand(3, 16).bfloat16()
+        outs, caches = [], []
+        for fn, weights in ((torch.ops.npu.npu_mla_prolog_v3, nz), (torch_npu.npu_mla_prolog_v3,
+                                                                     (w_dq, w_uq_qr, w_dkv_kr))):
+            kv, kr = torch.zeros(2, 16, 1, 32, dtype=torch.bfloat16), torch.zeros(2, 16, 1, 16, dtype=torch.bfloat16)
+            outs.append(fn(token_x=x, weight_dq=weights[0], weight_uq_qr=weights[1], weight_uk=w_uk,
+                           weight_dkv_kr=weights[2], rmsnorm_gamma_cq=gamma_cq, rmsnorm_gamma_ckv=gamma_ckv,
+                           rope_sin=sin, rope_cos=cos, cache_index=torch.tensor([3, 17, 30]), kv_cache=kv,
+                           kr_cache=kr, cache_mode="PA_NZ"))
+            caches.append((kv, kr))
+        assert len(outs[0]) == 5 and all(torch.equal(a, b) for a, b in zip(*outs))
+        assert torch.equal(caches[0][0], caches[1][0]) and caches[0][0].abs().sum() > 0
+        print("OK")
+    """)
+    src = str(Path(__file__).resolve().parents[1] / "src")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([src, os.environ.get("PYTHONPATH", "")]))
+    done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True,
+                          timeout=HANG_SECONDS)
+    assert done.returncode == 0 and done.stdout.strip().endswith("OK"), done.stderr[-3000:]
 
 
 @pytest.mark.parametrize(("release", "has_dtype_overrides"), [("current", True), ("26.0", False), ("7.3", False)])
