@@ -386,7 +386,10 @@ class NPUGraph:
 
 
 def _generator_states() -> tuple:
-    cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
+    from . import npu
+
+    # torch.cuda.random's own functions: transfer_to_npu points torch.cuda's at torch.npu's.
+    cuda = torch.cuda.random.get_rng_state_all() if npu._on_cuda() else None
     return torch.get_rng_state(), _rng.get_rng_state(), cuda
 
 
@@ -395,7 +398,7 @@ def _restore_generators(states: tuple) -> None:
     torch.set_rng_state(cpu)
     _rng.set_rng_state(dropout)
     if cuda is not None:
-        torch.cuda.set_rng_state_all(cuda)
+        torch.cuda.random.set_rng_state_all(cuda)
 
 
 @torch.no_grad()
