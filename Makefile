@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test lint bench bench-check docs clean
+.PHONY: demo test test-full lint bench bench-check docs clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -16,8 +16,11 @@ $(STAMP): pyproject.toml
 demo: $(STAMP)
 	$(BIN)/cann-attn verify
 
-# The operator test matrix and the hypothesis fuzzers again, every supported case on the Triton kernels (the
-# interpreter on CPU), against the same float64 oracle.
+# The operator test matrix and the hypothesis fuzzers again on the Triton kernels (the interpreter on CPU), against
+# the same float64 oracle. `make test` runs a covering sample of it (tests/matrix_sample.py: every test function,
+# every value of every parameter, a quarter of the other combinations and of the fuzz examples); `make test-full`
+# runs every case.
+TRITON_SAMPLE ?= 4
 TRITON_MATRIX := tests/test_fa_forward.py tests/test_fa_backward.py tests/test_pfa.py \
 	tests/test_sparse_attention.py tests/test_indexer.py tests/test_fa_hypothesis.py \
 	tests/test_fa_backward_hypothesis.py tests/test_pfa_hypothesis.py tests/test_sparse_attention_hypothesis.py \
@@ -32,7 +35,11 @@ test: $(STAMP)
 		tests/test_fa_forward.py tests/test_fa_backward.py
 	# ... and with the native loops on but the fused dense loops (which call PyTorch's BLAS) off.
 	CANN_ATTN_NATIVE_BLAS=0 $(BIN)/python -m pytest -n 2 -q tests/test_fa_forward.py tests/test_fa_backward.py
-	CANN_ATTN_BACKEND=triton TRITON_INTERPRET=1 $(BIN)/python -m pytest -n 2 -q $(TRITON_MATRIX)
+	CANN_ATTN_TEST_SAMPLE=$(TRITON_SAMPLE) CANN_ATTN_BACKEND=triton TRITON_INTERPRET=1 \
+		$(BIN)/python -m pytest -n 2 -q $(TRITON_MATRIX)
+
+test-full:
+	$(MAKE) test TRITON_SAMPLE=1
 
 lint: $(STAMP)
 	$(BIN)/ruff check .

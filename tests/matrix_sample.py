@@ -4,7 +4,8 @@
 `CANN_ATTN_TEST_SAMPLE=N` keeps, of each test function's parametrised cases, every case that brings a parameter
 value no kept case has yet, then every N-th of the rest (in collection order). Every test function still runs, and
 every value of every parameter (each dtype, layout, sparse mode, feature switch) still runs at least once on each
-path; only the combinations are thinned. Unparametrised tests always run.
+path; only the combinations are thinned. Unparametrised tests always run; the hypothesis tests of the matrix draw
+`fuzz_examples(n)` configurations, n / N of their full count.
 """
 
 from __future__ import annotations
@@ -51,3 +52,9 @@ def covering_sample(items: list, stride: int) -> tuple[list, list]:
                 rest.append(case)
         drop.update(id(case) for index, case in enumerate(rest) if index % stride != stride - 1)
     return [item for item in items if id(item) not in drop], [item for item in items if id(item) in drop]
+
+
+def fuzz_examples(full: int) -> int:
+    """A hypothesis test's `max_examples` under the sample: `full` divided by N, at least 10 (or `full` itself
+    where that is smaller), so the random configurations still reach every drawn feature."""
+    return max(min(full, 10), full // sample_stride())

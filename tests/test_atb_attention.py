@@ -17,6 +17,7 @@ from cann_attn.testing.atb_oracle import (
     self_attention_oracle,
     splitfuse_oracle,
 )
+from matrix_sample import fuzz_examples
 from paged_utils import paginate
 
 pytestmark = pytest.mark.usefixtures("single_thread")
@@ -361,7 +362,7 @@ def test_a_row_masked_everywhere_with_minus_inf_gives_zeros_and_a_finite_fill_do
 
 
 # ------------------------------------------------------------------------------------------------ random batches
-@settings(max_examples=40, deadline=None)
+@settings(max_examples=fuzz_examples(40), deadline=None)
 @given(data=st.data())
 def test_random_splitfuse_batches_match_the_oracle(data):
     """Random vLLM batches: each sequence a decode, a fresh prompt or a chunk after cached tokens; random GQA, block

@@ -13,6 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from fa_grad_utils import LAYOUTS, GradCase, valid_grad_modes
+from matrix_sample import fuzz_examples
 from oracle import INT_MAX
 
 MAX_S = 24
@@ -165,7 +166,7 @@ def _build(cfg) -> tuple[GradCase, dict]:
 
 
 @pytest.mark.filterwarnings("ignore:sparse_mode=.* without atten_mask:UserWarning")  # on purpose
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=fuzz_examples(200), deadline=None)
 @given(cfg=configs())
 def test_grad_matches_oracle(cfg):
     case, kw = _build(cfg)

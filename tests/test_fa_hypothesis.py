@@ -13,6 +13,7 @@ from hypothesis import given, note, settings
 from hypothesis import strategies as st
 
 import cann_attn
+from matrix_sample import fuzz_examples
 from oracle import INT_MAX, check_fa_result, make_compressed_mask, make_qkv, pack_drop_mask, tnd_cum
 
 LAYOUTS = ("BSH", "SBH", "BSND", "BNSD", "TND")
@@ -151,7 +152,7 @@ def fa_configs(draw):
 
 
 @pytest.mark.filterwarnings("ignore:sparse_mode=.* without atten_mask:UserWarning")  # on purpose
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=fuzz_examples(200), deadline=None)
 @given(cfg=fa_configs())
 def test_random_valid_configurations(cfg):
     layout, n1, q, k, v, kw, var_len = cfg

@@ -17,6 +17,7 @@ from cann_attn.ops.fia_problem import DECODE_EMPTY_BATCH_LSE
 from cann_attn.problem.antiquant import unpack_int4
 from cann_attn.testing.fia_oracle import fia_oracle
 from fia_cases import check_fia, check_lse, compare, make_qkv, rand, to_layout, v2_arguments
+from matrix_sample import fuzz_examples
 from paged_utils import paginate
 from patience import HANG_SECONDS
 
@@ -429,7 +430,7 @@ def test_torch_npu_spellings_and_torch_ops_npu_after_install():
     assert done.returncode == 0 and done.stdout.strip().endswith("OK"), done.stderr[-3000:]
 
 
-@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=fuzz_examples(40), deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(data=st.data())
 def test_quantised_decode_matches_the_oracle(data):
     """Fuzzed decode over int8 / int4 caches (contiguous, or paged BnBsH / BnNBsD), per-channel, per-tensor or

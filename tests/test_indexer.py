@@ -17,6 +17,7 @@ import cann_attn
 from cann_attn.testing import dsa_oracle
 from cann_attn.testing.precision import assert_close_to_oracle
 from dsa_utils import BF16, DT_IDS, F16, F32, F64, TRITON_MATRIX, IndexerCase
+from matrix_sample import fuzz_examples
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 
@@ -404,7 +405,7 @@ def indexer_configs(draw):
                 integer_valued=draw(st.booleans()), seed=draw(st.integers(0, 2**31 - 1)))
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=fuzz_examples(200), deadline=None)
 @given(indexer_configs(), st.sampled_from([0, 3]))
 def test_lightning_indexer_random_configs(cfg, mode):
     gen = torch.Generator().manual_seed(cfg["seed"])
@@ -416,7 +417,7 @@ def test_lightning_indexer_random_configs(cfg, mode):
     torch.testing.assert_close(res.sparse_values, vals, rtol=1e-12, atol=1e-12)
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=fuzz_examples(200), deadline=None)
 @given(indexer_configs(), st.data())
 def test_kl_random_configs(cfg, data):
     gen = torch.Generator().manual_seed(cfg["seed"])

@@ -19,6 +19,7 @@ from cann_attn.problem import dequant
 from cann_attn.problem.page_table import PageTable
 from cann_attn.testing import dsa_quant_oracle as oracle
 from cann_attn.testing.precision import assert_close_to_oracle
+from matrix_sample import fuzz_examples
 from paged_utils import paginate
 
 pytestmark = pytest.mark.usefixtures("single_thread")
@@ -253,7 +254,7 @@ def test_mutant_block_mapping_is_caught(rng, monkeypatch):
     assert not torch.equal(case.run_paged(16, backend="reference"), want)
 
 
-@settings(max_examples=10, deadline=None)
+@settings(max_examples=fuzz_examples(10), deadline=None)
 @given(s1=st.integers(1, 3), s2=st.integers(1, 10), n1=st.sampled_from([1, 2, 4]), k=st.integers(1, 6),
        mode=st.sampled_from([0, 3]), block=st.sampled_from([1, 2, 4, 8, 16]), seed=st.integers(0, 2**16))
 def test_hypothesis_against_oracle(s1, s2, n1, k, mode, block, seed):

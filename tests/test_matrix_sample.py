@@ -31,7 +31,7 @@ class _Item:
 
 
 def _grid(name: str, **axes) -> list[_Item]:
-    return [_Item(name, dict(zip(axes, values))) for values in itertools.product(*axes.values())]
+    return [_Item(name, dict(zip(axes, values, strict=True))) for values in itertools.product(*axes.values())]
 
 
 @pytest.mark.parametrize("stride", [2, 3, 5, 100])
@@ -56,3 +56,12 @@ def test_stride_one_keeps_everything_and_bad_values_are_refused(monkeypatch):
         sample_stride()
     items = _grid("test_a", dtype=["fp16", "bf16"], layout=["BSND", "TND"])
     assert covering_sample(items, 1) == (items, [])
+
+
+def test_fuzz_examples_shrink_with_the_stride_but_keep_a_floor(monkeypatch):
+    from matrix_sample import fuzz_examples
+
+    monkeypatch.delenv("CANN_ATTN_TEST_SAMPLE", raising=False)
+    assert [fuzz_examples(n) for n in (5, 40, 200)] == [5, 40, 200]
+    monkeypatch.setenv("CANN_ATTN_TEST_SAMPLE", "4")
+    assert [fuzz_examples(n) for n in (5, 15, 40, 200)] == [5, 10, 10, 50]

@@ -14,6 +14,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import cann_attn
+from matrix_sample import fuzz_examples
 from pfa_cases import INT_MAX, LAYOUTS, channel_tensor, check_pfa, int8_scales, make_qkv, rand_bnsd
 
 PER_CHANNEL = {"BSH": ["H", "11H"], "BNSD": ["ND", "1N1D"], "BSND": ["ND", "11ND"], "BNSD_BSND": ["ND", "11ND"]}
@@ -153,7 +154,7 @@ def build(cfg, gen):
     return q, k, v, kw
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=fuzz_examples(200), deadline=None)
 @given(cfg=pfa_configs(), seed=st.integers(0, 2**31 - 1))
 def test_pfa_random_configurations(cfg, seed):
     gen = torch.Generator().manual_seed(seed)

@@ -14,6 +14,7 @@ import cann_attn
 import cann_attn.torch_npu as torch_npu
 from cann_attn.backends.reference import indexer as kernel
 from cann_attn.testing import dsa_quant_oracle as oracle
+from matrix_sample import fuzz_examples
 from paged_utils import paginate
 from test_indexer import assert_topk_consistent
 
@@ -156,7 +157,7 @@ def test_mutant_block_mapping_is_caught(rng, monkeypatch):
     assert not torch.equal(case.run_paged(rng, 16, sparse_count=6, backend="reference"), want)
 
 
-@settings(max_examples=20, deadline=None)
+@settings(max_examples=fuzz_examples(20), deadline=None)
 @given(s1=st.integers(1, 6), s2=st.integers(1, 20), h=st.integers(1, 4), k=st.integers(1, 8),
        mode=st.sampled_from([0, 3]), fp8=st.booleans(), seed=st.integers(0, 2**16))
 def test_hypothesis_exact_top_k(s1, s2, h, k, mode, fp8, seed):

@@ -12,6 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from dsa_utils import BF16, F16, F32, F64, SFACase
+from matrix_sample import fuzz_examples
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 
@@ -65,13 +66,13 @@ def _run(cfg: dict) -> None:
     case.check()
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=fuzz_examples(200), deadline=None)
 @given(sfa_configs())
 def test_sparse_attention_random_configs(cfg):
     _run(cfg)
 
 
-@settings(max_examples=50, deadline=None)
+@settings(max_examples=fuzz_examples(50), deadline=None)
 @given(sfa_configs(dtypes=(F16, BF16)))
 def test_sparse_attention_random_configs_half(cfg):
     # The grad's Dl = rowsum(dO * out) uses the given fp16/bf16 `out` (docs/operators/sparse_flash_attention.md); the

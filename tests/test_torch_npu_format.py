@@ -13,11 +13,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-from cann_attn.problem.nz import to_nz
 
 import cann_attn
 import cann_attn.torch_npu as torch_npu
 from cann_attn import ParamInvalidError
+from cann_attn.problem.nz import to_nz
 
 DOCUMENTED = {"UNDEFINED": -1, "NCHW": 0, "NHWC": 1, "ND": 2, "NC1HWC0": 3, "FRACTAL_Z": 4, "NC1HWC0_C04": 12,
               "HWCN": 16, "NDHWC": 27, "FRACTAL_NZ": 29, "NCDHW": 30, "NDC1HWC0": 32, "FRACTAL_Z_3D": 33, "NC": 35,
