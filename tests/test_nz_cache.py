@@ -164,23 +164,18 @@ def test_v1_and_torch_npu_take_the_nz_cache():
     assert torch.equal(v1, v2) and torch.equal(shim, v2)
 
 
-def test_fake_output_shape_of_an_nz_call():
-    """The custom op's fake twin gives the NZ call's real output shape (D from D/16 x 16, not the chunk width)."""
-    from torch._subclasses.fake_tensor import FakeTensorMode
-
+def test_custom_op_over_nz_caches_passes_opcheck():
+    """The custom op over NZ caches: schema, FakeTensor (the fake's D is D/16 x 16, not the chunk width: the fake
+    gave 16 before), AOT dispatch with dynamic shapes."""
     g = torch.Generator().manual_seed(6)
-    _, _, _, nz, table = mla_caches([5], 16, g, torch.bfloat16)
-    q, qr = rand((1, 4, 1, LATENT), torch.bfloat16, g), rand((1, 4, 1, ROPE), torch.bfloat16, g)
-    kw = dict(num_query_heads=4, num_key_value_heads=1, input_layout="BNSD_NBSD", block_size=16,
-              actual_seq_kvlen=[5])
-    real = cann_attn.library.fused_infer_attention_score_v2(q, nz["k"], nz["k"], query_rope=qr, key_rope=nz["r"],
-                                                            block_table=table, **kw)[0]
-    with FakeTensorMode(allow_non_fake_inputs=True) as mode:
-        fakes = [mode.from_tensor(t) for t in (q, nz["k"], qr, nz["r"], table)]
-        fake = torch.ops.cann_attn.fused_infer_attention_score_v2(
-            fakes[0], fakes[1], fakes[1], fakes[2], fakes[3], block_table=fakes[4], num_query_heads=4,
-            num_key_value_heads=1, input_layout="BNSD_NBSD", block_size=16, actual_seq_kvlen=[5])[0]
-    assert tuple(fake.shape) == tuple(real.shape) == (4, 1, 1, LATENT)
+    _, _, _, nz, table = mla_caches([20, 9], 16, g, torch.bfloat16)
+    q, qr = rand((2, 1, 4, LATENT), torch.bfloat16, g), rand((2, 1, 4, ROPE), torch.bfloat16, g)
+    kw = dict(num_query_heads=4, num_key_value_heads=1, input_layout="BSND_NBSD", softmax_scale=0.05,
+              block_table=table, block_size=16, actual_seq_kvlen=[20, 9])
+    op = torch.ops.cann_attn.fused_infer_attention_score_v2.default
+    result = torch.library.opcheck(op, (q, nz["k"], nz["k"], qr, nz["r"]), kw)
+    assert set(result.values()) == {"SUCCESS"}, result
+    assert op(q, nz["k"], nz["k"], qr, nz["r"], **kw)[0].shape == (4, 2, 1, LATENT)
 
 
 def _nz_call(key, value, key_rope, *, query_dim=LATENT, rope=True, layout="BSND"):
