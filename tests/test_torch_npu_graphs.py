@@ -157,6 +157,22 @@ def test_calls_of_other_threads_are_not_captured():
     assert torch.equal(outside, torch.zeros_like(outside)) and torch.equal(doubled, query * 2)
 
 
+def test_v1_dropout_replays_the_capture_mask_as_the_npu_task_keeps_its_seed_and_offset():
+    q = torch.randn(1, 8, 32)
+    torch_npu.npu.manual_seed(11)
+    g = npu.NPUGraph()
+    with npu.graph(g):
+        out, _, _, _, seed, offset, _ = torch_npu.npu_fusion_attention(q, q, q, 2, "BSH", keep_prob=0.5)
+    captured = out.clone()
+    state = torch_npu.npu.get_rng_state()
+    for _ in range(2):
+        out.zero_()
+        g.replay()
+        assert torch.equal(out, captured) and torch.equal(torch_npu.npu.get_rng_state(), state)
+    eager = torch_npu.npu_fusion_attention(q, q, q, 2, "BSH", keep_prob=0.5, seed=seed, offset=offset)[0]
+    assert seed == 11 and torch.equal(captured, eager)
+
+
 def test_refused_captures_name_the_reason_and_leave_no_graph():
     for body, reason in ((lambda x: x.nonzero(), "depends on tensor values"), (lambda x: x[x > 0], "depends on"),
                          (lambda x: x.sum().item(), "host"),

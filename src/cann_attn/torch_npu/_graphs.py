@@ -549,6 +549,26 @@ def _refuse_dropout_with_autograd(op: Any, bound: inspect.BoundArguments) -> Non
                                 "npu_fusion_attention_grad function with the seed and offset it returns")
 
 
+def _with_drawn_seed(op: Any, bound: inspect.BoundArguments, result: Any) -> tuple[tuple, dict]:
+    """npu_fusion_attention / _v2 draw their dropout at a (seed, offset) computed on the host and return it as ints:
+    the NPU's task keeps that pair, so every replay applies the capture's mask and the generator does not move.
+    The call is recorded with the pair given explicitly (a non-zero seed draws there). ``_v3`` returns the pair as
+    tensors and draws anew at each replay."""
+    keep_prob = bound.arguments.get("keep_prob", 1.0)
+    drew = (op.name in ("npu_fusion_attention", "npu_fusion_attention_v2") and isinstance(keep_prob, (int, float))
+            and keep_prob < 1 and bound.arguments.get("dropout_mask") is None and not bound.arguments.get("seed"))
+    if not drew:
+        return bound.args, bound.kwargs
+    seed, offset = result[4], result[5]
+    takes_seed = "seed" in {p.name for p in op.schema(_registry.active_release()).params}
+    if not takes_seed or seed == 0:
+        raise GraphCaptureError(f"graph capture: {op.name}(keep_prob={keep_prob}) drew its dropout at seed {seed}, "
+                                "which a replay cannot give back (torch_npu release without seed=, or seed 0); "
+                                "capture npu_fusion_attention_v3 instead")
+    bound.arguments["seed"], bound.arguments["offset"] = seed, offset
+    return bound.args, bound.kwargs
+
+
 @contextlib.contextmanager
 def _operator_running():
     previous = _STATE.inside_operator
@@ -588,6 +608,7 @@ def _operator_call(op: Any, run_call: Any, args: tuple, kwargs: dict) -> Any:
                 graph._snapshot(tensor)
         result = run_call(*args, **kwargs)
         graph._own(result, (args, kwargs))
+        args, kwargs = _with_drawn_seed(op, bound, result)
         frozen_args, frozen_kwargs = _freeze_call(op, graph, args, kwargs)
         graph._append(_OperatorStep(op, run_call, frozen_args, frozen_kwargs,
                                     graph._freeze(result, f"output of {op.name}")))
