@@ -91,6 +91,7 @@ CASES = {
     "vllm-ascend BSND_NBSD decode": ("BSND_NBSD", [1, 1, 1], 0),
     "BNSD_NBSD decode": ("BNSD_NBSD", [1, 1, 1], 0),
     "BSND decode": ("BSND", [1, 1, 1], 0),
+    "BSH_NBSD decode": ("BSH_NBSD", [1, 1, 1], 0),
     "TND prefill chunk": ("TND", [3, 1, 4], 3),
 }
 
@@ -100,6 +101,8 @@ def _query(layout, q_lens, heads, dim, dtype, gen):
     if layout.startswith("TND"):
         return rand((sum(q_lens), heads, dim), dtype, gen)
     q = rand((len(q_lens), q_lens[0], heads, dim), dtype, gen)
+    if layout.startswith("BSH"):
+        return q.flatten(2)
     return q.transpose(1, 2).contiguous() if layout.startswith("BNSD") else q
 
 
@@ -107,6 +110,8 @@ def _contiguous_keys(t: torch.Tensor, layout: str, lengths):
     """[B, S, 1, D] keys in the query's layout family (TND: the sequences' first lengths[b] tokens packed)."""
     if layout.startswith("TND"):
         return torch.cat([t[b, : lengths[b]] for b in range(len(lengths))])
+    if layout.startswith("BSH"):
+        return t.flatten(2)
     return t.transpose(1, 2).contiguous() if layout.startswith("BNSD") else t
 
 
