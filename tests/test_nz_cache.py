@@ -22,6 +22,8 @@ from __future__ import annotations
 
 import pytest
 import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 import cann_attn
 from cann_attn import ParamInvalidError
@@ -212,3 +214,25 @@ def test_bad_nz_caches_name_the_parameter(name):
     call, message = BAD[name]
     with pytest.raises(ParamInvalidError, match=message):
         call()
+
+
+@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(lengths=st.lists(st.integers(0, 40), min_size=1, max_size=3), page=st.sampled_from([16, 32, 48]),
+       heads=st.sampled_from([1, 2, 8]), layout=st.sampled_from(["TND_NTD", "BSND_NBSD", "BNSD_NBSD", "BSH"]),
+       dtype=st.sampled_from([torch.bfloat16, torch.float16]), seed=st.integers(0, 2**16))
+def test_nz_equals_nd_hypothesis(lengths, page, heads, layout, dtype, seed):
+    """Any documented block size (a multiple of 16), sequences without keys, head counts and layouts: bit for bit."""
+    g = torch.Generator().manual_seed(seed)
+    _, _, nd, nz, table = mla_caches(lengths, page, g, dtype)
+    q_lens = [1] * len(lengths)
+    query, query_rope = _query(layout, q_lens, heads, LATENT, dtype, g), _query(layout, q_lens, heads, ROPE, dtype, g)
+    kw = dict(query_rope=query_rope, num_query_heads=heads, num_key_value_heads=1, input_layout=layout,
+              softmax_scale=0.05, block_table=table, block_size=page, actual_seq_kvlen=lengths, return_softmax_lse=True)
+    if layout.startswith("TND"):
+        kw["actual_seq_qlen"] = list(range(1, len(lengths) + 1))
+    block_num = nd["k"].shape[0]
+    over_nz = cann_attn.fused_infer_attention_score_v2(query, nz["k"], nz["k"], key_rope=nz["r"], **kw)
+    over_nd = cann_attn.fused_infer_attention_score_v2(
+        query, nd["k"].view(block_num, page, LATENT), nd["k"].view(block_num, page, LATENT),
+        key_rope=nd["r"].view(block_num, page, ROPE), **kw)
+    assert torch.equal(over_nz[0], over_nd[0]) and torch.equal(over_nz[1], over_nd[1])
