@@ -171,6 +171,19 @@ def test_v1_dropout_replays_the_capture_mask_as_the_npu_task_keeps_its_seed_and_
         assert torch.equal(out, captured) and torch.equal(torch_npu.npu.get_rng_state(), state)
     eager = torch_npu.npu_fusion_attention(q, q, q, 2, "BSH", keep_prob=0.5, seed=seed, offset=offset)[0]
     assert seed == 11 and torch.equal(captured, eager)
+    # With autograd: the backward in the capture keeps the same mask the replays apply.
+    leaf = q.clone().requires_grad_()
+    g = npu.NPUGraph()
+    with npu.graph(g):
+        out, _, _, _, seed, offset, _ = torch_npu.npu_fusion_attention(leaf, leaf, leaf, 2, "BSH", keep_prob=0.5)
+        out.sum().backward()
+    leaf.grad.zero_()
+    leaf.data.mul_(0.5)
+    g.replay()
+    check = leaf.detach().clone().requires_grad_()
+    torch_npu.npu_fusion_attention(check, check, check, 2, "BSH", keep_prob=0.5, seed=seed,
+                                   offset=offset)[0].sum().backward()
+    assert torch.equal(leaf.grad, check.grad)
 
 
 def test_refused_captures_name_the_reason_and_leave_no_graph():

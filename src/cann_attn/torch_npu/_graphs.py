@@ -61,6 +61,8 @@ CAPTURE_ERROR_MODES = ("global", "thread_local", "relaxed")
 _HOST_TENSOR_PARAMS = frozenset({"context_lens", "seq_len"})
 # The workspace queries run on the host (a size, an allocation): called in a capture or an update, they run at once.
 _HOST_ONLY_SUFFIXES = ("_get_workspace", "_get_max_workspace")
+# FlashAttention forwards that return their dropout's (seed, offset) as host ints (_v3 returns tensors).
+_HOST_SEEDED = ("npu_fusion_attention", "npu_fusion_attention_v2")
 # Allocation only: no kernel to replay, the captured tensor keeps its memory.
 _ALLOCATIONS = frozenset({"empty.memory_format", "empty_strided.default", "empty_like.default", "new_empty.default",
                           "new_empty_strided.default"})
@@ -536,12 +538,12 @@ def _bound_or_raise(op: Any, run_call: Any, args: tuple, kwargs: dict) -> inspec
 
 
 def _refuse_dropout_with_autograd(op: Any, bound: inspect.BoundArguments) -> None:
-    """A forward's dropout mask is drawn inside the call and kept by autograd for the backward: a replay draws a new
+    """``_v3``'s dropout mask is drawn inside the call and kept by autograd for the backward: a replay draws a new
     mask the captured backward would not see. Forward-only dropout, and the grad functions given the forward's
     seed and offset tensors, replay faithfully."""
     keep_prob = bound.arguments.get("keep_prob", 1.0)
-    if "grad" in op.name or not isinstance(keep_prob, (int, float)) or keep_prob >= 1:
-        return
+    if "grad" in op.name or op.name in _HOST_SEEDED or not isinstance(keep_prob, (int, float)) or keep_prob >= 1:
+        return  # the host-seeded forms replay the capture's mask, the one the captured backward keeps
     if torch.is_grad_enabled() and any(t.requires_grad for t in _tensors(list(bound.arguments.values()))):
         raise GraphCaptureError(f"graph capture: {op.name}(keep_prob={keep_prob}) on tensors that require grad "
                                 "cannot be captured: its backward would reuse the capture's dropout mask while a "
@@ -555,7 +557,7 @@ def _with_drawn_seed(op: Any, bound: inspect.BoundArguments, result: Any) -> tup
     The call is recorded with the pair given explicitly (a non-zero seed draws there). ``_v3`` returns the pair as
     tensors and draws anew at each replay."""
     keep_prob = bound.arguments.get("keep_prob", 1.0)
-    drew = (op.name in ("npu_fusion_attention", "npu_fusion_attention_v2") and isinstance(keep_prob, (int, float))
+    drew = (op.name in _HOST_SEEDED and isinstance(keep_prob, (int, float))
             and keep_prob < 1 and bound.arguments.get("dropout_mask") is None and not bound.arguments.get("seed"))
     if not drew:
         return bound.args, bound.kwargs
