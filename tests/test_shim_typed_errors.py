@@ -117,3 +117,45 @@ def test_dropout_gen_mask_size_takes_0_dim_integer_tensors():
     for bad in ([torch.tensor(3.0), 100], [torch.tensor([3]), 100], [True, 100], [-1, 100]):
         with pytest.raises(ParamInvalidError, match=r"\] size: "):
             torch_npu._npu_dropout_gen_mask(x, bad, 0.3, 7, 0)
+
+
+# ------------------------------------------------------------------------------------ scalars of the wrong type
+def _wrong_type_calls():
+    q = torch.randn(1, 4, 2, 16).half()
+    kv, idx = q[:, :, :1], torch.zeros(1, 4, 1, 2, dtype=torch.int32)
+    q3, kv3 = torch.randn(2, 1, 32).half(), torch.randn(2, 5, 32).half()
+    weights = torch.ones(1, 4, 2).half()
+    return {
+        ("npu_sparse_flash_attention", "scale_value"): lambda: torch_npu.npu_sparse_flash_attention(
+            q, kv, kv, idx, "x", sparse_mode=0),
+        ("npu_sparse_flash_attention", "return_softmax_lse"): lambda: torch_npu.npu_sparse_flash_attention(
+            q, kv, kv, idx, 0.25, sparse_mode=0, return_softmax_lse="no"),
+        ("npu_fused_infer_attention_score_v2", "softmax_scale"): lambda: torch_npu.npu_fused_infer_attention_score_v2(
+            q3, kv3, kv3, num_query_heads=2, softmax_scale="x"),
+        ("npu_fused_infer_attention_score_v2", "return_softmax_lse"):
+            lambda: torch_npu.npu_fused_infer_attention_score_v2(q3, kv3, kv3, num_query_heads=2,
+                                                                 return_softmax_lse="no"),
+        ("npu_fused_infer_attention_score", "scale"): lambda: torch_npu.npu_fused_infer_attention_score(
+            q3, kv3, kv3, num_heads=2, scale="x"),
+        ("npu_fused_infer_attention_score", "softmax_lse_flag"): lambda: torch_npu.npu_fused_infer_attention_score(
+            q3, kv3, kv3, num_heads=2, softmax_lse_flag="no"),
+        ("npu_prompt_flash_attention", "scale_value"): lambda: torch_npu.npu_prompt_flash_attention(
+            q3, kv3, kv3, num_heads=2, scale_value="x"),
+        ("npu_incre_flash_attention", "scale_value"): lambda: torch_npu.npu_incre_flash_attention(
+            q3, kv3, kv3, num_heads=2, scale_value="x"),
+        ("npu_fusion_attention", "scale"): lambda: torch_npu.npu_fusion_attention(q, q, q, 2, "BSND", scale="x"),
+        ("npu_fusion_attention", "keep_prob"): lambda: torch_npu.npu_fusion_attention(q, q, q, 2, "BSND",
+                                                                                       keep_prob="x"),
+        ("npu_lightning_indexer", "sparse_count"): lambda: torch_npu.npu_lightning_indexer(
+            q, kv, weights, sparse_count="x", sparse_mode=0),
+        ("npu_lightning_indexer", "layout_query"): lambda: torch_npu.npu_lightning_indexer(
+            q, kv, weights, layout_query=3, sparse_count=2, sparse_mode=0),
+    }
+
+
+@pytest.mark.parametrize("case", sorted(_wrong_type_calls()), ids="-".join)
+def test_scalars_of_the_wrong_type_are_typed_errors_naming_them(case):
+    """Before: float('x') / torch's schema check raised raw ValueError / TypeError / RuntimeError, and a string flag
+    such as return_softmax_lse='no' was taken as True."""
+    with pytest.raises(ParamInvalidError, match=rf"\] {case[1]}: expected"):
+        _wrong_type_calls()[case]()

@@ -4,7 +4,7 @@
 import torch
 from torch import Tensor
 
-from ..errors import ParamInvalidError
+from ..errors import ParamInvalidError, require_real
 from ..problem.dropout import gen_drop_mask
 
 _MASK64 = (1 << 64) - 1
@@ -39,7 +39,7 @@ def _dropout_mask_op(rng_state: Tensor, numel: int, keep_prob: float, device: to
     target = torch.device(device) if device is not None else rng_state.device
     generator = torch.Generator(device=target)
     generator.manual_seed(mix_seed(seed, offset))
-    return gen_drop_mask(int(numel), float(keep_prob), generator=generator, device=target)
+    return gen_drop_mask(int(numel), require_real(keep_prob, "keep_prob"), generator=generator, device=target)
 
 
 @_dropout_mask_op.register_fake
@@ -56,5 +56,5 @@ def dropout_mask(seed, offset, numel: int, keep_prob: float, device: torch.devic
         state = state.to(device="cpu", dtype=torch.int64)
     else:
         state = torch.tensor([int(seed), int(offset)], dtype=torch.int64)
-    return torch.ops.cann_attn.dropout_mask(state, numel, float(keep_prob),
+    return torch.ops.cann_attn.dropout_mask(state, numel, require_real(keep_prob, "keep_prob"),
                                             torch.device(device) if device is not None else None)

@@ -4,6 +4,7 @@
 import torch
 from torch import Tensor
 
+from ..errors import require_real
 from ..ops.flash_attention_score import (
     INT_MAX,
     FlashAttentionScoreResult,
@@ -196,8 +197,10 @@ def flash_attention_score(
     return FlashAttentionScoreResult(*torch.ops.cann_attn.flash_attention_score(
         query, key, value, head_num, input_layout, pse, drop_mask, padding_mask, atten_mask, _ints(prefix, "prefix"),
         _ints(actual_seq_qlen, "actual_seq_qlen"), _ints(actual_seq_kvlen, "actual_seq_kvlen"),
-        _ints(q_start_idx, "q_start_idx"), _ints(kv_start_idx, "kv_start_idx"), float(scale_value),
-        float(keep_prob), pre_tokens, next_tokens, inner_precise, sparse_mode, pse_type, softmax_layout, backend,
+        _ints(q_start_idx, "q_start_idx"), _ints(kv_start_idx, "kv_start_idx"), require_real(scale_value,
+        "scale_value"),
+        require_real(keep_prob, "keep_prob"), pre_tokens, next_tokens, inner_precise, sparse_mode, pse_type,
+        softmax_layout, backend,
         sink,
     ))
 
@@ -214,8 +217,10 @@ def flash_attention_var_len_score(
     return FlashAttentionScoreResult(*torch.ops.cann_attn.flash_attention_var_len_score(
         query, key, value, head_num, input_layout, pse, drop_mask, padding_mask, atten_mask, _ints(prefix, "prefix"),
         _ints(actual_seq_qlen, "actual_seq_qlen"), _ints(actual_seq_kvlen, "actual_seq_kvlen"),
-        _ints(q_start_idx, "q_start_idx"), _ints(kv_start_idx, "kv_start_idx"), float(scale_value),
-        float(keep_prob), pre_tokens, next_tokens, inner_precise, sparse_mode, pse_type, softmax_layout, backend,
+        _ints(q_start_idx, "q_start_idx"), _ints(kv_start_idx, "kv_start_idx"), require_real(scale_value,
+        "scale_value"),
+        require_real(keep_prob, "keep_prob"), pre_tokens, next_tokens, inner_precise, sparse_mode, pse_type,
+        softmax_layout, backend,
         sink,
     ))
 
@@ -235,7 +240,8 @@ def flash_attention_score_grad(
         query, key, value, dy, head_num, input_layout, pse, drop_mask, padding_mask, atten_mask, softmax_max,
         softmax_sum, softmax_in, attention_in, _ints(prefix, "prefix"), _ints(actual_seq_qlen, "actual_seq_qlen"),
         _ints(actual_seq_kvlen, "actual_seq_kvlen"), _ints(q_start_idx, "q_start_idx"),
-        _ints(kv_start_idx, "kv_start_idx"), float(scale_value), float(keep_prob), pre_tokens, next_tokens,
+        _ints(kv_start_idx, "kv_start_idx"), require_real(scale_value, "scale_value"), require_real(keep_prob,
+        "keep_prob"), pre_tokens, next_tokens,
         inner_precise, sparse_mode, pse_type, softmax_layout, backend, sink,
     )
     return FlashAttentionScoreGradResult(dq, dk, dv, _none_if_placeholder(dpse, pse is not None and pse_type in (0, 1)),

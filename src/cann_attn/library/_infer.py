@@ -4,6 +4,7 @@
 import torch
 from torch import Tensor
 
+from ..errors import require_bool, require_real
 from ..ops.fia_problem import scalar_type_number
 from ..ops.flash_attention_score import (
     INT_MAX,
@@ -124,9 +125,10 @@ def fused_infer_attention_score(
         quant_scale2, quant_offset2, antiquant_scale, antiquant_offset, key_antiquant_scale, key_antiquant_offset,
         value_antiquant_scale, value_antiquant_offset, block_table, query_padding_size, kv_padding_size,
         key_shared_prefix, value_shared_prefix, _ints(actual_shared_prefix_len, "actual_shared_prefix_len"),
-        query_rope, key_rope, key_rope_antiquant_scale, num_heads, float(scale), pre_tokens, next_tokens,
+        query_rope, key_rope, key_rope_antiquant_scale, num_heads, require_real(scale, "scale"), pre_tokens,
+        next_tokens,
         input_layout, num_key_value_heads, sparse_mode, inner_precise, block_size, antiquant_mode,
-        key_antiquant_mode, value_antiquant_mode, bool(softmax_lse_flag), backend,
+        key_antiquant_mode, value_antiquant_mode, require_bool(softmax_lse_flag, "softmax_lse_flag"), backend,
     )
 
 
@@ -211,9 +213,11 @@ def fused_infer_attention_score_v2(
         query, key, value, query_rope, key_rope, pse_shift, atten_mask, _ints(actual_seq_qlen, "actual_seq_qlen"),
         _ints(actual_seq_kvlen, "actual_seq_kvlen"), block_table, dequant_scale_query, dequant_scale_key,
         dequant_offset_key, dequant_scale_value, dequant_offset_value, dequant_scale_key_rope, quant_scale_out,
-        quant_offset_out, quant_scale_p, learnable_sink, num_query_heads, num_key_value_heads, float(softmax_scale),
+        quant_offset_out, quant_scale_p, learnable_sink, num_query_heads, num_key_value_heads,
+        require_real(softmax_scale, "softmax_scale"),
         pre_tokens, next_tokens, input_layout, sparse_mode, block_size, query_quant_mode, key_quant_mode,
-        value_quant_mode, inner_precise, bool(return_softmax_lse), query_dtype, key_dtype, value_dtype,
+        value_quant_mode, inner_precise, require_bool(return_softmax_lse, "return_softmax_lse"), query_dtype,
+        key_dtype, value_dtype,
         query_rope_dtype, key_rope_dtype, key_shared_prefix_dtype, value_shared_prefix_dtype,
         dequant_scale_query_dtype, dequant_scale_key_dtype, dequant_scale_value_dtype, dequant_scale_key_rope_dtype,
         scalar_type_number(out_dtype), backend,
@@ -264,6 +268,7 @@ def incre_flash_attention(
     return torch.ops.cann_attn.incre_flash_attention(
         query, key, value, padding_mask, atten_mask, pse_shift, _ints(actual_seq_lengths, "actual_seq_lengths"),
         antiquant_scale, antiquant_offset, block_table, dequant_scale1, quant_scale1, dequant_scale2, quant_scale2,
-        quant_offset2, kv_padding_size, num_heads, float(scale_value), input_layout, num_key_value_heads,
+        quant_offset2, kv_padding_size, num_heads, require_real(scale_value, "scale_value"), input_layout,
+        num_key_value_heads,
         block_size, inner_precise, backend,
     )

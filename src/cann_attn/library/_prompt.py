@@ -3,6 +3,7 @@
 import torch
 from torch import Tensor
 
+from ..errors import require_real
 from ..ops.flash_attention_score import (
     INT_MAX,
 )
@@ -62,7 +63,8 @@ def prompt_flash_attention(
     return torch.ops.cann_attn.prompt_flash_attention(
         query, key, value, pse_shift, atten_mask, _ints(actual_seq_lengths, "actual_seq_lengths"),
         _ints(actual_seq_lengths_kv, "actual_seq_lengths_kv"), deq_scale1, quant_scale1, deq_scale2, quant_scale2,
-        quant_offset2, num_heads, float(scale_value), pre_tokens, next_tokens, input_layout, num_key_value_heads,
+        quant_offset2, num_heads, require_real(scale_value, "scale_value"), pre_tokens, next_tokens, input_layout,
+        num_key_value_heads,
         sparse_mode, backend,
     )
 

@@ -6,6 +6,7 @@ tensors to int lists."""
 import torch
 from torch import Tensor
 
+from ..errors import require_real
 from ..ops.dense_indexer import (
     DenseLightningIndexerGradKLLossResult,
     DenseLightningIndexerSoftmaxLseResult,
@@ -85,7 +86,7 @@ def dense_lightning_indexer_grad_kl_loss(
     """``cann_attn.dense_lightning_indexer_grad_kl_loss`` through its custom op."""
     return DenseLightningIndexerGradKLLossResult(*torch.ops.cann_attn.dense_lightning_indexer_grad_kl_loss(
         query, key, query_index, key_index, weights, softmax_max, softmax_sum, softmax_max_index, softmax_sum_index,
-        float(scale_value), query_rope, key_rope, to_int_list(actual_seq_qlen, "actual_seq_qlen"),
+        require_real(scale_value, "scale_value"), query_rope, key_rope, to_int_list(actual_seq_qlen, "actual_seq_qlen"),
         to_int_list(actual_seq_klen, "actual_seq_klen"), layout, sparse_mode, pre_tokens, next_tokens))
 
 
@@ -172,7 +173,8 @@ def kv_quant_sparse_flash_attention(
         return _eager_kv_quant_sfa(query, key, value, sparse_indices, scale_value, key_quant_mode, value_quant_mode,
                                    key_dequant_scale=key_dequant_scale, value_dequant_scale=value_dequant_scale)
     return torch.ops.cann_attn.kv_quant_sparse_flash_attention(
-        query, key, value, sparse_indices, float(scale_value), key_quant_mode, value_quant_mode, block_table,
+        query, key, value, sparse_indices, require_real(scale_value, "scale_value"), key_quant_mode, value_quant_mode,
+        block_table,
         to_int_list(actual_seq_lengths_query, "actual_seq_lengths_query"),
         to_int_list(actual_seq_lengths_kv, "actual_seq_lengths_kv"), sparse_block_size, layout, layout_kv or "",
         sparse_mode, pre_tokens, next_tokens, attention_mode, quant_scale_repo_mode, tile_size, rope_head_dim,

@@ -5,7 +5,7 @@ docs/operators/lightning_indexer.md)."""
 import torch
 from torch import Tensor
 
-from ..errors import ParamInvalidError
+from ..errors import ParamInvalidError, require_real
 from ..ops.lightning_indexer import (
     LightningIndexerResult,
     SparseLightningIndexerGradKLLossResult,
@@ -147,7 +147,7 @@ def sparse_flash_attention(
     traceable and differentiable (gradients to query, key, value, query_rope, key_rope; not through a paged
     cache)."""
     return SparseFlashAttentionResult(*torch.ops.cann_attn.sparse_flash_attention(
-        query, key, value, sparse_indices, float(scale_value), query_rope, key_rope,
+        query, key, value, sparse_indices, require_real(scale_value, "scale_value"), query_rope, key_rope,
         _ints(actual_seq_lengths_query, "actual_seq_lengths_query"),
         _ints(actual_seq_lengths_kv, "actual_seq_lengths_kv"), sparse_block_size, layout, sparse_mode, pre_tokens,
         next_tokens, backend, block_table=block_table, layout_kv=layout_kv or "", sinks=sinks,
@@ -164,7 +164,8 @@ def sparse_flash_attention_grad(
     """``cann_attn.sparse_flash_attention_grad`` through its custom op; rope gradients are None without rope,
     d_sinks None without sinks."""
     dq, dk, dv, dq_rope, dk_rope, d_sinks = torch.ops.cann_attn.sparse_flash_attention_grad(
-        query, key, value, sparse_indices, d_out, out, softmax_max, softmax_sum, float(scale_value),
+        query, key, value, sparse_indices, d_out, out, softmax_max, softmax_sum, require_real(scale_value,
+        "scale_value"),
         sparse_block_size, query_rope, key_rope, _ints(actual_seq_lengths_query, "actual_seq_lengths_query"),
         _ints(actual_seq_lengths_kv, "actual_seq_lengths_kv"), layout, sparse_mode, pre_tokens, next_tokens,
         deterministic, backend, sinks,
@@ -250,7 +251,8 @@ def sparse_lightning_indexer_grad_kl_loss(
 ) -> SparseLightningIndexerGradKLLossResult:
     """``cann_attn.sparse_lightning_indexer_grad_kl_loss`` through its custom op."""
     return SparseLightningIndexerGradKLLossResult(*torch.ops.cann_attn.sparse_lightning_indexer_grad_kl_loss(
-        query, key, query_index, key_index, weights, sparse_indices, softmax_max, softmax_sum, float(scale_value),
+        query, key, query_index, key_index, weights, sparse_indices, softmax_max, softmax_sum,
+        require_real(scale_value, "scale_value"),
         query_rope, key_rope, _ints(actual_seq_lengths_query, "actual_seq_lengths_query"),
         _ints(actual_seq_lengths_key, "actual_seq_lengths_key"), layout, sparse_mode, pre_tokens, next_tokens,
         deterministic, backend,

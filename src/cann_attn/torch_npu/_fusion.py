@@ -11,7 +11,7 @@ import warnings
 import torch
 from torch import Tensor
 
-from ..errors import ParamInvalidError, caller_stacklevel
+from ..errors import ParamInvalidError, caller_stacklevel, require_real
 from ..ops.flash_attention_score import INT_MAX
 from ..problem.dropout import drop_mask_numel, validate_drop_mask
 from ..problem.layout import BATCH_SEQ_DIMS, head_dim_of
@@ -191,11 +191,11 @@ def _mask_numel(query: Tensor, key: Tensor, head_num: int, layout: str, q_ends, 
 
 
 def _uses_dropout(keep_prob) -> bool:
-    return float(keep_prob) < 1.0
+    return require_real(keep_prob, "keep_prob") < 1.0
 
 
 def _mask_at(state: Tensor, numels: int, keep_prob: float, device) -> Tensor:
-    return torch.ops.cann_attn.dropout_mask(state, numels, float(keep_prob), device)
+    return torch.ops.cann_attn.dropout_mask(state, numels, require_real(keep_prob, "keep_prob"), device)
 
 
 def _as_int_pair(state: Tensor):
@@ -291,7 +291,8 @@ def _fusion_attention(query, key, value, head_num, input_layout, *, pse, padding
     out, softmax_max, softmax_sum, softmax_out = torch.ops.cann_attn.flash_attention_score(
         query, key, value, head_num, input_layout, pse, drop_mask, padding_mask, atten_mask,
         to_int_list(prefix, "prefix"), q_ends, kv_ends, to_int_list(q_start_idx, "q_start_idx"),
-        to_int_list(kv_start_idx, "kv_start_idx"), float(scale), float(keep_prob), pre_tokens,
+        to_int_list(kv_start_idx, "kv_start_idx"), require_real(scale, "scale"), require_real(keep_prob, "keep_prob"),
+        pre_tokens,
         next_tokens, inner_precise, sparse_mode, pse_type, softmax_layout, sink=sink,
     )
     return out, softmax_max, softmax_sum, softmax_out, state, numels
@@ -385,8 +386,10 @@ def _fusion_attention_grad(query, key, value, dy, head_num, input_layout, *, pse
     dq, dk, dv, dpse, dsink = torch.ops.cann_attn.flash_attention_score_grad(
         query, key, value, dy, head_num, input_layout, pse, drop_mask, padding_mask, atten_mask, softmax_max,
         softmax_sum, softmax_in, attention_in, to_int_list(prefix, "prefix"), q_ends, kv_ends,
-        to_int_list(q_start_idx, "q_start_idx"), to_int_list(kv_start_idx, "kv_start_idx"), float(scale_value),
-        float(keep_prob), pre_tokens, next_tokens, inner_precise, sparse_mode, pse_type, softmax_layout, sink=sink,
+        to_int_list(q_start_idx, "q_start_idx"), to_int_list(kv_start_idx, "kv_start_idx"), require_real(scale_value,
+        "scale_value"),
+        require_real(keep_prob, "keep_prob"), pre_tokens, next_tokens, inner_precise, sparse_mode, pse_type,
+        softmax_layout, sink=sink,
     )
     if pse is None:
         dpse = None  # op-plugin returns an undefined dpse without pse

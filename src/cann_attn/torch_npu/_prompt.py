@@ -4,6 +4,7 @@ import torch
 from torch import Tensor
 
 from .. import library
+from ..errors import require_real
 from ..problem.lengths import to_int_list
 from ._registry import npu_op
 
@@ -50,7 +51,8 @@ def npu_prompt_flash_attention(
     return torch.ops.cann_attn.prompt_flash_attention(
         query, key, value, pse_shift, atten_mask, to_int_list(actual_seq_lengths, "actual_seq_lengths"),
         to_int_list(actual_seq_lengths_kv, "actual_seq_lengths_kv"), deq_scale1, quant_scale1, deq_scale2, quant_scale2,
-        quant_offset2, num_heads, float(scale_value), pre_tokens, next_tokens, input_layout, num_key_value_heads,
+        quant_offset2, num_heads, require_real(scale_value, "scale_value"), pre_tokens, next_tokens, input_layout,
+        num_key_value_heads,
         sparse_mode,
     )
 

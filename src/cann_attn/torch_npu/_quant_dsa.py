@@ -4,6 +4,7 @@ docs/operators/quant_dsa.md)."""
 import torch
 from torch import Tensor
 
+from ..errors import require_real
 from ..ops.sparse_flash_attention import INT64_MAX
 from ..problem.lengths import IntList, to_int_list
 from ._registry import npu_op
@@ -53,7 +54,7 @@ def npu_dense_lightning_indexer_grad_kl_loss(
     (loss: fp32 [1], summed over all tokens)."""
     return torch.ops.cann_attn.dense_lightning_indexer_grad_kl_loss(
         query, key, query_index, key_index, weights, softmax_max, softmax_sum, softmax_max_index, softmax_sum_index,
-        float(scale_value), query_rope, key_rope, to_int_list(actual_seq_qlen, "actual_seq_qlen"),
+        require_real(scale_value, "scale_value"), query_rope, key_rope, to_int_list(actual_seq_qlen, "actual_seq_qlen"),
         to_int_list(actual_seq_klen, "actual_seq_klen"), layout, sparse_mode, pre_tokens, next_tokens)
 
 

@@ -174,8 +174,7 @@ def npu_op(schemas: dict[tuple[str, ...], str], namespace: str = "npu",
         raise ValueError(f"schemas: expected releases among {RELEASES} including {CURRENT!r}, got {list(parsed)}")
 
     def register(impl: Callable) -> Callable:
-        if renamed:
-            impl = _naming_errors(impl, renamed)
+        impl = _typed_errors(impl, renamed or {})
         op = NpuOp(impl.__name__, impl, parsed, namespace=namespace)
 
         def run(*args, **kwargs):
@@ -198,8 +197,15 @@ def npu_op(schemas: dict[tuple[str, ...], str], namespace: str = "npu",
     return register
 
 
-def _naming_errors(impl: Callable, renamed: dict[str, str]) -> Callable:
-    """`impl` whose AclnnErrors about a parameter of `renamed` name it as torch_npu spells it."""
+# torch's own type check of a cann_attn custom op's arguments (a str where the schema says int, ...).
+_SCHEMA_TYPE_ERROR = re.compile(r"^cann_attn::\w+\(\) Expected a value of type '(?P<expected>[^']+)' for argument "
+                                r"'(?P<param>\w+)' but instead found type '(?P<found>[^']+)'")
+
+
+def _typed_errors(impl: Callable, renamed: dict[str, str]) -> Callable:
+    """`impl` whose errors are typed and name parameters as torch_npu spells them: an AclnnError about a parameter
+    of `renamed` (cann_attn name -> torch_npu name) names the torch_npu one, and torch's type check of a cann_attn
+    custom op's argument becomes a ParamInvalidError naming that argument (docs/semantics/errors.md)."""
 
     @functools.wraps(impl)
     def call(*args, **kwargs):
@@ -210,6 +216,12 @@ def _naming_errors(impl: Callable, renamed: dict[str, str]) -> Callable:
                 if exc.message.startswith(f"{ours}:"):
                     raise type(exc)(theirs + exc.message[len(ours):]) from None
             raise
+        except RuntimeError as exc:
+            match = _SCHEMA_TYPE_ERROR.match(str(exc))
+            if match is None:
+                raise
+            param = renamed.get(match["param"], match["param"])
+            raise ParamInvalidError(f"{param}: expected {match['expected']}, got a {match['found']}") from None
 
     return call
 

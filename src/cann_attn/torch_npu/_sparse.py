@@ -3,7 +3,7 @@
 import torch
 from torch import Tensor
 
-from ..errors import ParamInvalidError
+from ..errors import ParamInvalidError, require_bool, require_real
 from ..ops.sparse_flash_attention import INT64_MAX
 from ..problem.lengths import to_int_list
 from ..problem.page_table import PAGED_KV_LAYOUT
@@ -75,7 +75,7 @@ def _check_paged_outputs(layout_kv: str, flag: str, value: bool) -> None:
     a paged cache (docs/semantics/paged-kv.md) returns the attention output / indices only. vLLM's DCP merges
     need SFA's statistics over a paged cache, so `return_softmax_lse` is computed there too (the same statistics
     as over the contiguous keys; docs/semantics/beyond-docs.md); `CANN_ATTN_STRICT_DOCS=1` refuses it."""
-    if not value or layout_kv != PAGED_KV_LAYOUT:
+    if not require_bool(value, flag) or layout_kv != PAGED_KV_LAYOUT:
         return
     if flag == "return_softmax_lse":
         beyond_docs(flag, "return_softmax_lse with a paged cache (layout_kv='PA_BSND')",
@@ -120,7 +120,7 @@ def npu_sparse_flash_attention(
     _check_paged_outputs(layout_kv, "return_softmax_lse", return_softmax_lse)
     _check_attention_mode(attention_mode)
     out, softmax_max, softmax_sum = torch.ops.cann_attn.sparse_flash_attention(
-        query, key, value, sparse_indices, float(scale_value), query_rope, key_rope,
+        query, key, value, sparse_indices, require_real(scale_value, "scale_value"), query_rope, key_rope,
         to_int_list(actual_seq_lengths_query, "actual_seq_lengths_query"),
         to_int_list(actual_seq_lengths_kv, "actual_seq_lengths_kv"), sparse_block_size, layout_query, sparse_mode,
         pre_tokens, next_tokens, block_table=block_table, layout_kv=layout_kv,
@@ -145,7 +145,8 @@ def npu_sparse_flash_attention_grad(
     """
     _check_attention_mode(attention_mode)
     return torch.ops.cann_attn.sparse_flash_attention_grad(
-        query, key, value, sparse_indices, d_out, out, softmax_max, softmax_sum, float(scale_value),
+        query, key, value, sparse_indices, d_out, out, softmax_max, softmax_sum, require_real(scale_value,
+        "scale_value"),
         sparse_block_size, query_rope, key_rope, to_int_list(actual_seq_qlen, "actual_seq_qlen"),
         to_int_list(actual_seq_kvlen, "actual_seq_kvlen"), layout, sparse_mode, pre_tokens, next_tokens, True,
     )[:5]
@@ -179,7 +180,8 @@ def npu_sparse_lightning_indexer_grad_kl_loss(
     (loss: fp32 [1], summed over all tokens; docs/operators/lightning_indexer.md)."""
     _check_sinks(sinks)
     return torch.ops.cann_attn.sparse_lightning_indexer_grad_kl_loss(
-        query, key, query_index, key_index, weights, sparse_indices, softmax_max, softmax_sum, float(scale_value),
+        query, key, query_index, key_index, weights, sparse_indices, softmax_max, softmax_sum,
+        require_real(scale_value, "scale_value"),
         query_rope, key_rope, to_int_list(actual_seq_qlen, "actual_seq_qlen"),
         to_int_list(actual_seq_klen, "actual_seq_klen"),
         layout, sparse_mode, pre_tokens, next_tokens, True,
