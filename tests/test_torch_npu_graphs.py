@@ -265,3 +265,20 @@ def test_graph_arguments_are_validated():
         pass
     with pytest.raises(GraphReplayError, match="auto_dispatch_capture"):
         g.update([{}])
+
+
+def test_make_graphed_callables_checks_warms_up_and_returns_callables_equal_to_eager():
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.BatchNorm1d(4))
+    x = torch.randn(8, 4, requires_grad=True)
+    graphed = npu.make_graphed_callables(model, (x,))
+    assert int(model[1].num_batches_tracked) == 3  # torch_npu's three warm-up iterations ran
+    out = graphed(x)
+    out.sum().backward()
+    assert torch.equal(out, model(x)) and x.grad is not None
+    f, g = npu.make_graphed_callables((torch.sin, torch.cos), ((x,), (x,)), num_warmup_iters=1)
+    assert f is torch.sin and g is torch.cos
+    model.register_forward_hook(lambda *_: None)
+    with pytest.raises(RuntimeError, match="hooks"):
+        npu.make_graphed_callables(model, (x,))
+    with pytest.raises(RuntimeError, match="only Tensors"):
+        npu.make_graphed_callables(torch.sin, (x, 2))

@@ -53,6 +53,7 @@ __all__ = [
     "graph_task_update_begin",
     "graph_task_update_end",
     "is_current_stream_capturing",
+    "make_graphed_callables",
 ]
 
 CAPTURE_ERROR_MODES = ("global", "thread_local", "relaxed")
@@ -776,3 +777,42 @@ class graph:
             self.npu_graph._end_capture(failed=exc_type is not None)
         finally:
             self._stream_context.__exit__(exc_type, exc_value, traceback)
+
+
+# ------------------------------------------------------------------------------------- make_graphed_callables
+def make_graphed_callables(callables: Any, sample_args: Any, num_warmup_iters: int = 3,
+                           allow_unused_input: bool = False, pool: Any = None) -> Any:
+    """``torch.npu.make_graphed_callables``: torch_npu's checks and warm-up runs (forward, and backward where an
+    output requires grad), then the callables themselves. A graphed callable replays its capture, and a replay
+    here is the eager call, so the callables are returned as they are (their outputs are new tensors at each
+    call instead of the graph's static ones)."""
+    if torch.is_autocast_enabled() and torch.is_autocast_cache_enabled():
+        raise RuntimeError("make_graphed_callables does not support the autocast caching. Please set "
+                           "`cache_enabled=False`.")
+    if pool is not None and not isinstance(pool, _PoolHandle):
+        raise ParamInvalidError(f"pool: expected a token from torch.npu.graph_pool_handle(), got {describe(pool)}")
+    single = not isinstance(callables, tuple)
+    functions, samples = ((callables,), (sample_args,)) if single else (callables, sample_args)
+    for function, args in zip(functions, samples, strict=True):
+        if isinstance(function, torch.nn.Module):
+            if function._backward_hooks or function._forward_hooks or function._forward_pre_hooks:
+                raise RuntimeError("Modules must not have hooks registered at the time they are passed. However, "
+                                   "registering hooks on modules after passing them through "
+                                   "make_graphed_callables is allowed.")
+            if any(buffer.requires_grad for buffer in function.buffers()):
+                raise RuntimeError("In any torch.nn.Module passed to make_graphed_callables, only parameters may "
+                                   "be trainable. All buffers must have requires_grad=False.")
+        if not all(isinstance(arg, torch.Tensor) for arg in tree_flatten(args)[0]):
+            raise RuntimeError("sample_args for each callable must contain only Tensors. Other types are not "
+                               "allowed.")
+    for function, args in zip(functions, samples, strict=True):
+        inputs = tuple(t for t in tree_flatten(args)[0] if t.requires_grad)
+        if isinstance(function, torch.nn.Module):
+            inputs += tuple(p for p in function.parameters() if p.requires_grad)
+        for _ in range(num_warmup_iters):
+            outputs = tuple(t for t in tree_flatten(function(*args))[0]
+                            if isinstance(t, torch.Tensor) and t.requires_grad)
+            if outputs and inputs:
+                torch.autograd.grad(outputs, inputs, grad_outputs=tuple(torch.empty_like(o) for o in outputs),
+                                    only_inputs=True, allow_unused=allow_unused_input)
+    return functions[0] if single else functions

@@ -38,6 +38,7 @@ from ._graphs import (  # noqa: F401  (torch.npu's graph capture, docs/guides/to
     graph_task_update_begin,
     graph_task_update_end,
     is_current_stream_capturing,
+    make_graphed_callables,
 )
 
 
