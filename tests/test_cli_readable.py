@@ -112,7 +112,10 @@ def test_compare_applies_the_second_rule_with_its_reason(tmp_path, capsys):
     assert rc == 0, out + err
     dsink = next(line for line in out.splitlines() if line.startswith("dsink "))
     assert "over t" in dsink and "PASS (flash-attn rule)" in dsink
-    assert "note: dsink: passes by the secondary rule (flash-attn rule: max err" in out
+    verdict = next(line for line in out.splitlines() if line.startswith("verdict: dsink:"))
+    assert "PASS by the flash-attn rule" in verdict and "flash-attn rule: max err" in verdict, out
+    assert "Ascend rule over:" in verdict and " rel and " in verdict and " abs > t=" in verdict, out
+    assert all("FAIL" not in line for line in out.splitlines() if line.startswith("verdict:")), out
     rc, out, _ = _main(capsys, "compare", actual, golden, "--json", "-")
     row = next(t for t in json.loads(out)["tensors"] if t["name"] == "dsink")
     assert rc == 0 and row["by_second_rule"] and not row["ascend_pass"] and row["flash_attn_pass"]

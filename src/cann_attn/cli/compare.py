@@ -225,7 +225,6 @@ def collect(args: argparse.Namespace) -> tuple[list[TensorMetrics], dict[str, An
         npu_entry = find_entry(manifest, name=f"{name}{NPU_SUFFIX}")
         if npu_entry is not None and npu_entry.get("role") == NPU_ROLE and entry.get("role") == "output":
             npu_rows[name] = _npu_row(f"{name}{NPU_SUFFIX}", actual, read_entry(golden_path, npu_entry), row.problem)
-            _explain(row, npu_rows[name], args.strict)
     return results, {"op": manifest.get("op"), "seed": manifest.get("seed"), "npu": npu_rows}
 
 
@@ -265,28 +264,59 @@ def _npu_row(name: str, actual: torch.Tensor | None, golden: torch.Tensor, probl
     row = NpuRow(_measure(name, actual, golden))
     if not row.metrics.problem and golden.dtype in (torch.float16, torch.bfloat16, torch.float32):
         row.ulp_pass, row.ulps = ulp_verdict(actual, golden.to(actual.dtype), golden.dtype)
-        verdict = "within" if row.ulp_pass else "not within"
-        row.metrics.notes.append(
-            f"{verdict} 2 ulps of the npu-pipeline golden (max {row.ulps['max_ulps']:g} ulps; "
-            f"{100 * row.ulps['tail_fraction']:.3g}% beyond, within {row.ulps['tail_max_row_ulps']:g} ulps of their "
-            "row's largest value)")
     return row
 
 
-def _explain(row: TensorMetrics, npu_row: NpuRow, strict: bool) -> None:
-    """Say, on the float64 row, what the NPU-pipeline golden tells about it."""
-    if row.problem:
-        return
-    name = npu_row.metrics.name
-    if row.passed(strict):
-        verdict = "passes" if npu_row.passed(strict) else "fails"
-        row.notes.append(f"passes the float64 golden ({verdict} the npu-pipeline golden {name})")
-    elif npu_row.passed(strict):
-        row.notes.append(f"fails the float64 golden but passes the npu-pipeline golden {name}: the difference is "
-                         "the NPU kernel's rounding (docs/semantics/precision.md), the tensor passes")
-    else:
-        row.notes.append(f"fails the float64 golden and the npu-pipeline golden {name}: not explained by the "
-                         "kernel's rounding")
+def _ascend_counts(m: TensorMetrics) -> str:
+    """Both counts of the double-thousandth rule against its allowance."""
+    state = "pass" if m.ascend_pass else "over"
+    return (f"Ascend rule {state}: {m.n_rel_fail} rel and {m.n_abs_fail} abs > t={m.threshold:g}, allowed "
+            f"{m.allowed:.4g} (fails only when both exceed it)")
+
+
+def _ulp_figures(npu_row: NpuRow) -> str:
+    u = npu_row.ulps
+    state = "within" if npu_row.ulp_pass else "not within"
+    return (f"{state} 2 ulps of the npu-pipeline golden (max {u['max_ulps']:g} ulps, {100 * u['tail_fraction']:.3g}% "
+            f"beyond 2, those within {u['tail_max_row_ulps']:g} ulps of their row's largest value)")
+
+
+def _float64_evidence(m: TensorMetrics, strict: bool) -> list[str]:
+    """What the float64 golden's rules found, each rule with its numbers."""
+    if m.problem:
+        return [m.problem]
+    if m.kind != "float":
+        failures = m.failures(strict)
+        rule = "int8 within 1 step" if m.kind == "int8" else "exact match"
+        return failures or [f"{rule} ({m.n_mismatch} elements differ)"]
+    parts = []
+    if m.n_nonfinite:
+        parts.append(f"{m.n_nonfinite} NaN/inf values where the golden holds other values")
+    parts.append(_ascend_counts(m))
+    if m.flash_attn_pass is not None:
+        parts.append(m.flash_attn_reason)
+    parts += [f for f in m.failures(strict) if f.startswith(("MERE", "MARE"))]
+    return parts
+
+
+def verdict(m: TensorMetrics, npu_row: NpuRow | None, strict: bool) -> str:
+    """One line a tester can act on: the verdict, the rule that decided it and that rule's numbers; a failing tensor
+    lists every rule it failed (docs/guides/golden.md)."""
+    if m.passed(strict):
+        rule = "the flash-attn rule" if m.by_second_rule else (
+            "the Ascend rule" if m.kind == "float" else "int8 within 1 step" if m.kind == "int8" else "exact match")
+        return f"PASS by {rule} against the float64 golden ({'; '.join(_float64_evidence(m, strict))})"
+    evidence = _float64_evidence(m, strict)
+    if npu_row is not None and not m.problem and npu_row.passed(strict):
+        npu = npu_row.metrics
+        how = _ascend_counts(npu) if npu.passed(strict) else _ulp_figures(npu_row)
+        return (f"PASS by the npu-pipeline golden {npu.name}: {how}; the float64 golden's miss is the NPU kernel's "
+                f"rounding (float64 golden: {'; '.join(evidence)})")
+    if npu_row is not None and not m.problem:
+        npu = npu_row.metrics
+        npu_evidence = npu.problem or f"{_ascend_counts(npu)}; {_ulp_figures(npu_row)}"
+        evidence.append(f"npu-pipeline golden {npu.name}: {npu_evidence}: not explained by the kernel's rounding")
+    return f"FAIL: {'; '.join(evidence)}"
 
 
 def passes(m: TensorMetrics, npu_rows: dict[str, NpuRow], strict: bool) -> bool:
@@ -373,9 +403,9 @@ def run(args: argparse.Namespace) -> int:
         for row in (m, *((npu_rows[m.name].metrics,) if m.name in npu_rows else ())):
             for note in row.notes:
                 out.print(f"[yellow]note[/]: {row.name}: {escape(note)}", highlight=False, soft_wrap=True)
-        if m.by_second_rule:
-            out.print(f"[yellow]note[/]: {m.name}: passes by the secondary rule ({escape(m.flash_attn_reason)}); the "
-                      f"Ascend rule fails: {m.n_rel_fail} rel / {m.n_abs_fail} abs > t", highlight=False)
+        line = verdict(m, npu_rows.get(m.name), args.strict)
+        colour = "green" if line.startswith("PASS") else "red"
+        out.print(f"[{colour}]verdict[/]: {m.name}: {escape(line)}", highlight=False, soft_wrap=True)
     if any(m.by_second_rule for m in results):
         out.print(f"[yellow]note[/]: {SECOND_RULE_NOTE}", highlight=False)
     if not failed:
@@ -394,6 +424,7 @@ def run(args: argparse.Namespace) -> int:
 def _tensor_json(m: TensorMetrics, npu_rows: dict[str, NpuRow], strict: bool) -> dict[str, Any]:
     """A tensor's JSON record; with an npu-pipeline golden its metrics under "npu_golden" and the verdict of both."""
     record = m.to_json(strict)
+    record["verdict"] = verdict(m, npu_rows.get(m.name), strict)
     if m.name in npu_rows:
         npu_row = npu_rows[m.name]
         record["npu_golden"] = {**npu_row.metrics.to_json(strict), "ulp_rule": npu_row.ulps,
