@@ -11,6 +11,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 from rich.console import Console
 
@@ -157,3 +158,35 @@ def test_bench_writes_to_a_folder_outside_the_source_tree(tmp_path):
                            str(tmp_path / "mine")], cwd=work, capture_output=True, text=True, timeout=HANG_SECONDS,
                           env=env)
     assert proc.returncode == 0 and f"echo ran with out {tmp_path / 'mine'}" in proc.stdout, proc.stderr
+
+
+FIA_PREFILL = {
+    "op": "fused_infer_attention_score",
+    "seed": 0,
+    "inputs": {"query": {"shape": [1, 2, 64, 64], "dtype": "bfloat16"},
+               "key": {"shape": [1, 2, 96, 64], "dtype": "bfloat16"},
+               "value": {"shape": [1, 2, 96, 64], "dtype": "bfloat16"}},
+    "params": {"num_heads": 2, "input_layout": "BNSD", "scale": 0.125},
+}
+
+
+def test_fia_gets_the_flash_attn_rule_like_pfa(tmp_path, capsys):
+    """FusedInferAttentionScore with float inputs writes the naive reference of attention_out (PromptFlashAttention's
+    secondary rule; none for the fp32 softmax_lse), and compare judges by it an output the Ascend rule rejects."""
+    case = tmp_path / "case.json"
+    case.write_text(json.dumps(FIA_PREFILL))
+    golden, actual = tmp_path / "golden", tmp_path / "actual"
+    rc, out, err = _main(capsys, "golden", "--case", case, "--out", golden, "--actual", actual)
+    assert rc == 0, out + err
+    manifest = json.loads((golden / "manifest.json").read_text())
+    naive = {e["name"] for e in manifest["tensors"] if e["role"] == "naive"}
+    assert naive == {"attention_out.naive"}
+    reference = np.load(golden / "attention_out.naive.npy")
+    exact = np.load(golden / "attention_out.npy")
+    # an output 1.9 times as far from the golden as the naive computation: beyond the Ascend allowance
+    off = exact.astype(np.float64) + 1.9 * (reference.astype(np.float64) - exact)
+    np.save(actual / "attention_out.npy", off.astype(exact.dtype))
+    rc, out, _ = _main(capsys, "compare", actual, golden, "--json", "-")
+    row = next(t for t in json.loads(out)["tensors"] if t["name"] == "attention_out")
+    assert row["flash_attn_pass"] is not None and not row["ascend_pass"]
+    assert row["passed"] and row["verdict"].startswith("PASS by the flash-attn rule"), row["verdict"]

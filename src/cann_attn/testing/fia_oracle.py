@@ -126,9 +126,12 @@ def fia_oracle(query, key, value, *, pse_shift=None, atten_mask=None, actual_seq
                value_shared_prefix=None, actual_shared_prefix_len=None, query_rope=None, key_rope=None,
                num_heads=1, scale=1.0, pre_tokens=INT_MAX, next_tokens=INT_MAX, input_layout="BSH",
                num_key_value_heads=0, sparse_mode=0, antiquant_mode=0, key_antiquant_mode=0,
-               value_antiquant_mode=0, softmax_lse_flag=False, learnable_sink=None):
+               value_antiquant_mode=0, softmax_lse_flag=False, learnable_sink=None, naive_dtype=None):
     """(attention_out, softmax_lse or None) for a VALID call (no validation). attention_out is float64 in the output
-    layout (int8 with quant_scale2); softmax_lse float64 in its documented shape."""
+    layout (int8 with quant_scale2); softmax_lse float64 in its documented shape. `naive_dtype` (float inputs
+    only): the attention computed in that dtype instead of float64 (the naive reference of the flash-attn rule,
+    docs/semantics/precision.md)."""
+    compute = naive_dtype or torch.float64
     q_layout, out_layout = _LAYOUTS[input_layout]
     query, key, value = _cpu(query), _cpu(key), _cpu(value)
     if key.dtype == torch.int32:
@@ -206,19 +209,19 @@ def fia_oracle(query, key, value, *, pse_shift=None, atten_mask=None, actual_seq
             outs.append(o_full)
             lses.append(torch.full_like(lse_full, EMPTY_DECODE_BATCH_LSE) if decode else lse_full)
             continue
-        k_b, v_b = ks[b].to(torch.float64), vs[b].to(torch.float64)
+        k_b, v_b = ks[b].to(compute), vs[b].to(compute)
         if key.dtype == torch.int8:
             k_b = _dequant(ks[b], _factor_for(k_s, k_mode, b, heads_kv, dim),
                            _factor_for(k_o, k_mode, b, heads_kv, dim), dt)
             v_b = _dequant(vs[b], _factor_for(v_s, v_mode, b, heads_kv, dim_v),
                            _factor_for(v_o, v_mode, b, heads_kv, dim_v), dt)
         k_b, v_b = k_b[:, kv0 : kv0 + skv_b], v_b[:, kv0 : kv0 + skv_b]
-        q_b = qs[b][:, q0 : q0 + sq_b].to(torch.float64)
+        q_b = qs[b][:, q0 : q0 + sq_b].to(compute)
         if rope:
-            q_b = torch.cat([q_b, qrs[b][:, q0 : q0 + sq_b].to(torch.float64)], -1)
-            k_b = torch.cat([k_b, krs[b][:, kv0 : kv0 + skv_b].to(torch.float64)], -1)
+            q_b = torch.cat([q_b, qrs[b][:, q0 : q0 + sq_b].to(compute)], -1)
+            k_b = torch.cat([k_b, krs[b][:, kv0 : kv0 + skv_b].to(compute)], -1)
         if pk is not None:
-            pk_b, pv_b = pk.to(torch.float64), pv.to(torch.float64)
+            pk_b, pv_b = pk.to(compute), pv.to(compute)
             if key.dtype == torch.int8:
                 pk_b = _dequant(pk, _factor_for(k_s, k_mode, b, heads_kv, dim),
                                 _factor_for(k_o, k_mode, b, heads_kv, dim), dt)
@@ -254,7 +257,7 @@ def fia_oracle(query, key, value, *, pse_shift=None, atten_mask=None, actual_seq
         kv_index = torch.arange(heads) // group
         s = scale * (q_b @ k_b[kv_index].transpose(-1, -2))
         if pse_shift is not None:
-            src = _cpu(pse_shift).to(torch.float64)
+            src = _cpu(pse_shift).to(compute)
             s = s + src[b if src.shape[0] > 1 else 0, :, q0 : q0 + sq_b, kv0 : kv0 + skv_all]
         s = s.masked_fill(~vis, -math.inf)
         valid = vis.any(-1)
@@ -267,7 +270,7 @@ def fia_oracle(query, key, value, *, pse_shift=None, atten_mask=None, actual_seq
             lse = torch.logsumexp(s, -1)
             lse = torch.where(valid, lse, torch.full_like(lse, INVALID_ROW_LSE))
             p = torch.exp(s - torch.where(valid, lse, torch.zeros_like(lse)).unsqueeze(-1))
-            o = torch.where(valid.unsqueeze(-1), p @ v_b[kv_index], torch.zeros(1, dtype=torch.float64))
+            o = torch.where(valid.unsqueeze(-1), p @ v_b[kv_index], torch.zeros(1, dtype=compute))
         if int8_out:
             sc2 = _cpu(quant_scale2).to(torch.float64)
             of2 = None if quant_offset2 is None else _cpu(quant_offset2).to(torch.float64)

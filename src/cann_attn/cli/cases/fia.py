@@ -42,15 +42,24 @@ _V2_TO_V1 = {"actual_seq_qlen": "actual_seq_lengths", "actual_seq_kvlen": "actua
 _IFA_TO_V1 = {"actual_seq_lengths": "actual_seq_lengths_kv", "scale_value": "scale"}
 
 
-def _fia_golden(op: str) -> Callable[[Call], Outputs]:
+def _fia_golden(op: str, naive: bool = False) -> Callable[[Call], Outputs]:
+    """The float64 golden of `op`; with `naive` the same attention in the input dtype (the flash-attn rule's
+    reference, PromptFlashAttention's rule: float inputs and caches, no int8 output), else nothing."""
+
     def golden(call: Call) -> Outputs:
         named = by_name(op, call)
         kwargs = OPERATORS[op].oracle_kwargs(named)  # v1 spelling
+        if naive:
+            query = kwargs["query"]
+            if (query.dtype not in (torch.float16, torch.bfloat16) or kwargs["key"].dtype != query.dtype
+                    or kwargs.get("quant_scale2") is not None):
+                return {}
+            kwargs["naive_dtype"] = query.dtype
         if named.get("block_table") is not None:  # docs/semantics/paged-kv.md: the contiguous keys of the pages
             kwargs = unpage_fia({**kwargs, "block_table": named["block_table"], "block_size": named.get("block_size")})
         out, lse = fia_oracle(kwargs.pop("query"), kwargs.pop("key"), kwargs.pop("value"), **kwargs)
         result = {"attention_out": out}
-        if lse is not None:
+        if lse is not None and not naive:  # the fp32 lse has no input-dtype computation to compare with
             result["softmax_lse"] = lse
         return result
 
@@ -79,6 +88,7 @@ for _name, _renames, _scale2, _outputs, _extra in (
 ):
     register_operator(Operator(
         _name, _outputs, _fia_golden(_name), _fia_dtypes(_scale2), oracle=fia_oracle, renames=_renames,
+        naive=_fia_golden(_name, naive=True),
         consumed=_PAGED, no_effect={**_NO_EFFECT, **_extra},
         unsupported={n: _V2_REFUSED for n in ("dequant_scale_query", "dequant_scale_key_rope", "quant_scale_p",
                                                "query_quant_mode")}
@@ -112,7 +122,7 @@ def fia_case(name: str, op: str = "fused_infer_attention_score", *, layout: str,
     heads = f"N{n}" if n_kv == n else f"N{n}/{n_kv}"
     outputs = ("attention_out",) if op == "incre_flash_attention" else ("attention_out", "softmax_lse")
     return Case(op=op, name=name, dtype=dtype, shape=f"{layout} B{b} {heads} S{sq}x{skv} D{d}", build=build,
-                run=outputs_of(op, outputs), oracle=_fia_golden(op))
+                run=outputs_of(op, outputs), oracle=_fia_golden(op), naive=_fia_golden(op, naive=True))
 
 
 def _kv_scales(shape: tuple[int, ...], dtype: torch.dtype, *, separate: str = "", offset: bool = False):
