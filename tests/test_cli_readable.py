@@ -97,16 +97,21 @@ SINK_GRAD = {
 }
 
 
+def _golden_and_actual(tmp_path, capsys, case_json: dict):
+    """`cann-attn golden` of a case with our outputs as the actual: (golden dir, actual dir, manifest)."""
+    case = tmp_path / "case.json"
+    case.write_text(json.dumps(case_json))
+    golden, actual = tmp_path / "golden", tmp_path / "actual"
+    rc, out, err = _main(capsys, "golden", "--case", case, "--out", golden, "--actual", actual)
+    assert rc == 0, out + err
+    return golden, actual, json.loads((golden / "manifest.json").read_text())
+
+
 def test_compare_applies_the_second_rule_with_its_reason(tmp_path, capsys):
     """dsink of a sink gradient misses the Ascend rule in bf16 but is no worse than the naive computation: compare
     passes it by the flash-attn rule (golden writes the naive reference) and says so; without that reference,
     the Ascend rule alone fails it."""
-    case = tmp_path / "case.json"
-    case.write_text(json.dumps(SINK_GRAD))
-    golden, actual = tmp_path / "golden", tmp_path / "actual"
-    rc, out, err = _main(capsys, "golden", "--case", case, "--out", golden, "--actual", actual)
-    assert rc == 0, out + err
-    manifest = json.loads((golden / "manifest.json").read_text())
+    golden, actual, manifest = _golden_and_actual(tmp_path, capsys, SINK_GRAD)
     assert manifest["op"] == "flash_attention_score_grad"
     assert {e["name"] for e in manifest["tensors"] if e["role"] == "naive"} >= {"dq.naive", "dsink.naive"}
     rc, out, err = _main(capsys, "compare", actual, golden)
@@ -163,9 +168,8 @@ def test_bench_writes_to_a_folder_outside_the_source_tree(tmp_path):
 FIA_PREFILL = {
     "op": "fused_infer_attention_score",
     "seed": 0,
-    "inputs": {"query": {"shape": [1, 2, 64, 64], "dtype": "bfloat16"},
-               "key": {"shape": [1, 2, 96, 64], "dtype": "bfloat16"},
-               "value": {"shape": [1, 2, 96, 64], "dtype": "bfloat16"}},
+    "inputs": {name: {"shape": [1, 2, 64 if name == "query" else 96, 64], "dtype": "bfloat16"}
+               for name in ("query", "key", "value")},
     "params": {"num_heads": 2, "input_layout": "BNSD", "scale": 0.125},
 }
 
@@ -173,12 +177,7 @@ FIA_PREFILL = {
 def test_fia_gets_the_flash_attn_rule_like_pfa(tmp_path, capsys):
     """FusedInferAttentionScore with float inputs writes the naive reference of attention_out (PromptFlashAttention's
     secondary rule; none for the fp32 softmax_lse), and compare judges by it an output the Ascend rule rejects."""
-    case = tmp_path / "case.json"
-    case.write_text(json.dumps(FIA_PREFILL))
-    golden, actual = tmp_path / "golden", tmp_path / "actual"
-    rc, out, err = _main(capsys, "golden", "--case", case, "--out", golden, "--actual", actual)
-    assert rc == 0, out + err
-    manifest = json.loads((golden / "manifest.json").read_text())
+    golden, actual, manifest = _golden_and_actual(tmp_path, capsys, FIA_PREFILL)
     naive = {e["name"] for e in manifest["tensors"] if e["role"] == "naive"}
     assert naive == {"attention_out.naive"}
     reference = np.load(golden / "attention_out.naive.npy")
@@ -186,7 +185,7 @@ def test_fia_gets_the_flash_attn_rule_like_pfa(tmp_path, capsys):
     # an output 1.9 times as far from the golden as the naive computation: beyond the Ascend allowance
     off = exact.astype(np.float64) + 1.9 * (reference.astype(np.float64) - exact)
     np.save(actual / "attention_out.npy", off.astype(exact.dtype))
-    rc, out, _ = _main(capsys, "compare", actual, golden, "--json", "-")
+    _, out, _ = _main(capsys, "compare", actual, golden, "--json", "-")
     row = next(t for t in json.loads(out)["tensors"] if t["name"] == "attention_out")
     assert row["flash_attn_pass"] is not None and not row["ascend_pass"]
     assert row["passed"] and row["verdict"].startswith("PASS by the flash-attn rule"), row["verdict"]
