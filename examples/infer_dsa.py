@@ -31,8 +31,8 @@ and is checked against the dequantised float computation without paging: lightni
 indexer tensors in float64 (equal indices) and sparse_flash_attention on the dequantised bf16 latent (equal
 attention, bit for bit on the reference backend).
 
-Prints tokens/s of the paged decode (and of the unpaged one), writes <out>/infer_dsa.png (per-step decode latency)
-and <out>/infer_dsa.json.
+Prints tokens/s of the paged decode (and of the unpaged one), writes <out>/infer_dsa.png (per-step decode latency;
+needs matplotlib, the `examples` extra: pip install '.[examples]') and <out>/infer_dsa.json.
 """
 
 from __future__ import annotations
@@ -390,7 +390,11 @@ def run(cfg: Config, out_dir: Path | None, verbose: bool = True) -> dict:
 
 
 def plot(summary: dict, path: Path) -> None:
-    import matplotlib
+    try:  # optional: pip install '.[examples]' (or matplotlib); the JSON summary is written either way
+        import matplotlib
+    except ImportError:
+        print(f"matplotlib is not installed (pip install '.[examples]'): {path.name} is not drawn")
+        return
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt

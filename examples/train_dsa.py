@@ -27,7 +27,8 @@ model is trained only by the LM loss and the indexer only by the KL loss (as Dee
     python examples/train_dsa.py                       # ~2 minutes on a 2-core CPU (one thread)
     python examples/train_dsa.py --steps-dense 20 --steps-warmup 10 --steps-sparse 10 --out /tmp/dsa
 
-Writes <out>/train_dsa.png (both loss curves across the three phases) and <out>/train_dsa.json (summary: per phase,
+Writes <out>/train_dsa.png (both loss curves across the three phases; needs matplotlib, the `examples` extra:
+pip install '.[examples]', else the plot is skipped with a message) and <out>/train_dsa.json (summary: per phase,
 the LM loss and the KL loss where each is trained, as the mean of the first/last 10 steps, and the time spent).
 """
 
@@ -441,7 +442,11 @@ def _train(cfg: Config, out_dir: Path | None, progress: bool) -> dict:
 
 
 def plot(history: dict, cfg: Config, path: Path) -> None:
-    import matplotlib
+    try:  # optional: pip install '.[examples]' (or matplotlib); the JSON summary is written either way
+        import matplotlib
+    except ImportError:
+        print(f"matplotlib is not installed (pip install '.[examples]'): {path.name} is not drawn")
+        return
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt

@@ -20,8 +20,9 @@ import numpy as np
 import pytest
 import torch
 
+from cann_attn.cli import casefile, tensorio
+from cann_attn.cli import cases as registry
 from cann_attn.cli import main as cli_main
-from cann_attn.cli import tensorio
 from patience import HANG_SECONDS
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -529,8 +530,11 @@ def test_inputs_from_golden_dir_and_npy_files(small_golden, tmp_path, capsys):
 # Every example case file: golden, the operator's outputs, compare (in-process)
 # ------------------------------------------------------------------------------------------------------
 def test_examples_cover_every_operator():
+    """examples/cases/ holds a case for every operator `cann-attn golden` supports (docs/guides/golden.md)."""
     ops = {json.loads(p.read_text())["op"] for p in EXAMPLES}
-    assert ops == set(OPS)
+    missing = set(registry.OPERATORS) - ops
+    assert not missing, f"operators without an example case file in examples/cases/: {sorted(missing)}"
+    assert ops <= set(registry.OPERATORS)
     int8 = [json.loads(p.read_text()) for p in EXAMPLES if "int8" in p.name]
     assert int8 and int8[0]["inputs"]["query"]["dtype"] == "int8"
 
@@ -598,3 +602,34 @@ def test_max_bytes_must_be_a_positive_integer(tmp_path, capsys):
     rc, out, err = _main(capsys, "golden", "--case", _case(tmp_path, SMALL_FA), "--out", tmp_path / "out",
                          "--max-bytes", "0")
     assert rc == 2 and "--max-bytes" in err and "expected a positive integer, got '0'" in err, (out, err)
+
+
+def test_repeat_last_draws_one_value_per_row(tmp_path):
+    """repeat_last: the 8 lanes of a softmax statistic hold one value (ring_attention_update refuses differing
+    lanes); the option takes true or false only."""
+    path = tmp_path / "case.json"
+    stat = {"shape": [1, 2, 4, 8], "dtype": "float32", "repeat_last": True}
+    path.write_text(json.dumps({"op": "ring_attention_update", "seed": 3, "inputs": {"prev_softmax_max": stat},
+                                "params": {}}))
+    spec = casefile.load_case(path).tensors["prev_softmax_max"]
+    drawn = casefile._generate(spec, torch.Generator().manual_seed(0), {}, {}, "ring_attention_update")
+    assert drawn.shape == (1, 2, 4, 8) and torch.equal(drawn, drawn[..., :1].expand_as(drawn))
+    assert drawn[..., 0].unique().numel() == 8
+    path.write_text(json.dumps({"op": "ring_attention_update", "inputs": {"prev_softmax_max": {
+        **stat, "repeat_last": 1}}, "params": {}}))
+    with pytest.raises(casefile.CaseError, match=r"inputs.prev_softmax_max.repeat_last: expected true or false"):
+        casefile.load_case(path)
+
+
+def test_kv_quant_rows_are_the_documented_combined_rows():
+    """kv_quant_rows: int8 latent, the rope in the query's dtype and four fp32 scales, as bytes of one row."""
+    spec = casefile.TensorSpec("key", "kv_quant_rows", torch.int8, (2, 3, 1, 656), {})
+    query = torch.zeros(1, dtype=torch.bfloat16)
+    rows = casefile._generate(spec, torch.Generator().manual_seed(0), {"query": query}, {}, "")
+    assert rows.dtype == torch.int8 and rows.shape == (2, 3, 1, 656)
+    scales = rows[..., 640:].contiguous().view(torch.uint8).view(torch.float32)
+    rope = rows[..., 512:640].contiguous().view(torch.uint8).view(torch.bfloat16)
+    assert scales.shape[-1] == 4 and bool(((scales > 0) & (scales < 1 / 64)).all()) and rope.isfinite().all()
+    bad = casefile.TensorSpec("key", "kv_quant_rows", torch.int8, (2, 3, 1, 576), {})
+    with pytest.raises(casefile.CaseError, match=r"kv_quant_rows gives int8 or float8_e4m3fn rows \[..., 656\]"):
+        casefile._generate(bad, torch.Generator(), {"query": query}, {}, "")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import sys
 
 import pytest
 import torch
@@ -96,3 +97,10 @@ def test_sparse_path_matches_dense_path_when_top_k_covers_all_keys(train_dsa):
     assert g_d.keys() == g_s.keys()
     for name in g_d:
         torch.testing.assert_close(g_s[name], g_d[name], msg=name)
+
+
+def test_the_plot_is_skipped_without_matplotlib(train_dsa, monkeypatch, tmp_path, capsys):
+    """matplotlib is optional (the `examples` extra): without it the run ends with a message, not a traceback."""
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # `import matplotlib` raises ImportError
+    train_dsa.plot({}, train_dsa.Config(), tmp_path / "train_dsa.png")
+    assert "matplotlib is not installed" in capsys.readouterr().out and not (tmp_path / "train_dsa.png").exists()

@@ -3,10 +3,13 @@
 Public API: docs/design.md. What every parameter means: docs/semantics/index.md, which the docstrings cite by page.
 """
 
+import inspect as _inspect
+
 from . import library  # noqa: F401  (registers the cann_attn::* custom ops)
 from .autograd import dense_indexer_kl_loss, flash_attention, indexer_kl_loss, sparse_attention
 from .backends import BackendFallbackWarning
 from .errors import AclnnError, ParamInvalidError, ParamNullptrError
+from .errors import keywords_checked as _keywords_checked
 from .ops.atb_attention import (
     atb_flash_attention,
     atb_flash_attention_unpad,
@@ -100,3 +103,10 @@ __all__ = [
     "sparse_lightning_indexer_grad_kl_loss",
     "trans_quant_param",
 ]
+
+# A keyword a public function does not take is refused naming the one the caller most likely meant
+# (`scale=` -> scale_value): one wrapper for every function of __all__ (errors.keywords_checked).
+for _name in __all__:
+    if _inspect.isfunction(globals()[_name]):
+        globals()[_name] = _keywords_checked(globals()[_name])
+del _name

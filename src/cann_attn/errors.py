@@ -6,11 +6,15 @@ was given, so a user can fix the call without reading the operator documentation
 
 from __future__ import annotations
 
+import difflib
+import functools
+import inspect
 import math
 import numbers
 import os
 import sys
-from typing import Any
+from collections.abc import Callable, Collection
+from typing import Any, TypeVar
 
 import numpy as np
 import torch
@@ -21,11 +25,13 @@ __all__ = [
     "ParamNullptrError",
     "caller_stacklevel",
     "describe",
+    "keywords_checked",
     "require",
     "require_bool",
     "require_finite",
     "require_int",
     "require_real",
+    "unknown_keyword",
 ]
 
 _PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))
@@ -111,3 +117,57 @@ def caller_stacklevel() -> int:
     while frame is not None and frame.f_code.co_filename.startswith(_PASSED_THROUGH):
         frame, level = frame.f_back, level + 1
     return level
+
+
+# The same meaning under another name in a sibling operator or in torch_npu: the spelling a caller most likely meant
+# (difflib finds the near misses; these are not near in letters).
+_KEYWORD_SYNONYMS: dict[str, tuple[str, ...]] = {
+    "scale": ("scale_value", "softmax_scale"),
+    "scale_value": ("scale", "softmax_scale"),
+    "softmax_scale": ("scale", "scale_value"),
+    "num_heads": ("head_num", "num_query_heads"),
+    "head_num": ("num_heads", "num_query_heads"),
+    "num_query_heads": ("num_heads", "head_num"),
+    "layout": ("input_layout", "layout_query"),
+    "input_layout": ("layout", "layout_query"),
+    "layout_query": ("layout", "input_layout"),
+    "actual_seq_lengths": ("actual_seq_qlen", "actual_seq_lengths_query"),
+    "actual_seq_qlen": ("actual_seq_lengths", "actual_seq_lengths_query"),
+    "actual_seq_kvlen": ("actual_seq_lengths_kv", "actual_seq_klen", "actual_seq_lengths_key"),
+    "actual_seq_lengths_kv": ("actual_seq_kvlen", "actual_seq_lengths_key", "actual_seq_klen"),
+    "mask": ("atten_mask",),
+    "attn_mask": ("atten_mask",),
+    "softmax_lse_flag": ("return_softmax_lse",),
+    "return_softmax_lse": ("softmax_lse_flag",),
+}
+
+
+def unknown_keyword(function: str, name: str, known: Collection[str], context: str = "") -> TypeError:
+    """The TypeError of a call of `function` with keyword `name`, which is not among `known`, naming the keyword
+    the caller most likely meant (a parameter of the same meaning elsewhere, else the closest spelling)."""
+    meant = [s for s in _KEYWORD_SYNONYMS.get(name, ()) if s in known]
+    meant = meant or difflib.get_close_matches(name, sorted(known), n=1, cutoff=0.6)
+    hint = f"; did you mean {meant[0]}=?" if meant else ""
+    where = f" ({context})" if context else ""
+    return TypeError(f"{function}() got an unexpected keyword argument {name!r}{where}{hint}")
+
+
+_F = TypeVar("_F", bound=Callable[..., Any])
+
+
+def keywords_checked(function: _F) -> _F:
+    """`function`, refusing a keyword it does not take with `unknown_keyword`'s suggestion (the public functions
+    of cann_attn and cann_attn.torch_npu go through it). A function with **kwargs is returned as it is."""
+    parameters = inspect.signature(function).parameters.values()
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters):
+        return function
+    names = frozenset(p.name for p in parameters if p.kind is not inspect.Parameter.VAR_POSITIONAL)
+
+    @functools.wraps(function)
+    def call(*args, **kwargs):
+        for key in kwargs:
+            if key not in names:
+                raise unknown_keyword(function.__name__, key, names)
+        return function(*args, **kwargs)
+
+    return call  # type: ignore[return-value]

@@ -85,7 +85,8 @@ def add_parser(subparsers) -> None:
         "bench",
         help="run the benchmarks (ratios against PyTorch, JSON + PNG results)",
         description="Run the benchmark scripts benchmarks/bench_<suite>.py (each prints a table and "
-        "writes JSON and PNG results).",
+        "writes JSON and PNG results). The scripts belong to the source checkout and are not installed with the "
+        "package: run from the checkout's root, or set CANN_ATTN_BENCHMARKS to its benchmarks/ folder.",
     )
     p.add_argument("--suite", default="all", help="suite name (e.g. fa_forward) or 'all' (default)")
     p.add_argument(
@@ -104,7 +105,8 @@ def run(args: argparse.Namespace) -> int:
     directory = benchmarks_dir()
     if directory is None:
         raise UsageError(
-            "benchmarks/ folder not found (run from the repository root or set CANN_ATTN_BENCHMARKS)"
+            "benchmarks/ folder not found: the benchmark scripts are not installed with the package; run from the "
+            "root of a source checkout or set CANN_ATTN_BENCHMARKS to its benchmarks/ folder"
         )
     available = suites(directory)
     if args.suite != "all" and args.suite not in available:

@@ -102,8 +102,8 @@ __all__ = [
 
 TOP_LEVEL = ("op", "seed", "description", "inputs", "params")
 GENERATORS: dict[str, tuple[str, ...]] = {  # generator -> its options
-    "normal": ("mean", "std"),
-    "uniform": ("low", "high"),
+    "normal": ("mean", "std", "repeat_last"),
+    "uniform": ("low", "high", "repeat_last"),
     "randint": ("low", "high"),
     "bernoulli": ("p",),
     "values": ("values",),
@@ -114,8 +114,9 @@ GENERATORS: dict[str, tuple[str, ...]] = {  # generator -> its options
     "sparse_indices": (),
     "lightning_indexer": (),
     "block_table": (),
+    "kv_quant_rows": (),
 }
-DEPENDENT = ("drop_mask", "sparse_indices", "lightning_indexer", "block_table")
+DEPENDENT = ("drop_mask", "sparse_indices", "lightning_indexer", "block_table", "kv_quant_rows")
 # Paged caches (docs/semantics/paged-kv.md): the operator's per-sequence key lengths and its cache tensor.
 PAGED_LENGTHS = {
     "fused_infer_attention_score": ("actual_seq_lengths_kv", "key"),
@@ -338,7 +339,7 @@ def _tensor_spec(name: str, spec: Any, fail) -> TensorSpec:
             raise fail(f"{field_}.{key}: unknown field for generator {generator} (fields: {', '.join(allowed)})")
     defaults = {"compressed_mask": torch.bool, "triu": torch.bool, "drop_mask": torch.uint8,
                 "sparse_indices": torch.int32, "lightning_indexer": torch.int32, "values": torch.float32,
-                "block_table": torch.int32,
+                "block_table": torch.int32, "kv_quant_rows": torch.int8,
                 "trans_quant_param": torch.int64}
     if dtype is None:
         if generator not in defaults:
@@ -361,6 +362,8 @@ def _check_options(field_: str, generator: str, dtype: torch.dtype, options: dic
     for key in ("mean", "std", "low", "high", "p"):
         if key in options and not _is_number(options[key]):
             raise fail(f"{field_}.{key}: expected a finite number, got {json.dumps(options[key])}")
+    if "repeat_last" in options and not isinstance(options["repeat_last"], bool):
+        raise fail(f"{field_}.repeat_last: expected true or false, got {json.dumps(options['repeat_last'])}")
     for key in ("mode", "diagonal"):
         if key in options and not _is_int(options[key]):
             raise fail(f"{field_}.{key}: expected an integer, got {json.dumps(options[key])}")
@@ -548,11 +551,13 @@ def _require_tensors(case: CaseFile, named: Mapping[str, Any], exclude: tuple[st
 def _generate(spec: TensorSpec, gen: torch.Generator, named: Mapping[str, Any], params: Mapping[str, Any], op: str):
     field_ = f"inputs.{spec.name}"
     o, g, dtype, shape = spec.options, spec.generator, spec.dtype, spec.shape
+    # repeat_last: one value per row, repeated along the last dimension (the 8 lanes of softmax statistics).
+    drawn = (*shape[:-1], 1) if o.get("repeat_last") and shape else shape
     if g == "normal":
-        t = torch.randn(shape, generator=gen, dtype=torch.float64) * o.get("std", 1.0) + o.get("mean", 0.0)
+        t = torch.randn(drawn, generator=gen, dtype=torch.float64) * o.get("std", 1.0) + o.get("mean", 0.0)
     elif g == "uniform":
         low, high = o.get("low", -1.0), o.get("high", 1.0)
-        t = low + (high - low) * torch.rand(shape, generator=gen, dtype=torch.float64)
+        t = low + (high - low) * torch.rand(drawn, generator=gen, dtype=torch.float64)
     elif g == "randint":
         t = torch.randint(o.get("low", -127), o.get("high", 127) + 1, shape, generator=gen, dtype=torch.int64)
     elif g == "bernoulli":
@@ -578,8 +583,12 @@ def _generate(spec: TensorSpec, gen: torch.Generator, named: Mapping[str, Any], 
         t = _sparse_indices(spec, gen, named, params)
     elif g == "block_table":
         t = _block_table(spec, gen, named, params, op)
+    elif g == "kv_quant_rows":
+        t = _kv_quant_rows(spec, gen, named)
     else:  # lightning_indexer
         t = _indexer_topk(spec, named, params)
+    if drawn is not shape:
+        t = t.expand(shape).contiguous()
     if shape is not None and g not in ("values", "trans_quant_param") and tuple(t.shape) != shape:
         raise CaseError(f"{field_}.shape: {list(shape)}, but generator {g} gives {list(t.shape)}")
     return t.to(dtype)
@@ -645,6 +654,28 @@ def _indexer_topk(spec: TensorSpec, named: Mapping[str, Any], params: Mapping[st
     kwargs = {k: params[k] for k in ("actual_seq_lengths_query", "actual_seq_lengths_key", "layout") if k in params}
     return lightning_indexer_oracle(qi, ki, w, sparse_count=shape[-1], sparse_mode=params.get("sparse_mode", 3),
                                     **kwargs)[0]
+
+
+def _kv_quant_rows(spec: TensorSpec, gen: torch.Generator, named: Mapping[str, Any]) -> torch.Tensor:
+    """KvQuantSparseFlashAttention's combined cache rows [..., 656] (docs/operators/quant_dsa.md): 512 quantised
+    latent values (int8 in [-127, 127], or float8_e4m3fn of N(0, 1)), the 64 rope values in the query's dtype as
+    bytes, and 4 fp32 tile scales in (0, 1/64) as bytes."""
+    field_ = f"inputs.{spec.name}"
+    (query,) = _need(field_, named, "query")
+    if spec.dtype not in (torch.int8, torch.float8_e4m3fn) or not spec.shape or spec.shape[-1] != 656:
+        raise CaseError(f"{field_}: generator kv_quant_rows gives int8 or float8_e4m3fn rows [..., 656], got "
+                        f"{canonical_dtype(spec.dtype)} {list(spec.shape or ())}")
+    if query.dtype not in (torch.float16, torch.bfloat16):
+        raise CaseError(f"{field_}: generator kv_quant_rows stores the rope in the query's dtype, fp16 or bf16; "
+                        f"the query is {canonical_dtype(query.dtype)}")
+    lead = spec.shape[:-1]
+    if spec.dtype == torch.int8:
+        latent = torch.randint(-127, 128, (*lead, 512), generator=gen).to(torch.int8).view(torch.uint8)
+    else:
+        latent = torch.randn((*lead, 512), generator=gen).to(torch.float8_e4m3fn).view(torch.uint8)
+    rope = torch.randn((*lead, 64), generator=gen).to(query.dtype).view(torch.uint8)
+    scales = (torch.rand((*lead, 4), generator=gen) / 64).float().view(torch.uint8)
+    return torch.cat([latent, rope, scales], -1).view(spec.dtype)
 
 
 def _block_table(spec: TensorSpec, gen: torch.Generator, named: Mapping[str, Any], params: Mapping[str, Any],

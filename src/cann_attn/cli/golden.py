@@ -68,7 +68,8 @@ def add_parser(subparsers) -> None:
         help="write seeded inputs and float64-oracle golden outputs of one case (.npy, .bin, manifest.json)",
         description="Generate the inputs of one operator call described by a JSON case file (or load them from "
         ".npy files), compute its golden outputs with the float64 oracle, and write every tensor as .npy and raw "
-        "little-endian .bin plus manifest.json. Example case files: examples/cases/.",
+        "little-endian .bin plus manifest.json. Example case files, one per operator: examples/cases/ of the source "
+        "checkout (not installed with the package; docs/guides/golden.md shows the format).",
     )
     p.add_argument("--op", help="the operator, by its cann_attn or torch_npu name (e.g. npu_fusion_attention; default: "
                    "the case file's 'op'; if both are given they must agree)")

@@ -76,7 +76,8 @@ def add_parser(subparsers) -> None:
         "failure.",
     )
     p.add_argument("--op", help="only this operator (cann_attn or torch_npu name; default: every operator with cases)")
-    p.add_argument("--quick", action="store_true", help="skip the larger cases (well under a minute)")
+    p.add_argument("--quick", action="store_true",
+                   help="the small cases only: about 5 s of CPU time (more wall-clock time on a busy machine)")
     p.add_argument("--device", default="cpu", help="device of the operator's inputs, e.g. cpu, cuda, cuda:1")
     p.add_argument("--seed", type=_seed, default=0,
                    help="base seed of the input generators, a 64-bit signed integer (default 0)")

@@ -109,8 +109,7 @@ def validate_shapes(
     else:
         k = layouts.read_dims(key, input_layout, None, "key")
         v = layouts.read_dims(value, input_layout, None, "value")
-    if q.heads != head_num:
-        raise ParamInvalidError(f"head_num: expected the query's head count N={q.heads}, got {head_num}")
+    layouts.require_head_count(query, input_layout, q.heads, head_num, "query", "head_num")
     require(1 <= q.heads <= MAX_HEADS, "head_num", f"a head count in 1..{MAX_HEADS}", q.heads)
     require(q.head_dim == k.head_dim, "key", f"head dim D equal to the query's {q.head_dim}", key)
     require(1 <= q.head_dim <= MAX_HEAD_DIM, "query", f"head dim D in 1..{MAX_HEAD_DIM}", query)

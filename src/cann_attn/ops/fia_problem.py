@@ -243,8 +243,7 @@ def _read_shapes(query, key, value, block_table, q_layout, num_heads, heads_kv, 
         k_seq = v_seq = block_table.shape[1] * k_cache.block_size
         k_heads, k_dim, v_heads, v_dim = k_cache.heads, k_cache.dim, v_cache.heads, v_cache.dim
     packed = q_layout in PACKED
-    if q_heads != num_heads:
-        raise ParamInvalidError(f"num_heads: expected the query's head count N={q_heads}, got {num_heads}")
+    layouts.require_head_count(query, q_layout, q_heads, num_heads, "query", "num_heads")
     if q_layout != "BSH" and k_heads != heads_kv:
         raise ParamInvalidError(
             f"num_key_value_heads: expected the key's head count N={k_heads} (0 means num_heads), "

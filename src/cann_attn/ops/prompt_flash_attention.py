@@ -81,8 +81,7 @@ def prompt_flash_attention(
     kv_layout = "BNSD" if input_layout == "BNSD_BSND" else input_layout
     k = layouts.read_dims(key, kv_layout, heads_kv, "key", "num_key_value_heads")
     v = layouts.read_dims(value, kv_layout, heads_kv, "value", "num_key_value_heads")
-    if q.heads != num_heads:
-        raise ParamInvalidError(f"num_heads: expected the query's head count N={q.heads}, got {num_heads}")
+    layouts.require_head_count(query, input_layout, q.heads, num_heads, "query", "num_heads")
     if input_layout != "BSH" and k.heads != heads_kv:
         raise ParamInvalidError(
             f"num_key_value_heads: expected the key's head count N={k.heads} (0 means num_heads), "

@@ -59,6 +59,31 @@ def read_dims(
     return LayoutDims(None, shape[0], shape[1], shape[2])
 
 
+# Where the head count N sits in the layouts of one rank: a tensor whose N is elsewhere was laid out differently.
+_HEAD_AXIS = {"BSND": 2, "BNSD": 1, "BNSD_BSND": 1, "TND": 1, "NTD": 0}
+_LAYOUT_OF_HEAD_AXIS = {4: {1: "BNSD", 2: "BSND"}, 3: {0: "NTD", 1: "TND"}}
+
+
+def require_head_count(tensor: torch.Tensor, layout: str, heads: int, expected: int, param: str,
+                       heads_param: str, layout_param: str = "input_layout") -> None:
+    """`heads` (read from `tensor` in `layout`) must be the `expected` count the caller passed as `heads_param`.
+    When another dimension of the tensor holds that count where another layout keeps N, the layout is what is
+    wrong (a BSND tensor passed as "BNSD"), and the error says so with the shape that contradicts it."""
+    if heads == expected:
+        return
+    own = _HEAD_AXIS.get(layout, _HEAD_AXIS.get(layout.split("_")[0]))
+    shape = list(tensor.shape)
+    fitting = [(axis, name) for axis, name in _LAYOUT_OF_HEAD_AXIS.get(tensor.dim(), {}).items()
+               if own is not None and axis != own and shape[axis] == expected]
+    if fitting:
+        axis, name = fitting[0]
+        raise ParamInvalidError(
+            f"{layout_param}: {param} {shape} read as {layout} has N={heads} heads (dimension {own}), but "
+            f"{heads_param}={expected} is its dimension {axis}: the tensor looks laid out as {name}, not {layout} "
+            f"(pass {layout_param}={name!r}, or permute the tensor)")
+    raise ParamInvalidError(f"{heads_param}: expected the {param}'s head count N={heads}, got {expected}")
+
+
 def head_dim_of(tensor: torch.Tensor, heads: int, layout: str) -> int:
     """D of an already validated tensor of `heads` heads: H / heads in BSH and SBH (whose last dimension packs
     H = N * D), else the last dimension (docs/semantics/layouts.md)."""

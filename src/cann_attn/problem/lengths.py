@@ -7,12 +7,13 @@ per-batch lengths (PFA, DSA) are plain lengths. Both Python int sequences and in
 from __future__ import annotations
 
 import numbers
+import warnings
 from collections.abc import Sequence
-from itertools import pairwise
+from itertools import accumulate, pairwise
 
 import torch
 
-from ..errors import ParamInvalidError, ParamNullptrError, describe
+from ..errors import ParamInvalidError, ParamNullptrError, caller_stacklevel, describe
 
 IntList = Sequence[int] | torch.Tensor
 
@@ -75,17 +76,33 @@ def cumulative_lengths(value: IntList | None, total: int, param: str, *, eod_pad
         raise ParamNullptrError(f"{param}: required for the TND layout (cumulative sequence ends), got None")
     if len(ends) == 0:
         raise ParamInvalidError(f"{param}: expected at least one cumulative length, got []")
-    lengths = _differences(ends, param)
+    lengths = _differences(ends, param, total)
     previous = ends[-1]
     if eod_padding and previous > total:
         raise ParamInvalidError(
             f"{param}: the last cumulative length must be at most the tensor's T={total}, got {ends}"
+            f"{_prefix_sums_hint(ends, total)}"
         )
     if not eod_padding and previous != total:
         raise ParamInvalidError(
             f"{param}: the last cumulative length must equal the tensor's T={total}, got {ends}"
+            f"{_prefix_sums_hint(ends, total)}"
         )
+    hint = _prefix_sums_hint(ends, total) if previous < total else ""
+    if hint:
+        # Valid (the tokens past the last end are end-of-document padding), but the usual slip: lengths per sequence.
+        warnings.warn(f"{param}: {ends} leaves {total - previous} of T={total} tokens to no sequence (their output "
+                      f"is 0){hint}", UserWarning, stacklevel=caller_stacklevel())
     return lengths
+
+
+def _prefix_sums_hint(ends: list[int], total: int) -> str:
+    """When `ends` read as lengths per sequence would fill the T tokens exactly, the sentence that says so: TND
+    lengths are prefix sums (docs/semantics/layouts.md), and per-sequence lengths are the common mistake."""
+    if len(ends) < 2 or min(ends) < 0 or sum(ends) != total:
+        return ""
+    return (f"; they are cumulative ends (prefix sums): if {ends} are the lengths of the sequences, pass "
+            f"{list(accumulate(ends))}")
 
 
 def lengths_of_ends(value: IntList | None, param: str) -> list[int]:
@@ -97,13 +114,14 @@ def lengths_of_ends(value: IntList | None, param: str) -> list[int]:
     return _differences(ends, param)
 
 
-def _differences(ends: list[int], param: str) -> list[int]:
+def _differences(ends: list[int], param: str, total: int | None = None) -> list[int]:
     previous = 0
     lengths = []
     for end in ends:
         if end < previous:
+            hint = _prefix_sums_hint(ends, total) if total is not None else ""
             raise ParamInvalidError(
-                f"{param}: cumulative lengths (no leading 0) must be non-decreasing and >= 0, got {ends}"
+                f"{param}: cumulative lengths (no leading 0) must be non-decreasing and >= 0, got {ends}{hint}"
             )
         lengths.append(end - previous)
         previous = end

@@ -23,7 +23,7 @@ import re
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from ..errors import AclnnError, ParamInvalidError
+from ..errors import AclnnError, ParamInvalidError, keywords_checked, unknown_keyword
 
 CURRENT = "current"
 # Oldest first: the op-plugin branches 7.1.0, 7.2.0, 7.3.0, 26.0.0 (26.1.0 has the same attention schemas) and
@@ -174,7 +174,7 @@ def npu_op(schemas: dict[tuple[str, ...], str], namespace: str = "npu",
         raise ValueError(f"schemas: expected releases among {RELEASES} including {CURRENT!r}, got {list(parsed)}")
 
     def register(impl: Callable) -> Callable:
-        impl = _typed_errors(impl, renamed or {})
+        impl = _typed_errors(keywords_checked(impl), renamed or {})
         op = NpuOp(impl.__name__, impl, parsed, namespace=namespace)
 
         def run(*args, **kwargs):
@@ -234,7 +234,7 @@ def _call_as(op: NpuOp, schema: Schema, release: str, args: tuple, kwargs: dict)
                         f"but {len(args)} were given")
     for name in kwargs:
         if name not in names:
-            raise TypeError(f"{op.name}() got an unexpected keyword argument {name!r} (torch_npu {release})")
+            raise unknown_keyword(op.name, name, names, f"torch_npu {release}")
     current = {p.name: p for p in op.schemas[CURRENT].params}
     for index, param in enumerate(schema.params):
         if index < len(args) or param.name in kwargs or param.default is inspect.Parameter.empty:

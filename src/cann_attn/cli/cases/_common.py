@@ -126,13 +126,23 @@ def tensor_parameters(op: str) -> tuple[str, ...]:
     return tuple(n for n, p in op_signature(op).parameters.items() if "Tensor" in str(p.annotation))
 
 
+def tensor_list_parameters(op: str) -> tuple[str, ...]:
+    """The parameters of `op` that take a list of tensors (AttentionUpdate's lse and local_out). A case file gives
+    such a list as one tensor, the list's tensors stacked along a new first dimension (docs/guides/golden.md)."""
+    return tuple(n for n, p in op_signature(op).parameters.items() if "Sequence[" in str(p.annotation)
+                 and "Tensor" in str(p.annotation))
+
+
 def bind(op: str, named: Mapping[str, Any]) -> Call:
     """The `Call` of `op` for arguments given by name: the parameters before ``*`` positionally (their defaults
-    filled in), the keyword-only ones as given. Raises TypeError for an unknown or missing argument."""
+    filled in), the keyword-only ones as given; a stacked tensor given for a list parameter becomes the list of its
+    slices along the first dimension. Raises TypeError for an unknown or missing argument."""
     params = op_signature(op).parameters
     unknown = sorted(set(named) - set(params))
     if unknown:
         raise TypeError(f"{op}: unknown argument {unknown[0]!r}")
+    lists = tensor_list_parameters(op)
+    named = {k: list(v.unbind(0)) if k in lists and isinstance(v, torch.Tensor) else v for k, v in named.items()}
     args, kwargs = [], {}
     for name, p in params.items():
         if p.kind is inspect.Parameter.POSITIONAL_OR_KEYWORD:

@@ -14,7 +14,7 @@ import torch
 import cann_attn
 
 from ...problem.lengths import starts_of
-from ...testing.merge_oracle import ring_attention_update_oracle
+from ...testing.merge_oracle import attention_update_oracle, ring_attention_update_oracle
 from ._common import (
     BF16,
     F16,
@@ -112,8 +112,6 @@ def attention_update_case(name: str, dtype: torch.dtype, parts: int, heads: int,
         return Call((lse, outs, update_type))
 
     def golden(call: Call) -> Outputs:
-        from ...testing.merge_oracle import attention_update_oracle
-
         return attention_update_oracle(*call.args)
 
     return Case(
@@ -131,6 +129,19 @@ register(
     attention_update_case("decode_sp4", F32, parts=4, heads=8, dim=128, seq_kv=96),
     attention_update_case("decode_sp3_empty_shard", BF16, parts=3, heads=4, dim=64, seq_kv=40, update_type=0,
                           empty_part=True),
+)
+def _attention_update_golden(call: Call) -> Outputs:
+    return attention_update_oracle(**without(by_name("attention_update", call)))
+
+
+register_operator(
+    Operator(
+        "attention_update",
+        ("out", "lse_out"),
+        _attention_update_golden,
+        same_dtype(out="local_out", lse_out="float32"),
+        oracle=attention_update_oracle,
+    )
 )
 register_operator(
     Operator(
