@@ -134,15 +134,8 @@ def _attention_update_golden(call: Call) -> Outputs:
     return attention_update_oracle(**without(by_name("attention_update", call)))
 
 
-register_operator(
-    Operator(
-        "attention_update",
-        ("out", "lse_out"),
-        _attention_update_golden,
-        same_dtype(out="local_out", lse_out="float32"),
-        oracle=attention_update_oracle,
-    )
-)
+register_operator(Operator("attention_update", ("out", "lse_out"), _attention_update_golden,
+                           same_dtype(out="local_out", lse_out="float32"), oracle=attention_update_oracle))
 register_operator(
     Operator(
         "ring_attention_update",
