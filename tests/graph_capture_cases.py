@@ -217,6 +217,7 @@ with torch.cuda.graph(g3, pool=torch.cuda.graph_pool_handle()):
 query_t.mul_(-1)
 g3.replay()
 same(output_graph, eager(block_tables_t, context_lens))
+assert torch.cuda.make_graphed_callables is torch.npu.make_graphed_callables
 print("ok")
 """
 

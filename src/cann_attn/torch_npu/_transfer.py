@@ -29,7 +29,7 @@ _CUDA_NAMES = (
     "max_memory_allocated", "memory_reserved", "max_memory_reserved", "memory_stats", "reset_peak_memory_stats",
     "reset_max_memory_allocated", "empty_cache", "mem_get_info", "Stream", "Event", "stream", "current_stream",
     "default_stream", "_lazy_call", "init", "is_initialized", "graph", "graph_pool_handle",
-    "is_current_stream_capturing",
+    "is_current_stream_capturing", "make_graphed_callables",
 )
 
 
