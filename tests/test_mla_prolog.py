@@ -74,10 +74,11 @@ class PrologCase:
 
 
 def naive(case: PrologCase, qc_qr_scale=1.0, kc_scale=1.0, eps_cq=1e-5, eps_ckv=1e-5, *, dtype=None,
-          quantized=None) -> dict:
+          quantized=None, down_scales=None) -> dict:
     """The formulas in plain PyTorch in the input dtype (the "naive" side of the flash-attn precision rule) or in
     `dtype`: query, query_rope, query_norm and the latent / rope-key rows of every token. `quantized` = (int8 c^Q,
-    its scales [T, 1], dequant_scale_w_uq_qr) replaces c^Q W^UQQR by the dequantised int8 product."""
+    its scales [T, 1], dequant_scale_w_uq_qr) replaces c^Q W^UQQR by the dequantised int8 product, `down_scales` =
+    (dequant_scale_x, dequant_scale_w_dq, dequant_scale_w_dkv_kr) the down projections of an int8 token_x."""
     i = {k: v if v.dtype == torch.int8 else v.to(dtype or v.dtype) for k, v in case.inputs.items()}
     heads, nope, latent = i["weight_uk"].shape
     rope = i["rope_sin"].shape[-1]
@@ -91,14 +92,20 @@ def naive(case: PrologCase, qc_qr_scale=1.0, kc_scale=1.0, eps_cq=1e-5, eps_ckv=
         pairs = v.unflatten(-1, (-1, 2)).transpose(-1, -2).flatten(-2)
         return pairs * cos + torch.cat([-pairs[..., rope // 2 :], pairs[..., : rope // 2]], -1) * sin
 
-    c_q = qc_qr_scale * norm(x @ i["weight_dq"], i["rmsnorm_gamma_cq"], eps_cq)
+    def down(name, index):
+        if down_scales is None:
+            return x @ i[name]
+        product = (x.double() @ i[name].double()) * down_scales[0].double().reshape(-1, 1)
+        return (product * down_scales[index].double().reshape(1, -1)).to(i["weight_uk"].dtype)
+
+    c_q = qc_qr_scale * norm(down("weight_dq", 1), i["rmsnorm_gamma_cq"], eps_cq)
     if quantized is None:
         q = (c_q @ i["weight_uq_qr"]).view(-1, heads, nope + rope)
     else:
         values, scale, dequant = quantized
         product = values.reshape(-1, values.shape[-1]).double() @ i["weight_uq_qr"].double()
         q = (product * scale.double() * dequant.double()).to(c_q.dtype).view(-1, heads, nope + rope)
-    kv = x @ i["weight_dkv_kr"]
+    kv = down("weight_dkv_kr", 2)
     lead = case.inputs["token_x"].shape[:-1]
     return {"query": torch.einsum("tnd,ndc->tnc", q[..., :nope], i["weight_uk"]).reshape(*lead, heads, latent),
             "query_rope": rotate(q[..., nope:]).reshape(*lead, heads, rope), "query_norm": c_q.reshape(*lead, -1),
@@ -316,10 +323,65 @@ def test_weight_quant_mode_1(dtype, smooth_shape):
     assert torch.equal(case.kv_cache[~expected.kv_written], kv_before[~expected.kv_written])
 
 
-def test_weight_quant_mode_1_under_the_custom_op():
+def quantized_inputs(case: PrologCase, gen) -> dict:
+    """weight_quant_mode 2 inputs as the W8A8 recipes build them: token_x quantised per token (npu_dynamic_quant:
+    int8 values, float32 scales [T, 1]), weight_dq / weight_uq_qr / weight_dkv_kr int8 with per-column float32
+    scales [1, columns]."""
+    extra = quantized_uq_qr(case, gen, None)
+    extra["weight_quant_mode"] = 2
+    x = case.inputs["token_x"].double()
+    rows = x.reshape(-1, x.shape[-1])
+    scale = rows.abs().amax(-1, keepdim=True) / 127
+    case.inputs["token_x"] = torch.round(rows / scale).to(torch.int8).view(x.shape)
+    extra["dequant_scale_x"] = scale.float()
+    for name, scale_name in (("weight_dq", "dequant_scale_w_dq"), ("weight_dkv_kr", "dequant_scale_w_dkv_kr")):
+        w = case.inputs[name]
+        case.inputs[name] = torch.randint(-127, 128, w.shape, generator=gen, dtype=torch.int8)
+        extra[scale_name] = torch.rand(1, w.shape[1], generator=gen) / (127 * w.shape[0] ** 0.5)
+    return extra
+
+
+@pytest.mark.parametrize("dtype", [F64, BF16])
+def test_weight_quant_mode_2(dtype):
+    """int8 token_x (per-token scales) and int8 weight_dq / weight_uq_qr / weight_dkv_kr (per-column scales): each
+    down projection is x8 W8 * dequant_scale_x[token] * dequant_scale_w_*[column], the rest as weight_quant_mode 1;
+    outputs in weight_uk's float dtype. Callers: vllm-ascend vllm_ascend/attention/sfa_v1.py:1023 (W8A8Dynamic:
+    token_x, dequant_x = npu_dynamic_quant(hidden_states); dequant_scale_x=dequant_x.view(-1, 1),
+    weight_quant_mode=2) and cann-recipes-infer models/deepseek_r1/models/modeling_deepseek.py:1251 (a8w8:
+    weight_scale.view(1, -1) per weight, "PA_NZ")."""
+    gen = torch.Generator().manual_seed(23)
+    case = PrologCase(gen, dtype=dtype, cache_mode="PA_NZ")
+    quant = quantized_inputs(case, gen)
+    kv_before, kr_before = case.kv_cache.clone(), case.kr_cache.clone()
+    out = case.run(query_norm_flag=True, **quant)
+    scales = {k: v for k, v in quant.items() if k != "weight_quant_mode"}
+    expected = case.oracle(kv_before, kr_before, **scales)
+    assert out.query.dtype == dtype and out.query_norm.dtype == torch.int8 and out.dequant_scale_q_norm.shape == (5, 1)
+    assert torch.equal(case.kv_cache[~expected.kv_written], kv_before[~expected.kv_written])
+    if dtype == F64:
+        assert torch.equal(out.query_norm.double(), expected.query_norm)
+        for name, actual, golden in (("query", out.query, expected.query), ("query_rope", out.query_rope,
+                                     expected.query_rope), ("kv_cache", token_rows(case, case.kv_cache),
+                                     token_rows(case, expected.kv_cache))):
+            torch.testing.assert_close(actual, golden, rtol=1e-9, atol=1e-9, msg=name)
+    else:  # the float64 formulas from the int8 c^Q the call made; the naive side in bf16
+        assert (out.query_norm.double() - expected.query_norm).abs().max() <= 1
+        down = (quant["dequant_scale_x"], quant["dequant_scale_w_dq"], quant["dequant_scale_w_dkv_kr"])
+        given = (out.query_norm, out.dequant_scale_q_norm, quant["dequant_scale_w_uq_qr"])
+        golden = naive(case, dtype=F64, quantized=given, down_scales=down)
+        plain = naive(case, quantized=given, down_scales=down)
+        for name in ("query", "query_rope"):
+            assert_close_to_oracle(getattr(out, name), golden[name], plain[name], name=name)
+        for name, cache in (("kv_cache", case.kv_cache), ("kr_cache", case.kr_cache)):
+            assert_close_to_oracle(token_rows(case, cache), token_rows(case, getattr(expected, name)), plain[name],
+                                   name=name)
+
+
+@pytest.mark.parametrize("mode", [1, 2])
+def test_weight_quant_modes_under_the_custom_op(mode):
     gen = torch.Generator().manual_seed(22)
     case = PrologCase(gen)
-    quant = quantized_uq_qr(case, gen, (1, 32))
+    quant = quantized_uq_qr(case, gen, (1, 32)) if mode == 1 else quantized_inputs(case, gen)
     args = (*case.weights(), case.kv_cache, case.kr_cache)
     result = torch.library.opcheck(torch.ops.cann_attn.mla_prolog, args,
                                    {"cache_index": case.cache_index, "query_norm_flag": True, **quant})
@@ -493,7 +555,27 @@ def _bad_calls():
          mode_1(lambda c, kw: kw.update(quant_scale_ckv=torch.ones(1, 32)))),
         ("mode 0 with smooth", "smooth_scales_cq", lambda c, kw: kw.update(smooth_scales_cq=torch.ones(1, 32))),
     ]
-    for mode, value in (("weight_quant_mode", 2), ("kv_cache_quant_mode", 1),
+    def mode_2(change):
+        def apply(c, kw):
+            kw.update(quantized_inputs(c, torch.Generator().manual_seed(2)))
+            change(c, kw)
+        return apply
+
+    calls += [
+        ("mode 2 with a bf16 token_x", "token_x", lambda c, kw: kw.update(weight_quant_mode=2)),
+        ("mode 2 without token scales", "dequant_scale_x", mode_2(lambda c, kw: kw.update(dequant_scale_x=None))),
+        ("mode 2 token scales shape", "dequant_scale_x",
+         mode_2(lambda c, kw: kw.update(dequant_scale_x=kw["dequant_scale_x"][:-1]))),
+        ("mode 2 weight_dq scales shape", "dequant_scale_w_dq",
+         mode_2(lambda c, kw: kw.update(dequant_scale_w_dq=kw["dequant_scale_w_dq"][:, :-1]))),
+        ("mode 2 without weight_dkv_kr scales", "dequant_scale_w_dkv_kr",
+         mode_2(lambda c, kw: kw.update(dequant_scale_w_dkv_kr=None))),
+        ("mode 2 bf16 weight_dkv_kr", "weight_dkv_kr",
+         mode_2(lambda c, kw: c.inputs.__setitem__("weight_dkv_kr", c.inputs["weight_dkv_kr"].bfloat16()))),
+        ("mode 1 with token scales", "dequant_scale_x",
+         mode_1(lambda c, kw: kw.update(dequant_scale_x=torch.ones(5, 1)))),
+    ]
+    for mode, value in ( ("kv_cache_quant_mode", 1),
                         ("kv_cache_quant_mode", 2), ("kv_cache_quant_mode", 3), ("query_quant_mode", 1),
                         ("ckvkr_repo_mode", 1), ("quant_scale_repo_mode", 1), ("weight_quant_mode", 7)):
         calls.append((f"{mode} {value}", mode, lambda c, kw, m=mode, v=value: kw.update({m: v})))

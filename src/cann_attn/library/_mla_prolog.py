@@ -41,16 +41,17 @@ def _(*args, **kwargs):
                                      "weight_quant_mode"))
     lead = tuple(token_x.shape[:-1])
     heads, latent = weight_uk.shape[0], weight_uk.shape[2]
+    dtype = weight_uk.dtype  # the float dtype (token_x is int8 with weight_quant_mode 2)
     empty = token_x.new_empty((0,), dtype=torch.float32)
-    query_norm, scale_q_norm = token_x.new_empty((0,)), empty.clone()
+    query_norm, scale_q_norm = token_x.new_empty((0,), dtype=dtype), empty.clone()
     if query_norm_flag:
-        # weight_quant_mode 1: int8 c^Q with its float32 per-token scale [T, 1]
-        norm_dtype = torch.int8 if weight_quant_mode == 1 else token_x.dtype
-        query_norm = token_x.new_empty((*lead, weight_dq.shape[1]), dtype=norm_dtype)
-        if weight_quant_mode == 1:
+        # weight_quant_mode 1 / 2: int8 c^Q with its float32 per-token scale [T, 1]
+        quantized = weight_quant_mode in (1, 2)
+        query_norm = token_x.new_empty((*lead, weight_dq.shape[1]), dtype=torch.int8 if quantized else dtype)
+        if quantized:
             scale_q_norm = token_x.new_empty((torch.Size(lead).numel(), 1), dtype=torch.float32)
-    return (token_x.new_empty((*lead, heads, latent)), token_x.new_empty((*lead, heads, rope_sin.shape[-1])),
-            empty, query_norm, scale_q_norm)
+    return (token_x.new_empty((*lead, heads, latent), dtype=dtype),
+            token_x.new_empty((*lead, heads, rope_sin.shape[-1]), dtype=dtype), empty, query_norm, scale_q_norm)
 
 
 def mla_prolog(

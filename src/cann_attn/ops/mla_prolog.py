@@ -27,8 +27,8 @@ MIN_BLOCK_SIZE, MAX_BLOCK_SIZE, BLOCK_SIZE_MULTIPLE = 16, 1024, 16
 KV_HEADS = 1
 PADDING_SLOT = -1  # a cache_index entry of a padding token: nothing is written (docs/semantics/beyond-docs.md)
 
-# The quantised scenarios and what each mode parameter's non-zero values select (op-plugin's page); only
-# weight_quant_mode 1 is computed, every other non-zero value is refused naming its parameter.
+# The quantised scenarios and what each mode parameter's non-zero values select (op-plugin's page); weight_quant_mode
+# 1 and 2 are computed, every other non-zero value is refused naming its parameter.
 QUANT_MODES = {
     "weight_quant_mode": {0: "no weight quantisation", 1: "int8 weight_uq_qr", 2: "int8 weight_dq, weight_uq_qr and "
                           "weight_dkv_kr (int8 token_x)", 3: "per-tile / mxfp8 weights"},
@@ -42,8 +42,8 @@ QUANT_MODES = {
 
 class MlaPrologResult(NamedTuple):
     """query [.., N, Hckv], query_rope [.., N, Dr] (token_x's leading dims), dequant_scale_q_nope (float32 [0]: the
-    query is not quantised), query_norm ([.., Hcq] with query_norm_flag, int8 with weight_quant_mode 1, else [0]) and
-    dequant_scale_q_norm (float32 [T, 1] with query_norm_flag and weight_quant_mode 1, else [0])."""
+    query is not quantised), query_norm ([.., Hcq] with query_norm_flag, int8 with weight_quant_mode 1 / 2, else [0])
+    and dequant_scale_q_norm (float32 [T, 1] with query_norm_flag and weight_quant_mode 1 / 2, else [0])."""
 
     query: torch.Tensor
     query_rope: torch.Tensor
@@ -69,7 +69,15 @@ class MlaPrologProblem:
     qc_qr_scale: float
     kc_scale: float
     query_norm: bool
-    quantized_uq_qr: bool  # weight_quant_mode 1: int8 weight_uq_qr, c^Q quantised per token
+    weight_quant_mode: int  # 1: int8 weight_uq_qr (c^Q quantised per token); 2: also int8 token_x, W^DQ, W^DKVKR
+
+    @property
+    def quantized_uq_qr(self) -> bool:
+        return self.weight_quant_mode in (1, 2)
+
+    @property
+    def quantized_x(self) -> bool:
+        return self.weight_quant_mode == 2
 
     @property
     def tokens(self) -> int:
@@ -83,22 +91,32 @@ def _present(tensor, name: str) -> torch.Tensor:
     return tensor
 
 
+# weight_quant_mode -> the scale tensors it takes (the others must be None)
+WEIGHT_QUANT_SCALES = {
+    0: (),
+    1: ("dequant_scale_w_uq_qr", "smooth_scales_cq"),
+    2: ("dequant_scale_x", "dequant_scale_w_dq", "dequant_scale_w_uq_qr", "dequant_scale_w_dkv_kr", "smooth_scales_cq"),
+}
+# weight_quant_mode -> the inputs that are int8 in it
+INT8_INPUTS = {0: (), 1: ("weight_uq_qr",), 2: ("token_x", "weight_dq", "weight_uq_qr", "weight_dkv_kr")}
+
+
 def _check_modes(modes: dict[str, int], quant_tensors: dict[str, torch.Tensor | None], actual_seq_len,
-                 tile_size) -> bool:
-    """True for weight_quant_mode 1 (the one quantised scenario computed), False for the unquantised call."""
+                 tile_size) -> int:
+    """The weight_quant_mode (0, 1 or 2: the scenarios computed) after refusing every other mode."""
     for name, value in modes.items():
         value = require_int(value, name)
         meanings = QUANT_MODES[name]
         if value not in meanings:
             raise ParamInvalidError(f"{name}: expected one of {sorted(meanings)}, got {value}")
-        if value != 0 and (name, value) != ("weight_quant_mode", 1):
+        if value != 0 and not (name == "weight_quant_mode" and value in WEIGHT_QUANT_SCALES):
             raise ParamInvalidError(
-                f"{name}: {value} ({meanings[value]}) is not supported: the unquantised MlaProlog and "
-                f"weight_quant_mode=1 with kv_cache_quant_mode, query_quant_mode, ckvkr_repo_mode and "
-                f"quant_scale_repo_mode 0 are computed (docs/operators/mla_prolog.md)")
+                f"{name}: {value} ({meanings[value]}) is not supported: weight_quant_mode 0, 1 or 2 with "
+                f"kv_cache_quant_mode, query_quant_mode, ckvkr_repo_mode and quant_scale_repo_mode 0 are computed "
+                f"(docs/operators/mla_prolog.md)")
     require_int(tile_size, "tile_size")
-    quantized = modes["weight_quant_mode"] == 1
-    taken = ("dequant_scale_w_uq_qr", "smooth_scales_cq") if quantized else ()
+    quant_mode = int(modes["weight_quant_mode"])
+    taken = WEIGHT_QUANT_SCALES[quant_mode]
     for name, tensor in quant_tensors.items():
         if tensor is not None and name not in taken:
             raise ParamInvalidError(f"{name}: only quantised modes that are not supported take it; expected None, "
@@ -106,29 +124,27 @@ def _check_modes(modes: dict[str, int], quant_tensors: dict[str, torch.Tensor | 
     if actual_seq_len is not None:
         raise ParamInvalidError("actual_seq_len: only the block-index cache modes (PA_BLK_BSND, PA_BLK_NZ) take it, "
                                 "and they are not supported; expected None")
-    return quantized
+    return quant_mode
 
 
-def _check_uq_qr_scales(weight_uq_qr, dequant_scale_w_uq_qr, smooth_scales_cq, q_latent: int,
-                        quantized: bool) -> None:
-    """weight_quant_mode 1: int8 weight_uq_qr with its per-column float32 dequant scales [1, N (D + Dr)] and the
-    optional smooth scales [1, Hcq] (or [1]) of the query latent."""
-    if not quantized:
-        return
-    columns = weight_uq_qr.shape[-1]
-    if dequant_scale_w_uq_qr is None:
-        raise ParamNullptrError("dequant_scale_w_uq_qr: required with weight_quant_mode=1, got None")
-    require(isinstance(dequant_scale_w_uq_qr, torch.Tensor) and dequant_scale_w_uq_qr.dtype == torch.float32
-            and tuple(dequant_scale_w_uq_qr.shape) == (1, columns), "dequant_scale_w_uq_qr",
-            f"a float32 tensor [1, N * (D + Dr)] = [1, {columns}]", dequant_scale_w_uq_qr)
-    if smooth_scales_cq is not None:
-        require(isinstance(smooth_scales_cq, torch.Tensor) and smooth_scales_cq.dtype == torch.float32
-                and tuple(smooth_scales_cq.shape) in ((1, q_latent), (1,)), "smooth_scales_cq",
-                f"a float32 tensor [1, Hcq] = [1, {q_latent}] or [1]", smooth_scales_cq)
-    for name, tensor in (("dequant_scale_w_uq_qr", dequant_scale_w_uq_qr), ("smooth_scales_cq", smooth_scales_cq)):
-        if tensor is not None:
-            require(tensor.device == weight_uq_qr.device, name, f"weight_uq_qr's device {weight_uq_qr.device}",
-                    tensor)
+def _check_quant_scales(scales: dict[str, torch.Tensor | None], quant_mode: int, *, tokens: int, q_latent: int,
+                        uq_qr_columns: int, dkv_kr_columns: int, device: torch.device) -> None:
+    """The float32 scale tensors of weight_quant_mode 1 / 2: per-column dequant scales [1, columns] of each int8
+    weight, the per-token dequant scales of an int8 token_x ([T, 1] or [T]), the optional smooth scales of the
+    query latent ([1, Hcq] or [1]). All but smooth_scales_cq are required."""
+    shapes = {"dequant_scale_x": ((tokens, 1), (tokens,)), "dequant_scale_w_dq": ((1, q_latent),),
+              "dequant_scale_w_uq_qr": ((1, uq_qr_columns),), "dequant_scale_w_dkv_kr": ((1, dkv_kr_columns),),
+              "smooth_scales_cq": ((1, q_latent), (1,))}
+    for name in WEIGHT_QUANT_SCALES[quant_mode]:
+        tensor = scales[name]
+        if tensor is None:
+            if name == "smooth_scales_cq":
+                continue
+            raise ParamNullptrError(f"{name}: required with weight_quant_mode={quant_mode}, got None")
+        expected = " or ".join(str(list(shape)) for shape in shapes[name])
+        require(isinstance(tensor, torch.Tensor) and tensor.dtype == torch.float32
+                and tuple(tensor.shape) in shapes[name], name, f"a float32 tensor {expected}", tensor)
+        require(tensor.device == device, name, f"token_x's device {device}", tensor)
 
 
 def _check_cache_mode(cache_mode) -> str:
@@ -143,23 +159,31 @@ def _check_cache_mode(cache_mode) -> str:
 
 
 def _check_weights(token_x, weight_dq, weight_uq_qr, weight_uk, weight_dkv_kr, gamma_cq, gamma_ckv, rope_sin,
-                   rope_cos, quantized: bool) -> tuple[int, ...]:
-    """(He, Hcq, N, D, Dr, Hckv) after checking every weight's dtype and shape against token_x and each other."""
-    dtype = token_x.dtype
-    require(dtype in FLOAT_DTYPES, "token_x",
-            "dtype bfloat16 (float16 / float32 / float64 on the reference backend; int8 token_x is the quantised "
-            "mode weight_quant_mode=2, not supported)", token_x)
+                   rope_cos, quant_mode: int) -> tuple[int, ...]:
+    """(He, Hcq, N, D, Dr, Hckv) after checking every weight's dtype and shape against token_x and each other. The
+    float dtype is token_x's, or weight_uk's with an int8 token_x (weight_quant_mode 2)."""
+    int8_inputs = INT8_INPUTS[quant_mode]
+    if "token_x" in int8_inputs:
+        require(token_x.dtype == torch.int8, "token_x", f"dtype int8 with weight_quant_mode={quant_mode}", token_x)
+        require(weight_uk.dtype in FLOAT_DTYPES, "weight_uk", "dtype bfloat16 (float16 / float32 / float64 on the "
+                "reference backend)", weight_uk)
+        dtype = weight_uk.dtype
+    else:
+        dtype = token_x.dtype
+        require(dtype in FLOAT_DTYPES, "token_x",
+                "dtype bfloat16 (float16 / float32 / float64 on the reference backend; int8 with weight_quant_mode=2)",
+                token_x)
     require(token_x.dim() in (2, 3), "token_x", "a 2-D [T, He] or 3-D [B, S, He] tensor", token_x)
     hidden = token_x.shape[-1]
     require(hidden > 0, "token_x", "a hidden size He > 0", token_x)
     for name, tensor in (("weight_dq", weight_dq), ("weight_uq_qr", weight_uq_qr), ("weight_uk", weight_uk),
                          ("weight_dkv_kr", weight_dkv_kr), ("rmsnorm_gamma_cq", gamma_cq),
                          ("rmsnorm_gamma_ckv", gamma_ckv), ("rope_sin", rope_sin), ("rope_cos", rope_cos)):
-        if name == "weight_uq_qr" and quantized:
-            require(tensor.dtype == torch.int8, name, "dtype int8 with weight_quant_mode=1", tensor)
+        if name in int8_inputs:
+            require(tensor.dtype == torch.int8, name, f"dtype int8 with weight_quant_mode={quant_mode}", tensor)
         else:
-            require(tensor.dtype == dtype, name, f"token_x's dtype {dtype} (int8 weights: weight_uq_qr with "
-                    f"weight_quant_mode=1 only)", tensor)
+            require(tensor.dtype == dtype, name, f"the float dtype {dtype} (int8 weights only with weight_quant_mode "
+                    f"1: weight_uq_qr, or 2: weight_dq, weight_uq_qr, weight_dkv_kr)", tensor)
         require(tensor.device == token_x.device, name, f"token_x's device {token_x.device}", tensor)
     require(weight_uk.dim() == 3 and min(weight_uk.shape) > 0, "weight_uk", "a 3-D tensor [N, D, Hckv]", weight_uk)
     heads, nope_dim, latent = weight_uk.shape
@@ -184,11 +208,12 @@ def _check_weights(token_x, weight_dq, weight_uq_qr, weight_uk, weight_dkv_kr, g
     return hidden, q_latent, heads, nope_dim, rope_dim, latent
 
 
-def _check_caches(token_x, kv_cache, kr_cache, cache_mode: str, latent: int, rope_dim: int) -> None:
+def _check_caches(token_x, kv_cache, kr_cache, cache_mode: str, latent: int, rope_dim: int,
+                  dtype: torch.dtype) -> None:
     lead = tuple(token_x.shape[:-1])
     for name, cache, width in (("kv_cache", kv_cache, latent), ("kr_cache", kr_cache, rope_dim)):
-        require(cache.dtype == token_x.dtype, name, f"token_x's dtype {token_x.dtype} (an int8 cache is the "
-                f"quantised mode kv_cache_quant_mode != 0, not supported)", cache)
+        require(cache.dtype == dtype, name, f"the float dtype {dtype} (an int8 cache is the quantised mode "
+                f"kv_cache_quant_mode != 0, not supported)", cache)
         require(cache.device == token_x.device, name, f"token_x's device {token_x.device}", cache)
         if cache_mode in PAGED_MODES:
             expected = f"a 4-D tensor [BlockNum, BlockSize, {KV_HEADS}, {width}] ({cache_mode})"
@@ -314,8 +339,9 @@ def mla_prolog(
     query_rope = RoPE(q^R); latent = kc_scale * RmsNorm((x W^DKVKR)[:Hckv]) and key rope = RoPE((x W^DKVKR)[Hckv:])
     go to the cache rows `cache_index` names (PA_BSND / PA_NZ) or to row t of a BSND / TND cache. token_x is
     [T, He] or [B, S, He]; weight_dq [He, Hcq], weight_uq_qr [Hcq, N * (D + Dr)], weight_uk [N, D, Hckv],
-    weight_dkv_kr [He, Hckv + Dr] (NZ-cast or plain: the same values). Computed: the unquantised call and
-    weight_quant_mode=1 (int8 weight_uq_qr, c^Q quantised per token: query_norm int8 with dequant_scale_q_norm).
+    weight_dkv_kr [He, Hckv + Dr] (NZ-cast or plain: the same values). Computed: the unquantised call,
+    weight_quant_mode=1 (int8 weight_uq_qr, c^Q quantised per token: query_norm int8 with dequant_scale_q_norm) and
+    weight_quant_mode=2 (also int8 token_x, weight_dq, weight_dkv_kr with their dequant scales).
     """
     names = ("token_x", "weight_dq", "weight_uq_qr", "weight_uk", "weight_dkv_kr", "rmsnorm_gamma_cq",
              "rmsnorm_gamma_ckv", "rope_sin", "rope_cos", "kv_cache", "kr_cache")
@@ -323,7 +349,7 @@ def mla_prolog(
                rope_sin, rope_cos, kv_cache, kr_cache]
     for name, tensor in zip(names, tensors, strict=True):
         _present(tensor, name)
-    quantized = _check_modes(
+    quant_mode = _check_modes(
         {"weight_quant_mode": weight_quant_mode, "kv_cache_quant_mode": kv_cache_quant_mode,
          "query_quant_mode": query_quant_mode, "ckvkr_repo_mode": ckvkr_repo_mode,
          "quant_scale_repo_mode": quant_scale_repo_mode},
@@ -335,25 +361,31 @@ def mla_prolog(
     cache_mode = _check_cache_mode(cache_mode)
     hidden, q_latent, heads, nope_dim, rope_dim, latent = _check_weights(
         token_x, weight_dq, weight_uq_qr, weight_uk, weight_dkv_kr, rmsnorm_gamma_cq, rmsnorm_gamma_ckv, rope_sin,
-        rope_cos, quantized)
-    _check_uq_qr_scales(weight_uq_qr, dequant_scale_w_uq_qr, smooth_scales_cq, q_latent, quantized)
-    _check_caches(token_x, kv_cache, kr_cache, cache_mode, latent, rope_dim)
+        rope_cos, quant_mode)
+    dtype = weight_uk.dtype  # the float dtype: token_x's but with weight_quant_mode 2
+    _check_quant_scales(
+        {"dequant_scale_x": dequant_scale_x, "dequant_scale_w_dq": dequant_scale_w_dq,
+         "dequant_scale_w_uq_qr": dequant_scale_w_uq_qr, "dequant_scale_w_dkv_kr": dequant_scale_w_dkv_kr,
+         "smooth_scales_cq": smooth_scales_cq}, quant_mode, tokens=token_x.shape[:-1].numel(), q_latent=q_latent,
+        uq_qr_columns=weight_uq_qr.shape[-1], dkv_kr_columns=weight_dkv_kr.shape[-1], device=token_x.device)
+    _check_caches(token_x, kv_cache, kr_cache, cache_mode, latent, rope_dim, dtype)
     slots = _check_cache_index(cache_index, token_x, kv_cache, cache_mode)
     epsilon_cq, epsilon_ckv, qc_qr, kc, query_norm = _check_scalars(
         rmsnorm_epsilon_cq, rmsnorm_epsilon_ckv, qc_qr_scale, kc_scale, query_norm_flag)
     problem = MlaPrologProblem(tuple(token_x.shape[:-1]), hidden, q_latent, heads, nope_dim, rope_dim, latent,
-                               cache_mode, epsilon_cq, epsilon_ckv, qc_qr, kc, query_norm, quantized)
+                               cache_mode, epsilon_cq, epsilon_ckv, qc_qr, kc, query_norm, quant_mode)
     select_backend(backend, token_x.device, op="mla_prolog",
                    unsupported=lambda: "MlaProlog is computed by the reference backend only")
     rows = reference.mla_prolog(
         problem, token_x.reshape(-1, hidden), weight_dq, weight_uq_qr, weight_uk, weight_dkv_kr, rmsnorm_gamma_cq,
-        rmsnorm_gamma_ckv, rope_sin.reshape(-1, rope_dim), rope_cos.reshape(-1, rope_dim), dequant_scale_w_uq_qr,
-        smooth_scales_cq)
+        rmsnorm_gamma_ckv, rope_sin.reshape(-1, rope_dim), rope_cos.reshape(-1, rope_dim),
+        reference.QuantScales(dequant_scale_x, dequant_scale_w_dq, dequant_scale_w_uq_qr, dequant_scale_w_dkv_kr,
+                              smooth_scales_cq))
     write_caches(kv_cache, kr_cache, rows.latent, rows.key_rope, slots, cache_mode)
     lead = problem.token_shape
     empty = token_x.new_empty((0,), dtype=torch.float32)
-    query_norm_out = rows.query_norm.reshape(*lead, q_latent) if query_norm else token_x.new_empty((0,))
-    scale_q_norm = rows.query_norm_scale if query_norm and quantized else empty.clone()
+    query_norm_out = rows.query_norm.reshape(*lead, q_latent) if query_norm else token_x.new_empty((0,), dtype=dtype)
+    scale_q_norm = rows.query_norm_scale if query_norm and problem.quantized_uq_qr else empty.clone()
     return MlaPrologResult(rows.query.reshape(*lead, heads, latent), rows.query_rope.reshape(*lead, heads, rope_dim),
                            empty, query_norm_out, scale_q_norm)
 

@@ -53,10 +53,13 @@ def _nz_flat_index(block: int, slot: int, channel: int, *, block_size: int, widt
 def mla_prolog_oracle(token_x, weight_dq, weight_uq_qr, weight_uk, weight_dkv_kr, gamma_cq, gamma_ckv, rope_sin,
                       rope_cos, kv_cache, kr_cache, cache_index=None, *, cache_mode: str = "PA_BSND",
                       eps_cq: float = 1e-5, eps_ckv: float = 1e-5, qc_qr_scale: float = 1.0,
-                      kc_scale: float = 1.0, dequant_scale_w_uq_qr=None, smooth_scales_cq=None) -> MlaPrologOracle:
+                      kc_scale: float = 1.0, dequant_scale_w_uq_qr=None, smooth_scales_cq=None, dequant_scale_x=None,
+                      dequant_scale_w_dq=None, dequant_scale_w_dkv_kr=None) -> MlaPrologOracle:
     """With `dequant_scale_w_uq_qr` (weight_quant_mode 1: int8 weight_uq_qr) c^Q is quantised per token as the
     MlaPrologV3 design note's dynamic quantisation says, scale = max |c^Q * smooth| / 127, int8 = round(c^Q * smooth
-    / scale) (ties to even), and the int8 product is dequantised by scale * dequant_scale_w_uq_qr[column]."""
+    / scale) (ties to even), and the int8 product is dequantised by scale * dequant_scale_w_uq_qr[column]. With
+    `dequant_scale_x` (weight_quant_mode 2: int8 token_x, weight_dq, weight_dkv_kr too) the two down projections are
+    x8 W8 * dequant_scale_x[token] * dequant_scale_w_*[column]."""
     heads, nope_dim, latent = weight_uk.shape
     rope_dim = rope_sin.shape[-1]
     lead = tuple(token_x.shape[:-1])
@@ -70,8 +73,13 @@ def mla_prolog_oracle(token_x, weight_dq, weight_uq_qr, weight_uk, weight_dkv_kr
     latents = torch.zeros(tokens, latent, dtype=F64)
     key_ropes = torch.zeros(tokens, rope_dim, dtype=F64)
     query_norm_scale = torch.zeros(tokens, 1, dtype=F64) if dequant_scale_w_uq_qr is not None else None
+    def down(t, w, w_scale):
+        if dequant_scale_x is None:
+            return x[t] @ w
+        return (x[t] @ w) * dequant_scale_x.to(F64).reshape(-1)[t] * w_scale.to(F64).reshape(-1)
+
     for t in range(tokens):
-        c_q = qc_qr_scale * _rmsnorm(x[t] @ w_dq, gamma_cq, eps_cq)
+        c_q = qc_qr_scale * _rmsnorm(down(t, w_dq, dequant_scale_w_dq), gamma_cq, eps_cq)
         if dequant_scale_w_uq_qr is None:
             query_norm[t] = c_q
             q_all = c_q @ w_uq_qr
@@ -85,7 +93,7 @@ def mla_prolog_oracle(token_x, weight_dq, weight_uq_qr, weight_uk, weight_dkv_kr
             head = q_all[n * (nope_dim + rope_dim) : (n + 1) * (nope_dim + rope_dim)]
             query[t, n] = head[:nope_dim] @ w_uk[n]
             query_rope[t, n] = _rope(head[nope_dim:], cos[t], sin[t])
-        kv = x[t] @ w_dkv_kr
+        kv = down(t, w_dkv_kr, dequant_scale_w_dkv_kr)
         latents[t] = kc_scale * _rmsnorm(kv[:latent], gamma_ckv, eps_ckv)
         key_ropes[t] = _rope(kv[latent:], cos[t], sin[t])
 

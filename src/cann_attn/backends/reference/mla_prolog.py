@@ -31,28 +31,47 @@ class MlaPrologRows(NamedTuple):
     query_norm_scale: torch.Tensor | None  # float32 [T, 1] when c^Q is quantised (query_norm is then int8)
 
 
+class QuantScales(NamedTuple):
+    """The float32 scales of weight_quant_mode 1 / 2 (None where the mode takes none)."""
+
+    x: torch.Tensor | None = None  # [T, 1] or [T]: per token of an int8 token_x
+    w_dq: torch.Tensor | None = None  # [1, Hcq]
+    w_uq_qr: torch.Tensor | None = None  # [1, N (D + Dr)]
+    w_dkv_kr: torch.Tensor | None = None  # [1, Hckv + Dr]
+    smooth_cq: torch.Tensor | None = None  # [1, Hcq] or [1]
+
+
+def dequantized_product(a: torch.Tensor, a_scale: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor,
+                        compute: torch.dtype) -> torch.Tensor:
+    """(a8 @ w8) * a_scale[row] * w_scale[column] of int8 rows a [T, K] and an int8 weight [K, C]: the sums exact
+    in float64 (an fp32 sum of thousands of int8 products can pass 2^24), then scaled in `compute`."""
+    exact = (a.double() @ w.double()).to(compute)
+    return exact * a_scale.reshape(-1, 1).to(compute) * w_scale.reshape(1, -1).to(compute)
+
+
 def mla_prolog(problem: MlaPrologProblem, x: torch.Tensor, weight_dq: torch.Tensor, weight_uq_qr: torch.Tensor,
                weight_uk: torch.Tensor, weight_dkv_kr: torch.Tensor, gamma_cq: torch.Tensor, gamma_ckv: torch.Tensor,
-               sin: torch.Tensor, cos: torch.Tensor, dequant_scale_w_uq_qr: torch.Tensor | None = None,
-               smooth_scales_cq: torch.Tensor | None = None) -> MlaPrologRows:
-    """The rows of x [T, He] (sin / cos [T, Dr])."""
-    dtype = x.dtype
+               sin: torch.Tensor, cos: torch.Tensor, scales: QuantScales) -> MlaPrologRows:
+    """The rows of x [T, He] (sin / cos [T, Dr]), in the float dtype of weight_uk."""
+    dtype = weight_uk.dtype
     compute = torch.float64 if dtype == torch.float64 else torch.float32
 
     def kept(t: torch.Tensor) -> torch.Tensor:
-        """t as the operator keeps it between its stages: rounded to the input dtype, widened again."""
+        """t as the operator keeps it between its stages: rounded to the float dtype, widened again."""
         return t.to(dtype).to(compute)
 
+    def down(weight: torch.Tensor, weight_scale: torch.Tensor | None) -> torch.Tensor:
+        if p.quantized_x:
+            return dequantized_product(x, scales.x, weight, weight_scale, compute)
+        return x.to(compute) @ weight.to(compute)
+
     p = problem
-    xc = x.to(compute)
     sin_c, cos_c = sin.to(compute), cos.to(compute)
-    c_q = kept(p.qc_qr_scale * rms_norm(kept(xc @ weight_dq.to(compute)), gamma_cq, p.epsilon_cq))
+    c_q = kept(p.qc_qr_scale * rms_norm(kept(down(weight_dq, scales.w_dq)), gamma_cq, p.epsilon_cq))
     q_norm, q_norm_scale = c_q.to(dtype), None
     if p.quantized_uq_qr:
-        q_norm, q_norm_scale = quantize_per_token(c_q, smooth_scales_cq)
-        # int8 x int8 sums are exact in float64 (an fp32 sum of 1536 products can exceed 2^24), then dequantised
-        exact = (q_norm.double() @ weight_uq_qr.double()).to(compute)
-        up = exact * q_norm_scale * dequant_scale_w_uq_qr.to(compute)
+        q_norm, q_norm_scale = quantize_per_token(c_q, scales.smooth_cq)
+        up = dequantized_product(q_norm, q_norm_scale, weight_uq_qr, scales.w_uq_qr, compute)
         q_norm_scale = q_norm_scale.to(torch.float32)
     else:
         up = c_q @ weight_uq_qr.to(compute)
@@ -60,7 +79,7 @@ def mla_prolog(problem: MlaPrologProblem, x: torch.Tensor, weight_dq: torch.Tens
     q_nope, q_rope = per_head[..., : p.nope_dim], per_head[..., p.nope_dim :]
     query = torch.einsum("tnd,ndc->tnc", q_nope, weight_uk.to(compute)).contiguous()  # [T, N, Hckv] rows
     query_rope = interleaved_rope(q_rope, cos_c.unsqueeze(1), sin_c.unsqueeze(1))
-    kv = kept(xc @ weight_dkv_kr.to(compute))
+    kv = kept(down(weight_dkv_kr, scales.w_dkv_kr))
     latent = p.kc_scale * rms_norm(kv[:, : p.latent], gamma_ckv, p.epsilon_ckv)
     key_rope = interleaved_rope(kv[:, p.latent :], cos_c, sin_c)
     return MlaPrologRows(query.to(dtype), query_rope.to(dtype), q_norm, latent.to(dtype), key_rope.to(dtype),
