@@ -17,6 +17,7 @@ from cann_attn.cli import main as cli_main
 from cann_attn.cli import tensorio
 from cli_utils import SMALL_FP16_FA as FA
 from cli_utils import refused, run_main
+from patience import HANG_SECONDS
 
 # sparse_indices is an int32 input: index 37 of 64 keys, given as values or loaded from a file.
 SFA = {
@@ -71,6 +72,17 @@ def test_compare_refuses_a_tensor_name_that_is_not_a_file_name(golden, tmp_path,
     refused(capsys, "compare", actual, copy, match="is not a file name")
 
 
+def test_inputs_directory_refuses_a_symlink_leading_out(golden, tmp_path, capsys):
+    """The NAME.npy files of an --inputs directory without manifest stay in that directory."""
+    inputs = tmp_path / "inputs"
+    inputs.mkdir()
+    (inputs / "query.npy").symlink_to(golden / "query.npy")
+    params_only = _case(tmp_path, {k: v for k, v in FA.items() if k != "inputs"})
+    refused(capsys, "golden", "--case", params_only, "--out", tmp_path / "o", "--inputs", inputs,
+            match="leads outside")
+    assert not (tmp_path / "o").exists()
+
+
 def test_compare_without_manifest_refuses_a_symlink_leading_out(golden, tmp_path, capsys):
     actual = tmp_path / "actual"
     actual.mkdir()
@@ -84,10 +96,10 @@ def test_compare_without_manifest_refuses_a_symlink_leading_out(golden, tmp_path
 # ------------------------------------------------------------------------------------------------------
 def _subprocess_cli(*args) -> subprocess.CompletedProcess:
     """A call that must return at once: in a subprocess, so that a regression (reading /dev/zero forever) fails the
-    test instead of hanging the run. The limit is far above the few seconds of interpreter start-up."""
+    test instead of hanging the run (the limit only catches a hang, tests/patience.py)."""
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     return subprocess.run([sys.executable, "-m", "cann_attn.cli", *map(str, args)], capture_output=True, text=True,
-                          timeout=600, env=env)
+                          timeout=HANG_SECONDS, env=env)
 
 
 @pytest.mark.skipif(not Path("/dev/zero").exists() or not hasattr(os, "mkfifo"), reason="no /dev/zero or FIFOs")

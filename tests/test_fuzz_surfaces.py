@@ -205,7 +205,7 @@ def cli_files(gen: torch.Generator) -> str:
             return "refused"
         manifest = json.loads((tmp / "g" / "manifest.json").read_text())
         output = next(e for e in manifest["tensors"] if e["name"] == "attention_out")
-        output["name"] = ("attention_out", "../g/attention_out", "/etc/passwd", "a/b")[r(4)]
+        output["name"] = ("attention_out", "attention_out", "../g/attention_out", "/etc/passwd", "a/b")[r(5)]
         (tmp / "g" / "manifest.json").write_text(json.dumps(manifest))
         (tmp / "actual").mkdir()
         rc = cli_main.main(["compare", str(tmp / "actual"), str(tmp / "g")])
