@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import pytest
 import torch
+from hypothesis import assume, given, settings
+from hypothesis import strategies as st
 
 import cann_attn
 import cann_attn.torch_npu as torch_npu
@@ -170,6 +172,25 @@ def test_matches_the_oracle_and_writes_only_the_indexed_rows(cache_mode, lead, d
     assert out.dequant_scale_q_nope.dtype == torch.float32
     check_against_oracle(case, out, expected, kv_before, kr_before)
     assert int(expected.kv_written.sum()) == out.query.shape[:-2].numel() * 32  # every token's row, nothing else
+
+
+@settings(max_examples=12)
+@given(tokens=st.integers(1, 6), heads=st.sampled_from([1, 2, 3]), nope=st.sampled_from([8, 16]),
+       rope=st.sampled_from([16, 32]), latent=st.sampled_from([16, 48]), q_latent=st.integers(4, 24),
+       hidden=st.integers(8, 40), blocks=st.integers(1, 3), block_size=st.sampled_from([16, 32]),
+       cache_mode=st.sampled_from(["PA_BSND", "PA_NZ", "TND"]), batched=st.booleans(), seed=st.integers(0, 99))
+def test_hypothesis_sizes_against_the_oracle(tokens, heads, nope, rope, latent, q_latent, hidden, blocks, block_size,
+                                             cache_mode, batched, seed):
+    """Any sizes (the page fixes DeepSeek's; the formulas do not depend on them), float64 to 1e-12."""
+    slots = blocks * block_size
+    assume(tokens <= slots)
+    lead = (1, tokens) if batched and cache_mode != "TND" else (tokens,)
+    case = PrologCase(torch.Generator().manual_seed(seed), dtype=F64, lead=lead, cache_mode=cache_mode,
+                      hidden=hidden, q_latent=q_latent, heads=heads, nope=nope, rope=rope, latent=latent,
+                      blocks=blocks, block_size=block_size)
+    kv_before, kr_before = case.kv_cache.clone(), case.kr_cache.clone()
+    out = case.run(query_norm_flag=True)
+    check_against_oracle(case, out, case.oracle(kv_before, kr_before), kv_before, kr_before)
 
 
 @pytest.mark.parametrize("cache_mode", ["PA_NZ", "PA_BSND"])
