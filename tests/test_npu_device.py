@@ -11,6 +11,7 @@ from npu_device_cases import ROOT, assert_same_as_plain_call, run_npu_script, ru
 UNTOUCHED = """
 import sys
 import torch
+import torch._dynamo  # install() imports it first thing (it wraps torch.manual_seed when imported)
 import cann_attn, cann_attn.torch_npu, cann_attn.library
 
 def check_untouched(when):

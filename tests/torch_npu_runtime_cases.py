@@ -18,6 +18,7 @@ PROGRAMS = ROOT / "tests" / "programs"
 SCRIPTING_AND_METADATA = f"""
 import importlib.metadata, importlib.util, sys
 import torch
+import torch._dynamo  # install() imports it (it wraps torch.manual_seed on import): the references below are final
 import cann_attn.torch_npu as shim
 from cann_attn import ParamInvalidError
 
@@ -195,6 +196,16 @@ d = torch.randn(100, device="npu")
 torch.manual_seed(0)
 torch.randn(5, generator=torch.Generator(device="npu").manual_seed(3), device="npu")
 assert torch.equal(torch.randn(100, device="npu"), d)
+
+# torch.compile traces x.device and the mapped factories (torch._dynamo, first imported here by install(), records
+# torch's own torch.device).
+def compiled_body(q):
+    mask = torch.zeros(q.shape[1], q.shape[1], dtype=torch.bool, device=q.device)
+    return torch_npu.npu_fusion_attention(q, q, q, 2, "BSND", atten_mask=mask, scale=0.25)[0] + torch.ones(
+        1, device="npu")
+
+q = torch.randn(1, 8, 2, 16, device="npu")
+torch.testing.assert_close(torch.compile(compiled_body, fullgraph=True)(q), compiled_body(q))
 
 # Streams and events.
 stream = torch.npu.Stream()

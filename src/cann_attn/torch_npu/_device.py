@@ -32,7 +32,8 @@ _TENSOR_METHODS = ("to", "new_empty", "new_empty_strided", "new_full", "new_ones
 _STATE: dict[str, Any] = {"target": None, "saved": [], "modules": [], "cuda_is_npu": False}
 _TORCH_DEVICE = torch.device  # torch's own class, also while install() has replaced torch.device
 _TORCH_GENERATOR = torch.Generator
-_CUDA_IS_AVAILABLE = torch.cuda.is_available  # torch's own, also while transfer_to_npu maps torch.cuda
+# torch's own, also while transfer_to_npu maps torch.cuda's names
+_CUDA_IS_AVAILABLE, _CUDA_DEVICE_COUNT = torch.cuda.is_available, torch.cuda.device_count
 # A device string naming the npu (or, after transfer_to_npu, cuda): torch's own grammar, "type" or "type:index".
 _DEVICE_STRING = re.compile(r"(npu|cuda)(?::(0|[1-9][0-9]*))?")
 
@@ -93,9 +94,25 @@ def to_target(device: Any) -> Any:
     mapped = _STATE["target"]
     if not is_npu or mapped is None:
         return device
-    if mapped.type == "cpu":
-        return _TORCH_DEVICE("cpu")
-    return _TORCH_DEVICE("cuda", mapped.index if index is None else index)
+    key = (mapped.type, None if mapped.type == "cpu" else mapped.index if index is None else index)
+    if key not in _TARGET_DEVICES:
+        _TARGET_DEVICES[key] = _TORCH_DEVICE(*key) if key[1] is not None else _TORCH_DEVICE(key[0])
+    return _TARGET_DEVICES[key]
+
+
+# The target's devices, made when the mapping is installed: torch.compile reads an existing device as a constant,
+# where it cannot trace torch.device's constructor called from a mapping function.
+_TARGET_DEVICES: dict[tuple[str, int | None], torch.device] = {}
+
+
+def _make_target_devices(device: torch.device) -> None:
+    _TARGET_DEVICES.clear()
+    if device.type == "cpu":
+        _TARGET_DEVICES[("cpu", None)] = _TORCH_DEVICE("cpu")
+        return
+    _TARGET_DEVICES[("cuda", device.index)] = device
+    for index in range(_CUDA_DEVICE_COUNT()):
+        _TARGET_DEVICES[("cuda", index)] = _TORCH_DEVICE("cuda", index)
 
 
 def _map_argument(value: Any, integers: bool = False) -> Any:
@@ -276,6 +293,7 @@ def map_npu_device(device: torch.device, npu_module: Any) -> None:
     """Map ``npu`` onto ``device`` (see the module docstring); ``npu_module`` becomes ``torch.npu``."""
     already_mapped = _STATE["target"] is not None
     _STATE["target"] = device
+    _make_target_devices(device)
     if already_mapped:  # install() again: a new target, the replaced attributes stay
         return
     # torch has no npu device type, and renaming its PrivateUse1 device to "npu" (as torch_npu does) would make it

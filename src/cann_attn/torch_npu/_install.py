@@ -67,6 +67,10 @@ def install(device: str | torch.device | None = None, *, release: str | None = N
     previous_target = _device.target()
     # Called again without a device (an example's own install() line after a test's install("cpu")): keep it.
     target = previous_target if device is None and previous_target is not None else _device.resolve_target(device)
+    if previous_target is None:
+        # torch._dynamo records torch.device and its factories by identity when it is imported: imported after
+        # torch.device was replaced, it cannot trace x.device (torch.compile breaks the graph there).
+        import torch._dynamo
     previous_release, previous_name = _registry.active_release(), package.npu._RUNTIME["device_name"]
     if device_name is not None:
         package.npu.set_device_name(device_name)  # validates before anything else is applied
