@@ -12,14 +12,15 @@ The clock is this process's CPU time with one thread (on a shared machine wall-c
 neighbours' load); the two paths (NATIVE_UNION_RATIO 0, the native loops forced, and inf, the path chosen before) and
 the GEMM are alternated in one process and the best of `--repeats` is kept.
 
-    python benchmarks/bench_sparse_dispersed.py [--repeats N] [--out DIR] [--quick]
+    python benchmarks/bench_sparse_dispersed.py [--repeats N] [--out DIR] [--quick] [--strict]
+
+--strict: exit 1 where the native forward runs below TARGET (0.45) of the GEMM rate.
 
 Writes DIR/sparse_dispersed_blocks_cpu.json and .png (default DIR: benchmarks/results).
 """
 
 from __future__ import annotations
 
-import argparse
 import sys
 import time
 from pathlib import Path
@@ -34,7 +35,11 @@ import common
 
 from cann_attn.backends.reference import sparse_attention
 
+# --device choices (cann-attn bench reads this line).
+DEVICES = ("cpu",)
 BLOCK = 64
+# --strict: the native forward's GFLOP/s at least this fraction of the GEMM's.
+TARGET = 0.45
 PATHS = {"native": 0.0, "before": float("inf")}
 CHOSEN_RATIO = sparse_attention.NATIVE_UNION_RATIO
 POOLS = (8, 10, 12, 16, 24, 32, 64)
@@ -143,18 +148,14 @@ def plot(path: Path, fig_data: dict[str, Any], sweep: list[dict[str, Any]]) -> P
     right.set_ylabel("time before / time of the native loops")
     right.set_title("native per-row loops vs the path chosen before (1 thread)", fontsize=9)
     right.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return common.save_figure(fig, path)
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = common.cli_parser(__doc__, "one repeat, 64-row threshold sweep", devices=DEVICES)
     parser.add_argument("--repeats", type=int, default=5, help="timed calls of each path (best kept)")
-    parser.add_argument("--out", type=Path, default=common.RESULTS, help="results folder")
-    parser.add_argument("--quick", action="store_true", help="one repeat, 64-row threshold sweep")
     args = parser.parse_args(argv)
+    args.out = Path(args.out)
     torch.set_num_threads(1)
     repeats = 1 if args.quick else args.repeats
     fig_data = figure(repeats)
@@ -171,7 +172,8 @@ def main(argv: list[str] | None = None) -> int:
     json_path = common.write_json(args.out / "sparse_dispersed_blocks_cpu.json", payload)
     png_path = plot(args.out / "sparse_dispersed_blocks_cpu.png", fig_data, sweep)
     print(f"wrote {json_path}" + (f" and {png_path}" if png_path else ""))
-    return 0
+    native_forward = next(r for r in fig_data["rows"] if r["path"] == "native" and r["which"] == "forward")
+    return 1 if args.strict and native_forward["ratio_to_gemm"] < TARGET else 0
 
 
 if __name__ == "__main__":

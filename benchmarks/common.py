@@ -472,8 +472,17 @@ def bar_plot(
         ax2.set_xticks(x, labels, rotation=30, ha="right", fontsize=8)
         ax2.set_ylabel(ratio_label)
         ax2.grid(axis="y", alpha=0.3)
+    return save_figure(fig, path)
+
+
+def save_figure(fig, path: str | Path, dpi: int = 120) -> Path:
+    """A finished matplotlib figure written to `path` (its folder created) and closed."""
+    import matplotlib.pyplot as plt
+
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    fig.savefig(path, dpi=dpi)
     plt.close(fig)
     return path
 

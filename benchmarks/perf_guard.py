@@ -3,14 +3,16 @@ committed baseline benchmarks/baseline.json; exit 1 when a ratio drops by more t
 
 Each case times our operator and its yardstick alternately (ours, yardstick, ours, ...; `--repeats` each after one
 warm-up pair) and keeps the best time of each: ratio = best yardstick time / best our time (times our FLOPs over
-the yardstick's for the SFA rows: our GFLOP/s over the GEMM's). The cases are built by the benchmark scripts
-themselves (bench_fa_forward, bench_fa_backward, bench_pfa, bench_sparse_attention), so the guard measures what
-they measure:
+the yardstick's for the SFA rows: our GFLOP/s over the GEMM's; for decode, our K/V bytes per second over the
+streaming read's). The cases are built by the benchmark scripts themselves (bench_fa_forward, bench_fa_backward,
+bench_pfa, bench_sparse_attention, bench_decode), so the guard measures what they measure:
   fa_forward.dense / causal / band      FA forward vs SDPA (B1 N8 S2048 D128 fp32; band: mode 4, pre=next=256)
   fa_fwd_bwd.dense / causal             forward + backward vs SDPA + autograd (same shape, fp32)
   pfa.causal_fp16                       PFA fp16 causal GQA 8/2 vs SDPA (enable_gqa)
   sfa.forward_bs1 / bs64                SFA forward GFLOP/s over a 2048^3 fp32 GEMM's (mode 3, top-512 of 4096)
   sfa.forward_bs64_dispersed            the same, block 64 in mode 0, each row 8 random blocks of the 64
+  decode.fia_paged_bf16                 FIA bf16 paged decode (B8 N32/8 Skv 8192 D128, blocks of 128): K/V bytes per
+                                        second over a streaming read's (bench_decode)
 The clock (`--clock`, default `cpu`) is this process's CPU time with one thread (torch.set_num_threads(1)): on the
 shared 2-core machine wall times of the same build move by 2x with the neighbours' load, single-thread CPU times by
 ~10-20%. `--clock wall` times wall-clock with torch's threads (what the benchmarks report; catches threading
@@ -61,6 +63,7 @@ TINY = {
     "bench_fa_backward": {"N": 2, "S": 256, "BAND": 32},
     "bench_pfa": {"N": 4, "NKV": 2, "S": 256},
     "bench_sparse_attention": {"S1": 64, "S2": 256, "N1": 2, "K": 64},
+    "bench_decode": {"B": 2, "S": 512, "LONG_S": 2048, "STREAM_MIB": 16},
 }
 TINY_GEMM = 256
 
@@ -109,6 +112,11 @@ def build_cases(config: str = "full", only: tuple[str, ...] = ()) -> list[Case]:
                 inp = sfa.make_inputs(torch.float32, bs, mode=0 if dispersed else None, dispersed=dispersed)
                 flops = sfa.forward_flops(sfa.S1, inp["avg_topk"])
                 cases.append(Case(name, sfa.forward_call(inp, bs), gemm, flops / gemm_flops))
+    if wanted("decode.fia_paged_bf16"):
+        decode = _module("bench_decode", config)
+        paged = decode.paged_case()
+        stream, stream_bytes = decode.stream_call()
+        cases.append(Case("decode.fia_paged_bf16", paged["call"], stream, paged["bytes"] / stream_bytes))
     return cases
 
 

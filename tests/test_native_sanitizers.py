@@ -23,7 +23,8 @@ from cann_attn.backends.reference import native
 from patience import HANG_SECONDS
 
 TESTS = Path(__file__).resolve().parent
-UNDER_SANITIZERS = ["test_thread_safety.py", "test_native_kernels.py", "test_masked_logits.py", "test_nan_rows.py"]
+UNDER_SANITIZERS = ["test_thread_safety.py", "test_native_kernels.py", "test_masked_logits.py", "test_nan_rows.py",
+                    "test_decode_native.py"]
 SANITIZE = "-fsanitize=address,undefined -fno-omit-frame-pointer -fno-sanitize-recover=undefined"
 RUNTIMES = ("libasan.so", "libubsan.so")
 

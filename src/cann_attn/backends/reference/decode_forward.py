@@ -3,8 +3,10 @@
 
 The general tiled forward converts a run's keys and values to fp32 before its GEMMs, which for one query row per
 sequence costs more than the attention itself (a [B, N2, S, D] copy per call). Here the native loops read the
-caches in place in their own dtype (fp32, fp16, bf16), widen one key/value row at a time and keep an online softmax
-per grouped query row: memory stays O(rows x D) per thread whatever S is. Semantics stay with the problem: each
+caches in place in their own dtype (fp32, fp16, bf16), widen a tile of key/value rows at a time for all the query
+heads of its GQA group and keep an online softmax per grouped query row, long sequences split into chunks across
+the threads (docs/guides/backends.md, "Decode": the order of the sums): memory stays O(rows x D) per thread
+whatever S is. Semantics stay with the problem: each
 sequence attends to its first Skv keys (the runs' lengths), sequences without keys keep the caller's zero output and
 invalid-row statistics.
 """

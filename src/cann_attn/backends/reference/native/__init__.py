@@ -38,6 +38,8 @@ from pathlib import Path
 
 import torch
 
+from ..softmax_exp import EXP2_FLOOR, LOG2E
+
 SOURCE = Path(__file__).with_name("attention_loops.c")
 # SOURCE is the one translation unit; it includes the other files of the directory, so all of them key the cache.
 SOURCE_PATTERNS = ("*.c", "*.h")
@@ -80,7 +82,7 @@ _SIGNATURES = {
     "cann_attn_has_avx512": [],
     "cann_attn_set_avx512": [ctypes.c_int],
     "fia_decode_rows": [_P, _I, _I, _I, _I, _I, _P, _P, _I, _I, _I, _I, _I, _I, _I, _P, _P, _P, _P, _P, _I, _I, _P,
-                        _P, _I, _I, _I, _I],
+                        _P, _I, _I, _I, _I, _F, _F],
 }
 _INT_RESULTS = ("cann_attn_cpu_supported", "cann_attn_has_sgemm", "cann_attn_has_sgemm_pack", "cann_attn_has_bf16_dot",
                 "cann_attn_has_f16c", "cann_attn_has_avx512", "cann_attn_set_avx512")
@@ -757,8 +759,9 @@ def decode_rows(q: torch.Tensor, key: torch.Tensor, value: torch.Tensor, lengths
                 ) -> None:
     """Unnormalised out [B*N2, G, Dv], row_max and row_sum [B*N2, G] of the scaled, grouped query rows q
     [B*N2, G, D] (fp32, contiguous) over the first lengths[b] rows of key / value [B, N2, S, D] (read in place;
-    see attention_loops.c). Pairs whose length is 0 are left untouched. With `block_table` (int32 [B, W]) key and
-    value are paged caches seen as [block_num, N2, block_size, D]: row p of sequence b is block
+    decode.c; the order of its sums is docs/guides/backends.md's "Decode", its exponentials softmax_exp's rule).
+    Pairs whose length is 0 are left untouched. With `block_table` (int32 [B, W]) key and value are paged caches
+    seen as [block_num, N2, block_size, D]: row p of sequence b is block
     block_table[b, p // block_size], slot p % block_size (docs/semantics/paged-kv.md), read in place too. With
     `kv_scales` = (key scale [N2, D], value scale [N2, Dv], dtype), int8 key / value are anti-quantised as they are
     read: x * scale in fp32, rounded once to dtype (problem/antiquant.py); `packed_int4`: key / value are the bytes
@@ -779,7 +782,7 @@ def decode_rows(q: torch.Tensor, key: torch.Tensor, value: torch.Tensor, lengths
                         row_max.data_ptr(), row_sum.data_ptr(), None if table is None else table.data_ptr(),
                         0 if table is None else table.stride(0), 0 if table is None else kg[5],
                         None if kv_scales is None else scales[0].data_ptr(),
-                        None if kv_scales is None else scales[1].data_ptr(), *kg[3:5], *vg[3:5])
+                        None if kv_scales is None else scales[1].data_ptr(), *kg[3:5], *vg[3:5], LOG2E, EXP2_FLOOR)
 
 
 def _cache_geometry(cache: torch.Tensor) -> tuple[int, int, int, int, int, int]:

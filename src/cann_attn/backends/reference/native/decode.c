@@ -1,18 +1,43 @@
-/* Decode rows (FusedInferAttentionScore / IncreFlashAttention / ATB with one query token per sequence): K/V
- * caches read in place in their own dtype (fp32, fp16, bf16, int8 / int4 anti-quantised), contiguous, paged or NZ.
- *
- * Part of the attention_loops.c translation unit (included there, after vector_ops.h; not compiled alone).
- */
-
-/* ---------------------------------------------------------------------------------------------------------------
- * Decode rows (FusedInferAttentionScore / IncreFlashAttention with one query token, no mask and no pse): each
- * (batch, kv head) pair's G grouped query rows q [G, D] (fp32, already scaled) attend to that pair's first len[b]
- * key/value rows, read in place in their own dtype (0 fp32, 1 fp16, 2 bf16) and widened to fp32 one row at a time:
- * the caches are read once and never converted as a whole. Online softmax over blocks of DECODE_BLOCK keys; out
+/* Decode rows (FusedInferAttentionScore / IncreFlashAttention / ATB with one query token per sequence, no mask and
+ * no pse): each (batch, kv head) pair's G grouped query rows q [G, D] (fp32, already scaled) attend to that pair's
+ * first len[b] key/value rows, read in place in their own dtype (fp32, fp16, bf16; int8 / int4 anti-quantised) from
+ * contiguous, paged (a block table) or NZ caches, and widened to fp32 a tile of DECODE_BLOCK rows at a time: the
+ * caches are read once, each K / V row once for all G query rows (they are the rows of the tile's products). out
  * [pairs, G, Dv] is left unnormalised with row_max / row_sum [pairs, G] (max in natural-log units); pairs with
- * len 0 are not touched. Pairs are independent: the result does not depend on the number of threads.
+ * len 0 are not touched.
+ *
+ * Order of the sums (docs/guides/backends.md, "Decode"), fixed whatever the thread count, the cache layout (paged or
+ * not) and the vector width:
+ *   - a score is row_dots's: 8-column partial sums (column d in lane d % 8, FMAs in increasing d), then hsum;
+ *   - a sequence is cut into chunks of DECODE_SPLIT keys (the work items), a chunk into tiles of DECODE_BLOCK keys;
+ *     per tile and query row: the running max m, p = 2^((s - shift) log2e) flushed at floor2 (row_exp),
+ *     l = fma(l, c, sum p) with c = 2^((m_old - shift) log2e), and acc = fma(acc, c, sum_j p_j v_j) per column
+ *     (row_combine: the tile's sum by FMAs in key order from +0);
+ *   - the chunks of a sequence are combined in order (decode_combine).
  * --------------------------------------------------------------------------------------------------------------- */
 #define DECODE_BLOCK 64
+/* Keys per work item: a longer sequence is split into chunks of DECODE_SPLIT keys whose partial sums are combined in
+ * chunk order (decode_combine), so that one long sequence keeps every thread busy. A fixed length, not one derived
+ * from the thread count or the batch: a sequence's result depends on its own length only. */
+#define DECODE_SPLIT 512
+/* Rows are fetched into L2 one tile ahead (prefetch_rows): measured best against none (1.3x slower), into L1, or
+ * two and four tiles ahead (BNSD, BSH and paged bf16 caches, one thread). */
+#define DECODE_AHEAD 1
+/* Bound on the partial sums of split chunks held at once (floats): pairs are taken in waves below it. */
+#define DECODE_PARTIAL_FLOATS ((int64_t)4 << 20)
+
+/* A decode call's inputs, shared by its work items (fia_decode_rows documents them). */
+struct decode_args {
+    const void *k, *v;
+    int64_t dtype, esize, heads_kv, group, dim, dim_v;
+    int64_t k_sb, k_sh, k_ss, v_sb, v_sh, v_ss;
+    const int32_t *table;
+    int64_t table_stride, page;
+    const float *k_scale, *v_scale;
+    int64_t k_c0, k_cs, v_c0, v_cs;
+    float log2e, floor2;
+    float *out, *row_max, *row_sum;
+};
 
 int cann_attn_has_f16c(void) {
     __builtin_cpu_init();
@@ -105,29 +130,6 @@ static inline void widen_chunks(const char *src, int64_t dtype, int64_t n, float
         widen_row(src + (c / c0) * chunk_stride * esize, dtype, c0, dst + c, scale ? scale + c : NULL);
 }
 
-static inline float dot_f32(const float *a, const float *b, int64_t n) {
-    __m256 acc = _mm256_setzero_ps();
-    int64_t i = 0;
-    for (; i + 8 <= n; i += 8)
-        acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc);
-    __m128 lo = _mm_add_ps(_mm256_castps256_ps128(acc), _mm256_extractf128_ps(acc, 1));
-    lo = _mm_hadd_ps(lo, lo);
-    lo = _mm_hadd_ps(lo, lo);
-    float s = _mm_cvtss_f32(lo);
-    for (; i < n; i++)
-        s += a[i] * b[i];
-    return s;
-}
-
-static inline void axpy_f32(float *y, float a, const float *x, int64_t n) {
-    __m256 va = _mm256_set1_ps(a);
-    int64_t i = 0;
-    for (; i + 8 <= n; i += 8)
-        _mm256_storeu_ps(y + i, _mm256_fmadd_ps(va, _mm256_loadu_ps(x + i), _mm256_loadu_ps(y + i)));
-    for (; i < n; i++)
-        y[i] += a * x[i];
-}
-
 /* The addresses of rows [j0, j0 + w) of a sequence: base + p * ss, or, through a block table (paged caches,
  * docs/semantics/paged-kv.md), block table_row[p / page] at slot p % page (base then holds no sequence offset and
  * sb is the block stride). One division per tile, not per row: a division on every row's address path measured
@@ -150,71 +152,345 @@ static inline void tile_rows(const char **rows, const char *base, int64_t j0, in
     }
 }
 
+/* Fetches rows[0..w) (each `bytes` long, or n / c0 chunks of c0 elements chunk_stride apart: NZ) into L2 ahead of
+ * their tile: with a row stride of N2 * D elements (BSH caches) or across the blocks of a paged cache, the hardware
+ * prefetchers did not keep the loads fed (widening the rows took most of the loop's time). */
+static inline void prefetch_rows(const char **rows, int64_t w, int64_t n, int64_t esize, int64_t c0,
+                                 int64_t chunk_stride) {
+    const int64_t piece = c0 > 0 ? c0 : n, pieces = c0 > 0 ? n / c0 : 1;
+    for (int64_t j = 0; j < w; j++)
+        for (int64_t c = 0; c < pieces; c++) {
+            const char *start = rows[j] + c * chunk_stride * esize;
+            for (int64_t off = 0; off < piece * esize; off += 64)
+                _mm_prefetch(start + off, _MM_HINT_T1);
+        }
+}
+
+/* ---- Decode scores from key pairs (AVX-512): row_dots's floats for any G ----
+ * A tile's keys are widened in pairs: vector t of pair i holds key 2i's columns [8t, 8t + 8) in lanes 0-7 and key
+ * 2i + 1's in lanes 8-15 (zero past dim, and past the tile's last key). A query row's 8 columns broadcast to both
+ * halves then give each half the AVX2 loop's 8-lane sum of its key (the same FMAs in the same order, the same
+ * hsum), so the scores are row_dots's bits; blocks of 4 heads x 3 pairs (6 keys) keep 12 sums in registers whatever
+ * G is (row_dots16 needs blocks of 8 heads). */
+
+/* Floats of one key pair's vectors. */
+static int64_t pair_floats(int64_t dim) { return (dim + 7) / 8 * 16; }
+
+/* Rows ra and rb (NULL: zeros) of fp32 into pair vectors pk. */
+__attribute__((target("avx512f"))) static void pair_rows16(const float *ra, const float *rb, int64_t dim, float *pk) {
+    const int64_t full = dim / 8 * 8;
+    const __m256i tail = lane_mask(dim - full);
+    for (int64_t d = 0; d < dim; d += 8) {
+        const __m256 lo = d < full ? _mm256_loadu_ps(ra + d) : _mm256_maskload_ps(ra + d, tail);
+        const __m256 hi = !rb ? _mm256_setzero_ps() : d < full ? _mm256_loadu_ps(rb + d) : _mm256_maskload_ps(rb + d, tail);
+        _mm512_store_ps(pk + 2 * d, _mm512_castpd_ps(_mm512_insertf64x4(_mm512_castps_pd(_mm512_castps256_ps512(lo)),
+                                                                          _mm256_castps_pd(hi), 1)));
+    }
+}
+
+/* bf16 (dtype 2) or fp16 (1) rows ra and rb (NULL: zeros) widened straight into pair vectors pk (exact). */
+__attribute__((target("avx512f,f16c"))) static void pair_half_rows16(const uint16_t *ra, const uint16_t *rb,
+                                                                     int64_t dtype, int64_t dim, float *pk) {
+    const int64_t full = dim / 8 * 8;
+    for (int64_t d = 0; d < full; d += 8) {
+        const __m128i a = _mm_loadu_si128((const __m128i *)(ra + d));
+        const __m128i b = rb ? _mm_loadu_si128((const __m128i *)(rb + d)) : _mm_setzero_si128();
+        const __m256i h = _mm256_inserti128_si256(_mm256_castsi128_si256(a), b, 1);
+        const __m512 x = dtype == 1 ? _mm512_cvtph_ps(h) : _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+        _mm512_store_ps(pk + 2 * d, x);
+    }
+    if (full < dim) {
+        float *v = pk + 2 * full;
+        for (int64_t c = 0; c < 16; c++) {
+            const int64_t d = full + c % 8;
+            const uint16_t *r = c < 8 ? ra : rb;
+            float x = 0.0f;
+            if (r && d < dim) {
+                if (dtype == 1) {
+                    x = _cvtsh_ss(r[d]);
+                } else {
+                    const uint32_t bits = (uint32_t)r[d] << 16;
+                    memcpy(&x, &bits, sizeof x);
+                }
+            }
+            v[c] = x;
+        }
+    }
+}
+
+/* s[g * lds + j] = q[g] . key j for g < heads, j < w, from the tile's key pairs pk (pair_floats(dim) floats each). */
+__attribute__((target("avx512f"))) static void pair_dots16(const float *q, int64_t heads, int64_t dim, const float *pk,
+                                                            int64_t w, float *s, int64_t lds) {
+    const int64_t steps = (dim + 7) / 8, full = dim / 8, pairs = (w + 1) / 2, stride = pair_floats(dim);
+    const __m256i tail = lane_mask(dim - full * 8);
+    for (int64_t i0 = 0; i0 < pairs; i0 += 3) {
+        const int64_t np = pairs - i0 < 3 ? pairs - i0 : 3;
+        const float *p0 = pk + i0 * stride, *p1 = np > 1 ? p0 + stride : p0, *p2 = np > 2 ? p0 + 2 * stride : p0;
+        for (int64_t h0 = 0; h0 < heads; h0 += 4) {
+            const int64_t nh = heads - h0 < 4 ? heads - h0 : 4;
+            BLOCK_ROWS(a, q + h0 * dim, dim);
+            ZERO_BLOCK16;
+            for (int64_t t = 0; t < steps; t++) {
+                const __m512 x0 = _mm512_load_ps(p0 + 16 * t), x1 = _mm512_load_ps(p1 + 16 * t);
+                const __m512 x2 = _mm512_load_ps(p2 + 16 * t);
+                if (t < full) {
+                    FMA_ROW16(0, both_halves(_mm256_loadu_ps(a0 + 8 * t)));
+                    FMA_ROW16(1, both_halves(_mm256_loadu_ps(a1 + 8 * t)));
+                    FMA_ROW16(2, both_halves(_mm256_loadu_ps(a2 + 8 * t)));
+                    FMA_ROW16(3, both_halves(_mm256_loadu_ps(a3 + 8 * t)));
+                } else {
+                    FMA_ROW16(0, both_halves(_mm256_maskload_ps(a0 + 8 * t, tail)));
+                    FMA_ROW16(1, both_halves(_mm256_maskload_ps(a1 + 8 * t, tail)));
+                    FMA_ROW16(2, both_halves(_mm256_maskload_ps(a2 + 8 * t, tail)));
+                    FMA_ROW16(3, both_halves(_mm256_maskload_ps(a3 + 8 * t, tail)));
+                }
+            }
+            const __m512 sums[4][3] = {{c00, c01, c02}, {c10, c11, c12}, {c20, c21, c22}, {c30, c31, c32}};
+            for (int64_t i = 0; i < nh; i++)
+                for (int64_t v = 0; v < np; v++) {
+                    const int64_t j = 2 * (i0 + v);
+                    s[(h0 + i) * lds + j] = hsum(_mm512_castps512_ps256(sums[i][v]));
+                    if (j + 1 < w)
+                        s[(h0 + i) * lds + j + 1] = hsum(high_half(sums[i][v]));
+                }
+        }
+    }
+}
+
+/* The tile's w key rows (addresses `rows`) into pair vectors pk: bf16 / fp16 rows straight, others widened into
+ * `row` (a dim-float scratch) first. */
+static void decode_key_pairs(const struct decode_args *a, const char **rows, int64_t w, const float *ks, float *row,
+                             float *pk) {
+    const int64_t stride = pair_floats(a->dim);
+    const int direct = (a->dtype == 1 || a->dtype == 2) && a->k_c0 <= 0;
+    for (int64_t j = 0; j < w; j += 2) {
+        const char *rb = j + 1 < w ? rows[j + 1] : NULL;
+        if (direct) {
+            pair_half_rows16((const uint16_t *)rows[j], (const uint16_t *)rb, a->dtype, a->dim, pk + j / 2 * stride);
+            continue;
+        }
+        widen_chunks(rows[j], a->dtype, a->dim, row, ks, a->k_c0, a->k_cs, a->esize);
+        if (rb)
+            widen_chunks(rb, a->dtype, a->dim, row + a->dim, ks, a->k_c0, a->k_cs, a->esize);
+        pair_rows16(row, rb ? row + a->dim : NULL, a->dim, pk + j / 2 * stride);
+    }
+}
+
+/* bf16 / fp16 rows widened 16 lanes at a time (exact; the last 1..15 columns by widen_row). */
+__attribute__((target("avx512f,f16c"))) static void widen_half_row16(const uint16_t *src, int64_t dtype, int64_t n,
+                                                                     float *dst) {
+    int64_t i = 0;
+    for (; i + 16 <= n; i += 16) {
+        const __m256i h = _mm256_loadu_si256((const __m256i *)(src + i));
+        _mm512_storeu_ps(dst + i, dtype == 1 ? _mm512_cvtph_ps(h)
+                                             : _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16)));
+    }
+    if (i < n)
+        widen_row(src + i, dtype, n - i, dst + i, NULL);
+}
+
+/* One work item of the decode loop: keys [j0, j1) of every kv head of batch entry `batch`, chunk `chunk` of its
+ * `chunks`; a split entry's partial sums for kv head h lie at slot + h * chunks + chunk. The heads go tile by tile
+ * together: in a BSH or paged cache the rows of one position's heads are adjacent, so each tile reads whole runs of
+ * memory rather than one head's slice of every row (which measured 2x slower than BNSD). */
+struct decode_item {
+    int64_t batch, j0, j1, chunk, chunks, slot;
+};
+
+/* A thread's scratch: key / value rows widened (kbuf [DECODE_BLOCK, D], vbuf [DECODE_BLOCK, Dv]), key pairs
+ * (kpairs; NULL: row_dots scores), the queries packed for row_dots16 per kv head (packed; NULL: none), scores
+ * s [G, DECODE_BLOCK], corrections corr [G], and iota = 0..DECODE_BLOCK - 1 (the widened rows' indices). */
+struct decode_scratch {
+    float *kbuf, *vbuf, *kpairs, *packed, *s, *corr;
+    int64_t iota[DECODE_BLOCK];
+};
+
+/* Tile [j0, j0 + w) of kv head h of batch entry b (pair = b * heads_kv + h), its query rows qp [G, D]: the online
+ * softmax step into acc [G, Dv], m [G], l [G] (`first`: the range's first tile, which sets them). The next tile's
+ * rows (wn of them from j0 + DECODE_BLOCK) are fetched meanwhile, a row at a time between this tile's rows (issued
+ * in one burst they waited on the line fill buffers). */
+static void decode_tile(const struct decode_args *a, int64_t b, int64_t h, int64_t j0, int64_t w, int64_t wn,
+                        int first, const float *qp, const float *packed, float *acc, float *m, float *l,
+                        struct decode_scratch *sc) {
+    const int64_t group = a->group;
+    const int32_t *table_row = a->table ? a->table + b * a->table_stride : NULL;
+    const int64_t seq = a->table ? 0 : b; /* paged: k_sb / v_sb are block strides, the table finds blocks */
+    const char *kp = (const char *)a->k + (seq * a->k_sb + h * a->k_sh) * a->esize;
+    const char *vp = (const char *)a->v + (seq * a->v_sb + h * a->v_sh) * a->esize;
+    const float *ks = a->k_scale ? a->k_scale + h * a->dim : NULL;
+    const float *vs = a->v_scale ? a->v_scale + h * a->dim_v : NULL;
+    const int64_t kbytes = a->dtype >= 6 ? a->dim / 2 : a->dim, vbytes = a->dtype >= 6 ? a->dim_v / 2 : a->dim_v;
+    const int half_v = use_avx512 && (a->dtype == 1 || a->dtype == 2) && a->v_c0 <= 0;
+    const char *rows[DECODE_BLOCK], *next_k[DECODE_BLOCK], *next_v[DECODE_BLOCK];
+    if (wn > 0) {
+        tile_rows(next_k, kp, j0 + DECODE_AHEAD * DECODE_BLOCK, wn, a->k_ss, a->esize, table_row, a->page, a->k_sb);
+        tile_rows(next_v, vp, j0 + DECODE_AHEAD * DECODE_BLOCK, wn, a->v_ss, a->esize, table_row, a->page, a->v_sb);
+    }
+    tile_rows(rows, kp, j0, w, a->k_ss, a->esize, table_row, a->page, a->k_sb);
+    if (sc->kpairs) {
+        for (int64_t j = 0; j < w; j += 2) {
+            if (j < wn)
+                prefetch_rows(next_k + j, wn - j < 2 ? wn - j : 2, kbytes, a->esize, a->k_c0, a->k_cs);
+            decode_key_pairs(a, rows + j, w - j < 2 ? w - j : 2, ks, sc->kbuf, sc->kpairs + j / 2 * pair_floats(a->dim));
+        }
+    } else {
+        for (int64_t j = 0; j < w; j++) {
+            if (j < wn)
+                prefetch_rows(next_k + j, 1, kbytes, a->esize, a->k_c0, a->k_cs);
+            widen_chunks(rows[j], a->dtype, a->dim, sc->kbuf + j * a->dim, ks, a->k_c0, a->k_cs, a->esize);
+        }
+    }
+    tile_rows(rows, vp, j0, w, a->v_ss, a->esize, table_row, a->page, a->v_sb);
+    for (int64_t j = 0; j < w; j++) {
+        if (j < wn)
+            prefetch_rows(next_v + j, 1, vbytes, a->esize, a->v_c0, a->v_cs);
+        if (half_v)
+            widen_half_row16((const uint16_t *)rows[j], a->dtype, a->dim_v, sc->vbuf + j * a->dim_v);
+        else
+            widen_chunks(rows[j], a->dtype, a->dim_v, sc->vbuf + j * a->dim_v, vs, a->v_c0, a->v_cs, a->esize);
+    }
+    float *s = sc->s;
+    if (sc->kpairs)
+        pair_dots16(qp, group, a->dim, sc->kpairs, w, s, DECODE_BLOCK);
+    else
+        row_dots(qp, group, a->dim, sc->kbuf, a->dim, sc->iota, w, s, DECODE_BLOCK, packed);
+    for (int64_t g = 0; g < group; g++) {
+        float *sg = s + g * DECODE_BLOCK;
+        const float m_old = first ? -INFINITY : m[g];
+        const float m_new = max_nan(m_old, row_max(sg, w));
+        const float shift = m_new == -INFINITY ? 0.0f : m_new;
+        const float total = row_exp_max(sg, w, shift, a->log2e, a->floor2);
+        sc->corr[g] = first ? 0.0f : exp2f((m_old - shift) * a->log2e);
+        l[g] = first ? total : fmaf(l[g], sc->corr[g], total);
+        m[g] = m_new;
+    }
+    row_combine(s, DECODE_BLOCK, group, w, sc->vbuf, a->dim_v, sc->iota, a->dim_v, 1.0f, first ? NULL : sc->corr, acc);
+}
+
+/* One work item: its range's tiles in order, each for every kv head in turn. Its results go to the output rows
+ * (an unsplit entry) or to the partial sums of its chunk. */
+static void decode_item_run(const struct decode_args *a, const struct decode_item *it, const float *q,
+                            float *part_acc, float *part_m, float *part_l, struct decode_scratch *sc) {
+    const int64_t group = a->group, per_chunk = group * a->dim_v, heads_kv = a->heads_kv;
+    const int64_t packed_size = sc->packed ? packed_floats16(group, a->dim) : 0;
+    for (int64_t h = 0; h < heads_kv && sc->packed; h++)
+        pack_heads16(q + (it->batch * heads_kv + h) * group * a->dim, group / 8, a->dim, sc->packed + h * packed_size);
+    for (int64_t j0 = it->j0; j0 < it->j1; j0 += DECODE_BLOCK) {
+        const int64_t w = it->j1 - j0 < DECODE_BLOCK ? it->j1 - j0 : DECODE_BLOCK;
+        const int64_t ahead = it->j1 - j0 - DECODE_AHEAD * DECODE_BLOCK;
+        const int64_t wn = ahead < DECODE_BLOCK ? ahead : DECODE_BLOCK;
+        for (int64_t h = 0; h < heads_kv; h++) {
+            const int64_t pair = it->batch * heads_kv + h;
+            const int64_t at = it->chunks == 1 ? pair : it->slot + h * it->chunks + it->chunk;
+            float *acc = it->chunks == 1 ? a->out + at * per_chunk : part_acc + at * per_chunk;
+            float *m = (it->chunks == 1 ? a->row_max : part_m) + at * group;
+            float *l = (it->chunks == 1 ? a->row_sum : part_l) + at * group;
+            decode_tile(a, it->batch, h, j0, w, wn, j0 == it->j0, q + pair * group * a->dim,
+                        sc->packed ? sc->packed + h * packed_size : NULL, acc, m, l, sc);
+        }
+    }
+}
+
+/* A split entry's chunks combined in chunk order into its output rows, kv head by kv head: chunk c's (m_c, l_c,
+ * acc_c) joins the running (m, l, acc) as shift = max(m, m_c) (0 while both are -inf), a = 2^((m - shift) log2e),
+ * b = 2^((m_c - shift) log2e), l = fma(l, a, l_c b), acc = fma(acc, a, acc_c b) per element. */
+static void decode_combine(const struct decode_args *a, const struct decode_item *first, const float *part_acc,
+                           const float *part_m, const float *part_l) {
+    const int64_t group = a->group, dv = a->dim_v;
+    for (int64_t h = 0; h < a->heads_kv; h++) {
+        const int64_t pair = first->batch * a->heads_kv + h, slot = first->slot + h * first->chunks;
+        float *acc = a->out + pair * group * dv, *m = a->row_max + pair * group, *l = a->row_sum + pair * group;
+        for (int64_t g = 0; g < group; g++) {
+            float mg = part_m[slot * group + g], lg = part_l[slot * group + g];
+            float *ag = acc + g * dv;
+            memcpy(ag, part_acc + (slot * group + g) * dv, sizeof(float) * dv);
+            for (int64_t c = 1; c < first->chunks; c++) {
+                const int64_t sc = (slot + c) * group + g;
+                const float m_new = max_nan(mg, part_m[sc]);
+                const float shift = m_new == -INFINITY ? 0.0f : m_new;
+                const float fa = exp2f((mg - shift) * a->log2e), fb = exp2f((part_m[sc] - shift) * a->log2e);
+                const float *ac = part_acc + sc * dv;
+                lg = fmaf(lg, fa, part_l[sc] * fb);
+                for (int64_t d = 0; d < dv; d++)
+                    ag[d] = fmaf(ag[d], fa, ac[d] * fb);
+                mg = m_new;
+            }
+            m[g] = mg;
+            l[g] = lg;
+        }
+    }
+}
+
+/* Chunks of a sequence of n keys: DECODE_SPLIT keys each, the last one shorter. */
+static int64_t decode_chunks(int64_t n) { return n <= 0 ? 0 : (n + DECODE_SPLIT - 1) / DECODE_SPLIT; }
+
 void fia_decode_rows(const float *q, int64_t pairs, int64_t heads_kv, int64_t group, int64_t dim, int64_t dim_v,
                      const void *k, const void *v, int64_t dtype, int64_t k_sb, int64_t k_sh, int64_t k_ss,
                      int64_t v_sb, int64_t v_sh, int64_t v_ss, const int64_t *len, float *out, float *row_max,
                      float *row_sum, const int32_t *table, int64_t table_stride, int64_t page,
                      const float *k_scale, const float *v_scale, int64_t k_c0, int64_t k_cs, int64_t v_c0,
-                     int64_t v_cs) {
-    const int64_t esize = dtype == 0 ? 4 : dtype <= 2 ? 2 : 1;  /* int4: strides in bytes */
-#pragma omp parallel
-    {
-        float *kbuf = malloc((size_t)(DECODE_BLOCK * dim + dim_v) * sizeof(float));
-        float *scores = malloc((size_t)(group * DECODE_BLOCK) * sizeof(float));
-#pragma omp for schedule(dynamic, 1)
-        for (int64_t pair = 0; pair < pairs; pair++) {
-            const int64_t b = pair / heads_kv, h = pair % heads_kv, n = len[b];
-            if (n <= 0)
-                continue;
-            const float *qp = q + pair * group * dim;
-            float *acc = out + pair * group * dim_v;
-            float *m = row_max + pair * group, *l = row_sum + pair * group;
-            const int32_t *table_row = table ? table + b * table_stride : NULL;
-            const int64_t seq = table ? 0 : b;  /* paged: k_sb / v_sb are block strides, the table finds blocks */
-            const char *kp = (const char *)k + (seq * k_sb + h * k_sh) * esize;
-            const char *vp = (const char *)v + (seq * v_sb + h * v_sh) * esize;
-            const float *ks = k_scale ? k_scale + h * dim : NULL, *vs = v_scale ? v_scale + h * dim_v : NULL;
-            memset(acc, 0, (size_t)(group * dim_v) * sizeof(float));
-            for (int64_t g = 0; g < group; g++) {
-                m[g] = -INFINITY;
-                l[g] = 0.0f;
-            }
-            float *vbuf = kbuf + DECODE_BLOCK * dim;
-            for (int64_t j0 = 0; j0 < n; j0 += DECODE_BLOCK) {
-                const int64_t w = n - j0 < DECODE_BLOCK ? n - j0 : DECODE_BLOCK;
-                const char *rows[DECODE_BLOCK];
-                tile_rows(rows, kp, j0, w, k_ss, esize, table_row, page, k_sb);
-                for (int64_t j = 0; j < w; j++)
-                    widen_chunks(rows[j], dtype, dim, kbuf + j * dim, ks, k_c0, k_cs, esize);
-                for (int64_t g = 0; g < group; g++) {
-                    float *s = scores + g * DECODE_BLOCK, mx = m[g];
-                    for (int64_t j = 0; j < w; j++) {
-                        s[j] = dot_f32(qp + g * dim, kbuf + j * dim, dim);
-                        mx = s[j] > mx ? s[j] : mx;
-                    }
-                    const float rescale = m[g] == -INFINITY ? 0.0f : expf(m[g] - mx);
-                    float sum = 0.0f;
-                    for (int64_t j = 0; j < w; j++) {
-                        s[j] = expf(s[j] - mx);
-                        sum += s[j];
-                    }
-                    if (rescale != 1.0f) {
-                        float *a = acc + g * dim_v;
-                        for (int64_t c = 0; c < dim_v; c++)
-                            a[c] *= rescale;
-                    }
-                    l[g] = l[g] * rescale + sum;
-                    m[g] = mx;
-                }
-                tile_rows(rows, vp, j0, w, v_ss, esize, table_row, page, v_sb);
-                for (int64_t j = 0; j < w; j++) {
-                    widen_chunks(rows[j], dtype, dim_v, vbuf, vs, v_c0, v_cs, esize);
-                    for (int64_t g = 0; g < group; g++)
-                        axpy_f32(acc + g * dim_v, scores[g * DECODE_BLOCK + j], vbuf, dim_v);
-                }
-            }
+                     int64_t v_cs, float log2e, float floor2) {
+    const struct decode_args a = {k, v, dtype, dtype == 0 ? 4 : dtype <= 2 ? 2 : 1, heads_kv, group, dim, dim_v,
+                                  k_sb, k_sh, k_ss, v_sb, v_sh, v_ss, table, table_stride, page, k_scale, v_scale,
+                                  k_c0, k_cs, v_c0, v_cs, log2e, floor2, out, row_max, row_sum};
+    const int64_t per_slot = group * dim_v, batch = heads_kv > 0 ? pairs / heads_kv : 0;
+    /* Batch entries go in waves whose split chunks' partial sums fit DECODE_PARTIAL_FLOATS (a wave holds one entry
+     * at least): the waves change no result, only the scratch a call needs. */
+    for (int64_t b0 = 0; b0 < batch;) {
+        int64_t b1 = b0, items = 0, slots = 0;
+        for (; b1 < batch; b1++) {
+            const int64_t c = decode_chunks(len[b1]), add = c > 1 ? c : 0;
+            if (b1 > b0 && (slots + add * heads_kv) * per_slot > DECODE_PARTIAL_FLOATS)
+                break;
+            items += c;
+            slots += add * heads_kv;
         }
-        free(kbuf);
-        free(scores);
+        struct decode_item *work = malloc(sizeof(struct decode_item) * (items > 0 ? items : 1));
+        int64_t n_items = 0;
+        for (int64_t b = b0, slot = 0; b < b1; b++) {
+            const int64_t n = len[b], c = decode_chunks(n);
+            for (int64_t i = 0; i < c; i++) {
+                const int64_t j1 = (i + 1) * DECODE_SPLIT < n ? (i + 1) * DECODE_SPLIT : n;
+                work[n_items++] = (struct decode_item){b, i * DECODE_SPLIT, j1, i, c, c > 1 ? slot : -1};
+            }
+            slot += c > 1 ? c * heads_kv : 0;
+        }
+        float *part_acc = slots ? malloc(sizeof(float) * slots * per_slot) : NULL;
+        float *part_m = slots ? malloc(sizeof(float) * slots * group) : NULL;
+        float *part_l = slots ? malloc(sizeof(float) * slots * group) : NULL;
+#pragma omp parallel
+        {
+            struct decode_scratch sc;
+            sc.kbuf = malloc(sizeof(float) * DECODE_BLOCK * (dim > 2 ? dim : 2));
+            sc.vbuf = malloc(sizeof(float) * DECODE_BLOCK * dim_v);
+            sc.s = malloc(sizeof(float) * group * DECODE_BLOCK);
+            sc.corr = malloc(sizeof(float) * group);
+            for (int64_t j = 0; j < DECODE_BLOCK; j++)
+                sc.iota[j] = j;
+            /* Scores: with AVX-512, from key pairs where G is not a multiple of 8 (pair_dots16), else by row_dots16
+             * from the queries packed once per item; row_dots otherwise. */
+            sc.kpairs = use_avx512 && group % 8 != 0
+                            ? aligned_alloc(64, sizeof(float) * DECODE_BLOCK / 2 * pair_floats(dim)) : NULL;
+            sc.packed = use_avx512 && !sc.kpairs
+                            ? aligned_alloc(64, sizeof(float) * heads_kv * packed_floats16(group, dim)) : NULL;
+#pragma omp for schedule(dynamic, 1)
+            for (int64_t i = 0; i < n_items; i++)
+                decode_item_run(&a, work + i, q, part_acc, part_m, part_l, &sc);
+#pragma omp for schedule(dynamic, 1)
+            for (int64_t i = 0; i < n_items; i++)
+                if (work[i].chunks > 1 && work[i].chunk == 0)
+                    decode_combine(&a, work + i, part_acc, part_m, part_l);
+            free(sc.packed);
+            free(sc.kpairs);
+            free(sc.corr);
+            free(sc.s);
+            free(sc.vbuf);
+            free(sc.kbuf);
+        }
+        free(part_l);
+        free(part_m);
+        free(part_acc);
+        free(work);
+        b0 = b1;
     }
 }

@@ -1,0 +1,133 @@
+"""The native decode loop (docs/guides/backends.md, "Decode"): one query token per sequence over caches read in
+place, each K / V row once for the GQA group's query heads, long sequences split into chunks of DECODE_SPLIT keys
+whose partial sums are combined in a fixed order. Against the float64 oracle (groups that the key-pair and the
+packed-query score kernels take, sequences of several chunks, D not a multiple of 8), and bitwise: 1 vs 2 threads,
+AVX-512 vs AVX2 steps, paged vs contiguous caches."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from cann_attn.backends.reference import native
+from fia_cases import check_fia, make_qkv
+
+pytestmark = pytest.mark.skipif(native.library() is None, reason="needs the native loops")
+
+SCALE = 0.125
+# Past two split chunks (DECODE_SPLIT = 512 keys), a partial last tile; a short one; an empty one.
+LENGTHS = [1100, 37, 0]
+
+
+@pytest.fixture
+def decode_calls(monkeypatch) -> list[int]:
+    from cann_attn.backends.reference import decode_forward
+
+    calls: list[int] = []
+    original = decode_forward.forward
+    monkeypatch.setattr(decode_forward, "forward", lambda *a, **k: calls.append(1) or original(*a, **k))
+    return calls
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("n, nkv", [(4, 1), (6, 2), (16, 2), (24, 2)], ids=["G4", "G3", "G8", "G12"])
+def test_decode_matches_the_oracle(dtype, n, nkv, decode_calls):
+    if dtype == torch.float16 and not native.has_f16c():
+        pytest.skip("fp16 caches need F16C")
+    gen = torch.Generator().manual_seed(n * 10 + nkv)
+    q, k, v = make_qkv("BNSD", gen, b=3, n=n, nkv=nkv, sq=1, skv=max(LENGTHS), d=40, dtype=dtype)
+    check_fia(q, k, v, num_heads=n, num_key_value_heads=nkv, input_layout="BNSD", scale=SCALE,
+              softmax_lse_flag=True, actual_seq_lengths_kv=LENGTHS, backend="reference")
+    assert decode_calls, "the decode loop did not run"
+
+
+def _decode_inputs(group: int, heads_kv: int = 2, dim: int = 40, dtype=torch.bfloat16, seed: int = 0):
+    gen = torch.Generator().manual_seed(seed)
+    batch, seq = len(LENGTHS), max(LENGTHS)
+    q = torch.randn(batch * heads_kv, group, dim, generator=gen) * SCALE
+    k = torch.randn(batch, heads_kv, seq, dim, generator=gen).to(dtype)
+    v = torch.randn(batch, heads_kv, seq, dim, generator=gen).to(dtype)
+    return q, k, v, torch.tensor(LENGTHS)
+
+
+def _decode(q, k, v, lengths, block_table=None):
+    pairs, group, _ = q.shape
+    out = torch.zeros(pairs, group, v.shape[-1])
+    row_max, row_sum = torch.zeros(pairs, group), torch.zeros(pairs, group)
+    native.decode_rows(q, k, v, lengths, out, row_max, row_sum, block_table)
+    return out, row_max, row_sum
+
+
+def _assert_same(first, second):
+    for a, b in zip(first, second, strict=True):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("group", [3, 4, 8])
+def test_decode_does_not_depend_on_the_thread_count(group):
+    inputs = _decode_inputs(group)
+    previous = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = _decode(*inputs)
+        torch.set_num_threads(2)
+        two = _decode(*inputs)
+    finally:
+        torch.set_num_threads(previous)
+    _assert_same(one, two)
+
+
+@pytest.mark.parametrize("group", [3, 4, 8, 12])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_decode_avx512_steps_give_the_avx2_bits(group, dtype):
+    if not native.library().cann_attn_has_avx512():
+        pytest.skip("needs AVX-512F")
+    inputs = _decode_inputs(group, dtype=dtype, seed=group)
+    try:
+        assert native.set_avx512(False) is False
+        avx2 = _decode(*inputs)
+    finally:
+        native.set_avx512(True)
+    _assert_same(avx2, _decode(*inputs))
+
+
+@pytest.mark.parametrize("page", [16, 128])
+def test_decode_paged_caches_give_the_contiguous_bits(page):
+    """Several chunks of a long sequence through a shuffled block table: the same rows, tiles and chunks."""
+    q, k, v, lengths = _decode_inputs(4, seed=page)
+    batch, heads_kv, seq, dim = k.shape
+    per_seq = -(-seq // page)
+    order = torch.randperm(batch * per_seq, generator=torch.Generator().manual_seed(page))
+    table = order.view(batch, per_seq).to(torch.int32)
+
+    def paged(x):
+        padded = torch.zeros(batch, heads_kv, per_seq * page, dim, dtype=x.dtype)
+        padded[:, :, :seq] = x
+        blocks = padded.view(batch, heads_kv, per_seq, page, dim).permute(0, 2, 1, 3, 4)
+        blocks = blocks.reshape(-1, heads_kv, page, dim)
+        cache = torch.empty_like(blocks)
+        cache[order] = blocks
+        return cache
+
+    _assert_same(_decode(q, k, v, lengths), _decode(q, paged(k), paged(v), lengths, table))
+
+
+def test_decode_split_combine_matches_one_pass_to_rounding():
+    """A sequence of several chunks against the float64 softmax of its own rows: the chunks' combine is exact up
+    to fp32 rounding (statistics included)."""
+    q, k, v, lengths = _decode_inputs(4, dtype=torch.float32, seed=3)
+    out, row_max, row_sum = _decode(q, k, v, lengths)
+    heads_kv = k.shape[1]
+    for b, n in enumerate(LENGTHS):
+        for h in range(heads_kv):
+            pair = b * heads_kv + h
+            if n == 0:
+                assert torch.equal(out[pair], torch.zeros_like(out[pair]))
+                continue
+            s = q[pair].double() @ k[b, h, :n].double().T
+            m = s.amax(-1)
+            p = torch.exp(s - m[:, None])
+            want = p @ v[b, h, :n].double()
+            torch.testing.assert_close(row_max[pair].double(), m, rtol=1e-6, atol=1e-6)
+            torch.testing.assert_close(row_sum[pair].double(), p.sum(-1), rtol=1e-5, atol=0)
+            torch.testing.assert_close(out[pair].double(), want, rtol=1e-5, atol=1e-5)
