@@ -6,7 +6,6 @@ Every argument is checked before anything is computed or written: a refused call
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -14,7 +13,7 @@ import torch
 
 from ..backends import select_backend
 from ..backends.reference import mla_prolog as reference
-from ..errors import ParamInvalidError, ParamNullptrError, describe, require, require_bool, require_int, require_real
+from ..errors import ParamInvalidError, ParamNullptrError, describe, require, require_bool, require_finite, require_int
 from ..problem.nz import nz_chunk, nz_shape, nz_tokens
 from ..problem.policy import beyond_docs
 from ..traceable import traced_as_custom_op
@@ -283,10 +282,7 @@ def _check_scalars(epsilon_cq, epsilon_ckv, qc_qr_scale, kc_scale, query_norm_fl
     values = []
     for name, value in (("rmsnorm_epsilon_cq", epsilon_cq), ("rmsnorm_epsilon_ckv", epsilon_ckv),
                         ("qc_qr_scale", qc_qr_scale), ("kc_scale", kc_scale)):
-        value = require_real(value, name)
-        if not math.isfinite(value):
-            raise ParamInvalidError(f"{name}: expected a finite float, got {value}")
-        values.append(value)
+        values.append(require_finite(value, name))
     query_norm = require_bool(query_norm_flag, "query_norm_flag")
     if query_norm and values[2] != 1.0:
         raise ParamInvalidError(f"qc_qr_scale: {values[2]} with query_norm_flag=True is not supported: the page does "
