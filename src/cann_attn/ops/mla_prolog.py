@@ -15,6 +15,7 @@ from ..backends import select_backend
 from ..backends.reference import mla_prolog as reference
 from ..errors import ParamInvalidError, ParamNullptrError, describe, require, require_bool, require_finite, require_int
 from ..problem.nz import nz_chunk, nz_shape, nz_tokens
+from ..problem.page_table import BlockSizeRule
 from ..problem.policy import beyond_docs
 from ..traceable import traced_as_custom_op
 
@@ -22,7 +23,7 @@ FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
 PAGED_MODES = ("PA_BSND", "PA_NZ")
 CACHE_MODES = (*PAGED_MODES, "BSND", "TND")
 BLOCK_INDEX_MODES = ("PA_BLK_BSND", "PA_BLK_NZ")
-MIN_BLOCK_SIZE, MAX_BLOCK_SIZE, BLOCK_SIZE_MULTIPLE = 16, 1024, 16
+MLA_PROLOG_BLOCK_SIZES = BlockSizeRule(multiple=16, maximum=1024, minimum=16)  # kv_cache / kr_cache dim 1
 KV_HEADS = 1
 PADDING_SLOT = -1  # a cache_index entry of a padding token: nothing is written (docs/semantics/beyond-docs.md)
 
@@ -230,9 +231,7 @@ def _check_caches(token_x, kv_cache, kr_cache, cache_mode: str, latent: int, rop
     require(kr_cache.shape[:2] == kv_cache.shape[:2], "kr_cache",
             f"kv_cache's [BlockNum, BlockSize] = {list(kv_cache.shape[:2])}", kr_cache)
     block_size = kv_cache.shape[1]
-    require(MIN_BLOCK_SIZE <= block_size <= MAX_BLOCK_SIZE and block_size % BLOCK_SIZE_MULTIPLE == 0, "kv_cache",
-            f"a BlockSize (dim 1) in [{MIN_BLOCK_SIZE}, {MAX_BLOCK_SIZE}], a multiple of {BLOCK_SIZE_MULTIPLE}",
-            kv_cache)
+    MLA_PROLOG_BLOCK_SIZES.check(block_size, "kv_cache")
     if cache_mode == "PA_NZ":
         for name, cache, width in (("kv_cache", kv_cache, latent), ("kr_cache", kr_cache, rope_dim)):
             c0 = nz_chunk(cache.dtype) or nz_chunk(torch.float16)
