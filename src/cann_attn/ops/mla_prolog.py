@@ -14,7 +14,7 @@ import torch
 from ..backends import select_backend
 from ..backends.reference import mla_prolog as reference
 from ..errors import ParamInvalidError, ParamNullptrError, describe, require, require_bool, require_finite, require_int
-from ..problem.nz import nz_chunk, nz_shape, nz_tokens
+from ..problem.nz import nz_layout_chunk, nz_shape, nz_tokens
 from ..problem.page_table import BlockSizeRule
 from ..problem.policy import beyond_docs
 from ..traceable import traced_as_custom_op
@@ -234,7 +234,7 @@ def _check_caches(token_x, kv_cache, kr_cache, cache_mode: str, latent: int, rop
     MLA_PROLOG_BLOCK_SIZES.check(block_size, "kv_cache")
     if cache_mode == "PA_NZ":
         for name, cache, width in (("kv_cache", kv_cache, latent), ("kr_cache", kr_cache, rope_dim)):
-            c0 = nz_chunk(cache.dtype) or nz_chunk(torch.float16)
+            c0 = nz_layout_chunk(cache.dtype)
             require(width % c0 == 0, name, f"a last dim that is a multiple of {c0} (the NZ channel group of "
                     f"{cache.dtype})", cache)
             require(cache.is_contiguous(), name, "a contiguous tensor (PA_NZ reads its memory as NZ blocks)", cache)

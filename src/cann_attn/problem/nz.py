@@ -28,6 +28,12 @@ def nz_chunk(dtype: torch.dtype) -> int | None:
     return NZ_CHUNK.get(dtype)
 
 
+def nz_layout_chunk(dtype: torch.dtype) -> int:
+    """c0 of the NZ layout a cache of `dtype` is read in: :func:`nz_chunk`, and float16's 16 for the dtypes the pages
+    give no NZ shape for (float32 / float64 caches on the reference backend)."""
+    return nz_chunk(dtype) or NZ_CHUNK[torch.float16]
+
+
 def check_nz_cache(cache: torch.Tensor, param: str) -> int:
     """A 5-D NZ cache's c0, after checking its dtype and innermost axis; raises ParamInvalidError naming `param`."""
     c0 = nz_chunk(cache.dtype)
@@ -40,7 +46,7 @@ def check_nz_cache(cache: torch.Tensor, param: str) -> int:
 
 def nz_shape(block_num: int, heads: int, dim: int, block_size: int, dtype: torch.dtype) -> tuple[int, ...]:
     """The NZ cache shape of `block_num` blocks of `block_size` tokens, `heads` heads of `dim` channels."""
-    c0 = nz_chunk(dtype) or NZ_CHUNK[torch.float16]
+    c0 = nz_layout_chunk(dtype)
     return (block_num, heads, dim // c0, block_size, c0)
 
 
