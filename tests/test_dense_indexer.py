@@ -93,6 +93,19 @@ def test_grad_kl_loss_matches_oracle(layout, heads, rope, rng):
         torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)
 
 
+@pytest.mark.parametrize("layout", ["BSND", "TND"])
+def test_custom_ops_opcheck(layout, rng):
+    """Both operators' torch.library custom ops: schema, FakeTensor twin (shapes and dtypes of the outputs, the
+    loss a [1] float tensor) and AOT dispatch with dynamic shapes, bfloat16 inputs (fp32 statistics)."""
+    x, rope_kw, kw = _make(layout, rng, dtype=BF16)
+    ops = torch.ops.cann_attn
+    torch.library.opcheck(ops.dense_lightning_indexer_softmax_lse.default,
+                          (x["query_index"], x["key_index"], x["weights"]), kw)
+    stats = tuple(_lse(x, kw))
+    torch.library.opcheck(ops.dense_lightning_indexer_grad_kl_loss.default, (*_grad_args(x, stats), 0.35),
+                          {**rope_kw, **kw})
+
+
 @pytest.mark.parametrize("dtype", [BF16, torch.float16])
 def test_half_inputs_within_tolerance(dtype, rng):
     """fp16 / bf16 inputs (fp32 accumulation) against the float64 oracle evaluated on the same rounded inputs."""

@@ -5,6 +5,7 @@ import torch
 from torch import Tensor
 
 from ..problem.lengths import to_int_list
+from ..problem.stats import accumulation_dtype
 
 
 def _empty_like_none(like: Tensor, dtype: torch.dtype | None = None) -> Tensor:
@@ -19,3 +20,12 @@ def _none_if_placeholder(t: Tensor, present: bool) -> Tensor | None:
 def _ints(value, name: str) -> list[int] | None:
     """Length lists and start indices as Python int lists (tensors converted; one int becomes a list)."""
     return to_int_list(value, name)
+
+
+def _kl_loss_grad_fake(query: Tensor, query_index: Tensor, key_index: Tensor,
+                       weights: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """(d_query_index, d_key_index, d_weights, loss) of the indexers' KL-loss grad ops, sparse and dense alike: the
+    gradients shaped as their inputs, the loss a [1] tensor of the accumulation dtype
+    (docs/operators/lightning_indexer.md, docs/operators/dense_lightning_indexer.md)."""
+    loss = query.new_empty((1,), dtype=accumulation_dtype(query_index.dtype))
+    return torch.empty_like(query_index), torch.empty_like(key_index), torch.empty_like(weights), loss

@@ -19,6 +19,7 @@ from ..ops.sparse_flash_attention import INT64_MAX
 from ..problem.dequant import LATENT_DIM
 from ..problem.lengths import to_int_list
 from ..problem.stats import accumulation_dtype
+from ._outputs import _kl_loss_grad_fake
 
 
 def _index_stat_shape(query_index: Tensor, layout: str) -> tuple[int, ...]:
@@ -73,8 +74,7 @@ def _dense_kl_op(
 
 @_dense_kl_op.register_fake
 def _(query, key, query_index, key_index, weights, *args, **kwargs):
-    loss = query.new_empty((1,), dtype=accumulation_dtype(query_index.dtype))
-    return torch.empty_like(query_index), torch.empty_like(key_index), torch.empty_like(weights), loss
+    return _kl_loss_grad_fake(query, query_index, key_index, weights)
 
 
 def dense_lightning_indexer_grad_kl_loss(

@@ -22,7 +22,7 @@ from ..ops.sparse_flash_attention import sparse_flash_attention as _eager_sparse
 from ..ops.sparse_flash_attention import sparse_flash_attention_grad as _eager_sparse_flash_attention_grad
 from ..problem.page_table import PAGED_KV_LAYOUT
 from ..problem.stats import accumulation_dtype
-from ._outputs import _empty_like_none, _ints, _none_if_placeholder
+from ._outputs import _empty_like_none, _ints, _kl_loss_grad_fake, _none_if_placeholder
 
 # ================================================================================ SparseFlashAttention (+ Grad)
 _SFA_NAMES = (
@@ -238,8 +238,7 @@ def _sli_kl_op(
 
 @_sli_kl_op.register_fake
 def _(query, key, query_index, key_index, weights, *args, **kwargs):
-    loss = query.new_empty((1,), dtype=accumulation_dtype(query_index.dtype))
-    return torch.empty_like(query_index), torch.empty_like(key_index), torch.empty_like(weights), loss
+    return _kl_loss_grad_fake(query, query_index, key_index, weights)
 
 
 def sparse_lightning_indexer_grad_kl_loss(
