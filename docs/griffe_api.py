@@ -140,11 +140,12 @@ MEANINGS: dict[str, tuple[str, str]] = {
     "dequant_offset_key": ("v2 name of key_antiquant_offset", FIA_KV),
     "dequant_scale_value": ("v2 name of value_antiquant_scale", FIA_KV),
     "dequant_offset_value": ("v2 name of value_antiquant_offset", FIA_KV),
-    "dequant_scale_query": ("the query's dequantisation factor (full quantisation of the query): not supported yet, "
-                            "any value but None raises", FIA + "#v2"),
+    "dequant_scale_query": ("the int8 MLA query's float32 scales, per token and head (query_quant_mode 3)",
+                            FIA + "#quantised-queries-and-fp8-caches"),
     "quant_scale_out": ("v2 name of quant_scale2 (int8 output)", PFA_INT8),
     "quant_offset_out": ("v2 name of quant_offset2", PFA_INT8),
-    "quant_scale_p": ("reserved by the documentation: any value but None raises", FIA + "#v2"),
+    "quant_scale_p": ("not given a meaning by the documentation: any value but None raises",
+                      FIA + "#quantised-queries-and-fp8-caches"),
     "dequant_scale_key_rope": ("reserved by the documentation: any value but None raises", FIA + "#v2"),
     "out_dtype": ("the output dtype (torch.dtype or its ScalarType number); other than the query's only with a "
                   "quantised output", FIA + "#v2"),
@@ -261,8 +262,12 @@ _FOR_OPERATOR: dict[str, dict[str, tuple[str, str]]] = {
     "fused_infer_attention_score_v2": {
         "key_quant_mode": ("v2 name of key_antiquant_mode", FIA_KV),
         "value_quant_mode": ("v2 name of value_antiquant_mode", FIA_KV),
-        "query_quant_mode": ("full quantisation of the query: not supported yet, only the default is accepted",
-                             FIA + "#v2"),
+        "query_quant_mode": ("3: int8 MLA query with per-token per-head dequant_scale_query; 0: a float query",
+                             FIA + "#quantised-queries-and-fp8-caches"),
+        **{f"{part}_dtype": ("reserved: None, or its tensor's own dtype (a torch.dtype or its ScalarType number); "
+                             "anything else raises", FIA + "#quantised-queries-and-fp8-caches")
+           for part in ("query", "key", "value", "query_rope", "key_rope", "dequant_scale_query",
+                        "dequant_scale_key", "dequant_scale_value")},
         "actual_seq_qlen": ("per-batch query lengths (TND: cumulative ends); v2 name of actual_seq_lengths", LAYOUTS),
         "actual_seq_kvlen": ("per-batch key lengths (TND: cumulative ends); v2 name of actual_seq_lengths_kv",
                              LAYOUTS),

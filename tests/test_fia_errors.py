@@ -254,6 +254,7 @@ V2_CASES = {
     "learnable_sink": ({"learnable_sink": torch.zeros(2, dtype=torch.bfloat16)}, "learnable_sink"),
     "dequant_scale_query": ({"dequant_scale_query": torch.ones(1)}, "dequant_scale_query"),
     "quant_scale_p": ({"quant_scale_p": torch.ones(1)}, "quant_scale_p: reserved"),
+    "query_quant_mode 6": ({"query_quant_mode": 6}, "query_quant_mode"),
     "dequant_scale_key_rope": ({"dequant_scale_key_rope": torch.ones(1)}, "dequant_scale_key_rope: reserved"),
     "query_dtype": ({"query_dtype": 1}, "query_dtype: reserved"),
     "out_dtype": ({"out_dtype": 1}, "out_dtype"),

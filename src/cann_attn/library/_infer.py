@@ -4,8 +4,8 @@
 import torch
 from torch import Tensor
 
-from ..errors import require_bool, require_real
-from ..ops.fia_problem import scalar_type_number
+from ..errors import ParamInvalidError, require_bool, require_real
+from ..ops.fia_problem import SCALAR_TYPE_NUMBERS, scalar_type_number
 from ..ops.flash_attention_score import (
     INT_MAX,
 )
@@ -26,8 +26,19 @@ from ._prompt import _pfa_output_dtype
 
 
 # ============================================================ FusedInferAttentionScore (v1, v2), IncreFlashAttention
+def _dtype_code(code, name: str):
+    """A v2 `*_dtype` given as a torch.dtype as its c10::ScalarType number (op-plugin's binding does so for
+    `int?`), so the custom op's schema takes it; the operator decides what the number may be."""
+    if not isinstance(code, torch.dtype):
+        return code
+    if code not in SCALAR_TYPE_NUMBERS:
+        raise ParamInvalidError(f"{name}: expected a torch.dtype among {[str(d) for d in SCALAR_TYPE_NUMBERS]} "
+                                f"(or its ScalarType number), got {code!r}")
+    return SCALAR_TYPE_NUMBERS[code]
+
+
 def _fia_fake_outputs(query, value, num_heads, num_key_value_heads, input_layout, quant_scale2, softmax_lse_flag,
-                      paged: bool = False):
+                      paged: bool = False, query_rope=None):
     """(attention_out, softmax_lse) shapes and dtypes of FusedInferAttentionScore
     (docs/operators/fused_infer_attention_score.md); `paged`: value is a block cache (docs/semantics/paged-kv.md),
     whose 3-D form [block_num, block_size, H] packs the heads like BSH."""
@@ -43,8 +54,10 @@ def _fia_fake_outputs(query, value, num_heads, num_key_value_heads, input_layout
     else:
         batch_dim, seq_dim = BATCH_SEQ_DIMS[q_layout]
         batch, seq = query.shape[batch_dim], query.shape[seq_dim]
-    out = query.new_empty(_fia_output_shape(out_layout, batch, seq, num_heads, dim_v),
-                          dtype=_pfa_output_dtype(query.dtype, quant_scale2))
+    # An int8 MLA query (v2's full quantisation) outputs the rope dtype.
+    dtype = query_rope.dtype if query.dtype == torch.int8 and query_rope is not None else _pfa_output_dtype(
+        query.dtype, quant_scale2)
+    out = query.new_empty(_fia_output_shape(out_layout, batch, seq, num_heads, dim_v), dtype=dtype)
     if not softmax_lse_flag:
         return out, query.new_empty((1,), dtype=torch.float32)
     lse_shape = (seq, num_heads, 1) if batch is None else (batch, num_heads, seq, 1)
@@ -185,7 +198,7 @@ def _(query, key, value, query_rope=None, key_rope=None, pse_shift=None, atten_m
       dequant_scale_query_dtype=None, dequant_scale_key_dtype=None, dequant_scale_value_dtype=None,
       dequant_scale_key_rope_dtype=None, out_dtype=None, backend="auto"):
     return _fia_fake_outputs(query, value, num_query_heads, num_key_value_heads, input_layout, quant_scale_out,
-                             return_softmax_lse, block_table is not None)
+                             return_softmax_lse, block_table is not None, query_rope)
 
 
 def fused_infer_attention_score_v2(
@@ -216,10 +229,16 @@ def fused_infer_attention_score_v2(
         quant_offset_out, quant_scale_p, learnable_sink, num_query_heads, num_key_value_heads,
         require_real(softmax_scale, "softmax_scale"),
         pre_tokens, next_tokens, input_layout, sparse_mode, block_size, query_quant_mode, key_quant_mode,
-        value_quant_mode, inner_precise, require_bool(return_softmax_lse, "return_softmax_lse"), query_dtype,
-        key_dtype, value_dtype,
-        query_rope_dtype, key_rope_dtype, key_shared_prefix_dtype, value_shared_prefix_dtype,
-        dequant_scale_query_dtype, dequant_scale_key_dtype, dequant_scale_value_dtype, dequant_scale_key_rope_dtype,
+        value_quant_mode, inner_precise, require_bool(return_softmax_lse, "return_softmax_lse"),
+        *(_dtype_code(code, name) for name, code in (
+            ("query_dtype", query_dtype), ("key_dtype", key_dtype), ("value_dtype", value_dtype),
+            ("query_rope_dtype", query_rope_dtype), ("key_rope_dtype", key_rope_dtype),
+            ("key_shared_prefix_dtype", key_shared_prefix_dtype),
+            ("value_shared_prefix_dtype", value_shared_prefix_dtype),
+            ("dequant_scale_query_dtype", dequant_scale_query_dtype),
+            ("dequant_scale_key_dtype", dequant_scale_key_dtype),
+            ("dequant_scale_value_dtype", dequant_scale_value_dtype),
+            ("dequant_scale_key_rope_dtype", dequant_scale_key_rope_dtype))),
         scalar_type_number(out_dtype), backend,
     )
 

@@ -19,7 +19,7 @@ import sys
 
 import torch
 
-from ..errors import ParamInvalidError, ParamNullptrError
+from ..errors import ParamInvalidError, ParamNullptrError, describe
 from ..problem import antiquant as antiquants
 from ..problem import layout as layouts
 from ..problem import pse as pses
@@ -30,6 +30,7 @@ from .fia_problem import (
     FIA_LAYOUTS,
     PACKED,
     ROPE_DIM,
+    SCALAR_TYPE_NUMBERS,
     FiaProblem,
     build_fia_problem,
     not_supported,
@@ -304,10 +305,25 @@ V2_NAMES = {
     "quant_scale2": "quant_scale_out", "quant_offset2": "quant_offset_out", "num_heads": "num_query_heads",
     "scale": "softmax_scale", "softmax_lse_flag": "return_softmax_lse",
 }
-V2_RESERVED = ("dequant_scale_key_rope", "quant_scale_p", "query_dtype", "key_dtype", "value_dtype",
-               "query_rope_dtype", "key_rope_dtype", "key_shared_prefix_dtype", "value_shared_prefix_dtype",
-               "dequant_scale_query_dtype", "dequant_scale_key_dtype", "dequant_scale_value_dtype",
-               "dequant_scale_key_rope_dtype")
+def _int8_query_out_dtype(out_dtype, rope_dtype: torch.dtype) -> torch.dtype:
+    """The int8 MLA query's output is the rope dtype ("输出为bfloat16"); out_dtype may only restate it."""
+    if out_dtype is not None and out_dtype not in (rope_dtype, SCALAR_TYPE_NUMBERS[rope_dtype]):
+        raise ParamInvalidError(f"out_dtype: an int8 query outputs query_rope's dtype {rope_dtype}, got {out_dtype!r}")
+    return rope_dtype
+
+
+def _check_dtype_code(name: str, code, tensor) -> None:
+    """`*_dtype` (reserved by the documentation) may only restate its tensor's dtype, as a torch.dtype or its
+    c10::ScalarType number (what op-plugin receives); anything else would ask for a reinterpretation the pages do
+    not define."""
+    if code is None:
+        return
+    number = SCALAR_TYPE_NUMBERS.get(code) if isinstance(code, torch.dtype) else code
+    own = SCALAR_TYPE_NUMBERS.get(tensor.dtype) if isinstance(tensor, torch.Tensor) else None
+    if isinstance(number, bool) or not isinstance(number, int) or own is None or number != own:
+        given = describe(tensor) if isinstance(tensor, torch.Tensor) else "no tensor"
+        raise ParamInvalidError(f"{name}: reserved by the documentation; only its tensor's own dtype is accepted "
+                                f"({given}), got {code!r}")
 
 
 @traced_as_custom_op
@@ -368,27 +384,68 @@ def fused_infer_attention_score_v2(
     NTD_TND) one extra softmax logit per query head (docs/semantics/sinks.md). Full int8/FP8 quantisation
     (`dequant_scale_query`, `query_quant_mode`), sparse_mode 9 and the reserved parameters raise ParamInvalidError
     (not supported yet / reserved)."""
-    reserved = {"dequant_scale_key_rope": dequant_scale_key_rope, "quant_scale_p": quant_scale_p,
-                "query_dtype": query_dtype, "key_dtype": key_dtype, "value_dtype": value_dtype,
-                "query_rope_dtype": query_rope_dtype, "key_rope_dtype": key_rope_dtype,
+    named_dtypes = {"query_dtype": (query_dtype, query), "key_dtype": (key_dtype, key),
+                    "value_dtype": (value_dtype, value), "query_rope_dtype": (query_rope_dtype, query_rope),
+                    "key_rope_dtype": (key_rope_dtype, key_rope),
+                    "dequant_scale_query_dtype": (dequant_scale_query_dtype, dequant_scale_query),
+                    "dequant_scale_key_dtype": (dequant_scale_key_dtype, dequant_scale_key),
+                    "dequant_scale_value_dtype": (dequant_scale_value_dtype, dequant_scale_value)}
+    for name, (code, tensor) in named_dtypes.items():
+        _check_dtype_code(name, code, tensor)
+    reserved = {"dequant_scale_key_rope": dequant_scale_key_rope,
                 "key_shared_prefix_dtype": key_shared_prefix_dtype,
                 "value_shared_prefix_dtype": value_shared_prefix_dtype,
-                "dequant_scale_query_dtype": dequant_scale_query_dtype,
-                "dequant_scale_key_dtype": dequant_scale_key_dtype,
-                "dequant_scale_value_dtype": dequant_scale_value_dtype,
                 "dequant_scale_key_rope_dtype": dequant_scale_key_rope_dtype}
     for name, given in reserved.items():
         if given is not None:
             raise ParamInvalidError(f"{name}: reserved by the documentation (leave it None), got {given!r}")
-    not_supported("dequant_scale_query", dequant_scale_query, "full quantisation of the query is not supported yet")
-    if query_quant_mode != 0:
-        raise ParamInvalidError(f"query_quant_mode: query quantisation is not supported yet, got {query_quant_mode!r}")
+    not_supported("quant_scale_p", quant_scale_p, "reserved (the documentation gives it no meaning)")
     if sparse_mode == 9:
         raise ParamInvalidError("sparse_mode: 9 (tree mask) is not supported yet")
-    if isinstance(query, torch.Tensor) and query.dtype == torch.int8:
-        raise ParamInvalidError("query: int8 full quantisation through v2 is not supported yet")
+    int8_query = isinstance(query, torch.Tensor) and query.dtype == torch.int8
+    quantised_out_dtype = None
+    if int8_query or query_quant_mode != 0 or dequant_scale_query is not None:
+        if query_quant_mode != 0 and (isinstance(query_quant_mode, bool)
+                                      or query_quant_mode not in antiquants.QUERY_QUANT_MODES):
+            raise ParamInvalidError(f"query_quant_mode: only 3 (per-token per-head, int8 MLA query) is documented, "
+                                    f"got {query_quant_mode!r}")
+        if not int8_query:
+            param = "query_quant_mode" if query_quant_mode else "dequant_scale_query"
+            raise ParamInvalidError(f"{param}: full quantisation of the query (query_quant_mode 3 with "
+                                    f"dequant_scale_query) needs an int8 query, got {describe(query)}")
+        if query_quant_mode == 0:
+            raise ParamInvalidError("query_quant_mode: an int8 query takes 3 (per-token per-head), got 0")
+        if dequant_scale_query is None:
+            raise ParamNullptrError("dequant_scale_query: an int8 query needs its per-token per-head scales")
+        for name, given in (("dequant_offset_key", dequant_offset_key), ("dequant_offset_value", dequant_offset_value),
+                            ("quant_scale_out", quant_scale_out), ("quant_offset_out", quant_offset_out)):
+            not_supported(name, given, "not supported with an int8 query (full quantisation)")
+        quantised = antiquants.dequantise_mla_query(
+            query, key, value, query_rope=query_rope, key_rope=key_rope, dequant_scale_query=dequant_scale_query,
+            dequant_scale_key=dequant_scale_key, dequant_scale_value=dequant_scale_value,
+            key_quant_mode=key_quant_mode, value_quant_mode=value_quant_mode, input_layout=input_layout,
+            num_heads=num_query_heads)
+        query, key, value = quantised.query, quantised.key, quantised.value
+        query_rope, key_rope = quantised.query_rope, quantised.key_rope
+        dequant_scale_key = dequant_scale_value = None
+        key_quant_mode = value_quant_mode = 0
+        quantised_out_dtype = _int8_query_out_dtype(out_dtype, quantised.out_dtype)
+        out_dtype = None
+    elif antiquants.PAGED_TOKEN_MODE in (key_quant_mode, value_quant_mode):
+        if not isinstance(query, torch.Tensor) or query.dtype not in (torch.float16, torch.bfloat16):
+            raise ParamInvalidError(f"query: key_quant_mode 4 needs a float16 or bfloat16 query, got {describe(query)}")
+        key, value = antiquants.dequantise_paged_tokens(
+            key, value, query_dtype=query.dtype, block_table=block_table, dequant_scale_key=dequant_scale_key,
+            dequant_scale_value=dequant_scale_value, dequant_offset_key=dequant_offset_key,
+            dequant_offset_value=dequant_offset_value, key_quant_mode=key_quant_mode,
+            value_quant_mode=value_quant_mode)
+        dequant_scale_key = dequant_scale_value = None
+        key_quant_mode = value_quant_mode = 0
+    elif isinstance(key, torch.Tensor) and key.dtype == torch.float8_e4m3fn:
+        raise ParamInvalidError(f"key_quant_mode: a float8_e4m3fn cache takes 4 (per-token scales over a paged "
+                                f"cache) for key and value, got {key_quant_mode!r} and {value_quant_mode!r}")
     with renamed_errors(V2_NAMES):
-        return _run(dict(
+        out, lse = _run(dict(
             query=query, key=key, value=value, pse_shift=pse_shift, atten_mask=atten_mask,
             actual_seq_lengths=actual_seq_qlen,
             actual_seq_lengths_kv=actual_seq_kvlen, quant_scale2=quant_scale_out, quant_offset2=quant_offset_out,
@@ -400,3 +457,6 @@ def fused_infer_attention_score_v2(
             block_size=block_size, key_antiquant_mode=key_quant_mode, value_antiquant_mode=value_quant_mode,
             softmax_lse_flag=return_softmax_lse, learnable_sink=learnable_sink, out_dtype=out_dtype,
         ), backend)
+    rounded = quantised_out_dtype if int8_query else None
+    return (out, lse) if rounded is None else (out.to(rounded), lse)
+

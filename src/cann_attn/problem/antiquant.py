@@ -9,7 +9,8 @@ index 0 for the key and 1 for the value) or separate (`key_antiquant_*`, `value_
 1 per-token (one value per batch and key position);
 2 per-tensor + per-head (one value per KV head);
 3 per-token + per-head (one value per batch, KV head and key position);
-4, 5 per-token (+ per-head) managed by PageAttention: not supported yet (PageAttention is not).
+4 per-token managed by PageAttention: FIA v2 only, `dequantise_paged_tokens` below (scales [blocknum, blocksize]);
+5 per-token + per-head managed by PageAttention: not supported yet.
 
 Every factor is returned as an fp32 tensor that broadcasts against the [B, N2, S, D] view of the key. With Q_S = 1 the
 separate per-channel factors may also carry a leading 1: (1, KV_N, 1, D), (1, KV_N, D), (1, H) (the Q_S = 1 table
@@ -216,3 +217,136 @@ def separate(key_scale, key_offset, value_scale, value_offset, key_mode, value_m
     allowed = (query_dtype, torch.float32)
     return KvAntiquant(_pair(key_scale, key_offset, ks, ko, key_mode, dims, allowed, decode),
                        _pair(value_scale, value_offset, vs, vo, value_mode, dims, allowed, decode))
+
+
+# ---- FIA v2 quantised calls (docs/operators/fused_infer_attention_score.md, "Quantised queries and fp8 caches")
+#
+# Both are computed by dequantising first: every quantised operand becomes (x * scale) in fp32, rounded once to the
+# compute dtype (the rope dtype for the int8 MLA query, the query dtype for fp8/int8 caches), and the call then runs
+# as the same float call. Scales the pages pin: the int8 query per token and head (query_quant_mode 3, float32,
+# the query's shape without D), the int8 latent per tensor (key/value_quant_mode 0, float32, one value); the caches
+# per token managed by PageAttention (key/value_quant_mode 4, float32 [blocknum, blocksize]).
+
+QUERY_QUANT_MODES = (3,)
+PAGED_TOKEN_MODE = 4
+MLA_LATENT = 512
+FP8_KV_CALLER = "cann-recipes-infer models/qwen3_moe/models/modeling_qwen3_moe.py:810-822"
+
+
+@dataclass(frozen=True)
+class Dequantised:
+    """The float32 operands that replace an int8 MLA call's query / key / value / rope parts, and the dtype its
+    output is rounded to (the rope dtype)."""
+
+    query: torch.Tensor
+    key: torch.Tensor
+    value: torch.Tensor
+    query_rope: torch.Tensor
+    key_rope: torch.Tensor
+    out_dtype: torch.dtype
+
+
+def _require_float32(t, param: str, shape: tuple[int, ...] | None, what: str) -> torch.Tensor:
+    if not isinstance(t, torch.Tensor):
+        raise ParamInvalidError(f"{param}: expected a float32 tensor ({what}), got {describe(t)}")
+    if t.dtype != torch.float32:
+        raise ParamInvalidError(f"{param}: expected dtype float32 ({what}), got {describe(t)}")
+    if shape is not None and tuple(t.shape) != shape:
+        raise ParamInvalidError(f"{param}: expected shape {list(shape)} ({what}), got {describe(t)}")
+    return t
+
+
+def _per_tensor(t, param: str) -> torch.Tensor:
+    _require_float32(t, param, None, "one per-tensor value")
+    if t.numel() != 1 or t.dim() > 1:
+        raise ParamInvalidError(f"{param}: expected one per-tensor value, shape [1] or [], got {describe(t)}")
+    return t.reshape(())
+
+
+def query_scale_shape(query: torch.Tensor, input_layout: str, num_heads: int) -> tuple[int, ...]:
+    """Per token and head: the query's shape without D ([B, S, N] for BSH)."""
+    if input_layout.split("_")[0] == "BSH" and query.dim() == 3:
+        return (query.shape[0], query.shape[1], num_heads)
+    return tuple(query.shape[:-1])
+
+
+def dequantise_mla_query(query, key, value, *, query_rope, key_rope, dequant_scale_query, dequant_scale_key,
+                         dequant_scale_value, key_quant_mode, value_quant_mode, input_layout: str,
+                         num_heads: int) -> Dequantised:
+    """The int8 MLA call: int8 query [.., 512] (query_quant_mode 3) and the int8 latent cache (ND, or NZ
+    [blockNum, N, D/32, blockSize, 32]) with per-tensor key/value scales (modes 0), rope parts unscaled; all
+    scales float32. The operands become float32 (x * scale, one fp32 rounding: the int8 products the NPU
+    accumulates exactly, scaled once); an NZ cache becomes the ND cache [blockNum, blockSize, N * D] of the same
+    tokens (float32 has no NZ form)."""
+    if query_rope is None or key_rope is None:
+        raise ParamInvalidError("query_rope: an int8 query (full quantisation) is documented for MLA only (query_rope "
+                                "and key_rope with D = 512), got None")
+    if query.shape[-1] != MLA_LATENT:
+        raise ParamInvalidError(f"query: an int8 query (full quantisation) needs D = {MLA_LATENT} (MLA), "
+                                f"got {describe(query)}")
+    for name, t in (("query_rope", query_rope), ("key_rope", key_rope)):
+        if not isinstance(t, torch.Tensor) or t.dtype not in (torch.float16, torch.bfloat16):
+            raise ParamInvalidError(f"{name}: expected float16 or bfloat16 with an int8 query, got {describe(t)}")
+    if key_rope.dtype != query_rope.dtype:
+        raise ParamInvalidError(f"key_rope: expected query_rope's dtype {query_rope.dtype}, got {describe(key_rope)}")
+    for name, t in (("key", key), ("value", value)):
+        if not isinstance(t, torch.Tensor) or t.dtype != torch.int8:
+            raise ParamInvalidError(f"{name}: expected int8 with an int8 query, got {describe(t)}")
+    for name, mode in (("key_quant_mode", key_quant_mode), ("value_quant_mode", value_quant_mode)):
+        if isinstance(mode, bool) or mode != 0:
+            raise ParamInvalidError(f"{name}: an int8 query takes 0 (per-tensor latent scale), got {mode!r}")
+    q_scale = _require_float32(dequant_scale_query, "dequant_scale_query",
+                               query_scale_shape(query, input_layout, num_heads), "per token and head")
+    k_scale = _per_tensor(dequant_scale_key, "dequant_scale_key")
+    v_scale = _per_tensor(dequant_scale_value, "dequant_scale_value")
+    f32 = torch.float32
+    q = dequant.dequantize_values(query.reshape(*q_scale.shape, -1), q_scale.unsqueeze(-1), f32)
+    k = dequant.dequantize_values(_nd_cache(key), k_scale, f32)
+    same = value is key and (dequant_scale_value is dequant_scale_key or torch.equal(k_scale, v_scale))
+    v = k if same else dequant.dequantize_values(_nd_cache(value), v_scale, f32)
+    return Dequantised(q.reshape(query.shape), k, v, query_rope.to(f32), _nd_cache(key_rope).to(f32),
+                       query_rope.dtype)
+
+
+def _nd_cache(cache: torch.Tensor) -> torch.Tensor:
+    """An NZ cache [blockNum, N, D/c0, blockSize, c0] as the ND cache [blockNum, blockSize, N * D]; others as
+    they are."""
+    if cache.dim() != 5:
+        return cache
+    return cache.permute(0, 3, 1, 2, 4).flatten(2)
+
+
+def dequantise_paged_tokens(key, value, *, query_dtype: torch.dtype, block_table, dequant_scale_key,
+                            dequant_scale_value, dequant_offset_key, dequant_offset_value, key_quant_mode,
+                            value_quant_mode) -> tuple[torch.Tensor, torch.Tensor]:
+    """key/value_quant_mode 4: int8 or float8_e4m3fn paged caches ([blockNum, blockSize, H] or [blockNum, N,
+    blockSize, D]) with one float32 scale per cached token, [blockNum, blockSize]; x * scale in fp32 rounded once
+    to the query dtype. fp8 caches are beyond the pages' dtype list (qwen3_moe's call)."""
+    if key_quant_mode != value_quant_mode:
+        raise ParamInvalidError(f"key_quant_mode/value_quant_mode: mode 4 needs both 4, got {key_quant_mode} and "
+                                f"{value_quant_mode}")
+    if block_table is None:
+        raise ParamInvalidError("key_quant_mode: 4 (per-token scales managed by PageAttention) needs block_table")
+    for name, t in (("key", key), ("value", value)):
+        if not isinstance(t, torch.Tensor) or t.dtype not in (torch.int8, torch.float8_e4m3fn) or t.dim() not in (3, 4):
+            raise ParamInvalidError(f"{name}: key_quant_mode 4 takes an int8 or float8_e4m3fn paged cache "
+                                    f"[blockNum, blockSize, H] or [blockNum, N, blockSize, D], got {describe(t)}")
+    if value.dtype != key.dtype:
+        raise ParamInvalidError(f"value: expected the key's dtype {key.dtype}, got {describe(value)}")
+    for name, t in (("dequant_offset_key", dequant_offset_key), ("dequant_offset_value", dequant_offset_value)):
+        if t is not None:
+            raise ParamInvalidError(f"{name}: key_quant_mode 4 takes scales only, got {describe(t)}")
+    if key.dtype == torch.float8_e4m3fn:
+        from .policy import beyond_docs
+
+        beyond_docs("key", "a float8_e4m3fn KV cache with key_quant_mode 4", FP8_KV_CALLER)
+    slots = key.shape[1] if key.dim() == 3 else key.shape[2]
+    shape = (key.shape[0], slots)
+    k_scale = _require_float32(dequant_scale_key, "dequant_scale_key", shape, "per token, [blockNum, blockSize]")
+    v_scale = _require_float32(dequant_scale_value, "dequant_scale_value", shape, "per token, [blockNum, blockSize]")
+
+    def per_slot(scale: torch.Tensor, cache: torch.Tensor) -> torch.Tensor:
+        return scale.unsqueeze(-1) if cache.dim() == 3 else scale.reshape(shape[0], 1, slots, 1)
+
+    return (dequant.dequantize_values(key, per_slot(k_scale, key), query_dtype),
+            dequant.dequantize_values(value, per_slot(v_scale, value), query_dtype))

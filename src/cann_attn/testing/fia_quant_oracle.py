@@ -1,0 +1,29 @@
+"""Float64 oracle of FusedInferAttentionScore v2's quantised calls (docs/operators/fused_infer_attention_score.md,
+"Quantised queries and fp8 caches"), written from op-plugin's npu_fused_infer_attention_score_v2 page: every
+quantised operand stands for its value times its scale (the int8 MLA query per token and head, the int8 latent per
+tensor, paged caches per cached token), the rope parts are taken as given, and attention is then the float formula
+of `fia_oracle` over those float64 values (no intermediate rounding)."""
+
+from __future__ import annotations
+
+import torch
+
+from .fia_oracle import fia_oracle
+
+__all__ = ["dequantised_values", "int8_mla_oracle"]
+
+
+def dequantised_values(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """x * scale in float64, `scale` broadcasting against x."""
+    return x.to(torch.float64) * scale.to(torch.float64)
+
+
+def int8_mla_oracle(query, key, value, *, query_rope, key_rope, dequant_scale_query, dequant_scale_key,
+                    dequant_scale_value, num_heads: int, scale: float, input_layout: str, **kwargs):
+    """(attention_out float64, softmax_lse) of the int8 MLA call over contiguous keys: query [.., N, 512] with
+    `dequant_scale_query` of the query's shape without D, key/value the int8 latent with one scale each."""
+    q = dequantised_values(query, dequant_scale_query.unsqueeze(-1))
+    k = dequantised_values(key, dequant_scale_key.reshape(()))
+    v = dequantised_values(value, dequant_scale_value.reshape(()))
+    return fia_oracle(q, k, v, query_rope=query_rope.to(torch.float64), key_rope=key_rope.to(torch.float64),
+                      num_heads=num_heads, num_key_value_heads=1, scale=scale, input_layout=input_layout, **kwargs)
