@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 from cann_attn.cli import main as cli_main
 
 # A FlashAttentionScore case small enough for many CLI runs per test.
@@ -14,6 +17,12 @@ SMALL_FP16_FA = {
     "params": {"head_num": 2, "input_layout": "BSND", "scale_value": 0.25},
 }
 
+
+def write_case(directory: Path, case: dict, name: str = "case.json") -> Path:
+    """`case` written as the JSON case file `directory/name`; its path."""
+    path = directory / name
+    path.write_text(json.dumps(case))
+    return path
 
 
 def run_main(capsys, *args) -> tuple[int, str, str]:

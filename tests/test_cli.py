@@ -14,6 +14,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from cli_utils import run_main
 from patience import HANG_SECONDS
 
 
@@ -246,16 +247,6 @@ def test_real_benchmarks_take_the_devices_they_declare():
 _SCI = re.compile(r"^-?\d\.\d\de[+-]\d\d$")
 
 
-def _main(capsys, *args) -> tuple[int, str, str]:
-    """The CLI in-process under capsys, whose stdout is not a terminal: (exit status, stdout, stderr)."""
-    from cann_attn.cli import main as cli_main
-
-    capsys.readouterr()
-    rc = cli_main.main([str(a) for a in args])
-    captured = capsys.readouterr()
-    return rc, captured.out, captured.err
-
-
 def test_plain_table_pads_columns_and_drops_markup():
     from cann_attn.cli.output import Column, plain_table
 
@@ -279,7 +270,7 @@ def test_terminal_output_keeps_the_rich_table():
 def test_verify_off_a_terminal_prints_every_number_in_full(columns, monkeypatch, capsys):
     """`cann-attn verify | cat`: however narrow the assumed width, no cell is cut or wrapped."""
     monkeypatch.setenv("COLUMNS", columns)
-    rc, out, _ = _main(capsys, "verify", "--quick", "--op", "prompt_flash_attention")
+    rc, out, _ = run_main(capsys, "verify", "--quick", "--op", "prompt_flash_attention")
     assert rc == 0, out
     assert "…" not in out and "│" not in out and "\x1b[" not in out
     rows = [line.split() for line in out.splitlines() if line.startswith("prompt_flash_attention ")]
@@ -291,7 +282,7 @@ def test_verify_off_a_terminal_prints_every_number_in_full(columns, monkeypatch,
 
 
 def test_verify_json_on_stdout(capsys):
-    rc, out, _ = _main(capsys, "verify", "--quick", "--op", "lightning_indexer", "--json", "-")
+    rc, out, _ = run_main(capsys, "verify", "--quick", "--op", "lightning_indexer", "--json", "-")
     assert rc == 0
     report = json.loads(out)  # the whole of stdout is the JSON document
     assert report["passed"] is True and report["failing_cases"] == [] and report["cases"] >= 1
@@ -316,7 +307,7 @@ def test_verify_json_file_reports_a_failure(monkeypatch, capsys, tmp_path):
 
     monkeypatch.setattr(cann_attn, "flash_attention_score", nan_output)
     report_path = tmp_path / "verify.json"
-    rc, out, _ = _main(capsys, "verify", "--quick", "--op", "flash_attention_score", "--case", "bsnd",
+    rc, out, _ = run_main(capsys, "verify", "--quick", "--op", "flash_attention_score", "--case", "bsnd",
                        "--json", report_path)
     assert rc == 1 and "FAILED" in out  # the table still prints with a file target
     report = json.loads(report_path.read_text(), parse_constant=lambda c: pytest.fail(f"non-standard JSON {c}"))
@@ -326,7 +317,7 @@ def test_verify_json_file_reports_a_failure(monkeypatch, capsys, tmp_path):
 
 
 def test_verify_json_unwritable_is_a_usage_error(capsys, tmp_path):
-    rc, _, err = _main(capsys, "verify", "--quick", "--op", "lightning_indexer", "--json", tmp_path)
+    rc, _, err = run_main(capsys, "verify", "--quick", "--op", "lightning_indexer", "--json", tmp_path)
     assert rc == 2 and "--json" in err
 
 
@@ -341,7 +332,7 @@ def fp16_golden(tmp_path, capsys):
         "params": {"head_num": 2, "input_layout": "BSND", "scale_value": 0.25},
     }
     (tmp_path / "case.json").write_text(json.dumps(case))
-    rc, _, err = _main(capsys, "golden", "--case", tmp_path / "case.json", "--out", tmp_path / "golden",
+    rc, _, err = run_main(capsys, "golden", "--case", tmp_path / "case.json", "--out", tmp_path / "golden",
                        "--actual", tmp_path / "actual")
     assert rc == 0, err
     return tmp_path
@@ -349,9 +340,9 @@ def fp16_golden(tmp_path, capsys):
 
 def test_golden_and_compare_off_a_terminal_are_plain(fp16_golden, monkeypatch, capsys):
     monkeypatch.setenv("COLUMNS", "40")
-    rc, out, _ = _main(capsys, "golden", "--case", fp16_golden / "case.json", "--out", fp16_golden / "g2")
+    rc, out, _ = run_main(capsys, "golden", "--case", fp16_golden / "case.json", "--out", fp16_golden / "g2")
     assert rc == 0 and "┃" not in out and "generated: normal" in out
-    rc, out, _ = _main(capsys, "compare", fp16_golden / "actual", fp16_golden / "golden")
+    rc, out, _ = run_main(capsys, "compare", fp16_golden / "actual", fp16_golden / "golden")
     assert rc == 0 and "…" not in out and "│" not in out
     rows = {line.split()[0]: line.split() for line in out.splitlines() if line.startswith(("attention_out", "softmax"))}
     assert set(rows) == {"attention_out", "softmax_max", "softmax_sum"}
@@ -360,7 +351,7 @@ def test_golden_and_compare_off_a_terminal_are_plain(fp16_golden, monkeypatch, c
 
 
 def test_compare_json_on_stdout(fp16_golden, capsys):
-    rc, out, _ = _main(capsys, "compare", fp16_golden / "actual", fp16_golden / "golden", "--json", "-")
+    rc, out, _ = run_main(capsys, "compare", fp16_golden / "actual", fp16_golden / "golden", "--json", "-")
     assert rc == 0
     report = json.loads(out)
     assert report["passed"] is True and report["op"] == "flash_attention_score"
@@ -370,5 +361,5 @@ def test_compare_json_on_stdout(fp16_golden, capsys):
 
     bad = fp16_golden / "bad.npy"
     np.save(bad, np.load(fp16_golden / "actual" / "attention_out.npy") * np.float16(1.1))
-    rc, out, _ = _main(capsys, "compare", bad, fp16_golden / "golden" / "attention_out.npy", "--json", "-")
+    rc, out, _ = run_main(capsys, "compare", bad, fp16_golden / "golden" / "attention_out.npy", "--json", "-")
     assert rc == 1 and json.loads(out)["passed"] is False

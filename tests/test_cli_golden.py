@@ -23,6 +23,7 @@ import torch
 from cann_attn.cli import casefile, tensorio
 from cann_attn.cli import cases as registry
 from cann_attn.cli import main as cli_main
+from cli_utils import run_main, write_case
 from patience import HANG_SECONDS
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -68,25 +69,11 @@ def _run(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run([*_cli(), *map(str, args)], capture_output=True, text=True, timeout=HANG_SECONDS, env=env)
 
 
-def _main(capsys, *args) -> tuple[int, str, str]:
-    """Run the CLI in-process: (exit status, stdout, stderr)."""
-    capsys.readouterr()
-    rc = cli_main.main([str(a) for a in args])
-    out = capsys.readouterr()
-    return rc, out.out, out.err
-
-
-def _case(tmp_path: Path, case: dict, name: str = "case.json") -> Path:
-    path = tmp_path / name
-    path.write_text(json.dumps(case))
-    return path
-
-
 @pytest.fixture(scope="module")
 def small_golden(tmp_path_factory):
     """SMALL_FA written by the real command, with the operator's own outputs (--actual)."""
     tmp = tmp_path_factory.mktemp("golden")
-    case = _case(tmp, SMALL_FA)
+    case = write_case(tmp, SMALL_FA)
     proc = _run("golden", "--case", case, "--out", tmp / "golden", "--actual", tmp / "actual")
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return tmp
@@ -151,7 +138,7 @@ def test_compare_perturbed_output_fails_naming_the_metric(small_golden, tmp_path
 
 
 def test_bad_case_file_subprocess_exit_2_one_line(tmp_path):
-    case = _case(tmp_path, {**SMALL_FA, "op": "no_such_op"})
+    case = write_case(tmp_path, {**SMALL_FA, "op": "no_such_op"})
     parent = tmp_path / "results"
     parent.mkdir()
     proc = _run("golden", "--case", case, "--out", parent / "out")
@@ -167,14 +154,16 @@ def test_bad_case_file_subprocess_exit_2_one_line(tmp_path):
 def test_compare_files_npy_and_bin(small_golden, capsys):
     golden, actual = small_golden / "golden", small_golden / "actual"
     for a, g in (("npy", "npy"), ("bin", "npy"), ("bin", "bin"), ("npy", "bin")):
-        rc, out, err = _main(capsys, "compare", actual / f"attention_out.{a}", golden / f"attention_out.{g}")
+        rc, out, err = run_main(capsys, "compare", actual / f"attention_out.{a}", golden / f"attention_out.{g}")
         assert rc == 0, (a, g, out, err)
         assert "bfloat16" in out  # thresholds of the manifest's dtype, not of the float32 .npy carrier
     # The bf16 .bin read as fp16 is not the golden's dtype: it fails before any metric.
-    rc, out, _ = _main(capsys, "compare", actual / "attention_out.bin", golden / "attention_out.npy", "--dtype", "fp16")
+    rc, out, _ = run_main(capsys, "compare", actual / "attention_out.bin", golden / "attention_out.npy", "--dtype",
+                          "fp16")
     assert rc == 1 and "dtype float16 != expected bfloat16" in out
     # Wrong size for the dtype: bad input.
-    rc, _, err = _main(capsys, "compare", actual / "attention_out.bin", golden / "attention_out.npy", "--dtype", "fp32")
+    rc, _, err = run_main(capsys, "compare", actual / "attention_out.bin", golden / "attention_out.npy", "--dtype",
+                          "fp32")
     assert rc == 2 and "bytes, expected" in err and len(err.strip().splitlines()) == 1
 
 
@@ -184,12 +173,12 @@ def test_compare_fails_an_actual_of_another_dtype(small_golden, tmp_path, capsys
     golden = small_golden / "golden" / "softmax_sum.npy"
     g = np.load(golden)
     np.save(tmp_path / "fp16.npy", g.astype(np.float16))
-    rc, out, _ = _main(capsys, "compare", tmp_path / "fp16.npy", golden)
+    rc, out, _ = run_main(capsys, "compare", tmp_path / "fp16.npy", golden)
     assert rc == 1 and "dtype float16 != expected float32" in out
-    rc, out, _ = _main(capsys, "compare", tmp_path / "fp16.npy", golden, "--json", tmp_path / "r.json")
+    rc, out, _ = run_main(capsys, "compare", tmp_path / "fp16.npy", golden, "--json", tmp_path / "r.json")
     assert rc == 1 and not json.loads((tmp_path / "r.json").read_text())["passed"]
     np.save(tmp_path / "same.npy", g)
-    assert _main(capsys, "compare", tmp_path / "same.npy", golden)[0] == 0
+    assert run_main(capsys, "compare", tmp_path / "same.npy", golden)[0] == 0
 
 
 def test_compare_fails_nan_and_inf_the_golden_lacks(small_golden, tmp_path, capsys):
@@ -201,7 +190,7 @@ def test_compare_fails_nan_and_inf_the_golden_lacks(small_golden, tmp_path, caps
         a = g.copy()
         a.reshape(-1)[3] = bad
         np.save(tmp_path / "bad.npy", a)
-        rc, out, _ = _main(capsys, "compare", tmp_path / "bad.npy", golden, "--json", tmp_path / "r.json")
+        rc, out, _ = run_main(capsys, "compare", tmp_path / "bad.npy", golden, "--json", tmp_path / "r.json")
         assert rc == 1 and "1 NaN/inf values where the golden holds other values" in out, out
         text = (tmp_path / "r.json").read_text()
         report = json.loads(text, parse_constant=lambda c: pytest.fail(f"non-standard JSON constant {c}"))
@@ -213,7 +202,7 @@ def test_compare_mere_mare_undefined_without_golden_elements_above_the_cut(tmp_p
     not a perfect 0."""
     np.save(tmp_path / "g.npy", np.zeros(64, dtype=np.float32))
     np.save(tmp_path / "a.npy", np.full(64, 1e-6, dtype=np.float32))
-    rc, _, _ = _main(capsys, "compare", tmp_path / "a.npy", tmp_path / "g.npy", "--json", tmp_path / "r.json")
+    rc, _, _ = run_main(capsys, "compare", tmp_path / "a.npy", tmp_path / "g.npy", "--json", tmp_path / "r.json")
     tensor = json.loads((tmp_path / "r.json").read_text())["tensors"][0]
     assert rc == 0 and tensor["mere"] is None and tensor["mare"] is None
 
@@ -224,7 +213,7 @@ def test_compare_dir_with_bin_only_actual_and_json(small_golden, tmp_path, capsy
     for name in ("attention_out", "softmax_max", "softmax_sum"):
         shutil.copy(small_golden / "actual" / f"{name}.bin", actual)
     report = tmp_path / "report.json"
-    rc, out, _ = _main(capsys, "compare", actual, small_golden / "golden", "--json", report)
+    rc, out, _ = run_main(capsys, "compare", actual, small_golden / "golden", "--json", report)
     assert rc == 0, out
     data = json.loads(report.read_text())
     assert data["passed"] and [t["name"] for t in data["tensors"]] == ["attention_out", "softmax_max", "softmax_sum"]
@@ -243,13 +232,13 @@ def test_compare_strict_gates_mere_mare_and_missing_tensor_fails(small_golden, t
     flat[big] *= 1.5
     np.save(actual / "attention_out.npy", flat.reshape(out.shape))
     shutil.copy(golden / "softmax_sum.npy", actual)
-    rc, out_text, _ = _main(capsys, "compare", actual, golden)
+    rc, out_text, _ = run_main(capsys, "compare", actual, golden)
     assert rc == 1 and "softmax_max: missing" in out_text
     shutil.copy(golden / "softmax_max.npy", actual)
-    rc, out_text, _ = _main(capsys, "compare", actual, golden)
+    rc, out_text, _ = run_main(capsys, "compare", actual, golden)
     assert rc == 0, out_text
     assert "MERE/MARE over their limits for attention_out" in out_text
-    rc, out_text, _ = _main(capsys, "compare", actual, golden, "--strict")
+    rc, out_text, _ = run_main(capsys, "compare", actual, golden, "--strict")
     assert rc == 1 and "attention_out: MARE" in out_text and "Ascend rule:" not in out_text
 
 
@@ -260,7 +249,7 @@ def test_compare_missing_tensor_listed_in_actual_manifest_fails_with_exit_1(smal
     for suffix in ("npy", "bin"):
         (actual / f"softmax_max.{suffix}").unlink()
     report = tmp_path / "report.json"
-    rc, out, err = _main(capsys, "compare", actual, small_golden / "golden", "--json", report)
+    rc, out, err = run_main(capsys, "compare", actual, small_golden / "golden", "--json", report)
     assert rc == 1, out + err
     assert "FAIL: 1 of 3 tensors fail" in out and "softmax_max: missing: softmax_max.npy, softmax_max.bin" in out
     tensors = {t["name"]: t for t in json.loads(report.read_text())["tensors"]}
@@ -282,21 +271,21 @@ def test_compare_actual_manifest_is_the_source_of_truth(small_golden, tmp_path, 
     bits = np.frombuffer(good_bin, dtype="<u2").astype(np.int16).copy()
     values = torch.from_numpy(bits).view(torch.bfloat16) * 1.05 + 0.01
     values.view(torch.int16).numpy().astype("<u2").tofile(both / "attention_out.bin")
-    rc, out, _ = _main(capsys, "compare", both, golden)
+    rc, out, _ = run_main(capsys, "compare", both, golden)
     assert rc == 1 and "FAIL: 1 of 3 tensors fail" in out and "attention_out: Ascend rule:" in out, out
     assert "attention_out.npy and attention_out.bin (both listed in" in out
     assert "(attention_out.npy passes, attention_out.bin fails); the row is attention_out.bin's" in out
     # The manifest lists only the .bin files: a .npy next to them is ignored.
     _rewrite_manifest(both, lambda m: [e["files"].pop("npy") for e in m["tensors"]])
-    rc, out, _ = _main(capsys, "compare", both, golden)
+    rc, out, _ = run_main(capsys, "compare", both, golden)
     assert rc == 1 and "attention_out: Ascend rule:" in out and "differ" not in out, out
     (both / "attention_out.bin").write_bytes(good_bin)
     np.save(both / "softmax_sum.npy", np.zeros_like(np.load(golden / "softmax_sum.npy")))
-    rc, out, _ = _main(capsys, "compare", both, golden)
+    rc, out, _ = run_main(capsys, "compare", both, golden)
     assert rc == 0 and "PASS: 3/3 tensors" in out, out
     # A tensor the manifest does not list is missing, even if NAME.npy is there.
     _rewrite_manifest(both, lambda m: m.update(tensors=[e for e in m["tensors"] if e["name"] != "softmax_sum"]))
-    rc, out, _ = _main(capsys, "compare", both, golden)
+    rc, out, _ = run_main(capsys, "compare", both, golden)
     assert rc == 1 and "softmax_sum: missing:" in out and "does not list softmax_sum" in out, out
 
 
@@ -320,9 +309,10 @@ def test_malformed_manifest_is_a_usage_error(small_golden, tmp_path, capsys, ten
         ["compare", bad, small_golden / "golden"],
         ["compare", small_golden / "golden", bad],
         ["compare", small_golden / "golden" / "attention_out.npy", bad / "attention_out.npy"],
-        ["golden", "--case", _case(tmp_path, _without(SMALL_FA, "inputs")), "--out", tmp_path / "o", "--inputs", bad],
+        ["golden", "--case", write_case(tmp_path, _without(SMALL_FA, "inputs")), "--out", tmp_path / "o", "--inputs",
+         bad],
     ):
-        rc, out, err = _main(capsys, *args)
+        rc, out, err = run_main(capsys, *args)
         assert rc == 2, (args, out, err)
         lines = err.strip().splitlines()
         assert len(lines) == 1 and f"manifest.json: tensors[0]: {message}" in lines[0], (args, err)
@@ -331,7 +321,7 @@ def test_malformed_manifest_is_a_usage_error(small_golden, tmp_path, capsys, ten
 @pytest.mark.parametrize("target", ["/nonexistent/dir/report.json", "{tmp}", "/dev/null/report.json"])
 def test_compare_unwritable_json_is_a_usage_error_before_comparing(small_golden, tmp_path, capsys, target):
     golden = small_golden / "golden"
-    rc, out, err = _main(capsys, "compare", golden, golden, "--json", target.format(tmp=tmp_path))
+    rc, out, err = run_main(capsys, "compare", golden, golden, "--json", target.format(tmp=tmp_path))
     assert rc == 2 and out == "", (out, err)  # before the table
     lines = err.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("cann-attn: error: --json:"), err
@@ -348,7 +338,7 @@ def test_compare_unwritable_json_is_a_usage_error_before_comparing(small_golden,
 )
 def test_compare_bad_usage_exit_2(small_golden, capsys, args, message):
     fmt = {"golden": small_golden / "golden", "parent": small_golden}
-    rc, _, err = _main(capsys, *(a.format(**fmt) for a in args))
+    rc, _, err = run_main(capsys, *(a.format(**fmt) for a in args))
     assert rc == 2 and message in err and len(err.strip().splitlines()) == 1, err
 
 
@@ -415,10 +405,10 @@ BAD_CASES = {
 @pytest.mark.parametrize("name", list(BAD_CASES))
 def test_bad_case_file_exit_2_one_line_naming_the_field(name, tmp_path, capsys):
     case, message = BAD_CASES[name]
-    path = _case(tmp_path, case)
+    path = write_case(tmp_path, case)
     parent = tmp_path / "results"
     parent.mkdir()
-    rc, out, err = _main(capsys, "golden", "--case", path, "--out", parent / "out")
+    rc, out, err = run_main(capsys, "golden", "--case", path, "--out", parent / "out")
     assert rc == 2, (out, err)
     lines = err.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("cann-attn: error:") and message in lines[0], err
@@ -428,15 +418,15 @@ def test_bad_case_file_exit_2_one_line_naming_the_field(name, tmp_path, capsys):
 def test_invalid_json_and_missing_file(tmp_path, capsys):
     path = tmp_path / "broken.json"
     path.write_text('{"op": "flash_attention_score",')
-    rc, _, err = _main(capsys, "golden", "--case", path, "--out", tmp_path / "out")
+    rc, _, err = run_main(capsys, "golden", "--case", path, "--out", tmp_path / "out")
     assert rc == 2 and "not valid JSON" in err and len(err.strip().splitlines()) == 1
-    rc, _, err = _main(capsys, "golden", "--case", tmp_path / "none.json", "--out", tmp_path / "out")
+    rc, _, err = run_main(capsys, "golden", "--case", tmp_path / "none.json", "--out", tmp_path / "out")
     assert rc == 2 and "--case: cannot read" in err
     assert sorted(p.name for p in tmp_path.iterdir()) == ["broken.json"]
 
 
 def test_binary_case_file_is_a_usage_error(small_golden, tmp_path, capsys):
-    rc, _, err = _main(capsys, "golden", "--case", small_golden / "golden" / "query.npy", "--out", tmp_path / "out")
+    rc, _, err = run_main(capsys, "golden", "--case", small_golden / "golden" / "query.npy", "--out", tmp_path / "out")
     assert rc == 2 and "not a JSON case file (not UTF-8 text)" in err and len(err.strip().splitlines()) == 1, err
     assert list(tmp_path.iterdir()) == []
 
@@ -454,7 +444,7 @@ def test_unwritable_output_is_a_usage_error_before_any_work(tmp_path, capsys, mo
 
     monkeypatch.setattr("cann_attn.cli.golden.load_case", no_work)
     args = ["--out", target] if option == "--out" else ["--out", tmp_path / "golden", "--actual", target]
-    rc, out, err = _main(capsys, "golden", "--case", _case(tmp_path, SMALL_FA), *args)
+    rc, out, err = run_main(capsys, "golden", "--case", write_case(tmp_path, SMALL_FA), *args)
     assert rc == 2, (out, err)
     lines = err.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith(f"cann-attn: error: {option}: cannot write"), err
@@ -468,7 +458,7 @@ def test_staged_open_failure_is_a_usage_error():
 
 
 def test_failure_while_writing_leaves_nothing(tmp_path, capsys, monkeypatch):
-    path = _case(tmp_path, SMALL_FA)
+    path = write_case(tmp_path, SMALL_FA)
     parent = tmp_path / "results"
     parent.mkdir()
     calls = []
@@ -490,10 +480,10 @@ def test_existing_out_needs_force(small_golden, tmp_path, capsys):
     out = tmp_path / "out"
     out.mkdir()
     (out / "keep.txt").write_text("x")
-    path = _case(tmp_path, SMALL_FA)
-    rc, _, err = _main(capsys, "golden", "--case", path, "--out", out)
+    path = write_case(tmp_path, SMALL_FA)
+    rc, _, err = run_main(capsys, "golden", "--case", path, "--out", out)
     assert rc == 2 and "--force" in err and (out / "keep.txt").exists()
-    rc, _, err = _main(capsys, "golden", "--case", path, "--out", out, "--force")
+    rc, _, err = run_main(capsys, "golden", "--case", path, "--out", out, "--force")
     assert rc == 0, err
     assert not (out / "keep.txt").exists() and (out / "manifest.json").exists()
     # Same case, same seed: the same bytes as the subprocess run.
@@ -504,12 +494,12 @@ def test_existing_out_needs_force(small_golden, tmp_path, capsys):
 
 def test_inputs_from_golden_dir_and_npy_files(small_golden, tmp_path, capsys):
     golden = small_golden / "golden"
-    params_only = _case(tmp_path, _without(SMALL_FA, "inputs", "seed"))
-    rc, _, err = _main(capsys, "golden", "--case", params_only, "--out", tmp_path / "a", "--inputs", golden)
+    params_only = write_case(tmp_path, _without(SMALL_FA, "inputs", "seed"))
+    rc, _, err = run_main(capsys, "golden", "--case", params_only, "--out", tmp_path / "a", "--inputs", golden)
     assert rc == 0, err
     names = ("query", "key", "value", "atten_mask")
     files = [golden / f"{n}.npy" for n in names[:2]] + [f"value={golden / 'value.npy'}", golden / "atten_mask.npy"]
-    rc, _, err = _main(capsys, "golden", "--case", params_only, "--out", tmp_path / "b", "--inputs", *files)
+    rc, _, err = run_main(capsys, "golden", "--case", params_only, "--out", tmp_path / "b", "--inputs", *files)
     assert rc == 0, err
     for d in ("a", "b"):
         manifest = json.loads((tmp_path / d / "manifest.json").read_text())
@@ -517,12 +507,13 @@ def test_inputs_from_golden_dir_and_npy_files(small_golden, tmp_path, capsys):
         for name in ("attention_out", "softmax_max", "softmax_sum"):
             assert (tmp_path / d / f"{name}.bin").read_bytes() == (golden / f"{name}.bin").read_bytes()
     # One tensor replaced: the others are still those of the seeded case (the replaced one is drawn all the same).
-    full = _case(tmp_path, SMALL_FA, "full.json")
-    rc, _, err = _main(capsys, "golden", "--case", full, "--out", tmp_path / "c", "--inputs", golden / "query.npy")
+    full = write_case(tmp_path, SMALL_FA, "full.json")
+    rc, _, err = run_main(capsys, "golden", "--case", full, "--out", tmp_path / "c", "--inputs", golden / "query.npy")
     assert rc == 0, err
     for name in ("key.bin", "value.bin", "attention_out.bin"):
         assert (tmp_path / "c" / name).read_bytes() == (golden / name).read_bytes()
-    rc, _, err = _main(capsys, "golden", "--case", params_only, "--out", tmp_path / "d", "--inputs", golden / "qq.npy")
+    rc, _, err = run_main(capsys, "golden", "--case", params_only, "--out", tmp_path / "d", "--inputs",
+                          golden / "qq.npy")
     assert rc == 2 and "no such file" in err
 
 
@@ -542,12 +533,12 @@ def test_examples_cover_every_operator():
 @pytest.mark.parametrize("example", EXAMPLES, ids=[p.stem for p in EXAMPLES])
 def test_example_round_trip(example, tmp_path, capsys):
     golden, actual = tmp_path / "golden", tmp_path / "actual"
-    rc, out, err = _main(capsys, "golden", "--case", example, "--out", golden, "--actual", actual)
+    rc, out, err = run_main(capsys, "golden", "--case", example, "--out", golden, "--actual", actual)
     assert rc == 0, out + err
     manifest = tensorio.read_manifest(golden)
     outputs = [e["name"] for e in manifest["tensors"] if e["role"] == "output"]
     assert outputs and manifest["op"] == json.loads(example.read_text())["op"]
-    rc, out, err = _main(capsys, "compare", actual, golden)
+    rc, out, err = run_main(capsys, "compare", actual, golden)
     assert rc == 0, out + err
     assert f"PASS: {len(outputs)}/{len(outputs)} tensors" in out
 
@@ -588,10 +579,10 @@ HUGE_CASES = {  # (case, options, message)
 @pytest.mark.parametrize("name", list(HUGE_CASES))
 def test_generated_sizes_checked_before_allocation_exit_2_naming_the_input(name, tmp_path, capsys, monkeypatch):
     case, options, message = HUGE_CASES[name]
-    path = _case(tmp_path, case)
+    path = write_case(tmp_path, case)
     if name != "drop_mask_over_max_bytes":  # the drop mask's size follows the drawn query and key
         _no_allocation(monkeypatch)
-    rc, out, err = _main(capsys, "golden", "--case", path, "--out", tmp_path / "out", *options)
+    rc, out, err = run_main(capsys, "golden", "--case", path, "--out", tmp_path / "out", *options)
     assert rc == 2, (out, err)
     lines = err.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("cann-attn: error:") and message in lines[0], err
@@ -599,7 +590,7 @@ def test_generated_sizes_checked_before_allocation_exit_2_naming_the_input(name,
 
 
 def test_max_bytes_must_be_a_positive_integer(tmp_path, capsys):
-    rc, out, err = _main(capsys, "golden", "--case", _case(tmp_path, SMALL_FA), "--out", tmp_path / "out",
+    rc, out, err = run_main(capsys, "golden", "--case", write_case(tmp_path, SMALL_FA), "--out", tmp_path / "out",
                          "--max-bytes", "0")
     assert rc == 2 and "--max-bytes" in err and "expected a positive integer, got '0'" in err, (out, err)
 

@@ -19,20 +19,13 @@ import pytest
 import torch
 
 from cann_attn.cli import cases as registry
-from cann_attn.cli import main as cli_main
 from cann_attn.cli import tensorio
 from cann_attn.testing.dsa_oracle import lightning_indexer_oracle, sparse_attention_oracle
 from cann_attn.testing.fia_oracle import fia_oracle
+from cli_utils import run_main
 
 ROOT = Path(__file__).resolve().parents[1]
 PAGED = {p.stem: p for p in (ROOT / "examples" / "cases").glob("*_paged.json")}
-
-
-def _main(capsys, *args) -> tuple[int, str, str]:
-    capsys.readouterr()
-    rc = cli_main.main([str(a) for a in args])
-    out = capsys.readouterr()
-    return rc, out.out, out.err
 
 
 # ------------------------------------------------------------------------------------------------------
@@ -80,7 +73,7 @@ def test_golden_refuses_a_dropped_parameter_with_one_line(tmp_path, capsys):
     }
     path = tmp_path / "case.json"
     path.write_text(json.dumps(case))
-    rc, _, err = _main(capsys, "golden", "--case", path, "--out", tmp_path / "g")
+    rc, _, err = run_main(capsys, "golden", "--case", path, "--out", tmp_path / "g")
     assert rc == 2 and len(err.strip().splitlines()) == 1, err
     assert "inputs.quant_scale_p: the golden of fused_infer_attention_score_v2 does not take" in err
     assert not (tmp_path / "g").exists()
@@ -92,16 +85,16 @@ def test_golden_refuses_grad_state_of_another_forward(tmp_path, capsys):
     derived = tmp_path / "derived"
     path = tmp_path / "case.json"
     path.write_text(json.dumps(case))
-    assert _main(capsys, "golden", "--case", path, "--out", derived)[0] == 0
+    assert run_main(capsys, "golden", "--case", path, "--out", derived)[0] == 0
     # the derived statistics given back as inputs are accepted ...
-    rc, out, err = _main(capsys, "golden", "--case", path, "--out", tmp_path / "again", "--inputs",
+    rc, out, err = run_main(capsys, "golden", "--case", path, "--out", tmp_path / "again", "--inputs",
                          derived / "softmax_max.npy", derived / "softmax_sum.npy", derived / "attention_in.npy")
     assert rc == 0, out + err
     # ... others are not
     shape = tensorio.read_npy(derived / "softmax_max.npy").shape
     case["inputs"]["softmax_max"] = {"shape": list(shape), "dtype": "float32"}
     path.write_text(json.dumps(case))
-    rc, _, err = _main(capsys, "golden", "--case", path, "--out", tmp_path / "bad")
+    rc, _, err = run_main(capsys, "golden", "--case", path, "--out", tmp_path / "bad")
     assert rc == 2 and len(err.strip().splitlines()) == 1, err
     assert "inputs.softmax_max: differs from the forward's" in err
 
@@ -210,7 +203,7 @@ def test_paged_fia_golden_reads_the_block_table(tmp_path, capsys):
     }
     path = tmp_path / "case.json"
     path.write_text(json.dumps(case))
-    rc, out, err = _main(capsys, "golden", "--case", path, "--out", tmp_path / "g")
+    rc, out, err = run_main(capsys, "golden", "--case", path, "--out", tmp_path / "g")
     assert rc == 0, out + err
     written = _tensors(tmp_path / "g")
     for name, want in _expected(case["op"], written, case["params"]).items():
@@ -221,7 +214,7 @@ def test_paged_fia_golden_reads_the_block_table(tmp_path, capsys):
 def test_paged_golden_round_trip(example, tmp_path, capsys):
     case = json.loads(PAGED[example].read_text())
     golden, actual = tmp_path / "golden", tmp_path / "actual"
-    rc, out, err = _main(capsys, "golden", "--case", PAGED[example], "--out", golden, "--actual", actual)
+    rc, out, err = run_main(capsys, "golden", "--case", PAGED[example], "--out", golden, "--actual", actual)
     assert rc == 0, out + err
     written = _tensors(golden)
     assert written["block_table"].dtype == torch.int32
@@ -229,18 +222,18 @@ def test_paged_golden_round_trip(example, tmp_path, capsys):
     for name, want in expected.items():
         got = written[name]
         assert torch.equal(got, want.to(got.dtype)), name
-    rc, out, err = _main(capsys, "compare", actual, golden)
+    rc, out, err = run_main(capsys, "compare", actual, golden)
     assert rc == 0 and f"PASS: {len(expected)}/{len(expected)}" in out, out + err
     _rewrite(actual, tmp_path / "npu", _npu_like)
-    rc, out, err = _main(capsys, "compare", tmp_path / "npu", golden)
+    rc, out, err = run_main(capsys, "compare", tmp_path / "npu", golden)
     assert rc == 0, out + err
     _rewrite(actual, tmp_path / "wrong", _broken)
-    rc, out, err = _main(capsys, "compare", tmp_path / "wrong", golden)
+    rc, out, err = run_main(capsys, "compare", tmp_path / "wrong", golden)
     assert rc == 1 and "FAIL" in out, out + err
 
 
 def test_verify_runs_the_paged_cases(capsys):
-    rc, out, err = _main(capsys, "verify", "--case", "paged", "--json", "-")
+    rc, out, err = run_main(capsys, "verify", "--case", "paged", "--json", "-")
     report = json.loads(out)
     assert rc == 0 and report["passed"], err
     ops = {row["op"] for row in report["outputs"]}

@@ -16,7 +16,7 @@ import pytest
 from cann_attn.cli import main as cli_main
 from cann_attn.cli import tensorio
 from cli_utils import SMALL_FP16_FA as FA
-from cli_utils import refused, run_main
+from cli_utils import refused, run_main, write_case
 from patience import HANG_SECONDS
 
 # sparse_indices is an int32 input: index 37 of 64 keys, given as values or loaded from a file.
@@ -32,16 +32,10 @@ SFA = {
 }
 
 
-def _case(directory: Path, case: dict, name: str = "case.json") -> Path:
-    path = directory / name
-    path.write_text(json.dumps(case))
-    return path
-
-
 @pytest.fixture(scope="module")
 def golden(tmp_path_factory) -> Path:
     tmp = tmp_path_factory.mktemp("g")
-    assert cli_main.main(["golden", "--case", str(_case(tmp, FA)), "--out", str(tmp / "golden")]) == 0
+    assert cli_main.main(["golden", "--case", str(write_case(tmp, FA)), "--out", str(tmp / "golden")]) == 0
     return tmp / "golden"
 
 
@@ -77,7 +71,7 @@ def test_inputs_directory_refuses_a_symlink_leading_out(golden, tmp_path, capsys
     inputs = tmp_path / "inputs"
     inputs.mkdir()
     (inputs / "query.npy").symlink_to(golden / "query.npy")
-    params_only = _case(tmp_path, {k: v for k, v in FA.items() if k != "inputs"})
+    params_only = write_case(tmp_path, {k: v for k, v in FA.items() if k != "inputs"})
     refused(capsys, "golden", "--case", params_only, "--out", tmp_path / "o", "--inputs", inputs,
             match="leads outside")
     assert not (tmp_path / "o").exists()
@@ -117,7 +111,7 @@ def test_case_file_must_be_a_regular_file(tmp_path):
 def test_tensor_files_must_be_regular_files(golden, tmp_path, capsys):
     fifo = tmp_path / "query.npy"
     os.mkfifo(fifo)
-    case = _case(tmp_path, FA)
+    case = write_case(tmp_path, FA)
     refused(capsys, "golden", "--case", case, "--out", tmp_path / "o", "--inputs", f"query={fifo}",
              match="not a regular file")
     # a .npy that is a link to a device
@@ -127,12 +121,12 @@ def test_tensor_files_must_be_regular_files(golden, tmp_path, capsys):
 
 
 def test_files_larger_than_the_bound_are_refused_before_reading(golden, tmp_path, capsys, monkeypatch):
-    case = _case(tmp_path, FA)
+    case = write_case(tmp_path, FA)
     monkeypatch.setattr(tensorio, "MAX_JSON_BYTES", 64)
     refused(capsys, "golden", "--case", case, "--out", tmp_path / "o", match="bytes, more than")
     monkeypatch.undo()
     # an --inputs file larger than --max-bytes (alone, and from a golden directory)
-    params_only = _case(tmp_path, {k: v for k, v in FA.items() if k != "inputs"}, "params.json")
+    params_only = write_case(tmp_path, {k: v for k, v in FA.items() if k != "inputs"}, "params.json")
     for inputs in ([golden / "query.npy", golden / "key.npy", golden / "value.npy"], [golden]):
         refused(capsys, "golden", "--case", params_only, "--out", tmp_path / "o", "--max-bytes", "1000",
                  "--inputs", *inputs, match="bytes, more than")
@@ -151,7 +145,7 @@ def test_out_symlink_is_written_through_to_its_target(tmp_path, capsys, existing
         (target / "stale").write_text("x")
     link = tmp_path / "out"
     link.symlink_to(target)
-    case = _case(tmp_path, FA)
+    case = write_case(tmp_path, FA)
     args = ["golden", "--case", case, "--out", link] + (["--force"] if existing else [])
     rc, _, err = run_main(capsys, *args)
     assert rc == 0, err
@@ -183,7 +177,7 @@ def test_lossy_input_conversion_is_refused(tmp_path, capsys, case, name, array, 
     golden), exit 0."""
     path = tmp_path / f"{name}.npy"
     np.save(path, array)
-    err = refused(capsys, "golden", "--case", _case(tmp_path, case), "--out", tmp_path / "o", "--inputs", path,
+    err = refused(capsys, "golden", "--case", write_case(tmp_path, case), "--out", tmp_path / "o", "--inputs", path,
                    match=dtypes)
     assert str(path) in err and "not exactly" in err
     assert not (tmp_path / "o").exists()
@@ -193,7 +187,7 @@ def test_lossless_input_conversion_is_taken(tmp_path, capsys):
     """int64 (NumPy's default integers) holding int32 values, float64 holding fp16 values: converted."""
     np.save(tmp_path / "sparse_indices.npy", np.array([[[[37, 1]], [[2, 3]], [[4, 5]], [[6, 7]]]], np.int64))
     np.save(tmp_path / "query.npy", np.full((1, 4, 2, 16), 0.5, np.float64))
-    rc, _, err = run_main(capsys, "golden", "--case", _case(tmp_path, SFA), "--out", tmp_path / "o", "--inputs",
+    rc, _, err = run_main(capsys, "golden", "--case", write_case(tmp_path, SFA), "--out", tmp_path / "o", "--inputs",
                        tmp_path / "sparse_indices.npy", tmp_path / "query.npy")
     assert rc == 0, err
     manifest = json.loads((tmp_path / "o" / "manifest.json").read_text())
@@ -214,7 +208,7 @@ def test_case_values_must_be_exactly_representable(tmp_path, capsys, values, dty
     spec = case["inputs"]["sparse_indices"]
     spec["values"][0][0][0][0] = values
     spec["dtype"] = dtype
-    err = refused(capsys, "golden", "--case", _case(tmp_path, case), "--out", tmp_path / "o",
+    err = refused(capsys, "golden", "--case", write_case(tmp_path, case), "--out", tmp_path / "o",
                    match="inputs.sparse_indices.values")
     assert message in err and dtype in err
 

@@ -17,18 +17,11 @@ from rich.console import Console
 
 from cann_attn.cli import cases as registry
 from cann_attn.cli import compare, verify
-from cann_attn.cli import main as cli_main
 from cann_attn.cli.metrics import TensorMetrics
+from cli_utils import run_main
 from patience import HANG_SECONDS
 
 ROOT = Path(__file__).resolve().parents[1]
-
-
-def _main(capsys, *args) -> tuple[int, str, str]:
-    capsys.readouterr()
-    rc = cli_main.main([str(a) for a in args])
-    out = capsys.readouterr()
-    return rc, out.out, out.err
 
 
 def _terminal(width: int) -> Console:
@@ -102,7 +95,7 @@ def _golden_and_actual(tmp_path, capsys, case_json: dict):
     case = tmp_path / "case.json"
     case.write_text(json.dumps(case_json))
     golden, actual = tmp_path / "golden", tmp_path / "actual"
-    rc, out, err = _main(capsys, "golden", "--case", case, "--out", golden, "--actual", actual)
+    rc, out, err = run_main(capsys, "golden", "--case", case, "--out", golden, "--actual", actual)
     assert rc == 0, out + err
     return golden, actual, json.loads((golden / "manifest.json").read_text())
 
@@ -114,7 +107,7 @@ def test_compare_applies_the_second_rule_with_its_reason(tmp_path, capsys):
     golden, actual, manifest = _golden_and_actual(tmp_path, capsys, SINK_GRAD)
     assert manifest["op"] == "flash_attention_score_grad"
     assert {e["name"] for e in manifest["tensors"] if e["role"] == "naive"} >= {"dq.naive", "dsink.naive"}
-    rc, out, err = _main(capsys, "compare", actual, golden)
+    rc, out, err = run_main(capsys, "compare", actual, golden)
     assert rc == 0, out + err
     dsink = next(line for line in out.splitlines() if line.startswith("dsink "))
     assert "over t" in dsink and "PASS (flash-attn rule)" in dsink
@@ -122,12 +115,12 @@ def test_compare_applies_the_second_rule_with_its_reason(tmp_path, capsys):
     assert "PASS by the flash-attn rule" in verdict and "flash-attn rule: max err" in verdict, out
     assert "Ascend rule over:" in verdict and " rel and " in verdict and " abs > t=" in verdict, out
     assert all("FAIL" not in line for line in out.splitlines() if line.startswith("verdict:")), out
-    rc, out, _ = _main(capsys, "compare", actual, golden, "--json", "-")
+    rc, out, _ = run_main(capsys, "compare", actual, golden, "--json", "-")
     row = next(t for t in json.loads(out)["tensors"] if t["name"] == "dsink")
     assert rc == 0 and row["by_second_rule"] and not row["ascend_pass"] and row["flash_attn_pass"]
     manifest["tensors"] = [e for e in manifest["tensors"] if e["role"] != "naive"]
     (golden / "manifest.json").write_text(json.dumps(manifest))
-    rc, out, _ = _main(capsys, "compare", actual, golden)
+    rc, out, _ = run_main(capsys, "compare", actual, golden)
     assert rc == 1 and "dsink: Ascend rule" in out
 
 
@@ -138,10 +131,11 @@ def test_torch_npu_names_are_aliases(tmp_path, capsys):
         assert npu_name in _registry.OPS, npu_name
         assert name in registry.OPERATORS or any(c.op == name for c in registry.CASES), name
     example = ROOT / "examples" / "cases" / "flash_attention_score.json"
-    rc, out, err = _main(capsys, "golden", "--op", "npu_fusion_attention", "--case", example, "--out", tmp_path / "g")
+    rc, out, err = run_main(capsys, "golden", "--op", "npu_fusion_attention", "--case", example, "--out",
+                            tmp_path / "g")
     assert rc == 0, out + err
     assert json.loads((tmp_path / "g" / "manifest.json").read_text())["op"] == "flash_attention_score"
-    rc, out, err = _main(capsys, "verify", "--op", "npu_incre_flash_attention", "--case", "paged")
+    rc, out, err = run_main(capsys, "verify", "--op", "npu_incre_flash_attention", "--case", "paged")
     assert rc == 0 and "incre_flash_attention" in out, out + err
 
 
@@ -185,7 +179,7 @@ def test_fia_gets_the_flash_attn_rule_like_pfa(tmp_path, capsys):
     # an output 1.9 times as far from the golden as the naive computation: beyond the Ascend allowance
     off = exact.astype(np.float64) + 1.9 * (reference.astype(np.float64) - exact)
     np.save(actual / "attention_out.npy", off.astype(exact.dtype))
-    _, out, _ = _main(capsys, "compare", actual, golden, "--json", "-")
+    _, out, _ = run_main(capsys, "compare", actual, golden, "--json", "-")
     row = next(t for t in json.loads(out)["tensors"] if t["name"] == "attention_out")
     assert row["flash_attn_pass"] is not None and not row["ascend_pass"]
     assert row["passed"] and row["verdict"].startswith("PASS by the flash-attn rule"), row["verdict"]
