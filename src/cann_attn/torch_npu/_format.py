@@ -84,7 +84,7 @@ def _check_customize_dtype(customize_dtype) -> None:
 
 
 @npu_op(NPU_FORMAT_CAST_SCHEMAS)
-def npu_format_cast(self: Tensor, acl_format, customize_dtype: int | None = None) -> Tensor:
+def npu_format_cast(self: Tensor, acl_format: int, customize_dtype: int | None = None) -> Tensor:
     """A new tensor with `self`'s shape, dtype and values in the storage format `acl_format` (an int or
     :class:`Format`); `self` itself when it already has that format. `customize_dtype` (the NZ chunk's dtype on
     the NPU) changes no value here."""
@@ -98,7 +98,7 @@ def npu_format_cast(self: Tensor, acl_format, customize_dtype: int | None = None
     return out
 
 
-def npu_format_cast_(self: Tensor, src, customize_dtype: int | None = None) -> Tensor:
+def npu_format_cast_(self: Tensor, src: int | Tensor, customize_dtype: int | None = None) -> Tensor:
     """`self`, its storage format set to `src`: an int or :class:`Format`, or a tensor whose format to take."""
     require(isinstance(self, Tensor), "self", "a torch.Tensor", self)
     target = get_npu_format(src) if isinstance(src, Tensor) else _target_format(src, "src", self)

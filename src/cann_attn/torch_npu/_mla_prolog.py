@@ -53,7 +53,7 @@ def _paged_prolog(
     dequant_scale_w_dkv_kr: Tensor | None = None, quant_scale_ckv: Tensor | None = None,
     quant_scale_ckr: Tensor | None = None, smooth_scales_cq: Tensor | None = None,
     rmsnorm_epsilon_cq: float = 1e-05, rmsnorm_epsilon_ckv: float = 1e-05, cache_mode: str = "PA_BSND",
-):
+) -> tuple[Tensor, ...]:
     """(query, query_rope, kv_cache, kr_cache, dequant_scale_q_nope) of the v1 / v2 spellings (their pages list the
     paged cache modes only)."""
     if cache_mode not in V1_V2_CACHE_MODES:
@@ -72,7 +72,7 @@ def _paged_prolog(
 def _paged_spelling(name: str, outputs: int, doc: str):
     """The v1 / v2 function: _paged_prolog's signature, its first `outputs` results."""
 
-    def call(*args, **kwargs):
+    def call(*args, **kwargs) -> tuple[Tensor, ...]:
         return _paged_prolog(*args, **kwargs)[:outputs]
 
     functools.update_wrapper(call, _paged_prolog)
@@ -105,7 +105,7 @@ def npu_mla_prolog_v3(
     qc_qr_scale: float = 1.0, kc_scale: float = 1.0, token_x_dtype: int | None = None,
     weight_dq_dtype: int | None = None, weight_uq_qr_dtype: int | None = None,
     weight_dkv_kr_dtype: int | None = None, kv_cache_dtype: int | None = None,
-):
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     """torch_npu.npu_mla_prolog_v3 -> ``(query, query_rope, dequant_scale_q_nope, query_norm,
     dequant_scale_q_norm)``, kv_cache / kr_cache updated in place. The ``*_dtype`` overrides (for storage dtypes
     torch has no name for) must be None."""

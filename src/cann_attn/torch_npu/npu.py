@@ -308,6 +308,8 @@ class NPUDeviceProperties:
 
 
 def get_device_properties(device: Any = None) -> NPUDeviceProperties:
+    """The properties of device `device` (None: the current one) with torch_npu's fields
+    (docs/guides/torch_npu.md, "The npu device")."""
     index = _device_argument_index(device, "device")
     if _on_cuda():
         cuda = _cuda("get_device_properties")(current_device() if index is None else index)
@@ -328,6 +330,8 @@ def is_support_inf_nan() -> bool:
 
 
 def is_initialized() -> bool:
+    """Whether the npu runtime is initialised (:func:`init`, or ``install()``), so :func:`_lazy_call` runs its
+    callback at once (docs/guides/torch_npu.md, "The npu device")."""
     return _RUNTIME["initialized"]
 
 
