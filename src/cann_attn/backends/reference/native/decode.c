@@ -276,18 +276,52 @@ static void decode_key_pairs(const struct decode_args *a, const char **rows, int
     }
 }
 
-/* bf16 / fp16 rows widened 16 lanes at a time (exact; the last 1..15 columns by widen_row). */
-__attribute__((target("avx512f,f16c"))) static void widen_half_row16(const uint16_t *src, int64_t dtype, int64_t n,
-                                                                     float *dst) {
-    int64_t i = 0;
-    for (; i + 16 <= n; i += 16) {
-        const __m256i h = _mm256_loadu_si256((const __m256i *)(src + i));
-        _mm512_storeu_ps(dst + i, dtype == 1 ? _mm512_cvtph_ps(h)
-                                             : _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16)));
-    }
-    if (i < n)
-        widen_row(src + i, dtype, n - i, dst + i, NULL);
+/* One element of a bf16 (dtype 2) or fp16 (1) row, widened (exact). */
+__attribute__((target("f16c"))) static inline float half_value(const uint16_t *r, int64_t dtype, int64_t c) {
+    if (dtype == 1)
+        return _cvtsh_ss(r[c]);
+    const uint32_t bits = (uint32_t)r[c] << 16;
+    float x;
+    memcpy(&x, &bits, sizeof x);
+    return x;
 }
+
+/* Vector v (16 columns from column d) of a bf16 / fp16 row, widened in registers. */
+#define HALF16(r, v) (dtype == 1 ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)((r) + d + 16 * (v))))          \
+                      : _mm512_castsi512_ps(_mm512_slli_epi32(                                                       \
+                            _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)((r) + d + 16 * (v)))), 16)))
+
+/* row_combine(w, ts, heads, n, rows, dim, 1, keep, out) over bf16 / fp16 value rows `rows` read in place: each
+ * 48-column block's sums are the FMAs of row_combine48 in the same order (the rows widened in registers instead of
+ * into a copy first; a last block of 1..47 columns through a widened scratch row), so the same floats. */
+__attribute__((target("avx512f,f16c"))) static void half_combine48(const float *w, int64_t ts, int64_t heads,
+                                                                   int64_t n, const char **rows, int64_t dtype,
+                                                                   int64_t dim, const float *keep, float *out) {
+    const __m512 scale = _mm512_set1_ps(1.0f);
+    COMBINE48_BLOCKS(
+        for (int64_t j = 0; j < n; ++j) {
+            const uint16_t *r = (const uint16_t *)rows[j];
+            __m512 x0, x1, x2;
+            if (cols == 48) {
+                x0 = HALF16(r, 0);
+                x1 = HALF16(r, 1);
+                x2 = HALF16(r, 2);
+            } else {
+                float part[48] = {0.0f};
+                for (int64_t c = 0; c < cols; ++c)
+                    part[c] = half_value(r, dtype, d + c);
+                x0 = _mm512_loadu_ps(part);
+                x1 = _mm512_loadu_ps(part + 16);
+                x2 = _mm512_loadu_ps(part + 32);
+            }
+            FMA_ROW16(0, _mm512_set1_ps(w0[j]));
+            FMA_ROW16(1, _mm512_set1_ps(w1[j]));
+            FMA_ROW16(2, _mm512_set1_ps(w2[j]));
+            FMA_ROW16(3, _mm512_set1_ps(w3[j]));
+        }
+    )
+}
+#undef HALF16
 
 /* One work item of the decode loop: keys [j0, j1) of every kv head of batch entry `batch`, chunk `chunk` of its
  * `chunks`; a split entry's partial sums for kv head h lie at slot + h * chunks + chunk. The heads go tile by tile
@@ -344,9 +378,7 @@ static void decode_tile(const struct decode_args *a, int64_t b, int64_t h, int64
     for (int64_t j = 0; j < w; j++) {
         if (j < wn)
             prefetch_rows(next_v + j, 1, vbytes, a->esize, a->v_c0, a->v_cs);
-        if (half_v)
-            widen_half_row16((const uint16_t *)rows[j], a->dtype, a->dim_v, sc->vbuf + j * a->dim_v);
-        else
+        if (!half_v)
             widen_chunks(rows[j], a->dtype, a->dim_v, sc->vbuf + j * a->dim_v, vs, a->v_c0, a->v_cs, a->esize);
     }
     float *s = sc->s;
@@ -364,7 +396,11 @@ static void decode_tile(const struct decode_args *a, int64_t b, int64_t h, int64
         l[g] = first ? total : fmaf(l[g], sc->corr[g], total);
         m[g] = m_new;
     }
-    row_combine(s, DECODE_BLOCK, group, w, sc->vbuf, a->dim_v, sc->iota, a->dim_v, 1.0f, first ? NULL : sc->corr, acc);
+    if (half_v)
+        half_combine48(s, DECODE_BLOCK, group, w, rows, a->dtype, a->dim_v, first ? NULL : sc->corr, acc);
+    else
+        row_combine(s, DECODE_BLOCK, group, w, sc->vbuf, a->dim_v, sc->iota, a->dim_v, 1.0f, first ? NULL : sc->corr,
+                    acc);
 }
 
 /* One work item: its range's tiles in order, each for every kv head in turn. Its results go to the output rows

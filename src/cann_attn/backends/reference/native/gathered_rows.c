@@ -232,44 +232,64 @@ static void row_dots(const float *a, int64_t heads, int64_t dim, const float *b,
 #define LOAD16(p, v) _mm512_loadu_ps((p) + 16 * (v))
 #define LOAD16_PART(p, v) _mm512_maskz_loadu_ps(lanes[v], (p) + 16 * (v))
 
+/* The lane masks of a 48-column block's 3 vectors with `cols` (1..48) live columns. */
+static inline void block_lanes48(int64_t cols, __mmask16 lanes[3]) {
+    for (int64_t v = 0; v < 3; ++v) {
+        const int64_t live = cols - 16 * v;
+        lanes[v] = live >= 16 ? 0xFFFF : live <= 0 ? 0 : (__mmask16)((1u << live) - 1);
+    }
+}
+
+/* Heads h0..h0 + nh - 1 of a 48-column block's sums into their output rows (out: the block's first column of head 0,
+ * row stride dim): scale times the sums, plus keep[h] times what the row held when `keep` is given. */
+__attribute__((target("avx512f"))) static inline void store_block48(const __m512 sums[4][3], __m512 scale,
+                                                                     const float *keep, int64_t h0, int64_t nh,
+                                                                     float *out, int64_t dim, const __mmask16 lanes[3]) {
+    for (int64_t i = 0; i < nh; ++i) {
+        float *oi = out + (h0 + i) * dim;
+        for (int64_t v = 0; v < 3; ++v) {
+            __m512 x = _mm512_mul_ps(sums[i][v], scale);
+            if (keep)
+                x = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(lanes[v], oi + 16 * v), _mm512_set1_ps(keep[h0 + i]), x);
+            _mm512_mask_storeu_ps(oi + 16 * v, lanes[v], x);
+        }
+    }
+}
+
 /* row_combine in AVX-512 steps, 4 heads x 3 vectors (48 columns) at a time, the last block of 1..47 columns with
  * masked loads and stores (the AVX2 loop's 24- and 8-column blocks took ~1/5 of the forward's sums for the last 32 of
  * DSA's 512 columns). Each output column is the same chain of FMAs over j as in row_combine's blocks (the lanes are
  * independent), so the results are its bits. */
+/* The block loops of row_combine48 and its twins: per 48-column block and block of 4 heads, the 12 sums zeroed, the
+ * entries' steps (the arguments: FMA_ROW16s over j, with d, cols and w0..w3 in scope), then the sums stored
+ * (store_block48, with `scale`, `keep` and `out` in scope). */
+#define COMBINE48_BLOCKS(...)                                                                                        \
+    for (int64_t d = 0; d < dim; d += 48) {                                                                          \
+        const int64_t cols = dim - d < 48 ? dim - d : 48;                                                            \
+        __mmask16 lanes[3];                                                                                          \
+        block_lanes48(cols, lanes);                                                                                  \
+        for (int64_t h0 = 0; h0 < heads; h0 += 4) {                                                                  \
+            const int64_t nh = heads - h0 < 4 ? heads - h0 : 4;                                                      \
+            BLOCK_ROWS(w, w + h0 * ts, ts);                                                                          \
+            ZERO_BLOCK16;                                                                                            \
+            __VA_ARGS__                                                                                              \
+            const __m512 sums[4][3] = {{c00, c01, c02}, {c10, c11, c12}, {c20, c21, c22}, {c30, c31, c32}};          \
+            store_block48(sums, scale, keep, h0, nh, out + d, dim, lanes);                                           \
+        }                                                                                                            \
+    }
+
 __attribute__((target("avx512f"))) static void row_combine48(const float *w, int64_t ts, int64_t heads, int64_t n,
                                                               const float *b, int64_t ldb, const int64_t *tok,
                                                               int64_t dim, float alpha, const float *keep, float *out) {
     const __m512 scale = _mm512_set1_ps(alpha);
-    for (int64_t d = 0; d < dim; d += 48) {
-        const int64_t cols = dim - d < 48 ? dim - d : 48;
-        __mmask16 lanes[3];
-        for (int64_t v = 0; v < 3; ++v) {
-            const int64_t live = cols - 16 * v;
-            lanes[v] = live >= 16 ? 0xFFFF : live <= 0 ? 0 : (__mmask16)((1u << live) - 1);
-        }
-        for (int64_t h0 = 0; h0 < heads; h0 += 4) {
-            const int64_t nh = heads - h0 < 4 ? heads - h0 : 4;
-            BLOCK_ROWS(w, w + h0 * ts, ts);
-            ZERO_BLOCK16;
-            if (cols == 48)
-                for (int64_t j = 0; j < n; ++j)
-                    COMBINE48_STEP(LOAD16);
-            else
-                for (int64_t j = 0; j < n; ++j)
-                    COMBINE48_STEP(LOAD16_PART);
-            const __m512 sums[4][3] = {{c00, c01, c02}, {c10, c11, c12}, {c20, c21, c22}, {c30, c31, c32}};
-            for (int64_t i = 0; i < nh; ++i) {
-                float *oi = out + (h0 + i) * dim + d;
-                for (int64_t v = 0; v < 3; ++v) {
-                    __m512 x = _mm512_mul_ps(sums[i][v], scale);
-                    if (keep)
-                        x = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(lanes[v], oi + 16 * v), _mm512_set1_ps(keep[h0 + i]),
-                                            x);
-                    _mm512_mask_storeu_ps(oi + 16 * v, lanes[v], x);
-                }
-            }
-        }
-    }
+    COMBINE48_BLOCKS(
+        if (cols == 48)
+            for (int64_t j = 0; j < n; ++j)
+                COMBINE48_STEP(LOAD16);
+        else
+            for (int64_t j = 0; j < n; ++j)
+                COMBINE48_STEP(LOAD16_PART);
+    )
 }
 
 /* One step of row_combine: entry j's weights for 4 heads times columns [d, d + 24) of its row, loaded by LOAD
