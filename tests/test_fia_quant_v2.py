@@ -48,6 +48,8 @@ def _query(layout: str, heads: int, dim: int, dtype, gen) -> torch.Tensor:
     if layout.startswith("TND"):
         return rand((b, heads, dim), dtype, gen)
     q = rand((b, 1, heads, dim), dtype, gen)
+    if layout.startswith("BSH"):
+        return q.flatten(2)
     return q.transpose(1, 2).contiguous() if layout.startswith("BNSD") else q
 
 
@@ -59,7 +61,8 @@ def _int8_mla(layout: str, seed: int):
     nd, table = paginate({"k": [latent[b, :n] for b, n in enumerate(LENGTHS)],
                           "r": [rope[b, :n] for b, n in enumerate(LENGTHS)]}, PAGE, g)
     query, query_rope = _query(layout, HEADS, LATENT, torch.int8, g), _query(layout, HEADS, ROPE, torch.bfloat16, g)
-    scale_q = torch.rand(query.shape[:-1], generator=g) * 0.01 + 0.001
+    scale_shape = (*query.shape[:-1], HEADS) if layout.startswith("BSH") else query.shape[:-1]
+    scale_q = torch.rand(scale_shape, generator=g) * 0.01 + 0.001
     scale_kv = torch.tensor([0.02])
     return latent, rope, nd, table, query, query_rope, scale_q, scale_kv
 
@@ -67,10 +70,12 @@ def _int8_mla(layout: str, seed: int):
 def _contiguous(t: torch.Tensor, layout: str) -> torch.Tensor:
     if layout.startswith("TND"):
         return torch.cat([t[b, :n] for b, n in enumerate(LENGTHS)])
+    if layout.startswith("BSH"):
+        return t.flatten(2)
     return t.transpose(1, 2).contiguous() if layout.startswith("BNSD") else t
 
 
-@pytest.mark.parametrize("layout", ["TND_NTD", "BSND_NBSD", "BNSD", "BSND"])
+@pytest.mark.parametrize("layout", ["TND_NTD", "BSND_NBSD", "BNSD", "BSND", "BSH"])
 def test_int8_mla_query_paged_nd_nz_contiguous_and_oracle(layout):
     latent, rope, nd, table, query, query_rope, scale_q, scale_kv = _int8_mla(layout, len(layout))
     packed = layout.startswith("TND")
@@ -193,6 +198,9 @@ INT8_BAD = {
     "quant_scale_out": (dict(quant_scale_out=torch.ones(1)), "quant_scale_out"),
     "no rope": (dict(query_rope=None, key_rope=None), "query_rope"),
     "bf16 key": (dict(key=torch.zeros(8, PAGE, LATENT, dtype=torch.bfloat16)), "key"),
+    "query D 128": (dict(query=torch.zeros(3, HEADS, 128, dtype=torch.int8)), "query"),
+    "BSH heads 0": (dict(query=torch.zeros(3, 1, HEADS * LATENT, dtype=torch.int8), input_layout="BSH",
+                         num_query_heads=0), "num_query_heads"),
     "query_dtype fp8 (fa_quant.py)": (dict(query_dtype=torch.float8_e4m3fn), "query_dtype"),
     "dequant_scale_query_dtype int code": (dict(dequant_scale_query_dtype=15), "dequant_scale_query_dtype"),
     "key_shared_prefix_dtype": (dict(key_shared_prefix_dtype=1), "key_shared_prefix_dtype"),

@@ -281,7 +281,10 @@ def dequantise_mla_query(query, key, value, *, query_rope, key_rope, dequant_sca
     if query_rope is None or key_rope is None:
         raise ParamInvalidError("query_rope: an int8 query (full quantisation) is documented for MLA only (query_rope "
                                 "and key_rope with D = 512), got None")
-    if query.shape[-1] != MLA_LATENT:
+    packs_heads = input_layout.split("_")[0] == "BSH"
+    if packs_heads and (isinstance(num_heads, bool) or not isinstance(num_heads, int) or num_heads <= 0):
+        raise ParamInvalidError(f"num_query_heads: expected a positive int, got {num_heads!r}")
+    if query.shape[-1] != MLA_LATENT * (num_heads if packs_heads else 1):
         raise ParamInvalidError(f"query: an int8 query (full quantisation) needs D = {MLA_LATENT} (MLA), "
                                 f"got {describe(query)}")
     for name, t in (("query_rope", query_rope), ("key_rope", key_rope)):

@@ -21,8 +21,11 @@ def dequantised_values(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
 def int8_mla_oracle(query, key, value, *, query_rope, key_rope, dequant_scale_query, dequant_scale_key,
                     dequant_scale_value, num_heads: int, scale: float, input_layout: str, **kwargs):
     """(attention_out float64, softmax_lse) of the int8 MLA call over contiguous keys: query [.., N, 512] with
-    `dequant_scale_query` of the query's shape without D, key/value the int8 latent with one scale each."""
-    q = dequantised_values(query, dequant_scale_query.unsqueeze(-1))
+    `dequant_scale_query` per token and head (the query's shape without D; [B, S, N] for BSH), key/value the int8
+    latent with one scale each."""
+    # BSH packs the heads: [B, S, N * 512] against [B, S, N] scales.
+    q = dequantised_values(query.reshape(*dequant_scale_query.shape, -1), dequant_scale_query.unsqueeze(-1))
+    q = q.reshape(query.shape)
     k = dequantised_values(key, dequant_scale_key.reshape(()))
     v = dequantised_values(value, dequant_scale_value.reshape(()))
     return fia_oracle(q, k, v, query_rope=query_rope.to(torch.float64), key_rope=key_rope.to(torch.float64),
