@@ -18,8 +18,9 @@ from ..ops.flash_attention_score import (
 from ..ops.flash_attention_score_grad import FlashAttentionScoreGradResult
 from ..ops.flash_attention_score_grad import flash_attention_score_grad as _eager_flash_attention_score_grad
 from ..problem.layout import BATCH_SEQ_DIMS
+from ..problem.lengths import to_int_list
 from ..problem.stats import accumulation_dtype
-from ._outputs import _empty_like_none, _ints, _none_if_placeholder
+from ._outputs import _empty_like_none, _none_if_placeholder
 
 # ================================================================================ FlashAttentionScore (+ VarLen)
 _FA_NAMES = (
@@ -195,13 +196,12 @@ def flash_attention_score(
     """``cann_attn.flash_attention_score`` through the ``cann_attn::flash_attention_score`` custom op:
     traceable by torch.compile and differentiable (gradients to query, key, value and a type 0/1 pse)."""
     return FlashAttentionScoreResult(*torch.ops.cann_attn.flash_attention_score(
-        query, key, value, head_num, input_layout, pse, drop_mask, padding_mask, atten_mask, _ints(prefix, "prefix"),
-        _ints(actual_seq_qlen, "actual_seq_qlen"), _ints(actual_seq_kvlen, "actual_seq_kvlen"),
-        _ints(q_start_idx, "q_start_idx"), _ints(kv_start_idx, "kv_start_idx"), require_real(scale_value,
-        "scale_value"),
+        query, key, value, head_num, input_layout, pse, drop_mask, padding_mask, atten_mask,
+        to_int_list(prefix, "prefix"), to_int_list(actual_seq_qlen, "actual_seq_qlen"),
+        to_int_list(actual_seq_kvlen, "actual_seq_kvlen"), to_int_list(q_start_idx, "q_start_idx"),
+        to_int_list(kv_start_idx, "kv_start_idx"), require_real(scale_value, "scale_value"),
         require_real(keep_prob, "keep_prob"), pre_tokens, next_tokens, inner_precise, sparse_mode, pse_type,
-        softmax_layout, backend,
-        sink,
+        softmax_layout, backend, sink,
     ))
 
 
@@ -215,13 +215,12 @@ def flash_attention_var_len_score(
 ) -> FlashAttentionScoreResult:
     """``cann_attn.flash_attention_var_len_score`` through the ``cann_attn::flash_attention_var_len_score`` op."""
     return FlashAttentionScoreResult(*torch.ops.cann_attn.flash_attention_var_len_score(
-        query, key, value, head_num, input_layout, pse, drop_mask, padding_mask, atten_mask, _ints(prefix, "prefix"),
-        _ints(actual_seq_qlen, "actual_seq_qlen"), _ints(actual_seq_kvlen, "actual_seq_kvlen"),
-        _ints(q_start_idx, "q_start_idx"), _ints(kv_start_idx, "kv_start_idx"), require_real(scale_value,
-        "scale_value"),
+        query, key, value, head_num, input_layout, pse, drop_mask, padding_mask, atten_mask,
+        to_int_list(prefix, "prefix"), to_int_list(actual_seq_qlen, "actual_seq_qlen"),
+        to_int_list(actual_seq_kvlen, "actual_seq_kvlen"), to_int_list(q_start_idx, "q_start_idx"),
+        to_int_list(kv_start_idx, "kv_start_idx"), require_real(scale_value, "scale_value"),
         require_real(keep_prob, "keep_prob"), pre_tokens, next_tokens, inner_precise, sparse_mode, pse_type,
-        softmax_layout, backend,
-        sink,
+        softmax_layout, backend, sink,
     ))
 
 
@@ -238,10 +237,10 @@ def flash_attention_score_grad(
     None without a type 0/1 pse tensor, dsink None without a sink."""
     dq, dk, dv, dpse, dsink = torch.ops.cann_attn.flash_attention_score_grad(
         query, key, value, dy, head_num, input_layout, pse, drop_mask, padding_mask, atten_mask, softmax_max,
-        softmax_sum, softmax_in, attention_in, _ints(prefix, "prefix"), _ints(actual_seq_qlen, "actual_seq_qlen"),
-        _ints(actual_seq_kvlen, "actual_seq_kvlen"), _ints(q_start_idx, "q_start_idx"),
-        _ints(kv_start_idx, "kv_start_idx"), require_real(scale_value, "scale_value"), require_real(keep_prob,
-        "keep_prob"), pre_tokens, next_tokens,
+        softmax_sum, softmax_in, attention_in, to_int_list(prefix, "prefix"),
+        to_int_list(actual_seq_qlen, "actual_seq_qlen"), to_int_list(actual_seq_kvlen, "actual_seq_kvlen"),
+        to_int_list(q_start_idx, "q_start_idx"), to_int_list(kv_start_idx, "kv_start_idx"),
+        require_real(scale_value, "scale_value"), require_real(keep_prob, "keep_prob"), pre_tokens, next_tokens,
         inner_precise, sparse_mode, pse_type, softmax_layout, backend, sink,
     )
     return FlashAttentionScoreGradResult(dq, dk, dv, _none_if_placeholder(dpse, pse is not None and pse_type in (0, 1)),

@@ -20,8 +20,8 @@ from ..ops.fused_infer_attention_score import (
 )
 from ..ops.incre_flash_attention import incre_flash_attention as _eager_incre_flash_attention
 from ..problem.layout import BATCH_SEQ_DIMS
+from ..problem.lengths import to_int_list
 from ..problem.nz import NZ_DIMS, nz_width
-from ._outputs import _ints
 from ._prompt import _pfa_output_dtype
 
 
@@ -133,11 +133,11 @@ def fused_infer_attention_score(
 ) -> tuple[Tensor, Tensor]:
     """``cann_attn.fused_infer_attention_score`` through the ``cann_attn::fused_infer_attention_score`` custom op."""
     return torch.ops.cann_attn.fused_infer_attention_score(
-        query, key, value, pse_shift, atten_mask, _ints(actual_seq_lengths, "actual_seq_lengths"),
-        _ints(actual_seq_lengths_kv, "actual_seq_lengths_kv"), dequant_scale1, quant_scale1, dequant_scale2,
+        query, key, value, pse_shift, atten_mask, to_int_list(actual_seq_lengths, "actual_seq_lengths"),
+        to_int_list(actual_seq_lengths_kv, "actual_seq_lengths_kv"), dequant_scale1, quant_scale1, dequant_scale2,
         quant_scale2, quant_offset2, antiquant_scale, antiquant_offset, key_antiquant_scale, key_antiquant_offset,
         value_antiquant_scale, value_antiquant_offset, block_table, query_padding_size, kv_padding_size,
-        key_shared_prefix, value_shared_prefix, _ints(actual_shared_prefix_len, "actual_shared_prefix_len"),
+        key_shared_prefix, value_shared_prefix, to_int_list(actual_shared_prefix_len, "actual_shared_prefix_len"),
         query_rope, key_rope, key_rope_antiquant_scale, num_heads, require_real(scale, "scale"), pre_tokens,
         next_tokens,
         input_layout, num_key_value_heads, sparse_mode, inner_precise, block_size, antiquant_mode,
@@ -223,8 +223,8 @@ def fused_infer_attention_score_v2(
     """``cann_attn.fused_infer_attention_score_v2`` through its custom op; `out_dtype` may be a torch.dtype, passed
     on as its ScalarType number as op-plugin's binding does."""
     return torch.ops.cann_attn.fused_infer_attention_score_v2(
-        query, key, value, query_rope, key_rope, pse_shift, atten_mask, _ints(actual_seq_qlen, "actual_seq_qlen"),
-        _ints(actual_seq_kvlen, "actual_seq_kvlen"), block_table, dequant_scale_query, dequant_scale_key,
+        query, key, value, query_rope, key_rope, pse_shift, atten_mask, to_int_list(actual_seq_qlen, "actual_seq_qlen"),
+        to_int_list(actual_seq_kvlen, "actual_seq_kvlen"), block_table, dequant_scale_query, dequant_scale_key,
         dequant_offset_key, dequant_scale_value, dequant_offset_value, dequant_scale_key_rope, quant_scale_out,
         quant_offset_out, quant_scale_p, learnable_sink, num_query_heads, num_key_value_heads,
         require_real(softmax_scale, "softmax_scale"),
@@ -285,7 +285,7 @@ def incre_flash_attention(
 ) -> Tensor:
     """``cann_attn.incre_flash_attention`` through the ``cann_attn::incre_flash_attention`` custom op."""
     return torch.ops.cann_attn.incre_flash_attention(
-        query, key, value, padding_mask, atten_mask, pse_shift, _ints(actual_seq_lengths, "actual_seq_lengths"),
+        query, key, value, padding_mask, atten_mask, pse_shift, to_int_list(actual_seq_lengths, "actual_seq_lengths"),
         antiquant_scale, antiquant_offset, block_table, dequant_scale1, quant_scale1, dequant_scale2, quant_scale2,
         quant_offset2, kv_padding_size, num_heads, require_real(scale_value, "scale_value"), input_layout,
         num_key_value_heads,

@@ -8,7 +8,8 @@ from ..ops.attention_update import AttentionUpdateResult
 from ..ops.attention_update import attention_update as _eager_attention_update
 from ..ops.ring_attention_update import RingAttentionUpdateResult
 from ..ops.ring_attention_update import ring_attention_update as _eager_ring_attention_update
-from ._outputs import _empty_like_none, _ints, _none_if_placeholder
+from ..problem.lengths import to_int_list
+from ._outputs import _empty_like_none, _none_if_placeholder
 
 
 # ============================================================== RingAttentionUpdate and AttentionUpdate (merges)
@@ -41,7 +42,7 @@ def ring_attention_update(
     """``cann_attn.ring_attention_update`` through the ``cann_attn::ring_attention_update`` custom op."""
     return RingAttentionUpdateResult(*torch.ops.cann_attn.ring_attention_update(
         prev_attn_out, prev_softmax_max, prev_softmax_sum, cur_attn_out, cur_softmax_max, cur_softmax_sum,
-        _ints(actual_seq_qlen, "actual_seq_qlen"), input_layout, input_softmax_layout, backend,
+        to_int_list(actual_seq_qlen, "actual_seq_qlen"), input_layout, input_softmax_layout, backend,
     ))
 
 

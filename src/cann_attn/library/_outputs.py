@@ -1,10 +1,9 @@
-"""Placeholders for absent optional outputs (custom ops cannot return None) and length-list conversion,
-shared by the custom-op modules of :mod:`cann_attn.library`."""
+"""Placeholders for absent optional outputs (custom ops cannot return None) and the fake outputs of the indexer
+KL-loss grad ops, shared by the custom-op modules of :mod:`cann_attn.library`."""
 
 import torch
 from torch import Tensor
 
-from ..problem.lengths import to_int_list
 from ..problem.stats import accumulation_dtype
 
 
@@ -15,11 +14,6 @@ def _empty_like_none(like: Tensor, dtype: torch.dtype | None = None) -> Tensor:
 
 def _none_if_placeholder(t: Tensor, present: bool) -> Tensor | None:
     return t if present else None
-
-
-def _ints(value, name: str) -> list[int] | None:
-    """Length lists and start indices as Python int lists (tensors converted; one int becomes a list)."""
-    return to_int_list(value, name)
 
 
 def _kl_loss_grad_fake(query: Tensor, query_index: Tensor, key_index: Tensor,

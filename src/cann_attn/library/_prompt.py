@@ -8,8 +8,8 @@ from ..ops.flash_attention_score import (
     INT_MAX,
 )
 from ..ops.prompt_flash_attention import prompt_flash_attention as _eager_prompt_flash_attention
+from ..problem.lengths import to_int_list
 from ..problem.quant import trans_quant_param as _eager_trans_quant_param
-from ._outputs import _ints
 
 
 # ================================================================================ PromptFlashAttentionV2 + quant
@@ -61,8 +61,8 @@ def prompt_flash_attention(
 ) -> Tensor:
     """``cann_attn.prompt_flash_attention`` through the ``cann_attn::prompt_flash_attention`` custom op."""
     return torch.ops.cann_attn.prompt_flash_attention(
-        query, key, value, pse_shift, atten_mask, _ints(actual_seq_lengths, "actual_seq_lengths"),
-        _ints(actual_seq_lengths_kv, "actual_seq_lengths_kv"), deq_scale1, quant_scale1, deq_scale2, quant_scale2,
+        query, key, value, pse_shift, atten_mask, to_int_list(actual_seq_lengths, "actual_seq_lengths"),
+        to_int_list(actual_seq_lengths_kv, "actual_seq_lengths_kv"), deq_scale1, quant_scale1, deq_scale2, quant_scale2,
         quant_offset2, num_heads, require_real(scale_value, "scale_value"), pre_tokens, next_tokens, input_layout,
         num_key_value_heads,
         sparse_mode, backend,

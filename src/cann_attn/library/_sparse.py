@@ -20,9 +20,10 @@ from ..ops.lightning_indexer import (
 from ..ops.sparse_flash_attention import INT64_MAX, SparseFlashAttentionGradResult, SparseFlashAttentionResult
 from ..ops.sparse_flash_attention import sparse_flash_attention as _eager_sparse_flash_attention
 from ..ops.sparse_flash_attention import sparse_flash_attention_grad as _eager_sparse_flash_attention_grad
+from ..problem.lengths import to_int_list
 from ..problem.page_table import PAGED_KV_LAYOUT
 from ..problem.stats import accumulation_dtype
-from ._outputs import _empty_like_none, _ints, _kl_loss_grad_fake, _none_if_placeholder
+from ._outputs import _empty_like_none, _kl_loss_grad_fake, _none_if_placeholder
 
 # ================================================================================ SparseFlashAttention (+ Grad)
 _SFA_NAMES = (
@@ -148,8 +149,8 @@ def sparse_flash_attention(
     cache)."""
     return SparseFlashAttentionResult(*torch.ops.cann_attn.sparse_flash_attention(
         query, key, value, sparse_indices, require_real(scale_value, "scale_value"), query_rope, key_rope,
-        _ints(actual_seq_lengths_query, "actual_seq_lengths_query"),
-        _ints(actual_seq_lengths_kv, "actual_seq_lengths_kv"), sparse_block_size, layout, sparse_mode, pre_tokens,
+        to_int_list(actual_seq_lengths_query, "actual_seq_lengths_query"),
+        to_int_list(actual_seq_lengths_kv, "actual_seq_lengths_kv"), sparse_block_size, layout, sparse_mode, pre_tokens,
         next_tokens, backend, block_table=block_table, layout_kv=layout_kv or "", sinks=sinks,
     ))
 
@@ -166,8 +167,8 @@ def sparse_flash_attention_grad(
     dq, dk, dv, dq_rope, dk_rope, d_sinks = torch.ops.cann_attn.sparse_flash_attention_grad(
         query, key, value, sparse_indices, d_out, out, softmax_max, softmax_sum, require_real(scale_value,
         "scale_value"),
-        sparse_block_size, query_rope, key_rope, _ints(actual_seq_lengths_query, "actual_seq_lengths_query"),
-        _ints(actual_seq_lengths_kv, "actual_seq_lengths_kv"), layout, sparse_mode, pre_tokens, next_tokens,
+        sparse_block_size, query_rope, key_rope, to_int_list(actual_seq_lengths_query, "actual_seq_lengths_query"),
+        to_int_list(actual_seq_lengths_kv, "actual_seq_lengths_kv"), layout, sparse_mode, pre_tokens, next_tokens,
         deterministic, backend, sinks,
     )
     return SparseFlashAttentionGradResult(dq, dk, dv, _none_if_placeholder(dq_rope, query_rope is not None),
@@ -212,8 +213,8 @@ def lightning_indexer(
 ) -> LightningIndexerResult:
     """``cann_attn.lightning_indexer`` through the ``cann_attn::lightning_indexer`` custom op."""
     indices, values = torch.ops.cann_attn.lightning_indexer(
-        query_index, key_index, weights, _ints(actual_seq_lengths_query, "actual_seq_lengths_query"),
-        _ints(actual_seq_lengths_key, "actual_seq_lengths_key"), layout, sparse_count, sparse_mode, return_value,
+        query_index, key_index, weights, to_int_list(actual_seq_lengths_query, "actual_seq_lengths_query"),
+        to_int_list(actual_seq_lengths_key, "actual_seq_lengths_key"), layout, sparse_count, sparse_mode, return_value,
         backend, block_table=block_table, layout_key=layout_key or "",
     )
     return LightningIndexerResult(indices, _none_if_placeholder(values, return_value))
@@ -252,8 +253,8 @@ def sparse_lightning_indexer_grad_kl_loss(
     return SparseLightningIndexerGradKLLossResult(*torch.ops.cann_attn.sparse_lightning_indexer_grad_kl_loss(
         query, key, query_index, key_index, weights, sparse_indices, softmax_max, softmax_sum,
         require_real(scale_value, "scale_value"),
-        query_rope, key_rope, _ints(actual_seq_lengths_query, "actual_seq_lengths_query"),
-        _ints(actual_seq_lengths_key, "actual_seq_lengths_key"), layout, sparse_mode, pre_tokens, next_tokens,
+        query_rope, key_rope, to_int_list(actual_seq_lengths_query, "actual_seq_lengths_query"),
+        to_int_list(actual_seq_lengths_key, "actual_seq_lengths_key"), layout, sparse_mode, pre_tokens, next_tokens,
         deterministic, backend,
     ))
 
@@ -282,5 +283,5 @@ def count_tokens_with_keys(query_index: Tensor, key_index: Tensor, sparse_indice
     """The ``cann_attn::count_tokens_with_keys`` custom op (see there)."""
     return torch.ops.cann_attn.count_tokens_with_keys(
         query_index, key_index, sparse_indices, layout, sparse_mode,
-        _ints(actual_seq_lengths_query, "actual_seq_lengths_query"),
-        _ints(actual_seq_lengths_key, "actual_seq_lengths_key"))
+        to_int_list(actual_seq_lengths_query, "actual_seq_lengths_query"),
+        to_int_list(actual_seq_lengths_key, "actual_seq_lengths_key"))
