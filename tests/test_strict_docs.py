@@ -83,6 +83,21 @@ CALLS = {
             out, _ = call()
             assert out.shape == (2, 4, 1, 128) and bool(torch.isfinite(out).all())
         """, "block_size"),
+    "fp8 KV with per-token paged scales": ("""
+        q = torch.randn(2, 4, 64).bfloat16()
+        k = (torch.randn(4, 16, 128) * 8).to(torch.float8_e4m3fn); v = (torch.randn(4, 16, 128) * 8).to(k.dtype)
+        ks, vs = torch.rand(4, 16) * 0.1, torch.rand(4, 16) * 0.1
+        kw = dict(num_query_heads=4, num_key_value_heads=2, input_layout="TND", actual_seq_qlen=[1, 2],
+                  actual_seq_kvlen=[20, 9], block_table=torch.tensor([[0, 2], [3, -1]], dtype=torch.int32),
+                  block_size=16, softmax_scale=0.125)
+        def call():
+            return cann_attn.fused_infer_attention_score_v2(q, k, v, dequant_scale_key=ks, dequant_scale_value=vs,
+                                                            key_quant_mode=4, value_quant_mode=4, **kw)
+        def check():
+            out, _ = call()
+            kd, vd = ((x.float() * s.unsqueeze(-1)).bfloat16() for x, s in ((k, ks), (v, vs)))
+            assert torch.equal(out, cann_attn.fused_infer_attention_score_v2(q, kd, vd, **kw)[0])
+        """, "key"),
     "SFA PA_BSND softmax_lse": ("""
         import cann_attn.torch_npu as torch_npu
         q = torch.randn(3, 2, 16); cache = torch.randn(2, 16, 1, 16)
