@@ -29,6 +29,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from ..errors import ParamInvalidError
+from .quant import INT8_MAX, INT8_MIN, round_to_int8
 
 __all__ = [
     "ASCEND_QUANT",
@@ -341,8 +342,13 @@ def infer_pipeline(op: str, dtype: torch.dtype, kv_dtype: torch.dtype, out_dtype
 
 def _round_int8(y: torch.Tensor, rounding: str) -> torch.Tensor:
     """fp16-valued `y` to int8, ties to even or away from zero, saturated to [-128, 127]."""
-    rounded = torch.round(y) if rounding == HALF_EVEN else torch.sign(y) * torch.floor(y.abs() + 0.5)
-    return rounded.clamp_(-128, 127).to(torch.int8)
+    if rounding == HALF_EVEN:
+        return round_to_int8(y)
+    return _round_integer_half_away(y).clamp_(INT8_MIN, INT8_MAX).to(torch.int8)
+
+
+def _round_integer_half_away(x: torch.Tensor) -> torch.Tensor:
+    return torch.sign(x) * torch.floor(x.abs() + 0.5)
 
 
 @dataclass(frozen=True)
@@ -443,10 +449,6 @@ _AMLA_MIN_STEP = -30.0
 _AMLA_EPS_GAIN = 1.5
 _AMLA_EPS = torch.tensor(0.000001, dtype=torch.float32)
 _MANTISSA_UNIT = 2.0**23
-
-
-def _round_integer_half_away(x: torch.Tensor) -> torch.Tensor:
-    return torch.sign(x) * torch.floor(x.abs() + 0.5)
 
 
 def amla_factor(row_max: torch.Tensor, kv: Cast) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
