@@ -230,6 +230,7 @@ def separate(key_scale, key_offset, value_scale, value_offset, key_mode, value_m
 QUERY_QUANT_MODES = (3,)
 PAGED_TOKEN_MODE = 4
 MLA_LATENT = 512
+NZ_RANK = 5  # [blockNum, N, D/c0, blockSize, c0]
 FP8_KV_CALLER = "cann-recipes-infer models/qwen3_moe/models/modeling_qwen3_moe.py:810-822"
 
 
@@ -295,6 +296,11 @@ def dequantise_mla_query(query, key, value, *, query_rope, key_rope, dequant_sca
     for name, t in (("key", key), ("value", value)):
         if not isinstance(t, torch.Tensor) or t.dtype != torch.int8:
             raise ParamInvalidError(f"{name}: expected int8 with an int8 query, got {describe(t)}")
+    # NZ is read as ND below: key, value and key_rope must agree on it first ("key_rope的数据格式与key一致").
+    for name, t in (("value", value), ("key_rope", key_rope)):
+        if (t.dim() == NZ_RANK) != (key.dim() == NZ_RANK):
+            raise ParamInvalidError(f"{name}: expected the key's format ({'NZ' if key.dim() == NZ_RANK else 'ND'}, "
+                                    f"{describe(key)}), got {describe(t)}")
     for name, mode in (("key_quant_mode", key_quant_mode), ("value_quant_mode", value_quant_mode)):
         if isinstance(mode, bool) or mode != 0:
             raise ParamInvalidError(f"{name}: an int8 query takes 0 (per-tensor latent scale), got {mode!r}")
@@ -314,7 +320,7 @@ def dequantise_mla_query(query, key, value, *, query_rope, key_rope, dequant_sca
 def _nd_cache(cache: torch.Tensor) -> torch.Tensor:
     """An NZ cache [blockNum, N, D/c0, blockSize, c0] as the ND cache [blockNum, blockSize, N * D]; others as
     they are."""
-    if cache.dim() != 5:
+    if cache.dim() != NZ_RANK:
         return cache
     return cache.permute(0, 3, 1, 2, 4).flatten(2)
 
