@@ -166,6 +166,8 @@ def test_matches_the_oracle_and_writes_only_the_indexed_rows(cache_mode, lead, d
     kv_before, kr_before = case.kv_cache.clone(), case.kr_cache.clone()
     out = case.run(query_norm_flag=True)
     expected = case.oracle(kv_before, kr_before)
+    assert isinstance(out, cann_attn.MlaPrologResult) and cann_attn.MlaPrologResult._fields == (
+        "query", "query_rope", "dequant_scale_q_nope", "query_norm", "dequant_scale_q_norm")
     assert out.query.shape == (*lead, 2, 32) and out.query_rope.shape == (*lead, 2, 16)
     assert out.query_norm.shape == (*lead, 32)
     assert out.dequant_scale_q_nope.shape == (0,) and out.dequant_scale_q_norm.shape == (0,)
