@@ -31,6 +31,7 @@ from cann_attn.testing.npu_recipes import (
     ulp,
     ulp_verdict,
 )
+from test_precision_npu import _inputs
 
 SWEEP = os.environ.get("CANN_ATTN_PRECISION_SWEEP", "") == "1"
 
@@ -40,11 +41,8 @@ def _cases(full: list, sample: list) -> list:
 
 
 def _bnsd(dtype, sq, skv, heads=2, heads_kv=1, d=128, amp=1.5, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    q = (torch.randn(1, heads, sq, d, generator=g) * amp).to(dtype)
-    k = (torch.randn(1, heads_kv, skv, d, generator=g) * amp).to(dtype)
-    v = torch.randn(1, heads_kv, skv, d, generator=g).to(dtype)
-    return q, k, v
+    """test_precision_npu's inputs at this file's sizes: head dim 128, one kv head for two query heads."""
+    return _inputs(dtype, heads=heads, heads_kv=heads_kv, sq=sq, skv=skv, d=d, amp=amp, seed=seed)
 
 
 # --- the tile rule: the library's and the recipe's agree ------------------------------------------------------------
