@@ -2,13 +2,15 @@
 rounded where the NPU kernel rounds (`problem.precision.AttentionPipeline` / `GradPipeline`;
 docs/semantics/precision.md).
 
-A straightforward tiled PyTorch loop, separate from the "exact" kernels (which it leaves untouched): per query tile
-of `BLOCK_Q` rows and per key block of the pipeline's width, the scores, logits, probabilities, P V products and the
-running output each pass through their stage's Cast; the row max and sum stay fp32, the division comes last. GEMMs
-run in float64 and are rounded once at their stage: the cube accumulates in fp32 in an order no source states, and
-an exact sum rounded once is the order-free choice (fp32 BLAS sums would change with the thread count). The
+A tiled PyTorch loop, separate from the "exact" kernels (which it leaves untouched; it borrows their native
+online-softmax step): per query tile of `BLOCK_Q` rows and per key block of the kernel's width
+(`problem.precision.key_block`), the scores, logits, probabilities, P V products and the running output each pass
+through their stage's Cast (one native pass per cast where available); the row max and sum stay fp32, the division
+comes last. A GEMM whose stage rounds to fp16 / bf16 runs in float64 (an exact sum rounded once: an fp32 sum rounded
+again would move fp16 logits by whole steps); one whose stage keeps fp32 accumulates in fp32, as the cube does. The
 int8 PromptFlashAttention path quantises P and dequantises the products as `quant_attention` does, in the pipeline's
-fp16 stages. The backward recomputes P from the saved statistics and rounds P and dS before their GEMMs.
+fp16 stages. The backward recomputes P from the saved statistics (S and dP exact sums) and rounds P and dS before
+their fp32-accumulating GEMMs.
 SparseFlashAttention and its grad take the same stages over each row's selected keys (the selection rule stays in
 `problem.sparse`).
 """
@@ -138,11 +140,13 @@ def _softmax_step(s: torch.Tensor, row_max: torch.Tensor, row_sum: torch.Tensor)
 def _forward_run(problem: AttentionProblem, pipeline: AttentionPipeline, block: int, run: Run, query, key, value,
                  out_view, max_view, sum_view, quant) -> None:
     c, n2, heads = run.count, problem.heads_kv, problem.heads_q
-    # The GEMM operands, widened once per run (`_cube`: int8 sums exactly in float64).
-    wide = torch.float64 if quant is not None else torch.float32
-    q_all = problem.q_view(query, run).to(wide)
-    k = problem.kv_view(key, run).to(wide).reshape(c * n2, run.seq_kv, -1)
-    v = problem.kv_view(value, run).to(wide).reshape(c * n2, run.seq_kv, -1)
+    # The GEMM operands, widened once per run to what their GEMM sums in (`_cube`; int8 exactly, in float64).
+    exact_scores = quant is not None or pipeline.scores.dtype != torch.float32
+    exact_products = quant is not None or pipeline.products.dtype != torch.float32
+    q_all = problem.q_view(query, run).to(torch.float64 if exact_scores else torch.float32)
+    k = problem.kv_view(key, run).to(q_all.dtype).reshape(c * n2, run.seq_kv, -1)
+    v = problem.kv_view(value, run).to(torch.float64 if exact_products else torch.float32)
+    v = v.reshape(c * n2, run.seq_kv, -1)
     dv = v.shape[-1]
     fp32_running = pipeline.accumulator.dtype == torch.float32
     sink_heads = None if problem.sink is None else sinks.head_values(problem.sink, torch.float32, query.device)
