@@ -296,6 +296,28 @@ for bad in ({"growth_factor": 1.0}, {"backoff_factor": 1.0}):
         assert next(iter(bad)) in str(error)
     else:
         raise AssertionError(bad)
+
+# custom_fwd / custom_bwd: an autograd.Function under npu autocast gets its inputs cast and runs without autocast.
+class Doubled(torch.autograd.Function):
+    @staticmethod
+    @torch.npu.amp.custom_fwd(cast_inputs=torch.float16)
+    def forward(ctx, x):
+        ctx.seen = (x.dtype, torch.is_autocast_enabled(x.device.type))
+        return x * 2
+
+    @staticmethod
+    @torch_npu.npu.amp.custom_bwd
+    def backward(ctx, grad):
+        ctx.seen_backward = torch.is_autocast_enabled(grad.device.type)
+        return grad * 2
+
+x = torch.randn(4).npu().requires_grad_()
+with torch.npu.amp.autocast():
+    y = Doubled.apply(x)
+    y.float().sum().backward()
+ctx = y.grad_fn
+assert y.dtype == torch.float16 and ctx.seen == (torch.float16, False) and ctx.seen_backward is False
+assert torch.equal(x.grad, torch.full((4,), 2.0, device=x.device))
 print("ok")
 """
 

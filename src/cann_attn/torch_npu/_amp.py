@@ -11,6 +11,7 @@ device"): torch_npu's signatures and defaults, torch's autocast and gradient sca
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -32,13 +33,13 @@ class autocast(torch.amp.autocast_mode.autocast):
         super().__init__(_device_type(), enabled=enabled, dtype=dtype, cache_enabled=cache_enabled)
 
 
-def custom_fwd(fwd=None, *, cast_inputs: Any = None):
-    """``torch.amp.custom_fwd`` for the target device."""
+def custom_fwd(fwd: Callable | None = None, *, cast_inputs: torch.dtype | None = None) -> Callable:
+    """``torch.amp.custom_fwd`` for the target device (docs/guides/torch_npu.md, "Mixed precision")."""
     return torch.amp.custom_fwd(fwd, device_type=_device_type(), cast_inputs=cast_inputs)
 
 
-def custom_bwd(bwd=None):
-    """``torch.amp.custom_bwd`` for the target device."""
+def custom_bwd(bwd: Callable | None = None) -> Callable:
+    """``torch.amp.custom_bwd`` for the target device (docs/guides/torch_npu.md, "Mixed precision")."""
     return torch.amp.custom_bwd(bwd, device_type=_device_type())
 
 
