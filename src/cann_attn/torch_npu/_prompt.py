@@ -1,11 +1,8 @@
 """torch_npu's PromptFlashAttention and quant-parameter spellings."""
 
-import torch
 from torch import Tensor
 
 from .. import library
-from ..errors import require_real
-from ..problem.lengths import to_int_list
 from ._registry import npu_op
 
 # The current default; torch_npu 7.1/7.2 had 2147473647 (sic), which use_release("7.2") restores.
@@ -48,12 +45,12 @@ def npu_prompt_flash_attention(
 ) -> Tensor:
     """torch_npu.npu_prompt_flash_attention (PromptFlashAttentionV2, inference: not differentiable). The output
     dtype is int8 with quant_scale2, float16 for int8 inputs, else the query's. padding_mask is reserved."""
-    return torch.ops.cann_attn.prompt_flash_attention(
-        query, key, value, pse_shift, atten_mask, to_int_list(actual_seq_lengths, "actual_seq_lengths"),
-        to_int_list(actual_seq_lengths_kv, "actual_seq_lengths_kv"), deq_scale1, quant_scale1, deq_scale2, quant_scale2,
-        quant_offset2, num_heads, require_real(scale_value, "scale_value"), pre_tokens, next_tokens, input_layout,
-        num_key_value_heads,
-        sparse_mode,
+    return library.prompt_flash_attention(
+        query, key, value, pse_shift=pse_shift, atten_mask=atten_mask, actual_seq_lengths=actual_seq_lengths,
+        actual_seq_lengths_kv=actual_seq_lengths_kv, deq_scale1=deq_scale1, quant_scale1=quant_scale1,
+        deq_scale2=deq_scale2, quant_scale2=quant_scale2, quant_offset2=quant_offset2, num_heads=num_heads,
+        scale_value=scale_value, pre_tokens=pre_tokens, next_tokens=next_tokens, input_layout=input_layout,
+        num_key_value_heads=num_key_value_heads, sparse_mode=sparse_mode,
     )
 
 
