@@ -16,7 +16,7 @@ key counts, as the DeepSeek-V3.2 inference recipes call the NPU operators. Every
 layer computed without paging (contiguous BSND caches with actual lengths): the indices must be equal and, on the
 reference backend, the attention outputs bit for bit (docs/semantics/paged-kv.md).
 
-    python examples/infer_dsa.py                        # 20-60 s on a shared 2-core CPU
+    python examples/infer_dsa.py                        # 20-60 s on a 2-core CPU
     python examples/infer_dsa.py --batch 2 --steps 8 --out /tmp/infer
     python examples/infer_dsa.py --quant --d-latent 512  # int8 caches (docs/operators/quant_dsa.md)
 

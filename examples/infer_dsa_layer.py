@@ -22,7 +22,7 @@ the weights (RmsNorm, interleaved-pair RoPE), the index scores of the same int8 
 attention over the dequantised latent rows, the output projections. The operators' outputs must match it: the
 prolog's and the attention's by the precision rules of their dtypes, the indices exactly.
 
-    python examples/infer_dsa_layer.py                  # a few seconds on a shared 2-core CPU
+    python examples/infer_dsa_layer.py                  # a few seconds on a 2-core CPU
     python examples/infer_dsa_layer.py --batch 3 --steps 4
 """
 

@@ -20,7 +20,7 @@ weights (RmsNorm, interleaved-pair RoPE), softmax attention of the float64 query
 output projections. The same attention call over an ND copy of the caches must give the NZ result bit for bit
 (docs/semantics/paged-kv.md, "NZ caches").
 
-    python examples/infer_mla_nz.py                 # a few seconds on a shared 2-core CPU
+    python examples/infer_mla_nz.py                 # a few seconds on a 2-core CPU
     python examples/infer_mla_nz.py --batch 3 --steps 4 --mtp 2
 """
 
