@@ -131,3 +131,40 @@ def test_decode_split_combine_matches_one_pass_to_rounding():
             torch.testing.assert_close(row_max[pair].double(), m, rtol=1e-6, atol=1e-6)
             torch.testing.assert_close(row_sum[pair].double(), p.sum(-1), rtol=1e-5, atol=0)
             torch.testing.assert_close(out[pair].double(), want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("nz", [False, True], ids=["ND", "NZ"])
+def test_mla_paged_decode_reads_latent_and_rope_caches_in_place(nz, monkeypatch):
+    """MLA decode over paged caches (a 512-wide latent as key and value, 64-wide rope keys; ND and NZ): the decode
+    loop reads both caches in place, joining each key's latent and rope rows, a sequence of two chunks included;
+    the same bits as the contiguous call (whose keys are joined before the loop) and the oracle's values."""
+    import cann_attn
+    from cann_attn.backends.reference import decode_forward
+    from cann_attn.testing.fia_oracle import fia_oracle
+    from fia_cases import compare, rand
+    from test_nz_cache import mla_caches
+
+    ropes: list[bool] = []
+    original = decode_forward.forward
+    monkeypatch.setattr(decode_forward, "forward",
+                        lambda *a, **k: ropes.append(k.get("key_rope") is not None) or original(*a, **k))
+    gen = torch.Generator().manual_seed(9)
+    lengths, page, heads = [700, 9], 16, 2
+    latent, rope, nd, nz_caches, table = mla_caches(lengths, page, gen, torch.bfloat16)
+    q, qr = rand((2, 1, heads, 512), torch.bfloat16, gen), rand((2, 1, heads, 64), torch.bfloat16, gen)
+    common = dict(query_rope=qr, num_query_heads=heads, num_key_value_heads=1, input_layout="BSND",
+                  softmax_scale=0.05)
+    if nz:
+        k, r = nz_caches["k"], nz_caches["r"]
+    else:
+        blocks = nd["k"].shape[0]
+        k, r = nd["k"].view(blocks, page, 512), nd["r"].view(blocks, page, 64)
+    paged, _ = cann_attn.fused_infer_attention_score_v2(q, k, k, key_rope=r, block_table=table, block_size=page,
+                                                        actual_seq_kvlen=lengths, **common)
+    assert ropes == [True], "the paged MLA decode did not read the rope cache in the loop"
+    contiguous, _ = cann_attn.fused_infer_attention_score_v2(q, latent, latent, key_rope=rope,
+                                                             actual_seq_kvlen=lengths, **common)
+    assert torch.equal(paged, contiguous)
+    golden, _ = fia_oracle(q, latent, latent, query_rope=qr, key_rope=rope, num_heads=heads, num_key_value_heads=1,
+                           scale=0.05, input_layout="BSND", actual_seq_lengths_kv=lengths)
+    compare(paged, golden, torch.bfloat16)

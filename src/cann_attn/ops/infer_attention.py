@@ -281,6 +281,7 @@ def attend_paged(
     pre_tokens: int, next_tokens: int, pse_shift, plan: QuantPlan, backend: str, op: str,
     softmax_lse: torch.Tensor | None = None, kv_scales: tuple[torch.Tensor, torch.Tensor] | None = None,
     packed_int4: bool = False, inner_precise: int = 1, decode: bool | None = None,
+    key_rope: torch.Tensor | None = None,
 ) -> bool:
     """`attend` over paged caches read in place (docs/semantics/paged-kv.md): key / value are [block_num, N2,
     block_size, D] views and `block_table` maps each sequence's logical blocks. The Triton dense kernel reads any
@@ -290,17 +291,20 @@ def attend_paged(
     passes `inner_precise` and `decode` on to `attend`. With `kv_scales` (per-channel [N2, D] key / value scales)
     the pages are int8 and the reference decode loop anti-quantises each row as it reads it (problem/antiquant.py's
     rule); other backends return False. `block_table=None`: key / value are contiguous [B, N2, S, D] views;
-    `packed_int4`: they are the bytes of int4 values packed two to a byte ([.., D/2])."""
+    `packed_int4`: they are the bytes of int4 values packed two to a byte ([.., D/2]). `key_rope` (MLA): the rope
+    keys' cache, of the key's layout (NZ included), whose rows follow each key's; the reference decode loop reads
+    it (other backends return False)."""
     if query.dtype == torch.int8 or plan.output_dtype == torch.int8 or precision.npu_mode():
         return False
     problem = _bnsd_problem(query, out, heads_kv, scale, atten_mask, mask_views, sparse_mode, act_q, act_kv,
                             pre_tokens, next_tokens, pse_shift)
     resolved = resolve_backend(backend, query.device, op, warn=False, unsupported=lambda: dense_unsupported(
         problem, query.dtype, output_dtype=plan.output_dtype, tensors={"q": query, "o": out}))
-    if resolved == "reference" and not decode_forward.usable(problem, query, key, value, kv_scales is not None):
+    if resolved == "reference" and not decode_forward.usable(problem, query, key, value, kv_scales is not None,
+                                                              key_rope):
         return False
-    if kv_scales is not None and resolved != "reference":
-        return False  # int8 pages are anti-quantised in the reference decode loop only
+    if (kv_scales is not None or key_rope is not None) and resolved != "reference":
+        return False  # int8 pages are anti-quantised, rope keys joined, in the reference decode loop only
     select_backend(resolved, query.device, op=op, unsupported=lambda: None)  # counts the dispatch
     if query.numel() == 0:
         return True
@@ -309,6 +313,8 @@ def attend_paged(
     if softmax_lse is not None:
         row_max, row_sum = _invalid_row_stats(out, query.device)
     extra = {} if kv_scales is None else {"kv_scales": kv_scales, "packed_int4": packed_int4}
+    if key_rope is not None:
+        extra["key_rope"] = key_rope
     kernel.forward(problem, query, key, value, out, row_max, row_sum, block_table=block_table, **extra)
     if softmax_lse is not None:
         _write_lse(softmax_lse, row_max, row_sum)
@@ -343,6 +349,11 @@ def attend_pages(pages: PagedKv, query: torch.Tensor, out: torch.Tensor, *, atte
             mask_views=mask_views, act_q=act_q, act_kv=act_kv, pse_shift=pse_shift, softmax_lse=softmax_lse,
             **common):
         return
+    if antiquant is None and pages.key_rope is not None and attend_paged(
+            query, *pages.loop_caches(), out, block_table=table.to(query.device), atten_mask=atten_mask,
+            mask_views=mask_views, act_q=act_q, act_kv=act_kv, pse_shift=pse_shift, softmax_lse=softmax_lse,
+            key_rope=pages.loop_caches(rope=True), **common):
+        return  # MLA decode: the loop joins each key's latent and rope rows as it reads them
     workspace = Workspace(query.device)
     for group in length_groups(act_q, act_kv):
         g = slice(group.start, group.stop)

@@ -108,6 +108,13 @@ class PagedKv:
             return None
         return tuple(self._tokens(t).permute(0, 2, 1, 3) for t in (self.key, self.value))
 
+    def loop_caches(self, rope: bool = False):
+        """What the decode loop reads in place: key and value (`rope`: key_rope) as [block_num, N2, block_size, D]
+        views, or an NZ cache as it is (the loop reads its channels chunk by chunk)."""
+        caches = (self.key_rope,) if rope else (self.key, self.value)
+        views = tuple(t if self.shape.nz else self._tokens(t).permute(0, 2, 1, 3) for t in caches)
+        return views[0] if rope else views
+
     def dequantized_blocks(self, antiquant: antiquants.KvAntiquant, dtype: torch.dtype
                            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(key, value, table): the blocks some sequence reads, anti-quantised per block (`problem/antiquant.py`,

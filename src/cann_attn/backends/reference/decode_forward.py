@@ -24,7 +24,7 @@ from .flash_forward import has_non_finite
 
 
 def usable(problem: AttentionProblem, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-           dequant: bool = False) -> bool:
+           dequant: bool = False, key_rope: torch.Tensor | None = None) -> bool:
     """Every run has at most one query row, no mask and no pse, on a dense layout, and the native decode loop can
     read the caches."""
     if problem.tnd or problem.sink is not None or query.device.type != "cpu" or query.dtype not in native.DECODE_DTYPES:
@@ -35,19 +35,21 @@ def usable(problem: AttentionProblem, query: torch.Tensor, key: torch.Tensor, va
             return False
         if mask.explicit is not None or mask.lower is not None or mask.upper is not None or mask.prefix is not None:
             return False
-    return native.decode_usable(key, value, query.dtype if dequant else None)
+    return native.decode_usable(key, value, query.dtype if dequant else None, key_rope)
 
 
 @torch.no_grad()
 def forward(problem: AttentionProblem, query, key, value, out, softmax_max=None, softmax_sum=None,
             block_table: torch.Tensor | None = None,
-            kv_scales: tuple[torch.Tensor, torch.Tensor] | None = None, packed_int4: bool = False) -> None:
+            kv_scales: tuple[torch.Tensor, torch.Tensor] | None = None, packed_int4: bool = False,
+            key_rope: torch.Tensor | None = None) -> None:
     """Fill `out` [B, N, 1, Dv] (and the [B, N, 1, 8] statistics when given) of sequences that have keys. With
     `block_table`, key and value are paged caches seen as [block_num, N2, block_size, D], read in place through the
     table (docs/semantics/paged-kv.md): the same loop over the same rows, so the same bits as contiguous caches.
     With `kv_scales` (per-channel key / value scales [N2, D], fp32) key and value are int8, anti-quantised to the
     query's dtype as the loop reads them (problem/antiquant.py); `packed_int4`: key / value are the int8 bytes of
-    int4 values packed two to a byte."""
+    int4 values packed two to a byte. `key_rope` (MLA): the rope keys' cache, of the key's layout, whose rows follow
+    each key's (the query carries its rope columns after D)."""
     batch, heads, heads_kv = problem.batch, problem.heads_q, problem.heads_kv
     group = heads // heads_kv
     lengths = torch.zeros(batch, dtype=torch.int64)
@@ -64,7 +66,7 @@ def forward(problem: AttentionProblem, query, key, value, out, softmax_max=None,
     row_sum = torch.empty((pairs, group), dtype=torch.float32)
     dequant = None if kv_scales is None else (*kv_scales, query.dtype)
     native.decode_rows(q.view(pairs, group, -1), key, value, lengths, acc, row_max, row_sum, block_table, dequant,
-                       packed_int4)
+                       packed_int4, key_rope)
     seen = (lengths > 0).nonzero().view(-1)
     if seen.numel() == 0:
         return
@@ -75,9 +77,10 @@ def forward(problem: AttentionProblem, query, key, value, out, softmax_max=None,
         if packed_int4:
             key, value = (antiquants.unpack_int4(x.view(torch.int32)) for x in (key, value))
         if kv_scales is not None:  # the values the loop read (NZ caches as [block_num, N2, block_size, D])
-            key, value = (dequantize_values(x.permute(0, 1, 3, 2, 4).flatten(-2) if x.dim() == 5 else x,
-                                            s.view(1, s.shape[0], 1, -1), query.dtype)
+            key, value = (dequantize_values(_channels_last(x), s.view(1, s.shape[0], 1, -1), query.dtype)
                           for x, s in zip((key, value), kv_scales, strict=True))
+        if key_rope is not None:  # the keys the loop read: latent ++ rope columns
+            key, value = torch.cat([_channels_last(key), _channels_last(key_rope)], dim=-1), _channels_last(value)
         scales = value_column_scales(value.abs().amax(dim=tuple(range(value.dim() - 1))), int(lengths.max()))
         if scales is not None:
             native.decode_rows(q.view(pairs, group, -1), key.float(), value.float() * scales, lengths, acc, row_max,
@@ -88,3 +91,9 @@ def forward(problem: AttentionProblem, query, key, value, out, softmax_max=None,
     if softmax_max is not None:
         softmax_max[seen, :, 0] = row_max.view(batch, heads)[seen].unsqueeze(-1).to(softmax_max.dtype)
         softmax_sum[seen, :, 0] = row_sum.view(batch, heads)[seen].unsqueeze(-1).to(softmax_sum.dtype)
+
+
+def _channels_last(cache: torch.Tensor) -> torch.Tensor:
+    """A cache's rows with their channels on the last axis: an NZ cache [block_num, N2, D/c0, block_size, c0] as
+    [block_num, N2, block_size, D] (a copy), any other as it is."""
+    return cache.permute(0, 1, 3, 2, 4).flatten(-2) if cache.dim() == 5 else cache

@@ -82,7 +82,7 @@ _SIGNATURES = {
     "cann_attn_has_avx512": [],
     "cann_attn_set_avx512": [ctypes.c_int],
     "fia_decode_rows": [_P, _I, _I, _I, _I, _I, _P, _P, _I, _I, _I, _I, _I, _I, _I, _P, _P, _P, _P, _P, _I, _I, _P,
-                        _P, _I, _I, _I, _I, _F, _F],
+                        _P, _I, _I, _I, _I, _P, _I, _I, _I, _I, _I, _I, _F, _F],
 }
 _INT_RESULTS = ("cann_attn_cpu_supported", "cann_attn_has_sgemm", "cann_attn_has_sgemm_pack", "cann_attn_has_bf16_dot",
                 "cann_attn_has_f16c", "cann_attn_has_avx512", "cann_attn_set_avx512")
@@ -739,11 +739,16 @@ DEQUANT_DTYPES = {torch.bfloat16: 3, torch.float16: 4, torch.float32: 5}
 INT4_CODE_SHIFT = 3
 
 
-def decode_usable(key: torch.Tensor, value: torch.Tensor, dequant_to: torch.dtype | None = None) -> bool:
+def decode_usable(key: torch.Tensor, value: torch.Tensor, dequant_to: torch.dtype | None = None,
+                  key_rope: torch.Tensor | None = None) -> bool:
     """Whether `decode_rows` can read these [B, N2, S, D] caches in place: CPU, fp32/fp16/bf16 (fp16 needs F16C)
-    or, with `dequant_to`, int8 anti-quantised to that dtype, unit stride along D, library available."""
+    or, with `dequant_to`, int8 anti-quantised to that dtype, unit stride along D, library available. `key_rope`
+    (MLA's rope keys, float caches only): of the key's dtype and layout."""
     readable = DECODE_DTYPES if dequant_to is None else {torch.int8: 0}
     if key.device.type != "cpu" or key.dtype != value.dtype or key.dtype not in readable:
+        return False
+    if key_rope is not None and (dequant_to is not None or key_rope.dtype != key.dtype
+                                 or key_rope.dim() != key.dim() or key_rope.stride(-1) != 1):
         return False
     if dequant_to is not None and dequant_to not in DEQUANT_DTYPES:
         return False
@@ -755,8 +760,8 @@ def decode_usable(key: torch.Tensor, value: torch.Tensor, dequant_to: torch.dtyp
 
 def decode_rows(q: torch.Tensor, key: torch.Tensor, value: torch.Tensor, lengths: torch.Tensor, out: torch.Tensor,
                 row_max: torch.Tensor, row_sum: torch.Tensor, block_table: torch.Tensor | None = None,
-                kv_scales: tuple[torch.Tensor, torch.Tensor, torch.dtype] | None = None, packed_int4: bool = False
-                ) -> None:
+                kv_scales: tuple[torch.Tensor, torch.Tensor, torch.dtype] | None = None, packed_int4: bool = False,
+                key_rope: torch.Tensor | None = None) -> None:
     """Unnormalised out [B*N2, G, Dv], row_max and row_sum [B*N2, G] of the scaled, grouped query rows q
     [B*N2, G, D] (fp32, contiguous) over the first lengths[b] rows of key / value [B, N2, S, D] (read in place;
     decode.c; the order of its sums is docs/guides/backends.md's "Decode", its exponentials softmax_exp's rule).
@@ -765,7 +770,8 @@ def decode_rows(q: torch.Tensor, key: torch.Tensor, value: torch.Tensor, lengths
     block_table[b, p // block_size], slot p % block_size (docs/semantics/paged-kv.md), read in place too. With
     `kv_scales` = (key scale [N2, D], value scale [N2, Dv], dtype), int8 key / value are anti-quantised as they are
     read: x * scale in fp32, rounded once to dtype (problem/antiquant.py); `packed_int4`: key / value are the bytes
-    of int4 values packed two to a byte (value 2k in the low nibble), D/2 bytes a row."""
+    of int4 values packed two to a byte (value 2k in the low nibble), D/2 bytes a row. `key_rope` (MLA): a cache of
+    the key's layout whose rows follow each key's (q's D is the key's plus the rope's)."""
     lib = library()
     _check_rows(q, out, row_max, row_sum)
     pairs, group, dim = q.shape
@@ -777,12 +783,18 @@ def decode_rows(q: torch.Tensor, key: torch.Tensor, value: torch.Tensor, lengths
     code = DECODE_DTYPES[key.dtype] if kv_scales is None else DEQUANT_DTYPES[kv_scales[2]] + (
         INT4_CODE_SHIFT if packed_int4 else 0)
     kg, vg = _cache_geometry(key), _cache_geometry(value)
+    rope = (None, 0, 0, 0, 0, 0, 0)
+    if key_rope is not None:
+        rg = _cache_geometry(key_rope)
+        width = key_rope.shape[2] * key_rope.shape[4] if key_rope.dim() == 5 else key_rope.shape[-1]
+        rope = (key_rope.data_ptr(), width, *rg[:3], *rg[3:5])
     lib.fia_decode_rows(q.data_ptr(), pairs, key.shape[1], group, dim, out.shape[-1], key.data_ptr(),
                         value.data_ptr(), code, *kg[:3], *vg[:3], lengths.data_ptr(), out.data_ptr(),
                         row_max.data_ptr(), row_sum.data_ptr(), None if table is None else table.data_ptr(),
                         0 if table is None else table.stride(0), 0 if table is None else kg[5],
                         None if kv_scales is None else scales[0].data_ptr(),
-                        None if kv_scales is None else scales[1].data_ptr(), *kg[3:5], *vg[3:5], LOG2E, EXP2_FLOOR)
+                        None if kv_scales is None else scales[1].data_ptr(), *kg[3:5], *vg[3:5], *rope, LOG2E,
+                        EXP2_FLOOR)
 
 
 def _cache_geometry(cache: torch.Tensor) -> tuple[int, int, int, int, int, int]:

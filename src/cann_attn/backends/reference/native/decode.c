@@ -35,6 +35,10 @@ struct decode_args {
     int64_t table_stride, page;
     const float *k_scale, *v_scale;
     int64_t k_c0, k_cs, v_c0, v_cs;
+    /* MLA's rope keys (NULL: none): each key is its latent row (dim - dim_r columns) followed by its rope row (dim_r),
+     * from a cache of its own (strides and NZ chunking as the key's), read through the same block table. */
+    const void *r;
+    int64_t dim_r, r_sb, r_sh, r_ss, r_c0, r_cs;
     float log2e, floor2;
     float *out, *row_max, *row_sum;
 };
@@ -257,21 +261,31 @@ __attribute__((target("avx512f"))) static void pair_dots16(const float *q, int64
     }
 }
 
-/* The tile's w key rows (addresses `rows`) into pair vectors pk: bf16 / fp16 rows straight, others widened into
- * `row` (a dim-float scratch) first. */
-static void decode_key_pairs(const struct decode_args *a, const char **rows, int64_t w, const float *ks, float *row,
-                             float *pk) {
+/* One key widened into dst [dim]: its latent row (ks: int8 scales, NULL: none), then its rope row where the call has
+ * rope keys. */
+static void widen_key_row(const struct decode_args *a, const char *krow, const char *rrow, const float *ks,
+                          float *dst) {
+    const int64_t dk = a->dim - a->dim_r;
+    widen_chunks(krow, a->dtype, dk, dst, ks, a->k_c0, a->k_cs, a->esize);
+    if (rrow)
+        widen_chunks(rrow, a->dtype, a->dim_r, dst + dk, NULL, a->r_c0, a->r_cs, a->esize);
+}
+
+/* The tile's w key rows (addresses `rows`, rope rows `rrows` or NULL) into pair vectors pk: bf16 / fp16 rows
+ * straight, others widened into `row` (a dim-float scratch) first. */
+static void decode_key_pairs(const struct decode_args *a, const char **rows, const char **rrows, int64_t w,
+                             const float *ks, float *row, float *pk) {
     const int64_t stride = pair_floats(a->dim);
-    const int direct = (a->dtype == 1 || a->dtype == 2) && a->k_c0 <= 0;
+    const int direct = (a->dtype == 1 || a->dtype == 2) && a->k_c0 <= 0 && !rrows;
     for (int64_t j = 0; j < w; j += 2) {
         const char *rb = j + 1 < w ? rows[j + 1] : NULL;
         if (direct) {
             pair_half_rows16((const uint16_t *)rows[j], (const uint16_t *)rb, a->dtype, a->dim, pk + j / 2 * stride);
             continue;
         }
-        widen_chunks(rows[j], a->dtype, a->dim, row, ks, a->k_c0, a->k_cs, a->esize);
+        widen_key_row(a, rows[j], rrows ? rrows[j] : NULL, ks, row);
         if (rb)
-            widen_chunks(rb, a->dtype, a->dim, row + a->dim, ks, a->k_c0, a->k_cs, a->esize);
+            widen_key_row(a, rb, rrows ? rrows[j + 1] : NULL, ks, row + a->dim);
         pair_rows16(row, rb ? row + a->dim : NULL, a->dim, pk + j / 2 * stride);
     }
 }
@@ -351,11 +365,18 @@ static void decode_tile(const struct decode_args *a, int64_t b, int64_t h, int64
     const int64_t seq = a->table ? 0 : b; /* paged: k_sb / v_sb are block strides, the table finds blocks */
     const char *kp = (const char *)a->k + (seq * a->k_sb + h * a->k_sh) * a->esize;
     const char *vp = (const char *)a->v + (seq * a->v_sb + h * a->v_sh) * a->esize;
-    const float *ks = a->k_scale ? a->k_scale + h * a->dim : NULL;
+    const char *rp = a->r ? (const char *)a->r + (seq * a->r_sb + h * a->r_sh) * a->esize : NULL;
+    const float *ks = a->k_scale ? a->k_scale + h * (a->dim - a->dim_r) : NULL;
     const float *vs = a->v_scale ? a->v_scale + h * a->dim_v : NULL;
-    const int64_t kbytes = a->dtype >= 6 ? a->dim / 2 : a->dim, vbytes = a->dtype >= 6 ? a->dim_v / 2 : a->dim_v;
+    const int64_t dk = a->dim - a->dim_r;
+    const int64_t kbytes = a->dtype >= 6 ? dk / 2 : dk, vbytes = a->dtype >= 6 ? a->dim_v / 2 : a->dim_v;
     const int half_v = use_avx512 && (a->dtype == 1 || a->dtype == 2) && a->v_c0 <= 0;
-    const char *rows[DECODE_BLOCK], *next_k[DECODE_BLOCK], *next_v[DECODE_BLOCK];
+    const char *rows[DECODE_BLOCK], *next_k[DECODE_BLOCK], *next_v[DECODE_BLOCK], *rrows[DECODE_BLOCK];
+    if (rp) {
+        tile_rows(rrows, rp, j0, w, a->r_ss, a->esize, table_row, a->page, a->r_sb);
+        for (int64_t j = 0; j < w; j++)
+            prefetch_rows(rrows + j, 1, a->dim_r, a->esize, a->r_c0, a->r_cs);
+    }
     if (wn > 0) {
         tile_rows(next_k, kp, j0 + DECODE_AHEAD * DECODE_BLOCK, wn, a->k_ss, a->esize, table_row, a->page, a->k_sb);
         tile_rows(next_v, vp, j0 + DECODE_AHEAD * DECODE_BLOCK, wn, a->v_ss, a->esize, table_row, a->page, a->v_sb);
@@ -365,13 +386,14 @@ static void decode_tile(const struct decode_args *a, int64_t b, int64_t h, int64
         for (int64_t j = 0; j < w; j += 2) {
             if (j < wn)
                 prefetch_rows(next_k + j, wn - j < 2 ? wn - j : 2, kbytes, a->esize, a->k_c0, a->k_cs);
-            decode_key_pairs(a, rows + j, w - j < 2 ? w - j : 2, ks, sc->kbuf, sc->kpairs + j / 2 * pair_floats(a->dim));
+            decode_key_pairs(a, rows + j, rp ? rrows + j : NULL, w - j < 2 ? w - j : 2, ks, sc->kbuf,
+                             sc->kpairs + j / 2 * pair_floats(a->dim));
         }
     } else {
         for (int64_t j = 0; j < w; j++) {
             if (j < wn)
                 prefetch_rows(next_k + j, 1, kbytes, a->esize, a->k_c0, a->k_cs);
-            widen_chunks(rows[j], a->dtype, a->dim, sc->kbuf + j * a->dim, ks, a->k_c0, a->k_cs, a->esize);
+            widen_key_row(a, rows[j], rp ? rrows[j] : NULL, ks, sc->kbuf + j * a->dim);
         }
     }
     tile_rows(rows, vp, j0, w, a->v_ss, a->esize, table_row, a->page, a->v_sb);
@@ -465,10 +487,12 @@ void fia_decode_rows(const float *q, int64_t pairs, int64_t heads_kv, int64_t gr
                      int64_t v_sb, int64_t v_sh, int64_t v_ss, const int64_t *len, float *out, float *row_max,
                      float *row_sum, const int32_t *table, int64_t table_stride, int64_t page,
                      const float *k_scale, const float *v_scale, int64_t k_c0, int64_t k_cs, int64_t v_c0,
-                     int64_t v_cs, float log2e, float floor2) {
+                     int64_t v_cs, const void *r, int64_t dim_r, int64_t r_sb, int64_t r_sh, int64_t r_ss,
+                     int64_t r_c0, int64_t r_cs, float log2e, float floor2) {
     const struct decode_args a = {k, v, dtype, dtype == 0 ? 4 : dtype <= 2 ? 2 : 1, heads_kv, group, dim, dim_v,
                                   k_sb, k_sh, k_ss, v_sb, v_sh, v_ss, table, table_stride, page, k_scale, v_scale,
-                                  k_c0, k_cs, v_c0, v_cs, log2e, floor2, out, row_max, row_sum};
+                                  k_c0, k_cs, v_c0, v_cs, r, r ? dim_r : 0, r_sb, r_sh, r_ss, r_c0, r_cs, log2e,
+                                  floor2, out, row_max, row_sum};
     const int64_t per_slot = group * dim_v, batch = heads_kv > 0 ? pairs / heads_kv : 0;
     /* Batch entries go in waves whose split chunks' partial sums fit DECODE_PARTIAL_FLOATS (a wave holds one entry
      * at least): the waves change no result, only the scratch a call needs. */
