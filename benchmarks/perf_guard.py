@@ -147,7 +147,7 @@ def measure_all(config: str, only: tuple[str, ...], repeats: int, clock: Callabl
         if exact and case.name not in only:
             continue
         measured[case.name] = measure(case, repeats, clock)
-        print(f"  {case.name:<22} ratio {measured[case.name]['ratio']:.3f}", flush=True)
+        print(f"  {case.name:<26} ratio {measured[case.name]['ratio']:.3f}", flush=True)
     return measured
 
 
@@ -175,11 +175,11 @@ def _commit() -> str | None:
 
 
 def print_rows(rows: list[dict[str, Any]], margin: float) -> None:
-    print(f"{'case':<22} {'ratio':>7} {'baseline':>9} {'change':>8}  verdict (fail below baseline x {1 - margin:.2f})")
+    print(f"{'case':<26} {'ratio':>7} {'baseline':>9} {'change':>8}  verdict (fail below baseline x {1 - margin:.2f})")
     for r in rows:
         base = "-" if r["baseline"] is None else f"{r['baseline']:.3f}"
         change = "-" if r["change"] is None else f"{100 * r['change']:+.1f}%"
-        print(f"{r['case']:<22} {r['ratio']:>7.3f} {base:>9} {change:>8}  {r['verdict'].upper()}")
+        print(f"{r['case']:<26} {r['ratio']:>7.3f} {base:>9} {change:>8}  {r['verdict'].upper()}")
 
 
 def main(argv: list[str] | None = None) -> int:
