@@ -279,3 +279,38 @@ def test_bad_input_names_the_parameter(name):
     call, change, param = BAD[name]
     with pytest.raises(ParamInvalidError, match=rf"^\[\d+\] {param}\b"):
         call(**change)()
+
+
+@pytest.mark.parametrize("layout, q_per_seq", [("TND_NTD", 1), ("BSND_NBSD", 1), ("TND", 2)])
+def test_key_rope_columns_of_one_pool_give_the_separate_caches_bits(layout, q_per_seq, monkeypatch):
+    """bf16 MLA pages whose rope columns follow the latent's in one [blocks, blockSize, 512 + 64] pool (what the
+    int8 query's dequantisation builds) give the bits of the same caches passed separately: one query token per
+    sequence (TND included) is read in place through the table by the decode loop, no gather; more are gathered
+    (the pool's rows whole, the value as their first 512 columns)."""
+    g = torch.Generator().manual_seed(7)
+    s = max(LENGTHS)
+    rows = rand((len(LENGTHS), s, 1, LATENT + ROPE), torch.bfloat16, g)
+    nd, table = paginate({"kr": [rows[b, :n] for b, n in enumerate(LENGTHS)]}, PAGE, g)
+    pool = nd["kr"].view(-1, PAGE, LATENT + ROPE)
+    packed = layout.startswith("TND")
+    tokens = len(LENGTHS) * q_per_seq
+    q_shape = (tokens, HEADS) if packed else (len(LENGTHS), 1, HEADS)
+    query, query_rope = rand((*q_shape, LATENT), torch.bfloat16, g), rand((*q_shape, ROPE), torch.bfloat16, g)
+    kw = dict(query_rope=query_rope, num_query_heads=HEADS, num_key_value_heads=1, input_layout=layout,
+              softmax_scale=0.05, block_table=table, block_size=PAGE, actual_seq_kvlen=LENGTHS,
+              return_softmax_lse=True)
+    if packed:
+        kw["actual_seq_qlen"] = [q_per_seq * (b + 1) for b in range(len(LENGTHS))]
+    if q_per_seq > 1:
+        kw |= dict(sparse_mode=3, atten_mask=torch.triu(torch.ones(2048, 2048, dtype=torch.bool), 1))
+    latent, rope = pool[..., :LATENT], pool[..., LATENT:]
+    if q_per_seq == 1:
+        def no_gather(*args, **kwargs):
+            raise AssertionError("one query token per sequence over paged caches must be read in place")
+
+        monkeypatch.setattr("cann_attn.ops.paged_infer.PagedKv.group_bnsd", no_gather)
+    separate = cann_attn.fused_infer_attention_score_v2(query, latent.contiguous(), latent.contiguous(),
+                                                        key_rope=rope.contiguous(), **kw)
+    joined = cann_attn.fused_infer_attention_score_v2(query, latent, latent, key_rope=rope, **kw)
+    for name, a, b in zip(("out", "lse"), separate, joined, strict=True):
+        assert torch.equal(a, b), f"{name}: joined pool != separate caches"

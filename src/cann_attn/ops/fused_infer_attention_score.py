@@ -243,6 +243,8 @@ def _attend_int8_decode(p: FiaProblem, q_in: torch.Tensor, out: torch.Tensor, ls
 def _attend_packed(p: FiaProblem, q_in: torch.Tensor, out: torch.Tensor, lse: torch.Tensor | None,
                    common: dict) -> None:
     """TND / NTD: each sequence's rows as a [1, N, S, D] view."""
+    if _attend_packed_decode(p, q_in, out, lse, common):
+        return
     q_starts, kv_starts = starts_of(p.act_q), starts_of(p.act_kv)
     for b in range(p.batch):
         sq, skv = p.act_q[b], p.act_kv[b]
@@ -258,6 +260,24 @@ def _attend_packed(p: FiaProblem, q_in: torch.Tensor, out: torch.Tensor, lse: to
         lse_b = None if lse is None else _packed_rows(lse, "TND", q_starts[b], sq)
         attend(q_b, k_b, v_b, out_b, atten_mask=p.atten_mask, mask_views=None, act_q=[sq], act_kv=[skv],
                pse_shift=None, softmax_lse=lse_b, **common)
+
+
+def _attend_packed_decode(p: FiaProblem, q_in: torch.Tensor, out: torch.Tensor, lse: torch.Tensor | None,
+                          common: dict) -> bool:
+    """One query token per sequence over paged MLA caches: the T tokens as a [T, N, 1, D] batch that the decode
+    loop reads in place through the table (latent and rope rows joined as it reads them), the loop each sequence
+    would take alone (the same bits as gathering it). False, computing nothing, where it does not apply."""
+    if p.pages is None or p.key_rope is None or p.antiquant is not None or any(sq != 1 for sq in p.act_q):
+        return False
+
+    def tokens(t: torch.Tensor, layout: str) -> torch.Tensor:
+        return (t if layout == "TND" else t.transpose(0, 1)).unsqueeze(2)
+
+    return attend_paged(tokens(q_in, p.q_layout), *p.pages.loop_caches(), tokens(out, p.out_layout),
+                        block_table=p.pages.pages.table.to(q_in.device), atten_mask=p.atten_mask, mask_views=None,
+                        act_q=p.act_q, act_kv=p.act_kv, pse_shift=None,
+                        softmax_lse=None if lse is None else lse.unsqueeze(2),
+                        key_rope=p.pages.loop_caches(rope=True), **common)
 
 
 def _attend_left_padded(p: FiaProblem, q4, k_all, v_all, out4, lse4, common: dict) -> None:
@@ -424,7 +444,7 @@ def fused_infer_attention_score_v2(
             query, key, value, query_rope=query_rope, key_rope=key_rope, dequant_scale_query=dequant_scale_query,
             dequant_scale_key=dequant_scale_key, dequant_scale_value=dequant_scale_value,
             key_quant_mode=key_quant_mode, value_quant_mode=value_quant_mode, input_layout=input_layout,
-            num_heads=num_query_heads)
+            num_heads=num_query_heads, block_table=block_table)
         query, key, value = quantised.query, quantised.key, quantised.value
         query_rope, key_rope = quantised.query_rope, quantised.key_rope
         dequant_scale_key = dequant_scale_value = None

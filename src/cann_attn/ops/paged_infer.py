@@ -115,6 +115,23 @@ class PagedKv:
         views = tuple(t if self.shape.nz else self._tokens(t).permute(0, 2, 1, 3) for t in caches)
         return views[0] if rope else views
 
+    def joined_views(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """[block_num, 1, block_size, D + Dr] key ++ key_rope and [block_num, 1, block_size, Dv] value views (no
+        copy) when key_rope's columns follow the key's in one buffer (a single kv head: each token row is
+        already key ++ rope, e.g. the int8 MLA query's float32 pool, problem/antiquant.py): the rows a gather
+        copies whole. None otherwise."""
+        if self.key_rope is None or self.shape.nz or self.shape.heads != 1:
+            return None
+        key, rope = (self._tokens(t).permute(0, 2, 1, 3) for t in (self.key, self.key_rope))
+        width = key.shape[-1]
+        if (key.stride(-1) != 1 or rope.stride(0) != key.stride(0) or rope.stride(2) != key.stride(2)
+                or rope.stride(3) != 1 or key.dtype != rope.dtype
+                or key.untyped_storage().data_ptr() != rope.untyped_storage().data_ptr()
+                or rope.storage_offset() != key.storage_offset() + width):
+            return None
+        joined = key.as_strided((*key.shape[:3], width + rope.shape[-1]), key.stride(), key.storage_offset())
+        return joined, self.cache_views()[1]
+
     def dequantized_blocks(self, antiquant: antiquants.KvAntiquant, dtype: torch.dtype
                            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(key, value, table): the blocks some sequence reads, anti-quantised per block (`problem/antiquant.py`,
@@ -138,6 +155,9 @@ class PagedKv:
         buffers (valid until the next group): the groups of one call then reuse one pair of buffers instead of
         faulting fresh pages in for each."""
         length = self.pages.kv_lengths[batches[0]]
+        joined = self.joined_views()
+        if joined is not None:
+            return self._group_joined(batches, length, *joined, workspace)
         parts = [self.key] + ([] if self.key_rope is None else [self.key_rope])
         dims = [self._width(t) for t in parts]
         k_shape = (len(batches), self.shape.heads, length, sum(dims))
@@ -154,6 +174,24 @@ class PagedKv:
                 self._gather(cache, b, k[i, :, :, col : col + d].permute(1, 0, 2))
                 col += d
             self._gather(self.value, b, v[i].permute(1, 0, 2))
+        return k, v
+
+    def _group_joined(self, batches: range, length: int, key: torch.Tensor, value: torch.Tensor,
+                      workspace: Workspace | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """group_bnsd over `joined_views`: whole key ++ rope rows in one gather; the value, when it is the key's
+        first Dv columns, as a view of the gathered key."""
+        k_shape = (len(batches), 1, length, key.shape[-1])
+        k = (torch.empty(k_shape, dtype=key.dtype, device=key.device) if workspace is None
+             else workspace.take("paged_key", k_shape, key.dtype))
+        for i, b in enumerate(batches):
+            self.pages.gather_tokens(key.permute(0, 2, 1, 3), [b], out=k[i].permute(1, 0, 2))
+        if value.data_ptr() == key.data_ptr() and value.stride() == key.stride():
+            return k, k[..., : value.shape[-1]]
+        v_shape = (len(batches), 1, length, value.shape[-1])
+        v = (torch.empty(v_shape, dtype=value.dtype, device=value.device) if workspace is None
+             else workspace.take("paged_value", v_shape, value.dtype))
+        for i, b in enumerate(batches):
+            self.pages.gather_tokens(value.permute(0, 2, 1, 3), [b], out=v[i].permute(1, 0, 2))
         return k, v
 
     def _gather(self, cache: torch.Tensor, b: int, rows: torch.Tensor) -> None:

@@ -24,6 +24,7 @@ npu_convert_weight_to_int4pack packs it so). `unpack_int4` turns them into int8;
 from __future__ import annotations
 
 import sys
+import threading
 from dataclasses import dataclass
 
 import torch
@@ -273,12 +274,13 @@ def query_scale_shape(query: torch.Tensor, input_layout: str, num_heads: int) ->
 
 def dequantise_mla_query(query, key, value, *, query_rope, key_rope, dequant_scale_query, dequant_scale_key,
                          dequant_scale_value, key_quant_mode, value_quant_mode, input_layout: str,
-                         num_heads: int) -> Dequantised:
+                         num_heads: int, block_table=None) -> Dequantised:
     """The int8 MLA call: int8 query [.., 512] (query_quant_mode 3) and the int8 latent cache (ND, or NZ
     [blockNum, N, D/32, blockSize, 32]) with per-tensor key/value scales (modes 0), rope parts unscaled; all
     scales float32. The operands become float32 (x * scale, one fp32 rounding: the int8 products the NPU
     accumulates exactly, scaled once); an NZ cache becomes the ND cache [blockNum, blockSize, N * D] of the same
-    tokens (float32 has no NZ form)."""
+    tokens (float32 has no NZ form). A paged cache (`block_table`) is converted only in the blocks the table
+    names (`_paged_latent`)."""
     if query_rope is None or key_rope is None:
         raise ParamInvalidError("query_rope: an int8 query (full quantisation) is documented for MLA only (query_rope "
                                 "and key_rope with D = 512), got None")
@@ -310,11 +312,109 @@ def dequantise_mla_query(query, key, value, *, query_rope, key_rope, dequant_sca
     v_scale = _per_tensor(dequant_scale_value, "dequant_scale_value")
     f32 = torch.float32
     q = dequant.dequantize_values(query.reshape(*q_scale.shape, -1), q_scale.unsqueeze(-1), f32)
+    same = _same_values(key, value) and (dequant_scale_value is dequant_scale_key or torch.equal(k_scale, v_scale))
+    paged = _paged_latent(key, value, key_rope, k_scale, v_scale, block_table, same)
+    if paged is not None:
+        k, v, r = paged
+        return Dequantised(q.reshape(query.shape), k, v, query_rope.to(f32), r, query_rope.dtype)
     k = dequant.dequantize_values(_nd_cache(key), k_scale, f32)
-    same = value is key and (dequant_scale_value is dequant_scale_key or torch.equal(k_scale, v_scale))
     v = k if same else dequant.dequantize_values(_nd_cache(value), v_scale, f32)
     return Dequantised(q.reshape(query.shape), k, v, query_rope.to(f32), _nd_cache(key_rope).to(f32),
                        query_rope.dtype)
+
+
+# A fresh multi-megabyte tensor comes from mmap and is faulted in page by page on every call (a 47 MB float32
+# latent pool measured 19 ms fresh against 3.6 ms reused, one thread): each thread keeps its float32 pools for the
+# next call, up to this many bytes each (larger ones are allocated per call).
+REUSED_POOL_BYTES = 512 << 20
+_reused_pools = threading.local()
+
+
+def _pool_buffer(name: str, shape: tuple[int, ...], device: torch.device) -> torch.Tensor:
+    """An uninitialised float32 tensor of `shape`: a view of this thread's buffer `name` where it fits
+    REUSED_POOL_BYTES (valid until the thread's next int8 MLA call)."""
+    numel = 1
+    for n in shape:
+        numel *= n
+    if numel * 4 > REUSED_POOL_BYTES:
+        return torch.empty(shape, dtype=torch.float32, device=device)
+    buffers = _reused_pools.__dict__
+    buffer = buffers.get(name)
+    if buffer is None or buffer.numel() < numel or buffer.device != device:
+        buffer = buffers[name] = torch.empty(max(numel, 1), dtype=torch.float32, device=device)
+    return buffer[:numel].view(shape)
+
+
+def _same_values(key: torch.Tensor, value: torch.Tensor) -> bool:
+    """Whether value reads the very elements of key (the same tensor, or a view of the same memory)."""
+    return value is key or (value.shape == key.shape and value.stride() == key.stride()
+                            and value.data_ptr() == key.data_ptr())
+
+
+def _latent_rows(cache: torch.Tensor) -> torch.Tensor | None:
+    """A single-head MLA cache as token rows (a view, no copy): ND [blockNum, blockSize, D] or [blockNum, 1,
+    blockSize, D] as [blockNum, blockSize, D]; NZ [blockNum, 1, D/c0, blockSize, c0] as [blockNum, blockSize,
+    D/c0, c0]. None for anything else."""
+    if cache.dim() == NZ_RANK and cache.shape[1] == 1:
+        return cache[:, 0].permute(0, 2, 1, 3)
+    if cache.dim() == 4 and cache.shape[1] == 1:
+        return cache[:, 0]
+    return cache if cache.dim() == 3 else None
+
+
+def _row_width(rows: torch.Tensor) -> int:
+    return rows.shape[2] * rows.shape[3] if rows.dim() == 4 else rows.shape[2]
+
+
+def _rows_into(dst: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """Copy token rows (`_latent_rows`) into the [blocks, blockSize, D] destination `dst`; returns `dst`."""
+    (dst.unflatten(-1, rows.shape[2:]) if rows.dim() == 4 else dst).copy_(rows)
+    return dst
+
+
+def _block_runs(block_table: torch.Tensor, block_num: int) -> list[tuple[int, int]]:
+    """The ranges [start, stop) of consecutive block ids that `block_table` names within [0, block_num)."""
+    named = block_table[(block_table >= 0) & (block_table < block_num)]
+    ids = torch.unique(named.to(torch.int64)).tolist()
+    runs: list[tuple[int, int]] = []
+    for i in ids:
+        if runs and runs[-1][1] == i:
+            runs[-1] = (runs[-1][0], i + 1)
+        else:
+            runs.append((i, i + 1))
+    return runs
+
+
+def _paged_latent(key, value, key_rope, k_scale, v_scale, block_table, same: bool
+                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    """(key, value, key_rope) of a paged single-head MLA call in float32, in the caches' own shapes (an NZ
+    cache as ND [blockNum, blockSize, D]): key and key_rope are the two column ranges of one [blockNum,
+    blockSize, D + Dr] buffer, so each key row is already key ++ rope for the loops that read the pages in place
+    (ops/paged_infer.py), and value is key's view when it holds the same values. Only the blocks some table
+    entry names are converted (x * scale, the same fp32 products as the whole cache's); the others are never
+    read (docs/semantics/paged-kv.md: the entries a sequence reads must name existing blocks). None, converting
+    nothing, where the caches or the table are not of that form (the whole-cache conversion then applies, and
+    validation reports what is wrong)."""
+    if not (isinstance(block_table, torch.Tensor) and block_table.dtype == torch.int32 and block_table.dim() == 2
+            and block_table.device == key.device and key.dim() == key_rope.dim() == value.dim()
+            and value.shape == key.shape):
+        return None
+    k_rows, v_rows, r_rows = _latent_rows(key), _latent_rows(value), _latent_rows(key_rope)
+    if k_rows is None or v_rows is None or r_rows is None or k_rows.shape[:2] != r_rows.shape[:2]:
+        return None
+    width = _row_width(k_rows)
+    joined = _pool_buffer("key_rope", (*k_rows.shape[:2], width + _row_width(r_rows)), key.device)
+    v_f32 = None if same else _pool_buffer("value", (*k_rows.shape[:2], width), key.device)
+    for start, stop in _block_runs(block_table, k_rows.shape[0]):
+        blocks = slice(start, stop)
+        _rows_into(joined[blocks, :, :width], k_rows[blocks]).mul_(k_scale)
+        _rows_into(joined[blocks, :, width:], r_rows[blocks])
+        if v_f32 is not None:
+            _rows_into(v_f32[blocks], v_rows[blocks]).mul_(v_scale)
+    head_axis = key.dim() == 4  # [blockNum, 1, blockSize, D]: the head axis back
+    parts = [joined[..., :width], joined if v_f32 is None else v_f32, joined[..., width:]]
+    parts[1] = parts[1][..., :width]
+    return tuple(p.unsqueeze(1) if head_axis else p for p in parts)
 
 
 def _nd_cache(cache: torch.Tensor) -> torch.Tensor:
