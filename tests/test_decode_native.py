@@ -77,12 +77,15 @@ def test_decode_does_not_depend_on_the_thread_count(group):
     _assert_same(one, two)
 
 
-@pytest.mark.parametrize("group", [3, 4, 8, 12])
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_decode_avx512_steps_give_the_avx2_bits(group, dtype):
+@pytest.mark.parametrize("group, dim", [(3, 40), (4, 40), (8, 40), (12, 40), (4, 128)])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_decode_avx512_steps_give_the_avx2_bits(group, dim, dtype):
+    """D 40: partial vectors and column blocks; D 128: whole ones (the two paths of each AVX-512 kernel)."""
     if not native.library().cann_attn_has_avx512():
         pytest.skip("needs AVX-512F")
-    inputs = _decode_inputs(group, dtype=dtype, seed=group)
+    if dtype == torch.float16 and not native.has_f16c():
+        pytest.skip("fp16 caches need F16C")
+    inputs = _decode_inputs(group, dim=dim, dtype=dtype, seed=group)
     try:
         assert native.set_avx512(False) is False
         avx2 = _decode(*inputs)

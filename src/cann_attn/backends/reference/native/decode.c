@@ -222,12 +222,97 @@ __attribute__((target("avx512f,f16c"))) static void pair_half_rows16(const uint1
     }
 }
 
-/* s[g * lds + j] = q[g] . key j for g < heads, j < w, from the tile's key pairs pk (pair_floats(dim) floats each). */
+/* hsum of both halves of 8 pair sums at once: a (head, pair p) sum's halves are keys 2p and 2p + 1. Returns, for
+ * sums a..h, the 16 reductions [a0 c0 e0 g0 a1 c1 e1 g1 b0 d0 f0 h0 b1 d1 f1 h1] (x0 / x1: x's low / high half). Each
+ * is hsum's tree, the same additions with the same operands first: lanes i and i + 4 (low 128 bits first), then
+ * 0 + 2 and 1 + 3, then those two; only 21 vector operations for 16 sums instead of 16 hsums. */
+__attribute__((target("avx512f"))) static inline __m512 hsum_pairs8(__m512 a, __m512 b, __m512 c, __m512 d, __m512 e,
+                                                                     __m512 f, __m512 g, __m512 h) {
+#define QUARTERS(x, y) _mm512_add_ps(_mm512_shuffle_f32x4(x, y, 0x88), _mm512_shuffle_f32x4(x, y, 0xDD))
+#define HALVES(x, y)                                                                                                 \
+    _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(_mm512_castps_pd(x), _mm512_castps_pd(y))),                   \
+                  _mm512_castpd_ps(_mm512_unpackhi_pd(_mm512_castps_pd(x), _mm512_castps_pd(y))))
+    const __m512 abcd = HALVES(QUARTERS(a, b), QUARTERS(c, d)), efgh = HALVES(QUARTERS(e, f), QUARTERS(g, h));
+#undef HALVES
+#undef QUARTERS
+    return _mm512_add_ps(_mm512_shuffle_ps(abcd, efgh, 0x88), _mm512_shuffle_ps(abcd, efgh, 0xDD));
+}
+
+/* Pair vector of columns [d, d + 8) of bf16 (dtype 2) or fp16 (1) keys ra and rb, widened in registers (the floats
+ * pair_half_rows16 stores). */
+__attribute__((target("avx512f,f16c"))) static inline __m512 half_pair16(const char *ra, const char *rb,
+                                                                        int64_t dtype, int64_t d) {
+    const __m256i h = _mm256_inserti128_si256(_mm256_castsi128_si256(_mm_loadu_si128((const __m128i *)ra + d / 8)),
+                                              _mm_loadu_si128((const __m128i *)rb + d / 8), 1);
+    return dtype == 1 ? _mm512_cvtph_ps(h) : _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+
+/* Scores of heads h0..h0 + nh - 1 (nh <= 4; rows past nh repeat the first) against the 8 keys of the 4 pairs at p0
+ * (stride floats apart) or, with `keys`, of the 8 bf16 / fp16 rows keys[0..8) read in place (dim a multiple of 8):
+ * each sum the FMAs of pair_dots16's blocks in the same order, reduced by hsum_pairs8 (the same floats). */
+__attribute__((target("avx512f,f16c"))) static void pair_dots16_block8(const float *q, int64_t nh, int64_t dim,
+                                                                        const float *p0, int64_t stride,
+                                                                        const char **keys, int64_t dtype, float *s,
+                                                                        int64_t lds) {
+    const int64_t steps = (dim + 7) / 8, full = dim / 8;
+    const __m256i tail = lane_mask(dim - full * 8);
+    const float *p1 = p0 + stride, *p2 = p1 + stride, *p3 = p2 + stride;
+    BLOCK_ROWS(a, q, dim);
+    ZERO_BLOCK16;
+    __m512 c03 = c00, c13 = c00, c23 = c00, c33 = c00;
+#define PAIR_ROW(i, LOAD)                                                                                            \
+    do {                                                                                                             \
+        const __m512 y = both_halves(LOAD(a##i + 8 * t));                                                            \
+        FMA_ROW16(i, y);                                                                                             \
+        c##i##3 = _mm512_fmadd_ps(y, x3, c##i##3);                                                                   \
+    } while (0)
+#define PAIR_STEP(LOAD)                                                                                              \
+    do {                                                                                                             \
+        PAIR_ROW(0, LOAD);                                                                                           \
+        PAIR_ROW(1, LOAD);                                                                                           \
+        PAIR_ROW(2, LOAD);                                                                                           \
+        PAIR_ROW(3, LOAD);                                                                                           \
+    } while (0)
+    if (keys) {
+        for (int64_t t = 0; t < steps; t++) {
+            const __m512 x0 = half_pair16(keys[0], keys[1], dtype, 8 * t), x1 = half_pair16(keys[2], keys[3], dtype, 8 * t);
+            const __m512 x2 = half_pair16(keys[4], keys[5], dtype, 8 * t), x3 = half_pair16(keys[6], keys[7], dtype, 8 * t);
+            PAIR_STEP(LOAD_FULL);
+        }
+    } else {
+        for (int64_t t = 0; t < steps; t++) {
+            const __m512 x0 = _mm512_load_ps(p0 + 16 * t), x1 = _mm512_load_ps(p1 + 16 * t);
+            const __m512 x2 = _mm512_load_ps(p2 + 16 * t), x3 = _mm512_load_ps(p3 + 16 * t);
+            if (t < full)
+                PAIR_STEP(LOAD_FULL);
+            else
+                PAIR_STEP(LOAD_TAIL);
+        }
+    }
+#undef PAIR_STEP
+#undef PAIR_ROW
+    /* hsum_pairs8's order back to keys 0..7 of each of its two heads. */
+    const __m512i order = _mm512_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7, 8, 12, 9, 13, 10, 14, 11, 15);
+    const __m512 first = _mm512_permutexvar_ps(order, hsum_pairs8(c00, c10, c01, c11, c02, c12, c03, c13));
+    const __m512 second = _mm512_permutexvar_ps(order, hsum_pairs8(c20, c30, c21, c31, c22, c32, c23, c33));
+    const __m256 rows[4] = {_mm512_castps512_ps256(first), high_half(first), _mm512_castps512_ps256(second),
+                            high_half(second)};
+    for (int64_t i = 0; i < nh; i++)
+        _mm256_storeu_ps(s + i * lds, rows[i]);
+}
+
+/* s[g * lds + j] = q[g] . key j for g < heads, j < w, from the tile's key pairs pk (pair_floats(dim) floats each):
+ * blocks of 8 whole keys by pair_dots16_block8, the rest below. */
 __attribute__((target("avx512f"))) static void pair_dots16(const float *q, int64_t heads, int64_t dim, const float *pk,
                                                             int64_t w, float *s, int64_t lds) {
     const int64_t steps = (dim + 7) / 8, full = dim / 8, pairs = (w + 1) / 2, stride = pair_floats(dim);
     const __m256i tail = lane_mask(dim - full * 8);
-    for (int64_t i0 = 0; i0 < pairs; i0 += 3) {
+    const int64_t blocked = w / 8 * 4;
+    for (int64_t i0 = 0; i0 < blocked; i0 += 4)
+        for (int64_t h0 = 0; h0 < heads; h0 += 4)
+            pair_dots16_block8(q + h0 * dim, heads - h0 < 4 ? heads - h0 : 4, dim, pk + i0 * stride, stride, NULL, 0,
+                               s + h0 * lds + 2 * i0, lds);
+    for (int64_t i0 = blocked; i0 < pairs; i0 += 3) {
         const int64_t np = pairs - i0 < 3 ? pairs - i0 : 3;
         const float *p0 = pk + i0 * stride, *p1 = np > 1 ? p0 + stride : p0, *p2 = np > 2 ? p0 + 2 * stride : p0;
         for (int64_t h0 = 0; h0 < heads; h0 += 4) {
@@ -300,42 +385,82 @@ __attribute__((target("f16c"))) static inline float half_value(const uint16_t *r
     return x;
 }
 
-/* Vector v (16 columns from column d) of a bf16 / fp16 row, widened in registers. */
-#define HALF16(r, v) (dtype == 1 ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)((r) + d + 16 * (v))))          \
-                      : _mm512_castsi512_ps(_mm512_slli_epi32(                                                       \
-                            _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)((r) + d + 16 * (v)))), 16)))
+/* Vector v (16 columns from column d) of a bf16 / fp16 row, widened in registers: `lanes` of them live (16: a
+ * whole vector; 1..15: a last partial vector, through a scratch; 0 or less: zeros). */
+__attribute__((target("avx512f,f16c"))) static inline __m512 half_vector16(const uint16_t *r, int64_t dtype,
+                                                                          int64_t d, int64_t lanes) {
+    if (lanes >= 16) {
+        const __m256i h = _mm256_loadu_si256((const __m256i *)(r + d));
+        return dtype == 1 ? _mm512_cvtph_ps(h) : _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+    }
+    float part[16] = {0.0f};
+    for (int64_t c = 0; c < lanes; ++c)
+        part[c] = half_value(r, dtype, d + c);
+    return _mm512_loadu_ps(part);
+}
 
-/* row_combine(w, ts, heads, n, rows, dim, 1, keep, out) over bf16 / fp16 value rows `rows` read in place: each
- * 48-column block's sums are the FMAs of row_combine48 in the same order (the rows widened in registers instead of
- * into a copy first; a last block of 1..47 columns through a widened scratch row), so the same floats. */
-__attribute__((target("avx512f,f16c"))) static void half_combine48(const float *w, int64_t ts, int64_t heads,
+/* row_combine(w, ts, heads, n, rows, dim, 1, keep, out) over bf16 / fp16 value rows `rows` read in place, in blocks
+ * of 4 heads x 64 columns (16 sums in registers; D = 128 is two whole blocks): each output column is the same chain
+ * of FMAs over the keys as in row_combine48 (the lanes are independent, so the column blocking does not reach the
+ * bits), its store the same (store_block48's multiply by 1 and FMA with keep), with the rows widened in registers
+ * instead of into a copy first, so the same floats. */
+__attribute__((target("avx512f,f16c"))) static void half_combine64(const float *w, int64_t ts, int64_t heads,
                                                                    int64_t n, const char **rows, int64_t dtype,
                                                                    int64_t dim, const float *keep, float *out) {
-    const __m512 scale = _mm512_set1_ps(1.0f);
-    COMBINE48_BLOCKS(
-        for (int64_t j = 0; j < n; ++j) {
-            const uint16_t *r = (const uint16_t *)rows[j];
-            __m512 x0, x1, x2;
-            if (cols == 48) {
-                x0 = HALF16(r, 0);
-                x1 = HALF16(r, 1);
-                x2 = HALF16(r, 2);
-            } else {
-                float part[48] = {0.0f};
-                for (int64_t c = 0; c < cols; ++c)
-                    part[c] = half_value(r, dtype, d + c);
-                x0 = _mm512_loadu_ps(part);
-                x1 = _mm512_loadu_ps(part + 16);
-                x2 = _mm512_loadu_ps(part + 32);
-            }
-            FMA_ROW16(0, _mm512_set1_ps(w0[j]));
-            FMA_ROW16(1, _mm512_set1_ps(w1[j]));
-            FMA_ROW16(2, _mm512_set1_ps(w2[j]));
-            FMA_ROW16(3, _mm512_set1_ps(w3[j]));
+    const __m512 one = _mm512_set1_ps(1.0f);
+    for (int64_t d = 0; d < dim; d += 64) {
+        const int64_t cols = dim - d < 64 ? dim - d : 64;
+        __mmask16 lanes[4];
+        for (int64_t v = 0; v < 4; ++v) {
+            const int64_t live = cols - 16 * v;
+            lanes[v] = live >= 16 ? 0xFFFF : live <= 0 ? 0 : (__mmask16)((1u << live) - 1);
         }
-    )
+        for (int64_t h0 = 0; h0 < heads; h0 += 4) {
+            const int64_t nh = heads - h0 < 4 ? heads - h0 : 4;
+            BLOCK_ROWS(w, w + h0 * ts, ts);
+            ZERO_BLOCK16;
+            __m512 c03 = c00, c13 = c00, c23 = c00, c33 = c00;
+#define HALF_COMBINE_STEP(LOAD)                                                                                      \
+    for (int64_t j = 0; j < n; ++j) {                                                                                \
+        const uint16_t *r = (const uint16_t *)rows[j];                                                               \
+        const __m512 x0 = LOAD(0), x1 = LOAD(1), x2 = LOAD(2), x3 = LOAD(3);                                         \
+        __m512 y = _mm512_set1_ps(w0[j]);                                                                            \
+        FMA_ROW16(0, y);                                                                                             \
+        c03 = _mm512_fmadd_ps(y, x3, c03);                                                                           \
+        y = _mm512_set1_ps(w1[j]);                                                                                   \
+        FMA_ROW16(1, y);                                                                                             \
+        c13 = _mm512_fmadd_ps(y, x3, c13);                                                                           \
+        y = _mm512_set1_ps(w2[j]);                                                                                   \
+        FMA_ROW16(2, y);                                                                                             \
+        c23 = _mm512_fmadd_ps(y, x3, c23);                                                                           \
+        y = _mm512_set1_ps(w3[j]);                                                                                   \
+        FMA_ROW16(3, y);                                                                                             \
+        c33 = _mm512_fmadd_ps(y, x3, c33);                                                                           \
+    }
+#define HALF_WHOLE(v) half_vector16(r, dtype, d + 16 * (v), 16)
+#define HALF_PART(v) half_vector16(r, dtype, d + 16 * (v), cols - 16 * (v))
+            if (cols == 64)
+                HALF_COMBINE_STEP(HALF_WHOLE)
+            else
+                HALF_COMBINE_STEP(HALF_PART)
+#undef HALF_PART
+#undef HALF_WHOLE
+#undef HALF_COMBINE_STEP
+            const __m512 sums[4][4] = {{c00, c01, c02, c03}, {c10, c11, c12, c13}, {c20, c21, c22, c23},
+                                       {c30, c31, c32, c33}};
+            for (int64_t i = 0; i < nh; ++i) {
+                float *oi = out + (h0 + i) * dim + d;
+                for (int64_t v = 0; v < 4; ++v) {
+                    __m512 x = _mm512_mul_ps(sums[i][v], one);
+                    if (keep)
+                        x = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(lanes[v], oi + 16 * v), _mm512_set1_ps(keep[h0 + i]),
+                                            x);
+                    _mm512_mask_storeu_ps(oi + 16 * v, lanes[v], x);
+                }
+            }
+        }
+    }
 }
-#undef HALF16
 
 /* One work item of the decode loop: keys [j0, j1) of every kv head of batch entry `batch`, chunk `chunk` of its
  * `chunks`; a split entry's partial sums for kv head h lie at slot + h * chunks + chunk. The heads go tile by tile
@@ -382,12 +507,24 @@ static void decode_tile(const struct decode_args *a, int64_t b, int64_t h, int64
         tile_rows(next_v, vp, j0 + DECODE_AHEAD * DECODE_BLOCK, wn, a->v_ss, a->esize, table_row, a->page, a->v_sb);
     }
     tile_rows(rows, kp, j0, w, a->k_ss, a->esize, table_row, a->page, a->k_sb);
+    float *s = sc->s;
+    /* bf16 / fp16 keys in whole vectors: blocks of 8 keys scored straight from the rows (pair_dots16_block8), the
+     * next tile's rows fetched a block at a time; the last w % 8 keys through key pairs below. */
+    const int64_t fused = sc->kpairs && (a->dtype == 1 || a->dtype == 2) && a->k_c0 <= 0 && !rp && a->dim % 8 == 0
+                              ? w / 8 * 8 : 0;
+    for (int64_t j = 0; j < fused; j += 8) {
+        if (j < wn)
+            prefetch_rows(next_k + j, wn - j < 8 ? wn - j : 8, kbytes, a->esize, a->k_c0, a->k_cs);
+        for (int64_t h0 = 0; h0 < group; h0 += 4)
+            pair_dots16_block8(qp + h0 * a->dim, group - h0 < 4 ? group - h0 : 4, a->dim, NULL, 0, rows + j, a->dtype,
+                               s + h0 * DECODE_BLOCK + j, DECODE_BLOCK);
+    }
     if (sc->kpairs) {
-        for (int64_t j = 0; j < w; j += 2) {
+        for (int64_t j = fused; j < w; j += 2) {
             if (j < wn)
                 prefetch_rows(next_k + j, wn - j < 2 ? wn - j : 2, kbytes, a->esize, a->k_c0, a->k_cs);
             decode_key_pairs(a, rows + j, rp ? rrows + j : NULL, w - j < 2 ? w - j : 2, ks, sc->kbuf,
-                             sc->kpairs + j / 2 * pair_floats(a->dim));
+                             sc->kpairs + (j - fused) / 2 * pair_floats(a->dim));
         }
     } else {
         for (int64_t j = 0; j < w; j++) {
@@ -403,9 +540,8 @@ static void decode_tile(const struct decode_args *a, int64_t b, int64_t h, int64
         if (!half_v)
             widen_chunks(rows[j], a->dtype, a->dim_v, sc->vbuf + j * a->dim_v, vs, a->v_c0, a->v_cs, a->esize);
     }
-    float *s = sc->s;
     if (sc->kpairs)
-        pair_dots16(qp, group, a->dim, sc->kpairs, w, s, DECODE_BLOCK);
+        pair_dots16(qp, group, a->dim, sc->kpairs, w - fused, s + fused, DECODE_BLOCK);
     else
         row_dots(qp, group, a->dim, sc->kbuf, a->dim, sc->iota, w, s, DECODE_BLOCK, packed);
     for (int64_t g = 0; g < group; g++) {
@@ -419,7 +555,7 @@ static void decode_tile(const struct decode_args *a, int64_t b, int64_t h, int64
         m[g] = m_new;
     }
     if (half_v)
-        half_combine48(s, DECODE_BLOCK, group, w, rows, a->dtype, a->dim_v, first ? NULL : sc->corr, acc);
+        half_combine64(s, DECODE_BLOCK, group, w, rows, a->dtype, a->dim_v, first ? NULL : sc->corr, acc);
     else
         row_combine(s, DECODE_BLOCK, group, w, sc->vbuf, a->dim_v, sc->iota, a->dim_v, 1.0f, first ? NULL : sc->corr,
                     acc);
