@@ -372,13 +372,19 @@ def _rows_into(dst: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
     return dst
 
 
-def _block_runs(block_table: torch.Tensor, block_num: int) -> list[tuple[int, int]]:
-    """The ranges [start, stop) of consecutive block ids that `block_table` names within [0, block_num)."""
+# Blocks are converted a few at a time, so that the fp32 multiply finds the converted values still in cache
+# (pieces of about 2 MiB of fp32 took ~10% less time than whole runs, one thread).
+CONVERT_BYTES = 2 << 20
+
+
+def _block_runs(block_table: torch.Tensor, block_num: int, most: int) -> list[tuple[int, int]]:
+    """The ranges [start, stop) of consecutive block ids that `block_table` names within [0, block_num), at most
+    `most` blocks each."""
     named = block_table[(block_table >= 0) & (block_table < block_num)]
     ids = torch.unique(named.to(torch.int64)).tolist()
     runs: list[tuple[int, int]] = []
     for i in ids:
-        if runs and runs[-1][1] == i:
+        if runs and runs[-1][1] == i and i - runs[-1][0] < most:
             runs[-1] = (runs[-1][0], i + 1)
         else:
             runs.append((i, i + 1))
@@ -405,7 +411,8 @@ def _paged_latent(key, value, key_rope, k_scale, v_scale, block_table, same: boo
     width = _row_width(k_rows)
     joined = _pool_buffer("key_rope", (*k_rows.shape[:2], width + _row_width(r_rows)), key.device)
     v_f32 = None if same else _pool_buffer("value", (*k_rows.shape[:2], width), key.device)
-    for start, stop in _block_runs(block_table, k_rows.shape[0]):
+    most = max(1, CONVERT_BYTES // (joined[0].numel() * joined.element_size()))
+    for start, stop in _block_runs(block_table, k_rows.shape[0], most):
         blocks = slice(start, stop)
         _rows_into(joined[blocks, :, :width], k_rows[blocks]).mul_(k_scale)
         _rows_into(joined[blocks, :, width:], r_rows[blocks])
