@@ -503,17 +503,50 @@ def test_half_away_ties_near_the_float_maximum_stay_finite():
 def test_native_rounding_is_the_cast_bit_for_bit(dtype, rounding):
     """The native one-pass cast of the npu pipelines gives the Cast's bits: random values of every scale, random bit
     patterns (subnormals, both fp16 ranges), ties, the overflow edge and infinities."""
+    native = _native_library()
+    x = _rounding_samples(dtype)
+    ours = native.npu_round(x, dtype == torch.float16, rounding == prec.HALF_AWAY)
+    assert torch.equal(ours.view(torch.int32), prec.Cast(dtype, rounding)(x).view(torch.int32))
+
+
+@pytest.mark.parametrize("rounding", [prec.HALF_EVEN, prec.HALF_AWAY])
+@pytest.mark.parametrize("logit_rounding", [None, prec.HALF_EVEN, prec.HALF_AWAY])
+def test_native_wide_rounding_is_the_cast_bit_for_bit(rounding, logit_rounding):
+    """The native cast of a float64 GEMM sum to fp16 (the fp16 pipelines' scores and products), alone and fused with
+    the logits' scale and cast, gives the Casts' bits: the fp32 samples and values between them (whose round to
+    odd decides ties)."""
+    native = _native_library()
+    x32 = _rounding_samples(torch.float16)
+    g = torch.Generator().manual_seed(1)
+    off_grid = x32.double() * (1 + (torch.rand(x32.shape, generator=g, dtype=torch.float64) - 0.5) * 2.0**-26)
+    x = torch.cat([x32.double(), off_grid])
+    cast = prec.Cast(torch.float16, rounding)
+    if logit_rounding is None:
+        ours, want = native.npu_round_wide_fp16(x, rounding == prec.HALF_AWAY), cast(x)
+    else:
+        scale = prec.Cast(torch.float16)(torch.tensor(128**-0.5))
+        ours = native.npu_round_wide_fp16(x, rounding == prec.HALF_AWAY, float(scale),
+                                          logit_rounding == prec.HALF_AWAY)
+        want = prec.Cast(torch.float16, logit_rounding)(cast(x) * scale)
+    assert torch.equal(ours.view(torch.int32), want.view(torch.int32))
+
+
+def _native_library():
     native = pytest.importorskip("cann_attn.backends.reference.native")
     if native.library() is None:
         pytest.skip("no native library on this machine")
+    return native
+
+
+def _rounding_samples(dtype: torch.dtype) -> torch.Tensor:
+    """fp32 values of every scale, random bit patterns (subnormals, both fp16 ranges), ties of `dtype`, the overflow
+    edge and infinities (no NaN: its payload is not kept); a length that is not a multiple of the vector width."""
     g = torch.Generator().manual_seed(0)
     scaled = [torch.randn(20000, generator=g) * s for s in (1e-8, 1e-5, 1e-3, 1.0, 100.0, 6e4)]
     patterns = torch.randint(0, 2**31 - 1, (50000,), generator=g, dtype=torch.int32).view(torch.float32)
     step = 2.0**-10 if dtype == torch.float16 else 2.0**-7
     ties = (torch.arange(1, 2000, dtype=torch.float32) + 0.5) * step * 2.0**-1
     edges = torch.tensor([65504.0, 65519.99, 65520.0, 65536.0, math.inf, -math.inf, 0.0, -0.0, 2.0**-14,
-                          1.5 * 2.0**-24, 2.0**-25, 3 * 2.0**-25])
+                          1.5 * 2.0**-24, 2.0**-25, 3 * 2.0**-25, 2.0**-25 - 2.0**-49])
     x = torch.cat([*scaled, patterns, -patterns, ties, -ties, edges])
-    x = x[~torch.isnan(x)]
-    ours = native.npu_round(x, dtype == torch.float16, rounding == prec.HALF_AWAY)
-    assert torch.equal(ours.view(torch.int32), prec.Cast(dtype, rounding)(x).view(torch.int32))
+    return x[~torch.isnan(x)]

@@ -98,7 +98,16 @@ def _rounded(cast: Cast, x: torch.Tensor) -> torch.Tensor:
         return x.to(torch.float32)
     if x.dtype == torch.float32 and native.usable(x):
         return native.npu_round(x, cast.dtype == torch.float16, cast.rounding == HALF_AWAY)
+    if _wide_fp16(cast, x):
+        return native.npu_round_wide_fp16(x, cast.rounding == HALF_AWAY)
     return cast(x)
+
+
+def _wide_fp16(cast: Cast, x: torch.Tensor) -> bool:
+    """Whether the native pass rounds this float64 GEMM result to `cast` (fp16: always through round to odd, as
+    `Cast` does; bf16 takes another route for fp32 subnormals and stays with `Cast`)."""
+    return (cast.dtype == torch.float16 and x.dtype == torch.float64 and x.device.type == "cpu"
+            and native.library() is not None)
 
 
 def _logits(problem: AttentionProblem, pipeline: AttentionPipeline, run: Run, q_tile, k, i0, i1, j0, j1,
@@ -107,9 +116,15 @@ def _logits(problem: AttentionProblem, pipeline: AttentionPipeline, run: Run, q_
     stages."""
     c, rows, cols = run.count, i1 - i0, j1 - j0
     s = _cube(q_tile, k[:, j0:j1].transpose(1, 2), pipeline.scores)
-    # int8: the int32 products dequantised by the cube's fixpipe into fp16 (one rounding)
-    s = _rounded(pipeline.scores, s) if quant is None else round_to_fp16(s * quant.deq1).to(torch.float32)
-    s = _rounded(pipeline.logits, s.view(c, problem.heads_q, rows, cols).mul_(_scale(pipeline, problem.scale)))
+    scale = _scale(pipeline, problem.scale)
+    if quant is None and pipeline.logits.dtype == torch.float16 and _wide_fp16(pipeline.scores, s):
+        # the scores' and the logits' casts in one native pass
+        s = native.npu_round_wide_fp16(s, pipeline.scores.rounding == HALF_AWAY, float(scale),
+                                       pipeline.logits.rounding == HALF_AWAY).view(c, problem.heads_q, rows, cols)
+    else:
+        # int8: the int32 products dequantised by the cube's fixpipe into fp16 (one rounding)
+        s = _rounded(pipeline.scores, s) if quant is None else round_to_fp16(s * quant.deq1).to(torch.float32)
+        s = _rounded(pipeline.logits, s.view(c, problem.heads_q, rows, cols).mul_(scale))
     if run.pse is not None:
         s = _rounded(pipeline.logits, s + _rounded(pipeline.logits, run.pse.tile(i0, i1, j0, j1, s.device,
                                                                                 torch.float32)))
@@ -191,7 +206,7 @@ def _products(pipeline: AttentionPipeline, p: torch.Tensor, v: torch.Tensor, j0:
     cols = p.shape[-1]
     p = p.reshape(v.shape[0], -1, cols)
     if quant is None:
-        return pipeline.products(_cube(p, v[:, j0:j1], pipeline.products))
+        return _rounded(pipeline.products, _cube(p, v[:, j0:j1], pipeline.products))
     p_q = ASCEND_QUANT(p, torch.tensor(quant.quant1, device=p.device), None).to(torch.float32)
     return round_to_fp16(_gemm(p_q, v[:, j0:j1]) * quant.deq2).to(torch.float32)
 

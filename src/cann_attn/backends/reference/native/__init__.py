@@ -66,6 +66,7 @@ _SIGNATURES = {
     "fa_exp_rows": [_P, _I, _I, _P, _P, _F, _F],
     "fa_ds_rows": [_P, _P, _I, _I, _P],
     "npu_round": [_P, _P, _I, _I, _I],
+    "npu_round_wide_fp16": [_P, _P, _I, _I, _I, _F, _I],
     "cann_attn_set_sgemm": [_P],
     "cann_attn_has_sgemm": [],
     "cann_attn_set_sgemm_pack": [_P, _P, _P],
@@ -396,6 +397,19 @@ def npu_round(x: torch.Tensor, half: bool, away: bool) -> torch.Tensor:
     x = x.contiguous()
     out = torch.empty_like(x)
     lib.npu_round(x.data_ptr(), out.data_ptr(), x.numel(), int(half), int(away))
+    return out
+
+
+def npu_round_wide_fp16(x: torch.Tensor, away: bool, scale: float | None = None,
+                        scaled_away: bool = False) -> torch.Tensor:
+    """float64 `x` (an exact GEMM sum) rounded once to the float16 grid, ties away from zero or to even, as fp32
+    (the "npu" precision mode's `Cast` of a float64 value; docs/semantics/precision.md); with `scale` (an fp32
+    value) that result times `scale` rounded to float16 again (ties away when `scaled_away`)."""
+    lib = library()
+    x = x.contiguous()
+    out = torch.empty(x.shape, dtype=torch.float32, device=x.device)
+    lib.npu_round_wide_fp16(x.data_ptr(), out.data_ptr(), x.numel(), int(away), int(scale is not None),
+                            0.0 if scale is None else scale, int(scaled_away))
     return out
 
 
