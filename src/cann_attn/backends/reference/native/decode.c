@@ -478,10 +478,11 @@ struct decode_scratch {
 };
 
 /* Tile [j0, j0 + w) of kv head h of batch entry b (pair = b * heads_kv + h), its query rows qp [G, D]: the online
- * softmax step into acc [G, Dv], m [G], l [G] (`first`: the range's first tile, which sets them). The next tile's
- * rows (wn of them from j0 + DECODE_BLOCK) are fetched meanwhile, a row at a time between this tile's rows (issued
- * in one burst they waited on the line fill buffers). */
-static void decode_tile(const struct decode_args *a, int64_t b, int64_t h, int64_t j0, int64_t w, int64_t wn,
+ * softmax step into acc [G, Dv], m [G], l [G] (`first`: the range's first tile, which sets them). The rows of the
+ * tile to come (wn of them from jn, kv head hn) are fetched meanwhile, a few at a time between this tile's rows
+ * (issued in one burst they waited on the line fill buffers). */
+static void decode_tile(const struct decode_args *a, int64_t b, int64_t h, int64_t j0, int64_t w, int64_t hn,
+                        int64_t jn, int64_t wn,
                         int first, const float *qp, const float *packed, float *acc, float *m, float *l,
                         struct decode_scratch *sc) {
     const int64_t group = a->group;
@@ -502,8 +503,8 @@ static void decode_tile(const struct decode_args *a, int64_t b, int64_t h, int64
             prefetch_rows(rrows + j, 1, a->dim_r, a->esize, a->r_c0, a->r_cs);
     }
     if (wn > 0) {
-        tile_rows(next_k, kp, j0 + DECODE_AHEAD * DECODE_BLOCK, wn, a->k_ss, a->esize, table_row, a->page, a->k_sb);
-        tile_rows(next_v, vp, j0 + DECODE_AHEAD * DECODE_BLOCK, wn, a->v_ss, a->esize, table_row, a->page, a->v_sb);
+        tile_rows(next_k, kp + (hn - h) * a->k_sh * a->esize, jn, wn, a->k_ss, a->esize, table_row, a->page, a->k_sb);
+        tile_rows(next_v, vp + (hn - h) * a->v_sh * a->esize, jn, wn, a->v_ss, a->esize, table_row, a->page, a->v_sb);
     }
     tile_rows(rows, kp, j0, w, a->k_ss, a->esize, table_row, a->page, a->k_sb);
     float *s = sc->s;
@@ -583,14 +584,22 @@ static void decode_item_run(const struct decode_args *a, const struct decode_ite
         const int64_t h = heads_outer ? x / tiles : x % heads_kv;
         const int64_t j0 = it->j0 + (heads_outer ? x % tiles : x / heads_kv) * DECODE_BLOCK;
         const int64_t w = it->j1 - j0 < DECODE_BLOCK ? it->j1 - j0 : DECODE_BLOCK;
-        const int64_t ahead = it->j1 - j0 - DECODE_AHEAD * DECODE_BLOCK;
+        /* The tile to fetch: DECODE_AHEAD tiles on in the same head; head by head, past the head's last tile, the
+         * next head's first (unfetched, the first tiles cost bf16 BNSD 23.2 -> 21.1 ms, B 8, N 32/8, Skv 8192, D 128,
+         * one thread). */
+        int64_t hn = h, jn = j0 + DECODE_AHEAD * DECODE_BLOCK;
+        if (heads_outer && jn >= it->j1 && h + 1 < heads_kv) {
+            hn = h + 1;
+            jn = it->j0 + (jn - it->j1) / DECODE_BLOCK * DECODE_BLOCK;
+        }
+        const int64_t ahead = it->j1 - jn;
         const int64_t wn = ahead < DECODE_BLOCK ? ahead : DECODE_BLOCK;
         const int64_t pair = it->batch * heads_kv + h;
         const int64_t at = it->chunks == 1 ? pair : it->slot + h * it->chunks + it->chunk;
         float *acc = it->chunks == 1 ? a->out + at * per_chunk : part_acc + at * per_chunk;
         float *m = (it->chunks == 1 ? a->row_max : part_m) + at * group;
         float *l = (it->chunks == 1 ? a->row_sum : part_l) + at * group;
-        decode_tile(a, it->batch, h, j0, w, wn, j0 == it->j0, q + pair * group * a->dim,
+        decode_tile(a, it->batch, h, j0, w, hn, jn, wn, j0 == it->j0, q + pair * group * a->dim,
                     sc->packed ? sc->packed + h * packed_size : NULL, acc, m, l, sc);
     }
 }
