@@ -69,14 +69,35 @@ __attribute__((target("avx2,fma,f16c"))) static void npu_round_fp16_rows(const f
 
 static int npu_has_f16c(void) { return __builtin_cpu_supports("f16c"); }
 
+/* npu_round_bf16 on eight lanes (AVX2, which the library requires): the same integer steps, a NaN kept. */
+__attribute__((target("avx2"))) static void npu_round_bf16_rows(const float *x, float *out, int64_t n, int away) {
+    const __m256i kept = _mm256_set1_epi32((int)0xFFFF0000u), one = _mm256_set1_epi32(1);
+#pragma omp parallel for schedule(static) if (n > 65536)
+    for (int64_t i = 0; i < n / 8 * 8; i += 8) {
+        const __m256 v = _mm256_loadu_ps(x + i);
+        const __m256i u = _mm256_castps_si256(v);
+        const __m256i half = away ? _mm256_set1_epi32(0x8000)
+                                  : _mm256_add_epi32(_mm256_set1_epi32(0x7FFF),
+                                                     _mm256_and_si256(_mm256_srli_epi32(u, 16), one));
+        const __m256 r = _mm256_castsi256_ps(_mm256_and_si256(_mm256_add_epi32(u, half), kept));
+        _mm256_storeu_ps(out + i, _mm256_blendv_ps(r, v, _mm256_cmp_ps(v, v, _CMP_UNORD_Q)));
+    }
+    for (int64_t i = n / 8 * 8; i < n; ++i)
+        out[i] = npu_round_bf16(x[i], away);
+}
+
 void npu_round(const float *x, float *out, int64_t n, int64_t half, int64_t away) {
-    if (half && npu_has_f16c()) {
+    if (!half) {
+        npu_round_bf16_rows(x, out, n, (int)away);
+        return;
+    }
+    if (npu_has_f16c()) {
         npu_round_fp16_rows(x, out, n, (int)away);
         return;
     }
 #pragma omp parallel for schedule(static) if (n > 65536)
     for (int64_t i = 0; i < n; ++i)
-        out[i] = half ? npu_round_fp16(x[i], (int)away) : npu_round_bf16(x[i], (int)away);
+        out[i] = npu_round_fp16(x[i], (int)away);
 }
 
 /* A float64 value (an exact GEMM sum) as the fp32 value that rounds to float16 as it does: the 29 fraction bits fp32
