@@ -229,6 +229,7 @@ def _backward_run(problem: AttentionProblem, pipeline: GradPipeline, run: Run, q
     # the others accumulate in fp32 (docs/semantics/precision.md, "Gradients").
     q_all = problem.q_view(query, run).to(f32)
     k = problem.kv_view(key, run).to(f32).reshape(c * n2, run.seq_kv, -1)
+    k64 = k.to(f64)  # S's operand, widened once rather than per tile
     v64 = problem.kv_view(value, run).to(f64).reshape(c * n2, run.seq_kv, -1)
     dy_all = problem.q_view(dy, run).to(f32)
     max_all = problem.stat_view(softmax_max, run)[..., 0].to(f32)
@@ -245,7 +246,7 @@ def _backward_run(problem: AttentionProblem, pipeline: GradPipeline, run: Run, q
         rows = i1 - i0
         q_tile = group_rows(q_all[:, :, i0:i1], n2)
         dy_g = group_rows(dy_all[:, :, i0:i1], n2)
-        dy_g64 = dy_g.to(f64)
+        q_tile64, dy_g64 = q_tile.to(f64), dy_g.to(f64)
         d_sum = d_sum_all[:, :, i0:i1].unsqueeze(-1)
         row_max = max_all[:, :, i0:i1].unsqueeze(-1)
         row_sum = sum_all[:, :, i0:i1].unsqueeze(-1)
@@ -254,7 +255,7 @@ def _backward_run(problem: AttentionProblem, pipeline: GradPipeline, run: Run, q
         for tile_start, tile_end, state in key_tiles(run, i0, i1, BLOCK_Q * 4):
             j0, j1 = max(tile_start, lo), min(tile_end, hi)
             cols = j1 - j0
-            s = _gemm(q_tile, k[:, j0:j1].transpose(1, 2)).to(f32).view(c, heads, rows, cols).mul_(scale)
+            s = _gemm(q_tile64, k64[:, j0:j1].transpose(1, 2)).to(f32).view(c, heads, rows, cols).mul_(scale)
             if pse is not None:
                 s.add_(pse.tile(i0, i1, j0, j1, s.device, f32))
             if state is TileState.PARTIAL:
