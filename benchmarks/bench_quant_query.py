@@ -32,6 +32,7 @@ from bench_nz import CASES, LATENT, ROPE, _thread_times, mla_case, write_pair
 import cann_attn
 from cann_attn.problem.nz import to_nz
 
+DEVICES = ("cpu",)
 TARGET = 1.2
 
 
@@ -62,7 +63,7 @@ def quant_case(layout: str, q_len: int, quick: bool) -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = common.cli_parser(__doc__, "smaller shapes (a smoke run)", devices=("cpu",))
+    parser = common.cli_parser(__doc__, "smaller shapes (a smoke run)", devices=DEVICES)
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
     repeats = 3 if args.quick else 7
