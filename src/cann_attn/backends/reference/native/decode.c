@@ -479,10 +479,11 @@ struct decode_scratch {
 
 /* Tile [j0, j0 + w) of kv head h of batch entry b (pair = b * heads_kv + h), its query rows qp [G, D]: the online
  * softmax step into acc [G, Dv], m [G], l [G] (`first`: the range's first tile, which sets them). The rows of the
- * tile to come (wn of them from jn, kv head hn) are fetched meanwhile, a few at a time between this tile's rows
- * (issued in one burst they waited on the line fill buffers). */
+ * tile to come (wn of them from jn, kv head hn; and, w2 > 0, the w2 rows of kv head h2 at this tile's positions)
+ * are fetched meanwhile, a few at a time between this tile's rows (issued in one burst they waited on the line fill
+ * buffers). */
 static void decode_tile(const struct decode_args *a, int64_t b, int64_t h, int64_t j0, int64_t w, int64_t hn,
-                        int64_t jn, int64_t wn,
+                        int64_t jn, int64_t wn, int64_t h2, int64_t w2,
                         int first, const float *qp, const float *packed, float *acc, float *m, float *l,
                         struct decode_scratch *sc) {
     const int64_t group = a->group;
@@ -497,6 +498,7 @@ static void decode_tile(const struct decode_args *a, int64_t b, int64_t h, int64
     const int64_t kbytes = a->dtype >= 6 ? dk / 2 : dk, vbytes = a->dtype >= 6 ? a->dim_v / 2 : a->dim_v;
     const int half_v = use_avx512 && (a->dtype == 1 || a->dtype == 2) && a->v_c0 <= 0;
     const char *rows[DECODE_BLOCK], *next_k[DECODE_BLOCK], *next_v[DECODE_BLOCK], *rrows[DECODE_BLOCK];
+    const char *also_k[DECODE_BLOCK], *also_v[DECODE_BLOCK];
     if (rp) {
         tile_rows(rrows, rp, j0, w, a->r_ss, a->esize, table_row, a->page, a->r_sb);
         for (int64_t j = 0; j < w; j++)
@@ -505,6 +507,10 @@ static void decode_tile(const struct decode_args *a, int64_t b, int64_t h, int64
     if (wn > 0) {
         tile_rows(next_k, kp + (hn - h) * a->k_sh * a->esize, jn, wn, a->k_ss, a->esize, table_row, a->page, a->k_sb);
         tile_rows(next_v, vp + (hn - h) * a->v_sh * a->esize, jn, wn, a->v_ss, a->esize, table_row, a->page, a->v_sb);
+    }
+    if (w2 > 0) {
+        tile_rows(also_k, kp + (h2 - h) * a->k_sh * a->esize, j0, w2, a->k_ss, a->esize, table_row, a->page, a->k_sb);
+        tile_rows(also_v, vp + (h2 - h) * a->v_sh * a->esize, j0, w2, a->v_ss, a->esize, table_row, a->page, a->v_sb);
     }
     tile_rows(rows, kp, j0, w, a->k_ss, a->esize, table_row, a->page, a->k_sb);
     float *s = sc->s;
@@ -518,6 +524,10 @@ static void decode_tile(const struct decode_args *a, int64_t b, int64_t h, int64
         if (j < wn) {
             prefetch_rows(next_k + j, wn - j < 8 ? wn - j : 8, kbytes, a->esize, a->k_c0, a->k_cs);
             prefetch_rows(next_v + j, wn - j < 8 ? wn - j : 8, vbytes, a->esize, a->v_c0, a->v_cs);
+        }
+        if (j < w2) {
+            prefetch_rows(also_k + j, w2 - j < 8 ? w2 - j : 8, kbytes, a->esize, a->k_c0, a->k_cs);
+            prefetch_rows(also_v + j, w2 - j < 8 ? w2 - j : 8, vbytes, a->esize, a->v_c0, a->v_cs);
         }
         for (int64_t h0 = 0; h0 < group; h0 += 4)
             pair_dots16_block8(qp + h0 * a->dim, group - h0 < 4 ? group - h0 : 4, a->dim, NULL, 0, rows + j, a->dtype,
@@ -599,7 +609,10 @@ static void decode_item_run(const struct decode_args *a, const struct decode_ite
         float *acc = it->chunks == 1 ? a->out + at * per_chunk : part_acc + at * per_chunk;
         float *m = (it->chunks == 1 ? a->row_max : part_m) + at * group;
         float *l = (it->chunks == 1 ? a->row_sum : part_l) + at * group;
-        decode_tile(a, it->batch, h, j0, w, hn, jn, wn, j0 == it->j0, q + pair * group * a->dim,
+        /* Tile by tile, the range's first tiles have no earlier tile of their head to fetch them: each fetches the
+         * next head's too (same positions; bf16 BSH 24.7 -> 23.6 ms, B 8, N 32/8, Skv 8192, D 128, one thread). */
+        const int64_t h2 = !heads_outer && j0 == it->j0 && h + 1 < heads_kv ? h + 1 : h;
+        decode_tile(a, it->batch, h, j0, w, hn, jn, wn, h2, h2 != h ? w : 0, j0 == it->j0, q + pair * group * a->dim,
                     sc->packed ? sc->packed + h * packed_size : NULL, acc, m, l, sc);
     }
 }
