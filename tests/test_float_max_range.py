@@ -140,3 +140,29 @@ def test_sparse_flash_attention(path: str, dtype: torch.dtype) -> None:
     out = _call(path, "sparse_flash_attention", q, k, v, indices, SCALE, sparse_mode=0)[0]
     want = golden(q.transpose(1, 2), k.transpose(1, 2).expand(B, N, S, D), v.transpose(1, 2).expand(B, N, S, D))
     assert_matches_golden(out, want.transpose(1, 2), v.transpose(1, 2))  # column scales over the keys
+
+
+@pytest.mark.parametrize("paged", [False, True], ids=["contiguous", "paged"])
+def test_decode_rescaling_ignores_rows_it_does_not_read(paged: bool) -> None:
+    """The overflow rescaling of the decode loop takes each value column's peak over the rows the call reads only:
+    NaN in padding beyond actual_seq_lengths_kv, in a sequence's last block or in blocks no table entry names
+    (a converted int8 pool leaves those unconverted) once made every scale NaN and the output all NaN."""
+    q, k, v = inputs_near_max(torch.float32)
+    q = q[:, :, :1]
+    lengths = [S - 5, S - 13]
+    kw: dict = {"num_heads": N, "input_layout": "BNSD", "scale": SCALE, "actual_seq_lengths_kv": lengths}
+    if paged:
+        caches, table = paginate({"key": [k[b].transpose(0, 1)[:n] for b, n in enumerate(lengths)],
+                                  "value": [v[b].transpose(0, 1)[:n] for b, n in enumerate(lengths)]}, 16,
+                                 torch.Generator().manual_seed(6))
+        key, value = (caches[name].permute(0, 2, 1, 3).contiguous() for name in ("key", "value"))
+        kw.update(block_table=table, block_size=16)
+    else:
+        key, value = k.clone(), v.clone()
+        for b, n in enumerate(lengths):
+            key[b, :, n:] = float("nan")
+            value[b, :, n:] = float("nan")
+    out = _call("native", "fused_infer_attention_score", q, key, value, **kw)[0]
+    for b, n in enumerate(lengths):
+        assert_matches_golden(out[b : b + 1], golden(q[b : b + 1], k[b : b + 1, :, :n], v[b : b + 1, :, :n]),
+                              v[b : b + 1, :, :n])

@@ -81,7 +81,8 @@ def forward(problem: AttentionProblem, query, key, value, out, softmax_max=None,
                           for x, s in zip((key, value), kv_scales, strict=True))
         if key_rope is not None:  # the keys the loop read: latent ++ rope columns
             key, value = torch.cat([_channels_last(key), _channels_last(key_rope)], dim=-1), _channels_last(value)
-        scales = value_column_scales(value.abs().amax(dim=tuple(range(value.dim() - 1))), int(lengths.max()))
+        scales = value_column_scales(_rows_read(value, block_table, lengths).abs().amax(dim=(0, 1)),
+                                     int(lengths.max()))
         if scales is not None:
             native.decode_rows(q.view(pairs, group, -1), key.float(), value.float() * scales, lengths, acc, row_max,
                                row_sum, block_table)
@@ -91,6 +92,21 @@ def forward(problem: AttentionProblem, query, key, value, out, softmax_max=None,
     if softmax_max is not None:
         softmax_max[seen, :, 0] = row_max.view(batch, heads)[seen].unsqueeze(-1).to(softmax_max.dtype)
         softmax_sum[seen, :, 0] = row_sum.view(batch, heads)[seen].unsqueeze(-1).to(softmax_sum.dtype)
+
+
+def _rows_read(cache: torch.Tensor, block_table: torch.Tensor | None, lengths: torch.Tensor) -> torch.Tensor:
+    """[rows, N2, D]: the value rows the loop read, positions below each sequence's length: the slots and blocks
+    beyond them (padding, unconverted blocks of a converted pool in problem/antiquant.py) may hold anything, NaN
+    included, and must not steer the value scaling. `cache` is [B, N2, S, D], or paged [block_num, N2,
+    block_size, D] read through `block_table`."""
+    span = int(lengths.max())
+    positions = torch.arange(span)
+    batch, position = (positions < lengths.view(-1, 1)).nonzero(as_tuple=True)
+    if block_table is None:
+        return cache[batch, :, position]
+    block_size = cache.shape[2]
+    blocks = block_table.to(torch.int64)[batch, position // block_size]
+    return cache[blocks, :, position % block_size]
 
 
 def _channels_last(cache: torch.Tensor) -> torch.Tensor:
