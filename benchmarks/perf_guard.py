@@ -211,10 +211,16 @@ def main(argv: list[str] | None = None) -> int:
         rounds = [measure_all(args.config, tuple(args.only), args.repeats, clock) for _ in range(args.rounds)]
         ratios = {name: statistics.median(r[name]["ratio"] for r in rounds) for name in rounds[0]}
         old = json.loads(args.baseline.read_text()) if args.baseline.exists() else {}
-        if args.only and old.get("settings") == settings:
-            ratios = {**old.get("ratios", {}), **ratios}  # a partial update keeps the other cases
+        machine = common.machine_info("cpu")
         payload = {"settings": settings, "margin": args.margin or old.get("margin", MARGIN), "commit": _commit(),
-                   "machine": common.machine_info("cpu"), "ratios": ratios}
+                   "machine": machine, "ratios": ratios}
+        if args.only and old.get("settings") == settings:
+            # A partial update keeps the other cases and the machine and commit they were measured on; the
+            # updated cases record their own (ratios against SDPA differ from one CPU to another).
+            case_machines = dict(old.get("case_machines", {}))
+            case_machines.update({name: {"commit": _commit(), "machine": machine} for name in ratios})
+            payload.update(commit=old.get("commit"), machine=old.get("machine"), case_machines=case_machines,
+                           ratios={**old.get("ratios", {}), **ratios})
         common.write_json(args.baseline, payload)
         print(f"wrote {args.baseline} ({len(ratios)} ratios, {time.perf_counter() - start:.0f} s)")
         return 0
