@@ -39,3 +39,22 @@ def test_planted_slowdown_is_caught(tmp_path: Path, monkeypatch: pytest.MonkeyPa
     verdicts = {r["case"]: r["verdict"] for r in report["rows"]}
     assert verdicts == {"fa_forward.dense": "fail", "sfa.forward_bs1": "ok"}
     assert "bench-check FAILED" in capsys.readouterr().out
+
+
+def test_partial_update_keeps_the_other_cases_and_their_machine(tmp_path: Path):
+    """`--update-baseline --only CASE` replaces that case's ratio, records the machine and commit it was measured on
+    under case_machines, and leaves the other cases' ratios, machine and commit as they were."""
+    baseline = tmp_path / "baseline.json"
+    tiny = ["--config", "tiny", "--repeats", "3", "--rounds", "1", "--baseline", str(baseline), "--out",
+            str(tmp_path / "out")]
+    assert perf_guard.main([*tiny, "--update-baseline", "--only", "fa_forward.dense"]) == 0
+    first = json.loads(baseline.read_text())
+    first["machine"]["cpu"], first["commit"] = "an earlier machine", "0000000"
+    baseline.write_text(json.dumps(first))
+    assert perf_guard.main([*tiny, "--update-baseline", "--only", "sfa.forward_bs1"]) == 0
+    second = json.loads(baseline.read_text())
+    assert second["ratios"]["fa_forward.dense"] == first["ratios"]["fa_forward.dense"]
+    assert set(second["ratios"]) == {"fa_forward.dense", "sfa.forward_bs1"}
+    assert (second["machine"]["cpu"], second["commit"]) == ("an earlier machine", "0000000")
+    assert set(second["case_machines"]) == {"sfa.forward_bs1"}
+    assert second["case_machines"]["sfa.forward_bs1"]["machine"]["cpu"] != "an earlier machine"
