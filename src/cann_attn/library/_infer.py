@@ -4,8 +4,8 @@
 import torch
 from torch import Tensor
 
-from ..errors import ParamInvalidError, require_bool, require_real
-from ..ops.fia_problem import SCALAR_TYPE_NUMBERS, scalar_type_number
+from ..errors import require_bool, require_real
+from ..ops.fia_problem import scalar_type_number
 from ..ops.flash_attention_score import (
     INT_MAX,
 )
@@ -29,12 +29,7 @@ from ._prompt import _pfa_output_dtype
 def _dtype_code(code, name: str):
     """A v2 `*_dtype` given as a torch.dtype as its c10::ScalarType number (op-plugin's binding does so for
     `int?`), so the custom op's schema takes it; the operator decides what the number may be."""
-    if not isinstance(code, torch.dtype):
-        return code
-    if code not in SCALAR_TYPE_NUMBERS:
-        raise ParamInvalidError(f"{name}: expected a torch.dtype among {[str(d) for d in SCALAR_TYPE_NUMBERS]} "
-                                f"(or its ScalarType number), got {code!r}")
-    return SCALAR_TYPE_NUMBERS[code]
+    return scalar_type_number(code, name) if isinstance(code, torch.dtype) else code
 
 
 def _fia_fake_outputs(query, value, num_heads, num_key_value_heads, input_layout, quant_scale2, softmax_lse_flag,

@@ -709,23 +709,24 @@ def _check_nz_cache(query, *, q_seq: int, q_dim: int, num_heads: int, heads_kv: 
                     "model's heads per tensor-parallel rank)")
 
 
-def scalar_type_number(out_dtype) -> int | None:
+def scalar_type_number(out_dtype, name: str = "out_dtype") -> int | None:
     """A torch.dtype as its c10::ScalarType number (what op-plugin's binding passes for an `int?` dtype); a number
-    unchanged. Anything else (a string, a bool, a float, another dtype) is a ParamInvalidError (`out_dtype_of`)."""
-    dtype = out_dtype_of(out_dtype)
+    unchanged. Anything else (a string, a bool, a float, another dtype) is a ParamInvalidError naming `name`
+    (`out_dtype_of`)."""
+    dtype = out_dtype_of(out_dtype, name)
     return None if dtype is None else SCALAR_TYPE_NUMBERS[dtype]
 
 
-def out_dtype_of(out_dtype) -> torch.dtype | None:
-    """v2's `out_dtype` as a torch.dtype: given as a torch.dtype, or as the c10::ScalarType number op-plugin's
-    binding turns a dtype into."""
+def out_dtype_of(out_dtype, name: str = "out_dtype") -> torch.dtype | None:
+    """v2's `out_dtype` (or another dtype parameter, `name`) as a torch.dtype: given as a torch.dtype, or as the
+    c10::ScalarType number op-plugin's binding turns a dtype into."""
     if out_dtype is None or out_dtype in SCALAR_TYPE_NUMBERS:
         return out_dtype
     if isinstance(out_dtype, int) and not isinstance(out_dtype, bool):
         for dtype, number in SCALAR_TYPE_NUMBERS.items():
             if number == out_dtype:
                 return dtype
-    raise ParamInvalidError(f"out_dtype: expected a torch.dtype (or its ScalarType number) among "
+    raise ParamInvalidError(f"{name}: expected a torch.dtype (or its ScalarType number) among "
                             f"{[str(d) for d in SCALAR_TYPE_NUMBERS]}, got {out_dtype!r}")
 
 
