@@ -14,8 +14,8 @@ import torch
 from ..backends import select_backend
 from ..backends.reference import mla_prolog as reference
 from ..errors import ParamInvalidError, ParamNullptrError, describe, require, require_bool, require_finite, require_int
-from ..problem.nz import nz_layout_chunk, nz_shape, nz_tokens
-from ..problem.page_table import BlockSizeRule
+from ..problem.nz import nz_layout_chunk
+from ..problem.page_table import PADDING_SLOT, BlockSizeRule
 from ..problem.policy import beyond_docs
 from ..traceable import traced_as_custom_op
 
@@ -25,7 +25,6 @@ CACHE_MODES = (*PAGED_MODES, "BSND", "TND")
 BLOCK_INDEX_MODES = ("PA_BLK_BSND", "PA_BLK_NZ")
 MLA_PROLOG_BLOCK_SIZES = BlockSizeRule(multiple=16, maximum=1024, minimum=16)  # kv_cache / kr_cache dim 1
 KV_HEADS = 1
-PADDING_SLOT = -1  # a cache_index entry of a padding token: nothing is written (docs/semantics/beyond-docs.md)
 
 # The quantised scenarios and what each mode parameter's non-zero values select (op-plugin's page); weight_quant_mode
 # 1 and 2 are computed, every other non-zero value is refused naming its parameter.
@@ -70,6 +69,11 @@ class MlaPrologProblem:
     kc_scale: float
     query_norm: bool
     weight_quant_mode: int  # 1: int8 weight_uq_qr (c^Q quantised per token); 2: also int8 token_x, W^DQ, W^DKVKR
+
+    @property
+    def paged(self) -> bool:
+        """Whether token t goes to the slot cache_index[t] names (PA_BSND / PA_NZ) rather than to cache row t."""
+        return self.cache_mode in PAGED_MODES
 
     @property
     def quantized_uq_qr(self) -> bool:
@@ -375,8 +379,8 @@ def mla_prolog(
         problem, token_x.reshape(-1, hidden), weight_dq, weight_uq_qr, weight_uk, weight_dkv_kr, rmsnorm_gamma_cq,
         rmsnorm_gamma_ckv, rope_sin.reshape(-1, rope_dim), rope_cos.reshape(-1, rope_dim),
         reference.QuantScales(dequant_scale_x, dequant_scale_w_dq, dequant_scale_w_uq_qr, dequant_scale_w_dkv_kr,
-                              smooth_scales_cq))
-    write_caches(kv_cache, kr_cache, rows.latent, rows.key_rope, slots, cache_mode)
+                              smooth_scales_cq),
+        kv_cache, kr_cache, slots)
     lead = problem.token_shape
     empty = token_x.new_empty((0,), dtype=torch.float32)
     query_norm_out = rows.query_norm.reshape(*lead, q_latent) if query_norm else token_x.new_empty((0,), dtype=dtype)
@@ -384,27 +388,3 @@ def mla_prolog(
     return MlaPrologResult(rows.query.reshape(*lead, heads, latent), rows.query_rope.reshape(*lead, heads, rope_dim),
                            empty, query_norm_out, scale_q_norm)
 
-
-def write_caches(kv_cache: torch.Tensor, kr_cache: torch.Tensor, latent: torch.Tensor, key_rope: torch.Tensor,
-                 slots: torch.Tensor | None, cache_mode: str) -> None:
-    """Write token t's latent [T, Hckv] and rope key [T, Dr] (the caches' dtype) at its cache row: slot slots[t]
-    = block * BlockSize + offset of a paged cache (PA_NZ: its memory read as NZ blocks, `problem/nz.py`), row t of
-    a BSND / TND cache. Nothing else is touched."""
-    if cache_mode not in PAGED_MODES:
-        kv_cache.view(-1, latent.shape[-1]).copy_(latent)
-        kr_cache.view(-1, key_rope.shape[-1]).copy_(key_rope)
-        return
-    if slots is None:
-        return
-    kept = slots != PADDING_SLOT
-    slots, latent, key_rope = slots[kept], latent[kept], key_rope[kept]
-    if slots.numel() == 0:
-        return
-    for cache, values in ((kv_cache, latent), (kr_cache, key_rope)):
-        blocks, block_size = cache.shape[0], cache.shape[1]
-        block, offset = slots // block_size, slots % block_size
-        if cache_mode == "PA_NZ":
-            nz = nz_tokens(cache.view(nz_shape(blocks, KV_HEADS, values.shape[-1], block_size, cache.dtype)))
-            nz[block, offset] = values.view(-1, KV_HEADS, *nz.shape[-2:])
-        else:
-            cache[block, offset] = values.view(-1, KV_HEADS, values.shape[-1])

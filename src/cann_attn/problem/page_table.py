@@ -26,6 +26,9 @@ from ..errors import ParamInvalidError, ParamNullptrError, describe, require
 from .lengths import IntList, per_batch_lengths
 
 PAGED_KV_LAYOUT = "PA_BSND"
+# a slot-mapping entry (MlaProlog's cache_index) of a padding token: nothing is written for it
+# (docs/semantics/beyond-docs.md)
+PADDING_SLOT = -1
 
 
 @dataclass(frozen=True)

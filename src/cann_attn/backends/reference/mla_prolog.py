@@ -11,6 +11,8 @@ from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 
+from ...problem.nz import nz_shape, nz_tokens
+from ...problem.page_table import PADDING_SLOT
 from ...problem.quant import round_to_int8
 from ...problem.rmsnorm import rms_norm
 from ...problem.rope import interleaved_rope
@@ -51,8 +53,10 @@ def dequantized_product(a: torch.Tensor, a_scale: torch.Tensor, w: torch.Tensor,
 
 def mla_prolog(problem: MlaPrologProblem, x: torch.Tensor, weight_dq: torch.Tensor, weight_uq_qr: torch.Tensor,
                weight_uk: torch.Tensor, weight_dkv_kr: torch.Tensor, gamma_cq: torch.Tensor, gamma_ckv: torch.Tensor,
-               sin: torch.Tensor, cos: torch.Tensor, scales: QuantScales) -> MlaPrologRows:
-    """The rows of x [T, He] (sin / cos [T, Dr]), in the float dtype of weight_uk."""
+               sin: torch.Tensor, cos: torch.Tensor, scales: QuantScales, kv_cache: torch.Tensor,
+               kr_cache: torch.Tensor, slots: torch.Tensor | None) -> MlaPrologRows:
+    """The rows of x [T, He] (sin / cos [T, Dr]), in the float dtype of weight_uk, after writing each token's latent
+    and rope key into the caches (`write_caches`)."""
     dtype = weight_uk.dtype
     compute = torch.float64 if dtype == torch.float64 else torch.float32
 
@@ -82,8 +86,36 @@ def mla_prolog(problem: MlaPrologProblem, x: torch.Tensor, weight_dq: torch.Tens
     kv = kept(down(weight_dkv_kr, scales.w_dkv_kr))
     latent = p.kc_scale * rms_norm(kv[:, : p.latent], gamma_ckv, p.epsilon_ckv)
     key_rope = interleaved_rope(kv[:, p.latent :], cos_c, sin_c)
-    return MlaPrologRows(query.to(dtype), query_rope.to(dtype), q_norm, latent.to(dtype), key_rope.to(dtype),
+    rows = MlaPrologRows(query.to(dtype), query_rope.to(dtype), q_norm, latent.to(dtype), key_rope.to(dtype),
                          q_norm_scale)
+    write_caches(kv_cache, kr_cache, rows.latent, rows.key_rope, slots, paged=p.paged, nz=p.cache_mode == "PA_NZ")
+    return rows
+
+
+def write_caches(kv_cache: torch.Tensor, kr_cache: torch.Tensor, latent: torch.Tensor, key_rope: torch.Tensor,
+                 slots: torch.Tensor | None, *, paged: bool, nz: bool) -> None:
+    """Write token t's latent [T, Hckv] and rope key [T, Dr] (the caches' dtype) at its cache row: slot slots[t]
+    = block * BlockSize + offset of a paged cache [BlockNum, BlockSize, Nkv, width] (PA_NZ: its memory read as NZ
+    blocks, `problem/nz.py`; slots None: a pool of 0 blocks), row t of a BSND / TND cache. Nothing else is
+    touched."""
+    if not paged:
+        kv_cache.view(-1, latent.shape[-1]).copy_(latent)
+        kr_cache.view(-1, key_rope.shape[-1]).copy_(key_rope)
+        return
+    if slots is None:
+        return
+    kept = slots != PADDING_SLOT
+    slots, latent, key_rope = slots[kept], latent[kept], key_rope[kept]
+    if slots.numel() == 0:
+        return
+    for cache, values in ((kv_cache, latent), (kr_cache, key_rope)):
+        blocks, block_size, kv_heads = cache.shape[0], cache.shape[1], cache.shape[2]
+        block, offset = slots // block_size, slots % block_size
+        if nz:
+            tokens = nz_tokens(cache.view(nz_shape(blocks, kv_heads, values.shape[-1], block_size, cache.dtype)))
+            tokens[block, offset] = values.view(-1, kv_heads, *tokens.shape[-2:])
+        else:
+            cache[block, offset] = values.view(-1, kv_heads, values.shape[-1])
 
 
 def quantize_per_token(c_q: torch.Tensor, smooth: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
