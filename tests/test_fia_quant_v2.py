@@ -25,6 +25,8 @@ import torch
 
 import cann_attn
 from cann_attn import ParamInvalidError, ParamNullptrError
+from cann_attn.ops import fused_infer_attention_score as fia_module
+from cann_attn.problem.antiquant import PagedLatent
 from cann_attn.problem.nz import to_nz
 from cann_attn.testing.fia_oracle import fia_oracle
 from cann_attn.testing.fia_quant_oracle import dequantised_values, int8_mla_oracle
@@ -314,3 +316,51 @@ def test_key_rope_columns_of_one_pool_give_the_separate_caches_bits(layout, q_pe
     joined = cann_attn.fused_infer_attention_score_v2(query, latent, latent, key_rope=rope, **kw)
     for name, a, b in zip(("out", "lse"), separate, joined, strict=True):
         assert torch.equal(a, b), f"{name}: joined pool != separate caches"
+
+
+@pytest.mark.parametrize("layout, nz, rope_dtype, value_scale", [
+    ("TND_NTD", True, torch.bfloat16, None), ("BSND_NBSD", False, torch.bfloat16, None),
+    ("TND_NTD", False, torch.float16, 0.05), ("BSND_NBSD", True, torch.bfloat16, 2e36)])
+def test_int8_mla_decode_reads_the_int8_pages_in_place(layout, nz, rope_dtype, value_scale, monkeypatch):
+    """One query token per sequence over the paged int8 latent: the decode loop reads the int8 pages (and the
+    unscaled rope pages) in place, converting no block to float32 first, with the bits (out and lse) of the
+    converted float32 pool, on one thread and two. A value of its own (value_scale) included, and values near
+    FLT_MAX (2e36 * 127 per element), whose P V sums overflow and are computed again with scaled values."""
+    _latent, _rope, nd, table, query, query_rope, scale_q, scale_kv = _int8_mla(layout, 11)
+    query_rope = query_rope.to(rope_dtype)
+    blocks = nd["k"].shape[0]
+    key, rope = nd["k"].view(blocks, PAGE, LATENT), nd["r"].view(blocks, PAGE, ROPE).to(rope_dtype)
+    value, scale_v = key, scale_kv
+    if value_scale is not None:
+        value = rand(key.shape, torch.int8, torch.Generator().manual_seed(5))
+        scale_v = torch.tensor([value_scale])
+    if nz:
+        key, value, rope = (to_nz(t.unsqueeze(2)) for t in (key, value, rope))
+    kw = dict(query_rope=query_rope, key_rope=rope, dequant_scale_query=scale_q, dequant_scale_key=scale_kv,
+              dequant_scale_value=scale_v, query_quant_mode=3, num_query_heads=HEADS, num_key_value_heads=1,
+              input_layout=layout, softmax_scale=0.05, block_table=table, block_size=PAGE,
+              actual_seq_kvlen=LENGTHS, return_softmax_lse=True)
+    if layout.startswith("TND"):
+        kw["actual_seq_qlen"] = list(range(1, len(LENGTHS) + 1))
+
+    def call(threads: int):
+        previous = torch.get_num_threads()
+        torch.set_num_threads(threads)
+        try:
+            return cann_attn.fused_infer_attention_score_v2(query, key, value, **kw)
+        finally:
+            torch.set_num_threads(previous)
+
+    with monkeypatch.context() as patch:
+        patch.setattr(fia_module, "_attend_int8_latent", lambda *args, **kwargs: False)
+        converted = call(1)
+    assert torch.isfinite(converted[0]).all()
+
+    def no_conversion(self):
+        raise AssertionError("the int8 pages were converted to float32 before the decode loop")
+
+    monkeypatch.setattr(PagedLatent, "convert", no_conversion)
+    for threads in (1, 2):
+        in_place = call(threads)
+        for name, a, b in zip(("out", "lse"), converted, in_place, strict=True):
+            assert torch.equal(a, b), f"{name}, {threads} thread(s): in place != the converted pool"

@@ -119,6 +119,9 @@ class FiaProblem:
     # int4 key/value as given (packed in int32); `key` / `value` are then their unpacked int8 shapes on the meta
     # device until `with_int4_unpacked` makes them real (the decode loop reads the packed bytes instead).
     int4_packed: tuple[torch.Tensor, torch.Tensor] | None = None
+    # The int8 MLA query's paged int8 latent: `key` / `value` / `key_rope` are then its float32 pool views, unfilled
+    # until `with_latent_converted` (the decode loop reads the int8 pages instead; problem/antiquant.py).
+    int8_latent: antiquants.PagedLatent | None = None
 
     @property
     def packed(self) -> bool:
@@ -142,6 +145,14 @@ class FiaProblem:
             return self
         key, value = (antiquants.unpack_int4(t) for t in self.int4_packed)
         return replace(self, key=key, value=value, int4_packed=None)
+
+    def with_latent_converted(self) -> FiaProblem:
+        """The problem with the int8 latent's float32 pool filled (`PagedLatent.convert`): key / value / key_rope
+        then hold their values."""
+        if self.int8_latent is None:
+            return self
+        self.int8_latent.convert()
+        return replace(self, int8_latent=None)
 
     def padded_window(self, b: int) -> tuple[int, int, int, int]:
         """(q0, q_end, kv0, kv_end): where batch b's valid query and key rows lie under left padding (they end

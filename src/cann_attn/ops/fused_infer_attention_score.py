@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import sys
+from dataclasses import replace
 
 import torch
 
@@ -143,9 +144,13 @@ def fused_infer_attention_score(
     return _run(params, backend)
 
 
-def _run(params: dict, backend: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """Validate (v1 parameter names, plus v2's learnable_sink / out_dtype), allocate the outputs, dispatch."""
+def _run(params: dict, backend: str, latent: antiquants.PagedLatent | None = None
+         ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Validate (v1 parameter names, plus v2's learnable_sink / out_dtype), allocate the outputs, dispatch.
+    `latent`: the int8 MLA query's paged latent, whose float32 pool views the params' key / value / key_rope are."""
     problem = build_fia_problem(**params)
+    if latent is not None:
+        problem = replace(problem, int8_latent=latent)
     query = problem.query
     out = torch.zeros(_output_shape(problem.out_layout, problem.batch, problem.q_seq, problem.num_heads,
                                     problem.v_dim), dtype=problem.plan.output_dtype, device=query.device)
@@ -195,6 +200,10 @@ def _dispatch(p: FiaProblem, out: torch.Tensor, lse: torch.Tensor | None, backen
     if p.sink is not None:
         common["sink"] = p.sink
     q_in = _query_with_rope(p)
+    if p.int8_latent is not None:
+        if _attend_int8_latent(p, q_in, out, lse, common):
+            return
+        p = p.with_latent_converted()
     if _attend_int8_decode(p, q_in, out, lse, common):
         return
     p = p.with_int4_unpacked()
@@ -240,6 +249,33 @@ def _attend_int8_decode(p: FiaProblem, q_in: torch.Tensor, out: torch.Tensor, ls
         softmax_lse=lse, kv_scales=scales, packed_int4=p.int4_packed is not None, **common)
 
 
+def _attend_int8_latent(p: FiaProblem, q_in: torch.Tensor, out: torch.Tensor, lse: torch.Tensor | None,
+                        common: dict) -> bool:
+    """The int8 MLA query's decode (one query token per sequence) over its paged int8 latent: the decode loop reads
+    the int8 pages in place through the table, x * scale in fp32 as it reads each row (the float32 pool's very
+    products, so the pool's bits) and the rope rows unscaled, instead of converting every block the table names
+    first. False, computing nothing, where it does not apply (the caller converts the pool then)."""
+    if p.pages is None or p.prefix is not None or p.left_padding or any(sq != 1 for sq in p.act_q):
+        return False
+    latent = p.int8_latent
+    key, value, key_rope = latent.loop_caches()
+    lse_rows = lse
+    if p.packed:
+        q4, out4 = _token_rows(q_in, p.q_layout), _token_rows(out, p.out_layout)
+        lse_rows = None if lse is None else lse.unsqueeze(2)
+    else:
+        q4, out4 = _bnsd(q_in, p.q_layout, p.num_heads), _bnsd(out, p.out_layout, p.num_heads)
+    return attend_paged(q4, key, value, out4, block_table=p.pages.pages.table.to(q_in.device),
+                        atten_mask=p.atten_mask, mask_views=None if p.packed else p.mask_views, act_q=p.act_q,
+                        act_kv=p.act_kv, pse_shift=None if p.packed else p.pse_shift, softmax_lse=lse_rows,
+                        kv_scales=latent.channel_scales(), key_rope=key_rope, **common)
+
+
+def _token_rows(t: torch.Tensor, layout: str) -> torch.Tensor:
+    """A TND / NTD tensor of one token per sequence as its [T, N, 1, D] batch."""
+    return (t if layout == "TND" else t.transpose(0, 1)).unsqueeze(2)
+
+
 def _attend_packed(p: FiaProblem, q_in: torch.Tensor, out: torch.Tensor, lse: torch.Tensor | None,
                    common: dict) -> None:
     """TND / NTD: each sequence's rows as a [1, N, S, D] view."""
@@ -269,11 +305,7 @@ def _attend_packed_decode(p: FiaProblem, q_in: torch.Tensor, out: torch.Tensor, 
     would take alone (the same bits as gathering it). False, computing nothing, where it does not apply."""
     if p.pages is None or p.key_rope is None or p.antiquant is not None or any(sq != 1 for sq in p.act_q):
         return False
-
-    def tokens(t: torch.Tensor, layout: str) -> torch.Tensor:
-        return (t if layout == "TND" else t.transpose(0, 1)).unsqueeze(2)
-
-    return attend_paged(tokens(q_in, p.q_layout), *p.pages.loop_caches(), tokens(out, p.out_layout),
+    return attend_paged(_token_rows(q_in, p.q_layout), *p.pages.loop_caches(), _token_rows(out, p.out_layout),
                         block_table=p.pages.pages.table.to(q_in.device), atten_mask=p.atten_mask, mask_views=None,
                         act_q=p.act_q, act_kv=p.act_kv, pse_shift=None,
                         softmax_lse=None if lse is None else lse.unsqueeze(2),
@@ -423,7 +455,7 @@ def fused_infer_attention_score_v2(
     if sparse_mode == 9:
         raise ParamInvalidError("sparse_mode: 9 (tree mask) is not supported yet")
     int8_query = isinstance(query, torch.Tensor) and query.dtype == torch.int8
-    quantised_out_dtype = None
+    quantised_out_dtype = latent = None
     if int8_query or query_quant_mode != 0 or dequant_scale_query is not None:
         if query_quant_mode != 0 and (isinstance(query_quant_mode, bool)
                                       or query_quant_mode not in antiquants.QUERY_QUANT_MODES):
@@ -445,7 +477,7 @@ def fused_infer_attention_score_v2(
             dequant_scale_key=dequant_scale_key, dequant_scale_value=dequant_scale_value,
             key_quant_mode=key_quant_mode, value_quant_mode=value_quant_mode, input_layout=input_layout,
             num_heads=num_query_heads, block_table=block_table)
-        query, key, value = quantised.query, quantised.key, quantised.value
+        query, key, value, latent = quantised.query, quantised.key, quantised.value, quantised.latent
         query_rope, key_rope = quantised.query_rope, quantised.key_rope
         dequant_scale_key = dequant_scale_value = None
         key_quant_mode = value_quant_mode = 0
@@ -476,7 +508,7 @@ def fused_infer_attention_score_v2(
             num_key_value_heads=num_key_value_heads, sparse_mode=sparse_mode, inner_precise=inner_precise,
             block_size=block_size, key_antiquant_mode=key_quant_mode, value_antiquant_mode=value_quant_mode,
             softmax_lse_flag=return_softmax_lse, learnable_sink=learnable_sink, out_dtype=out_dtype,
-        ), backend)
+        ), backend, latent)
     rounded = quantised_out_dtype if int8_query else None
     return (out, lse) if rounded is None else (out.to(rounded), lse)
 

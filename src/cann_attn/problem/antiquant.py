@@ -238,7 +238,8 @@ FP8_KV_CALLER = "cann-recipes-infer models/qwen3_moe/models/modeling_qwen3_moe.p
 @dataclass(frozen=True)
 class Dequantised:
     """The float32 operands that replace an int8 MLA call's query / key / value / rope parts, and the dtype its
-    output is rounded to (the rope dtype)."""
+    output is rounded to (the rope dtype). With `latent` (paged caches), key, value and key_rope are its pool views,
+    unfilled until `latent.convert()`."""
 
     query: torch.Tensor
     key: torch.Tensor
@@ -246,6 +247,7 @@ class Dequantised:
     query_rope: torch.Tensor
     key_rope: torch.Tensor
     out_dtype: torch.dtype
+    latent: PagedLatent | None = None
 
 
 def _require_float32(t, param: str, shape: tuple[int, ...] | None, what: str) -> torch.Tensor:
@@ -280,7 +282,8 @@ def dequantise_mla_query(query, key, value, *, query_rope, key_rope, dequant_sca
     scales float32. The operands become float32 (x * scale, one fp32 rounding: the int8 products the NPU
     accumulates exactly, scaled once); an NZ cache becomes the ND cache [blockNum, blockSize, N * D] of the same
     tokens (float32 has no NZ form). A paged cache (`block_table`) is converted only in the blocks the table
-    names (`_paged_latent`)."""
+    names (`_paged_latent`), and only once the returned `latent` is converted (a decode loop can read the int8
+    pages in place instead)."""
     if query_rope is None or key_rope is None:
         raise ParamInvalidError("query_rope: an int8 query (full quantisation) is documented for MLA only (query_rope "
                                 "and key_rope with D = 512), got None")
@@ -315,8 +318,8 @@ def dequantise_mla_query(query, key, value, *, query_rope, key_rope, dequant_sca
     same = _same_values(key, value) and (dequant_scale_value is dequant_scale_key or torch.equal(k_scale, v_scale))
     paged = _paged_latent(key, value, key_rope, k_scale, v_scale, block_table, same)
     if paged is not None:
-        k, v, r = paged
-        return Dequantised(q.reshape(query.shape), k, v, query_rope.to(f32), r, query_rope.dtype)
+        (k, v, r), latent = paged
+        return Dequantised(q.reshape(query.shape), k, v, query_rope.to(f32), r, query_rope.dtype, latent)
     k = dequant.dequantize_values(_nd_cache(key), k_scale, f32)
     v = k if same else dequant.dequantize_values(_nd_cache(value), v_scale, f32)
     return Dequantised(q.reshape(query.shape), k, v, query_rope.to(f32), _nd_cache(key_rope).to(f32),
@@ -391,16 +394,54 @@ def _block_runs(block_table: torch.Tensor, block_num: int, most: int) -> list[tu
     return runs
 
 
+@dataclass(frozen=True)
+class PagedLatent:
+    """A paged int8 MLA call's caches as given (the int8 latent key / value, ND or NZ, with their per-tensor scales,
+    and the unscaled rope cache) beside the float32 pool views `dequantise_mla_query` returned for them, which stay
+    unfilled until `convert`: a loop that reads the int8 pages in place (x * scale in fp32 as it reads each row, the
+    pool's very products; the rope rows as they are) needs no pool. Whoever reads the pool calls `convert` first."""
+
+    key: torch.Tensor
+    value: torch.Tensor
+    key_rope: torch.Tensor
+    key_scale: torch.Tensor  # [] float32
+    value_scale: torch.Tensor
+    block_table: torch.Tensor
+    joined: torch.Tensor  # [blockNum, blockSize, D + Dr]: key ++ rope rows
+    value_pool: torch.Tensor | None  # [blockNum, blockSize, D]; None: the value is the key's columns of `joined`
+
+    def convert(self) -> None:
+        """Fill the pool: only the blocks some table entry names, x * scale in fp32; the others are never read
+        (docs/semantics/paged-kv.md: the entries a sequence reads must name existing blocks)."""
+        k_rows, v_rows, r_rows = _latent_rows(self.key), _latent_rows(self.value), _latent_rows(self.key_rope)
+        joined, width = self.joined, _row_width(k_rows)
+        most = max(1, CONVERT_BYTES // (joined[0].numel() * joined.element_size()))
+        for start, stop in _block_runs(self.block_table, k_rows.shape[0], most):
+            blocks = slice(start, stop)
+            _rows_into(joined[blocks, :, :width], k_rows[blocks]).mul_(self.key_scale)
+            _rows_into(joined[blocks, :, width:], r_rows[blocks])
+            if self.value_pool is not None:
+                _rows_into(self.value_pool[blocks], v_rows[blocks]).mul_(self.value_scale)
+
+    def loop_caches(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """key, value and key_rope as a decode loop reads them in place: [blockNum, 1, blockSize, D], or an NZ
+        cache [blockNum, 1, D/c0, blockSize, c0] as it is (views, no copy)."""
+        return tuple(t.unsqueeze(1) if t.dim() == 3 else t for t in (self.key, self.value, self.key_rope))
+
+    def channel_scales(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The per-tensor key and value scales repeated over the latent's channels, [1, D] float32 each."""
+        width = _row_width(_latent_rows(self.key))
+        return tuple(s.reshape(1, 1).expand(1, width).contiguous() for s in (self.key_scale, self.value_scale))
+
+
 def _paged_latent(key, value, key_rope, k_scale, v_scale, block_table, same: bool
-                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+                  ) -> tuple[tuple[torch.Tensor, torch.Tensor, torch.Tensor], PagedLatent] | None:
     """(key, value, key_rope) of a paged single-head MLA call in float32, in the caches' own shapes (an NZ
-    cache as ND [blockNum, blockSize, D]): key and key_rope are the two column ranges of one [blockNum,
-    blockSize, D + Dr] buffer, so each key row is already key ++ rope for the loops that read the pages in place
-    (ops/paged_infer.py), and value is key's view when it holds the same values. Only the blocks some table
-    entry names are converted (x * scale, the same fp32 products as the whole cache's); the others are never
-    read (docs/semantics/paged-kv.md: the entries a sequence reads must name existing blocks). None, converting
-    nothing, where the caches or the table are not of that form (the whole-cache conversion then applies, and
-    validation reports what is wrong)."""
+    cache as ND [blockNum, blockSize, D]), unfilled until the returned latent's `convert`: key and key_rope are the
+    two column ranges of one [blockNum, blockSize, D + Dr] buffer, so each key row is already key ++ rope for the
+    loops that read the pages in place (ops/paged_infer.py), and value is key's view when it holds the same values.
+    None, converting nothing, where the caches or the table are not of that form (the whole-cache conversion then
+    applies, and validation reports what is wrong)."""
     if not (isinstance(block_table, torch.Tensor) and block_table.dtype == torch.int32 and block_table.dim() == 2
             and block_table.device == key.device and key.dim() == key_rope.dim() == value.dim()
             and value.shape == key.shape):
@@ -411,17 +452,11 @@ def _paged_latent(key, value, key_rope, k_scale, v_scale, block_table, same: boo
     width = _row_width(k_rows)
     joined = _pool_buffer("key_rope", (*k_rows.shape[:2], width + _row_width(r_rows)), key.device)
     v_f32 = None if same else _pool_buffer("value", (*k_rows.shape[:2], width), key.device)
-    most = max(1, CONVERT_BYTES // (joined[0].numel() * joined.element_size()))
-    for start, stop in _block_runs(block_table, k_rows.shape[0], most):
-        blocks = slice(start, stop)
-        _rows_into(joined[blocks, :, :width], k_rows[blocks]).mul_(k_scale)
-        _rows_into(joined[blocks, :, width:], r_rows[blocks])
-        if v_f32 is not None:
-            _rows_into(v_f32[blocks], v_rows[blocks]).mul_(v_scale)
+    latent = PagedLatent(key, value, key_rope, k_scale, v_scale, block_table, joined, v_f32)
     head_axis = key.dim() == 4  # [blockNum, 1, blockSize, D]: the head axis back
     parts = [joined[..., :width], joined if v_f32 is None else v_f32, joined[..., width:]]
     parts[1] = parts[1][..., :width]
-    return tuple(p.unsqueeze(1) if head_axis else p for p in parts)
+    return tuple(p.unsqueeze(1) if head_axis else p for p in parts), latent
 
 
 def _nd_cache(cache: torch.Tensor) -> torch.Tensor:

@@ -83,7 +83,7 @@ _SIGNATURES = {
     "cann_attn_has_avx512": [],
     "cann_attn_set_avx512": [ctypes.c_int],
     "fia_decode_rows": [_P, _I, _I, _I, _I, _I, _P, _P, _I, _I, _I, _I, _I, _I, _I, _P, _P, _P, _P, _P, _I, _I, _P,
-                        _P, _I, _I, _I, _I, _P, _I, _I, _I, _I, _I, _I, _F, _F],
+                        _P, _I, _I, _I, _I, _P, _I, _I, _I, _I, _I, _I, _I, _F, _F],
 }
 _INT_RESULTS = ("cann_attn_cpu_supported", "cann_attn_has_sgemm", "cann_attn_has_sgemm_pack", "cann_attn_has_bf16_dot",
                 "cann_attn_has_f16c", "cann_attn_has_avx512", "cann_attn_set_avx512")
@@ -757,19 +757,22 @@ def decode_usable(key: torch.Tensor, value: torch.Tensor, dequant_to: torch.dtyp
                   key_rope: torch.Tensor | None = None) -> bool:
     """Whether `decode_rows` can read these [B, N2, S, D] caches in place: CPU, fp32/fp16/bf16 (fp16 needs F16C)
     or, with `dequant_to`, int8 anti-quantised to that dtype, unit stride along D, library available. `key_rope`
-    (MLA's rope keys, float caches only): of the key's dtype and layout."""
+    (MLA's rope keys): of the key's layout, and of its dtype, or with `dequant_to` (an int8 latent: the rope is not
+    quantised) fp32/fp16/bf16."""
     readable = DECODE_DTYPES if dequant_to is None else {torch.int8: 0}
     if key.device.type != "cpu" or key.dtype != value.dtype or key.dtype not in readable:
         return False
-    if key_rope is not None and (dequant_to is not None or key_rope.dtype != key.dtype
-                                 or key_rope.dim() != key.dim() or key_rope.stride(-1) != 1):
+    rope_dtypes = (key.dtype,) if dequant_to is None else tuple(DECODE_DTYPES)
+    if key_rope is not None and (key_rope.dtype not in rope_dtypes or key_rope.dim() != key.dim()
+                                 or key_rope.stride(-1) != 1):
         return False
     if dequant_to is not None and dequant_to not in DEQUANT_DTYPES:
         return False
     if key.stride(-1) != 1 or value.stride(-1) != 1:
         return False
     lib = library()
-    return lib is not None and (torch.float16 not in (key.dtype, dequant_to) or bool(lib.cann_attn_has_f16c()))
+    halves = torch.float16 in (key.dtype, dequant_to, None if key_rope is None else key_rope.dtype)
+    return lib is not None and (not halves or bool(lib.cann_attn_has_f16c()))
 
 
 def decode_rows(q: torch.Tensor, key: torch.Tensor, value: torch.Tensor, lengths: torch.Tensor, out: torch.Tensor,
@@ -785,7 +788,8 @@ def decode_rows(q: torch.Tensor, key: torch.Tensor, value: torch.Tensor, lengths
     `kv_scales` = (key scale [N2, D], value scale [N2, Dv], dtype), int8 key / value are anti-quantised as they are
     read: x * scale in fp32, rounded once to dtype (problem/antiquant.py); `packed_int4`: key / value are the bytes
     of int4 values packed two to a byte (value 2k in the low nibble), D/2 bytes a row. `key_rope` (MLA): a cache of
-    the key's layout whose rows follow each key's (q's D is the key's plus the rope's)."""
+    the key's layout whose rows follow each key's (q's D is the key's plus the rope's), in the key's float dtype, or
+    a float dtype of its own beside an int8 key (read as it is, never scaled)."""
     lib = library()
     _check_rows(q, out, row_max, row_sum)
     pairs, group, dim = q.shape
@@ -797,11 +801,11 @@ def decode_rows(q: torch.Tensor, key: torch.Tensor, value: torch.Tensor, lengths
     code = DECODE_DTYPES[key.dtype] if kv_scales is None else DEQUANT_DTYPES[kv_scales[2]] + (
         INT4_CODE_SHIFT if packed_int4 else 0)
     kg, vg = _cache_geometry(key), _cache_geometry(value)
-    rope = (None, 0, 0, 0, 0, 0, 0)
+    rope = (None, 0, 0, 0, 0, 0, 0, 0)
     if key_rope is not None:
         rg = _cache_geometry(key_rope)
         width = key_rope.shape[2] * key_rope.shape[4] if key_rope.dim() == 5 else key_rope.shape[-1]
-        rope = (key_rope.data_ptr(), width, *rg[:3], *rg[3:5])
+        rope = (key_rope.data_ptr(), DECODE_DTYPES[key_rope.dtype], width, *rg[:3], *rg[3:5])
     lib.fia_decode_rows(q.data_ptr(), pairs, key.shape[1], group, dim, out.shape[-1], key.data_ptr(),
                         value.data_ptr(), code, *kg[:3], *vg[:3], lengths.data_ptr(), out.data_ptr(),
                         row_max.data_ptr(), row_sum.data_ptr(), None if table is None else table.data_ptr(),

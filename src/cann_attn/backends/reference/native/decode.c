@@ -36,9 +36,10 @@ struct decode_args {
     const float *k_scale, *v_scale;
     int64_t k_c0, k_cs, v_c0, v_cs;
     /* MLA's rope keys (NULL: none): each key is its latent row (dim - dim_r columns) followed by its rope row (dim_r),
-     * from a cache of its own (strides and NZ chunking as the key's), read through the same block table. */
+     * of dtype r_dtype (fp32, fp16, bf16: the rope is never quantised, so an int8 latent has a float rope), from a
+     * cache of its own in the key's format (its own strides and NZ chunk width), read through the same block table. */
     const void *r;
-    int64_t dim_r, r_sb, r_sh, r_ss, r_c0, r_cs;
+    int64_t r_dtype, r_esize, dim_r, r_sb, r_sh, r_ss, r_c0, r_cs;
     float log2e, floor2;
     float *out, *row_max, *row_sum;
 };
@@ -353,7 +354,7 @@ static void widen_key_row(const struct decode_args *a, const char *krow, const c
     const int64_t dk = a->dim - a->dim_r;
     widen_chunks(krow, a->dtype, dk, dst, ks, a->k_c0, a->k_cs, a->esize);
     if (rrow)
-        widen_chunks(rrow, a->dtype, a->dim_r, dst + dk, NULL, a->r_c0, a->r_cs, a->esize);
+        widen_chunks(rrow, a->r_dtype, a->dim_r, dst + dk, NULL, a->r_c0, a->r_cs, a->r_esize);
 }
 
 /* The tile's w key rows (addresses `rows`, rope rows `rrows` or NULL) into pair vectors pk: bf16 / fp16 rows
@@ -491,7 +492,7 @@ static void decode_tile(const struct decode_args *a, int64_t b, int64_t h, int64
     const int64_t seq = a->table ? 0 : b; /* paged: k_sb / v_sb are block strides, the table finds blocks */
     const char *kp = (const char *)a->k + (seq * a->k_sb + h * a->k_sh) * a->esize;
     const char *vp = (const char *)a->v + (seq * a->v_sb + h * a->v_sh) * a->esize;
-    const char *rp = a->r ? (const char *)a->r + (seq * a->r_sb + h * a->r_sh) * a->esize : NULL;
+    const char *rp = a->r ? (const char *)a->r + (seq * a->r_sb + h * a->r_sh) * a->r_esize : NULL;
     const float *ks = a->k_scale ? a->k_scale + h * (a->dim - a->dim_r) : NULL;
     const float *vs = a->v_scale ? a->v_scale + h * a->dim_v : NULL;
     const int64_t dk = a->dim - a->dim_r;
@@ -500,9 +501,9 @@ static void decode_tile(const struct decode_args *a, int64_t b, int64_t h, int64
     const char *rows[DECODE_BLOCK], *next_k[DECODE_BLOCK], *next_v[DECODE_BLOCK], *rrows[DECODE_BLOCK];
     const char *also_k[DECODE_BLOCK], *also_v[DECODE_BLOCK];
     if (rp) {
-        tile_rows(rrows, rp, j0, w, a->r_ss, a->esize, table_row, a->page, a->r_sb);
+        tile_rows(rrows, rp, j0, w, a->r_ss, a->r_esize, table_row, a->page, a->r_sb);
         for (int64_t j = 0; j < w; j++)
-            prefetch_rows(rrows + j, 1, a->dim_r, a->esize, a->r_c0, a->r_cs);
+            prefetch_rows(rrows + j, 1, a->dim_r, a->r_esize, a->r_c0, a->r_cs);
     }
     if (wn > 0) {
         tile_rows(next_k, kp + (hn - h) * a->k_sh * a->esize, jn, wn, a->k_ss, a->esize, table_row, a->page, a->k_sb);
@@ -655,11 +656,11 @@ void fia_decode_rows(const float *q, int64_t pairs, int64_t heads_kv, int64_t gr
                      int64_t v_sb, int64_t v_sh, int64_t v_ss, const int64_t *len, float *out, float *row_max,
                      float *row_sum, const int32_t *table, int64_t table_stride, int64_t page,
                      const float *k_scale, const float *v_scale, int64_t k_c0, int64_t k_cs, int64_t v_c0,
-                     int64_t v_cs, const void *r, int64_t dim_r, int64_t r_sb, int64_t r_sh, int64_t r_ss,
+                     int64_t v_cs, const void *r, int64_t r_dtype, int64_t dim_r, int64_t r_sb, int64_t r_sh, int64_t r_ss,
                      int64_t r_c0, int64_t r_cs, float log2e, float floor2) {
     const struct decode_args a = {k, v, dtype, dtype == 0 ? 4 : dtype <= 2 ? 2 : 1, heads_kv, group, dim, dim_v,
                                   k_sb, k_sh, k_ss, v_sb, v_sh, v_ss, table, table_stride, page, k_scale, v_scale,
-                                  k_c0, k_cs, v_c0, v_cs, r, r ? dim_r : 0, r_sb, r_sh, r_ss, r_c0, r_cs, log2e,
+                                  k_c0, k_cs, v_c0, v_cs, r, r_dtype, r_dtype == 0 ? 4 : 2, r ? dim_r : 0, r_sb, r_sh, r_ss, r_c0, r_cs, log2e,
                                   floor2, out, row_max, row_sum};
     const int64_t per_slot = group * dim_v, batch = heads_kv > 0 ? pairs / heads_kv : 0;
     /* Batch entries go in waves whose split chunks' partial sums fit DECODE_PARTIAL_FLOATS (a wave holds one entry
