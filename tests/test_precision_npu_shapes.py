@@ -31,6 +31,7 @@ from cann_attn.testing.npu_recipes import (
     ulp,
     ulp_verdict,
 )
+from paged_utils import paginate
 from test_precision_npu import _inputs
 
 SWEEP = os.environ.get("CANN_ATTN_PRECISION_SWEEP", "") == "1"
@@ -68,10 +69,11 @@ def test_pfa_key_block_is_the_tiling_rule(sq, skv, dtype, inner_precise, masked)
 
 
 @pytest.mark.parametrize("group", [1, 4, 5, 9, 10, 64])
-def test_ifa_key_block_is_the_tiling_rule(group):
-    shape = prec.KeyShape(seq_q=1, seq_kv=9000, dim=128, group=group)
+@pytest.mark.parametrize("page_size", [0, 16, 96, 112, 128, 336, 512])
+def test_ifa_key_block_is_the_tiling_rule(group, page_size):
+    shape = prec.KeyShape(seq_q=1, seq_kv=9000, dim=128, group=group, page_size=page_size)
     assert prec.key_block(prec.ifa_pipeline(torch.float16, torch.float16), shape) == kernel_key_tile(
-        "ifa", sq=1, skv=9000, group=group)
+        "ifa", sq=1, skv=9000, group=group, block_size=page_size)
 
 
 def test_fp16_pse_takes_the_high_precision_pipeline():
@@ -115,6 +117,64 @@ def test_decode_npu_mode_over_several_steps():
         out, _ = cann_attn.fused_infer_attention_score(q, k, v, num_heads=20, num_key_value_heads=2,
                                                        input_layout="BNSD", scale=128**-0.5)
     assert_within_ulps(out, ifa_recipe(q, k, v, 128**-0.5))
+
+
+PAGED_DECODE_HEADS = (20, 2)  # group 10: a 2048-column step, 2016 over blocks of 96
+
+
+def _paged_decode_npu(op: str, q, k, v, block_size: int) -> torch.Tensor:
+    """Decode over a paged cache of `block_size` in the "npu" mode, by `op` (FIA or IFA), as BNSD [B, N, 1, D]."""
+    heads, heads_kv = PAGED_DECODE_HEADS
+    per_seq = {"key": [k[b].permute(1, 0, 2) for b in range(k.shape[0])],
+               "value": [v[b].permute(1, 0, 2) for b in range(v.shape[0])]}
+    caches, table = paginate(per_seq, block_size, torch.Generator().manual_seed(2))
+    bsh = {"query": q.transpose(1, 2).flatten(2), "key": caches["key"].flatten(2),
+           "value": caches["value"].flatten(2)}
+    common = dict(num_heads=heads, num_key_value_heads=heads_kv, input_layout="BSH", block_table=table,
+                  block_size=block_size)
+    lengths = [k.shape[2]] * k.shape[0]
+    with cann_attn.precision("npu"):
+        if op == "fia":
+            out, _ = cann_attn.fused_infer_attention_score(**bsh, **common, scale=q.shape[-1] ** -0.5,
+                                                           actual_seq_lengths_kv=lengths)
+        else:
+            out = cann_attn.incre_flash_attention(**bsh, **common, scale_value=q.shape[-1] ** -0.5,
+                                                  actual_seq_lengths=lengths)
+    return out.view(q.shape[0], 1, heads, -1).transpose(1, 2)
+
+
+def _paged_decode_inputs(dtype, skv=2100, d=16):
+    """One sequence whose rows hinge on where the step ends: per head two keys of weight, A (column 10, logit 0) and
+    B (column 2030, logit 0.02 .. 0.2 by head), with values that nearly cancel, all other logits below -40. A
+    2016-column step puts B in the second step (A's P is 1, rescaled in fp32); a 2048-column step puts both in the
+    first (A's P is exp(-logit B) rounded to the KV dtype), which moves the small outputs by several ulps."""
+    heads, heads_kv = PAGED_DECODE_HEADS
+    logit_b = torch.linspace(0.02, 0.2, heads)
+    q = torch.zeros(1, heads, 1, d)
+    q[..., 0] = (logit_b * d**0.5).view(1, heads, 1)  # logit of key B = q . k_B * scale with k_B[0] = 1
+    k = torch.zeros(1, heads_kv, skv, d)
+    k[..., 0] = -2000.0
+    k[..., 10, 0], k[..., 2030, 0] = 0.0, 1.0
+    v = torch.randn(1, heads_kv, skv, d, generator=torch.Generator().manual_seed(6))
+    v[..., 10, :] = 1 + torch.arange(d) / 64
+    v[..., 2030, :] = -1 - torch.arange(d) / 64
+    return q.to(dtype), k.to(dtype), v.to(dtype)
+
+
+@pytest.mark.parametrize("op,dtype", [("fia", torch.bfloat16), ("ifa", torch.float16)])
+def test_paged_decode_step_is_whole_blocks(op, dtype):
+    """Blocks of 96 do not divide the 2048-column step: IFA's tiling cuts it to 2016 (21 blocks)."""
+    q, k, v = _paged_decode_inputs(dtype)
+    expected = ifa_recipe(q, k, v, 16**-0.5, block_size=96)
+    assert not ulp_verdict(ifa_recipe(q, k, v, 16**-0.5), expected, dtype)[0]  # the two steps tell apart here
+    assert_within_ulps(_paged_decode_npu(op, q, k, v, 96), expected, name=f"{op} paged decode, blocks of 96")
+
+
+def test_paged_decode_step_ignoring_the_blocks_fails(monkeypatch):
+    q, k, v = _paged_decode_inputs(torch.bfloat16)
+    expected = ifa_recipe(q, k, v, 16**-0.5, block_size=96)
+    monkeypatch.setattr(prec, "_ifa_key_block", lambda shape: prec._IFA_BLOCKS[min(shape.group // 5, 2)])
+    assert _fails(_paged_decode_npu("fia", q, k, v, 96), expected)
 
 
 # --- FlashAttentionScore forward and grad ----------------------------------------------------------------------

@@ -295,7 +295,8 @@ def _attend_packed(p: FiaProblem, q_in: torch.Tensor, out: torch.Tensor, lse: to
         out_b = _packed_rows(out, p.out_layout, q_starts[b], sq)
         lse_b = None if lse is None else _packed_rows(lse, "TND", q_starts[b], sq)
         attend(q_b, k_b, v_b, out_b, atten_mask=p.atten_mask, mask_views=None, act_q=[sq], act_kv=[skv],
-               pse_shift=None, softmax_lse=lse_b, **common)
+               pse_shift=None, softmax_lse=lse_b, page_size=0 if p.pages is None else p.pages.shape.block_size,
+               **common)
 
 
 def _attend_packed_decode(p: FiaProblem, q_in: torch.Tensor, out: torch.Tensor, lse: torch.Tensor | None,

@@ -210,14 +210,16 @@ def attend(
     query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, out: torch.Tensor, *, heads_kv: int, scale: float,
     atten_mask, mask_views, sparse_mode: int, act_q: list[int], act_kv: list[int], pre_tokens: int, next_tokens: int,
     pse_shift, plan: QuantPlan, backend: str, op: str, softmax_lse: torch.Tensor | None = None,
-    inner_precise: int = 1, decode: bool | None = None, sink: torch.Tensor | None = None,
+    inner_precise: int = 1, decode: bool | None = None, sink: torch.Tensor | None = None, page_size: int = 0,
 ) -> None:
     """Fill `out` ([B, N, Sq, Dv] view of the zero-initialised output) with attention over [B, N(kv), S, D] views,
     and `softmax_lse` ([B, N, Sq, 1] float32 view) when given: lse = max + log(sum) of the scaled, masked logits,
     `INVALID_LSE` for rows that see no key. `mask_views` are `validate_mask`'s per-batch views. `inner_precise`
     and `decode` (FIA's choice of the IFA kernel; default: one query row) pick the kernel's pipeline in the "npu"
     precision mode (docs/semantics/precision.md). `sink` ([N] float32, FIA v2's learnable_sink): one more softmax
-    logit per head (problem/sink.py), which the lse includes; rows without keys then have lse = sink and output 0."""
+    logit per head (problem/sink.py), which the lse includes; rows without keys then have lse = sink and output 0.
+    `page_size`: the block size of the paged cache key / value were gathered from (0: contiguous), which the decode
+    kernel's key block depends on in the "npu" mode (docs/semantics/precision.md, "Key blocks")."""
     problem = _bnsd_problem(query, out, heads_kv, scale, atten_mask, mask_views, sparse_mode, act_q, act_kv,
                             pre_tokens, next_tokens, pse_shift, sink)
     # With the tensors, the check also covers the kernels' int32 in-sequence offsets (no limit on S here).
@@ -232,7 +234,7 @@ def attend(
         pipeline = precision.infer_pipeline(op, query.dtype, key.dtype, plan.output_dtype, inner_precise,
                                             query.shape[2] == 1 if decode is None else decode,
                                             pse=pse_shift is not None)
-        _attend_npu(problem, pipeline, query, key, value, out, plan, softmax_lse)
+        _attend_npu(problem, pipeline, query, key, value, out, plan, softmax_lse, page_size)
         return
     if query.dtype == torch.int8:
         quant_attention.forward(problem, query, key, value, out, plan)
@@ -259,18 +261,20 @@ def attend(
 
 
 def _attend_npu(problem: AttentionProblem, pipeline: precision.AttentionPipeline, query, key, value, out, plan,
-                softmax_lse) -> None:
+                softmax_lse, page_size: int) -> None:
     """`attend` in the "npu" precision mode: the kernel's rounding pipeline; an int8 output quantises its result as
     the kernel's PostQuant step rounds."""
     row_max, row_sum = _invalid_row_stats(out, query.device)
     quant_inputs = plan if query.dtype == torch.int8 else None
     if plan.output_dtype == torch.int8:
         dense = torch.zeros(out.shape, dtype=torch.float32, device=query.device)
-        npu_attention.forward(problem, pipeline, query, key, value, dense, row_max, row_sum, quant=quant_inputs)
+        npu_attention.forward(problem, pipeline, query, key, value, dense, row_max, row_sum, quant=quant_inputs,
+                              page_size=page_size)
         post_quant = precision.post_quant_pipeline(pipeline, per_channel=plan.scale2.numel() > 1)
         quant_attention.quantize_output(problem, dense, row_max[..., 0] > -FLT_MAX, out, plan, post_quant)
     else:
-        npu_attention.forward(problem, pipeline, query, key, value, out, row_max, row_sum, quant=quant_inputs)
+        npu_attention.forward(problem, pipeline, query, key, value, out, row_max, row_sum, quant=quant_inputs,
+                              page_size=page_size)
     if softmax_lse is not None:
         _write_lse(softmax_lse, row_max, row_sum)
 
@@ -365,4 +369,5 @@ def attend_pages(pages: PagedKv, query: torch.Tensor, out: torch.Tensor, *, atte
         pse_g = None if pse_shift is None else batch_rows(pse_shift, group.start, len(group))
         attend(query[g], k_g, v_g, out[g], atten_mask=atten_mask,
                mask_views=None if mask_views is None else mask_views[g], act_q=act_q[g], act_kv=act_kv[g],
-               pse_shift=pse_g, softmax_lse=None if softmax_lse is None else softmax_lse[g], **common)
+               pse_shift=pse_g, softmax_lse=None if softmax_lse is None else softmax_lse[g],
+               page_size=pages.shape.block_size, **common)

@@ -83,14 +83,17 @@ def _expand_kv(t: torch.Tensor, heads: int) -> torch.Tensor:
 
 
 def kernel_key_tile(op: str, *, sq: int, skv: int, d: int = 128, masked: bool = False, layout: str = "BNSD",
-                    group: int = 1, dtype: torch.dtype = torch.float16, inner_precise: int = 1) -> int:
+                    group: int = 1, dtype: torch.dtype = torch.float16, inner_precise: int = 1,
+                    block_size: int = 0) -> int:
     """Columns of one online-softmax step, read off the kernels' host tiling (the precision page cites the lines).
 
     "fa": flash_attention_score_tiling_general.cpp: s2 basic block min(128, S2) times nRatio; nRatio is 8, but 5
     when S2 / 128 == 8 with a remainder of 1..16, and 6 when 2049 <= S2 <= 2304, D == 64 and BNSD (not TND).
     "pfa": prompt_flash_attention_tiling.cpp AdjustCVTilingCVDiff: rectangleFactor 1024; 512 when KV_S <= 1024
     and the input is not int8; 512 for bf16 and fp16 high precision; 2048 when Q_S <= 16, KV_S > 2048 and no
-    mask. "ifa": incre_flash_attention_tiling.cpp CalcInnerSize: {8192, 4096, 2048}[min(G / 5, 2)].
+    mask. "ifa": incre_flash_attention_tiling.cpp CalcInnerSize: {8192, 4096, 2048}[min(G / 5, 2)]; over a paged
+    cache (`block_size` > 0, PageAttention) a step the block size does not divide is cut down to whole blocks
+    (sInnerSize_ / blockSize_ * blockSize_).
     "sfa": 512 (the SFA vector's largest step)."""
     if op == "fa":
         ratio = 8
@@ -104,7 +107,8 @@ def kernel_key_tile(op: str, *, sq: int, skv: int, d: int = 128, masked: bool = 
         tile = 512 if precise or (skv <= 1024 and dtype != torch.int8) else 1024
         return 2048 if sq <= 16 and skv > 2048 and not masked else tile
     if op == "ifa":
-        return [8192, 4096, 2048][min(group // 5, 2)]
+        inner = [8192, 4096, 2048][min(group // 5, 2)]
+        return inner - inner % block_size if block_size else inner
     return 512
 
 
@@ -256,15 +260,17 @@ def fa_grad_recipe(q, k, v, dy, out, row_max, row_sum, scale: float, mask: torch
     return (rnd(dq, q.dtype, away=True), rnd(fold(dk), q.dtype, away=True), rnd(fold(dv), q.dtype, away=True))
 
 
-def ifa_recipe(q, k, v, scale: float, compute_output: bool = False, tile: int | None = None) -> torch.Tensor:
+def ifa_recipe(q, k, v, scale: float, compute_output: bool = False, tile: int | None = None,
+               block_size: int = 0) -> torch.Tensor:
     """IncreFlashAttention (and FIA with one query token) on BNSD tensors, online over key steps of `tile` (default:
-    the kernel's, `kernel_key_tile`): fp32 throughout (preload.h `T = float`); S = (Q K^T) * scale;
-    P = exp(S - max) cast half away to the KV dtype before P V (CAST_ROUND); the output divided in fp32 and cast
-    half to even for bf16 (CAST_RINT), half away for fp16 (CAST_ROUND); with `compute_output` left in fp32 (what an
-    int8 output quantises)."""
+    the kernel's, `kernel_key_tile`, for a paged cache of `block_size`; 0: contiguous): fp32 throughout (preload.h
+    `T = float`); S = (Q K^T) * scale; P = exp(S - max) cast half away to the KV dtype before P V (CAST_ROUND); the
+    output divided in fp32 and cast half to even for bf16 (CAST_RINT), half away for fp16 (CAST_ROUND); with
+    `compute_output` left in fp32 (what an int8 output quantises)."""
     heads = q.shape[1]
     if tile is None:
-        tile = kernel_key_tile("ifa", sq=q.shape[2], skv=k.shape[2], group=heads // k.shape[1])
+        tile = kernel_key_tile("ifa", sq=q.shape[2], skv=k.shape[2], group=heads // k.shape[1],
+                               block_size=block_size)
     k, v = _expand_kv(k, heads), _expand_kv(v, heads)
     s = _matmul(q, k.transpose(-1, -2)).float() * scale
     acc, _, total = _online(s, v, tile, lambda e, _: rnd(e, k.dtype, away=True), _fp32_mix)

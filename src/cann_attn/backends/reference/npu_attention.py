@@ -64,11 +64,12 @@ def _cube(a: torch.Tensor, b: torch.Tensor, stage: Cast) -> torch.Tensor:
 
 @torch.no_grad()
 def forward(problem: AttentionProblem, pipeline: AttentionPipeline, query, key, value, out, softmax_max=None,
-            softmax_sum=None, quant=None) -> None:
+            softmax_sum=None, quant=None, page_size: int = 0) -> None:
     """Fill `out` (query layout) and, when given, the [.., 8] statistics for every run with keys, rounding as
     `pipeline` says. `quant` (int8 PromptFlashAttention's `QuantPlan`) dequantises int8 inputs; `out` is then the
-    fp16 (or fp32, for a later int8 quantisation) result."""
-    block = key_block(pipeline, key_shape(problem))
+    fp16 (or fp32, for a later int8 quantisation) result. `page_size`: the block size of the paged cache the keys
+    were gathered from (0: contiguous), which the decode kernel's key block reads."""
+    block = key_block(pipeline, key_shape(problem, page_size))
     for run in problem.runs:
         if run.seq_q > 0 and run.seq_kv > 0:
             max_view = None if softmax_max is None else problem.stat_view(softmax_max, run)
@@ -77,13 +78,14 @@ def forward(problem: AttentionProblem, pipeline: AttentionPipeline, query, key, 
                          sum_view, quant)
 
 
-def key_shape(problem: AttentionProblem) -> KeyShape:
-    """What the kernels' tiling reads of `problem` (`problem.precision.key_block`)."""
+def key_shape(problem: AttentionProblem, page_size: int = 0) -> KeyShape:
+    """What the kernels' tiling reads of `problem` and of its cache's `page_size` (`problem.precision.key_block`)."""
     masked = any(run.mask.explicit is not None or run.mask.lower is not None or run.mask.upper is not None
                  or run.mask.prefix is not None for run in problem.runs)
     return KeyShape(seq_q=max((run.seq_q for run in problem.runs), default=0),
                     seq_kv=max((run.seq_kv for run in problem.runs), default=0), dim=problem.dim_qk,
-                    has_mask=masked, layout=problem.layout, group=problem.heads_q // problem.heads_kv)
+                    has_mask=masked, layout=problem.layout, group=problem.heads_q // problem.heads_kv,
+                    page_size=page_size)
 
 
 def _scale(pipeline: AttentionPipeline, scale: float) -> torch.Tensor:
