@@ -29,8 +29,9 @@ class QuantCase:
     """Random quantised indexer inputs; `exact=True` draws small integers and dyadic scales/weights so every score is
     exact in fp32 (the top-k, ties included, must then equal the oracle's exactly)."""
 
-    def __init__(self, layout, gen, *, dtype=I8, h=4, d=128, exact=False, signed_scales=False, s1=7, s2=11):
+    def __init__(self, layout, gen, *, dtype=I8, h=None, d=128, exact=False, signed_scales=False, s1=7, s2=11):
         self.layout, self.dtype = layout, dtype
+        h = (8 if dtype == FP8 else 4) if h is None else h  # float8_e4m3fn: N1 in 8, 16, 24, 32, 64
         q_lens, kv_lens = LENGTHS[layout]
         w_dt, qs_dt, ks_dt = SCALE_DTYPES[dtype]
         if layout == "BSND":
@@ -162,6 +163,7 @@ def test_mutant_block_mapping_is_caught(rng, monkeypatch):
        mode=st.sampled_from([0, 3]), fp8=st.booleans(), seed=st.integers(0, 2**16))
 def test_hypothesis_exact_top_k(s1, s2, h, k, mode, fp8, seed):
     gen = torch.Generator().manual_seed(seed)
+    h = FP8_HEADS[h - 1] if fp8 else h
     case = QuantCase("BSND", gen, dtype=FP8 if fp8 else I8, h=h, exact=True, s1=s1, s2=s2)
     case.kw.update(actual_seq_lengths_query=None, actual_seq_lengths_key=None)
     case.query, case.key = case.query[:1], case.key[:1]
@@ -209,6 +211,23 @@ def test_errors_name_the_parameter(change, param, rng):
     case = QuantCase("BSND", rng)
     with pytest.raises(cann_attn.ParamInvalidError, match=param):
         _call(case, **change(case))
+
+
+FP8_HEADS = (8, 16, 24, 32, 64)
+
+
+@pytest.mark.parametrize("dtype, heads, accepted", [
+    (I8, 1, True), (I8, 5, True), (I8, 64, True), (I8, 65, False), (I8, 128, False),
+    *[(FP8, h, True) for h in FP8_HEADS], (FP8, 4, False), (FP8, 12, False), (FP8, 48, False), (FP8, 128, False),
+])
+def test_query_head_count_rule(dtype, heads, accepted, rng):
+    """"N1支持[1, 64]"; with float8_e4m3fn (Ascend 950 only) "query N1仅支持8、16、24、32、64"."""
+    case = QuantCase("BSND", rng, dtype=dtype, h=heads, exact=True)
+    if accepted:
+        assert torch.equal(case.run(sparse_count=3), oracle.top_k_oracle(case.scores(3), 3))
+    else:
+        with pytest.raises(cann_attn.ParamInvalidError, match=r"query: expected N1 \(heads\)"):
+            case.run(sparse_count=3)
 
 
 def test_paged_block_size_rule(rng):

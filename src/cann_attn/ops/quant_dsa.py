@@ -42,6 +42,10 @@ INDEXER_SCALE_DTYPES = {
 FP16_MAX = 65504.0
 # npu_quant_lightning_indexer: "参数query中的D和参数key中的D值相等为128".
 QUANT_INDEXER_HEAD_DIM = 128
+# npu_quant_lightning_indexer, query: "N1支持[1, 64]"; Ascend 950, the only NPU that takes float8_e4m3fn inputs
+# (Atlas A2/A3: int8 only): "query N1仅支持8、16、24、32、64" (约束说明).
+QUANT_INDEXER_MAX_HEADS = 64
+FP8_QUANT_INDEXER_HEADS = (8, 16, 24, 32, 64)
 # npu_kv_quant_sparse_flash_attention, query: "Q_N值支持1/2/4/8/16/32/48/64/128".
 KV_QUANT_QUERY_HEADS = (1, 2, 4, 8, 16, 32, 48, 64, 128)
 
@@ -61,6 +65,19 @@ def _quant_indexer_unsupported(query: torch.Tensor) -> str | None:
     if query.shape[-1] > MAX_INDEX_DIM:
         return f"index head dim {query.shape[-1]} exceeds the kernels' {MAX_INDEX_DIM}"
     return None
+
+
+def _check_query_heads(query: torch.Tensor) -> None:
+    """N1 within the documented head counts: 1 .. 64, and for float8_e4m3fn inputs one of 8, 16, 24, 32, 64. A
+    query without rows may have no heads either."""
+    heads = query.shape[-2]
+    if heads == 0 and query.shape[:-2].numel() == 0:
+        return
+    if query.dtype == torch.float8_e4m3fn:
+        allowed, wanted = FP8_QUANT_INDEXER_HEADS, f"one of {list(FP8_QUANT_INDEXER_HEADS)} with float8_e4m3fn"
+    else:
+        allowed, wanted = range(1, QUANT_INDEXER_MAX_HEADS + 1), f"1 .. {QUANT_INDEXER_MAX_HEADS}"
+    require(heads in allowed, "query", f"N1 (heads) {wanted}", query)
 
 
 def _default_window(pre_tokens, next_tokens) -> None:
@@ -125,7 +142,7 @@ def quant_lightning_indexer(
     require(key.shape[-2] == 1, "key", "N2 = 1", key)
     require(query.shape[-1] == QUANT_INDEXER_HEAD_DIM, "query", f"head dim D = {QUANT_INDEXER_HEAD_DIM}", query)
     require(key.shape[-1] == query.shape[-1], "key", f"head dim {query.shape[-1]} like the query", key)
-    require(query.shape[:-2].numel() == 0 or query.shape[-2] >= 1, "query", "N1 >= 1 heads", query)
+    _check_query_heads(query)
     for name, t, shape in (("weights", weights, query.shape[:-1]),
                            ("query_dequant_scale", query_dequant_scale, query.shape[:-1]),
                            ("key_dequant_scale", key_dequant_scale, key.shape[:-1])):
