@@ -22,16 +22,6 @@ def round_to_int8(x: torch.Tensor) -> torch.Tensor:
     return torch.round(x).clamp_(INT8_MIN, INT8_MAX).to(torch.int8)
 
 
-def round_to_fp16(x: torch.Tensor) -> torch.Tensor:
-    """Round float64 values to the nearest fp16, ties to even, in ONE rounding (a plain float64 -> float16 cast
-    goes through fp32 and can round twice). Returns float16."""
-    x = x.to(torch.float64)
-    _, exponent = torch.frexp(x)  # |x| = m * 2**exponent with m in [0.5, 1)
-    # fp16 has 10 fraction bits; below 2**-14 the spacing is fixed at 2**-24 (subnormals).
-    spacing = torch.exp2((exponent - 1).clamp(min=-14).to(torch.float64) - 10)
-    return (torch.round(x / spacing) * spacing).to(torch.float16)
-
-
 def trans_quant_param(scale: torch.Tensor, offset: torch.Tensor | None = None, round_mode: int = 0) -> torch.Tensor:
     """Encode fp32 scales as Ascend's UINT64 deq-scale words, returned as an int64 tensor of scale's shape.
 

@@ -35,8 +35,8 @@ from ...problem.precision import (
     amla_factor,
     amla_rescale_bits,
     key_block,
+    round_float,
 )
-from ...problem.quant import round_to_fp16
 from ...problem.stats import FLT_MAX
 from . import native
 from .flash_backward import pse_grad_target, runs_to_fill
@@ -125,7 +125,7 @@ def _logits(problem: AttentionProblem, pipeline: AttentionPipeline, run: Run, q_
                                        pipeline.logits.rounding == HALF_AWAY).view(c, problem.heads_q, rows, cols)
     else:
         # int8: the int32 products dequantised by the cube's fixpipe into fp16 (one rounding)
-        s = _rounded(pipeline.scores, s) if quant is None else round_to_fp16(s * quant.deq1).to(torch.float32)
+        s = _rounded(pipeline.scores, s) if quant is None else round_float(s * quant.deq1, torch.float16).float()
         s = _rounded(pipeline.logits, s.view(c, problem.heads_q, rows, cols).mul_(scale))
     if run.pse is not None:
         s = _rounded(pipeline.logits, s + _rounded(pipeline.logits, run.pse.tile(i0, i1, j0, j1, s.device,
@@ -210,7 +210,7 @@ def _products(pipeline: AttentionPipeline, p: torch.Tensor, v: torch.Tensor, j0:
     if quant is None:
         return _rounded(pipeline.products, _cube(p, v[:, j0:j1], pipeline.products))
     p_q = ASCEND_QUANT(p, torch.tensor(quant.quant1, device=p.device), None).to(torch.float32)
-    return round_to_fp16(_gemm(p_q, v[:, j0:j1]) * quant.deq2).to(torch.float32)
+    return round_float(_gemm(p_q, v[:, j0:j1]) * quant.deq2, torch.float16).to(torch.float32)
 
 
 @torch.no_grad()

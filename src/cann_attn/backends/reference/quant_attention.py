@@ -15,8 +15,8 @@ import torch
 
 from ...problem.attention import AttentionProblem, Run
 from ...problem.mask import TileState
-from ...problem.precision import PostQuant
-from ...problem.quant import round_to_fp16, round_to_int8
+from ...problem.precision import PostQuant, round_float
+from ...problem.quant import round_to_int8
 from .flash_forward import group_rows, key_tiles
 
 # 127 * 128 * 512 < 2^24 for the QK^T product (D <= 512); 128 * 128 * BLOCK_KV < 2^24 for P_q V.
@@ -57,7 +57,7 @@ def _scores(problem, run: Run, q_tile, k_all, plan, i0, i1, j0, j1, state: TileS
     c, rows, cols = run.count, i1 - i0, j1 - j0
     s32 = torch.bmm(q_tile, k_all[:, j0:j1].transpose(1, 2))
     # The single fp16 rounding of the dequantized product; s32 * deq1 is exact in float64.
-    s = round_to_fp16(s32.double() * plan.deq1).to(torch.float32)
+    s = round_float(s32.double() * plan.deq1, torch.float16).to(torch.float32)
     s = s.view(c, problem.heads_q, rows, cols) * problem.scale
     if run.pse is not None:
         s = s + run.pse.tile(i0, i1, j0, j1, s.device, torch.float32)
