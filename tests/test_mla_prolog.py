@@ -118,14 +118,15 @@ def naive(case: PrologCase, qc_qr_scale=1.0, kc_scale=1.0, eps_cq=1e-5, eps_ckv=
 def token_rows(case: PrologCase, cache: torch.Tensor) -> torch.Tensor:
     """Every token's cache row [tokens, width], read the way the callers read their caches: row t of a BSND / TND
     cache, slot cache_index[t] of a PA_BSND pool, and through the [block_num, 1, width / 16, block_size, 16] view
-    of a PA_NZ pool."""
+    of a PA_NZ pool (width / 32 and 32 for an int8 pool)."""
     width = cache.shape[-1]
     if case.cache_index is None:
         return cache.reshape(-1, width)
     slots = case.cache_index.reshape(-1)
     if case.cache_mode == "PA_NZ":
         blocks, block_size = cache.shape[:2]
-        view = cache.view(blocks, 1, width // 16, block_size, 16)
+        c0 = 32 if cache.dtype == torch.int8 else 16  # 32 bytes a group (deepseek_r1's `16 * factor` view)
+        view = cache.view(blocks, 1, width // c0, block_size, c0)
         return view[slots // block_size, 0, :, slots % block_size, :].flatten(1)
     return cache.reshape(-1, width)[slots]
 
@@ -400,11 +401,140 @@ def test_weight_quant_mode_2(dtype):
                                    name=name)
 
 
-@pytest.mark.parametrize("mode", [1, 2])
+def int8_caches(case: PrologCase, gen, *, kr_int8: bool) -> None:
+    """Int8 pools (kv_cache; kr_cache too with `kr_int8`) holding random values, so that an element the call must
+    not write is seen if it changes."""
+    case.kv_cache = torch.randint(-128, 128, case.kv_cache.shape, generator=gen, dtype=torch.int8)
+    if kr_int8:
+        case.kr_cache = torch.randint(-128, 128, case.kr_cache.shape, generator=gen, dtype=torch.int8)
+
+
+def oracle_int8_rows(case: PrologCase, oracle_cache: torch.Tensor) -> torch.Tensor:
+    """The token rows of the oracle's (float64) copy of an int8 cache, read as the int8 cache is read."""
+    return token_rows(case, oracle_cache.to(torch.int8)).double()
+
+
+def assert_int8_rows(actual: torch.Tensor, golden: torch.Tensor, dtype, name: str) -> None:
+    """Int8 values against the float64 oracle's: equal for float64 inputs; for bf16 inputs the value quantised
+    was rounded to bf16 on its way (2^-9 relative), so a value next to a rounding boundary may land one step
+    away."""
+    off = (actual.double() - golden).abs()
+    if dtype == F64:
+        assert off.max() == 0, name
+    else:
+        assert off.max() <= 1 and (off > 0).double().mean() < 0.25, (name, off.max(), (off > 0).double().mean())
+
+
+@pytest.mark.parametrize("cache_mode", ["PA_BSND", "PA_NZ"])
+@pytest.mark.parametrize("dtype", [F64, BF16])
+def test_kv_cache_quant_mode_2_per_channel(dtype, cache_mode):
+    """The page's partial quantisation with a quantised cache (weight_quant_mode=1, kv_cache_quant_mode=2): the
+    latent and the rope key written as int8, each channel multiplied by its quant scale (quant_scale_ckv [1, Hckv],
+    quant_scale_ckr [1, Dr]) and rounded, as ops-transformer's MlaProlog kernel quantises them (QuantPerChannel,
+    RopePostQuantPerChannel: multiply, round to nearest even); the queries are those of the same call with bf16
+    caches, bit for bit."""
+    gen = torch.Generator().manual_seed(31)
+    case = PrologCase(gen, dtype=dtype, cache_mode=cache_mode, latent=64, rope=32)
+    quant = quantized_uq_qr(case, gen, None)
+    unquantised = cann_attn.mla_prolog(*case.weights(), case.kv_cache.clone(), case.kr_cache.clone(),
+                                       cache_index=case.cache_index, cache_mode=cache_mode, **quant)
+    int8_caches(case, gen, kr_int8=True)
+    scales = {"quant_scale_ckv": 20 + 10 * torch.rand(1, 64, generator=gen),
+              "quant_scale_ckr": 20 + 10 * torch.rand(1, 32, generator=gen)}
+    kv_before, kr_before = case.kv_cache.clone(), case.kr_cache.clone()
+    out = case.run(kv_cache_quant_mode=2, **quant, **scales)
+    expected = case.oracle(kv_before, kr_before, dequant_scale_w_uq_qr=quant["dequant_scale_w_uq_qr"],
+                           kv_cache_quant_mode=2, **scales)
+    assert torch.equal(out.query, unquantised.query) and torch.equal(out.query_rope, unquantised.query_rope)
+    for cache, before, golden, written in ((case.kv_cache, kv_before, expected.kv_cache, expected.kv_written),
+                                           (case.kr_cache, kr_before, expected.kr_cache, expected.kr_written)):
+        assert cache.dtype == torch.int8 and torch.equal(cache[~written], before[~written])
+        assert_int8_rows(token_rows(case, cache), oracle_int8_rows(case, golden), dtype, "cache rows")
+    rows = token_rows(case, case.kv_cache)
+    assert rows.abs().max() > 60  # the scales reach the int8 range: not a cache of zeros
+
+
+@pytest.mark.parametrize("ckv_shape", [(1,), (1, 64)])
+@pytest.mark.parametrize(("dtype", "cache_mode"), [(F64, "PA_NZ"), (BF16, "PA_NZ"), (BF16, "PA_BSND")])
+def test_full_quant_per_tensor_cache_and_int8_query(dtype, cache_mode, ckv_shape):
+    """deepseek_r1's C8 decode: cann-recipes-infer models/deepseek_r1/models/modeling_deepseek.py:1252-1284
+    (npu_dynamic_quant token_x, weight_quant_mode=2, kv_cache_quant_mode=1, query_quant_mode=1,
+    quant_scale_ckv=ckv_scale_reci = reciprocal of a float32 [1] (:969, :1366), "PA_NZ" int8 latent pool read
+    through a 32-channel NZ view, bf16 rope pool (:1288-1292)); the [1, Hckv] form repeats that value
+    (ckv_scale_reci_repeat, :1367; aclnnMlaPrologV3WeightNz lists (1, Hckv)). The latent is written as
+    round(latent * quant_scale_ckv), the rope key unquantised; the query int8 per token and head with
+    dequant_scale_q_nope = max |q^N| / 127 [T, N, 1], query_rope multiplied by quant_scale_ckv / that scale
+    (ops-transformer MlaProlog kernel: QuantPerTensor, DynamicQuantQnWithMulQr)."""
+    gen = torch.Generator().manual_seed(32)
+    case = PrologCase(gen, dtype=dtype, cache_mode=cache_mode, latent=64, rope=32)
+    quant = quantized_inputs(case, gen)
+    plain_kv, plain_kr = case.kv_cache.clone(), case.kr_cache.clone()
+    unquantised = cann_attn.mla_prolog(*case.weights(), plain_kv, plain_kr, cache_index=case.cache_index,
+                                       cache_mode=cache_mode, **quant)
+    int8_caches(case, gen, kr_int8=False)
+    ckv = torch.full(ckv_shape, 25.0)
+    kv_before, kr_before = case.kv_cache.clone(), case.kr_cache.clone()
+    out = case.run(kv_cache_quant_mode=1, query_quant_mode=1, quant_scale_ckv=ckv, **quant)
+    scales = {k: v for k, v in quant.items() if k != "weight_quant_mode"}
+    expected = case.oracle(kv_before, kr_before, kv_cache_quant_mode=1, query_quant_mode=1, quant_scale_ckv=ckv,
+                           **scales)
+    assert out.query.dtype == torch.int8 and out.query.shape == (5, 2, 64)
+    assert out.dequant_scale_q_nope.dtype == torch.float32 and out.dequant_scale_q_nope.shape == (5, 2, 1)
+    assert out.query_rope.dtype == dtype
+    assert torch.equal(case.kv_cache[~expected.kv_written], kv_before[~expected.kv_written])
+    assert torch.equal(case.kr_cache[~expected.kr_written], kr_before[~expected.kr_written])
+    assert torch.equal(token_rows(case, case.kr_cache), token_rows(case, plain_kr))  # the rope key unquantised
+    if dtype == F64:
+        assert torch.equal(out.query.double(), expected.query)
+        torch.testing.assert_close(out.dequant_scale_q_nope.double(), expected.query_scale, rtol=1e-6, atol=0)
+        torch.testing.assert_close(out.query_rope, expected.query_rope, rtol=1e-6, atol=1e-9)
+        assert_int8_rows(token_rows(case, case.kv_cache), oracle_int8_rows(case, expected.kv_cache), dtype, "kv_cache")
+        torch.testing.assert_close(token_rows(case, case.kr_cache), token_rows(case, expected.kr_cache), rtol=1e-9,
+                                   atol=1e-9)
+        return
+    # bf16: the int8 c^Q the call made decides everything after it; compare from there (as weight_quant_mode 2)
+    assert (out.query_norm.double() - expected.query_norm).abs().max() <= 1 if out.query_norm.numel() else True
+    assert_int8_rows(token_rows(case, case.kv_cache), oracle_int8_rows(case, expected.kv_cache), dtype, "kv_cache")
+    # the quantisation (in fp32, as the kernel) of the bf16 query the unquantised call gives, by the stated rule
+    q_bf16 = unquantised.query.float()
+    scale = q_bf16.abs().amax(-1, keepdim=True) / 127
+    assert torch.equal(out.dequant_scale_q_nope, scale)
+    assert torch.equal(out.query.float(), torch.round(q_bf16 / scale).clamp(-128, 127))
+    golden_rope = unquantised.query_rope.double() * 25.0 / out.dequant_scale_q_nope.double()
+    torch.testing.assert_close(out.query_rope.double(), golden_rope, rtol=2 ** -7, atol=0)
+    # and the query against the float64 oracle: one int8 step at most, the scales within bf16's precision
+    assert_int8_rows(out.query, expected.query, dtype, "query")
+    torch.testing.assert_close(out.dequant_scale_q_nope.double(), expected.query_scale, rtol=2e-2, atol=0)
+
+
+def test_int8_query_of_a_zero_head_has_scale_one():
+    """A head whose query row is all zeros: scale 1 (no division by zero), int8 zeros, query_rope * quant_scale_ckv."""
+    gen = torch.Generator().manual_seed(33)
+    case = PrologCase(gen, dtype=F64, latent=64, rope=32)
+    quant = quantized_inputs(case, gen)
+    case.inputs["weight_uk"][1] = 0
+    int8_caches(case, gen, kr_int8=False)
+    kv_before, kr_before = case.kv_cache.clone(), case.kr_cache.clone()
+    out = case.run(kv_cache_quant_mode=1, query_quant_mode=1, quant_scale_ckv=torch.tensor([4.0]), **quant)
+    scales = {k: v for k, v in quant.items() if k != "weight_quant_mode"}
+    expected = case.oracle(kv_before, kr_before, kv_cache_quant_mode=1, query_quant_mode=1,
+                           quant_scale_ckv=torch.tensor([4.0]), **scales)
+    assert torch.all(out.dequant_scale_q_nope[:, 1] == 1) and torch.all(out.query[:, 1] == 0)
+    torch.testing.assert_close(out.query_rope, expected.query_rope, rtol=1e-6, atol=1e-9)
+
+
+@pytest.mark.parametrize("mode", [1, 2, "per channel cache", "c8"])
 def test_weight_quant_modes_under_the_custom_op(mode):
     gen = torch.Generator().manual_seed(22)
     case = PrologCase(gen)
-    quant = quantized_uq_qr(case, gen, (1, 32)) if mode == 1 else quantized_inputs(case, gen)
+    quant = quantized_uq_qr(case, gen, (1, 32)) if mode in (1, "per channel cache") else quantized_inputs(case, gen)
+    if mode == "per channel cache":
+        int8_caches(case, gen, kr_int8=True)
+        quant.update(kv_cache_quant_mode=2, quant_scale_ckv=torch.full((1, 32), 20.0),
+                     quant_scale_ckr=torch.full((1, 16), 20.0))
+    elif mode == "c8":  # the fake kernel's int8 query and [T, N, 1] scales
+        int8_caches(case, gen, kr_int8=False)
+        quant.update(kv_cache_quant_mode=1, query_quant_mode=1, quant_scale_ckv=torch.tensor([20.0]))
     args = (*case.weights(), case.kv_cache, case.kr_cache)
     result = torch.library.opcheck(torch.ops.cann_attn.mla_prolog, args,
                                    {"cache_index": case.cache_index, "query_norm_flag": True, **quant})
@@ -602,6 +732,41 @@ def _bad_calls():
                         ("kv_cache_quant_mode", 2), ("kv_cache_quant_mode", 3), ("query_quant_mode", 1),
                         ("ckvkr_repo_mode", 1), ("quant_scale_repo_mode", 1), ("weight_quant_mode", 7)):
         calls.append((f"{mode} {value}", mode, lambda c, kw, m=mode, v=value: kw.update({m: v})))
+    def c8(change):
+        def apply(c, kw):
+            kw.update(quantized_inputs(c, torch.Generator().manual_seed(3)), kv_cache_quant_mode=1, query_quant_mode=1,
+                      quant_scale_ckv=torch.tensor([20.0]))
+            c.kv_cache = c.kv_cache.to(torch.int8)
+            change(c, kw)
+        return apply
+
+    calls += [
+        ("c8 kv_cache_quant_mode 3", "kv_cache_quant_mode", c8(lambda c, kw: kw.update(kv_cache_quant_mode=3))),
+        ("c8 query_quant_mode 0", "kv_cache_quant_mode", c8(lambda c, kw: kw.update(query_quant_mode=0))),
+        ("c8 with weight_quant_mode 1", "kv_cache_quant_mode",
+         mode_1(lambda c, kw: kw.update(kv_cache_quant_mode=1, query_quant_mode=1))),
+        ("query_quant_mode 1 over float caches", "query_quant_mode",
+         mode_2(lambda c, kw: kw.update(query_quant_mode=1))),
+        ("c8 without quant_scale_ckv", "quant_scale_ckv", c8(lambda c, kw: kw.update(quant_scale_ckv=None))),
+        ("c8 quant_scale_ckv not one value", "quant_scale_ckv",
+         c8(lambda c, kw: kw.update(quant_scale_ckv=torch.arange(1.0, 33.0).view(1, 32)))),
+        ("c8 quant_scale_ckv float64", "quant_scale_ckv",
+         c8(lambda c, kw: kw.update(quant_scale_ckv=torch.tensor([20.0], dtype=F64)))),
+        ("c8 with quant_scale_ckr", "quant_scale_ckr", c8(lambda c, kw: kw.update(quant_scale_ckr=torch.ones(1, 16)))),
+        ("c8 bf16 kv_cache", "kv_cache", c8(lambda c, kw: setattr(c, "kv_cache", c.kv_cache.bfloat16()))),
+        ("c8 int8 kr_cache", "kr_cache", c8(lambda c, kw: setattr(c, "kr_cache", c.kr_cache.to(torch.int8)))),
+        ("per channel without quant_scale_ckr", "quant_scale_ckr",
+         mode_1(lambda c, kw: (kw.update(kv_cache_quant_mode=2, quant_scale_ckv=torch.ones(1, 32)),
+                               setattr(c, "kv_cache", c.kv_cache.to(torch.int8)),
+                               setattr(c, "kr_cache", c.kr_cache.to(torch.int8))))),
+        ("per channel quant_scale_ckv [1]", "quant_scale_ckv",
+         mode_1(lambda c, kw: kw.update(kv_cache_quant_mode=2, quant_scale_ckv=torch.ones(1),
+                                        quant_scale_ckr=torch.ones(1, 16)))),
+        ("per channel bf16 kr_cache", "kr_cache",
+         mode_1(lambda c, kw: (kw.update(kv_cache_quant_mode=2, quant_scale_ckv=torch.ones(1, 32),
+                                         quant_scale_ckr=torch.ones(1, 16)),
+                               setattr(c, "kv_cache", c.kv_cache.to(torch.int8))))),
+    ]
     for name in ("dequant_scale_x", "dequant_scale_w_dq", "dequant_scale_w_uq_qr", "dequant_scale_w_dkv_kr",
                  "quant_scale_ckv", "quant_scale_ckr", "smooth_scales_cq", "k_nope_clip_alpha"):
         calls.append((name, name, lambda c, kw, n=name: kw.update({n: torch.ones(1, 4)})))

@@ -36,9 +36,9 @@ _PARAMETERS = inspect.signature(_run)
 def _(*args, **kwargs):
     bound = _PARAMETERS.bind(*args, **kwargs)
     bound.apply_defaults()
-    token_x, weight_dq, weight_uk, rope_sin, query_norm_flag, weight_quant_mode = (
+    token_x, weight_dq, weight_uk, rope_sin, query_norm_flag, weight_quant_mode, query_quant_mode = (
         bound.arguments[n] for n in ("token_x", "weight_dq", "weight_uk", "rope_sin", "query_norm_flag",
-                                     "weight_quant_mode"))
+                                     "weight_quant_mode", "query_quant_mode"))
     lead = tuple(token_x.shape[:-1])
     heads, latent = weight_uk.shape[0], weight_uk.shape[2]
     dtype = weight_uk.dtype  # the float dtype (token_x is int8 with weight_quant_mode 2)
@@ -50,8 +50,13 @@ def _(*args, **kwargs):
         query_norm = token_x.new_empty((*lead, weight_dq.shape[1]), dtype=torch.int8 if quantized else dtype)
         if quantized:
             scale_q_norm = token_x.new_empty((torch.Size(lead).numel(), 1), dtype=torch.float32)
-    return (token_x.new_empty((*lead, heads, latent), dtype=dtype),
-            token_x.new_empty((*lead, heads, rope_sin.shape[-1]), dtype=dtype), empty, query_norm, scale_q_norm)
+    # query_quant_mode 1: int8 query with its float32 scale per token and head [T, N, 1]
+    quantized_query = query_quant_mode == 1
+    scale_q_nope = token_x.new_empty((torch.Size(lead).numel(), heads, 1), dtype=torch.float32) \
+        if quantized_query else empty
+    return (token_x.new_empty((*lead, heads, latent), dtype=torch.int8 if quantized_query else dtype),
+            token_x.new_empty((*lead, heads, rope_sin.shape[-1]), dtype=dtype), scale_q_nope, query_norm,
+            scale_q_norm)
 
 
 def mla_prolog(

@@ -26,8 +26,10 @@ BLOCK_INDEX_MODES = ("PA_BLK_BSND", "PA_BLK_NZ")
 MLA_PROLOG_BLOCK_SIZES = BlockSizeRule(multiple=16, maximum=1024, minimum=16)  # kv_cache / kr_cache dim 1
 KV_HEADS = 1
 
-# The quantised scenarios and what each mode parameter's non-zero values select (op-plugin's page); weight_quant_mode
-# 1 and 2 are computed, every other non-zero value is refused naming its parameter.
+# The quantised scenarios and what each mode parameter's non-zero values select (op-plugin's page). Computed:
+# weight_quant_mode 1 and 2, kv_cache_quant_mode 2 with weight_quant_mode 1, kv_cache_quant_mode 1 with
+# weight_quant_mode 2 and query_quant_mode 1 (COMPUTED_SCENARIOS); every other non-zero value is refused naming its
+# parameter.
 QUANT_MODES = {
     "weight_quant_mode": {0: "no weight quantisation", 1: "int8 weight_uq_qr", 2: "int8 weight_dq, weight_uq_qr and "
                           "weight_dkv_kr (int8 token_x)", 3: "per-tile / mxfp8 weights"},
@@ -39,9 +41,14 @@ QUANT_MODES = {
 }
 
 
+# (weight_quant_mode, kv_cache_quant_mode, query_quant_mode) of the scenarios computed (docs/operators/mla_prolog.md)
+COMPUTED_SCENARIOS = {(0, 0, 0), (1, 0, 0), (2, 0, 0), (1, 2, 0), (2, 1, 1)}
+
+
 class MlaPrologResult(NamedTuple):
-    """query [.., N, Hckv], query_rope [.., N, Dr] (token_x's leading dims), dequant_scale_q_nope (float32 [0]: the
-    query is not quantised), query_norm ([.., Hcq] with query_norm_flag, int8 with weight_quant_mode 1 / 2, else [0])
+    """query [.., N, Hckv] (int8 with query_quant_mode 1), query_rope [.., N, Dr] (token_x's leading dims),
+    dequant_scale_q_nope (float32 [T, N, 1] with query_quant_mode 1, else [0]), query_norm ([.., Hcq] with
+    query_norm_flag, int8 with weight_quant_mode 1 / 2, else [0])
     and dequant_scale_q_norm (float32 [T, 1] with query_norm_flag and weight_quant_mode 1 / 2, else [0])."""
 
     query: torch.Tensor
@@ -69,6 +76,8 @@ class MlaPrologProblem:
     kc_scale: float
     query_norm: bool
     weight_quant_mode: int  # 1: int8 weight_uq_qr (c^Q quantised per token); 2: also int8 token_x, W^DQ, W^DKVKR
+    kv_cache_quant_mode: int = 0  # 1: int8 kv_cache per tensor; 2: int8 kv_cache and kr_cache per channel
+    query_quant_mode: int = 0  # 1: int8 query per token and head, with dequant_scale_q_nope
 
     @property
     def paged(self) -> bool:
@@ -101,26 +110,35 @@ WEIGHT_QUANT_SCALES = {
     1: ("dequant_scale_w_uq_qr", "smooth_scales_cq"),
     2: ("dequant_scale_x", "dequant_scale_w_dq", "dequant_scale_w_uq_qr", "dequant_scale_w_dkv_kr", "smooth_scales_cq"),
 }
+# kv_cache_quant_mode -> the scale tensors it takes
+KV_QUANT_SCALES = {0: (), 1: ("quant_scale_ckv",), 2: ("quant_scale_ckv", "quant_scale_ckr")}
 # weight_quant_mode -> the inputs that are int8 in it
 INT8_INPUTS = {0: (), 1: ("weight_uq_qr",), 2: ("token_x", "weight_dq", "weight_uq_qr", "weight_dkv_kr")}
 
 
+_SCENARIOS_TEXT = ("weight_quant_mode 0, 1 or 2; kv_cache_quant_mode 2 with weight_quant_mode 1; kv_cache_quant_mode "
+                   "1 with weight_quant_mode 2 and query_quant_mode 1; ckvkr_repo_mode and quant_scale_repo_mode 0")
+
+
 def _check_modes(modes: dict[str, int], quant_tensors: dict[str, torch.Tensor | None], actual_seq_len,
-                 tile_size) -> int:
-    """The weight_quant_mode (0, 1 or 2: the scenarios computed) after refusing every other mode."""
+                 tile_size) -> tuple[int, int, int]:
+    """(weight_quant_mode, kv_cache_quant_mode, query_quant_mode), one of COMPUTED_SCENARIOS, after refusing every
+    other mode or combination naming the first mode parameter (in signature order) outside the computed ones."""
     for name, value in modes.items():
         value = require_int(value, name)
         meanings = QUANT_MODES[name]
         if value not in meanings:
             raise ParamInvalidError(f"{name}: expected one of {sorted(meanings)}, got {value}")
-        if value != 0 and not (name == "weight_quant_mode" and value in WEIGHT_QUANT_SCALES):
-            raise ParamInvalidError(
-                f"{name}: {value} ({meanings[value]}) is not supported: weight_quant_mode 0, 1 or 2 with "
-                f"kv_cache_quant_mode, query_quant_mode, ckvkr_repo_mode and quant_scale_repo_mode 0 are computed "
-                f"(docs/operators/mla_prolog.md)")
+    scenario = tuple(int(modes[n]) for n in ("weight_quant_mode", "kv_cache_quant_mode", "query_quant_mode"))
+    if scenario not in COMPUTED_SCENARIOS or modes["ckvkr_repo_mode"] or modes["quant_scale_repo_mode"]:
+        name = _refused_mode(modes)
+        raise ParamInvalidError(
+            f"{name}: {modes[name]} ({QUANT_MODES[name][modes[name]]}) is not supported with weight_quant_mode="
+            f"{scenario[0]}, kv_cache_quant_mode={scenario[1]}, query_quant_mode={scenario[2]}: computed are "
+            f"{_SCENARIOS_TEXT} (docs/operators/mla_prolog.md)")
     require_int(tile_size, "tile_size")
-    quant_mode = int(modes["weight_quant_mode"])
-    taken = WEIGHT_QUANT_SCALES[quant_mode]
+    quant_mode, kv_quant_mode, query_quant_mode = scenario
+    taken = WEIGHT_QUANT_SCALES[quant_mode] + KV_QUANT_SCALES[kv_quant_mode]
     for name, tensor in quant_tensors.items():
         if tensor is not None and name not in taken:
             raise ParamInvalidError(f"{name}: only quantised modes that are not supported take it; expected None, "
@@ -128,27 +146,51 @@ def _check_modes(modes: dict[str, int], quant_tensors: dict[str, torch.Tensor | 
     if actual_seq_len is not None:
         raise ParamInvalidError("actual_seq_len: only the block-index cache modes (PA_BLK_BSND, PA_BLK_NZ) take it, "
                                 "and they are not supported; expected None")
-    return quant_mode
+    return quant_mode, kv_quant_mode, query_quant_mode
 
 
-def _check_quant_scales(scales: dict[str, torch.Tensor | None], quant_mode: int, *, tokens: int, q_latent: int,
-                        uq_qr_columns: int, dkv_kr_columns: int, device: torch.device) -> None:
-    """The float32 scale tensors of weight_quant_mode 1 / 2: per-column dequant scales [1, columns] of each int8
+
+def _refused_mode(modes: dict[str, int]) -> str:
+    """The mode parameter a refused combination names: a storage mode, then the per-tile / mxfp8 values no
+    combination computes, then the cache mode, then the query mode."""
+    for name in ("ckvkr_repo_mode", "quant_scale_repo_mode"):
+        if modes[name]:
+            return name
+    if modes["weight_quant_mode"] == 3:
+        return "weight_quant_mode"
+    return "kv_cache_quant_mode" if modes["kv_cache_quant_mode"] else "query_quant_mode"
+
+
+def _check_quant_scales(scales: dict[str, torch.Tensor | None], quant_mode: int, kv_quant_mode: int, *, tokens: int,
+                        q_latent: int, uq_qr_columns: int, dkv_kr_columns: int, latent: int, rope_dim: int,
+                        device: torch.device) -> None:
+    """The float32 scale tensors of the quantised scenarios: per-column dequant scales [1, columns] of each int8
     weight, the per-token dequant scales of an int8 token_x ([T, 1] or [T]), the optional smooth scales of the
-    query latent ([1, Hcq] or [1]). All but smooth_scales_cq are required."""
+    query latent ([1, Hcq] or [1]); the cache quantisation scales: per channel [1, Hckv] / [1, Dr]
+    (kv_cache_quant_mode 2), one value for the whole latent cache (kv_cache_quant_mode 1: [1], or [1, Hckv] holding
+    one value repeated, as deepseek_r1 builds it). All but smooth_scales_cq are required."""
+    per_tensor = ((1,), (1, 1), (1, latent))
     shapes = {"dequant_scale_x": ((tokens, 1), (tokens,)), "dequant_scale_w_dq": ((1, q_latent),),
               "dequant_scale_w_uq_qr": ((1, uq_qr_columns),), "dequant_scale_w_dkv_kr": ((1, dkv_kr_columns),),
-              "smooth_scales_cq": ((1, q_latent), (1,))}
-    for name in WEIGHT_QUANT_SCALES[quant_mode]:
+              "smooth_scales_cq": ((1, q_latent), (1,)),
+              "quant_scale_ckv": per_tensor if kv_quant_mode == 1 else ((1, latent),),
+              "quant_scale_ckr": ((1, rope_dim),)}
+    for name in WEIGHT_QUANT_SCALES[quant_mode] + KV_QUANT_SCALES[kv_quant_mode]:
         tensor = scales[name]
         if tensor is None:
             if name == "smooth_scales_cq":
                 continue
-            raise ParamNullptrError(f"{name}: required with weight_quant_mode={quant_mode}, got None")
+            mode = "kv_cache_quant_mode" if name.startswith("quant_scale") else "weight_quant_mode"
+            value = kv_quant_mode if name.startswith("quant_scale") else quant_mode
+            raise ParamNullptrError(f"{name}: required with {mode}={value}, got None")
         expected = " or ".join(str(list(shape)) for shape in shapes[name])
         require(isinstance(tensor, torch.Tensor) and tensor.dtype == torch.float32
                 and tuple(tensor.shape) in shapes[name], name, f"a float32 tensor {expected}", tensor)
         require(tensor.device == device, name, f"token_x's device {device}", tensor)
+    if kv_quant_mode == 1:
+        ckv = scales["quant_scale_ckv"].reshape(-1)
+        require(bool((ckv == ckv[0]).all()), "quant_scale_ckv", "one value for the whole latent "
+                "(kv_cache_quant_mode=1 quantises per tensor), repeated if given as [1, Hckv]", ckv)
 
 
 def _check_cache_mode(cache_mode) -> str:
@@ -213,11 +255,17 @@ def _check_weights(token_x, weight_dq, weight_uq_qr, weight_uk, weight_dkv_kr, g
 
 
 def _check_caches(token_x, kv_cache, kr_cache, cache_mode: str, latent: int, rope_dim: int,
-                  dtype: torch.dtype) -> None:
+                  dtype: torch.dtype, kv_quant_mode: int) -> None:
+    """Shapes per cache_mode; dtypes: int8 for kv_cache with kv_cache_quant_mode 1 / 2 and kr_cache with 2, else
+    the float dtype."""
     lead = tuple(token_x.shape[:-1])
+    int8_caches = {0: (), 1: ("kv_cache",), 2: ("kv_cache", "kr_cache")}[kv_quant_mode]
     for name, cache, width in (("kv_cache", kv_cache, latent), ("kr_cache", kr_cache, rope_dim)):
-        require(cache.dtype == dtype, name, f"the float dtype {dtype} (an int8 cache is the quantised mode "
-                f"kv_cache_quant_mode != 0, not supported)", cache)
+        if name in int8_caches:
+            require(cache.dtype == torch.int8, name, f"dtype int8 with kv_cache_quant_mode={kv_quant_mode}", cache)
+        else:
+            require(cache.dtype == dtype, name, f"the float dtype {dtype} (int8 with kv_cache_quant_mode 1: "
+                    f"kv_cache, 2: kv_cache and kr_cache)", cache)
         require(cache.device == token_x.device, name, f"token_x's device {token_x.device}", cache)
         if cache_mode in PAGED_MODES:
             expected = f"a 4-D tensor [BlockNum, BlockSize, {KV_HEADS}, {width}] ({cache_mode})"
@@ -340,7 +388,10 @@ def mla_prolog(
     [T, He] or [B, S, He]; weight_dq [He, Hcq], weight_uq_qr [Hcq, N * (D + Dr)], weight_uk [N, D, Hckv],
     weight_dkv_kr [He, Hckv + Dr] (NZ-cast or plain: the same values). Computed: the unquantised call,
     weight_quant_mode=1 (int8 weight_uq_qr, c^Q quantised per token: query_norm int8 with dequant_scale_q_norm) and
-    weight_quant_mode=2 (also int8 token_x, weight_dq, weight_dkv_kr with their dequant scales).
+    weight_quant_mode=2 (also int8 token_x, weight_dq, weight_dkv_kr with their dequant scales), the int8 caches of
+    kv_cache_quant_mode=2 (per channel, with weight_quant_mode=1) and kv_cache_quant_mode=1 (per tensor, with
+    weight_quant_mode=2 and query_quant_mode=1: the query int8 per token and head, dequant_scale_q_nope its scales,
+    query_rope multiplied by quant_scale_ckv / dequant_scale_q_nope).
     """
     names = ("token_x", "weight_dq", "weight_uq_qr", "weight_uk", "weight_dkv_kr", "rmsnorm_gamma_cq",
              "rmsnorm_gamma_ckv", "rope_sin", "rope_cos", "kv_cache", "kr_cache")
@@ -348,7 +399,7 @@ def mla_prolog(
                rope_sin, rope_cos, kv_cache, kr_cache]
     for name, tensor in zip(names, tensors, strict=True):
         _present(tensor, name)
-    quant_mode = _check_modes(
+    quant_mode, kv_quant_mode, query_quant_mode = _check_modes(
         {"weight_quant_mode": weight_quant_mode, "kv_cache_quant_mode": kv_cache_quant_mode,
          "query_quant_mode": query_quant_mode, "ckvkr_repo_mode": ckvkr_repo_mode,
          "quant_scale_repo_mode": quant_scale_repo_mode},
@@ -365,26 +416,30 @@ def mla_prolog(
     _check_quant_scales(
         {"dequant_scale_x": dequant_scale_x, "dequant_scale_w_dq": dequant_scale_w_dq,
          "dequant_scale_w_uq_qr": dequant_scale_w_uq_qr, "dequant_scale_w_dkv_kr": dequant_scale_w_dkv_kr,
-         "smooth_scales_cq": smooth_scales_cq}, quant_mode, tokens=token_x.shape[:-1].numel(), q_latent=q_latent,
-        uq_qr_columns=weight_uq_qr.shape[-1], dkv_kr_columns=weight_dkv_kr.shape[-1], device=token_x.device)
-    _check_caches(token_x, kv_cache, kr_cache, cache_mode, latent, rope_dim, dtype)
+         "smooth_scales_cq": smooth_scales_cq, "quant_scale_ckv": quant_scale_ckv, "quant_scale_ckr": quant_scale_ckr},
+        quant_mode, kv_quant_mode, tokens=token_x.shape[:-1].numel(), q_latent=q_latent,
+        uq_qr_columns=weight_uq_qr.shape[-1], dkv_kr_columns=weight_dkv_kr.shape[-1], latent=latent,
+        rope_dim=rope_dim, device=token_x.device)
+    _check_caches(token_x, kv_cache, kr_cache, cache_mode, latent, rope_dim, dtype, kv_quant_mode)
     slots = _check_cache_index(cache_index, token_x, kv_cache, cache_mode)
     epsilon_cq, epsilon_ckv, qc_qr, kc, query_norm = _check_scalars(
         rmsnorm_epsilon_cq, rmsnorm_epsilon_ckv, qc_qr_scale, kc_scale, query_norm_flag)
     problem = MlaPrologProblem(tuple(token_x.shape[:-1]), hidden, q_latent, heads, nope_dim, rope_dim, latent,
-                               cache_mode, epsilon_cq, epsilon_ckv, qc_qr, kc, query_norm, quant_mode)
+                               cache_mode, epsilon_cq, epsilon_ckv, qc_qr, kc, query_norm, quant_mode, kv_quant_mode,
+                               query_quant_mode)
     select_backend(backend, token_x.device, op="mla_prolog",
                    unsupported=lambda: "MlaProlog is computed by the reference backend only")
     rows = reference.mla_prolog(
         problem, token_x.reshape(-1, hidden), weight_dq, weight_uq_qr, weight_uk, weight_dkv_kr, rmsnorm_gamma_cq,
         rmsnorm_gamma_ckv, rope_sin.reshape(-1, rope_dim), rope_cos.reshape(-1, rope_dim),
         reference.QuantScales(dequant_scale_x, dequant_scale_w_dq, dequant_scale_w_uq_qr, dequant_scale_w_dkv_kr,
-                              smooth_scales_cq),
+                              smooth_scales_cq, quant_scale_ckv, quant_scale_ckr),
         kv_cache, kr_cache, slots)
     lead = problem.token_shape
     empty = token_x.new_empty((0,), dtype=torch.float32)
     query_norm_out = rows.query_norm.reshape(*lead, q_latent) if query_norm else token_x.new_empty((0,), dtype=dtype)
     scale_q_norm = rows.query_norm_scale if query_norm and problem.quantized_uq_qr else empty.clone()
+    scale_q_nope = rows.query_scale if rows.query_scale is not None else empty.clone()
     return MlaPrologResult(rows.query.reshape(*lead, heads, latent), rows.query_rope.reshape(*lead, heads, rope_dim),
-                           empty, query_norm_out, scale_q_norm)
+                           scale_q_nope, query_norm_out, scale_q_norm)
 

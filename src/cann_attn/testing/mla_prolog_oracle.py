@@ -25,6 +25,7 @@ class MlaPrologOracle:
     kr_cache: torch.Tensor
     kv_written: torch.Tensor  # bool, the cache's shape
     kr_written: torch.Tensor
+    query_scale: torch.Tensor | None = None  # [T, N, 1] with query_quant_mode 1 (dequant_scale_q_nope)
 
 
 def _rmsnorm(row: torch.Tensor, gamma: torch.Tensor, eps: float) -> torch.Tensor:
@@ -54,12 +55,20 @@ def mla_prolog_oracle(token_x, weight_dq, weight_uq_qr, weight_uk, weight_dkv_kr
                       rope_cos, kv_cache, kr_cache, cache_index=None, *, cache_mode: str = "PA_BSND",
                       eps_cq: float = 1e-5, eps_ckv: float = 1e-5, qc_qr_scale: float = 1.0,
                       kc_scale: float = 1.0, dequant_scale_w_uq_qr=None, smooth_scales_cq=None, dequant_scale_x=None,
-                      dequant_scale_w_dq=None, dequant_scale_w_dkv_kr=None) -> MlaPrologOracle:
+                      dequant_scale_w_dq=None, dequant_scale_w_dkv_kr=None, kv_cache_quant_mode: int = 0,
+                      query_quant_mode: int = 0, quant_scale_ckv=None, quant_scale_ckr=None) -> MlaPrologOracle:
     """With `dequant_scale_w_uq_qr` (weight_quant_mode 1: int8 weight_uq_qr) c^Q is quantised per token as the
     MlaPrologV3 design note's dynamic quantisation says, scale = max |c^Q * smooth| / 127, int8 = round(c^Q * smooth
     / scale) (ties to even), and the int8 product is dequantised by scale * dequant_scale_w_uq_qr[column]. With
     `dequant_scale_x` (weight_quant_mode 2: int8 token_x, weight_dq, weight_dkv_kr too) the two down projections are
-    x8 W8 * dequant_scale_x[token] * dequant_scale_w_*[column]."""
+    x8 W8 * dequant_scale_x[token] * dequant_scale_w_*[column].
+
+    Cache quantisation (the page's quantised-cache scenarios; MlaProlog's kernel multiplies by the quant scale and
+    rounds, ties to even): `kv_cache_quant_mode` 2 writes round(latent * quant_scale_ckv[c]) and round(key rope *
+    quant_scale_ckr[c]) (per channel), 1 writes round(latent * quant_scale_ckv) (one value) and the rope key as is;
+    values beyond [-128, 127] saturate. `query_quant_mode` 1 (with cache mode 1) makes the query int8 per token and
+    head: scale = max |q^N| / 127 (1 for a row of zeros), query = round(q^N / scale), query_rope = RoPE(q^R) *
+    quant_scale_ckv / scale."""
     heads, nope_dim, latent = weight_uk.shape
     rope_dim = rope_sin.shape[-1]
     lead = tuple(token_x.shape[:-1])
@@ -73,6 +82,13 @@ def mla_prolog_oracle(token_x, weight_dq, weight_uq_qr, weight_uk, weight_dkv_kr
     latents = torch.zeros(tokens, latent, dtype=F64)
     key_ropes = torch.zeros(tokens, rope_dim, dtype=F64)
     query_norm_scale = torch.zeros(tokens, 1, dtype=F64) if dequant_scale_w_uq_qr is not None else None
+    query_scale = torch.zeros(tokens, heads, 1, dtype=F64) if query_quant_mode == 1 else None
+    ckv = None if quant_scale_ckv is None else quant_scale_ckv.to(F64).reshape(-1)
+    ckr = None if quant_scale_ckr is None else quant_scale_ckr.to(F64).reshape(-1)
+
+    def to_int8(v):
+        return torch.clamp(torch.round(v), -128, 127)
+
     def down(t, w, w_scale):
         if dequant_scale_x is None:
             return x[t] @ w
@@ -93,9 +109,20 @@ def mla_prolog_oracle(token_x, weight_dq, weight_uq_qr, weight_uk, weight_dkv_kr
             head = q_all[n * (nope_dim + rope_dim) : (n + 1) * (nope_dim + rope_dim)]
             query[t, n] = head[:nope_dim] @ w_uk[n]
             query_rope[t, n] = _rope(head[nope_dim:], cos[t], sin[t])
+            if query_quant_mode == 1:
+                peak = query[t, n].abs().max()
+                scale = peak / 127 if peak > 0 else torch.tensor(1.0, dtype=F64)
+                query[t, n] = to_int8(query[t, n] / scale)
+                query_rope[t, n] = query_rope[t, n] * ckv[0] / scale
+                query_scale[t, n, 0] = scale
         kv = down(t, w_dkv_kr, dequant_scale_w_dkv_kr)
         latents[t] = kc_scale * _rmsnorm(kv[:latent], gamma_ckv, eps_ckv)
         key_ropes[t] = _rope(kv[latent:], cos[t], sin[t])
+        if kv_cache_quant_mode == 1:
+            latents[t] = to_int8(latents[t] * ckv[0])
+        elif kv_cache_quant_mode == 2:
+            latents[t] = to_int8(latents[t] * ckv)
+            key_ropes[t] = to_int8(key_ropes[t] * ckr)
 
     caches = []
     for cache, rows in ((kv_cache, latents), (kr_cache, key_ropes)):
@@ -126,4 +153,5 @@ def mla_prolog_oracle(token_x, weight_dq, weight_uq_qr, weight_uk, weight_dkv_kr
                 flat_written[target] = True
         caches += [expected, written]
     return MlaPrologOracle(query.reshape(*lead, heads, latent), query_rope.reshape(*lead, heads, rope_dim),
-                           query_norm.reshape(*lead, -1), query_norm_scale, caches[0], caches[2], caches[1], caches[3])
+                           query_norm.reshape(*lead, -1), query_norm_scale, caches[0], caches[2], caches[1], caches[3],
+                           query_scale)

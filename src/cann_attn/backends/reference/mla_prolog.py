@@ -22,8 +22,9 @@ if TYPE_CHECKING:
 
 
 class MlaPrologRows(NamedTuple):
-    """Per token row, in the input dtype: query [T, N, Hckv], query_rope [T, N, Dr], query_norm [T, Hcq] (c^Q),
-    latent [T, Hckv] and key_rope [T, Dr] (what goes into the caches)."""
+    """Per token row, in the input dtype: query [T, N, Hckv] (int8 with query_quant_mode 1), query_rope [T, N, Dr],
+    query_norm [T, Hcq] (c^Q), latent [T, Hckv] and key_rope [T, Dr] (what went into the caches, in the caches'
+    dtypes)."""
 
     query: torch.Tensor
     query_rope: torch.Tensor
@@ -31,6 +32,7 @@ class MlaPrologRows(NamedTuple):
     latent: torch.Tensor
     key_rope: torch.Tensor
     query_norm_scale: torch.Tensor | None  # float32 [T, 1] when c^Q is quantised (query_norm is then int8)
+    query_scale: torch.Tensor | None = None  # float32 [T, N, 1] with query_quant_mode 1 (dequant_scale_q_nope)
 
 
 class QuantScales(NamedTuple):
@@ -41,6 +43,8 @@ class QuantScales(NamedTuple):
     w_uq_qr: torch.Tensor | None = None  # [1, N (D + Dr)]
     w_dkv_kr: torch.Tensor | None = None  # [1, Hckv + Dr]
     smooth_cq: torch.Tensor | None = None  # [1, Hcq] or [1]
+    ckv: torch.Tensor | None = None  # quant_scale_ckv: [1, Hckv] per channel, or one value ([1], [1, 1], [1, Hckv])
+    ckr: torch.Tensor | None = None  # quant_scale_ckr: [1, Dr]
 
 
 def dequantized_product(a: torch.Tensor, a_scale: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor,
@@ -85,9 +89,17 @@ def mla_prolog(problem: MlaPrologProblem, x: torch.Tensor, weight_dq: torch.Tens
     query_rope = interleaved_rope(q_rope, cos_c.unsqueeze(1), sin_c.unsqueeze(1))
     kv = kept(down(weight_dkv_kr, scales.w_dkv_kr))
     latent = p.kc_scale * rms_norm(kv[:, : p.latent], gamma_ckv, p.epsilon_ckv)
-    key_rope = interleaved_rope(kv[:, p.latent :], cos_c, sin_c)
-    rows = MlaPrologRows(query.to(dtype), query_rope.to(dtype), q_norm, latent.to(dtype), key_rope.to(dtype),
-                         q_norm_scale)
+    key_rope = kept(interleaved_rope(kv[:, p.latent :], cos_c, sin_c))
+    query, query_rope, query_scale = kept(query), kept(query_rope), None
+    if p.query_quant_mode == 1:
+        query, query_rope, query_scale = quantize_query(query, query_rope, scales.ckv.reshape(-1)[0].to(compute))
+    if p.kv_cache_quant_mode:  # the latent quantised from its fp32 value, the rope key from its rounded one
+        ckv = scales.ckv.reshape(1, -1)[:, : 1 if p.kv_cache_quant_mode == 1 else None]
+        latent = round_to_int8(latent * ckv.to(compute))
+    if p.kv_cache_quant_mode == 2:
+        key_rope = round_to_int8(key_rope * scales.ckr.reshape(1, -1).to(compute))
+    rows = MlaPrologRows(query.to(torch.int8 if query_scale is not None else dtype), query_rope.to(dtype), q_norm,
+                         latent.to(kv_cache.dtype), key_rope.to(kr_cache.dtype), q_norm_scale, query_scale)
     write_caches(kv_cache, kr_cache, rows.latent, rows.key_rope, slots, paged=p.paged, nz=p.cache_mode == "PA_NZ")
     return rows
 
@@ -116,6 +128,17 @@ def write_caches(kv_cache: torch.Tensor, kr_cache: torch.Tensor, latent: torch.T
             tokens[block, offset] = values.view(-1, kv_heads, *tokens.shape[-2:])
         else:
             cache[block, offset] = values.view(-1, kv_heads, values.shape[-1])
+
+
+def quantize_query(query: torch.Tensor, query_rope: torch.Tensor,
+                   ckv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """query_quant_mode 1 on query [T, N, Hckv] and query_rope [T, N, Dr] (values in the float dtype): per token and
+    head scale = max |query| / 127 (1 for a row of zeros), int8 round(query / scale) ties to even; query_rope
+    multiplied by quant_scale_ckv / scale, so that with the per-tensor int8 latent both score parts carry the same
+    factor. Returns (int8 query, query_rope, float32 scales [T, N, 1])."""
+    scale = query.abs().amax(dim=-1, keepdim=True) / 127
+    scale = torch.where(scale > 0, scale, torch.ones_like(scale))
+    return round_to_int8(query / scale), query_rope * (ckv / scale), scale.to(torch.float32)
 
 
 def quantize_per_token(c_q: torch.Tensor, smooth: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
