@@ -35,11 +35,11 @@ RESULTS=${OUT:-benchmarks/results}
 DRY_RUN=0
 [ "${1:-}" = "--dry-run" ] && DRY_RUN=1
 
-TESTS=(tests/test_gpu_graphs.py tests/test_gpu_torch_npu_runtime.py
+TESTS=(tests/test_gpu_graphs.py tests/test_gpu_precision.py tests/test_gpu_torch_npu_runtime.py
        tests/test_gpu_npu_device.py tests/test_gpu_atb.py tests/test_gpu_sinks.py tests/test_gpu_fia.py
        tests/test_gpu_paged.py
        tests/test_gpu_torch_npu.py tests/test_gpu_merge.py tests/test_gpu_quant_dsa.py
-       tests/test_gpu_dsa.py tests/test_gpu_dense.py tests/test_gpu_precision.py)
+       tests/test_gpu_dsa.py tests/test_gpu_dense.py)
 STEP_NAMES=(gpu_info bench_gpu_dense bench_gpu_dsa gpu_tests gpu_context_parallel)
 STEP_BUDGETS=("${INFO_SECONDS:-15}" "${DENSE_SECONDS:-180}" "${DSA_SECONDS:-120}" "${TESTS_SECONDS:-210}"
               "${CP_SECONDS:-45}")

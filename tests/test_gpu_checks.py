@@ -40,6 +40,15 @@ def test_script_parses_and_its_plan_puts_the_figures_first_within_the_command_li
     assert over.returncode == 1 and "over the 10-minute limit of the whole run" in over.stderr
 
 
+def test_plan_runs_every_gpu_test_file():
+    """Each tests/test_gpu_*.py with GPU tests is named in one of the plan's steps, so none is left out of a run
+    (this file, whose tests need no GPU, aside)."""
+    plan = _run(["bash", str(SCRIPT), "--dry-run"], env={"OUT": "/nonexistent/never-written"}).stdout
+    named = set(re.findall(r"tests/(test_gpu_\w+\.py)", plan))
+    files = {path.name for path in (ROOT / "tests").glob("test_gpu_*.py")} - {Path(__file__).name}
+    assert files - named == set(), f"GPU test files missing from {SCRIPT.name}"
+
+
 @pytest.mark.parametrize(("switch", "expected"), [("first", 1), ("all", None)])
 def test_first_config_switch_trims_every_autotuner(switch: str, expected: int | None):
     pytest.importorskip("triton")

@@ -1,6 +1,7 @@
 """The "npu" precision mode on a CUDA GPU (docs/semantics/precision.md): the Triton kernels do not compute it, so
 backend="auto" falls back to the reference backend with a BackendFallbackWarning and gives the CPU's values (up to
-the float64 GEMMs' summation order), and backend="triton" is refused."""
+the float64 GEMMs' summation order), and backend="triton" is refused. Values near FLT_MAX stay finite on the GPU's
+Triton kernels (FA, paged FIA decode, SparseFlashAttention with rows that select nothing)."""
 
 from __future__ import annotations
 
@@ -9,8 +10,10 @@ import torch
 
 import cann_attn
 from cann_attn import BackendFallbackWarning, ParamInvalidError
+from cann_attn.backends import dispatch_counts
+from cann_attn.testing.dsa_oracle import INVALID_MAX
 from paged_utils import paginate
-from test_float_max_range import SCALE, N, S, assert_matches_golden, golden, inputs_near_max
+from test_float_max_range import SCALE, B, N, S, assert_matches_golden, golden, inputs_near_max
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
@@ -47,3 +50,27 @@ def test_values_near_the_float_maximum_stay_finite_on_triton(dtype, paged):
                                                 scale=SCALE, block_table=table.cuda(), block_size=16,
                                                 actual_seq_lengths_kv=[S] * q.shape[0], backend="triton")[0]
     assert_matches_golden(out.cpu(), golden(q[:, :, :1], k, v), v)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_sparse_attention_near_the_float_maximum_on_triton(dtype):
+    """tests/test_float_max_range.py's SparseFlashAttention case (every key selected, values near FLT_MAX) on the
+    GPU's Triton SFA kernel, with every fifth query row selecting nothing (indices all -1): the selecting rows give
+    the float64 answer, not inf (the call reruns with exactly scaled value columns); the empty rows stay invalid rows
+    through the rerun: output 0, softmax_max -2e38, softmax_sum 0 (docs/operators/sparse_flash_attention.md)."""
+    q, k, v = inputs_near_max(dtype)
+    q, k, v = q.transpose(1, 2), k[:, :1].transpose(1, 2), v[:, :1].transpose(1, 2)  # BSND, one kv head
+    empty = torch.arange(S) % 5 == 0
+    indices = torch.arange(S, dtype=torch.int32).expand(B, S, 1, S).clone()
+    indices[:, empty] = -1
+    before = dispatch_counts[("sparse_flash_attention", "triton")]
+    res = cann_attn.sparse_flash_attention(q.cuda(), k.cuda(), v.cuda(), indices.cuda(), SCALE, sparse_mode=0,
+                                           backend="triton")
+    assert dispatch_counts[("sparse_flash_attention", "triton")] > before
+    out, row_max, row_sum = (t.cpu() for t in res)
+    dense = (t.transpose(1, 2).expand(B, N, S, -1) for t in (k, v))
+    want = golden(q.transpose(1, 2), *dense).transpose(1, 2)
+    assert_matches_golden(out[:, ~empty], want[:, ~empty], v.transpose(1, 2))  # column scales over the keys
+    assert bool((out[:, empty] == 0).all())
+    assert bool((row_max[:, :, empty] == torch.tensor(INVALID_MAX, dtype=torch.float32)).all())
+    assert bool((row_sum[:, :, empty] == 0).all())
