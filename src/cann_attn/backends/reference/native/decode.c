@@ -239,6 +239,20 @@ __attribute__((target("avx512f"))) static inline __m512 hsum_pairs8(__m512 a, __
     return _mm512_add_ps(_mm512_shuffle_ps(abcd, efgh, 0x88), _mm512_shuffle_ps(abcd, efgh, 0xDD));
 }
 
+/* Value rows of later tiles that half_combine64 fetches into L2 as it goes: its step for key j and a block of
+ * columns fetches those columns of rows[0][j] (j < count[0]) and rows[1][j] (j < count[1]). */
+struct fetch_ahead {
+    const char **rows[2];
+    int64_t count[2];
+};
+
+/* Fetches bytes [off, off + len) of row r into L2, line by line. */
+static inline void prefetch_span(const char *r, int64_t off, int64_t len) {
+    const uintptr_t first = (uintptr_t)(r + off) & ~(uintptr_t)63, last = (uintptr_t)(r + off + len - 1);
+    for (uintptr_t line = first; line <= last; line += 64)
+        _mm_prefetch((const char *)line, _MM_HINT_T1);
+}
+
 /* Pair vector of columns [d, d + 8) of bf16 (dtype 2) or fp16 (1) keys ra and rb, widened in registers (the floats
  * pair_half_rows16 stores). */
 __attribute__((target("avx512f,f16c"))) static inline __m512 half_pair16(const char *ra, const char *rb,
@@ -407,7 +421,8 @@ __attribute__((target("avx512f,f16c"))) static inline __m512 half_vector16(const
  * instead of into a copy first, so the same floats. */
 __attribute__((target("avx512f,f16c"))) static void half_combine64(const float *w, int64_t ts, int64_t heads,
                                                                    int64_t n, const char **rows, int64_t dtype,
-                                                                   int64_t dim, const float *keep, float *out) {
+                                                                   int64_t dim, const float *keep, float *out,
+                                                                   const struct fetch_ahead *ahead) {
     const __m512 one = _mm512_set1_ps(1.0f);
     for (int64_t d = 0; d < dim; d += 64) {
         const int64_t cols = dim - d < 64 ? dim - d : 64;
@@ -418,12 +433,19 @@ __attribute__((target("avx512f,f16c"))) static void half_combine64(const float *
         }
         for (int64_t h0 = 0; h0 < heads; h0 += 4) {
             const int64_t nh = heads - h0 < 4 ? heads - h0 : 4;
+            const int fetch = ahead && h0 == 0;
             BLOCK_ROWS(w, w + h0 * ts, ts);
             ZERO_BLOCK16;
             __m512 c03 = c00, c13 = c00, c23 = c00, c33 = c00;
 #define HALF_COMBINE_STEP(LOAD)                                                                                      \
     for (int64_t j = 0; j < n; ++j) {                                                                                \
         const uint16_t *r = (const uint16_t *)rows[j];                                                               \
+        if (fetch) {                                                                                                 \
+            if (j < ahead->count[0])                                                                                 \
+                prefetch_span(ahead->rows[0][j], 2 * d, 2 * cols);                                                   \
+            if (j < ahead->count[1])                                                                                 \
+                prefetch_span(ahead->rows[1][j], 2 * d, 2 * cols);                                                   \
+        }                                                                                                            \
         const __m512 x0 = LOAD(0), x1 = LOAD(1), x2 = LOAD(2), x3 = LOAD(3);                                         \
         __m512 y = _mm512_set1_ps(w0[j]);                                                                            \
         FMA_ROW16(0, y);                                                                                             \
@@ -524,11 +546,13 @@ static void decode_tile(const struct decode_args *a, int64_t b, int64_t h, int64
     for (int64_t j = 0; j < fused; j += 8) {
         if (j < wn) {
             prefetch_rows(next_k + j, wn - j < 8 ? wn - j : 8, kbytes, a->esize, a->k_c0, a->k_cs);
-            prefetch_rows(next_v + j, wn - j < 8 ? wn - j : 8, vbytes, a->esize, a->v_c0, a->v_cs);
+            if (!half_v)
+                prefetch_rows(next_v + j, wn - j < 8 ? wn - j : 8, vbytes, a->esize, a->v_c0, a->v_cs);
         }
         if (j < w2) {
             prefetch_rows(also_k + j, w2 - j < 8 ? w2 - j : 8, kbytes, a->esize, a->k_c0, a->k_cs);
-            prefetch_rows(also_v + j, w2 - j < 8 ? w2 - j : 8, vbytes, a->esize, a->v_c0, a->v_cs);
+            if (!half_v)
+                prefetch_rows(also_v + j, w2 - j < 8 ? w2 - j : 8, vbytes, a->esize, a->v_c0, a->v_cs);
         }
         for (int64_t h0 = 0; h0 < group; h0 += 4)
             pair_dots16_block8(qp + h0 * a->dim, group - h0 < 4 ? group - h0 : 4, a->dim, NULL, 0, rows + j, a->dtype,
@@ -550,7 +574,7 @@ static void decode_tile(const struct decode_args *a, int64_t b, int64_t h, int64
     }
     tile_rows(rows, vp, j0, w, a->v_ss, a->esize, table_row, a->page, a->v_sb);
     for (int64_t j = 0; j < w; j++) {
-        if (j < wn && j >= fused)
+        if (j < wn && j >= fused && !half_v)
             prefetch_rows(next_v + j, 1, vbytes, a->esize, a->v_c0, a->v_cs);
         if (!half_v)
             widen_chunks(rows[j], a->dtype, a->dim_v, sc->vbuf + j * a->dim_v, vs, a->v_c0, a->v_cs, a->esize);
@@ -569,11 +593,17 @@ static void decode_tile(const struct decode_args *a, int64_t b, int64_t h, int64
         l[g] = first ? total : fmaf(l[g], sc->corr[g], total);
         m[g] = m_new;
     }
-    if (half_v)
-        half_combine64(s, DECODE_BLOCK, group, w, rows, a->dtype, a->dim_v, first ? NULL : sc->corr, acc);
-    else
+    if (half_v) {
+        /* The next value rows fetched by the combine, a row's columns at its key's step, rather than between the
+         * scores' blocks: the scores then fetch half the lines, and the fetches keep pace with the arithmetic
+         * instead of waiting on a full miss queue (bf16 BSH 24.8 -> 22.3 ms, B 8, N 32/8, Skv 8192, D 128, one
+         * thread). */
+        const struct fetch_ahead ahead = {{next_v, also_v}, {wn, w2}};
+        half_combine64(s, DECODE_BLOCK, group, w, rows, a->dtype, a->dim_v, first ? NULL : sc->corr, acc, &ahead);
+    } else {
         row_combine(s, DECODE_BLOCK, group, w, sc->vbuf, a->dim_v, sc->iota, a->dim_v, 1.0f, first ? NULL : sc->corr,
                     acc);
+    }
 }
 
 /* One work item: each kv head's tiles of its range in order. Its results go to the output rows (an unsplit entry)
