@@ -253,7 +253,7 @@ def _attend_int8_latent(p: FiaProblem, q_in: torch.Tensor, out: torch.Tensor, ls
                         common: dict) -> bool:
     """The int8 MLA query's decode (one query token per sequence) over its paged int8 latent: the decode loop reads
     the int8 pages in place through the table, x * scale in fp32 as it reads each row (the float32 pool's very
-    products, so the pool's bits) and the rope rows unscaled, instead of converting every block the table names
+    products, so the pool's bits) and the key rope rows unscaled, instead of converting every block the table names
     first. False, computing nothing, where it does not apply (the caller converts the pool then)."""
     if p.pages is None or p.prefix is not None or p.left_padding or any(sq != 1 for sq in p.act_q):
         return False

@@ -226,7 +226,11 @@ def separate(key_scale, key_offset, value_scale, value_offset, key_mode, value_m
 # compute dtype (the rope dtype for the int8 MLA query, the query dtype for fp8/int8 caches), and the call then runs
 # as the same float call. Scales the pages pin: the int8 query per token and head (query_quant_mode 3, float32,
 # the query's shape without D), the int8 latent per tensor (key/value_quant_mode 0, float32, one value); the caches
-# per token managed by PageAttention (key/value_quant_mode 4, float32 [blocknum, blocksize]).
+# per token managed by PageAttention (key/value_quant_mode 4, float32 [blocknum, blocksize]). The int8 MLA score
+# is dequant_scale_query * dequant_scale_key * (q8 . k8 + q_rope . k_rope): the kernel accumulates the rope product
+# into the int8 one before it dequantises (IncreFlashAttention's MLA full-quant kernel, MM1_RES_ADD), which is why
+# MlaProlog's int8 query comes with query_rope * quant_scale_ckv / dequant_scale_q_nope; the query rope is
+# dequantised with the query's scale times the key's here.
 
 QUERY_QUANT_MODES = (3,)
 PAGED_TOKEN_MODE = 4
@@ -278,7 +282,8 @@ def dequantise_mla_query(query, key, value, *, query_rope, key_rope, dequant_sca
                          dequant_scale_value, key_quant_mode, value_quant_mode, input_layout: str,
                          num_heads: int, block_table=None) -> Dequantised:
     """The int8 MLA call: int8 query [.., 512] (query_quant_mode 3) and the int8 latent cache (ND, or NZ
-    [blockNum, N, D/32, blockSize, 32]) with per-tensor key/value scales (modes 0), rope parts unscaled; all
+    [blockNum, N, D/32, blockSize, 32]) with per-tensor key/value scales (modes 0); the query rope carries the
+    same dequantisation as the query . key product (dequant_scale_query * dequant_scale_key), the key rope none; all
     scales float32. The operands become float32 (x * scale, one fp32 rounding: the int8 products the NPU
     accumulates exactly, scaled once); an NZ cache becomes the ND cache [blockNum, blockSize, N * D] of the same
     tokens (float32 has no NZ form). A paged cache (`block_table`) is converted only in the blocks the table
@@ -315,15 +320,17 @@ def dequantise_mla_query(query, key, value, *, query_rope, key_rope, dequant_sca
     v_scale = _per_tensor(dequant_scale_value, "dequant_scale_value")
     f32 = torch.float32
     q = dequant.dequantize_values(query.reshape(*q_scale.shape, -1), q_scale.unsqueeze(-1), f32)
+    rope_scale = (q_scale * k_scale).unsqueeze(-1)  # fp32, as the kernel scales the summed scores
+    q_rope = dequant.dequantize_values(query_rope.reshape(*q_scale.shape, -1), rope_scale, f32).reshape(
+        query_rope.shape)
     same = _same_values(key, value) and (dequant_scale_value is dequant_scale_key or torch.equal(k_scale, v_scale))
     paged = _paged_latent(key, value, key_rope, k_scale, v_scale, block_table, same)
     if paged is not None:
         (k, v, r), latent = paged
-        return Dequantised(q.reshape(query.shape), k, v, query_rope.to(f32), r, query_rope.dtype, latent)
+        return Dequantised(q.reshape(query.shape), k, v, q_rope, r, query_rope.dtype, latent)
     k = dequant.dequantize_values(_nd_cache(key), k_scale, f32)
     v = k if same else dequant.dequantize_values(_nd_cache(value), v_scale, f32)
-    return Dequantised(q.reshape(query.shape), k, v, query_rope.to(f32), _nd_cache(key_rope).to(f32),
-                       query_rope.dtype)
+    return Dequantised(q.reshape(query.shape), k, v, q_rope, _nd_cache(key_rope).to(f32), query_rope.dtype)
 
 
 # A fresh multi-megabyte tensor comes from mmap and is faulted in page by page on every call (a 47 MB float32

@@ -1,8 +1,11 @@
 """Float64 oracle of FusedInferAttentionScore v2's quantised calls (docs/operators/fused_infer_attention_score.md,
 "Quantised queries and fp8 caches"), written from op-plugin's npu_fused_infer_attention_score_v2 page: every
 quantised operand stands for its value times its scale (the int8 MLA query per token and head, the int8 latent per
-tensor, paged caches per cached token), the rope parts are taken as given, and attention is then the float formula
-of `fia_oracle` over those float64 values (no intermediate rounding)."""
+tensor, paged caches per cached token), and attention is then the float formula of `fia_oracle` over those float64
+values (no intermediate rounding). The int8 MLA score is dequant_scale_query * dequant_scale_key * (q8 . k8 +
+q_rope . k_rope): the rope product is scaled with the int8 one (ops-transformer's IncreFlashAttention MLA
+full-quant kernel adds it before dequantising; MlaProlog's int8 query hands over query_rope pre-divided
+accordingly), so the query rope stands for query_rope * dequant_scale_query * dequant_scale_key."""
 
 from __future__ import annotations
 
@@ -26,7 +29,9 @@ def int8_mla_oracle(query, key, value, *, query_rope, key_rope, dequant_scale_qu
     # BSH packs the heads: [B, S, N * 512] against [B, S, N] scales.
     q = dequantised_values(query.reshape(*dequant_scale_query.shape, -1), dequant_scale_query.unsqueeze(-1))
     q = q.reshape(query.shape)
+    score_scale = dequant_scale_query.to(torch.float64) * dequant_scale_key.to(torch.float64).reshape(())
+    q_rope = dequantised_values(query_rope.reshape(*dequant_scale_query.shape, -1), score_scale.unsqueeze(-1))
     k = dequantised_values(key, dequant_scale_key.reshape(()))
     v = dequantised_values(value, dequant_scale_value.reshape(()))
-    return fia_oracle(q, k, v, query_rope=query_rope.to(torch.float64), key_rope=key_rope.to(torch.float64),
+    return fia_oracle(q, k, v, query_rope=q_rope.reshape(query_rope.shape), key_rope=key_rope.to(torch.float64),
                       num_heads=num_heads, num_key_value_heads=1, scale=scale, input_layout=input_layout, **kwargs)
