@@ -804,3 +804,55 @@ def test_missing_weight_and_the_spellings_own_refusals():
                              cache_index=torch.zeros(1, 3, dtype=torch.int64))
     with pytest.raises(cann_attn.ParamInvalidError, match="token_x"):  # TND takes [T, He] tokens
         cann_attn.mla_prolog(*bsnd.weights(), bsnd.kv_cache, bsnd.kr_cache, cache_mode="TND")
+
+
+def test_c8_prolog_feeds_the_int8_mla_attention():
+    """deepseek_r1's C8 decode step end to end: npu_mla_prolog_v3 with weight_quant_mode=2, kv_cache_quant_mode=1,
+    query_quant_mode=1 into "PA_NZ" pools (cann-recipes-infer models/deepseek_r1/models/modeling_deepseek.py:
+    1252-1284), then npu_fused_infer_attention_score_v2 over the pools' NZ views with query_quant_mode=3,
+    dequant_scale_query = dequant_scale_q_nope.view(num_tokens, -1), dequant_scale_key = dequant_scale_value =
+    ckv_scale = 1 / quant_scale_ckv, "TND_NTD" (:1288-1318). The attention equals the same layer computed in float64
+    from the unquantised oracle (query, latent and rope key), within the two int8 roundings: the scales of the
+    query, its rope part and the cache compose as the docs state."""
+    gen = torch.Generator().manual_seed(41)
+    lengths, heads, block_size, blocks = [19, 7, 12], 2, 32, 4
+    tokens = sum(lengths)
+    case = PrologCase(gen, dtype=BF16, lead=(tokens,), cache_mode="PA_NZ", heads=heads, latent=512, rope=64,
+                      blocks=blocks, block_size=block_size)
+    quant = quantized_inputs(case, gen)
+    # each sequence's tokens in its own blocks, in order (the block table maps them back)
+    table = torch.randperm(blocks, generator=gen)[:3].view(3, 1).int()
+    slots = torch.cat([table[b, 0] * block_size + torch.arange(n) for b, n in enumerate(lengths)])
+    case.cache_index = slots.to(torch.int64)
+    case.kv_cache = torch.zeros(blocks, block_size, 1, 512, dtype=torch.int8)
+    ckv_scale = torch.tensor([0.12])  # the latent reaches ~13: 13 / 0.12 stays inside the int8 range
+    out = torch_npu.npu_mla_prolog_v3(*case.weights(), case.kv_cache, case.kr_cache, cache_index=case.cache_index,
+                                      cache_mode="PA_NZ", kv_cache_quant_mode=1, query_quant_mode=1,
+                                      quant_scale_ckv=torch.reciprocal(ckv_scale), **quant)
+    last = torch.tensor(lengths).cumsum(0) - 1  # the decode token of each sequence
+    k_nope = case.kv_cache.view(blocks, 1, 512 // 32, block_size, 32)
+    k_rope = case.kr_cache.view(blocks, 1, 64 // 16, block_size, 16)
+    attention, _ = torch_npu.npu_fused_infer_attention_score_v2(
+        out[0][last], k_nope, k_nope, query_rope=out[1][last], key_rope=k_rope, actual_seq_kvlen=lengths,
+        actual_seq_qlen=[1, 2, 3], block_table=table, dequant_scale_query=out[2][last].view(3, -1),
+        dequant_scale_key=ckv_scale, dequant_scale_value=ckv_scale, num_query_heads=heads, num_key_value_heads=1,
+        softmax_scale=0.1, input_layout="TND_NTD", sparse_mode=0, block_size=block_size, query_quant_mode=3,
+        key_quant_mode=0, value_quant_mode=0)
+    # (a) the attention of the prolog's own int8 outputs, each standing for its value times its scale as the docs
+    # state (query * s, query_rope * s * ckv_scale, latent * ckv_scale): the scales compose, up to the bf16 output
+    s = out[2].double()
+    own = (out[0].double() * s, out[1].double() * s * ckv_scale.double(),
+           token_rows(case, case.kv_cache).double() * ckv_scale.double(), token_rows(case, case.kr_cache).double())
+    # (b) the same layer in float64 without quantisation: within the two int8 roundings
+    scales = {k: v for k, v in quant.items() if k != "weight_quant_mode"}
+    plain = case.oracle(torch.zeros(blocks, block_size, 1, 512), case.kr_cache.double(), **scales)
+    unquantised = (plain.query, plain.query_rope, token_rows(case, plain.kv_cache), token_rows(case, plain.kr_cache))
+    for (query, query_rope, latent, key_rope), tolerance in ((own, 1e-2), (unquantised, 5e-2)):
+        expected = []
+        for b, end in enumerate(last.tolist()):
+            keys = slice(end + 1 - lengths[b], end + 1)
+            scores = (query[end] @ latent[keys].T + query_rope[end] @ key_rope[keys].T) * 0.1
+            expected.append(torch.softmax(scores, -1) @ latent[keys])  # [N, Hckv]
+        expected = torch.stack(expected, 1)  # TND_NTD: [N, T, Hckv]
+        error = (attention.double() - expected).abs().max() / expected.abs().max()
+        assert error < tolerance, (tolerance, error)
