@@ -12,6 +12,7 @@ import torch
 import cann_attn
 from cann_attn import ParamInvalidError
 from cann_attn.problem import precision as prec
+from cann_attn.problem.mask import SequenceMask
 from cann_attn.testing.npu_recipes import (
     assert_within_ulps,
     fa_grad_recipe,
@@ -241,6 +242,38 @@ def test_fa_grad_npu_mode_within_two_ulps(dtype):
                               0.125, mask=mask)
     for name, actual, recipe in zip(("dq", "dk", "dv"), grads[:3], expected, strict=True):
         assert_within_ulps(actual, recipe, name=name)
+
+
+@pytest.mark.parametrize("s2,dtype", [(700, torch.float16), (1100, torch.bfloat16)])
+def test_fa_npu_mode_causal_tensor_is_the_causal_band(s2, dtype):
+    """Columns a mask hides add exact zeros: "npu" mode cuts them the same way whether a mask tensor or the band of
+    sparse_mode 3 hides them, so both give the same bits (forward and grad)."""
+    g = torch.Generator().manual_seed(11)
+    q, k = ((torch.randn(1, 2, s2, 128, generator=g) * 1.5).to(dtype) for _ in range(2))
+    v, dy = (torch.randn(1, 2, s2, 128, generator=g).to(dtype) for _ in range(2))
+    results = []
+    with cann_attn.precision("npu"):
+        for mask, mode in ((torch.ones(s2, s2, dtype=torch.bool).triu(1), 0), (cann_attn.compressed_mask(3), 3)):
+            fwd = cann_attn.flash_attention_score(q, k, v, 2, "BNSD", atten_mask=mask, sparse_mode=mode,
+                                                  scale_value=128**-0.5)
+            grads = cann_attn.flash_attention_score_grad(
+                q, k, v, dy, 2, "BNSD", atten_mask=mask, sparse_mode=mode, attention_in=fwd.attention_out,
+                softmax_max=fwd.softmax_max, softmax_sum=fwd.softmax_sum, scale_value=128**-0.5)
+            results.append((fwd.attention_out, fwd.softmax_sum, *grads[:3]))
+    for name, tensor_mask, band in zip(("out", "softmax_sum", "dq", "dk", "dv"), *results, strict=True):
+        assert torch.equal(tensor_mask, band), name
+
+
+def test_visible_end_is_one_past_the_last_visible_column():
+    explicit = torch.ones(1, 1, 6, 10, dtype=torch.bool)
+    explicit[0, 0, 2, 3] = False
+    explicit[0, 0, 4, 6] = False
+    mask = SequenceMask(6, 10, explicit=explicit)
+    assert mask.visible_end(0, 6, 0, 10) == 7
+    assert mask.visible_end(0, 3, 0, 10) == 4  # rows 0..2 see column 3 only
+    assert mask.visible_end(0, 2, 1, 10) == 1  # nothing visible: the tile's start
+    assert mask.visible_end(3, 6, 5, 9) == 7
+    assert SequenceMask(6, 10, upper=0).visible_end(0, 3, 0, 10) == 10  # no tensor: the band's range stands
 
 
 def _sparse_inputs(dtype, b=2, s1=12, s2=48, heads=4, d=32, k=16, allowed=32, seed=7):

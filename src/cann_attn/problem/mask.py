@@ -122,6 +122,15 @@ class SequenceMask:
             bias = _BIAS_TILES.setdefault(key, bias)
         return bias
 
+    def visible_end(self, i0: int, i1: int, j0: int, j1: int) -> int:
+        """One past the last column of the tile rows [i0, i1) x cols [j0, j1) that the explicit mask leaves visible
+        in some row (j0 when it hides them all; j1 without an explicit mask): the columns after it add exact zeros
+        to every row's softmax, so a kernel may stop there."""
+        if self.explicit is None or j1 <= j0:
+            return j1
+        visible = (self.explicit[..., i0:i1, j0:j1] == 0).reshape(-1, j1 - j0).any(0)
+        return j0 + int((visible * torch.arange(1, j1 - j0 + 1, device=visible.device)).max())
+
     def explicit_tile_all_masked(self, i0: int, i1: int, j0: int, j1: int) -> bool:
         """True when the explicit mask hides the whole tile (lets kernels skip it)."""
         if self.explicit is None:

@@ -178,7 +178,7 @@ def _forward_run(problem: AttentionProblem, pipeline: AttentionPipeline, block: 
         for tile_start, tile_end, state in key_tiles(run, i0, i1, block):
             # One online-softmax step per kernel tile; only its columns the rows may see are computed (the others
             # would add exact zeros).
-            j0, j1 = max(tile_start, lo), min(tile_end, hi)
+            j0, j1 = _visible_columns(run, i0, i1, max(tile_start, lo), min(tile_end, hi), state)
             p = _logits(problem, pipeline, run, q_tile, k, i0, i1, j0, j1, state, quant)
             correction = _softmax_step(p, row_max, row_sum)
             if run.dropout is not None:
@@ -199,6 +199,12 @@ def _forward_run(problem: AttentionProblem, pipeline: AttentionPipeline, block: 
         if max_view is not None:
             write_stat(max_view[:, :, i0:i1], torch.where(valid, row_max, -FLT_MAX))
             write_stat(sum_view[:, :, i0:i1], torch.where(valid, row_sum, FLT_MAX))
+
+
+def _visible_columns(run: Run, i0: int, i1: int, j0: int, j1: int, state: TileState) -> tuple[int, int]:
+    """Columns [j0, j1) of a key tile cut after the last one an explicit mask leaves visible to rows [i0, i1) (a
+    causal mask tensor: the tile's part past the diagonal), as the band's key range already cuts band masks."""
+    return j0, (run.mask.visible_end(i0, i1, j0, j1) if state is TileState.PARTIAL else j1)
 
 
 def _products(pipeline: AttentionPipeline, p: torch.Tensor, v: torch.Tensor, j0: int, j1: int, quant) -> torch.Tensor:
@@ -255,7 +261,7 @@ def _backward_run(problem: AttentionProblem, pipeline: GradPipeline, run: Run, q
         dq_acc = torch.zeros((*q_tile.shape[:-1], dim), dtype=f32, device=q_tile.device)
         lo, hi = run.mask.key_range(i0, i1)
         for tile_start, tile_end, state in key_tiles(run, i0, i1, BLOCK_Q * 4):
-            j0, j1 = max(tile_start, lo), min(tile_end, hi)
+            j0, j1 = _visible_columns(run, i0, i1, max(tile_start, lo), min(tile_end, hi), state)
             cols = j1 - j0
             s = _gemm(q_tile64, k64[:, j0:j1].transpose(1, 2)).to(f32).view(c, heads, rows, cols).mul_(scale)
             if pse is not None:
