@@ -50,6 +50,7 @@ int cann_attn_cpu_supported(void) {
 
 static int use_avx512 = 0;
 static int use_avx512dq = 0; /* with use_avx512: AVX-512DQ's VREDUCEPS too (row_exp_max) */
+static int use_avx512bw = 0; /* with use_avx512: AVX-512BW's 16-bit interleaves too (decode's half_combine64) */
 
 int cann_attn_has_avx512(void) {
     __builtin_cpu_init();
@@ -60,6 +61,7 @@ int cann_attn_has_avx512(void) {
 int cann_attn_set_avx512(int on) {
     use_avx512 = on && cann_attn_has_avx512();
     use_avx512dq = use_avx512 && __builtin_cpu_supports("avx512dq");
+    use_avx512bw = use_avx512 && __builtin_cpu_supports("avx512bw");
     return use_avx512;
 }
 

@@ -419,11 +419,21 @@ __attribute__((target("avx512f,f16c"))) static inline __m512 half_vector16(const
  * of FMAs over the keys as in row_combine48 (the lanes are independent, so the column blocking does not reach the
  * bits), its store the same (store_block48's multiply by 1 and FMA with keep), with the rows widened in registers
  * instead of into a copy first, so the same floats. */
-__attribute__((target("avx512f,f16c"))) static void half_combine64(const float *w, int64_t ts, int64_t heads,
+__attribute__((target("avx512f,avx512bw,f16c"))) static void half_combine64(const float *w, int64_t ts, int64_t heads,
                                                                    int64_t n, const char **rows, int64_t dtype,
                                                                    int64_t dim, const float *keep, float *out,
                                                                    const struct fetch_ahead *ahead) {
     const __m512 one = _mm512_set1_ps(1.0f);
+    const __m512i zero = _mm512_setzero_si512();
+    /* Sums of interleaved vectors a {0-3, 8-11, 16-19, 24-27} and b {4-7, ...} back to columns 0-15 and 16-31. */
+    const __m512i first16 = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
+    const __m512i second16 = _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31);
+#define UNINTERLEAVE(a, b)                                                                                           \
+    do {                                                                                                             \
+        const __m512 natural_a = _mm512_permutex2var_ps(a, first16, b);                                              \
+        b = _mm512_permutex2var_ps(a, second16, b);                                                                  \
+        a = natural_a;                                                                                               \
+    } while (0)
     for (int64_t d = 0; d < dim; d += 64) {
         const int64_t cols = dim - d < 64 ? dim - d : 64;
         __mmask16 lanes[4];
@@ -446,7 +456,7 @@ __attribute__((target("avx512f,f16c"))) static void half_combine64(const float *
             if (j < ahead->count[1])                                                                                 \
                 prefetch_span(ahead->rows[1][j], 2 * d, 2 * cols);                                                   \
         }                                                                                                            \
-        const __m512 x0 = LOAD(0), x1 = LOAD(1), x2 = LOAD(2), x3 = LOAD(3);                                         \
+        LOAD;                                                                                                        \
         __m512 y = _mm512_set1_ps(w0[j]);                                                                            \
         FMA_ROW16(0, y);                                                                                             \
         c03 = _mm512_fmadd_ps(y, x3, c03);                                                                           \
@@ -460,15 +470,43 @@ __attribute__((target("avx512f,f16c"))) static void half_combine64(const float *
         FMA_ROW16(3, y);                                                                                             \
         c33 = _mm512_fmadd_ps(y, x3, c33);                                                                           \
     }
-#define HALF_WHOLE(v) half_vector16(r, dtype, d + 16 * (v), 16)
-#define HALF_PART(v) half_vector16(r, dtype, d + 16 * (v), cols - 16 * (v))
-            if (cols == 64)
+#define HALF_WHOLE                                                                                                   \
+    const __m512 x0 = half_vector16(r, dtype, d, 16), x1 = half_vector16(r, dtype, d + 16, 16);                      \
+    const __m512 x2 = half_vector16(r, dtype, d + 32, 16), x3 = half_vector16(r, dtype, d + 48, 16)
+#define HALF_PART                                                                                                    \
+    const __m512 x0 = half_vector16(r, dtype, d, cols), x1 = half_vector16(r, dtype, d + 16, cols - 16);             \
+    const __m512 x2 = half_vector16(r, dtype, d + 32, cols - 32), x3 = half_vector16(r, dtype, d + 48, cols - 48)
+/* bf16: two 32-column loads, each value into the high half of a lane by one in-lane interleave with zeros (no
+ * widening shuffle, no shift); vectors 0 / 1 then hold columns {0-3, 8-11, 16-19, 24-27} / {4-7, 12-15, 20-23,
+ * 28-31} of the first 32, vectors 2 / 3 the same of the second 32, and the sums are put back in column order below. */
+#define BF16_INTERLEAVED                                                                                             \
+    const __m512i lo32 = _mm512_loadu_si512((const void *)(r + d));                                                 \
+    const __m512i hi32 = _mm512_loadu_si512((const void *)(r + d + 32));                                            \
+    const __m512 x0 = _mm512_castsi512_ps(_mm512_unpacklo_epi16(zero, lo32));                                        \
+    const __m512 x1 = _mm512_castsi512_ps(_mm512_unpackhi_epi16(zero, lo32));                                        \
+    const __m512 x2 = _mm512_castsi512_ps(_mm512_unpacklo_epi16(zero, hi32));                                        \
+    const __m512 x3 = _mm512_castsi512_ps(_mm512_unpackhi_epi16(zero, hi32))
+            const int interleaved = dtype == 2 && cols == 64;
+            if (interleaved)
+                HALF_COMBINE_STEP(BF16_INTERLEAVED)
+            else if (cols == 64)
                 HALF_COMBINE_STEP(HALF_WHOLE)
             else
                 HALF_COMBINE_STEP(HALF_PART)
+#undef BF16_INTERLEAVED
 #undef HALF_PART
 #undef HALF_WHOLE
 #undef HALF_COMBINE_STEP
+            if (interleaved) {
+                UNINTERLEAVE(c00, c01);
+                UNINTERLEAVE(c02, c03);
+                UNINTERLEAVE(c10, c11);
+                UNINTERLEAVE(c12, c13);
+                UNINTERLEAVE(c20, c21);
+                UNINTERLEAVE(c22, c23);
+                UNINTERLEAVE(c30, c31);
+                UNINTERLEAVE(c32, c33);
+            }
             const __m512 sums[4][4] = {{c00, c01, c02, c03}, {c10, c11, c12, c13}, {c20, c21, c22, c23},
                                        {c30, c31, c32, c33}};
             for (int64_t i = 0; i < nh; ++i) {
@@ -483,6 +521,7 @@ __attribute__((target("avx512f,f16c"))) static void half_combine64(const float *
             }
         }
     }
+#undef UNINTERLEAVE
 }
 
 /* One work item of the decode loop: keys [j0, j1) of every kv head of batch entry `batch`, chunk `chunk` of its
@@ -519,7 +558,7 @@ static void decode_tile(const struct decode_args *a, int64_t b, int64_t h, int64
     const float *vs = a->v_scale ? a->v_scale + h * a->dim_v : NULL;
     const int64_t dk = a->dim - a->dim_r;
     const int64_t kbytes = a->dtype >= 6 ? dk / 2 : dk, vbytes = a->dtype >= 6 ? a->dim_v / 2 : a->dim_v;
-    const int half_v = use_avx512 && (a->dtype == 1 || a->dtype == 2) && a->v_c0 <= 0;
+    const int half_v = use_avx512bw && (a->dtype == 1 || a->dtype == 2) && a->v_c0 <= 0;
     const char *rows[DECODE_BLOCK], *next_k[DECODE_BLOCK], *next_v[DECODE_BLOCK], *rrows[DECODE_BLOCK];
     const char *also_k[DECODE_BLOCK], *also_v[DECODE_BLOCK];
     if (rp) {
