@@ -793,6 +793,31 @@ def test_fused_forward_from_packed_pieces_is_bitwise_sgemm(dtype, heads_kv, alib
         assert torch.equal(a, b)
 
 
+def test_unmasked_forward_tiles_are_one_call_with_the_same_floats(monkeypatch):
+    """Unmasked runs take DENSE_FORWARD_ROWS-row tiles (2048 query rows: one fused call, each key piece packed once)
+    and give the floats of FUSED_FORWARD_ROWS-row ones (the same pieces in the same order for every row); ALiBi runs
+    keep FUSED_FORWARD_ROWS, where the key tiles go nearest each query tile's diagonal first, so that a taller tile
+    would change the order of the online softmax's steps."""
+    from cann_attn.backends.reference import flash_forward
+
+    gen = torch.Generator().manual_seed(23)
+    q, k, v = (torch.randn(1, 8, 2048, 16, generator=gen) for _ in range(3))
+    calls = []
+    fused = native.fa_forward_blocks
+    monkeypatch.setattr(native, "fa_forward_blocks", lambda *a, **kw: calls.append(a[0].shape[1]) or fused(*a, **kw))
+
+    def run(**pse):
+        fwd = cann_attn.flash_attention_score(q, k, v, 8, "BNSD", scale_value=0.25, **pse)
+        return fwd.attention_out, fwd.softmax_max, fwd.softmax_sum
+
+    alibi = {"pse": torch.rand(8, generator=gen), "pse_type": 2}
+    tall, tall_alibi = run(), run(**alibi)
+    assert calls == [2048, 1024, 1024]  # (rows of each call) the unmasked run in one call, ALiBi in two
+    monkeypatch.setattr(flash_forward, "DENSE_FORWARD_ROWS", flash_forward.FUSED_FORWARD_ROWS)
+    for a, b in zip(tall + tall_alibi, run() + run(**alibi), strict=True):
+        assert torch.equal(a, b)
+
+
 def test_blas_switch(monkeypatch):
     assert native.has_sgemm()
     monkeypatch.setenv(native.BLAS_SWITCH, "0")
