@@ -123,7 +123,7 @@ def _run_operator(case, call: registry.Call, device: torch.device) -> tuple[dict
     dev_call = call.map_tensors(lambda t: t.to(device))
     start = time.perf_counter()
     try:
-        outputs = registry.outputs_of(case.op, op.outputs)(dev_call)
+        outputs = registry.outputs_of(case.op, op.outputs, op.written)(dev_call)
     except cann_attn.AclnnError as exc:
         message = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise CaseError(f"{case.path}: cann_attn.{case.op} rejects this case: {message}") from exc

@@ -6,7 +6,7 @@ operator family, each family's cases beside its golden rule:
 - ``fa.py`` (FlashAttentionScore / VarLen forward), ``fa_grad.py`` (FlashAttentionScoreGrad), ``pfa.py``
   (PromptFlashAttention), ``fia.py`` (FusedInferAttentionScore v1/v2, IncreFlashAttention), ``dsa.py``
   (SparseFlashAttention(+Grad), LightningIndexer, the KL-loss grad), ``merge.py`` (RingAttentionUpdate,
-  AttentionUpdate).
+  AttentionUpdate), ``mla_prolog.py`` (MlaProlog: the caches it writes in place are outputs too, ``written``).
 
 Adding a family: add one module ``cli/cases/<family>.py`` (a name without a leading underscore). Every such module
 of this package is imported here, in name order, so its ``register_operator(Operator(...))`` (what ``golden`` needs)
@@ -79,6 +79,7 @@ from ._common import (
     register,
     register_operator,
     tensor_parameters,
+    written_output,
 )
 
 FAMILIES = tuple(sorted(m.name for m in pkgutil.iter_modules(__path__) if not m.name.startswith("_")))
@@ -111,4 +112,5 @@ __all__ = [
     "register",
     "register_operator",
     "tensor_parameters",
+    "written_output",
 ]

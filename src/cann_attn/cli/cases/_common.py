@@ -72,16 +72,29 @@ def cases_for(op: str | None = None, quick: bool = False) -> list[Case]:
     ]
 
 
-def outputs_of(op_name: str, names: Sequence[str]) -> Callable[[Call], Outputs]:
-    """A ``run`` function: call ``cann_attn.<op_name>`` and name the first ``len(names)`` results."""
+def outputs_of(op_name: str, names: Sequence[str], written: Sequence[str] = ()) -> Callable[[Call], Outputs]:
+    """A ``run`` function: call ``cann_attn.<op_name>`` and name the first ``len(names)`` results. The inputs in
+    `written` (updated in place by the operator: MlaProlog's caches) are copied first, so the call's own inputs stay
+    as they were, and the copies after the call are outputs named `written_output(name)`."""
 
     def run(call: Call) -> Outputs:
+        copies = {}
+        if written:
+            named = by_name(op_name, call)
+            copies = {n: named[n].clone() for n in written}
+            call = bind(op_name, {**named, **copies})
         result = getattr(cann_attn, op_name)(*call.args, **call.kwargs)
         if isinstance(result, torch.Tensor):
             result = (result,)
-        return dict(zip(names, result, strict=False))
+        return {**dict(zip(names, result, strict=False)), **{written_output(n): t for n, t in copies.items()}}
 
     return run
+
+
+def written_output(name: str) -> str:
+    """The output name of input `name` after an operator updated it in place: kv_cache -> kv_cache_out (the input
+    and its state after the call are two tensors of a golden directory)."""
+    return f"{name}_out"
 
 
 def randn(gen: torch.Generator, shape: Sequence[int], dtype: torch.dtype, std: float = 1.0) -> torch.Tensor:
@@ -207,7 +220,10 @@ class Operator:
       effect on the result (``no_effect``: name -> why). Any other parameter set to a non-default value is
       refused by `check` (`UnsupportedParameter`);
     - ``naive(call)`` (optional): the same computation in the input dtype, the reference of the secondary
-      (flash-attn) rule of docs/semantics/precision.md; ``golden`` writes it beside the golden for ``compare``.
+      (flash-attn) rule of docs/semantics/precision.md; ``golden`` writes it beside the golden for ``compare``;
+    - ``written``: inputs the operator updates in place (MlaProlog's kv_cache / kr_cache): outputs too, as
+      ``NAME_out`` (`written_output`: their state after the call); the operator runs on copies (``outputs_of``),
+      so the inputs written to a golden directory are those of the call.
     """
 
     name: str
@@ -222,6 +238,7 @@ class Operator:
     no_effect: Mapping[str, str] = field(default_factory=dict)
     unsupported: Mapping[str, str] = field(default_factory=dict)
     naive: Callable[[Call], Outputs] | None = None
+    written: tuple[str, ...] = ()
 
     def passed(self) -> tuple[str, ...]:
         """The operator's parameters handed to the oracle (in the operator's spelling)."""

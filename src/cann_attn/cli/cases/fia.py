@@ -10,7 +10,9 @@ import torch
 
 import cann_attn
 
+from ...problem.nz import NZ_DIMS, from_nz
 from ...testing.fia_oracle import fia_oracle
+from ...testing.fia_quant_oracle import dequantised_mla_operands, dequantised_paged_tokens
 from ...testing.paged_oracle import paginate, unpage_fia
 from ._common import (
     BF16,
@@ -48,6 +50,8 @@ def _fia_golden(op: str, naive: bool = False) -> Callable[[Call], Outputs]:
 
     def golden(call: Call) -> Outputs:
         named = by_name(op, call)
+        if op == "fused_infer_attention_score_v2" and not naive:
+            named = _dequantised_v2(named)
         kwargs = OPERATORS[op].oracle_kwargs(named)  # v1 spelling
         if naive:
             query = kwargs["query"]
@@ -66,10 +70,43 @@ def _fia_golden(op: str, naive: bool = False) -> Callable[[Call], Outputs]:
     return golden
 
 
+_PAGED_TOKEN_MODE = 4
+_INT8_QUERY_MODE = 3
+_V2_QUANT = ("dequant_scale_query", "dequant_scale_key", "dequant_scale_value", "query_quant_mode", "key_quant_mode",
+             "value_quant_mode")
+
+
+def _nd(cache: torch.Tensor) -> torch.Tensor:
+    """An NZ cache [block_num, N, D/c0, block_size, c0] as the BnBsH cache it stands for; others unchanged."""
+    return from_nz(cache).flatten(2) if cache.dim() == NZ_DIMS else cache
+
+
+def _dequantised_v2(named: dict[str, Any]) -> dict[str, Any]:
+    """FIA v2's quantised calls (docs/operators/fused_infer_attention_score.md, "Quantised queries and fp8
+    caches") as the float64 call they stand for: the int8 MLA query (query_quant_mode 3) and its per-tensor int8
+    latent (NZ caches read as ND), or paged caches with per-token scales (key/value_quant_mode 4). Others
+    unchanged."""
+    if named.get("query_quant_mode") == _INT8_QUERY_MODE:
+        q, k, v, q_rope = dequantised_mla_operands(
+            named["query"], _nd(named["key"]), _nd(named["value"]), named["query_rope"],
+            named["dequant_scale_query"], named["dequant_scale_key"], named["dequant_scale_value"])
+        named = {**named, "query": q, "key": k, "value": v, "query_rope": q_rope,
+                 "key_rope": _nd(named["key_rope"]).to(torch.float64)}
+    elif named.get("key_quant_mode") == _PAGED_TOKEN_MODE:
+        dtype = named["query"].dtype
+        named = {**named, "key": dequantised_paged_tokens(named["key"], named["dequant_scale_key"], dtype),
+                 "value": dequantised_paged_tokens(named["value"], named["dequant_scale_value"], dtype)}
+    else:
+        return named
+    return {k: v for k, v in named.items() if k not in _V2_QUANT}
+
+
 def _fia_dtypes(scale2: str) -> DTypes:
     def dtypes(named: Mapping[str, Any]) -> dict[str, torch.dtype]:
         q = named["query"].dtype
-        out = torch.int8 if named.get(scale2) is not None else torch.float16 if q == torch.int8 else q
+        int8_mla = q == torch.int8 and isinstance(named.get("query_rope"), torch.Tensor)
+        out = (torch.int8 if named.get(scale2) is not None else named["query_rope"].dtype if int8_mla
+               else torch.float16 if q == torch.int8 else q)
         return {"attention_out": out, "softmax_lse": torch.float32}
 
     return dtypes
@@ -79,6 +116,12 @@ _PAGED = {"block_table": "the pages are gathered into the contiguous keys they s
           "block_size": "the block dimension of the paged caches (checked against them by the operator)"}
 _NO_EFFECT = {"inner_precise": PRECISION_MODE}
 _V2_REFUSED = "the FIA oracle has no such input (MXFP8 / FP8 / HiFloat8 quantisation of v2)"
+_V2_CONSUMED = {
+    "dequant_scale_query": "the int8 MLA query (query_quant_mode 3) is dequantised with it per token and head, its "
+                           "rope with it times dequant_scale_key, before the float64 oracle",
+    "query_quant_mode": "3: the golden dequantises the int8 MLA query and latent first (the operator refuses other "
+                        "non-zero values)",
+}
 for _name, _renames, _scale2, _outputs, _extra in (
     ("fused_infer_attention_score", {}, "quant_scale2", ("attention_out", "softmax_lse"), {}),
     ("fused_infer_attention_score_v2", _V2_TO_V1, "quant_scale_out", ("attention_out", "softmax_lse"),
@@ -89,7 +132,8 @@ for _name, _renames, _scale2, _outputs, _extra in (
     register_operator(Operator(
         _name, _outputs, _fia_golden(_name), _fia_dtypes(_scale2), oracle=fia_oracle, renames=_renames,
         naive=_fia_golden(_name, naive=True),
-        consumed=_PAGED, no_effect={**_NO_EFFECT, **_extra},
+        consumed={**_PAGED, **(_V2_CONSUMED if _name == "fused_infer_attention_score_v2" else {})},
+        no_effect={**_NO_EFFECT, **_extra},
         unsupported={n: _V2_REFUSED for n in ("dequant_scale_query", "dequant_scale_key_rope", "quant_scale_p",
                                                "query_quant_mode")}
         | {"key_rope_antiquant_scale": "the FIA oracle has no int8 rope keys"},
@@ -226,4 +270,48 @@ register(
                    lengths=(33, 64), block_size=32, return_softmax_lse=True),
     fia_paged_case("ifa_paged_bnnbsd", op="incre_flash_attention", layout="BNSD", dtype=F16, lengths=(50, 3, 17),
                    block_size=16, heads_first=True),
+)
+
+
+def fia_v2_quant_case(name: str, *, quant: str, lengths: tuple[int, ...], block_size: int = 16, n: int = 4,
+                      layout: str = "TND_NTD") -> Case:
+    """A FIA v2 decode over paged caches with a quantised operand (docs/operators/fused_infer_attention_score.md,
+    "Quantised queries and fp8 caches"). `quant` "int8_query": deepseek_r1's int8 MLA query (query_quant_mode 3,
+    dequant_scale_query per token and head) over one int8 latent cache passed as key and value (one float32 scale)
+    with a bf16 rope cache; "per_token_cache": int8 [block_num, block_size, H] caches with one float32 scale per
+    cached token (key/value_quant_mode 4) under a bf16 query, as qwen3_moe builds them."""
+    op = "fused_infer_attention_score_v2"
+    b = len(lengths)
+
+    def build(gen: torch.Generator) -> Call:
+        table_width = max(-(-length // block_size) for length in lengths)
+        blocks = b * table_width + 1
+        table = torch.randperm(blocks, generator=gen)[: b * table_width].view(b, table_width).int()
+        kwargs: dict[str, Any] = {"num_query_heads": n, "input_layout": layout, "block_table": table,
+                                  "block_size": block_size, "actual_seq_kvlen": list(lengths),
+                                  "actual_seq_qlen": list(range(1, b + 1))}
+        if quant == "int8_query":
+            latent = int8_values(gen, (blocks, block_size, 512))
+            query = int8_values(gen, (b, n, 512))
+            scale_kv = torch.tensor([0.02])
+            kwargs.update(query_rope=randn(gen, (b, n, 64), BF16), key_rope=randn(gen, (blocks, block_size, 64), BF16),
+                          dequant_scale_query=torch.rand(b, n, generator=gen) * 0.01 + 0.001,
+                          dequant_scale_key=scale_kv, dequant_scale_value=scale_kv, query_quant_mode=3,
+                          num_key_value_heads=1, softmax_scale=576 ** -0.5)
+            return Call((query, latent, latent), kwargs)
+        heads_kv, dim = 2, 64
+        key, value = (int8_values(gen, (blocks, block_size, heads_kv * dim)) for _ in range(2))
+        kwargs.update(dequant_scale_key=torch.rand(blocks, block_size, generator=gen) / 64 + 1e-3,
+                      dequant_scale_value=torch.rand(blocks, block_size, generator=gen) / 64 + 1e-3,
+                      key_quant_mode=4, value_quant_mode=4, num_key_value_heads=heads_kv, softmax_scale=dim ** -0.5)
+        return Call((randn(gen, (b, n, dim), BF16), key, value), kwargs)
+
+    return Case(op=op, name=name, dtype=torch.int8 if quant == "int8_query" else BF16,
+                shape=f"{layout} paged bs{block_size} N{n} kv={list(lengths)} {quant}", build=build,
+                run=outputs_of(op, ("attention_out", "softmax_lse")), oracle=_fia_golden(op))
+
+
+register(
+    fia_v2_quant_case("v2_int8_mla_query_paged", quant="int8_query", lengths=(40, 17, 33)),
+    fia_v2_quant_case("v2_per_token_int8_cache_paged", quant="per_token_cache", lengths=(20, 37), layout="TND"),
 )
