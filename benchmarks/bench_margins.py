@@ -14,8 +14,10 @@ The clock (`--clock`): `cpu`, this process's CPU time on one thread (default: on
 move with the neighbours' load), or `wall`, wall clock with torch's threads.
 
     python benchmarks/bench_margins.py [--clock cpu|wall] [--repeats N] [--rounds N] [--quick] [--out DIR] [--strict]
+                                       [--config full|tiny]
 
---quick: 3 repeats, one round. --strict: exit 1 where a figure is below its goal.
+--quick: 3 repeats, one round. --strict: exit 1 where a figure is below its goal. --config tiny: perf_guard's tiny
+shapes (seconds in all; the tests use it, its ratios mean nothing).
 Writes DIR/margins_cpu.json and DIR/margins_cpu.png (default DIR: benchmarks/results).
 """
 
@@ -55,11 +57,11 @@ FIGURES = (
 )
 
 
-def measure_rounds(rounds: int, repeats: int, clock_name: str) -> dict[str, list[dict[str, Any]]]:
+def measure_rounds(rounds: int, repeats: int, clock_name: str, config: str = "full") -> dict[str, list[dict[str, Any]]]:
     """Every case of FIGURES measured `rounds` times (perf_guard.measure: alternated, best of `repeats`), the cases
     taken in turn within a round."""
     names = tuple(name for figure in FIGURES for name in figure.cases)
-    cases = [case for case in perf_guard.build_cases("full", names) if case.name in names]
+    cases = [case for case in perf_guard.build_cases(config, names) if case.name in names]
     clock = perf_guard.clock_of(clock_name)
     measured: dict[str, list[dict[str, Any]]] = {case.name: [] for case in cases}
     for r in range(rounds):
@@ -95,19 +97,20 @@ def main(argv: list[str] | None = None) -> int:
                         help="cpu: process CPU time, 1 thread (default); wall: wall clock, torch's threads")
     parser.add_argument("--repeats", type=int, default=7, help="timed calls of each side per round (best kept)")
     parser.add_argument("--rounds", type=int, default=3, help="measurements of every case (median kept)")
+    parser.add_argument("--config", choices=("full", "tiny"), default="full", help="tiny: small shapes (tests)")
     args = parser.parse_args(argv)
     if args.clock == "cpu":
         torch.set_num_threads(1)
     repeats, rounds = (3, 1) if args.quick else (args.repeats, args.rounds)
     busy_before = common.busy_warning()
-    cases, figures = summarise(measure_rounds(rounds, repeats, args.clock))
+    cases, figures = summarise(measure_rounds(rounds, repeats, args.clock, args.config))
     for f in figures:
         print(f"{f['figure']:<17} {f['ratio']:.3f}  goal >= {f['goal']:<5} {'pass' if f['passed'] else 'MISSED'}"
               f"  ({f['lowest_case']}; {f['label']})")
     out = Path(args.out)
     payload = {"benchmark": "margins", "device": "cpu", "machine": common.machine_info("cpu"),
                "settings": {"clock": args.clock, "threads": torch.get_num_threads(), "repeats": repeats,
-                            "rounds": rounds, "quick": args.quick},
+                            "rounds": rounds, "quick": args.quick, "config": args.config},
                "busy_warning": {"before": busy_before, "after": common.busy_warning()},
                "figures": figures, "cases": cases}
     json_path = common.write_json(out / "margins_cpu.json", payload)

@@ -58,3 +58,32 @@ def test_partial_update_keeps_the_other_cases_and_their_machine(tmp_path: Path):
     assert (second["machine"]["cpu"], second["commit"]) == ("an earlier machine", "0000000")
     assert set(second["case_machines"]) == {"sfa.forward_bs1"}
     assert second["case_machines"]["sfa.forward_bs1"]["machine"]["cpu"] != "an earlier machine"
+
+
+def test_margins_benchmark_takes_the_lowest_case_median_and_keeps_every_round(tmp_path: Path,
+                                                                              monkeypatch: pytest.MonkeyPatch):
+    """benchmarks/bench_margins.py: every case measured in each round (kept in the JSON), a case's ratio the median of
+    its rounds, a figure's the lowest of its cases'; --strict fails on a figure below its goal (a planted 20 ms per
+    forward call against calls of about 1 ms at the tiny shapes)."""
+    spec = importlib.util.spec_from_file_location("_bench_margins_under_test", SCRIPT.with_name("bench_margins.py"))
+    margins = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = margins
+    spec.loader.exec_module(margins)
+    args = ["--config", "tiny", "--repeats", "1", "--rounds", "3", "--out", str(tmp_path)]
+    assert margins.main(args) == 0
+    report = json.loads((tmp_path / "margins_cpu.json").read_text())
+    assert (tmp_path / "margins_cpu.png").is_file()
+    cases = report["cases"]
+    assert set(cases) == {name for f in margins.FIGURES for name in f.cases}
+    for case in cases.values():
+        rounds = sorted(r["ratio"] for r in case["rounds"])
+        assert len(rounds) == 3 and case["ratio"] == rounds[1]
+        assert (case["ratio_min"], case["ratio_max"]) == (rounds[0], rounds[2])
+    for figure in report["figures"]:
+        assert figure["ratio"] == min(cases[name]["ratio"] for name in figure["cases"])
+        assert figure["passed"] == (figure["ratio"] >= figure["goal"])
+    monkeypatch.setenv("CANN_ATTN_TEST_PLANTED_DELAY", "0.02")
+    assert margins.main([*args, "--rounds", "1", "--strict"]) == 1
+    forward = next(f for f in json.loads((tmp_path / "margins_cpu.json").read_text())["figures"]
+                   if f["figure"] == "forward")
+    assert not forward["passed"]
