@@ -292,14 +292,23 @@ def _backward_run(problem: AttentionProblem, pipeline: GradPipeline, run: Run, q
         dsink_acc += terms.sum(dim=(0, 2)).to(dsink_acc.dtype)
 
 
-def _selected(seq, selection, t0: int, t1: int):
+def _widened(seq) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """K (key ++ rope) of a sparse sequence in float64, once per sequence (every GEMM that reads the selected rows
+    sums in float64), and V likewise unless V is K's first columns (None: `_selected` takes them from the keys)."""
+    return seq.k.to(torch.float64), None if seq.value_is_key else seq.v.to(torch.float64)
+
+
+def _selected(seq, wide: tuple[torch.Tensor, torch.Tensor | None], selection, t0: int, t1: int):
     """Rows [t0, t1) of a sparse sequence: their selection, the query (++ rope) [rows, N1, Dqk] in fp32 and the
-    selected keys / values [rows, E, D] (invalid entries point at token 0 and are masked by the caller)."""
+    selected keys / values [rows, E, D] in float64, gathered from the sequence's `_widened` K and V (invalid entries
+    point at token 0 and are masked by the caller)."""
     sel = selection.rows(t0, t1)
     q = seq.q[t0:t1].to(torch.float32)
     if seq.q_rope is not None:
         q = torch.cat([q, seq.q_rope[t0:t1].to(torch.float32)], dim=-1)
-    return sel, q, seq.k[sel.tokens].to(torch.float32), seq.values[sel.tokens].to(torch.float32)
+    k_wide, v_wide = wide
+    keys = k_wide[sel.tokens]
+    return sel, q, keys, keys[..., : seq.v.shape[-1]] if v_wide is None else v_wide[sel.tokens]
 
 
 @torch.no_grad()
@@ -310,9 +319,10 @@ def sparse_forward_sequence(seq, pipeline: AttentionPipeline, scale: float, spar
     [Sq, N1]. The selected keys are taken in steps of `SFA_KEY_BLOCK` entries (online softmax), with the AMLA step
     when the pipeline has it."""
     selection = sequence_selection(seq, sparse_mode, block_size)
+    wide = _widened(seq)
     for t0 in range(0, seq.seq_q, BLOCK_Q):
         t1 = min(t0 + BLOCK_Q, seq.seq_q)
-        sel, q, keys, values = _selected(seq, selection, t0, t1)
+        sel, q, keys, values = _selected(seq, wide, selection, t0, t1)
         s_all = pipeline.logits(pipeline.scores(_gemm(q, keys.transpose(1, 2))) * _scale(pipeline, scale))
         s_all.masked_fill_(~sel.valid.unsqueeze(1), float("-inf"))
         m, total, divisor, acc = _sparse_online(pipeline, s_all, values)
@@ -361,9 +371,10 @@ def sparse_backward_sequence(seq, pipeline: GradPipeline, d_out, out, row_max, r
     rounded by the caller)."""
     f32 = torch.float32
     selection = sequence_selection(seq, sparse_mode, block_size)
+    wide = _widened(seq)
     for t0 in range(0, seq.seq_q, BLOCK_Q):
         t1 = min(t0 + BLOCK_Q, seq.seq_q)
-        sel, q, keys, values = _selected(seq, selection, t0, t1)
+        sel, q, keys, values = _selected(seq, wide, selection, t0, t1)
         valid = sel.valid.unsqueeze(1)
         has_keys = sel.row_has_keys.unsqueeze(-1)
         s = _gemm(q, keys.transpose(1, 2)).to(f32) * scale
