@@ -856,3 +856,44 @@ def test_c8_prolog_feeds_the_int8_mla_attention():
         expected = torch.stack(expected, 1)  # TND_NTD: [N, T, Hckv]
         error = (attention.double() - expected).abs().max() / expected.abs().max()
         assert error < tolerance, (tolerance, error)
+
+
+def test_v1_v2_spellings_select_the_quantised_scenario_by_dtype():
+    """The v1 / v2 pages select the scenario by dtypes, v3 by its modes; the same call gives the same bits.
+    v2: vllm-ascend vllm_ascend/device/device_op.py:318-337 (fa_quant layers: npu_dynamic_quant token_x, int8
+    weights with their scales, quant_scale_ckv = quant_kscale, the reciprocal of fa_k_scale repeated to [1, Hckv]
+    (vllm_ascend/quantization/methods/kv_c8.py:70-72), "PA_NZ" int8 latent pool, bf16 rope pool; it returns
+    dequant_scale_q_nope for the int8 query). v1: int8 weight_uq_qr with int8 caches quantised per channel (the
+    npu_mla_prolog page: quant_scale_ckv [1, Hckv], quant_scale_ckr [1, Dr] required)."""
+    gen = torch.Generator().manual_seed(51)
+    case = PrologCase(gen, cache_mode="PA_NZ", latent=64, rope=32)
+    quant = quantized_inputs(case, gen)
+    scales = {k: v for k, v in quant.items() if k != "weight_quant_mode"}
+    int8_caches(case, gen, kr_int8=False)
+    ckv = torch.full((1, 64), 1 / 0.04)
+    pools = [(case.kv_cache.clone(), case.kr_cache.clone()) for _ in range(2)]
+    v2 = torch_npu.npu_mla_prolog_v2(*case.weights(), case.cache_index, *pools[0], quant_scale_ckv=ckv,
+                                     cache_mode="PA_NZ", **scales)
+    v3 = torch_npu.npu_mla_prolog_v3(*case.weights(), *pools[1], cache_index=case.cache_index, quant_scale_ckv=ckv,
+                                     cache_mode="PA_NZ", kv_cache_quant_mode=1, query_quant_mode=1, **quant)
+    assert v2[0].dtype == torch.int8 and v2[4].shape == (5, 2, 1)
+    for ours, theirs in ((v2[0], v3[0]), (v2[1], v3[1]), (v2[4], v3[2]), *zip(pools[0], pools[1], strict=True)):
+        assert torch.equal(ours, theirs)
+
+    gen = torch.Generator().manual_seed(52)
+    case = PrologCase(gen, latent=64, rope=32)
+    quant = quantized_uq_qr(case, gen, (1, 32))
+    scales = {k: v for k, v in quant.items() if k != "weight_quant_mode"}
+    int8_caches(case, gen, kr_int8=True)
+    per_channel = {"quant_scale_ckv": torch.full((1, 64), 30.0), "quant_scale_ckr": torch.full((1, 32), 30.0)}
+    pools = [(case.kv_cache.clone(), case.kr_cache.clone()) for _ in range(2)]
+    v1 = torch_npu.npu_mla_prolog(*case.weights(), case.cache_index, *pools[0], **scales, **per_channel)
+    v3 = torch_npu.npu_mla_prolog_v3(*case.weights(), *pools[1], cache_index=case.cache_index, kv_cache_quant_mode=2,
+                                     **quant, **per_channel)
+    for ours, theirs in ((v1[0], v3[0]), (v1[1], v3[1]), *zip(pools[0], pools[1], strict=True)):
+        assert torch.equal(ours, theirs)
+
+    plain = PrologCase(torch.Generator().manual_seed(53))
+    int8_caches(plain, torch.Generator().manual_seed(54), kr_int8=True)
+    with pytest.raises(cann_attn.ParamInvalidError, match=r"^\[\d+\] kv_cache:"):
+        torch_npu.npu_mla_prolog_v2(*plain.weights(), plain.cache_index, plain.kv_cache, plain.kr_cache)

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import functools
+import inspect
 
 import torch
 from torch import Tensor
@@ -45,6 +46,25 @@ NPU_MLA_PROLOG_V3_SCHEMAS = {
 V1_V2_CACHE_MODES = ("PA_BSND", "PA_NZ")
 
 
+def _is_int8(t) -> bool:
+    return isinstance(t, Tensor) and t.dtype == torch.int8
+
+
+def _scenario_of_dtypes(token_x, weight_uq_qr, kv_cache, *, full_quant: bool) -> dict[str, int]:
+    """The v1 / v2 pages select the quantised scenario by dtypes (v3 by its mode parameters): int8 weight_uq_qr is
+    the partial quantisation (weight_quant_mode 1), int8 token_x (v2 only) the full one (2); an int8 kv_cache is then
+    the quantised cache of that scenario: per channel (kv_cache_quant_mode 2) or per tensor with the int8 query
+    (kv_cache_quant_mode 1, query_quant_mode 1)."""
+    weight_mode = 2 if full_quant and _is_int8(token_x) else 1 if _is_int8(weight_uq_qr) else 0
+    if not _is_int8(kv_cache):
+        return {"weight_quant_mode": weight_mode}
+    if weight_mode == 0:
+        raise ParamInvalidError("kv_cache: an int8 cache is the quantised-cache scenario of int8 weights (weight_uq_qr"
+                                + (", or token_x and every weight" if full_quant else "") + "); got float ones")
+    return {"weight_quant_mode": weight_mode, "kv_cache_quant_mode": 2 if weight_mode == 1 else 1,
+            "query_quant_mode": 1 if weight_mode == 2 else 0}
+
+
 def _paged_prolog(
     token_x: Tensor, weight_dq: Tensor, weight_uq_qr: Tensor, weight_uk: Tensor, weight_dkv_kr: Tensor,
     rmsnorm_gamma_cq: Tensor, rmsnorm_gamma_ckv: Tensor, rope_sin: Tensor, rope_cos: Tensor, cache_index: Tensor,
@@ -55,25 +75,33 @@ def _paged_prolog(
     rmsnorm_epsilon_cq: float = 1e-05, rmsnorm_epsilon_ckv: float = 1e-05, cache_mode: str = "PA_BSND",
 ) -> tuple[Tensor, ...]:
     """(query, query_rope, kv_cache, kr_cache, dequant_scale_q_nope) of the v1 / v2 spellings (their pages list the
-    paged cache modes only)."""
+    paged cache modes only; the quantised scenario follows the dtypes, `_scenario_of_dtypes`)."""
+    return _paged_call(locals(), full_quant=True)
+
+
+def _paged_call(arguments: dict, *, full_quant: bool) -> tuple[Tensor, ...]:
+    """_paged_prolog's computation on its bound `arguments`; `full_quant`: whether the spelling's page lists the
+    full quantisation (v2) or only the partial one (v1)."""
+    token_x, weight_uq_qr, kv_cache, kr_cache, cache_mode = (
+        arguments[n] for n in ("token_x", "weight_uq_qr", "kv_cache", "kr_cache", "cache_mode"))
     if cache_mode not in V1_V2_CACHE_MODES:
         raise ParamInvalidError(f"cache_mode: expected one of {list(V1_V2_CACHE_MODES)}, got {cache_mode!r}")
-    out = mla_prolog(
-        token_x, weight_dq, weight_uq_qr, weight_uk, weight_dkv_kr, rmsnorm_gamma_cq, rmsnorm_gamma_ckv, rope_sin,
-        rope_cos, kv_cache, kr_cache, cache_index=cache_index, dequant_scale_x=dequant_scale_x,
-        dequant_scale_w_dq=dequant_scale_w_dq, dequant_scale_w_uq_qr=dequant_scale_w_uq_qr,
-        dequant_scale_w_dkv_kr=dequant_scale_w_dkv_kr, quant_scale_ckv=quant_scale_ckv,
-        quant_scale_ckr=quant_scale_ckr, smooth_scales_cq=smooth_scales_cq, rmsnorm_epsilon_cq=rmsnorm_epsilon_cq,
-        rmsnorm_epsilon_ckv=rmsnorm_epsilon_ckv, cache_mode=cache_mode)
+    modes = _scenario_of_dtypes(token_x, weight_uq_qr, kv_cache, full_quant=full_quant)
+    out = mla_prolog(**arguments, **modes)
+    if modes.get("query_quant_mode"):
+        return out.query, out.query_rope, kv_cache, kr_cache, out.dequant_scale_q_nope
     no_scale = torch.zeros(1, dtype=torch.float32, device=token_x.device)
     return out.query, out.query_rope, kv_cache, kr_cache, no_scale
 
 
-def _paged_spelling(name: str, outputs: int, doc: str):
+def _paged_spelling(name: str, outputs: int, doc: str, *, full_quant: bool):
     """The v1 / v2 function: _paged_prolog's signature, its first `outputs` results."""
+    signature = inspect.signature(_paged_prolog)
 
     def call(*args, **kwargs) -> tuple[Tensor, ...]:
-        return _paged_prolog(*args, **kwargs)[:outputs]
+        bound = signature.bind(*args, **kwargs)
+        bound.apply_defaults()
+        return _paged_call(dict(bound.arguments), full_quant=full_quant)[:outputs]
 
     functools.update_wrapper(call, _paged_prolog)
     call.__name__ = call.__qualname__ = name
@@ -83,11 +111,12 @@ def _paged_spelling(name: str, outputs: int, doc: str):
 
 npu_mla_prolog = npu_op(NPU_MLA_PROLOG_SCHEMAS)(_paged_spelling(
     "npu_mla_prolog", 4, "torch_npu.npu_mla_prolog -> ``(query, query_rope, kv_cache, kr_cache)``, the caches "
-    "updated in place."))
+    "updated in place.", full_quant=False))
 npu_mla_prolog_v2 = npu_op(NPU_MLA_PROLOG_V2_SCHEMAS)(_paged_spelling(
     "npu_mla_prolog_v2", 5, "torch_npu.npu_mla_prolog_v2 -> ``(query, query_rope, kv_cache, kr_cache, "
-    "dequant_scale_q_nope)``, the caches updated in place; dequant_scale_q_nope is float32 [1] (zero: the query is "
-    "not quantised)."))
+    "dequant_scale_q_nope)``, the caches updated in place; dequant_scale_q_nope is float32 [T, N, 1] with int8 "
+    "token_x and an int8 kv_cache (the int8 query's scales), else [1] (zero: the query is not quantised).",
+    full_quant=True))
 
 
 @npu_op(NPU_MLA_PROLOG_V3_SCHEMAS)
