@@ -528,7 +528,7 @@ __attribute__((target("avx512f,avx512bw,f16c"))) static void half_combine64(cons
  * `chunks`; a split entry's partial sums for kv head h lie at slot + h * chunks + chunk (decode_item_run says in
  * which order its tiles and heads go). */
 struct decode_item {
-    int64_t batch, j0, j1, chunk, chunks, slot;
+    int64_t batch, j0, j1, chunk, chunks, slot, length; /* length: the sequence's keys */
 };
 
 /* A thread's scratch: key / value rows widened (kbuf [DECODE_BLOCK, D], vbuf [DECODE_BLOCK, Dv]), key pairs
@@ -667,12 +667,18 @@ static void decode_item_run(const struct decode_args *a, const struct decode_ite
         /* The tile to fetch: DECODE_AHEAD tiles on in the same head; head by head, past the head's last tile, the
          * next head's first (unfetched, the first tiles cost bf16 BNSD 23.2 -> 21.1 ms, B 8, N 32/8, Skv 8192, D 128,
          * one thread). */
-        int64_t hn = h, jn = j0 + DECODE_AHEAD * DECODE_BLOCK;
+        int64_t hn = h, jn = j0 + DECODE_AHEAD * DECODE_BLOCK, end = it->j1;
         if (heads_outer && jn >= it->j1 && h + 1 < heads_kv) {
             hn = h + 1;
             jn = it->j0 + (jn - it->j1) / DECODE_BLOCK * DECODE_BLOCK;
+        } else if (jn >= it->j1 && it->j1 < it->length) {
+            /* Past the range's end: the sequence's next chunk's first tile (head 0 when head by head), the work
+             * item one thread takes next. */
+            hn = heads_outer ? 0 : h;
+            jn = it->j1;
+            end = it->length;
         }
-        const int64_t ahead = it->j1 - jn;
+        const int64_t ahead = end - jn;
         const int64_t wn = ahead < DECODE_BLOCK ? ahead : DECODE_BLOCK;
         const int64_t pair = it->batch * heads_kv + h;
         const int64_t at = it->chunks == 1 ? pair : it->slot + h * it->chunks + it->chunk;
@@ -749,7 +755,7 @@ void fia_decode_rows(const float *q, int64_t pairs, int64_t heads_kv, int64_t gr
             const int64_t n = len[b], c = decode_chunks(n);
             for (int64_t i = 0; i < c; i++) {
                 const int64_t j1 = (i + 1) * DECODE_SPLIT < n ? (i + 1) * DECODE_SPLIT : n;
-                work[n_items++] = (struct decode_item){b, i * DECODE_SPLIT, j1, i, c, c > 1 ? slot : -1};
+                work[n_items++] = (struct decode_item){b, i * DECODE_SPLIT, j1, i, c, c > 1 ? slot : -1, n};
             }
             slot += c > 1 ? c * heads_kv : 0;
         }
