@@ -292,23 +292,41 @@ def _backward_run(problem: AttentionProblem, pipeline: GradPipeline, run: Run, q
         dsink_acc += terms.sum(dim=(0, 2)).to(dsink_acc.dtype)
 
 
-def _widened(seq) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """K (key ++ rope) of a sparse sequence in float64, once per sequence (every GEMM that reads the selected rows
-    sums in float64), and V likewise unless V is K's first columns (None: `_selected` takes them from the keys)."""
-    return seq.k.to(torch.float64), None if seq.value_is_key else seq.v.to(torch.float64)
+class _WideRows:
+    """K (key ++ rope) and V of a sparse sequence in float64, widened once per sequence (every GEMM that reads the
+    selected rows sums in float64), and the selected rows gathered from them into buffers reused from one query tile
+    to the next (a fresh [rows, E, D] float64 gather per tile is ~150 MB of new pages at DSA shapes)."""
+
+    def __init__(self, seq) -> None:
+        self.dim_v = seq.v.shape[-1]
+        self.k = seq.k.to(torch.float64)
+        self.v = None if seq.value_is_key else seq.v.to(torch.float64)  # None: V is K's first columns
+        self._buffers: dict[str, torch.Tensor] = {}
+
+    def _gather(self, name: str, source: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+        count = tokens.numel()
+        buffer = self._buffers.get(name)
+        if buffer is None or buffer.shape[0] < count:
+            buffer = self._buffers[name] = torch.empty((count, source.shape[-1]), dtype=source.dtype,
+                                                     device=source.device)
+        torch.index_select(source, 0, tokens.reshape(-1), out=buffer[:count])
+        return buffer[:count].view(*tokens.shape, source.shape[-1])
+
+    def rows(self, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(keys, values) [rows, E, D] of the selected `tokens` [rows, E]."""
+        keys = self._gather("k", self.k, tokens)
+        return keys, keys[..., : self.dim_v] if self.v is None else self._gather("v", self.v, tokens)
 
 
-def _selected(seq, wide: tuple[torch.Tensor, torch.Tensor | None], selection, t0: int, t1: int):
+def _selected(seq, wide: _WideRows, selection, t0: int, t1: int):
     """Rows [t0, t1) of a sparse sequence: their selection, the query (++ rope) [rows, N1, Dqk] in fp32 and the
-    selected keys / values [rows, E, D] in float64, gathered from the sequence's `_widened` K and V (invalid entries
-    point at token 0 and are masked by the caller)."""
+    selected keys / values [rows, E, D] in float64 (`_WideRows`; invalid entries point at token 0 and are masked by
+    the caller)."""
     sel = selection.rows(t0, t1)
     q = seq.q[t0:t1].to(torch.float32)
     if seq.q_rope is not None:
         q = torch.cat([q, seq.q_rope[t0:t1].to(torch.float32)], dim=-1)
-    k_wide, v_wide = wide
-    keys = k_wide[sel.tokens]
-    return sel, q, keys, keys[..., : seq.v.shape[-1]] if v_wide is None else v_wide[sel.tokens]
+    return sel, q, *wide.rows(sel.tokens)
 
 
 @torch.no_grad()
@@ -319,7 +337,7 @@ def sparse_forward_sequence(seq, pipeline: AttentionPipeline, scale: float, spar
     [Sq, N1]. The selected keys are taken in steps of `SFA_KEY_BLOCK` entries (online softmax), with the AMLA step
     when the pipeline has it."""
     selection = sequence_selection(seq, sparse_mode, block_size)
-    wide = _widened(seq)
+    wide = _WideRows(seq)
     for t0 in range(0, seq.seq_q, BLOCK_Q):
         t1 = min(t0 + BLOCK_Q, seq.seq_q)
         sel, q, keys, values = _selected(seq, wide, selection, t0, t1)
@@ -371,7 +389,7 @@ def sparse_backward_sequence(seq, pipeline: GradPipeline, d_out, out, row_max, r
     rounded by the caller)."""
     f32 = torch.float32
     selection = sequence_selection(seq, sparse_mode, block_size)
-    wide = _widened(seq)
+    wide = _WideRows(seq)
     for t0 in range(0, seq.seq_q, BLOCK_Q):
         t1 = min(t0 + BLOCK_Q, seq.seq_q)
         sel, q, keys, values = _selected(seq, wide, selection, t0, t1)
