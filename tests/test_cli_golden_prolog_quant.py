@@ -11,6 +11,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 
 from cann_attn.cli import tensorio
 from cli_utils import run_main, write_case
@@ -110,3 +111,21 @@ def test_fia_v2_quantised_round_trip_and_perturbed_output_fails(capsys, tmp_path
     golden, actual = _round_trip(capsys, case, tmp_path)
     _perturbed_fails(capsys, golden, actual, tmp_path, "attention_out", lambda o: o * 1.05 + 0.01)
 
+
+
+FP8 = ROOT / "examples" / "cases" / "fused_infer_attention_score_v2_fp8_cache.json"
+
+
+def test_fp8_cache_files_hold_the_raw_bytes_and_load_back(capsys, tmp_path):
+    """float8_e4m3fn inputs (qwen3_moe's per-token fp8 caches): the .bin holds the raw bytes, the .npy the exact
+    values as float32; a golden from those files (--inputs) is the same golden."""
+    golden, _ = _round_trip(capsys, FP8, tmp_path)
+    entry = next(e for e in tensorio.read_manifest(golden)["tensors"] if e["name"] == "key")
+    assert entry["dtype"] == "float8_e4m3fn" and entry["npy_dtype"] == "float32" and entry["bin_bytes"] == 6 * 16 * 128
+    raw = torch.from_numpy(np.fromfile(golden / "key.bin", dtype=np.uint8)).view(torch.float8_e4m3fn)
+    assert torch.equal(raw.float().view(6, 16, 128), torch.from_numpy(np.load(golden / "key.npy")))
+    again = tmp_path / "again"
+    rc, out, err = run_main(capsys, "golden", "--case", FP8, "--out", again, "--inputs", golden)
+    assert rc == 0, out + err
+    for name in ("attention_out", "softmax_lse"):
+        assert np.array_equal(np.load(again / f"{name}.npy"), np.load(golden / f"{name}.npy")), name

@@ -1,11 +1,11 @@
 """Tensor files of ``cann-attn golden`` / ``compare``: ``.npy``, raw little-endian ``.bin``, ``manifest.json``,
 and directories written all-or-nothing.
 
-- ``.npy``: numpy's format. bfloat16 has no numpy dtype: its ``.npy`` holds the exact values as float32 (the
-  manifest's ``npy_dtype`` says so, and readers cast back to the manifest's ``dtype``).
+- ``.npy``: numpy's format. bfloat16 and float8_e4m3fn have no numpy dtype: their ``.npy`` holds the exact values
+  as float32 (the manifest's ``npy_dtype`` says so, and readers cast back to the manifest's ``dtype``).
 - ``.bin``: the elements in row-major order, little-endian, no header (what Ascend's C++ examples read with
-  ``ReadFile``): float16 2 bytes, bfloat16 its raw 16-bit pattern (read it as uint16 and reinterpret), float32 4,
-  int8 / uint8 / bool 1 (bool as 0 / 1), int32 4, int64 8.
+  ``ReadFile``): float16 2 bytes, bfloat16 its raw 16-bit pattern (read it as uint16 and reinterpret),
+  float8_e4m3fn its raw byte, float32 4, int8 / uint8 / bool 1 (bool as 0 / 1), int32 4, int64 8.
 - ``manifest.json``: per tensor its name, role (input / output), shape, dtype and files, plus the operator, its
   parameters, the seed and the cann_attn version (see ``golden.py``).
 
@@ -86,9 +86,13 @@ DTYPES: dict[str, torch.dtype] = {
     "int32": torch.int32,
     "int64": torch.int64,
     "bool": torch.bool,
+    "float8_e4m3fn": torch.float8_e4m3fn,
 }
 _ALIASES = {"fp16": "float16", "half": "float16", "bf16": "bfloat16", "fp32": "float32", "float": "float32",
-            "fp64": "float64", "double": "float64"}
+            "fp64": "float64", "double": "float64", "fp8": "float8_e4m3fn", "fp8_e4m3": "float8_e4m3fn"}
+# Dtypes numpy lacks: their .npy holds float32 values, their .bin the raw bits (numpy's unsigned type of that width,
+# torch's integer type of that width to reinterpret through).
+_RAW_BITS = {torch.bfloat16: (np.uint16, torch.int16), torch.float8_e4m3fn: (np.uint8, torch.uint8)}
 _NUMPY = {
     torch.float16: np.float16,
     torch.float32: np.float32,
@@ -119,6 +123,8 @@ def bin_dtype_name(dtype: torch.dtype) -> str:
     """How the .bin file stores `dtype`, in words, for the manifest."""
     if dtype == torch.bfloat16:
         return "bfloat16 as its raw 16-bit pattern (read as little-endian uint16, reinterpret as bfloat16)"
+    if dtype == torch.float8_e4m3fn:
+        return "float8_e4m3fn as its raw byte (read as uint8, reinterpret as float8_e4m3fn)"
     if dtype == torch.bool:
         return "bool, 1 byte per element (0 or 1)"
     return f"{canonical_dtype(dtype)}, little-endian"
@@ -126,13 +132,14 @@ def bin_dtype_name(dtype: torch.dtype) -> str:
 
 def _to_numpy(t: torch.Tensor) -> np.ndarray:
     t = t.detach().to("cpu").contiguous()
-    return (t.float() if t.dtype == torch.bfloat16 else t).numpy()
+    return (t.float() if t.dtype in _RAW_BITS else t).numpy()
 
 
 def _bin_bytes(t: torch.Tensor) -> bytes:
     t = t.detach().to("cpu").contiguous()
-    if t.dtype == torch.bfloat16:
-        arr = t.view(torch.int16).numpy().view(np.uint16)
+    if t.dtype in _RAW_BITS:
+        unsigned, same_width = _RAW_BITS[t.dtype]
+        arr = t.view(same_width).numpy().view(unsigned)
     elif t.dtype in _NUMPY:
         arr = t.numpy()
     else:
@@ -151,7 +158,7 @@ def write_tensor(directory: Path, name: str, t: torch.Tensor, role: str, **extra
         "shape": list(t.shape),
         "dtype": canonical_dtype(t.dtype),
         "files": {"npy": f"{name}.npy", "bin": f"{name}.bin"},
-        "npy_dtype": "float32" if t.dtype == torch.bfloat16 else canonical_dtype(t.dtype),
+        "npy_dtype": "float32" if t.dtype in _RAW_BITS else canonical_dtype(t.dtype),
         "bin_dtype": bin_dtype_name(t.dtype),
         "bin_bytes": len(data),
     }
@@ -262,7 +269,7 @@ def read_bin(path: Path, dtype: torch.dtype, shape: list[int] | tuple[int, ...],
     numel = 1
     for s in shape:
         numel *= int(s)
-    np_dtype = np.dtype(np.uint16 if dtype == torch.bfloat16 else _NUMPY[dtype]).newbyteorder("<")
+    np_dtype = np.dtype(_RAW_BITS[dtype][0] if dtype in _RAW_BITS else _NUMPY[dtype]).newbyteorder("<")
     with open_regular(path, max_bytes, "tensor file") as f:
         size = os.fstat(f.fileno()).st_size
         if size != numel * np_dtype.itemsize:
@@ -271,8 +278,9 @@ def read_bin(path: Path, dtype: torch.dtype, shape: list[int] | tuple[int, ...],
                 f"{list(shape)}"
             )
         arr = np.fromfile(f, dtype=np_dtype, count=numel).astype(np_dtype.newbyteorder("="))
-    if dtype == torch.bfloat16:
-        return torch.from_numpy(arr.view(np.int16)).view(torch.bfloat16).reshape(tuple(shape))
+    if dtype in _RAW_BITS:
+        same_width = _RAW_BITS[dtype][1]
+        return torch.from_numpy(arr).view(same_width).view(dtype).reshape(tuple(shape))
     return torch.from_numpy(arr).reshape(tuple(shape))
 
 
