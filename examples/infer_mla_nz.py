@@ -141,9 +141,11 @@ def check_step(layer: Layer, s: dict, name: str) -> dict:
             for key, got, want in (("attention", s["attention"], attention), ("out", s["out"], out))}
 
 
-def run(cfg: Config, verbose: bool = True) -> dict:
+def run_steps(cfg: Config, layer_type: type, check, describe, verbose: bool) -> dict:
+    """A prefill, `cfg.steps` decode steps and one MTP step of a `layer_type` layer, each checked by
+    `check(layer, step, name)` -> its deviations; `describe(entry)` is the line printed per step."""
     torch.manual_seed(cfg.seed)
-    layer = Layer(cfg)
+    layer = layer_type(cfg)
     g = torch.Generator().manual_seed(cfg.seed + 1)
     summary = {"config": asdict(cfg), "prompt_lengths": cfg.prompt_lengths(), "steps": []}
     plan = [("prefill", cfg.prompt_lengths())] + [(f"decode {i + 1}", [1] * cfg.batch) for i in range(cfg.steps)]
@@ -151,12 +153,17 @@ def run(cfg: Config, verbose: bool = True) -> dict:
         plan.append((f"MTP {cfg.mtp}", [cfg.mtp] * cfg.batch))
     for name, new in plan:
         s = layer.step(torch.randn(sum(new), cfg.hidden, generator=g).bfloat16(), new)
-        summary["steps"].append({"step": name, "tokens": sum(new), **check_step(layer, s, name)})
+        summary["steps"].append({"step": name, "tokens": sum(new), **check(layer, s, name)})
     if verbose:
         for entry in summary["steps"]:
-            print(f"{entry['step']}: {entry['tokens']} tokens; NZ == ND bit for bit; max relative deviation from the "
-                  f"float64 layer: attention {entry['attention']:.2e}, output {entry['out']:.2e}")
+            print(f"{entry['step']}: {entry['tokens']} tokens; {describe(entry)}")
     return summary
+
+
+def run(cfg: Config, verbose: bool = True) -> dict:
+    return run_steps(cfg, Layer, check_step, lambda entry: (
+        f"NZ == ND bit for bit; max relative deviation from the float64 layer: attention {entry['attention']:.2e}, "
+        f"output {entry['out']:.2e}"), verbose)
 
 
 def main(argv: list[str] | None = None) -> dict:
