@@ -186,7 +186,7 @@ def main(argv=None) -> int:
                      "SDPA": [r["sdpa_ms"] for r in rows]},
                     title=f'"npu" precision mode vs "exact", CPU, S={seq}', ylabel="ms (median)",
                     ratios=[r["cost"] for r in rows], targets=[r["target"] for r in rows],
-                    ratio_label='cost: "npu" time / "exact" time')
+                    ratio_label='cost: "npu" time / "exact" time', lower_is_better=True)
     console.print(f"wrote {path} and {out / 'precision_cpu.png'}", highlight=False)
     missed = [r["case"] for r in rows if r["target"] is not None and r["cost"] > r["target"]]
     if missed:

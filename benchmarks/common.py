@@ -429,9 +429,11 @@ def bar_plot(
     ratios: Sequence[float | None] | None = None,
     targets: Sequence[float | None] | None = None,
     ratio_label: str = "speed-up vs PyTorch (dashed: target)",
+    lower_is_better: bool = False,
 ) -> Path | None:
     """Grouped bars (one group per label, one bar per series); with `ratios`, a second panel of ratio bars
-    and their target marks. Returns the path, or None when matplotlib is missing."""
+    and their target marks, green where a ratio meets its target (at least it, or at most it with
+    `lower_is_better`, for costs). Returns the path, or None when matplotlib is missing."""
     try:
         import matplotlib
 
@@ -461,8 +463,11 @@ def bar_plot(
     if ratios is not None:
         ax2 = axes[1][0]
         values = [0.0 if r is None else r for r in ratios]
+        def meets(r: float, t: float) -> bool:
+            return r <= t if lower_is_better else r >= t
+
         colors = [
-            "tab:gray" if r is None or t is None else ("tab:green" if r >= t else "tab:red")
+            "tab:gray" if r is None or t is None else ("tab:green" if meets(r, t) else "tab:red")
             for r, t in zip(ratios, targets or [None] * len(ratios), strict=True)
         ]
         ax2.bar(x, values, 0.6, color=colors)
