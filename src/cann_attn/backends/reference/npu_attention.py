@@ -17,6 +17,8 @@ SparseFlashAttention and its grad take the same stages over each row's selected 
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from ...problem import sink as sinks
@@ -296,25 +298,35 @@ def _backward_run(problem: AttentionProblem, pipeline: GradPipeline, run: Run, q
         dsink_acc += terms.sum(dim=(0, 2)).to(dsink_acc.dtype)
 
 
+class _Scratch:
+    """Buffers reused from one query tile to the next, by name: a fresh multi-megabyte tensor per tile costs its new
+    pages (at DSA shapes the selected rows in float64 are ~150 MB a tile)."""
+
+    def __init__(self) -> None:
+        self._buffers: dict[str, torch.Tensor] = {}
+
+    def take(self, name: str, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        count = math.prod(shape)
+        buffer = self._buffers.get(name)
+        if buffer is None or buffer.numel() < count or buffer.dtype != dtype:
+            buffer = self._buffers[name] = torch.empty(count, dtype=dtype, device=device)
+        return buffer[:count].view(shape)
+
+
 class _WideRows:
     """K (key ++ rope) and V of a sparse sequence in float64, widened once per sequence (every GEMM that reads the
-    selected rows sums in float64), and the selected rows gathered from them into buffers reused from one query tile
-    to the next (a fresh [rows, E, D] float64 gather per tile is ~150 MB of new pages at DSA shapes)."""
+    selected rows sums in float64), and the selected rows gathered from them into `_Scratch` buffers."""
 
-    def __init__(self, seq) -> None:
+    def __init__(self, seq, scratch: _Scratch) -> None:
         self.dim_v = seq.v.shape[-1]
         self.k = seq.k.to(torch.float64)
         self.v = None if seq.value_is_key else seq.v.to(torch.float64)  # None: V is K's first columns
-        self._buffers: dict[str, torch.Tensor] = {}
+        self.scratch = scratch
 
     def _gather(self, name: str, source: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
-        count = tokens.numel()
-        buffer = self._buffers.get(name)
-        if buffer is None or buffer.shape[0] < count:
-            buffer = self._buffers[name] = torch.empty((count, source.shape[-1]), dtype=source.dtype,
-                                                     device=source.device)
-        torch.index_select(source, 0, tokens.reshape(-1), out=buffer[:count])
-        return buffer[:count].view(*tokens.shape, source.shape[-1])
+        rows = self.scratch.take(name, (tokens.numel(), source.shape[-1]), source.dtype, source.device)
+        torch.index_select(source, 0, tokens.reshape(-1), out=rows)
+        return rows.view(*tokens.shape, source.shape[-1])
 
     def rows(self, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(keys, values) [rows, E, D] of the selected `tokens` [rows, E]."""
@@ -341,7 +353,7 @@ def sparse_forward_sequence(seq, pipeline: AttentionPipeline, scale: float, spar
     [Sq, N1]. The selected keys are taken in steps of `SFA_KEY_BLOCK` entries (online softmax), with the AMLA step
     when the pipeline has it."""
     selection = sequence_selection(seq, sparse_mode, block_size)
-    wide = _WideRows(seq)
+    wide = _WideRows(seq, _Scratch())
     for t0 in range(0, seq.seq_q, BLOCK_Q):
         t1 = min(t0 + BLOCK_Q, seq.seq_q)
         sel, q, keys, values = _selected(seq, wide, selection, t0, t1)
@@ -393,7 +405,8 @@ def sparse_backward_sequence(seq, pipeline: GradPipeline, d_out, out, row_max, r
     rounded by the caller)."""
     f32 = torch.float32
     selection = sequence_selection(seq, sparse_mode, block_size)
-    wide = _WideRows(seq)
+    scratch = _Scratch()
+    wide = _WideRows(seq, scratch)
     for t0 in range(0, seq.seq_q, BLOCK_Q):
         t1 = min(t0 + BLOCK_Q, seq.seq_q)
         sel, q, keys, values = _selected(seq, wide, selection, t0, t1)
@@ -409,10 +422,17 @@ def sparse_backward_sequence(seq, pipeline: GradPipeline, d_out, out, row_max, r
         ds = pipeline.score_grad((p * (dp - d_sum)).masked_fill_(~valid, 0.0))
         p_cast = pipeline.probabilities(p)
         dq[t0:t1] = _gemm(ds, keys).to(f32) * scale
-        dk_sel = _gemm(ds.transpose(1, 2), q).to(f32) * scale
-        dv_sel = _gemm(p_cast.transpose(1, 2), do).to(f32)
+        dk_sel = _gemm_to_fp32(scratch, "dk", ds.transpose(1, 2), q).mul_(scale)
+        dv_sel = _gemm_to_fp32(scratch, "dv", p_cast.transpose(1, 2), do)
         dk.index_add_(0, sel.tokens.reshape(-1), dk_sel.flatten(0, 1))
         dv.index_add_(0, sel.tokens.reshape(-1), dv_sel.flatten(0, 1))
+
+
+def _gemm_to_fp32(scratch: _Scratch, name: str, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """`_gemm(a, b)` rounded to fp32 (as `.to(torch.float32)`), both results in `scratch` buffers."""
+    shape = (a.shape[0], a.shape[1], b.shape[2])
+    wide = torch.bmm(a.to(torch.float64), b.to(torch.float64), out=scratch.take(name, shape, torch.float64, a.device))
+    return scratch.take(name + "_fp32", shape, torch.float32, a.device).copy_(wide)
 
 
 def quant_index_scores(pipeline: QuantIndexerPipeline, q_idx: torch.Tensor, k_idx: torch.Tensor,
