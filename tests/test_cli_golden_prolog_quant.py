@@ -129,3 +129,21 @@ def test_fp8_cache_files_hold_the_raw_bytes_and_load_back(capsys, tmp_path):
     assert rc == 0, out + err
     for name in ("attention_out", "softmax_lse"):
         assert np.array_equal(np.load(again / f"{name}.npy"), np.load(golden / f"{name}.npy")), name
+
+
+def test_mla_prolog_golden_refuses_the_packed_rows(capsys, tmp_path):
+    """kv_cache_quant_mode 3's rows mix int8, bf16 and float32 bytes: no golden rule compares them, so the case is
+    refused (exit 2, one line naming the parameter) instead of written with a meaningless int8 comparison."""
+    case = json.loads(PROLOG.read_text())
+    case["inputs"].update({
+        "weight_uq_qr": {"shape": [32, 160], "dtype": "int8"},
+        "dequant_scale_w_uq_qr": {"shape": [1, 160], "dtype": "float32", "generator": "uniform", "low": 0.001,
+                                  "high": 0.002},
+        "kv_cache": {"shape": [2, 16, 1, 64 + 128 + 8], "dtype": "int8"},
+        "kr_cache": {"shape": [1, 2, 1, 0], "dtype": "bfloat16"},
+        "k_nope_clip_alpha": {"generator": "values", "dtype": "float32", "values": [1.0]}})
+    case["params"].update(weight_quant_mode=1, kv_cache_quant_mode=3, ckvkr_repo_mode=1, quant_scale_repo_mode=1,
+                          tile_size=32)
+    rc, out, err = run_main(capsys, "golden", "--case", write_case(tmp_path, case), "--out", tmp_path / "g")
+    assert rc == 2 and "params.kv_cache_quant_mode: 3 writes packed rows" in err, out + err
+    assert not (tmp_path / "g").exists()

@@ -523,15 +523,21 @@ def test_int8_query_of_a_zero_head_has_scale_one():
     torch.testing.assert_close(out.query_rope, expected.query_rope, rtol=1e-6, atol=1e-9)
 
 
-@pytest.mark.parametrize("mode", [1, 2, "per channel cache", "c8"])
+@pytest.mark.parametrize("mode", [1, 2, "per channel cache", "c8", "per tile"])
 def test_weight_quant_modes_under_the_custom_op(mode):
     gen = torch.Generator().manual_seed(22)
     case = PrologCase(gen)
-    quant = quantized_uq_qr(case, gen, (1, 32)) if mode in (1, "per channel cache") else quantized_inputs(case, gen)
+    quant = (quantized_uq_qr(case, gen, (1, 32)) if mode in (1, "per channel cache", "per tile")
+             else quantized_inputs(case, gen))
     if mode == "per channel cache":
         int8_caches(case, gen, kr_int8=True)
         quant.update(kv_cache_quant_mode=2, quant_scale_ckv=torch.full((1, 32), 20.0),
                      quant_scale_ckr=torch.full((1, 16), 20.0))
+    elif mode == "per tile":  # packed rows [.., 1, 32 + 16 * 2 + 4] in kv_cache, an empty kr_cache
+        case.kv_cache = torch.zeros(*case.kv_cache.shape[:-1], 68, dtype=torch.int8)
+        case.kr_cache = torch.empty(1, 2, 1, 0, dtype=BF16)
+        quant.update(kv_cache_quant_mode=3, ckvkr_repo_mode=1, quant_scale_repo_mode=1, tile_size=32,
+                     k_nope_clip_alpha=torch.ones(1))
     elif mode == "c8":  # the fake kernel's int8 query and [T, N, 1] scales
         int8_caches(case, gen, kr_int8=False)
         quant.update(kv_cache_quant_mode=1, query_quant_mode=1, quant_scale_ckv=torch.tensor([20.0]))
@@ -732,6 +738,15 @@ def _bad_calls():
                         ("kv_cache_quant_mode", 2), ("kv_cache_quant_mode", 3), ("query_quant_mode", 1),
                         ("ckvkr_repo_mode", 1), ("quant_scale_repo_mode", 1), ("weight_quant_mode", 7)):
         calls.append((f"{mode} {value}", mode, lambda c, kw, m=mode, v=value: kw.update({m: v})))
+    def per_tile(change):
+        def apply(c, kw):
+            kw.update(quantized_uq_qr(c, torch.Generator().manual_seed(4), None), kv_cache_quant_mode=3,
+                      ckvkr_repo_mode=1, quant_scale_repo_mode=1, tile_size=32, k_nope_clip_alpha=torch.ones(1))
+            c.kv_cache = torch.zeros(*c.kv_cache.shape[:-1], 68, dtype=torch.int8)  # 32 + 16 * 2 + 4 bytes
+            c.kr_cache = torch.empty(1, 2, 1, 0, dtype=BF16)
+            change(c, kw)
+        return apply
+
     def c8(change):
         def apply(c, kw):
             kw.update(quantized_inputs(c, torch.Generator().manual_seed(3)), kv_cache_quant_mode=1, query_quant_mode=1,
@@ -762,6 +777,22 @@ def _bad_calls():
         ("per channel quant_scale_ckv [1]", "quant_scale_ckv",
          mode_1(lambda c, kw: kw.update(kv_cache_quant_mode=2, quant_scale_ckv=torch.ones(1),
                                         quant_scale_ckr=torch.ones(1, 16)))),
+        ("per tile in PA_NZ", "cache_mode", per_tile(lambda c, kw: kw.update(cache_mode="PA_NZ"))),
+        ("per tile repo modes 0", "ckvkr_repo_mode",
+         per_tile(lambda c, kw: kw.update(ckvkr_repo_mode=0, quant_scale_repo_mode=0))),
+        ("per tile without k_nope_clip_alpha", "k_nope_clip_alpha",
+         per_tile(lambda c, kw: kw.update(k_nope_clip_alpha=None))),
+        ("per tile k_nope_clip_alpha shape", "k_nope_clip_alpha",
+         per_tile(lambda c, kw: kw.update(k_nope_clip_alpha=torch.ones(1, 1)))),
+        ("per tile tile_size 24", "tile_size", per_tile(lambda c, kw: kw.update(tile_size=24))),
+        ("per tile row width", "kv_cache", per_tile(lambda c, kw: setattr(c, "kv_cache", c.kv_cache[..., :-4]))),
+        ("per tile kr_cache not empty", "kr_cache",
+         per_tile(lambda c, kw: setattr(c, "kr_cache", torch.zeros(3, 16, 1, 16, dtype=BF16)))),
+        ("per tile with bf16 weights", "kv_cache_quant_mode",
+         lambda c, kw: (kw.update(kv_cache_quant_mode=3, ckvkr_repo_mode=1, quant_scale_repo_mode=1, tile_size=32,
+                                  k_nope_clip_alpha=torch.ones(1)),
+                        setattr(c, "kv_cache", torch.zeros(3, 16, 1, 68, dtype=torch.int8)),
+                        setattr(c, "kr_cache", torch.empty(1, 2, 1, 0, dtype=BF16)))),
         ("per channel bf16 kr_cache", "kr_cache",
          mode_1(lambda c, kw: (kw.update(kv_cache_quant_mode=2, quant_scale_ckv=torch.ones(1, 32),
                                          quant_scale_ckr=torch.ones(1, 16)),
@@ -897,3 +928,59 @@ def test_v1_v2_spellings_select_the_quantised_scenario_by_dtype():
     int8_caches(plain, torch.Generator().manual_seed(54), kr_int8=True)
     with pytest.raises(cann_attn.ParamInvalidError, match=r"^\[\d+\] kv_cache:"):
         torch_npu.npu_mla_prolog_v2(*plain.weights(), plain.cache_index, plain.kv_cache, plain.kr_cache)
+
+
+def packed_parts(rows: torch.Tensor, latent: int, rope: int, dtype, tiles: int):
+    """A packed row's parts as the attention reads them (docs/operators/quant_dsa.md): int8 latent, the rope key's
+    bytes in `dtype`, float32 tile scales."""
+    raw = rows.contiguous().view(torch.uint8)
+    rope_bytes = rope * dtype.itemsize
+    return (raw[:, :latent].view(torch.int8), raw[:, latent : latent + rope_bytes].contiguous().view(dtype),
+            raw[:, latent + rope_bytes : latent + rope_bytes + 4 * tiles].contiguous().view(torch.float32))
+
+
+@pytest.mark.parametrize(("dtype", "cache_mode", "lead", "alpha"), [
+    (F64, "PA_BSND", (5,), 1.0), (BF16, "PA_BSND", (5,), 1.0), (BF16, "PA_BSND", (2, 3), 0.75),
+    (BF16, "TND", (4,), 1.0), (F64, "BSND", (1, 4), 0.5)])
+def test_kv_cache_quant_mode_3_packed_rows(dtype, cache_mode, lead, alpha):
+    """DeepSeek-V3.2's C8 prolog: cann-recipes-infer models/deepseek_v3_2_exp/models/modeling_deepseek.py:1443-1477
+    (weight_quant_mode=1 W8A8, kv_cache_quant_mode=3, query_quant_mode=0, ckvkr_repo_mode=1, quant_scale_repo_mode=1,
+    tile_size=128, k_nope_clip_alpha=ckv_a_alpha, a float32 [1] of ones (:985), kr_cache=fake_kr_cache, an empty bf16
+    (1, 2, 1, 0) tensor (:988), "PA_BSND"; "BSND" under context parallelism, :1275). Each token's row of kv_cache
+    [.., 1, Dtile] is [int8 latent | rope key in the float dtype | one float32 scale per tile]: per tile a = max |x|,
+    x clipped to [-alpha a, alpha a], scale = alpha a / 127, int8 round(x / scale) (ops-transformer's MlaProlog
+    kernel: PerTileClipWithAlpha, DynamicQuant, ScatterCkv / ScatterKr offsets Hckv and Hckv + Dr * 2 bytes); the
+    queries are those of the same call with float caches."""
+    gen = torch.Generator().manual_seed(61)
+    latent, rope, tile = 256, 32, 128
+    case = PrologCase(gen, dtype=dtype, lead=lead, cache_mode=cache_mode, latent=latent, rope=rope)
+    quant = quantized_uq_qr(case, gen, None)
+    unquantised = case.run(query_norm_flag=True, **quant)
+    width = latent + rope * dtype.itemsize + 4 * (latent // tile)
+    case.kv_cache = torch.randint(-128, 128, (*case.kv_cache.shape[:-1], width), generator=gen, dtype=torch.int8)
+    float_kr = case.kr_cache
+    case.kr_cache = torch.empty((1, 2, 1, 0), dtype=dtype)
+    clip = torch.tensor([alpha])
+    kv_before = case.kv_cache.clone()
+    out = case.run(kv_cache_quant_mode=3, ckvkr_repo_mode=1, quant_scale_repo_mode=1, tile_size=tile,
+                   k_nope_clip_alpha=clip, query_norm_flag=True, **quant)
+    assert torch.equal(out.query, unquantised.query) and torch.equal(out.query_rope, unquantised.query_rope)
+    expected = mla_prolog_oracle(*case.weights(), kv_before, float_kr, case.cache_index, cache_mode=cache_mode,
+                                 dequant_scale_w_uq_qr=quant["dequant_scale_w_uq_qr"], kv_cache_quant_mode=3,
+                                 tile_size=tile, k_nope_clip_alpha=clip)
+    assert torch.equal(case.kv_cache[~expected.kv_written], kv_before[~expected.kv_written])
+    assert int(expected.kv_written.sum()) == len(case.inputs["token_x"].reshape(-1, 48)) * width
+    rows = case.kv_cache.reshape(-1, width)[case.cache_index.reshape(-1)] if case.cache_index is not None else \
+        case.kv_cache.reshape(-1, width)
+    values, key_rope, scales = packed_parts(rows, latent, rope, dtype, latent // tile)
+    assert_int8_rows(values, expected.packed_latent, dtype, "packed latent")
+    if dtype == F64:
+        torch.testing.assert_close(key_rope, expected.packed_key_rope, rtol=1e-12, atol=1e-12)
+        torch.testing.assert_close(scales.double(), expected.tile_scales, rtol=1e-6, atol=0)
+    else:
+        plain = naive(case, quantized=(out.query_norm, out.dequant_scale_q_norm, quant["dequant_scale_w_uq_qr"]))
+        assert_close_to_oracle(key_rope, expected.packed_key_rope, plain["kr_cache"].reshape(key_rope.shape),
+                               name="packed rope key")
+        torch.testing.assert_close(scales.double(), expected.tile_scales, rtol=2e-2, atol=0)
+    if alpha < 1:  # clipping: the largest value of a tile reaches the int8 limit
+        assert (values.view(-1, latent // tile, tile).abs().amax(-1) == 127).all()

@@ -42,7 +42,8 @@ QUANT_MODES = {
 
 
 # (weight_quant_mode, kv_cache_quant_mode, query_quant_mode) of the scenarios computed (docs/operators/mla_prolog.md)
-COMPUTED_SCENARIOS = {(0, 0, 0), (1, 0, 0), (2, 0, 0), (1, 2, 0), (2, 1, 1)}
+COMPUTED_SCENARIOS = {(0, 0, 0), (1, 0, 0), (2, 0, 0), (1, 2, 0), (2, 1, 1), (1, 3, 0), (2, 3, 0)}
+PER_TILE = 3  # kv_cache_quant_mode of the packed rows: int8 latent, rope key, tile scales (both repo modes 1)
 
 
 class MlaPrologResult(NamedTuple):
@@ -78,11 +79,17 @@ class MlaPrologProblem:
     weight_quant_mode: int  # 1: int8 weight_uq_qr (c^Q quantised per token); 2: also int8 token_x, W^DQ, W^DKVKR
     kv_cache_quant_mode: int = 0  # 1: int8 kv_cache per tensor; 2: int8 kv_cache and kr_cache per channel
     query_quant_mode: int = 0  # 1: int8 query per token and head, with dequant_scale_q_nope
+    tile_size: int = 128  # kv_cache_quant_mode 3: latent channels per int8 tile
 
     @property
     def paged(self) -> bool:
         """Whether token t goes to the slot cache_index[t] names (PA_BSND / PA_NZ) rather than to cache row t."""
         return self.cache_mode in PAGED_MODES
+
+    @property
+    def packed_rows(self) -> bool:
+        """kv_cache_quant_mode 3: each token's int8 latent, rope key and tile scales in one kv_cache row."""
+        return self.kv_cache_quant_mode == PER_TILE
 
     @property
     def quantized_uq_qr(self) -> bool:
@@ -111,13 +118,16 @@ WEIGHT_QUANT_SCALES = {
     2: ("dequant_scale_x", "dequant_scale_w_dq", "dequant_scale_w_uq_qr", "dequant_scale_w_dkv_kr", "smooth_scales_cq"),
 }
 # kv_cache_quant_mode -> the scale tensors it takes
-KV_QUANT_SCALES = {0: (), 1: ("quant_scale_ckv",), 2: ("quant_scale_ckv", "quant_scale_ckr")}
+KV_QUANT_SCALES = {0: (), 1: ("quant_scale_ckv",), 2: ("quant_scale_ckv", "quant_scale_ckr"),
+                   PER_TILE: ("k_nope_clip_alpha",)}
 # weight_quant_mode -> the inputs that are int8 in it
 INT8_INPUTS = {0: (), 1: ("weight_uq_qr",), 2: ("token_x", "weight_dq", "weight_uq_qr", "weight_dkv_kr")}
 
 
 _SCENARIOS_TEXT = ("weight_quant_mode 0, 1 or 2; kv_cache_quant_mode 2 with weight_quant_mode 1; kv_cache_quant_mode "
-                   "1 with weight_quant_mode 2 and query_quant_mode 1; ckvkr_repo_mode and quant_scale_repo_mode 0")
+                   "1 with weight_quant_mode 2 and query_quant_mode 1; kv_cache_quant_mode 3 with weight_quant_mode 1 "
+                   "or 2 and ckvkr_repo_mode = quant_scale_repo_mode = 1 (the packed rows); otherwise both repo "
+                   "modes 0")
 
 
 def _check_modes(modes: dict[str, int], quant_tensors: dict[str, torch.Tensor | None], actual_seq_len,
@@ -130,8 +140,9 @@ def _check_modes(modes: dict[str, int], quant_tensors: dict[str, torch.Tensor | 
         if value not in meanings:
             raise ParamInvalidError(f"{name}: expected one of {sorted(meanings)}, got {value}")
     scenario = tuple(int(modes[n]) for n in ("weight_quant_mode", "kv_cache_quant_mode", "query_quant_mode"))
-    if scenario not in COMPUTED_SCENARIOS or modes["ckvkr_repo_mode"] or modes["quant_scale_repo_mode"]:
-        name = _refused_mode(modes)
+    repo = (int(modes["ckvkr_repo_mode"]), int(modes["quant_scale_repo_mode"]))
+    if scenario not in COMPUTED_SCENARIOS or repo != ((1, 1) if scenario[1] == PER_TILE else (0, 0)):
+        name = _refused_mode(modes, scenario)
         raise ParamInvalidError(
             f"{name}: {modes[name]} ({QUANT_MODES[name][modes[name]]}) is not supported with weight_quant_mode="
             f"{scenario[0]}, kv_cache_quant_mode={scenario[1]}, query_quant_mode={scenario[2]}: computed are "
@@ -150,11 +161,14 @@ def _check_modes(modes: dict[str, int], quant_tensors: dict[str, torch.Tensor | 
 
 
 
-def _refused_mode(modes: dict[str, int]) -> str:
-    """The mode parameter a refused combination names: a storage mode, then the per-tile / mxfp8 values no
-    combination computes, then the cache mode, then the query mode."""
+def _refused_mode(modes: dict[str, int], scenario: tuple[int, int, int]) -> str:
+    """The mode parameter a refused combination names: for a computed scenario the storage mode that does not fit
+    it (the packed rows of kv_cache_quant_mode 3 need both repo modes 1, every other cache both 0); otherwise a
+    storage mode set without the packed rows, then the mxfp8 weights no combination computes, then the cache mode,
+    then the query mode."""
+    packed = scenario[1] == PER_TILE
     for name in ("ckvkr_repo_mode", "quant_scale_repo_mode"):
-        if modes[name]:
+        if modes[name] != int(packed) and (scenario in COMPUTED_SCENARIOS or not packed):
             return name
     if modes["weight_quant_mode"] == 3:
         return "weight_quant_mode"
@@ -174,14 +188,15 @@ def _check_quant_scales(scales: dict[str, torch.Tensor | None], quant_mode: int,
               "dequant_scale_w_uq_qr": ((1, uq_qr_columns),), "dequant_scale_w_dkv_kr": ((1, dkv_kr_columns),),
               "smooth_scales_cq": ((1, q_latent), (1,)),
               "quant_scale_ckv": per_tensor if kv_quant_mode == 1 else ((1, latent),),
-              "quant_scale_ckr": ((1, rope_dim),)}
+              "quant_scale_ckr": ((1, rope_dim),), "k_nope_clip_alpha": ((1,),)}
     for name in WEIGHT_QUANT_SCALES[quant_mode] + KV_QUANT_SCALES[kv_quant_mode]:
         tensor = scales[name]
         if tensor is None:
             if name == "smooth_scales_cq":
                 continue
-            mode = "kv_cache_quant_mode" if name.startswith("quant_scale") else "weight_quant_mode"
-            value = kv_quant_mode if name.startswith("quant_scale") else quant_mode
+            of_cache = name in KV_QUANT_SCALES[kv_quant_mode]
+            mode = "kv_cache_quant_mode" if of_cache else "weight_quant_mode"
+            value = kv_quant_mode if of_cache else quant_mode
             raise ParamNullptrError(f"{name}: required with {mode}={value}, got None")
         expected = " or ".join(str(list(shape)) for shape in shapes[name])
         require(isinstance(tensor, torch.Tensor) and tensor.dtype == torch.float32
@@ -254,13 +269,30 @@ def _check_weights(token_x, weight_dq, weight_uq_qr, weight_uk, weight_dkv_kr, g
     return hidden, q_latent, heads, nope_dim, rope_dim, latent
 
 
+def packed_row_bytes(latent: int, rope_dim: int, tile_size: int, dtype: torch.dtype) -> int:
+    """Dtile: the bytes of one packed row of kv_cache_quant_mode 3: Hckv int8 latent values, Dr rope values in the
+    float dtype, one float32 scale per tile of the latent (656 for DeepSeek-V3.2's 512 / 64 bf16 / 128)."""
+    return latent + rope_dim * dtype.itemsize + 4 * (latent // tile_size)
+
+
 def _check_caches(token_x, kv_cache, kr_cache, cache_mode: str, latent: int, rope_dim: int,
-                  dtype: torch.dtype, kv_quant_mode: int) -> None:
-    """Shapes per cache_mode; dtypes: int8 for kv_cache with kv_cache_quant_mode 1 / 2 and kr_cache with 2, else
-    the float dtype."""
+                  dtype: torch.dtype, kv_quant_mode: int, tile_size: int) -> None:
+    """Shapes per cache_mode; dtypes: int8 for kv_cache with kv_cache_quant_mode 1 / 2 / 3 and kr_cache with 2, else
+    the float dtype. kv_cache_quant_mode 3 writes packed rows [.., 1, Dtile] into kv_cache alone; kr_cache is then an
+    empty tensor of the float dtype (what the recipes pass) and the layout one of PA_BSND, BSND, TND."""
     lead = tuple(token_x.shape[:-1])
-    int8_caches = {0: (), 1: ("kv_cache",), 2: ("kv_cache", "kr_cache")}[kv_quant_mode]
-    for name, cache, width in (("kv_cache", kv_cache, latent), ("kr_cache", kr_cache, rope_dim)):
+    int8_caches = {0: (), 1: ("kv_cache",), 2: ("kv_cache", "kr_cache"), PER_TILE: ("kv_cache",)}[kv_quant_mode]
+    caches = (("kv_cache", kv_cache, latent), ("kr_cache", kr_cache, rope_dim))
+    if kv_quant_mode == PER_TILE:
+        require(tile_size > 0 and latent % tile_size == 0, "tile_size", f"a positive divisor of Hckv = {latent}",
+                tile_size)
+        if cache_mode == "PA_NZ":
+            raise ParamInvalidError("cache_mode: 'PA_NZ' with kv_cache_quant_mode=3 (packed rows in NZ order) is not "
+                                    "supported; expected 'PA_BSND', 'BSND' or 'TND'")
+        require(kr_cache.numel() == 0 and kr_cache.dtype == dtype, "kr_cache", f"an empty {dtype} tensor with "
+                f"ckvkr_repo_mode=1 (the rope key goes into kv_cache's rows)", kr_cache)
+        caches = (("kv_cache", kv_cache, packed_row_bytes(latent, rope_dim, tile_size, dtype)),)
+    for name, cache, width in caches:
         if name in int8_caches:
             require(cache.dtype == torch.int8, name, f"dtype int8 with kv_cache_quant_mode={kv_quant_mode}", cache)
         else:
@@ -280,7 +312,7 @@ def _check_caches(token_x, kv_cache, kr_cache, cache_mode: str, latent: int, rop
                     f"a tensor [T, {KV_HEADS}, {width}] = {[*lead, KV_HEADS, width]} (cache_mode 'TND')", cache)
     if cache_mode not in PAGED_MODES:
         return
-    require(kr_cache.shape[:2] == kv_cache.shape[:2], "kr_cache",
+    require(kv_quant_mode == PER_TILE or kr_cache.shape[:2] == kv_cache.shape[:2], "kr_cache",
             f"kv_cache's [BlockNum, BlockSize] = {list(kv_cache.shape[:2])}", kr_cache)
     block_size = kv_cache.shape[1]
     MLA_PROLOG_BLOCK_SIZES.check(block_size, "kv_cache")
@@ -416,24 +448,25 @@ def mla_prolog(
     _check_quant_scales(
         {"dequant_scale_x": dequant_scale_x, "dequant_scale_w_dq": dequant_scale_w_dq,
          "dequant_scale_w_uq_qr": dequant_scale_w_uq_qr, "dequant_scale_w_dkv_kr": dequant_scale_w_dkv_kr,
-         "smooth_scales_cq": smooth_scales_cq, "quant_scale_ckv": quant_scale_ckv, "quant_scale_ckr": quant_scale_ckr},
+         "smooth_scales_cq": smooth_scales_cq, "quant_scale_ckv": quant_scale_ckv, "quant_scale_ckr": quant_scale_ckr,
+         "k_nope_clip_alpha": k_nope_clip_alpha},
         quant_mode, kv_quant_mode, tokens=token_x.shape[:-1].numel(), q_latent=q_latent,
         uq_qr_columns=weight_uq_qr.shape[-1], dkv_kr_columns=weight_dkv_kr.shape[-1], latent=latent,
         rope_dim=rope_dim, device=token_x.device)
-    _check_caches(token_x, kv_cache, kr_cache, cache_mode, latent, rope_dim, dtype, kv_quant_mode)
+    _check_caches(token_x, kv_cache, kr_cache, cache_mode, latent, rope_dim, dtype, kv_quant_mode, tile_size)
     slots = _check_cache_index(cache_index, token_x, kv_cache, cache_mode)
     epsilon_cq, epsilon_ckv, qc_qr, kc, query_norm = _check_scalars(
         rmsnorm_epsilon_cq, rmsnorm_epsilon_ckv, qc_qr_scale, kc_scale, query_norm_flag)
     problem = MlaPrologProblem(tuple(token_x.shape[:-1]), hidden, q_latent, heads, nope_dim, rope_dim, latent,
                                cache_mode, epsilon_cq, epsilon_ckv, qc_qr, kc, query_norm, quant_mode, kv_quant_mode,
-                               query_quant_mode)
+                               query_quant_mode, int(tile_size))
     select_backend(backend, token_x.device, op="mla_prolog",
                    unsupported=lambda: "MlaProlog is computed by the reference backend only")
     rows = reference.mla_prolog(
         problem, token_x.reshape(-1, hidden), weight_dq, weight_uq_qr, weight_uk, weight_dkv_kr, rmsnorm_gamma_cq,
         rmsnorm_gamma_ckv, rope_sin.reshape(-1, rope_dim), rope_cos.reshape(-1, rope_dim),
         reference.QuantScales(dequant_scale_x, dequant_scale_w_dq, dequant_scale_w_uq_qr, dequant_scale_w_dkv_kr,
-                              smooth_scales_cq, quant_scale_ckv, quant_scale_ckr),
+                              smooth_scales_cq, quant_scale_ckv, quant_scale_ckr, k_nope_clip_alpha),
         kv_cache, kr_cache, slots)
     lead = problem.token_shape
     empty = token_x.new_empty((0,), dtype=torch.float32)

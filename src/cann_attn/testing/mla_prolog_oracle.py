@@ -26,6 +26,11 @@ class MlaPrologOracle:
     kv_written: torch.Tensor  # bool, the cache's shape
     kr_written: torch.Tensor
     query_scale: torch.Tensor | None = None  # [T, N, 1] with query_quant_mode 1 (dequant_scale_q_nope)
+    # kv_cache_quant_mode 3: every token's int8 latent values [T, Hckv], rope key [T, Dr] and tile scales [T, tiles]
+    # (the packed row's three parts; kv_cache then holds NaN for the bytes of the last two, kv_written all of them)
+    packed_latent: torch.Tensor | None = None
+    packed_key_rope: torch.Tensor | None = None
+    tile_scales: torch.Tensor | None = None
 
 
 def _rmsnorm(row: torch.Tensor, gamma: torch.Tensor, eps: float) -> torch.Tensor:
@@ -56,7 +61,8 @@ def mla_prolog_oracle(token_x, weight_dq, weight_uq_qr, weight_uk, weight_dkv_kr
                       eps_cq: float = 1e-5, eps_ckv: float = 1e-5, qc_qr_scale: float = 1.0,
                       kc_scale: float = 1.0, dequant_scale_w_uq_qr=None, smooth_scales_cq=None, dequant_scale_x=None,
                       dequant_scale_w_dq=None, dequant_scale_w_dkv_kr=None, kv_cache_quant_mode: int = 0,
-                      query_quant_mode: int = 0, quant_scale_ckv=None, quant_scale_ckr=None) -> MlaPrologOracle:
+                      query_quant_mode: int = 0, quant_scale_ckv=None, quant_scale_ckr=None, tile_size: int = 128,
+                      k_nope_clip_alpha=None) -> MlaPrologOracle:
     """With `dequant_scale_w_uq_qr` (weight_quant_mode 1: int8 weight_uq_qr) c^Q is quantised per token as the
     MlaPrologV3 design note's dynamic quantisation says, scale = max |c^Q * smooth| / 127, int8 = round(c^Q * smooth
     / scale) (ties to even), and the int8 product is dequantised by scale * dequant_scale_w_uq_qr[column]. With
@@ -68,7 +74,12 @@ def mla_prolog_oracle(token_x, weight_dq, weight_uq_qr, weight_uk, weight_dkv_kr
     quant_scale_ckr[c]) (per channel), 1 writes round(latent * quant_scale_ckv) (one value) and the rope key as is;
     values beyond [-128, 127] saturate. `query_quant_mode` 1 (with cache mode 1) makes the query int8 per token and
     head: scale = max |q^N| / 127 (1 for a row of zeros), query = round(q^N / scale), query_rope = RoPE(q^R) *
-    quant_scale_ckv / scale."""
+    quant_scale_ckv / scale.
+
+    `kv_cache_quant_mode` 3 (the packed rows of ckvkr_repo_mode = quant_scale_repo_mode = 1, MlaProlog's per-tile
+    quantisation in ops-transformer's kernel): per tile of `tile_size` latent channels a = max |x|, x clipped to
+    [-alpha a, alpha a] (alpha = k_nope_clip_alpha), scale = alpha a / 127, int8 round(x / scale) (a tile of zeros:
+    zeros, scale 0); the row is [int8 latent | rope key | float32 scales] in kv_cache, kr_cache untouched."""
     heads, nope_dim, latent = weight_uk.shape
     rope_dim = rope_sin.shape[-1]
     lead = tuple(token_x.shape[:-1])
@@ -83,6 +94,7 @@ def mla_prolog_oracle(token_x, weight_dq, weight_uq_qr, weight_uk, weight_dkv_kr
     key_ropes = torch.zeros(tokens, rope_dim, dtype=F64)
     query_norm_scale = torch.zeros(tokens, 1, dtype=F64) if dequant_scale_w_uq_qr is not None else None
     query_scale = torch.zeros(tokens, heads, 1, dtype=F64) if query_quant_mode == 1 else None
+    tile_scales = torch.zeros(tokens, latent // tile_size, dtype=F64) if kv_cache_quant_mode == 3 else None
     ckv = None if quant_scale_ckv is None else quant_scale_ckv.to(F64).reshape(-1)
     ckr = None if quant_scale_ckr is None else quant_scale_ckr.to(F64).reshape(-1)
 
@@ -123,9 +135,22 @@ def mla_prolog_oracle(token_x, weight_dq, weight_uq_qr, weight_uk, weight_dkv_kr
         elif kv_cache_quant_mode == 2:
             latents[t] = to_int8(latents[t] * ckv)
             key_ropes[t] = to_int8(key_ropes[t] * ckr)
+        elif kv_cache_quant_mode == 3:
+            alpha = float(k_nope_clip_alpha.reshape(-1)[0])
+            for i in range(latent // tile_size):
+                tile = latents[t, i * tile_size : (i + 1) * tile_size]
+                bound = alpha * tile.abs().max()
+                scale = bound / 127
+                tile_scales[t, i] = scale
+                tile.copy_(to_int8(torch.clamp(tile, -bound, bound) / scale) if scale > 0 else torch.zeros_like(tile))
 
+    cache_rows = ((kv_cache, latents), (kr_cache, key_ropes))
+    if kv_cache_quant_mode == 3:  # the rope key and scales bytes of the packed row: written, values left NaN
+        packed = torch.full((tokens, kv_cache.shape[-1]), float("nan"), dtype=F64)
+        packed[:, :latent] = latents
+        cache_rows = ((kv_cache, packed), (kr_cache, key_ropes[:, :0]))
     caches = []
-    for cache, rows in ((kv_cache, latents), (kr_cache, key_ropes)):
+    for cache, rows in cache_rows:
         expected = cache.to(F64).clone()
         written = torch.zeros(cache.shape, dtype=torch.bool)
         flat_expected, flat_written = expected.view(-1), written.view(-1)
@@ -154,4 +179,4 @@ def mla_prolog_oracle(token_x, weight_dq, weight_uq_qr, weight_uk, weight_dkv_kr
         caches += [expected, written]
     return MlaPrologOracle(query.reshape(*lead, heads, latent), query_rope.reshape(*lead, heads, rope_dim),
                            query_norm.reshape(*lead, -1), query_norm_scale, caches[0], caches[2], caches[1], caches[3],
-                           query_scale)
+                           query_scale, *((latents, key_ropes, tile_scales) if kv_cache_quant_mode == 3 else ()))

@@ -24,13 +24,13 @@ if TYPE_CHECKING:
 class MlaPrologRows(NamedTuple):
     """Per token row, in the input dtype: query [T, N, Hckv] (int8 with query_quant_mode 1), query_rope [T, N, Dr],
     query_norm [T, Hcq] (c^Q), latent [T, Hckv] and key_rope [T, Dr] (what went into the caches, in the caches'
-    dtypes)."""
+    dtypes; with kv_cache_quant_mode 3 latent holds the packed int8 rows [T, Dtile] and key_rope is None)."""
 
     query: torch.Tensor
     query_rope: torch.Tensor
     query_norm: torch.Tensor
     latent: torch.Tensor
-    key_rope: torch.Tensor
+    key_rope: torch.Tensor | None
     query_norm_scale: torch.Tensor | None  # float32 [T, 1] when c^Q is quantised (query_norm is then int8)
     query_scale: torch.Tensor | None = None  # float32 [T, N, 1] with query_quant_mode 1 (dequant_scale_q_nope)
 
@@ -45,6 +45,7 @@ class QuantScales(NamedTuple):
     smooth_cq: torch.Tensor | None = None  # [1, Hcq] or [1]
     ckv: torch.Tensor | None = None  # quant_scale_ckv: [1, Hckv] per channel, or one value ([1], [1, 1], [1, Hckv])
     ckr: torch.Tensor | None = None  # quant_scale_ckr: [1, Dr]
+    clip_alpha: torch.Tensor | None = None  # k_nope_clip_alpha: [1] (kv_cache_quant_mode 3)
 
 
 def dequantized_product(a: torch.Tensor, a_scale: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor,
@@ -93,34 +94,55 @@ def mla_prolog(problem: MlaPrologProblem, x: torch.Tensor, weight_dq: torch.Tens
     query, query_rope, query_scale = kept(query), kept(query_rope), None
     if p.query_quant_mode == 1:
         query, query_rope, query_scale = quantize_query(query, query_rope, scales.ckv.reshape(-1)[0].to(compute))
-    if p.kv_cache_quant_mode:  # the latent quantised from its fp32 value, the rope key from its rounded one
+    if p.packed_rows:  # one packed row per token, into kv_cache alone
+        latent = pack_rows(latent, key_rope.to(dtype), scales.clip_alpha.reshape(()).to(compute), p.tile_size)
+        key_rope = None
+    elif p.kv_cache_quant_mode:  # the latent quantised from its fp32 value, the rope key from its rounded one
         ckv = scales.ckv.reshape(1, -1)[:, : 1 if p.kv_cache_quant_mode == 1 else None]
         latent = round_to_int8(latent * ckv.to(compute))
     if p.kv_cache_quant_mode == 2:
         key_rope = round_to_int8(key_rope * scales.ckr.reshape(1, -1).to(compute))
     rows = MlaPrologRows(query.to(torch.int8 if query_scale is not None else dtype), query_rope.to(dtype), q_norm,
-                         latent.to(kv_cache.dtype), key_rope.to(kr_cache.dtype), q_norm_scale, query_scale)
+                         latent.to(kv_cache.dtype), None if key_rope is None else key_rope.to(kr_cache.dtype),
+                         q_norm_scale, query_scale)
     write_caches(kv_cache, kr_cache, rows.latent, rows.key_rope, slots, paged=p.paged, nz=p.cache_mode == "PA_NZ")
     return rows
 
 
-def write_caches(kv_cache: torch.Tensor, kr_cache: torch.Tensor, latent: torch.Tensor, key_rope: torch.Tensor,
+def pack_rows(latent: torch.Tensor, key_rope: torch.Tensor, alpha: torch.Tensor, tile_size: int) -> torch.Tensor:
+    """kv_cache_quant_mode 3: per token the int8 row [Hckv int8 latent | Dr rope values (their bytes) | one float32
+    scale per tile of `tile_size` latent channels] (docs/operators/mla_prolog.md). Per tile: a = max |x|, x clipped
+    to [-alpha a, alpha a], scale = alpha a / 127, int8 round(x / scale) (ties to even); a tile of zeros gives zeros
+    and scale 0."""
+    tokens = latent.shape[0]
+    tiles = latent.view(tokens, -1, tile_size)
+    bound = alpha * tiles.abs().amax(-1, keepdim=True)
+    scale = bound / 127
+    safe = torch.where(scale > 0, scale, torch.ones_like(scale))
+    quantized = round_to_int8(torch.where(scale > 0, torch.clamp(tiles, -bound, bound) / safe, 0)).view(tokens, -1)
+    parts = (quantized.view(torch.uint8), key_rope.contiguous().view(torch.uint8),
+             scale.reshape(tokens, -1).to(torch.float32).contiguous().view(torch.uint8))
+    return torch.cat(parts, -1).view(torch.int8)
+
+
+def write_caches(kv_cache: torch.Tensor, kr_cache: torch.Tensor, latent: torch.Tensor, key_rope: torch.Tensor | None,
                  slots: torch.Tensor | None, *, paged: bool, nz: bool) -> None:
     """Write token t's latent [T, Hckv] and rope key [T, Dr] (the caches' dtype) at its cache row: slot slots[t]
     = block * BlockSize + offset of a paged cache [BlockNum, BlockSize, Nkv, width] (PA_NZ: its memory read as NZ
     blocks, `problem/nz.py`; slots None: a pool of 0 blocks), row t of a BSND / TND cache. Nothing else is
-    touched."""
+    touched. `key_rope` None: the rope keys are inside the latent rows (kv_cache_quant_mode 3), kr_cache untouched."""
+    pairs = [(kv_cache, latent)] + ([] if key_rope is None else [(kr_cache, key_rope)])
     if not paged:
-        kv_cache.view(-1, latent.shape[-1]).copy_(latent)
-        kr_cache.view(-1, key_rope.shape[-1]).copy_(key_rope)
+        for cache, values in pairs:
+            cache.view(-1, values.shape[-1]).copy_(values)
         return
     if slots is None:
         return
     kept = slots != PADDING_SLOT
-    slots, latent, key_rope = slots[kept], latent[kept], key_rope[kept]
+    slots = slots[kept]
     if slots.numel() == 0:
         return
-    for cache, values in ((kv_cache, latent), (kr_cache, key_rope)):
+    for cache, values in ((cache, values[kept]) for cache, values in pairs):
         blocks, block_size, kv_heads = cache.shape[0], cache.shape[1], cache.shape[2]
         block, offset = slots // block_size, slots % block_size
         if nz:
