@@ -984,3 +984,53 @@ def test_kv_cache_quant_mode_3_packed_rows(dtype, cache_mode, lead, alpha):
         torch.testing.assert_close(scales.double(), expected.tile_scales, rtol=2e-2, atol=0)
     if alpha < 1:  # clipping: the largest value of a tile reaches the int8 limit
         assert (values.view(-1, latent // tile, tile).abs().amax(-1) == 127).all()
+
+
+def test_packed_rows_feed_the_kv_quant_sparse_attention():
+    """DeepSeek-V3.2's C8 step the recipes' way: npu_mla_prolog_v3 with kv_cache_quant_mode=3 writes the packed
+    rows (cann-recipes-infer models/deepseek_v3_2_exp/models/modeling_deepseek.py:1443-1477), and
+    npu_kv_quant_sparse_flash_attention reads the same pool as key and value (layout_kv "PA_BSND",
+    quant_scale_repo_mode=1, tile_size=128, rope_head_dim=64, attention_mode=2, as that model calls it). Every key
+    selected: the attention equals the one of the prolog's oracle rows (the int8 latent times its tile scale, the
+    rope key) within the bf16 output, and the unquantised float64 layer within the int8 rounding."""
+    gen = torch.Generator().manual_seed(71)
+    lengths, heads, block_size = [20, 9], 2, 32
+    tokens = sum(lengths)
+    case = PrologCase(gen, lead=(tokens,), heads=heads, latent=512, rope=64, blocks=3, block_size=block_size)
+    quant = quantized_uq_qr(case, gen, None)
+    table = torch.tensor([[2], [0]], dtype=torch.int32)
+    case.cache_index = torch.cat([table[b, 0] * block_size + torch.arange(n) for b, n in enumerate(lengths)])
+    case.kv_cache = torch.zeros(3, block_size, 1, 656, dtype=torch.int8)
+    float_kr = case.kr_cache
+    case.kr_cache = torch.empty((1, 2, 1, 0), dtype=BF16)
+    clip = torch.ones(1)
+    q_nope, q_pe, _, _, _ = torch_npu.npu_mla_prolog_v3(
+        *case.weights(), case.kv_cache, case.kr_cache, cache_index=case.cache_index, kv_cache_quant_mode=3,
+        ckvkr_repo_mode=1, quant_scale_repo_mode=1, tile_size=128, k_nope_clip_alpha=clip, **quant)
+    last = torch.tensor(lengths).cumsum(0) - 1
+    indices = torch.full((2, 1, max(lengths)), -1, dtype=torch.int32)
+    for b, n in enumerate(lengths):
+        indices[b, 0, :n] = torch.arange(n)
+    scale = 0.05
+    attention = torch_npu.npu_kv_quant_sparse_flash_attention(
+        torch.cat([q_nope[last], q_pe[last]], -1).contiguous(), case.kv_cache, case.kv_cache, indices, scale, 2, 2,
+        block_table=table, actual_seq_lengths_query=torch.tensor([1, 2], dtype=torch.int32),
+        actual_seq_lengths_kv=torch.tensor(lengths, dtype=torch.int32), layout_query="TND", layout_kv="PA_BSND",
+        sparse_mode=3, attention_mode=2, quant_scale_repo_mode=1, tile_size=128, rope_head_dim=64)
+    oracle = mla_prolog_oracle(*case.weights(), torch.zeros(3, block_size, 1, 656, dtype=torch.int8), float_kr,
+                               case.cache_index, dequant_scale_w_uq_qr=quant["dequant_scale_w_uq_qr"],
+                               kv_cache_quant_mode=3, tile_size=128, k_nope_clip_alpha=clip)
+    plain = mla_prolog_oracle(*case.weights(), torch.zeros(3, block_size, 1, 512), float_kr, case.cache_index,
+                              dequant_scale_w_uq_qr=quant["dequant_scale_w_uq_qr"])
+    stored = oracle.packed_latent.view(tokens, 4, 128) * oracle.tile_scales.unsqueeze(-1)
+    for latent, key_rope, tolerance in ((stored.view(tokens, 512), oracle.packed_key_rope, 1e-2),
+                                        (token_rows(case, plain.kv_cache)[:, :512], plain.kr_cache.view(-1, 64)[
+                                            case.cache_index], 5e-2)):
+        expected = []
+        for b, end in enumerate(last.tolist()):
+            keys = slice(end + 1 - lengths[b], end + 1)
+            scores = q_nope[end].double() @ latent[keys].T + q_pe[end].double() @ key_rope[keys].T
+            expected.append(torch.softmax(scale * scores, -1) @ latent[keys])
+        expected = torch.stack(expected)  # [T, N, 512]
+        error = (attention.double() - expected).abs().max() / expected.abs().max()
+        assert error < tolerance, (tolerance, error)
