@@ -13,9 +13,10 @@ cann-recipes-infer's deepseek_v3_2_exp does with an int8 KV cache, through the t
         layout_query="TND", layout_kv="PA_BSND", attention_mode=2, ...) -> [T, N, 512]
     out = (attention W_uv) W_o
 
-The recipes' prolog writes the int8 latent row (512 int8 values, the bf16 rope key, 4 fp32 tile scales: 656 bytes)
-itself with kv_cache_quant_mode=3; cann_attn computes the unquantised prolog only, so here the bf16 latent and rope
-key it wrote are packed into that row by the step (docs/operators/mla_prolog.md, docs/operators/quant_dsa.md).
+The recipes' W8A8 prolog writes the int8 latent row (512 int8 values, the bf16 rope key, 4 fp32 tile scales: 656
+bytes) itself with kv_cache_quant_mode=3, which needs an int8 weight_uq_qr (tests/test_mla_prolog.py runs that call
+into this attention); this layer keeps bf16 weights, so the step packs the bf16 latent and rope key the prolog wrote
+into that row (docs/operators/mla_prolog.md, docs/operators/quant_dsa.md).
 
 The float64 layer computes every stage from the formulas of those pages with plain tensor operations: the prolog from
 the weights (RmsNorm, interleaved-pair RoPE), the index scores of the same int8 tensors and their top-k, softmax
