@@ -23,6 +23,14 @@
 /* Rows are fetched into L2 one tile ahead (prefetch_rows): measured best against none (1.3x slower), into L1, or
  * two and four tiles ahead (BNSD, BSH and paged bf16 caches, one thread). */
 #define DECODE_AHEAD 1
+/* Each 4 KiB page of the key / value rows DECODE_PAGE_AHEAD tiles on is touched (one line, touch_tile_pages), so that
+ * its address translation is done before the tile's rows are fetched. Caches in 4 KiB pages read slower than the
+ * same bytes in 2 MiB pages, by an amount that varies from allocation to allocation (a plain sum over them too:
+ * 19-26 against 31-34 GB/s); the touch takes back most of the decode's share of it (bf16 BNSD, B 8, N 32/8, Skv
+ * 8192, D 128, one thread, ns per key, 4 KiB-page caches: 41.9 -> 33.3, 39.7 -> 32.1, 34.7 -> 32.8; BSH 37.4 ->
+ * 34.8; paged BSH 38.8 -> 37.0; 2 MiB pages: 30.7 -> 30.2), two and six tiles ahead about the same, eight and
+ * sixteen less; a T2 prefetch of the line or a load instead gained less or nothing. */
+#define DECODE_PAGE_AHEAD 4
 /* Bound on the partial sums of split chunks held at once (floats): pairs are taken in waves below it. */
 #define DECODE_PARTIAL_FLOATS ((int64_t)4 << 20)
 
@@ -645,6 +653,47 @@ static void decode_tile(const struct decode_args *a, int64_t b, int64_t h, int64
     }
 }
 
+/* Touches (a non-temporal prefetch of one line) each 4 KiB page of `rows` rows `stride` bytes apart from `first`,
+ * each `bytes` long. */
+static inline void touch_run_pages(const char *first, int64_t rows, int64_t stride, int64_t bytes) {
+    if (rows <= 0)
+        return;
+    if (stride >= 4096) {
+        for (int64_t j = 0; j < rows; j++)
+            _mm_prefetch(first + j * stride, _MM_HINT_NTA);
+        return;
+    }
+    const uintptr_t end = (uintptr_t)first + (uintptr_t)((rows - 1) * stride + bytes);
+    _mm_prefetch(first, _MM_HINT_NTA);
+    for (uintptr_t p = ((uintptr_t)first & ~(uintptr_t)4095) + 4096; p < end; p += 4096)
+        _mm_prefetch((const char *)p, _MM_HINT_NTA);
+}
+
+/* The pages of kv head h's key and value rows of the tile at jp of work item it's sequence (nothing past the
+ * sequence's end; NZ caches untouched). */
+static void touch_tile_pages(const struct decode_args *a, const struct decode_item *it, int64_t h, int64_t jp) {
+    if (jp >= it->length || a->k_c0 > 0 || a->v_c0 > 0)
+        return;
+    const int64_t wp = it->length - jp < DECODE_BLOCK ? it->length - jp : DECODE_BLOCK;
+    const int32_t *table_row = a->table ? a->table + it->batch * a->table_stride : NULL;
+    const int64_t seq = a->table ? 0 : it->batch;
+    for (int s = 0; s < 2; s++) {
+        const int64_t n = s ? a->dim_v : a->dim - a->dim_r, row_bytes = (a->dtype >= 6 ? n / 2 : n) * a->esize;
+        const int64_t sb = s ? a->v_sb : a->k_sb, sh = s ? a->v_sh : a->k_sh, ss = s ? a->v_ss : a->k_ss;
+        const char *base = (const char *)(s ? a->v : a->k) + (seq * sb + h * sh) * a->esize;
+        if (!table_row) {
+            touch_run_pages(base + jp * ss * a->esize, wp, ss * a->esize, row_bytes);
+            continue;
+        }
+        for (int64_t j = jp; j < jp + wp;) {
+            const int64_t slot = j % a->page, run = a->page - slot < jp + wp - j ? a->page - slot : jp + wp - j;
+            touch_run_pages(base + ((int64_t)table_row[j / a->page] * sb + slot * ss) * a->esize, run, ss * a->esize,
+                            row_bytes);
+            j += run;
+        }
+    }
+}
+
 /* One work item: each kv head's tiles of its range in order. Its results go to the output rows (an unsplit entry)
  * or to the partial sums of its chunk. */
 static void decode_item_run(const struct decode_args *a, const struct decode_item *it, const float *q,
@@ -688,6 +737,9 @@ static void decode_item_run(const struct decode_args *a, const struct decode_ite
         /* Tile by tile, the range's first tiles have no earlier tile of their head to fetch them: each fetches the
          * next head's too (same positions; bf16 BSH 24.7 -> 23.6 ms, B 8, N 32/8, Skv 8192, D 128, one thread). */
         const int64_t h2 = !heads_outer && j0 == it->j0 && h + 1 < heads_kv ? h + 1 : h;
+        /* Tile by tile, the kv heads of a position share its pages: the first head touches them for all. */
+        if (heads_outer || h == 0)
+            touch_tile_pages(a, it, h, j0 + DECODE_PAGE_AHEAD * DECODE_BLOCK);
         decode_tile(a, it->batch, h, j0, w, hn, jn, wn, h2, h2 != h ? w : 0, j0 == it->j0, q + pair * group * a->dim,
                     sc->packed ? sc->packed + h * packed_size : NULL, acc, m, l, sc);
     }
