@@ -28,8 +28,8 @@ KV_HEADS = 1
 
 # The quantised scenarios and what each mode parameter's non-zero values select (op-plugin's page). Computed:
 # weight_quant_mode 1 and 2, kv_cache_quant_mode 2 with weight_quant_mode 1, kv_cache_quant_mode 1 with
-# weight_quant_mode 2 and query_quant_mode 1 (COMPUTED_SCENARIOS); every other non-zero value is refused naming its
-# parameter.
+# weight_quant_mode 2 and query_quant_mode 1, kv_cache_quant_mode 3 (packed rows) with weight_quant_mode 1 or 2
+# (COMPUTED_SCENARIOS); every other non-zero value is refused naming its parameter.
 QUANT_MODES = {
     "weight_quant_mode": {0: "no weight quantisation", 1: "int8 weight_uq_qr", 2: "int8 weight_dq, weight_uq_qr and "
                           "weight_dkv_kr (int8 token_x)", 3: "per-tile / mxfp8 weights"},
@@ -77,7 +77,7 @@ class MlaPrologProblem:
     kc_scale: float
     query_norm: bool
     weight_quant_mode: int  # 1: int8 weight_uq_qr (c^Q quantised per token); 2: also int8 token_x, W^DQ, W^DKVKR
-    kv_cache_quant_mode: int = 0  # 1: int8 kv_cache per tensor; 2: int8 kv_cache and kr_cache per channel
+    kv_cache_quant_mode: int = 0  # 1: int8 kv_cache per tensor; 2: int8 kv_cache and kr_cache per channel; 3: per tile
     query_quant_mode: int = 0  # 1: int8 query per token and head, with dequant_scale_q_nope
     tile_size: int = 128  # kv_cache_quant_mode 3: latent channels per int8 tile
 
@@ -152,8 +152,8 @@ def _check_modes(modes: dict[str, int], quant_tensors: dict[str, torch.Tensor | 
     taken = WEIGHT_QUANT_SCALES[quant_mode] + KV_QUANT_SCALES[kv_quant_mode]
     for name, tensor in quant_tensors.items():
         if tensor is not None and name not in taken:
-            raise ParamInvalidError(f"{name}: only quantised modes that are not supported take it; expected None, "
-                                    f"got {describe(tensor)}")
+            raise ParamInvalidError(f"{name}: weight_quant_mode={quant_mode}, kv_cache_quant_mode={kv_quant_mode} "
+                                    f"does not take it; expected None, got {describe(tensor)}")
     if actual_seq_len is not None:
         raise ParamInvalidError("actual_seq_len: only the block-index cache modes (PA_BLK_BSND, PA_BLK_NZ) take it, "
                                 "and they are not supported; expected None")
