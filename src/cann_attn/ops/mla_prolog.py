@@ -14,6 +14,7 @@ import torch
 from ..backends import select_backend
 from ..backends.reference import mla_prolog as reference
 from ..errors import ParamInvalidError, ParamNullptrError, describe, require, require_bool, require_finite, require_int
+from ..problem.dequant import packed_row_bytes
 from ..problem.nz import nz_layout_chunk
 from ..problem.page_table import PADDING_SLOT, BlockSizeRule
 from ..problem.policy import beyond_docs
@@ -267,12 +268,6 @@ def _check_weights(token_x, weight_dq, weight_uq_qr, weight_uk, weight_dkv_kr, g
     require(weight_dkv_kr.dim() == 2 and tuple(weight_dkv_kr.shape) == (hidden, latent + rope_dim), "weight_dkv_kr",
             f"a 2-D tensor [He, Hckv + Dr] = [{hidden}, {latent + rope_dim}]", weight_dkv_kr)
     return hidden, q_latent, heads, nope_dim, rope_dim, latent
-
-
-def packed_row_bytes(latent: int, rope_dim: int, tile_size: int, dtype: torch.dtype) -> int:
-    """Dtile: the bytes of one packed row of kv_cache_quant_mode 3: Hckv int8 latent values, Dr rope values in the
-    float dtype, one float32 scale per tile of the latent (656 for DeepSeek-V3.2's 512 / 64 bf16 / 128)."""
-    return latent + rope_dim * dtype.itemsize + 4 * (latent // tile_size)
 
 
 def _check_caches(token_x, kv_cache, kr_cache, cache_mode: str, latent: int, rope_dim: int,

@@ -79,10 +79,16 @@ class CombinedCache:
     scales: torch.Tensor
 
 
+def packed_row_bytes(latent: int, rope_dim: int, tile_size: int, dtype: torch.dtype) -> int:
+    """Bytes of one packed row: `latent` int8 values, `rope_dim` values of the float `dtype`, one float32 scale per
+    `tile_size` latent values; the row MlaProlog's kv_cache_quant_mode 3 writes (docs/operators/mla_prolog.md) and
+    KvQuantSparseFlashAttention reads."""
+    return latent + rope_dim * torch.empty((), dtype=dtype).element_size() + SCALE_BYTES * (latent // tile_size)
+
+
 def combined_width(query_dtype: torch.dtype) -> int:
     """Bytes per cache row: latent + rope in the query's dtype + one fp32 scale per tile (656 for fp16 / bf16)."""
-    return LATENT_DIM + ROPE_DIM * torch.empty((), dtype=query_dtype).element_size() + \
-        SCALE_BYTES * (LATENT_DIM // TILE_SIZE)
+    return packed_row_bytes(LATENT_DIM, ROPE_DIM, TILE_SIZE, query_dtype)
 
 
 def split_combined(cache: torch.Tensor, query_dtype: torch.dtype) -> CombinedCache:
