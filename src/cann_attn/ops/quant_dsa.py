@@ -68,8 +68,8 @@ def _quant_indexer_unsupported(query: torch.Tensor) -> str | None:
 
 
 def _check_query_heads(query: torch.Tensor) -> None:
-    """N1 within the documented head counts: 1 .. 64, and for float8_e4m3fn inputs one of 8, 16, 24, 32, 64. A
-    query without rows may have no heads either."""
+    """N1 within the documented head counts: 1 .. 64, and for float8_e4m3fn inputs one of 8, 16, 24, 32, 64
+    (docs/operators/quant_dsa.md). A query without rows may have no heads either."""
     heads = query.shape[-2]
     if heads == 0 and query.shape[:-2].numel() == 0:
         return

@@ -54,7 +54,7 @@ def _scenario_of_dtypes(token_x, weight_uq_qr, kv_cache, *, full_quant: bool) ->
     """The v1 / v2 pages select the quantised scenario by dtypes (v3 by its mode parameters): int8 weight_uq_qr is
     the partial quantisation (weight_quant_mode 1), int8 token_x (v2 only) the full one (2); an int8 kv_cache is then
     the quantised cache of that scenario: per channel (kv_cache_quant_mode 2) or per tensor with the int8 query
-    (kv_cache_quant_mode 1, query_quant_mode 1)."""
+    (kv_cache_quant_mode 1, query_quant_mode 1); docs/operators/mla_prolog.md, "Outputs"."""
     weight_mode = 2 if full_quant and _is_int8(token_x) else 1 if _is_int8(weight_uq_qr) else 0
     if not _is_int8(kv_cache):
         return {"weight_quant_mode": weight_mode}
