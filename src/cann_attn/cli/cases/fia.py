@@ -10,6 +10,7 @@ import torch
 
 import cann_attn
 
+from ...problem.antiquant import PAGED_TOKEN_MODE, QUERY_QUANT_MODES
 from ...problem.nz import NZ_DIMS, from_nz
 from ...testing.fia_oracle import fia_oracle
 from ...testing.fia_quant_oracle import dequantised_mla_operands, dequantised_paged_tokens
@@ -70,8 +71,6 @@ def _fia_golden(op: str, naive: bool = False) -> Callable[[Call], Outputs]:
     return golden
 
 
-_PAGED_TOKEN_MODE = 4
-_INT8_QUERY_MODE = 3
 _V2_QUANT = ("dequant_scale_query", "dequant_scale_key", "dequant_scale_value", "query_quant_mode", "key_quant_mode",
              "value_quant_mode")
 
@@ -86,13 +85,13 @@ def _dequantised_v2(named: dict[str, Any]) -> dict[str, Any]:
     caches") as the float64 call they stand for: the int8 MLA query (query_quant_mode 3) and its per-tensor int8
     latent (NZ caches read as ND), or paged caches with per-token scales (key/value_quant_mode 4). Others
     unchanged."""
-    if named.get("query_quant_mode") == _INT8_QUERY_MODE:
+    if named.get("query_quant_mode") in QUERY_QUANT_MODES:
         q, k, v, q_rope = dequantised_mla_operands(
             named["query"], _nd(named["key"]), _nd(named["value"]), named["query_rope"],
             named["dequant_scale_query"], named["dequant_scale_key"], named["dequant_scale_value"])
         named = {**named, "query": q, "key": k, "value": v, "query_rope": q_rope,
                  "key_rope": _nd(named["key_rope"]).to(torch.float64)}
-    elif named.get("key_quant_mode") == _PAGED_TOKEN_MODE:
+    elif named.get("key_quant_mode") == PAGED_TOKEN_MODE:
         dtype = named["query"].dtype
         named = {**named, "key": dequantised_paged_tokens(named["key"], named["dequant_scale_key"], dtype),
                  "value": dequantised_paged_tokens(named["value"], named["dequant_scale_value"], dtype)}
