@@ -12,6 +12,7 @@ from typing import Any
 
 import torch
 
+from ...ops.mla_prolog import PER_TILE
 from ...testing.mla_prolog_oracle import mla_prolog_oracle
 from . import _common as common
 from ._common import (
@@ -36,7 +37,6 @@ OUTPUTS = ("query", "query_rope", "dequant_scale_q_nope", "query_norm", "dequant
 WRITTEN = ("kv_cache", "kr_cache")
 _REPO_MODE = ("fixed by kv_cache_quant_mode: 1 with its packed rows (3), else 0 (the operator refuses other "
               "combinations); the golden refuses kv_cache_quant_mode 3")
-PACKED_ROWS = 3
 
 
 class PrologOperator(common.Operator):
@@ -45,7 +45,7 @@ class PrologOperator(common.Operator):
 
     def check(self, named: Mapping[str, Any]) -> None:
         super().check(named)
-        if named.get("kv_cache_quant_mode") == PACKED_ROWS:
+        if named.get("kv_cache_quant_mode") == PER_TILE:
             raise common.UnsupportedParameter(OP, "kv_cache_quant_mode", message=(
                 "kv_cache_quant_mode: 3 writes packed rows (int8 latent, rope key and float32 tile scales as bytes "
                 "of one int8 row) that compare cannot judge as int8 values; the golden takes 0, 1 or 2"))
