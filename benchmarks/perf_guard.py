@@ -13,8 +13,8 @@ bench_pfa, bench_sparse_attention, bench_decode), so the guard measures what the
   sfa.forward_bs64_dispersed            the same, block 64 in mode 0, each row 8 random blocks of the 64
   decode.fia_paged_bf16                 FIA bf16 paged decode (B8 N32/8 Skv 8192 D128, blocks of 128): K/V bytes per
                                         second over a streaming read's (bench_decode)
-The clock (`--clock`, default `cpu`) is this process's CPU time with one thread (torch.set_num_threads(1)): on the
-shared 2-core machine wall times of the same build move by 2x with the neighbours' load, single-thread CPU times by
+The clock (`--clock`, default `cpu`) is this process's CPU time with one thread (torch.set_num_threads(1)): on a
+busy 2-core machine wall times of the same build move by 2x with the other processes' load, single-thread CPU times by
 ~10-20%. `--clock wall` times wall-clock with torch's threads (what the benchmarks report; catches threading
 regressions, needs a quiet machine). A baseline records its clock and threads; the check refuses to compare
 across them.
@@ -51,7 +51,7 @@ import common
 HERE = Path(__file__).resolve().parent
 BASELINE = HERE / "baseline.json"
 # A ratio fails when it falls below baseline * (1 - MARGIN), in two measurements running. 0.12: over five rounds of
-# one build on the shared 2-core machine (load average 7-10), each case's best-of-5 single-thread CPU-time ratio
+# one build on a busy 2-core machine (load average 7-10), each case's best-of-5 single-thread CPU-time ratio
 # stayed within 9% below its median (docs/performance.md); growing every masked forward tile to 1024
 # query rows measured -24..-27% (band) and -13.6..-14.8% (PFA fp16).
 MARGIN = 0.12

@@ -20,7 +20,7 @@ _TESTS_DIR = str(Path(__file__).resolve().parent)
 if _TESTS_DIR not in sys.path:
     sys.path.insert(0, _TESTS_DIR)
 
-# "ci" (default): no deadline (CPU timings vary a lot on shared 2-core machines), tolerant of slow generation.
+# "ci" (default): no deadline (CPU timings vary a lot on busy machines), tolerant of slow generation.
 settings.register_profile(
     "ci", deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large]
 )

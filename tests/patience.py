@@ -1,8 +1,8 @@
 """How long the suite waits for a subprocess, a compiler or a process group before calling it hung.
 
-The suite must pass on a busy 2-core machine (`make test` beside another `make test`), where a step that takes
+The suite must pass on a busy 2-core machine (two test runs side by side), where a step that takes
 15 s quietly can take several minutes. A limit here only catches a hang, so each is far above any duration a slow
-machine produces; the 90-minute ceiling of a whole test run still bounds the worst case.
+machine produces; a hang in a step therefore shows as a failure, not as a run that never ends.
 """
 
 from __future__ import annotations

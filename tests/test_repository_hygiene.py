@@ -1,6 +1,5 @@
-"""The repository speaks of the project alone: no tracked file refers to issue numbers, to how the machines the
-project was built or measured on are handed out and run, to files that are not in the repository, or tells the code's
-history (commit hashes as history, before/after sections); history lives in the git log.
+"""Every reference in a tracked file resolves inside the repository: no tracker numbers, no absolute paths of a
+particular machine, no commit hashes told as history (the history lives in the git log).
 
 Every file `git ls-files` lists is read (images, fonts and the bundled third-party assets excepted) and each line is
 matched against the patterns below. A hit fails the test with file, line and the matched text. Legitimate text that
@@ -17,29 +16,13 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 
-# The words the rules look for are assembled from pieces, so that this file, which must name them to find them, does
-# not itself contain the references it forbids.
-ISSUE = "iss" + "ue"
-OUTSIDE_NOTES = "|".join(("ANCH" + "ORS", "SEMAN" + "TICS", "DES" + "IGN", "KIN" + "DS", "MET" + "HOD",
-                          "HOP" + "PER", "H2" + "00", "COM" + "MON"))
-SHARED = "sha" + "red"
-LEASE = "lea" + "se"
-SESSION = "ses" + "sion"
+TRACKER = "iss" + "ue"  # spelled in two pieces so that this file's own patterns do not catch it
 
 PATTERNS: dict[str, re.Pattern[str]] = {
     # A tracker number, written out or as "#" and digits (not "#include", a markdown anchor, a CSS colour, "sm_90").
-    "an issue number": re.compile(rf"\b{ISSUE}s? ?#?\d+|(?<![\w&/#'\"=:.-])#\d{{1,4}}\b(?![\w;-])", re.I),
-    # Files of the specification folder and of the machines' instructions, or paths outside the checkout.
-    "a file outside the repository": re.compile(
-        rf"\b({OUTSIDE_NOTES})\.md\b|\.\./{SHARED}\b|\b{SHARED}/spec\b|/wo" r"rk/"
-        r"|\bspec folder\b|\bseeds?\b(?='s|\s*:\d|\s+(?:参|约|intercept|recommend|FlashAttention|aclnn|Prompt))"
-        r"|\bthe seeds\b|\(sections? \d|\bsections? \d+(?:-\d+)?\)|\b\w+\.md:\d+"),
-    # How outside machines are handed out and run: their time budgets, what comes back, what travels to them.
-    "the machines' procedure": re.compile(
-        rf"\b{LEASE}d?\b|\b{LEASE}s\b|" r"\bdevice (?:tool|time|call|command)s?\b|\blent\b|\bcarr(?:y|ied|ies)\b:?\s*"
-        r"(?:\[?\"?\.?triton_cache|Triton cache|cache\b)|carried (?:cache|folder)|\bhelpers'? load|\bCEO\b"
-        rf"|\b(?:this|the|a|one|that|next|previous) {SESSION}\b|\b{SESSION}'s\b|result files come back",
-        re.I),
+    "a tracker number": re.compile(rf"\b{TRACKER}s? ?#?\d+|(?<![\w&/#'\"=:.-])#\d{{1,4}}\b(?![\w;-])", re.I),
+    # An absolute path of one machine's file system: a reader of the repository cannot open it.
+    "a path outside the repository": re.compile(r"(?<![\w.~$}])/(?:home|work|root|mnt|Users)/\w"),
     # History told in the docs and comments: a before/after section, a commit hash as a point in the history.
     "history": re.compile(r"\bBefore and after\b|\bbefore_[0-9a-f]{7}|(?<![\w.+-])(?!0[bx])"
                           r"(?=[0-9a-f]*[a-f])(?=[0-9a-f]*\d)[0-9a-f]{7,12}\b(?![.\w])"),
@@ -82,12 +65,12 @@ def findings(path: str, text: str) -> list[str]:
             match = pattern.search(line)
             if match:
                 hits.append(f"{path}:{number}: [{what}] {match.group(0)!r}: {line.strip()[:160]}")
-    if re.search(rf"{ISSUE}s?[_ -]?\d", path, re.I):
-        hits.append(f"{path}: [an issue number] in the file's name")
+    if re.search(rf"{TRACKER}s?[_ -]?\d", path, re.I):
+        hits.append(f"{path}: [a tracker number] in the file's name")
     return hits
 
 
-def test_no_tracked_file_refers_to_issues_procedures_outside_files_or_history():
+def test_no_tracked_file_cites_tracker_numbers_outside_paths_or_history():
     hits = []
     for path in tracked_files():
         file = ROOT / path
@@ -101,26 +84,14 @@ def test_no_tracked_file_refers_to_issues_procedures_outside_files_or_history():
     assert not hits, "\n".join(["these lines speak of something other than the project:", *hits])
 
 
-# Planted lines, with the forbidden words filled in from the pieces above.
-PLANTED = [template.format(issue=ISSUE, lease=LEASE, session=SESSION, shared=SHARED,
-                           anchors="ANCH" + "ORS.md", semantics="SEMAN" + "TICS.md") for template in (
-    "Before and after {issue} 37 (2026-11-28)",
-    "see {issue}s 9/10 for the targets",
+# Planted lines, one or more per pattern.
+PLANTED = [template.format(tracker=TRACKER) for template in (
+    "Before and after {tracker} 37 (2026-11-28)",
+    "see {tracker}s 9/10 for the targets",
     "fixed in #42",
-    "FLOPs ({anchors}): forward = 2 B N S D",
-    "written from {semantics} section 3",
-    "Invalid rows carry max = -FLT_MAX (section 3).",
-    "the seed's interception conditions hold",
-    "(seed FlashAttentionVarLenScore.md:133)",
-    "spec at ../{shared}/spec/seeds",
-    "A {lease} is 15 minutes of dev" "ice time",
-    "seven files, within the dev" "ice tool's eight",
-    "the dev" "ice tool carries it with `carry: [\".triton_cache\"]`",
-    "an H2" "00 le" "nt on 2026-11-26 spent its {lease} compiling",
-    "the {session}'s first commit and main alternated",
-    "under the other help" "ers' load",
+    "results in /home/alice/runs/fa.json",
     "the regressions of 98224a7 measured -24%",
-    "benchmarks/results/{issue}37_cpu/before_24b9c48/",
+    "benchmarks/results/{tracker}37_cpu/before_24b9c48/",
 )]
 
 
@@ -138,10 +109,9 @@ def test_each_pattern_catches_a_planted_line(line: str):
     "color: #333;",
     "torch.manual_seed(seed)",
     "the dropout seed (default: drawn from `generator`)",
-    "`$CC` may carry arguments, and a relative `CANN_ATTN_CACHE_DIR` is refused",
     "offset 3 -> 0b000000011 at bits 37..45",
-    "For centuries barges carried salt fish and barley along the Gade",
-    "the tile budget bounds memory",
+    "the cache in ~/.cache/cann_attn or $XDG_CACHE_HOME/cann_attn",
+    "python docs/figures.py --out /tmp/f",
 ])
 def test_ordinary_text_passes(line: str):
     assert not findings("docs/ordinary.md", line), findings("docs/ordinary.md", line)

@@ -143,8 +143,8 @@ class SequenceMask:
 MASKED_LOGIT = float("-inf")
 
 # Band-only bias tiles (`SequenceMask.bias_tile`), kept across calls: building one is ~6 elementwise passes over the
-# tile, each a parallel region of PyTorch's threads, serial work between the native calls (~12 ms per pass on the
-# shared 2-core machine when a thread has to wait for a busy core). Bounded (32 MiB of fp32); no lock, as
+# tile, each a parallel region of PyTorch's threads, serial work between the native calls (~12 ms per pass on a
+# busy 2-core machine when a thread has to wait for a busy core). Bounded (32 MiB of fp32); no lock, as
 # `_MASK_CACHE` below: a race builds a tile twice at worst.
 BIAS_CACHE_ELEMENTS = 1 << 23
 _BIAS_TILES: dict[tuple, torch.Tensor] = {}
