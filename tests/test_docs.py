@@ -180,6 +180,42 @@ def test_readme_links_resolve():
     assert not missing, f"README.md links to missing files: {missing}"
 
 
+TABLE_RULE = re.compile(r"^\|[\s:|-]+\|\s*$")
+
+
+def table_cell_counts(text: str) -> list[tuple[int, int, int]]:
+    """(line, header cells, row cells) of every table row outside code fences whose cell count is not its header's:
+    such a row is usually a paragraph that lost the blank line before it and now renders as a broken table cell."""
+    lines, wrong, in_code = text.split("\n"), [], False
+
+    def cells(row: str) -> int:
+        return len(re.sub(r"`[^`]*`", "C", row).replace("\\|", "").strip().strip("|").split("|"))
+
+    for n, line in enumerate(lines):
+        if FENCE.match(line):
+            in_code = not in_code
+        starts_table = line.startswith("|") and n + 1 < len(lines) and TABLE_RULE.match(lines[n + 1])
+        if in_code or not starts_table or (n and lines[n - 1].startswith("|")):
+            continue
+        header, m = cells(line), n + 2
+        while m < len(lines) and lines[m].startswith("|"):
+            if cells(lines[m]) != header:
+                wrong.append((m + 1, header, cells(lines[m])))
+            m += 1
+    return wrong
+
+
+def test_table_rows_match_their_header():
+    broken = {page.name: rows for page in PAGES if (rows := table_cell_counts(page.read_text(encoding="utf-8")))}
+    assert not broken, f"table rows whose cell count differs from the header's (line, header, row): {broken}"
+
+
+def test_table_check_sees_a_paragraph_glued_to_a_row():
+    glued = ("| a | b |\n|---|---|\n| 1 | 2 |\n| 3 | 4 | and a sentence\nthat goes on\n\n"
+             "```\n| x |\n|---|\n| 1 | 2 |\n```\n")
+    assert table_cell_counts(glued) == [(4, 2, 3)]
+
+
 def test_pages_have_examples_and_few_opt_outs():
     blocks = [block for page in PAGES for block in python_blocks(page.read_text(encoding="utf-8"))]
     runnable = [b for b in blocks if not b[2]]
