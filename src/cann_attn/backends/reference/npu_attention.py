@@ -314,13 +314,14 @@ class _Scratch:
 
 
 class _WideRows:
-    """K (key ++ rope) and V of a sparse sequence in float64, widened once per sequence (every GEMM that reads the
-    selected rows sums in float64), and the selected rows gathered from them into `_Scratch` buffers."""
+    """K (key ++ rope) and V of a sparse sequence widened once per sequence to the dtype their GEMMs sum in
+    (`_cube`: float64 for an exact sum, fp32 for one that accumulates in fp32), and the selected rows gathered from
+    them into `_Scratch` buffers."""
 
-    def __init__(self, seq, scratch: _Scratch) -> None:
+    def __init__(self, seq, scratch: _Scratch, dtype: torch.dtype) -> None:
         self.dim_v = seq.v.shape[-1]
-        self.k = seq.k.to(torch.float64)
-        self.v = None if seq.value_is_key else seq.v.to(torch.float64)  # None: V is K's first columns
+        self.k = seq.k.to(dtype)
+        self.v = None if seq.value_is_key else seq.v.to(dtype)  # None: V is K's first columns
         self.scratch = scratch
 
     def _gather(self, name: str, source: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
@@ -336,8 +337,8 @@ class _WideRows:
 
 def _selected(seq, wide: _WideRows, selection, t0: int, t1: int):
     """Rows [t0, t1) of a sparse sequence: their selection, the query (++ rope) [rows, N1, Dqk] in fp32 and the
-    selected keys / values [rows, E, D] in float64 (`_WideRows`; invalid entries point at token 0 and are masked by
-    the caller)."""
+    selected keys / values [rows, E, D] in `wide`'s dtype (invalid entries point at token 0 and are masked by the
+    caller)."""
     sel = selection.rows(t0, t1)
     q = seq.q[t0:t1].to(torch.float32)
     if seq.q_rope is not None:
@@ -353,11 +354,13 @@ def sparse_forward_sequence(seq, pipeline: AttentionPipeline, scale: float, spar
     [Sq, N1]. The selected keys are taken in steps of `SFA_KEY_BLOCK` entries (online softmax), with the AMLA step
     when the pipeline has it."""
     selection = sequence_selection(seq, sparse_mode, block_size)
-    wide = _WideRows(seq, _Scratch())
+    exact_sums = pipeline.scores.dtype != torch.float32 or pipeline.products.dtype != torch.float32
+    wide = _WideRows(seq, _Scratch(), torch.float64 if exact_sums else torch.float32)
     for t0 in range(0, seq.seq_q, BLOCK_Q):
         t1 = min(t0 + BLOCK_Q, seq.seq_q)
         sel, q, keys, values = _selected(seq, wide, selection, t0, t1)
-        s_all = pipeline.logits(pipeline.scores(_gemm(q, keys.transpose(1, 2))) * _scale(pipeline, scale))
+        scores = _cube(q.to(keys.dtype), keys.transpose(1, 2), pipeline.scores)
+        s_all = pipeline.logits(pipeline.scores(scores) * _scale(pipeline, scale))
         s_all.masked_fill_(~sel.valid.unsqueeze(1), float("-inf"))
         m, total, divisor, acc = _sparse_online(pipeline, s_all, values)
         has_keys = m != float("-inf")
@@ -390,7 +393,8 @@ def _sparse_online(pipeline: AttentionPipeline, s_all: torch.Tensor, values: tor
             n, cof = new_n, new_cof
         else:
             acc = acc * torch.exp(m - shift).unsqueeze(-1)
-        products = pipeline.products(_gemm(pipeline.probabilities(p), values[:, e0:e1]))
+        products = pipeline.products(_cube(pipeline.probabilities(p).to(values.dtype), values[:, e0:e1],
+                                           pipeline.products))
         acc = pipeline.accumulator(acc + products)
         m = new_m
     divisor = total * c if c is not None else total
@@ -406,7 +410,7 @@ def sparse_backward_sequence(seq, pipeline: GradPipeline, d_out, out, row_max, r
     f32 = torch.float32
     selection = sequence_selection(seq, sparse_mode, block_size)
     scratch = _Scratch()
-    wide = _WideRows(seq, scratch)
+    wide = _WideRows(seq, scratch, torch.float64)
     for t0 in range(0, seq.seq_q, BLOCK_Q):
         t1 = min(t0 + BLOCK_Q, seq.seq_q)
         sel, q, keys, values = _selected(seq, wide, selection, t0, t1)
@@ -421,18 +425,15 @@ def sparse_backward_sequence(seq, pipeline: GradPipeline, d_out, out, row_max, r
         dp = _gemm(do, values.transpose(1, 2)).to(f32)
         ds = pipeline.score_grad((p * (dp - d_sum)).masked_fill_(~valid, 0.0))
         p_cast = pipeline.probabilities(p)
-        dq[t0:t1] = _gemm(ds, keys).to(f32) * scale
-        dk_sel = _gemm_to_fp32(scratch, "dk", ds.transpose(1, 2), q).mul_(scale)
-        dv_sel = _gemm_to_fp32(scratch, "dv", p_cast.transpose(1, 2), do)
+        # S and dP above are exact sums; dQ, dK and dV accumulate in fp32 (docs/semantics/precision.md, "Gradients")
+        keys32 = scratch.take("k_fp32", keys.shape, f32, keys.device).copy_(keys)
+        dq[t0:t1] = torch.bmm(ds, keys32).mul_(scale)
+        dk_sel = torch.bmm(ds.transpose(1, 2), q, out=scratch.take("dk", (*keys.shape[:2], q.shape[-1]), f32,
+                                                                   q.device)).mul_(scale)
+        dv_sel = torch.bmm(p_cast.transpose(1, 2), do, out=scratch.take("dv", (*keys.shape[:2], do.shape[-1]), f32,
+                                                                        do.device))
         dk.index_add_(0, sel.tokens.reshape(-1), dk_sel.flatten(0, 1))
         dv.index_add_(0, sel.tokens.reshape(-1), dv_sel.flatten(0, 1))
-
-
-def _gemm_to_fp32(scratch: _Scratch, name: str, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """`_gemm(a, b)` rounded to fp32 (as `.to(torch.float32)`), both results in `scratch` buffers."""
-    shape = (a.shape[0], a.shape[1], b.shape[2])
-    wide = torch.bmm(a.to(torch.float64), b.to(torch.float64), out=scratch.take(name, shape, torch.float64, a.device))
-    return scratch.take(name + "_fp32", shape, torch.float32, a.device).copy_(wide)
 
 
 def quant_index_scores(pipeline: QuantIndexerPipeline, q_idx: torch.Tensor, k_idx: torch.Tensor,
