@@ -48,6 +48,7 @@ ENV_SWITCH = "CANN_ATTN_NATIVE"
 BLAS_SWITCH = "CANN_ATTN_NATIVE_BLAS"
 BF16_SWITCH = "CANN_ATTN_NATIVE_BF16"
 AVX512_SWITCH = "CANN_ATTN_NATIVE_AVX512"
+ORDERED_GEMM_SWITCH = "CANN_ATTN_NATIVE_ORDERED_GEMM"
 
 _P, _I, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
 _SIGNATURES = {
@@ -79,6 +80,9 @@ _SIGNATURES = {
     "cann_attn_has_bf16_dot": [],
     "cann_attn_alibi_skipped_terms": [],
     "cann_attn_forward_packed_gemms": [],
+    "cann_attn_ordered_gemms": [],
+    "cann_attn_set_ordered_gemm": [ctypes.c_int],
+    "cann_attn_loops_gemm": [_I, _I, _I, _I, _P, _I, _P, _I, _P, _I],
     "cann_attn_has_f16c": [],
     "cann_attn_has_avx512": [],
     "cann_attn_set_avx512": [ctypes.c_int],
@@ -86,8 +90,8 @@ _SIGNATURES = {
                         _P, _I, _I, _I, _I, _P, _I, _I, _I, _I, _I, _I, _I, _F, _F],
 }
 _INT_RESULTS = ("cann_attn_cpu_supported", "cann_attn_has_sgemm", "cann_attn_has_sgemm_pack", "cann_attn_has_bf16_dot",
-                "cann_attn_has_f16c", "cann_attn_has_avx512", "cann_attn_set_avx512")
-_INT64_RESULTS = ("cann_attn_alibi_skipped_terms", "cann_attn_forward_packed_gemms")
+                "cann_attn_has_f16c", "cann_attn_has_avx512", "cann_attn_set_avx512", "cann_attn_set_ordered_gemm")
+_INT64_RESULTS = ("cann_attn_alibi_skipped_terms", "cann_attn_forward_packed_gemms", "cann_attn_ordered_gemms")
 
 _lock = threading.Lock()
 _state: dict[str, object] = {}
@@ -196,6 +200,7 @@ def _load() -> ctypes.CDLL | None:
         lib.cann_attn_set_sgemm_pack(*(_torch_cpu_symbol((name,)) for name in SGEMM_PACK_NAMES))
         lib.cann_attn_set_blas_threads(_torch_cpu_symbol(BLAS_THREADS_NAMES))
     lib.cann_attn_set_avx512(0 if _switched_off(AVX512_SWITCH) else 1)
+    lib.cann_attn_set_ordered_gemm(0 if _switched_off(ORDERED_GEMM_SWITCH) else 1)
     return lib
 
 
@@ -477,6 +482,38 @@ def set_avx512(on: bool) -> bool:
     them off at load): bit for bit the AVX2 loop's results, only faster. Returns the setting now in force."""
     lib = library()
     return lib is not None and bool(lib.cann_attn_set_avx512(int(on)))
+
+
+def set_ordered_gemm(on: bool) -> bool:
+    """Whether the fused dense loops' GEMMs may take the AVX-512 loops of blas_order.c, which serve a shape only where
+    they gave the BLAS's own floats on it (docs/guides/backends.md); off, the BLAS runs every GEMM.
+    CANN_ATTN_NATIVE_ORDERED_GEMM=0 turns them off at load. Returns the setting now in force (needs AVX-512 steps
+    on, `set_avx512`, to take effect)."""
+    lib = library()
+    return lib is not None and bool(lib.cann_attn_set_ordered_gemm(int(on)))
+
+
+def ordered_gemms() -> int:
+    """GEMM calls of the fused loops that the ordered AVX-512 loops served since the last call (0 without the
+    library)."""
+    lib = library()
+    return 0 if lib is None else int(lib.cann_attn_ordered_gemms())
+
+
+# The operations of `loops_gemm` (blas_order.c, enum ordered_op).
+GEMM_NT, GEMM_NN, GEMM_TN = 0, 1, 2
+
+
+def loops_gemm(op: int, a: torch.Tensor, b: torch.Tensor, c: torch.Tensor) -> None:
+    """One GEMM as the fused loops run it, in place in c [m, n] (2-D fp32 tensors with unit column stride):
+    GEMM_NT c = a b^T (a [m, k], b [n, k]); GEMM_NN c += a b (a [m, k], b [k, n]); GEMM_TN c += a^T b (a [k, m],
+    b [k, n]). For tests of the ordered loops against the BLAS."""
+    lib = library()
+    assert lib is not None and all(t.dtype == torch.float32 and t.dim() == 2 and t.stride(1) == 1 for t in (a, b, c))
+    m, n = c.shape
+    k = a.shape[0] if op == GEMM_TN else a.shape[1]
+    lib.cann_attn_loops_gemm(op, m, n, k, a.data_ptr(), a.stride(0), b.data_ptr(), b.stride(0), c.data_ptr(),
+                             c.stride(0))
 
 
 class _Bf16Struct(ctypes.Structure):

@@ -13,6 +13,7 @@
  *   kl_target.c        the lightning indexer's KL target rows
  *   softmax_passes.c   per-row softmax passes for the dense kernels' PyTorch loops
  *   blas.c             the BLAS sgemm (and MKL's packed GEMM) PyTorch links, one thread per call
+ *   blas_order.c       AVX-512 GEMMs giving the BLAS's floats (checked per shape), the loops' gemm_nt / nn / tn_acc
  *   bf16_scores.c      scores of bf16 inputs from AVX512-BF16 dot products
  *   score_terms.c      what is added to a score tile: mask bias rows, generated ALiBi, dropout, live columns
  *   dense_tiles.c      key pieces of the fused dense loops and when they take packed GEMMs
@@ -92,6 +93,7 @@ static int64_t take_count(int64_t *count) {
 #include "kl_target.c"
 #include "softmax_passes.c"
 #include "blas.c"
+#include "blas_order.c"
 #include "bf16_scores.c"
 #include "score_terms.c"
 #include "dense_tiles.c"

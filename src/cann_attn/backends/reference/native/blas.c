@@ -60,21 +60,21 @@ void cann_attn_set_blas_threads(void *fn) { blas_threads_local = (blas_threads_f
     } while (0)
 
 /* Row-major C[m, n] (ldc) = A[m, kk] (lda) B[n, kk]^T (ldb) + beta C: column-major C^T = B A^T. */
-static void gemm_nt(int m, int n, int kk, const float *a, int lda, const float *b, int ldb, float beta, float *c,
+static void blas_nt(int m, int n, int kk, const float *a, int lda, const float *b, int ldb, float beta, float *c,
                     int ldc) {
     const float one = 1.0f;
     ON_ONE_THREAD(blas_sgemm("T", "N", &n, &m, &kk, &one, b, &ldb, a, &lda, &beta, c, &ldc));
 }
 
 /* Row-major C[m, n] (ldc) = A[m, kk] (lda) B[kk, n] (ldb) + beta C: column-major C^T = B^T A^T. */
-static void gemm_nn(int m, int n, int kk, const float *a, int lda, const float *b, int ldb, float beta, float *c,
+static void blas_nn(int m, int n, int kk, const float *a, int lda, const float *b, int ldb, float beta, float *c,
                     int ldc) {
     const float one = 1.0f;
     ON_ONE_THREAD(blas_sgemm("N", "N", &n, &m, &kk, &one, b, &ldb, a, &lda, &beta, c, &ldc));
 }
 
 /* Row-major C[m, n] (ldc) += A[kk, m]^T (lda) B[kk, n] (ldb): column-major C^T = B^T A. */
-static void gemm_tn_acc(int m, int n, int kk, const float *a, int lda, const float *b, int ldb, float *c, int ldc) {
+static void blas_tn_acc(int m, int n, int kk, const float *a, int lda, const float *b, int ldb, float *c, int ldc) {
     const float one = 1.0f;
     ON_ONE_THREAD(blas_sgemm("N", "T", &n, &m, &kk, &one, b, &ldb, a, &lda, &one, c, &ldc));
 }

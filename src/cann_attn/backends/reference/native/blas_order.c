@@ -1,0 +1,354 @@
+/* AVX-512 GEMMs that give the BLAS's own floats, for the fused dense loops (blas.c's gemm_nt, gemm_nn, gemm_tn_acc).
+ *
+ * MKL's sgemm on the AVX-512 AMD CPUs these loops were measured on runs its AVX2 kernels at ~100 GFLOP/s on one
+ * thread, and copies both operands on every call; a register-blocked AVX-512 loop reaches ~110 GFLOP/s on the same
+ * core with no copy of the row-major operands. Its floats are the BLAS's because it runs the same sums in the same
+ * order: each element of a product over k is one chain of fused multiply-adds from +0 over a block of kc consecutive
+ * k, the blocks added to the element one after the other (to 0 with beta 0, to C with beta 1), which is what MKL's
+ * kernels do there (kc = k up to 192, then 192 or k / 2). Whether that holds, and which kc, is not assumed: the first
+ * call of each shape (operation, m, n, k and leading dimensions) runs the BLAS and this loop with each candidate kc on
+ * the same pseudo-random operands of that shape, twice, and the loop serves the shape only where one kc gave every
+ * element of both bit for bit (the BLAS serves every other shape, other CPUs' kernels and other libraries included).
+ *
+ * Part of the attention_loops.c translation unit (included there, after blas.c; not compiled alone).
+ */
+
+/* Rows of a register tile: ORDERED_NT_ROWS x 32 columns for C = A B^T, ORDERED_ACC_ROWS x 64 for C += A B. */
+#define ORDERED_NT_ROWS 8
+#define ORDERED_ACC_ROWS 6
+/* Shapes smaller than this many elements of C keep the BLAS (which takes other code paths for a row or column of
+ * C, and the check would compare too few elements to tell orders apart). */
+#define ORDERED_MIN_ELEMENTS 256
+/* Checked shapes remembered (direct-mapped by a hash of the shape: a shape that takes another's slot is checked again
+ * when it comes back). */
+#define ORDERED_SHAPES 1024
+
+/* A [m, k] row-major at a (row stride lda); for C = A B^T the B operand packed by ordered_pack_t. */
+static int64_t ordered_panel_floats(int64_t n, int64_t k) { return (n + 31) / 32 * 32 * k; }
+
+/* B [n, k] (row stride ldb) as panels of 32 rows: packed[(p k + d) 32 + j] = B[32 p + j, d], zero past row n. */
+static void ordered_pack_t(int64_t n, int64_t k, const float *b, int64_t ldb, float *packed) {
+    for (int64_t p = 0; p * 32 < n; ++p) {
+        float *panel = packed + p * k * 32;
+        for (int64_t j = 0; j < 32; ++j) {
+            const int64_t row = p * 32 + j;
+            for (int64_t d = 0; d < k; ++d)
+                panel[d * 32 + j] = row < n ? b[row * ldb + d] : 0.0f;
+        }
+    }
+}
+
+static inline __mmask16 first_lanes(int64_t n) {
+    return n >= 16 ? (__mmask16)0xffff : n <= 0 ? (__mmask16)0 : (__mmask16)((1u << n) - 1);
+}
+
+/* C[m, n] (ldc) = A[m, k] (lda) B[n, k]^T with B packed by ordered_pack_t: each element the chains over the blocks of
+ * kc k (ordered_acc's order, beta 0). */
+__attribute__((target("avx512f"))) static void ordered_nt(int64_t m, int64_t n, int64_t k, const float *a,
+                                                           int64_t lda, const float *packed, float *c, int64_t ldc,
+                                                           int64_t kc) {
+    for (int64_t i0 = 0; i0 < m; i0 += ORDERED_NT_ROWS) {
+        const int64_t rows = m - i0 < ORDERED_NT_ROWS ? m - i0 : ORDERED_NT_ROWS;
+        const float *ar[ORDERED_NT_ROWS];
+        for (int r = 0; r < ORDERED_NT_ROWS; ++r) /* rows past m repeat the first: computed, never stored */
+            ar[r] = a + (i0 + (r < rows ? r : 0)) * lda;
+        for (int64_t p = 0; p * 32 < n; ++p) {
+            const float *panel = packed + p * k * 32;
+            const __mmask16 m0 = first_lanes(n - p * 32), m1 = first_lanes(n - p * 32 - 16);
+            for (int64_t k0 = 0; k0 < k; k0 += kc) {
+                const int64_t k1 = k - k0 < kc ? k : k0 + kc;
+                __m512 c0[ORDERED_NT_ROWS], c1[ORDERED_NT_ROWS];
+#pragma GCC unroll 8
+                for (int r = 0; r < ORDERED_NT_ROWS; ++r)
+                    c0[r] = c1[r] = _mm512_setzero_ps();
+                for (int64_t d = k0; d < k1; ++d) {
+                    const __m512 b0 = _mm512_load_ps(panel + d * 32), b1 = _mm512_load_ps(panel + d * 32 + 16);
+#pragma GCC unroll 8
+                    for (int r = 0; r < ORDERED_NT_ROWS; ++r) {
+                        const __m512 x = _mm512_set1_ps(ar[r][d]);
+                        c0[r] = _mm512_fmadd_ps(x, b0, c0[r]);
+                        c1[r] = _mm512_fmadd_ps(x, b1, c1[r]);
+                    }
+                }
+#pragma GCC unroll 8
+                for (int r = 0; r < ORDERED_NT_ROWS; ++r) {
+                    if (r >= rows)
+                        break;
+                    float *dst = c + (i0 + r) * ldc + p * 32;
+                    if (k0 > 0) {
+                        c0[r] = _mm512_add_ps(_mm512_maskz_loadu_ps(m0, dst), c0[r]);
+                        c1[r] = _mm512_add_ps(_mm512_maskz_loadu_ps(m1, dst + 16), c1[r]);
+                    }
+                    _mm512_mask_storeu_ps(dst, m0, c0[r]);
+                    _mm512_mask_storeu_ps(dst + 16, m1, c1[r]);
+                }
+            }
+        }
+    }
+}
+
+/* C[m, n] (ldc) += A B with A's element (i, d) at a[i ars + d aks] and B [k, n] row-major (ldb): for each block of kc
+ * consecutive d, every element's chain of fused multiply-adds from +0 over the block, then added to C. */
+__attribute__((target("avx512f"))) static void ordered_acc(int64_t m, int64_t n, int64_t k, const float *a,
+                                                            int64_t ars, int64_t aks, const float *b, int64_t ldb,
+                                                            float *c, int64_t ldc, int64_t kc) {
+    for (int64_t i0 = 0; i0 < m; i0 += ORDERED_ACC_ROWS) {
+        const int64_t rows = m - i0 < ORDERED_ACC_ROWS ? m - i0 : ORDERED_ACC_ROWS;
+        const float *ar[ORDERED_ACC_ROWS];
+        for (int r = 0; r < ORDERED_ACC_ROWS; ++r)
+            ar[r] = a + (i0 + (r < rows ? r : 0)) * ars;
+        for (int64_t j = 0; j < n; j += 64) {
+            const int full = n - j >= 64;
+            __mmask16 mk[4];
+            for (int x = 0; x < 4; ++x)
+                mk[x] = first_lanes(n - j - 16 * x);
+            for (int64_t k0 = 0; k0 < k; k0 += kc) {
+                const int64_t k1 = k - k0 < kc ? k : k0 + kc;
+                __m512 acc[ORDERED_ACC_ROWS][4];
+#pragma GCC unroll 6
+                for (int r = 0; r < ORDERED_ACC_ROWS; ++r)
+#pragma GCC unroll 4
+                    for (int x = 0; x < 4; ++x)
+                        acc[r][x] = _mm512_setzero_ps();
+                for (int64_t d = k0; d < k1; ++d) {
+                    const float *bd = b + d * ldb + j;
+                    __m512 bv[4];
+#pragma GCC unroll 4
+                    for (int x = 0; x < 4; ++x)
+                        bv[x] = full ? _mm512_loadu_ps(bd + 16 * x) : _mm512_maskz_loadu_ps(mk[x], bd + 16 * x);
+#pragma GCC unroll 6
+                    for (int r = 0; r < ORDERED_ACC_ROWS; ++r) {
+                        const __m512 x = _mm512_set1_ps(ar[r][d * aks]);
+#pragma GCC unroll 4
+                        for (int y = 0; y < 4; ++y)
+                            acc[r][y] = _mm512_fmadd_ps(x, bv[y], acc[r][y]);
+                    }
+                }
+#pragma GCC unroll 6
+                for (int r = 0; r < ORDERED_ACC_ROWS; ++r) {
+                    if (r >= rows)
+                        break;
+                    float *dst = c + (i0 + r) * ldc + j;
+#pragma GCC unroll 4
+                    for (int x = 0; x < 4; ++x)
+                        _mm512_mask_storeu_ps(dst + 16 * x, mk[x],
+                                              _mm512_add_ps(_mm512_maskz_loadu_ps(mk[x], dst + 16 * x), acc[r][x]));
+                }
+            }
+        }
+    }
+}
+
+/* The operations of blas.c the ordered loops can take. */
+enum ordered_op { ORDERED_NT, ORDERED_NN, ORDERED_TN };
+
+struct ordered_shape {
+    int64_t op, m, n, k, lda, ldb, ldc, kc; /* kc 0: the BLAS */
+};
+
+static struct ordered_shape ordered_shapes[ORDERED_SHAPES]; /* all 0: an empty slot (no shape has k 0) */
+/* 0 switches the ordered loops off (tests compare them with the BLAS); cann_attn_set_ordered_gemm. */
+static int ordered_enabled = 1;
+
+int cann_attn_set_ordered_gemm(int on) {
+    ordered_enabled = on != 0;
+    return ordered_enabled;
+}
+
+/* GEMM calls the ordered loops took since the last read (tests check that a case takes them). */
+static int64_t ordered_gemms = 0;
+
+int64_t cann_attn_ordered_gemms(void) { return take_count(&ordered_gemms); }
+
+/* Operands for the shape check: values of many magnitudes (2^-12 .. 2^12, both signs, full mantissas), so that sums
+ * in another order round differently almost surely. */
+static void ordered_probe_fill(float *x, int64_t count, uint64_t seed) {
+    uint64_t s = seed * 0x9E3779B97F4A7C15ull + 1;
+    for (int64_t i = 0; i < count; ++i) {
+        s = s * 6364136223846793005ull + 1442695040888963407ull;
+        const uint32_t bits = (uint32_t)(s >> 32);
+        const float mantissa = 1.0f + (float)(bits & 0x7fffff) / 8388608.0f;
+        x[i] = ldexpf((bits >> 31) ? -mantissa : mantissa, (int)((bits >> 23) % 25) - 12);
+    }
+}
+
+/* Operands of the special kinds the check also compares: signed zeros, subnormals, infinities and huge values among
+ * the others (which = 0), or A and C all -0 and B positive (which = 1: a sum that starts from +0 ends at +0, one that
+ * starts from the first product keeps -0). With beta 0, C holds NaN: the BLAS must not read it. */
+static void ordered_probe_special(float *x, int64_t count, uint64_t seed, int which, int operand, int beta0) {
+    ordered_probe_fill(x, count, seed);
+    if (operand == 2 && beta0) {
+        for (int64_t i = 0; i < count; ++i)
+            x[i] = NAN;
+        return;
+    }
+    if (which == 1) { /* every product -0 */
+        for (int64_t i = 0; i < count; ++i)
+            x[i] = operand == 1 ? fabsf(x[i]) : -0.0f;
+        return;
+    }
+    static const float values[] = {0.0f, -0.0f, 1e-40f, -1e-41f, INFINITY, -3e38f, 3e38f};
+    for (int64_t i = 0; i < count; ++i) {
+        const uint64_t h = (uint64_t)(i + 1) * 0x9E3779B97F4A7C15ull ^ seed;
+        if ((h >> 40) % 16 == 0)
+            x[i] = values[(h >> 20) % (sizeof values / sizeof values[0])];
+    }
+}
+
+static void blas_call(const struct ordered_shape *sh, const float *a, const float *b, float *c);
+
+/* The ordered loop's result of shape sh (with its kc) on a, b, c. */
+static void ordered_call(const struct ordered_shape *sh, const float *a, const float *b, float *c) {
+    if (sh->op == ORDERED_NT) {
+        float *packed = aligned_alloc(64, sizeof(float) * ordered_panel_floats(sh->n, sh->k));
+        ordered_pack_t(sh->n, sh->k, b, sh->ldb, packed);
+        ordered_nt(sh->m, sh->n, sh->k, a, sh->lda, packed, c, sh->ldc, sh->kc);
+        free(packed);
+    } else if (sh->op == ORDERED_NN) {
+        ordered_acc(sh->m, sh->n, sh->k, a, sh->lda, 1, b, sh->ldb, c, sh->ldc, sh->kc);
+    } else {
+        ordered_acc(sh->m, sh->n, sh->k, a, 1, sh->lda, b, sh->ldb, c, sh->ldc, sh->kc);
+    }
+}
+
+/* Sizes (floats) of the operands of shape sh: A, B, C. */
+static void ordered_sizes(const struct ordered_shape *sh, int64_t *na, int64_t *nb, int64_t *nc) {
+    *na = sh->op == ORDERED_TN ? (sh->k - 1) * sh->lda + sh->m : (sh->m - 1) * sh->lda + sh->k;
+    *nb = sh->op == ORDERED_NT ? (sh->n - 1) * sh->ldb + sh->k : (sh->k - 1) * sh->ldb + sh->n;
+    *nc = (sh->m - 1) * sh->ldc + sh->n;
+}
+
+/* The kc with which the ordered loop gives the BLAS's floats for shape sh on four sets of operands (two of values of
+ * many magnitudes, two of special values), or 0. */
+static int64_t ordered_probe(struct ordered_shape sh) {
+    int64_t na, nb, nc;
+    ordered_sizes(&sh, &na, &nb, &nc);
+    float *a = malloc(sizeof(float) * na), *b = malloc(sizeof(float) * nb), *c0 = malloc(sizeof(float) * nc);
+    float *want = malloc(sizeof(float) * nc), *got = malloc(sizeof(float) * nc);
+    const int64_t half = sh.k / 2, candidates[] = {sh.k, 192, half, sh.k - half, 256, 128, 384, 96, 64};
+    int ok[sizeof candidates / sizeof candidates[0]];
+    for (size_t i = 0; i < sizeof candidates / sizeof candidates[0]; ++i) {
+        ok[i] = candidates[i] >= 1 && candidates[i] <= sh.k;
+        for (size_t j = 0; j < i; ++j)
+            ok[i] &= candidates[j] != candidates[i];
+    }
+    for (uint64_t seed = 1; seed <= 4; ++seed) {
+        if (seed <= 2) {
+            ordered_probe_fill(a, na, 3 * seed);
+            ordered_probe_fill(b, nb, 3 * seed + 1);
+            ordered_probe_fill(c0, nc, 3 * seed + 2);
+        } else {
+            const int beta0 = sh.op == ORDERED_NT;
+            ordered_probe_special(a, na, 3 * seed, (int)seed - 3, 0, beta0);
+            ordered_probe_special(b, nb, 3 * seed + 1, (int)seed - 3, 1, beta0);
+            ordered_probe_special(c0, nc, 3 * seed + 2, (int)seed - 3, 2, beta0);
+        }
+        memcpy(want, c0, sizeof(float) * nc);
+        blas_call(&sh, a, b, want);
+        for (size_t i = 0; i < sizeof candidates / sizeof candidates[0]; ++i) {
+            if (!ok[i])
+                continue;
+            sh.kc = candidates[i];
+            memcpy(got, c0, sizeof(float) * nc);
+            ordered_call(&sh, a, b, got);
+            for (int64_t r = 0; r < sh.m && ok[i]; ++r)
+                ok[i] = memcmp(got + r * sh.ldc, want + r * sh.ldc, sizeof(float) * sh.n) == 0;
+        }
+    }
+    int64_t kc = 0;
+    for (size_t i = 0; i < sizeof candidates / sizeof candidates[0] && !kc; ++i)
+        kc = ok[i] ? candidates[i] : 0;
+    free(got);
+    free(want);
+    free(c0);
+    free(b);
+    free(a);
+    return kc;
+}
+
+/* The kc of shape sh where the ordered loop serves it, else 0 (checked once per shape, ordered_probe). */
+static int64_t ordered_kc(struct ordered_shape sh) {
+    if (!use_avx512 || !ordered_enabled || sh.m * sh.n < ORDERED_MIN_ELEMENTS || sh.k < 1)
+        return 0;
+    const int64_t key[] = {sh.op, sh.m, sh.n, sh.k, sh.lda, sh.ldb, sh.ldc};
+    uint64_t h = 0xCBF29CE484222325ull;
+    for (size_t i = 0; i < sizeof key / sizeof key[0]; ++i)
+        h = (h ^ (uint64_t)key[i]) * 0x100000001B3ull;
+    struct ordered_shape *slot = &ordered_shapes[(h ^ (h >> 29)) % ORDERED_SHAPES];
+    int64_t kc;
+#pragma omp critical(ordered_shapes)
+    {
+        if (!(slot->op == sh.op && slot->m == sh.m && slot->n == sh.n && slot->k == sh.k && slot->lda == sh.lda &&
+              slot->ldb == sh.ldb && slot->ldc == sh.ldc)) {
+            sh.kc = ordered_probe(sh);
+            *slot = sh;
+        }
+        kc = slot->kc;
+    }
+    return kc;
+}
+
+static void count_ordered(void) {
+#pragma omp atomic
+    ordered_gemms += 1;
+}
+
+static void blas_call(const struct ordered_shape *sh, const float *a, const float *b, float *c) {
+    const int m = (int)sh->m, n = (int)sh->n, k = (int)sh->k, lda = (int)sh->lda, ldb = (int)sh->ldb;
+    if (sh->op == ORDERED_NT)
+        blas_nt(m, n, k, a, lda, b, ldb, 0.0f, c, (int)sh->ldc);
+    else if (sh->op == ORDERED_NN)
+        blas_nn(m, n, k, a, lda, b, ldb, 1.0f, c, (int)sh->ldc);
+    else
+        blas_tn_acc(m, n, k, a, lda, b, ldb, c, (int)sh->ldc);
+}
+
+/* The fused loops' GEMMs (blas.c's conventions): the ordered loop where it gives the BLAS's floats for the shape,
+ * else the BLAS. */
+static void gemm_nt(int m, int n, int kk, const float *a, int lda, const float *b, int ldb, float beta, float *c,
+                    int ldc) {
+    const struct ordered_shape sh = {ORDERED_NT, m, n, kk, lda, ldb, ldc, 0};
+    const int64_t kc = beta == 0.0f ? ordered_kc(sh) : 0;
+    if (!kc) {
+        blas_nt(m, n, kk, a, lda, b, ldb, beta, c, ldc);
+        return;
+    }
+    count_ordered();
+    float *packed = aligned_alloc(64, sizeof(float) * ordered_panel_floats(n, kk));
+    ordered_pack_t(n, kk, b, ldb, packed);
+    ordered_nt(m, n, kk, a, lda, packed, c, ldc, kc);
+    free(packed);
+}
+
+static void gemm_nn(int m, int n, int kk, const float *a, int lda, const float *b, int ldb, float beta, float *c,
+                    int ldc) {
+    const struct ordered_shape sh = {ORDERED_NN, m, n, kk, lda, ldb, ldc, 0};
+    const int64_t kc = beta == 1.0f ? ordered_kc(sh) : 0;
+    if (kc) {
+        count_ordered();
+        ordered_acc(m, n, kk, a, lda, 1, b, ldb, c, ldc, kc);
+    } else
+        blas_nn(m, n, kk, a, lda, b, ldb, beta, c, ldc);
+}
+
+static void gemm_tn_acc(int m, int n, int kk, const float *a, int lda, const float *b, int ldb, float *c, int ldc) {
+    const struct ordered_shape sh = {ORDERED_TN, m, n, kk, lda, ldb, ldc, 0};
+    const int64_t kc = ordered_kc(sh);
+    if (kc) {
+        count_ordered();
+        ordered_acc(m, n, kk, a, 1, lda, b, ldb, c, ldc, kc);
+    } else
+        blas_tn_acc(m, n, kk, a, lda, b, ldb, c, ldc);
+}
+
+/* One of the fused loops' GEMMs by name (op: ORDERED_NT with beta 0, ORDERED_NN or ORDERED_TN with beta 1), for tests
+ * that compare the ordered loops with the BLAS (cann_attn_set_ordered_gemm(0)) on chosen operands. */
+void cann_attn_loops_gemm(int64_t op, int64_t m, int64_t n, int64_t k, const float *a, int64_t lda, const float *b,
+                          int64_t ldb, float *c, int64_t ldc) {
+    if (op == ORDERED_NT)
+        gemm_nt((int)m, (int)n, (int)k, a, (int)lda, b, (int)ldb, 0.0f, c, (int)ldc);
+    else if (op == ORDERED_NN)
+        gemm_nn((int)m, (int)n, (int)k, a, (int)lda, b, (int)ldb, 1.0f, c, (int)ldc);
+    else
+        gemm_tn_acc((int)m, (int)n, (int)k, a, (int)lda, b, (int)ldb, c, (int)ldc);
+}

@@ -1,0 +1,123 @@
+"""The fused dense loops' AVX-512 GEMMs (native/blas_order.c) give the BLAS's own floats: each shape is served only
+where a check on pseudo-random operands found the BLAS's order of sums, so every result must equal the BLAS's bit
+for bit, special values included, and the dense operators' outputs must not depend on whether they run
+(docs/guides/backends.md)."""
+
+from __future__ import annotations
+
+import itertools
+from pathlib import Path
+
+import pytest
+import torch
+
+import cann_attn
+from cann_attn.backends.reference import native
+
+pytestmark = pytest.mark.skipif(not native.has_sgemm() or not native.set_avx512(True),
+                                reason="no BLAS sgemm or no AVX-512F: the ordered loops never run")
+
+# MKL's kernels on the AMD CPUs these loops were written for sum in the order the loops reproduce, so there they must
+# serve the shapes below; other CPUs' BLAS kernels may sum otherwise, and then the BLAS keeps every shape.
+SERVES_HERE = "AuthenticAMD" in Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else False
+
+SHAPES = [(256, 512, 128), (64, 100, 130), (37, 129, 300), (128, 64, 512), (200, 48, 1000), (16, 16, 1)]
+
+
+def _special(t: torch.Tensor, gen: torch.Generator) -> torch.Tensor:
+    """Signed zeros, a subnormal, inf and a huge finite value sprinkled over t."""
+    r = torch.rand(t.shape, generator=gen)
+    for lo, hi, value in ((0.0, 0.02, 0.0), (0.02, 0.04, -0.0), (0.04, 0.05, 1e-40), (0.05, 0.055, float("inf")),
+                          (0.055, 0.06, -3e38)):
+        t[(r >= lo) & (r < hi)] = value
+    return t
+
+
+def _operands(op: int, m: int, n: int, k: int, kind: str, gen: torch.Generator):
+    a = torch.randn((k, m) if op == native.GEMM_TN else (m, k), generator=gen)
+    b = torch.randn((n, k) if op == native.GEMM_NT else (k, n), generator=gen)
+    c = torch.randn(m, n, generator=gen)
+    if kind == "special":
+        a, b, c = (_special(t, gen) for t in (a, b, c))
+    elif kind == "tiny":  # products in the subnormal range
+        a.mul_(1e-20)
+        b.mul_(1e-20)
+    elif kind == "negative zeros":
+        a.zero_().neg_()
+        c.zero_().neg_()
+    return a, b, c
+
+
+def _gemm(op: int, a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, ordered: bool) -> torch.Tensor:
+    assert native.set_ordered_gemm(ordered) == ordered
+    out = c.clone()
+    native.loops_gemm(op, a, b, out)
+    return out
+
+
+@pytest.fixture(autouse=True)
+def _restore():
+    yield
+    native.set_ordered_gemm(not native._switched_off(native.ORDERED_GEMM_SWITCH))
+    native.set_avx512(not native._switched_off(native.AVX512_SWITCH))
+
+
+@pytest.mark.parametrize("op", [native.GEMM_NT, native.GEMM_NN, native.GEMM_TN])
+def test_ordered_gemms_are_bitwise_the_blas(op):
+    """C = A B^T, C += A B and C += A^T B at tile shapes, ragged ones and long sums (k past 192: blocks of the sum),
+    on normal values, inf / huge / subnormal / signed-zero operands, subnormal products and -0 sums: the same bits
+    as the BLAS (NaN payloads included), and the ordered loops took the calls (where the BLAS sums in their order)."""
+    gen = torch.Generator().manual_seed(41)
+    native.ordered_gemms()
+    for (m, n, k), kind in itertools.product(SHAPES, ("normal", "special", "tiny", "negative zeros")):
+        a, b, c = _operands(op, m, n, k, kind, gen)
+        blas = _gemm(op, a, b, c, False)
+        ordered = _gemm(op, a, b, c, True)
+        assert torch.equal(blas.view(torch.int32), ordered.view(torch.int32)), (m, n, k, kind)
+    if SERVES_HERE:
+        assert native.ordered_gemms() >= 4 * (len(SHAPES) - 1)
+
+
+def _dense_bits(case: dict) -> list[torch.Tensor]:
+    q, k, v, dy = case["tensors"]
+    kw = {key: val for key, val in case.items() if key not in ("tensors", "heads")}
+    fwd = cann_attn.flash_attention_score(q, k, v, case["heads"], "BNSD", scale_value=0.125, **kw)
+    grads = cann_attn.flash_attention_score_grad(q, k, v, dy, case["heads"], "BNSD", attention_in=fwd.attention_out,
+                                                 softmax_max=fwd.softmax_max, softmax_sum=fwd.softmax_sum,
+                                                 scale_value=0.125, **kw)
+    return [t.contiguous().view(torch.uint8) for t in (fwd.attention_out, fwd.softmax_max, fwd.softmax_sum,
+                                                       *grads[:3])]
+
+
+def _dense_cases() -> list[dict]:
+    gen = torch.Generator().manual_seed(43)
+
+    def tensors(b, n, n_kv, s, s_kv, d, dv):
+        return tuple(torch.randn(shape, generator=gen) for shape in ((b, n, s, d), (b, n_kv, s_kv, d),
+                                                                      (b, n_kv, s_kv, dv), (b, n, s, dv)))
+
+    causal = torch.ones(2048, 2048, dtype=torch.bool).triu(1)
+    return [
+        {"tensors": tensors(1, 2, 2, 1100, 1100, 128, 128), "heads": 2},  # packed whole pieces, 1024-row tiles
+        {"tensors": tensors(1, 4, 2, 600, 700, 72, 40), "heads": 4, "atten_mask": causal, "sparse_mode": 3},
+        {"tensors": tensors(2, 2, 1, 333, 1030, 256, 256), "heads": 2, "atten_mask": causal, "sparse_mode": 2},
+        {"tensors": tensors(1, 2, 2, 300, 520, 64, 64), "heads": 2, "keep_prob": 0.9,
+         "drop_mask": torch.randint(0, 256, (1, 2, 300, 520 // 8), generator=gen, dtype=torch.uint8)},
+    ]
+
+
+def test_dense_operators_are_bitwise_the_same_with_and_without_ordered_gemms():
+    """FlashAttentionScore and its grad (packed whole key pieces, causal tiles cut to live columns, GQA, head dims
+    past 192, dropout) give the same bits with the ordered loops as with the BLAS alone, and took them."""
+    cases = _dense_cases()
+    native.set_ordered_gemm(False)
+    blas = [_dense_bits(case) for case in cases]
+    native.set_ordered_gemm(True)
+    native.ordered_gemms()
+    ordered = [_dense_bits(case) for case in cases]
+    served = native.ordered_gemms()
+    for i, (x, y) in enumerate(zip(blas, ordered, strict=True)):
+        for a, b in zip(x, y, strict=True):
+            assert torch.equal(a, b), i
+    if SERVES_HERE:
+        assert served > 0
