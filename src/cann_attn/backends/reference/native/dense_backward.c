@@ -51,19 +51,21 @@ static void probs_ds_row(float *s, float *dp, int64_t n, float shift, float log2
  * as fa_backward_blocks describes; s and dp are [n, round8(w)] scratch blocks, dq_rows the rows' dQ (ld_rows). With
  * a->bf, S and dP come from the bf16 rows and the piece's keys and values packed by pack_piece (packed_w wide; these
  * columns start at packed_col). a->al: the rows' generated ALiBi, these columns starting at key column j_abs. With
- * sk / sv (NULL: none), the fp32 S and dP take the piece's keys and values packed by pack_rows_t.
+ * sk / sv (NULL: none), the fp32 S and dP take the piece's keys and values as pack_piece_for packed them (for
+ * ordered_nt with sk_kc / sv_kc where > 0, else for the BLAS).
  * dP is formed before P, so that one pass per row turns S into P and dP into dS (probs_ds_row); with dropout, P then
  * becomes P * keep / keep_prob in place for dV. */
 static void backward_piece(int64_t n, int64_t row, int64_t r0, int64_t col, int64_t w, const struct backward_rows *a,
                            const float *kp, const float *vp, const float *bt, int64_t tile_w, float *s,
                            float *dp, float *dq_rows, int64_t ld_rows, float *dkp, float *dvp,
                            const uint32_t *packed_k, const uint32_t *packed_v, int64_t packed_w, int64_t packed_col,
-                           float *features, int64_t j_abs, const float *sk, const float *sv) {
+                           float *features, int64_t j_abs, const float *sk, int64_t sk_kc, const float *sv,
+                           int64_t sv_kc) {
     const int64_t lds = round8(w);
     const struct bf16_scores *bf = a->bf;
     if (sk) {
-        gemm_nt_packed((int)n, (int)w, (int)a->dk, a->q + row * a->dk, (int)a->dk, sk, s, (int)lds);
-        gemm_nt_packed((int)n, (int)w, (int)a->dv, a->dy + row * a->dv, (int)a->dv, sv, dp, (int)lds);
+        packed_nt(n, w, a->dk, a->q + row * a->dk, sk, sk_kc, s, lds);
+        packed_nt(n, w, a->dv, a->dy + row * a->dv, sv, sv_kc, dp, lds);
     } else if (!bf) {
         gemm_nt((int)n, (int)w, (int)a->dk, a->q + row * a->dk, (int)a->dk, kp, (int)a->ldk, 0.0f, s, (int)lds);
         gemm_nt((int)n, (int)w, (int)a->dv, a->dy + row * a->dv, (int)a->dv, vp, (int)a->ldv, 0.0f, dp, (int)lds);
@@ -140,8 +142,8 @@ void fa_backward_blocks(const float *q, const float *dy, const float *d_sum, con
         float *dp = aligned_alloc(64, sizeof(float) * round8(br) * round8(sub_cols));
         /* fp32 S and dP from packed pieces (pack_rows_t) where the call has PACK_MIN_BLOCKS row blocks to share them */
         const int sgemm_packed = !args.bf && blas_compute && br >= PACK_MIN_ROWS && rows / br >= PACK_MIN_BLOCKS;
-        float *sk = sgemm_packed ? aligned_alloc(64, packed_bytes((int)sub_cols, (int)br, (int)dk)) : NULL;
-        float *sv = sgemm_packed ? aligned_alloc(64, packed_bytes((int)sub_cols, (int)br, (int)dv)) : NULL;
+        float *sk = sgemm_packed ? aligned_alloc(64, sizeof(float) * piece_slot_floats(sub_cols, br, dk)) : NULL;
+        float *sv = sgemm_packed ? aligned_alloc(64, sizeof(float) * piece_slot_floats(sub_cols, br, dv)) : NULL;
         uint32_t *packed_k = args.bf ? malloc(sizeof(uint32_t) * packed_words(sub_cols, args.bf->d16)) : NULL;
         uint32_t *packed_v = args.bf ? malloc(sizeof(uint32_t) * packed_words(sub_cols, dv)) : NULL;
         float *features = args.bf && dk > args.bf->d16 ? malloc(sizeof(float) * (dk - args.bf->d16) * sub_cols) : NULL;
@@ -162,10 +164,8 @@ void fa_backward_blocks(const float *q, const float *dy, const float *d_sum, con
                     pack_piece(bf->v + e * bf->sve + c0 * bf->ldv, bf->ldv, w, dv, packed_v);
                 }
                 const int piece_packed = sk && sv && w >= PACK_MIN_COLS;
-                if (piece_packed) {
-                    pack_rows_t((int)w, (int)br, (int)dk, kp, (int)ldk, sk);
-                    pack_rows_t((int)w, (int)br, (int)dv, vp, (int)ldv, sv);
-                }
+                const int64_t sk_kc = piece_packed ? pack_piece_for(w, br, dk, kp, ldk, sk) : 0;
+                const int64_t sv_kc = piece_packed ? pack_piece_for(w, br, dv, vp, ldv, sv) : 0;
                 for (int64_t r0 = 0; r0 < rows; r0 += br) {
                     const int64_t n = rows - r0 < br ? rows - r0 : br;
                     const int64_t step = live_blocks(bt, r0, n, bias_rows, tile_w, c0 - tj0[t], w, ranges);
@@ -186,7 +186,7 @@ void fa_backward_blocks(const float *q, const float *dy, const float *d_sum, con
                                            kp + lo * ldk, vp + lo * ldv, bt, tile_w, s, dp,
                                            dq_rows + (r0 + a0) * ld_rows, ld_rows, dkp + lo * lddk, dvp + lo * lddv,
                                            packed_k, packed_v, w, lo, features, c0 + lo, whole ? sk : NULL,
-                                           whole ? sv : NULL);
+                                           sk_kc, whole ? sv : NULL, sv_kc);
                             a0 = a1;
                         }
                     }

@@ -10,9 +10,8 @@
  * and the keep bits from keep_first[i] + keep_col (keep NULL: no dropout). With q16 (the rows' bf16 queries, unscaled)
  * the scores are scale * q16 K^T from the piece's keys packed by pack_piece (packed_w wide; these columns start at
  * packed_col). With `al`, the rows' generated ALiBi (their first row is arow over all entries; these columns start at
- * key column j_abs) is added before the mask. With sk (NULL: none), the fp32 scores take the piece's keys packed by
- * pack_rows_t, or by ordered_pack_t where sk_kc > 0 (then ordered_nt with that kc). s: an [n, round8(w)] scratch
- * block. */
+ * key column j_abs) is added before the mask. With sk (NULL: none), the fp32 scores take the piece's keys as
+ * pack_piece_for packed them (sk_kc: what it returned). s: an [n, round8(w)] scratch block. */
 static void forward_piece(const float *qr, int64_t n, int64_t dk, const float *kc, int64_t ldk, const float *vc,
                           int64_t ldv, int64_t dv, int64_t w, const float *bias, int64_t bias_r0, int64_t bias_rows,
                           int64_t tile_w, int64_t bias_col, const uint8_t *keep, const int64_t *keep_first,
@@ -21,11 +20,8 @@ static void forward_piece(const float *qr, int64_t n, int64_t dk, const float *k
                           float *features, const struct alibi_rows *al, int64_t arow, int64_t j_abs, const float *sk,
                           int64_t sk_kc, float *s, float *m, float *l, float *o) {
     const int64_t lds = round8(w);
-    if (sk && sk_kc) {
-        count_ordered();
-        ordered_nt(n, w, dk, qr, dk, sk, s, lds, sk_kc);
-    } else if (sk) {
-        gemm_nt_packed((int)n, (int)w, (int)dk, qr, (int)dk, sk, s, (int)lds);
+    if (sk) {
+        packed_nt(n, w, dk, qr, sk, sk_kc, s, lds);
     } else if (!q16) {
         gemm_nt((int)n, (int)w, (int)dk, qr, (int)dk, kc, (int)ldk, 0.0f, s, (int)lds);
     } else {
@@ -65,12 +61,6 @@ static void forward_piece(const float *qr, int64_t n, int64_t dk, const float *k
  * 256-key pieces, or 512-key ones among masked tiles) measured 2.7-3.8% slower packed (one thread, alternated in one
  * process): masked pieces are cut to their live columns, which the packed pieces do not serve. */
 #define FORWARD_PACK_MIN_COLS 512
-
-/* The kc of ordered_nt for the scores of a whole row block against a whole packed piece of w keys, or 0 (the BLAS's
- * packed GEMM): the shape forward_piece gives gemm_nt there. */
-static int64_t whole_piece_kc(int64_t block_rows, int64_t w, int64_t dk, int64_t ldk) {
-    return ordered_kc((struct ordered_shape){ORDERED_NT, block_rows, w, dk, dk, ldk, round8(w), 0});
-}
 
 /* Score GEMMs of fa_forward_blocks from packed key pieces since the last read (tests check that a case takes them). */
 static int64_t forward_packed_gemms = 0;
@@ -234,9 +224,7 @@ void fa_forward_blocks(const float *q, int64_t entries, int64_t rows, int64_t dk
         }
         if (wide && !masked) {
             /* a piece packed for the BLAS or, where the ordered loop serves its shape, for ordered_nt */
-            slot = (int64_t)packed_bytes((int)sub_cols, (int)block_rows, (int)dk) / (int64_t)sizeof(float);
-            const int64_t ordered_slot = (ordered_panel_floats(sub_cols, dk) + 15) / 16 * 16;
-            slot = slot > ordered_slot ? slot : ordered_slot;
+            slot = piece_slot_floats(sub_cols, block_rows, dk);
             group = FORWARD_PACK_BYTES / (int64_t)sizeof(float) / (pieces * slot > 0 ? pieces * slot : 1);
             group = group < 1 ? 1 : group < entries ? group : entries;
             pk = pieces * slot > 0 ? aligned_alloc(64, sizeof(float) * group * pieces * slot) : NULL;
@@ -262,11 +250,9 @@ void fa_forward_blocks(const float *q, int64_t entries, int64_t rows, int64_t dk
                         p -= (tj1[t] - tj0[t] + sub_cols - 1) / sub_cols;
                     c0 = tj0[t] + p * sub_cols;
                     const int64_t w = tj1[t] - c0 < sub_cols ? tj1[t] - c0 : sub_cols;
-                    if (w >= FORWARD_PACK_MIN_COLS && whole_piece_kc(block_rows, w, dk, ldk))
-                        ordered_pack_t(w, dk, k + e * ske + c0 * ldk, ldk, pk + (ep - g0 * pieces) * slot);
-                    else if (w >= FORWARD_PACK_MIN_COLS)
-                        pack_rows_t((int)w, (int)block_rows, (int)dk, k + e * ske + c0 * ldk, (int)ldk,
-                                    pk + (ep - g0 * pieces) * slot);
+                    if (w >= FORWARD_PACK_MIN_COLS)
+                        pack_piece_for(w, block_rows, dk, k + e * ske + c0 * ldk, ldk,
+                                       pk + (ep - g0 * pieces) * slot);
                 }
             }
 #pragma omp for schedule(dynamic, 1)
