@@ -6,8 +6,11 @@ A tiled PyTorch loop, separate from the "exact" kernels (which it leaves untouch
 online-softmax step): per query tile of `BLOCK_Q` rows and per key block of the kernel's width
 (`problem.precision.key_block`), the scores, logits, probabilities, P V products and the running output each pass
 through their stage's Cast (one native pass per cast where available); the row max and sum stay fp32, the division
-comes last. A GEMM whose stage rounds to fp16 / bf16 runs in float64 (an exact sum rounded once: an fp32 sum rounded
-again would move fp16 logits by whole steps); one whose stage keeps fp32 accumulates in fp32, as the cube does. The
+comes last. A GEMM whose stage rounds to fp16 / bf16 runs in float64 (an exact sum rounded once: an fp32 sum
+rounded again would move fp16 logits by whole steps); one whose stage keeps fp32 accumulates in fp32, as the cube
+does. The fp16 pipelines take each tile's casts, softmax step and P's cast in one native pass from the float64
+scores to the float64 P (`native.npu_fp16_softmax_step`), and the running output's rescale and add in another
+(`native.npu_fp16_accumulate`), into buffers reused from tile to tile: the same bits as the separate passes. The
 int8 PromptFlashAttention path quantises P and dequantises the products as `quant_attention` does, in the pipeline's
 fp16 stages. The backward recomputes P from the saved statistics (S and dP exact sums) and rounds P and dS before
 their fp32-accumulating GEMMs.
@@ -50,18 +53,20 @@ from .sparse_attention import _sequence_selection as sequence_selection
 BLOCK_Q = 128
 
 
-def _gemm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """a @ b (batched) in float64: exact for fp16/bf16 operands up to the float64 rounding of long sums."""
-    return torch.bmm(a.to(torch.float64), b.to(torch.float64))
+def _gemm(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """a @ b (batched) in float64: exact for fp16/bf16 operands up to the float64 rounding of long sums; into `out`
+    (a reused buffer) when given."""
+    return torch.bmm(a.to(torch.float64), b.to(torch.float64), out=out)
 
 
-def _cube(a: torch.Tensor, b: torch.Tensor, stage: Cast) -> torch.Tensor:
+def _cube(a: torch.Tensor, b: torch.Tensor, stage: Cast, out: torch.Tensor | None = None) -> torch.Tensor:
     """a @ b (batched) for a GEMM whose result leaves at `stage`: fp16 / bf16-valued fp32 operands accumulated in
     fp32 (BLAS order) where the stage keeps fp32; the exact sum (float64) where it rounds to fp16 / bf16, so that the
-    result is rounded once (an fp32 sum rounded again would move fp16 logits by whole ulps)."""
+    result is rounded once (an fp32 sum rounded again would move fp16 logits by whole ulps). `out`: a float64
+    buffer for the exact sum."""
     if stage.dtype == torch.float32 and a.dtype == b.dtype == torch.float32:
         return torch.bmm(a, b)
-    return _gemm(a, b)
+    return _gemm(a, b, out)
 
 
 @torch.no_grad()
@@ -114,12 +119,11 @@ def _wide_fp16(cast: Cast, x: torch.Tensor) -> bool:
             and native.library() is not None)
 
 
-def _logits(problem: AttentionProblem, pipeline: AttentionPipeline, run: Run, q_tile, k, i0, i1, j0, j1,
+def _logits(problem: AttentionProblem, pipeline: AttentionPipeline, run: Run, s: torch.Tensor, i0, i1, j0, j1,
             state: TileState, quant) -> torch.Tensor:
-    """Masked logits of one tile [c, N1, rows, cols] in fp32 (contiguous), rounded at the scores and logits
-    stages."""
+    """Masked logits of one tile [c, N1, rows, cols] in fp32 (contiguous) from its scores GEMM's result s, rounded
+    at the scores and logits stages."""
     c, rows, cols = run.count, i1 - i0, j1 - j0
-    s = _cube(q_tile, k[:, j0:j1].transpose(1, 2), pipeline.scores)
     scale = _scale(pipeline, problem.scale)
     if quant is None and pipeline.logits.dtype == torch.float16 and _wide_fp16(pipeline.scores, s):
         # the scores' and the logits' casts in one native pass
@@ -172,6 +176,9 @@ def _forward_run(problem: AttentionProblem, pipeline: AttentionPipeline, block: 
         v = v.transpose(1, 2).contiguous().transpose(1, 2)
     dv = v.shape[-1]
     fp32_running = pipeline.accumulator.dtype == torch.float32
+    fused = _fused_fp16_step(pipeline, run, quant, q_all)
+    fused_running = fused and _fused_fp16_running(pipeline)
+    scratch = _Scratch()
     sink_heads = None if problem.sink is None else sinks.head_values(problem.sink, torch.float32, query.device)
     for i0 in range(0, run.seq_q, BLOCK_Q):
         i1 = min(i0 + BLOCK_Q, run.seq_q)
@@ -185,12 +192,29 @@ def _forward_run(problem: AttentionProblem, pipeline: AttentionPipeline, block: 
             # One online-softmax step per kernel tile; only its columns the rows may see are computed (the others
             # would add exact zeros).
             j0, j1 = _visible_columns(run, i0, i1, max(tile_start, lo), min(tile_end, hi), state)
-            p = _logits(problem, pipeline, run, q_tile, k, i0, i1, j0, j1, state, quant)
-            correction = _softmax_step(p, row_max, row_sum)
-            if run.dropout is not None:
-                keep = run.dropout.keep_tile(i0, i1, j0, j1, p.device).to(torch.float32)
-                p = p * (keep / problem.keep_prob if pipeline.dropout_in_probabilities else keep)
-            products = _products(pipeline, _rounded(pipeline.probabilities, p), v, j0, j1, quant).view(acc.shape)
+            # the scores' float64 sums in a buffer reused from tile to tile
+            s = _cube(q_tile, k[:, j0:j1].transpose(1, 2), pipeline.scores,
+                      out=scratch.take("s", (*q_tile.shape[:2], j1 - j0), torch.float64, query.device)
+                      if fused else None)
+            if fused:
+                p, correction = _fused_probabilities(problem, pipeline, run, s, i0, i1, j0, j1, state, row_max,
+                                                     row_sum)
+                if fused_running:
+                    products = _gemm(p, v[:, j0:j1], out=scratch.take("pv", (*p.shape[:2], dv), torch.float64,
+                                                                      query.device))
+                    native.npu_fp16_accumulate(acc, products, correction,
+                                               products_away=pipeline.products.rounding == HALF_AWAY,
+                                               rescale_away=pipeline.rescale_cast.rounding == HALF_AWAY,
+                                               acc_away=pipeline.accumulator.rounding == HALF_AWAY)
+                    continue
+                products = _products(pipeline, p, v, j0, j1, quant).view(acc.shape)
+            else:
+                p = _logits(problem, pipeline, run, s, i0, i1, j0, j1, state, quant)
+                correction = _softmax_step(p, row_max, row_sum)
+                if run.dropout is not None:
+                    keep = run.dropout.keep_tile(i0, i1, j0, j1, p.device).to(torch.float32)
+                    p = p * (keep / problem.keep_prob if pipeline.dropout_in_probabilities else keep)
+                products = _products(pipeline, _rounded(pipeline.probabilities, p), v, j0, j1, quant).view(acc.shape)
             if fp32_running:
                 acc.mul_(correction.unsqueeze(-1)).add_(products)
             else:
@@ -205,6 +229,41 @@ def _forward_run(problem: AttentionProblem, pipeline: AttentionPipeline, block: 
         if max_view is not None:
             write_stat(max_view[:, :, i0:i1], torch.where(valid, row_max, -FLT_MAX))
             write_stat(sum_view[:, :, i0:i1], torch.where(valid, row_sum, FLT_MAX))
+
+
+def _fused_fp16_step(pipeline: AttentionPipeline, run: Run, quant, q_all: torch.Tensor) -> bool:
+    """Whether a tile's softmax step runs as one native pass from the float64 scores to the float64 probabilities
+    (`_fused_probabilities`): an fp16 pipeline whose scores, logits and probabilities round to fp16 and whose P V
+    sums exactly, without int8 quantisation or dropout, on the CPU with the native loops."""
+    fp16 = all(stage.dtype == torch.float16 for stage in
+               (pipeline.scores, pipeline.logits, pipeline.probabilities, pipeline.products))
+    return (fp16 and quant is None and run.dropout is None and q_all.device.type == "cpu"
+            and native.library() is not None)
+
+
+def _fused_fp16_running(pipeline: AttentionPipeline) -> bool:
+    """Whether the running output's rescale and add run as one native pass (`native.npu_fp16_accumulate`): a
+    running output and rescale factor rounded to fp16 (the products already are, where the step is fused)."""
+    return pipeline.accumulator.dtype == torch.float16 and pipeline.rescale_cast.dtype == torch.float16
+
+
+def _fused_probabilities(problem: AttentionProblem, pipeline: AttentionPipeline, run: Run, s: torch.Tensor, i0, i1,
+                         j0, j1, state: TileState, row_max: torch.Tensor,
+                         row_sum: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(P, correction) of one tile of an fp16 pipeline (`_fused_fp16_step`): the scores' float64 sums s [c * N2,
+    G * rows, cols] are overwritten with the probabilities rounded to fp16, as float64 (the P V GEMM's operand);
+    row_max / row_sum are updated. The logits' casts run inside the pass unless a pse or a mask touches the tile
+    (`_logits` then gives them, masked)."""
+    logits = None
+    if run.pse is not None or state is TileState.PARTIAL:
+        logits = _logits(problem, pipeline, run, s, i0, i1, j0, j1, state, None)
+    correction = torch.empty_like(row_max)
+    native.npu_fp16_softmax_step(s, logits, row_max, row_sum, correction, LOG2E, EXP2_FLOOR,
+                                 scores_away=pipeline.scores.rounding == HALF_AWAY,
+                                 scale=float(_scale(pipeline, problem.scale)),
+                                 logits_away=pipeline.logits.rounding == HALF_AWAY,
+                                 p_away=pipeline.probabilities.rounding == HALF_AWAY)
+    return s, correction
 
 
 def _visible_columns(run: Run, i0: int, i1: int, j0: int, j1: int, state: TileState) -> tuple[int, int]:

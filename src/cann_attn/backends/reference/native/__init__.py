@@ -68,6 +68,8 @@ _SIGNATURES = {
     "fa_ds_rows": [_P, _P, _I, _I, _P],
     "npu_round": [_P, _P, _I, _I, _I],
     "npu_round_wide_fp16": [_P, _P, _I, _I, _I, _F, _I],
+    "npu_fp16_softmax_step": [_P, _P, _I, _I, _I, _F, _I, _I, _P, _P, _P, _F, _F],
+    "npu_fp16_accumulate": [_P, _P, _P, _I, _I, _I, _I, _I],
     "cann_attn_set_sgemm": [_P],
     "cann_attn_has_sgemm": [],
     "cann_attn_set_sgemm_pack": [_P, _P, _P],
@@ -91,7 +93,8 @@ _SIGNATURES = {
 }
 _INT_RESULTS = ("cann_attn_cpu_supported", "cann_attn_has_sgemm", "cann_attn_has_sgemm_pack", "cann_attn_has_bf16_dot",
                 "cann_attn_has_f16c", "cann_attn_has_avx512", "cann_attn_set_avx512", "cann_attn_set_ordered_gemm")
-_INT64_RESULTS = ("cann_attn_alibi_skipped_terms", "cann_attn_forward_packed_gemms", "cann_attn_ordered_gemms")
+_INT64_RESULTS = ("cann_attn_alibi_skipped_terms", "cann_attn_forward_packed_gemms", "cann_attn_ordered_gemms",
+                  "npu_fp16_softmax_step")
 
 _lock = threading.Lock()
 _state: dict[str, object] = {}
@@ -416,6 +419,45 @@ def npu_round_wide_fp16(x: torch.Tensor, away: bool, scale: float | None = None,
     lib.npu_round_wide_fp16(x.data_ptr(), out.data_ptr(), x.numel(), int(away), int(scale is not None),
                             0.0 if scale is None else scale, int(scaled_away))
     return out
+
+
+def npu_fp16_softmax_step(s: torch.Tensor, logits: torch.Tensor | None, row_max: torch.Tensor,
+                          row_sum: torch.Tensor, correction: torch.Tensor, log2e: float, floor2: float, *,
+                          scores_away: bool = False, scale: float = 1.0, logits_away: bool = False,
+                          p_away: bool = False) -> None:
+    """One online-softmax step of an fp16 pipeline over a key tile (npu_tiles.c), in place: s [..., cols] (float64,
+    contiguous) holds the scores GEMM's sums and receives the probabilities rounded to fp16 (ties away when
+    `p_away`), as float64. The logits are `logits` (fp32, same shape, rounded and masked; overwritten) or, when it
+    is None, s rounded to fp16 (`scores_away`), times the fp32 `scale`, rounded again (`logits_away`). row_max /
+    row_sum [...] are updated as `fa_softmax_step` does and correction [...] receives e^(old max - shift)."""
+    lib = library()
+    assert s.dtype == torch.float64 and s.is_contiguous(), (s.dtype, s.stride())
+    _check_rows(row_max, row_sum, correction)
+    if logits is not None:
+        _check_rows(logits)
+        assert logits.numel() == s.numel()
+    cols = s.shape[-1]
+    rows = s.numel() // max(cols, 1)
+    assert row_max.numel() == rows == row_sum.numel() == correction.numel()
+    if lib.npu_fp16_softmax_step(s.data_ptr(), _ptr(logits), rows, cols, int(scores_away), scale, int(logits_away),
+                                 int(p_away), row_max.data_ptr(), row_sum.data_ptr(), correction.data_ptr(), log2e,
+                                 floor2) != 0:
+        raise MemoryError("npu_fp16_softmax_step: no memory for its row buffers")
+
+
+def npu_fp16_accumulate(acc: torch.Tensor, products: torch.Tensor, correction: torch.Tensor, *,
+                        products_away: bool = False, rescale_away: bool = False, acc_away: bool = False) -> None:
+    """The fp16 running output after one key tile (npu_tiles.c), in place: acc [..., D] (fp32 holding fp16 values)
+    <- fp16(fp16(acc * fp16(correction)) + fp16(products)), products [..., D] the tile's float64 P V sums and
+    correction [...] the step's e^(old max - new max); each fp16 rounding ties away where its flag says."""
+    lib = library()
+    _check_rows(acc, correction)
+    assert products.dtype == torch.float64 and products.is_contiguous() and products.numel() == acc.numel()
+    dim = acc.shape[-1]
+    rows = acc.numel() // max(dim, 1)
+    assert correction.numel() == rows
+    lib.npu_fp16_accumulate(acc.data_ptr(), products.data_ptr(), correction.data_ptr(), rows, dim,
+                            int(products_away), int(rescale_away), int(acc_away))
 
 
 def fa_exp_rows(s: torch.Tensor, shift: torch.Tensor, factor: torch.Tensor, log2e: float, floor2: float) -> None:

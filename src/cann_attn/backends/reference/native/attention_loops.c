@@ -20,6 +20,8 @@
  *   dense_forward.c    the fused dense forward (S = Q K^T, online softmax, O += P V per row block)
  *   dense_backward.c   the fused dense backward
  *   decode.c           decode rows (one query token per sequence) over contiguous, paged or NZ caches
+ *   npu_rounding.c     the "npu" precision mode's casts to fp16 / bf16
+ *   npu_tiles.c        the npu mode's fp16 per-tile passes: softmax step to float64 P, running output update
  *
  * Semantics stay in Python: which entries are valid, masks, the statistics' conventions, the final normalisation.
  * These loops only compute sums in a fixed order: no result depends on the number of threads.
@@ -101,3 +103,4 @@ static int64_t take_count(int64_t *count) {
 #include "dense_backward.c"
 #include "decode.c"
 #include "npu_rounding.c"
+#include "npu_tiles.c"

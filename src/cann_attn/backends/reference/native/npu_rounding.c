@@ -115,21 +115,26 @@ static inline float npu_round_to_odd(double x) {
 /* out[i] = float64 x[i] rounded once to float16 (ties away when away = 1), as fp32; with scaled = 1 that value is
  * then multiplied by the fp32 `scale` and rounded to float16 again (ties away when away2 = 1): the scores and
  * logits stages of an fp16 pipeline in one pass. */
+/* npu_round_to_odd on the eight float64 values at x, as fp32 lanes. */
+__attribute__((target("avx2,fma,f16c"))) static inline __m256 npu_round_to_odd_x8(const double *x) {
+    const __m256i dropped = _mm256_set1_epi64x((1ll << 29) - 1), sticky = _mm256_set1_epi64x(1ll << 29);
+    __m128 half_lanes[2];
+    for (int h = 0; h < 2; ++h) {
+        const __m256i u = _mm256_loadu_si256((const __m256i *)(x + 4 * h));
+        const __m256i odd = _mm256_or_si256(
+            _mm256_andnot_si256(dropped, u),
+            _mm256_and_si256(_mm256_add_epi64(_mm256_and_si256(u, dropped), dropped), sticky));
+        half_lanes[h] = _mm256_cvtpd_ps(_mm256_castsi256_pd(odd));
+    }
+    return _mm256_set_m128(half_lanes[1], half_lanes[0]);
+}
+
 __attribute__((target("avx2,fma,f16c"))) static void npu_round_wide_fp16_x8(const double *x, float *out, int64_t n,
                                                                            int away, int scaled, float scale,
                                                                            int away2) {
-    const __m256i dropped = _mm256_set1_epi64x((1ll << 29) - 1), sticky = _mm256_set1_epi64x(1ll << 29);
 #pragma omp parallel for schedule(static) if (n > 65536)
     for (int64_t i = 0; i < n / 8 * 8; i += 8) {
-        __m128 half_lanes[2];
-        for (int h = 0; h < 2; ++h) {  /* round to odd, as npu_round_to_odd */
-            const __m256i u = _mm256_loadu_si256((const __m256i *)(x + i + 4 * h));
-            const __m256i odd = _mm256_or_si256(
-                _mm256_andnot_si256(dropped, u),
-                _mm256_and_si256(_mm256_add_epi64(_mm256_and_si256(u, dropped), dropped), sticky));
-            half_lanes[h] = _mm256_cvtpd_ps(_mm256_castsi256_pd(odd));
-        }
-        __m256 r = npu_round_fp16_x8(_mm256_set_m128(half_lanes[1], half_lanes[0]), away);
+        __m256 r = npu_round_fp16_x8(npu_round_to_odd_x8(x + i), away);
         if (scaled)
             r = npu_round_fp16_x8(_mm256_mul_ps(r, _mm256_set1_ps(scale)), away2);
         _mm256_storeu_ps(out + i, r);

@@ -18,21 +18,25 @@ void cann_attn_exp2_flushed(const float *x, float *out, int64_t n, float floor2)
  * for each of `rows` rows of s (row stride lds, `cols` logits), m_new = max(row_max, max(s)) with NaN propagated,
  * shift = m_new (0 while the row has seen only -inf), s <- 2^((s - shift) log2e) flushed at floor2,
  * correction = e^(row_max - shift), row_sum <- row_sum * correction + sum(s), row_max <- m_new. One pass per row:
- * the row is still in L1 when its exponentials are taken. */
+ * the row is still in L1 when its exponentials are taken. softmax_step_row is one row's step (the npu mode's fused
+ * tile pass takes it too), returning its correction. */
+static inline float softmax_step_row(float *si, int64_t cols, float *row_max_io, float *row_sum_io, float log2e,
+                                     float floor2) {
+    const float m_old = *row_max_io;
+    const float m_new = max_nan(m_old, row_max(si, cols));
+    const float shift = m_new == -INFINITY ? 0.0f : m_new;
+    const float total = row_exp(si, cols, shift, log2e, floor2, 1.0f);
+    const float corr = expf(m_old - shift);
+    *row_sum_io = *row_sum_io * corr + total;
+    *row_max_io = m_new;
+    return corr;
+}
+
 void fa_softmax_step(float *s, int64_t rows, int64_t cols, int64_t lds, float *row_max_io, float *row_sum_io,
                      float *correction, float log2e, float floor2) {
 #pragma omp parallel for schedule(static)
-    for (int64_t i = 0; i < rows; ++i) {
-        float *si = s + i * lds;
-        const float m_old = row_max_io[i];
-        const float m_new = max_nan(m_old, row_max(si, cols));
-        const float shift = m_new == -INFINITY ? 0.0f : m_new;
-        const float total = row_exp(si, cols, shift, log2e, floor2, 1.0f);
-        const float corr = expf(m_old - shift);
-        correction[i] = corr;
-        row_sum_io[i] = row_sum_io[i] * corr + total;
-        row_max_io[i] = m_new;
-    }
+    for (int64_t i = 0; i < rows; ++i)
+        correction[i] = softmax_step_row(s + i * lds, cols, row_max_io + i, row_sum_io + i, log2e, floor2);
 }
 
 /* Dense backward, probabilities from the forward's statistics in place: s <- 2^((s - shift) log2e) * factor per row
