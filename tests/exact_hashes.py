@@ -28,6 +28,11 @@ def digest(*tensors: torch.Tensor | None) -> str:
     return m.hexdigest()[:16]
 
 
+def bsh(x: torch.Tensor) -> torch.Tensor:
+    """[B, N, S, D] as [B, S, N * D]."""
+    return x.transpose(1, 2).flatten(2).contiguous()
+
+
 def dense_cases(dtype: torch.dtype) -> dict[str, str]:
     g = torch.Generator().manual_seed(1)
     q, k, v = (torch.randn(shape, generator=g).to(dtype) for shape in ((2, 4, 40, 64), (2, 2, 150, 64),
@@ -40,6 +45,8 @@ def dense_cases(dtype: torch.dtype) -> dict[str, str]:
         "fia": digest(*cann_attn.fused_infer_attention_score(q, k, v, **infer, scale=SCALE, softmax_lse_flag=True)),
         "fia_decode": digest(*cann_attn.fused_infer_attention_score(q[:, :, :1], k, v, **infer, scale=SCALE)),
         "ifa": digest(cann_attn.incre_flash_attention(q[:, :, :1], k, v, **infer, scale_value=SCALE)),
+        "fia_decode_bsh": digest(*cann_attn.fused_infer_attention_score(
+            *(bsh(x) for x in (q[:, :, :1], k, v)), **{**infer, "input_layout": "BSH"}, scale=SCALE)),
     }
     qf, kf, vf, dy = (torch.randn(shape, generator=g).to(dtype) for shape in ((2, 4, 96, 64), (2, 2, 96, 64),
                                                                               (2, 2, 96, 64), (2, 4, 96, 64)))

@@ -115,6 +115,46 @@ def test_decode_paged_caches_give_the_contiguous_bits(page):
     _assert_same(_decode(q, k, v, lengths), _decode(q, paged(k), paged(v), lengths, table))
 
 
+def _heads_adjacent(x: torch.Tensor) -> torch.Tensor:
+    """x [B, N2, S, D] as a BSH cache (a position's kv heads adjacent) seen as [B, N2, S, D]."""
+    return x.transpose(1, 2).contiguous().transpose(1, 2)
+
+
+def _paged_heads_adjacent(x: torch.Tensor, page: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [B, N2, S, D] as a paged BSH cache (blocks [page, N2 * D], shuffled in the pool) seen as [blocks, N2, page,
+    D], and its block table."""
+    batch, heads_kv, seq, dim = x.shape
+    per_seq = -(-seq // page)
+    order = torch.randperm(batch * per_seq, generator=torch.Generator().manual_seed(page))
+    padded = torch.zeros(batch, per_seq * page, heads_kv, dim, dtype=x.dtype)
+    padded[:, :seq] = x.transpose(1, 2)
+    pool = torch.empty(batch * per_seq, page, heads_kv, dim, dtype=x.dtype)
+    pool[order] = padded.view(batch * per_seq, page, heads_kv, dim)
+    return pool.transpose(1, 2), order.view(batch, per_seq).to(torch.int32)
+
+
+@pytest.mark.parametrize("group, heads_kv, dim", [(3, 2, 40), (4, 3, 128), (12, 2, 64), (8, 2, 40)])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_decode_heads_adjacent_caches_give_the_bnsd_bits(group, heads_kv, dim, dtype):
+    """BSH and paged BSH caches (a position's kv heads side by side: the loop takes each tile's kv heads at once)
+    against BNSD ones (each kv head's tiles in turn): the same sums per head, so the same bits; on 1 and 2 threads,
+    with sequences of several chunks, a partial last tile (1100 = 17 x 64 + 12: a block of 8 keys and 4 more) and a
+    short one."""
+    if dtype == torch.float16 and not native.has_f16c():
+        pytest.skip("fp16 caches need F16C")
+    q, k, v, lengths = _decode_inputs(group, heads_kv=heads_kv, dim=dim, dtype=dtype, seed=group + dim)
+    want = _decode(q, k, v, lengths)
+    (k_paged, table), (v_paged, _) = (_paged_heads_adjacent(x, 128) for x in (k, v))
+    previous = torch.get_num_threads()
+    try:
+        for threads in (1, 2):
+            torch.set_num_threads(threads)
+            _assert_same(want, _decode(q, _heads_adjacent(k), _heads_adjacent(v), lengths))
+            _assert_same(want, _decode(q, k_paged, v_paged, lengths, table))
+    finally:
+        torch.set_num_threads(previous)
+
+
 def test_decode_split_combine_matches_one_pass_to_rounding():
     """A sequence of several chunks against the float64 softmax of its own rows: the chunks' combine is exact up
     to fp32 rounding (statistics included)."""

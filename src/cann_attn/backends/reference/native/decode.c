@@ -541,11 +541,32 @@ struct decode_item {
 
 /* A thread's scratch: key / value rows widened (kbuf [DECODE_BLOCK, D], vbuf [DECODE_BLOCK, Dv]), key pairs
  * (kpairs; NULL: row_dots scores), the queries packed for row_dots16 per kv head (packed; NULL: none), scores
- * s [G, DECODE_BLOCK], corrections corr [G], and iota = 0..DECODE_BLOCK - 1 (the widened rows' indices). */
+ * s [N2, G, DECODE_BLOCK] and corrections corr [N2, G] (one kv head's at a time, or every head's: decode_heads_tile),
+ * and iota = 0..DECODE_BLOCK - 1 (the widened rows' indices). decode_heads_tile's too: each kv head's results
+ * (acc, m, l [N2]) and the pieces of the next tile's rows it fetches (fetch_k, fetch_v [DECODE_BLOCK * N2]). */
 struct decode_scratch {
     float *kbuf, *vbuf, *kpairs, *packed, *s, *corr;
     int64_t iota[DECODE_BLOCK];
+    float **acc, **m, **l;
+    const char **fetch_k, **fetch_v;
 };
+
+/* The online softmax step of a tile's scores s [G, DECODE_BLOCK] (w of each row live) into m, l [G] (`first`: the
+ * range's first tile, which sets them): s becomes p, corr [G] the factors of the earlier sums. Inlined, as is
+ * touch_tile_pages: once each had a second caller they were not, and the BNSD loop measured ~3% slower. */
+__attribute__((always_inline)) static inline void tile_softmax(const struct decode_args *a, float *s, int64_t w,
+                                                               int first, float *m, float *l, float *corr) {
+    for (int64_t g = 0; g < a->group; g++) {
+        float *sg = s + g * DECODE_BLOCK;
+        const float m_old = first ? -INFINITY : m[g];
+        const float m_new = max_nan(m_old, row_max(sg, w));
+        const float shift = m_new == -INFINITY ? 0.0f : m_new;
+        const float total = row_exp_max(sg, w, shift, a->log2e, a->floor2);
+        corr[g] = first ? 0.0f : exp2f((m_old - shift) * a->log2e);
+        l[g] = first ? total : fmaf(l[g], corr[g], total);
+        m[g] = m_new;
+    }
+}
 
 /* Tile [j0, j0 + w) of kv head h of batch entry b (pair = b * heads_kv + h), its query rows qp [G, D]: the online
  * softmax step into acc [G, Dv], m [G], l [G] (`first`: the range's first tile, which sets them). The rows of the
@@ -630,16 +651,7 @@ static void decode_tile(const struct decode_args *a, int64_t b, int64_t h, int64
         pair_dots16(qp, group, a->dim, sc->kpairs, w - fused, s + fused, DECODE_BLOCK);
     else
         row_dots(qp, group, a->dim, sc->kbuf, a->dim, sc->iota, w, s, DECODE_BLOCK, packed);
-    for (int64_t g = 0; g < group; g++) {
-        float *sg = s + g * DECODE_BLOCK;
-        const float m_old = first ? -INFINITY : m[g];
-        const float m_new = max_nan(m_old, row_max(sg, w));
-        const float shift = m_new == -INFINITY ? 0.0f : m_new;
-        const float total = row_exp_max(sg, w, shift, a->log2e, a->floor2);
-        sc->corr[g] = first ? 0.0f : exp2f((m_old - shift) * a->log2e);
-        l[g] = first ? total : fmaf(l[g], sc->corr[g], total);
-        m[g] = m_new;
-    }
+    tile_softmax(a, s, w, first, m, l, sc->corr);
     if (half_v) {
         /* The next value rows fetched by the combine, a row's columns at its key's step, rather than between the
          * scores' blocks: the scores then fetch half the lines, and the fetches keep pace with the arithmetic
@@ -671,7 +683,9 @@ static inline void touch_run_pages(const char *first, int64_t rows, int64_t stri
 
 /* The pages of kv head h's key and value rows of the tile at jp of work item it's sequence (nothing past the
  * sequence's end; NZ caches untouched). */
-static void touch_tile_pages(const struct decode_args *a, const struct decode_item *it, int64_t h, int64_t jp) {
+__attribute__((always_inline)) static inline void touch_tile_pages(const struct decode_args *a,
+                                                                   const struct decode_item *it, int64_t h,
+                                                                   int64_t jp) {
     if (jp >= it->length || a->k_c0 > 0 || a->v_c0 > 0)
         return;
     const int64_t wp = it->length - jp < DECODE_BLOCK ? it->length - jp : DECODE_BLOCK;
@@ -694,6 +708,114 @@ static void touch_tile_pages(const struct decode_args *a, const struct decode_it
     }
 }
 
+/* Whether the caches go tile by tile (decode_item_run): not where each kv head's rows lie closer together than a
+ * position's heads (BNSD). */
+static int heads_adjacent(const struct decode_args *a) { return !(a->k_ss < a->k_sh && a->v_ss < a->v_sh); }
+
+/* Whether a work item's tiles can take decode_heads_tile: bf16 / fp16 key and value rows read in place in whole
+ * vectors (no NZ chunks, no rope keys), scored from the rows and from key pairs (pair_dots16_block8, pair_dots16)
+ * and combined in registers (half_combine64): the functions decode_tile calls on such tiles. */
+static int heads_tiles_fit(const struct decode_args *a, const struct decode_scratch *sc) {
+    return sc->kpairs && sc->acc && sc->m && sc->l && sc->fetch_k && sc->fetch_v && use_avx512bw && (a->dtype == 1 || a->dtype == 2) &&
+           a->k_c0 <= 0 && a->v_c0 <= 0 && !a->r && a->dim % 8 == 0;
+}
+
+/* The addresses of every kv head's slice of rows[0..n) (each row's kv head 0), position by position: out[p * heads +
+ * h] = rows[p] + h * sh elements. */
+static void head_pieces(const char **out, const char *const *rows, int64_t n, int64_t heads, int64_t sh,
+                        int64_t esize) {
+    for (int64_t p = 0; p < n; p++)
+        for (int64_t h = 0; h < heads; h++)
+            out[p * heads + h] = rows[p] + h * sh * esize;
+}
+
+/* Tile [j0, j0 + w) of every kv head of batch entry b (queries qb [N2, G, D]; results sc->acc, m, l [N2]) where a
+ * position's kv heads are adjacent (BSH, paged BSH): decode_tile's arithmetic for each head (the same functions on
+ * the same rows, so the same bits) in another order. The scores go block by block of 8 positions, every head's in
+ * turn while the block's rows are in L1 (a head's 64 rows alone lie 2 KiB apart on 32 pages, which the tile's other
+ * heads then read again: bf16 BSH, N2 8, D 128); then each head's softmax and weighted sum of the values. The rows
+ * of the tile to come (wn of them from jn) are fetched meanwhile, in memory order (every head's slice of a position
+ * in turn): the key rows between the score blocks, the value rows by the weighted sums. */
+static void decode_heads_tile(const struct decode_args *a, int64_t b, int64_t j0, int64_t w, int64_t jn, int64_t wn,
+                              int first, const float *qb, struct decode_scratch *sc) {
+    const int64_t group = a->group, heads = a->heads_kv, es = a->esize, dim = a->dim;
+    const int32_t *table_row = a->table ? a->table + b * a->table_stride : NULL;
+    const int64_t seq = a->table ? 0 : b; /* paged: k_sb / v_sb are block strides, the table finds blocks */
+    const char *kp = (const char *)a->k + seq * a->k_sb * es, *vp = (const char *)a->v + seq * a->v_sb * es;
+    const char *rows[DECODE_BLOCK], *head_rows[DECODE_BLOCK];
+    const int64_t blocks = w / 8, fused = 8 * blocks, pieces = wn * heads, calls = blocks * heads;
+    if (wn > 0) {
+        tile_rows(rows, kp, jn, wn, a->k_ss, es, table_row, a->page, a->k_sb);
+        head_pieces(sc->fetch_k, rows, wn, heads, a->k_sh, es);
+        tile_rows(rows, vp, jn, wn, a->v_ss, es, table_row, a->page, a->v_sb);
+        head_pieces(sc->fetch_v, rows, wn, heads, a->v_sh, es);
+    }
+    tile_rows(rows, kp, j0, w, a->k_ss, es, table_row, a->page, a->k_sb);
+    for (int64_t i = 0, c = 0; i < blocks; i++) {
+        for (int64_t h = 0; h < heads; h++, c++) {
+            /* The next tile's key pieces, spread evenly over the score calls in order. */
+            const int64_t f0 = pieces * c / calls, f1 = pieces * (c + 1) / calls;
+            if (f1 > f0)
+                prefetch_rows(sc->fetch_k + f0, f1 - f0, dim, es, 0, 0);
+            for (int64_t j = 0; j < 8; j++)
+                head_rows[j] = rows[8 * i + j] + h * a->k_sh * es;
+            const float *qp = qb + h * group * dim;
+            float *s = sc->s + h * group * DECODE_BLOCK + 8 * i;
+            for (int64_t h0 = 0; h0 < group; h0 += 4)
+                pair_dots16_block8(qp + h0 * dim, group - h0 < 4 ? group - h0 : 4, dim, NULL, 0, head_rows, a->dtype,
+                                   s + h0 * DECODE_BLOCK, DECODE_BLOCK);
+        }
+    }
+    if (fused < w) {
+        if (calls == 0)
+            prefetch_rows(sc->fetch_k, pieces, dim, es, 0, 0);
+        for (int64_t h = 0; h < heads; h++) {
+            for (int64_t j = fused; j < w; j++)
+                head_rows[j] = rows[j] + h * a->k_sh * es;
+            for (int64_t j = fused; j < w; j += 2)
+                decode_key_pairs(a, head_rows + j, NULL, w - j < 2 ? w - j : 2, NULL, sc->kbuf,
+                                 sc->kpairs + (j - fused) / 2 * pair_floats(dim));
+            pair_dots16(qb + h * group * dim, group, dim, sc->kpairs, w - fused,
+                        sc->s + h * group * DECODE_BLOCK + fused, DECODE_BLOCK);
+        }
+    }
+    tile_rows(rows, vp, j0, w, a->v_ss, es, table_row, a->page, a->v_sb);
+    for (int64_t h = 0; h < heads; h++) {
+        float *s = sc->s + h * group * DECODE_BLOCK, *corr = sc->corr + h * group;
+        tile_softmax(a, s, w, first, sc->m[h], sc->l[h], corr);
+        for (int64_t j = 0; j < w; j++)
+            head_rows[j] = rows[j] + h * a->v_sh * es;
+        /* The next tile's value pieces, as many per head and one per key step (half_combine64's fetch). */
+        const int64_t f0 = pieces * h / heads, f1 = pieces * (h + 1) / heads;
+        const struct fetch_ahead ahead = {{sc->fetch_v + f0, NULL}, {f1 - f0, 0}};
+        half_combine64(s, DECODE_BLOCK, group, w, head_rows, a->dtype, a->dim_v, first ? NULL : corr, sc->acc[h],
+                       &ahead);
+    }
+}
+
+/* One work item as decode_item_run's tile-by-tile order, each tile's kv heads at once (decode_heads_tile). */
+__attribute__((noinline)) static void decode_heads_item(const struct decode_args *a, const struct decode_item *it,
+                                                        const float *q, float *part_acc, float *part_m,
+                                                        float *part_l, struct decode_scratch *sc) {
+    const int64_t heads = a->heads_kv, group = a->group, per_chunk = group * a->dim_v;
+    for (int64_t h = 0; h < heads; h++) {
+        const int64_t pair = it->batch * heads + h;
+        const int64_t at = it->chunks == 1 ? pair : it->slot + h * it->chunks + it->chunk;
+        sc->acc[h] = it->chunks == 1 ? a->out + at * per_chunk : part_acc + at * per_chunk;
+        sc->m[h] = (it->chunks == 1 ? a->row_max : part_m) + at * group;
+        sc->l[h] = (it->chunks == 1 ? a->row_sum : part_l) + at * group;
+    }
+    for (int64_t j0 = it->j0; j0 < it->j1; j0 += DECODE_BLOCK) {
+        const int64_t w = it->j1 - j0 < DECODE_BLOCK ? it->j1 - j0 : DECODE_BLOCK;
+        /* The tile to come: the range's next, or past its end the sequence's next chunk's first (the work item one
+         * thread takes next). */
+        const int64_t jn = j0 + w, end = jn < it->j1 ? it->j1 : it->length;
+        const int64_t wn = end - jn < DECODE_BLOCK ? end - jn : DECODE_BLOCK;
+        touch_tile_pages(a, it, 0, j0 + DECODE_PAGE_AHEAD * DECODE_BLOCK);
+        decode_heads_tile(a, it->batch, j0, w, jn, wn, j0 == it->j0, q + it->batch * heads * group * a->dim, sc);
+    }
+}
+
 /* One work item: each kv head's tiles of its range in order. Its results go to the output rows (an unsplit entry)
  * or to the partial sums of its chunk. */
 static void decode_item_run(const struct decode_args *a, const struct decode_item *it, const float *q,
@@ -706,9 +828,14 @@ static void decode_item_run(const struct decode_args *a, const struct decode_ite
      * tile then reads whole runs of memory rather than one head's slice of every row (2x slower than BNSD when it
      * did). Head by head where a head's rows are adjacent (BNSD): its next tile, which decode_tile fetches, comes
      * next (tile by tile it came N2 tiles later: bf16 BNSD 24.7 -> 23.3 ms, B 8, N 32/8, Skv 8192, D 128, one
-     * thread). The order of each head's sums is the same either way. */
+     * thread). The order of each head's sums is the same either way; tile by tile, where decode_heads_tile takes
+     * the tiles (heads_tiles_fit), each tile's kv heads go at once. */
     const int64_t tiles = (it->j1 - it->j0 + DECODE_BLOCK - 1) / DECODE_BLOCK;
-    const int heads_outer = a->k_ss < a->k_sh && a->v_ss < a->v_sh;
+    const int heads_outer = !heads_adjacent(a);
+    if (!heads_outer && heads_tiles_fit(a, sc)) {
+        decode_heads_item(a, it, q, part_acc, part_m, part_l, sc);
+        return;
+    }
     for (int64_t x = 0; x < tiles * heads_kv; x++) {
         const int64_t h = heads_outer ? x / tiles : x % heads_kv;
         const int64_t j0 = it->j0 + (heads_outer ? x % tiles : x / heads_kv) * DECODE_BLOCK;
@@ -819,8 +946,11 @@ void fia_decode_rows(const float *q, int64_t pairs, int64_t heads_kv, int64_t gr
             struct decode_scratch sc;
             sc.kbuf = malloc(sizeof(float) * DECODE_BLOCK * (dim > 2 ? dim : 2));
             sc.vbuf = malloc(sizeof(float) * DECODE_BLOCK * dim_v);
-            sc.s = malloc(sizeof(float) * group * DECODE_BLOCK);
-            sc.corr = malloc(sizeof(float) * group);
+            /* Every kv head's scores and corrections where decode_heads_tile may take the tiles (a position's
+             * heads adjacent), one head's otherwise. */
+            const int64_t scored_heads = heads_adjacent(&a) ? heads_kv : 1;
+            sc.s = malloc(sizeof(float) * scored_heads * group * DECODE_BLOCK);
+            sc.corr = malloc(sizeof(float) * scored_heads * group);
             for (int64_t j = 0; j < DECODE_BLOCK; j++)
                 sc.iota[j] = j;
             /* Scores: with AVX-512, from key pairs where G is not a multiple of 8 (pair_dots16), else by row_dots16
@@ -829,6 +959,12 @@ void fia_decode_rows(const float *q, int64_t pairs, int64_t heads_kv, int64_t gr
                             ? aligned_alloc(64, sizeof(float) * DECODE_BLOCK / 2 * pair_floats(dim)) : NULL;
             sc.packed = use_avx512 && !sc.kpairs
                             ? aligned_alloc(64, sizeof(float) * heads_kv * packed_floats16(group, dim)) : NULL;
+            const int heads_tiles = heads_adjacent(&a) && sc.kpairs;
+            sc.acc = heads_tiles ? malloc(sizeof(float *) * heads_kv) : NULL;
+            sc.m = heads_tiles ? malloc(sizeof(float *) * heads_kv) : NULL;
+            sc.l = heads_tiles ? malloc(sizeof(float *) * heads_kv) : NULL;
+            sc.fetch_k = heads_tiles ? malloc(sizeof(char *) * DECODE_BLOCK * heads_kv) : NULL;
+            sc.fetch_v = heads_tiles ? malloc(sizeof(char *) * DECODE_BLOCK * heads_kv) : NULL;
 #pragma omp for schedule(dynamic, 1)
             for (int64_t i = 0; i < n_items; i++)
                 decode_item_run(&a, work + i, q, part_acc, part_m, part_l, &sc);
@@ -836,6 +972,11 @@ void fia_decode_rows(const float *q, int64_t pairs, int64_t heads_kv, int64_t gr
             for (int64_t i = 0; i < n_items; i++)
                 if (work[i].chunks > 1 && work[i].chunk == 0)
                     decode_combine(&a, work + i, part_acc, part_m, part_l);
+            free(sc.fetch_v);
+            free(sc.fetch_k);
+            free(sc.l);
+            free(sc.m);
+            free(sc.acc);
             free(sc.packed);
             free(sc.kpairs);
             free(sc.corr);
