@@ -276,6 +276,27 @@ def test_visible_end_is_one_past_the_last_visible_column():
     assert SequenceMask(6, 10, upper=0).visible_end(0, 3, 0, 10) == 10  # no tensor: the band's range stands
 
 
+def test_visible_columns_read_once_answer_as_the_mask_per_tile():
+    """`SequenceMask.visible_columns` (the explicit mask read once per query tile) gives each key tile's
+    `explicit_tile_all_masked` and `visible_end`; `row_bounds` is `masked_tile`'s band and prefix."""
+    g = torch.Generator().manual_seed(5)
+    explicit = torch.rand(2, 1, 40, 90, generator=g) < 0.93
+    explicit[..., 30:, 50:60] = True  # a tile no row sees
+    for i0, i1 in ((0, 16), (16, 40), (8, 9)):
+        columns = SequenceMask(40, 90, explicit=explicit).visible_columns(i0, i1, 10, 90)
+        for j0, j1 in ((10, 20), (20, 90), (50, 60), (61, 62), (30, 30)):
+            mask = SequenceMask(40, 90, explicit=explicit)
+            assert columns.all_masked(j0, j1) == mask.explicit_tile_all_masked(i0, i1, j0, j1)
+            assert columns.visible_end(j0, j1) == mask.visible_end(i0, i1, j0, j1)
+    for lower, upper, prefix in ((None, 0, None), (-7, 3, None), (-5, None, None), (None, 12, 30), (2, 50, None)):
+        mask = SequenceMask(40, 90, lower=lower, upper=upper, prefix=prefix)
+        lo, hi = mask.row_bounds(4, 37, torch.device("cpu"))
+        columns = torch.arange(90)
+        visible = (columns >= lo.view(-1, 1)) & (columns < hi.view(-1, 1))
+        assert torch.equal(visible, ~mask.masked_tile(4, 37, 0, 90, torch.device("cpu")))
+    assert SequenceMask(40, 90).row_bounds(0, 40, torch.device("cpu")) is None
+
+
 def _sparse_inputs(dtype, b=2, s1=12, s2=48, heads=4, d=32, k=16, allowed=32, seed=7):
     """BSND DSA tensors (N2 = 1) and distinct token indices below `allowed` (all visible under sparse_mode 3)."""
     g = torch.Generator().manual_seed(seed)
@@ -562,6 +583,125 @@ def test_native_wide_rounding_is_the_cast_bit_for_bit(rounding, logit_rounding):
                                           logit_rounding == prec.HALF_AWAY)
         want = prec.Cast(torch.float16, logit_rounding)(cast(x) * scale)
     assert torch.equal(ours.view(torch.int32), want.view(torch.int32))
+
+
+GRAD_CASTS = [(torch.float32, prec.HALF_EVEN), (torch.bfloat16, prec.HALF_AWAY), (torch.bfloat16, prec.HALF_EVEN),
+              (torch.float16, prec.HALF_AWAY), (torch.float16, prec.HALF_EVEN)]
+
+
+@pytest.mark.parametrize("avx512", [True, False])
+@pytest.mark.parametrize("dtype,rounding", GRAD_CASTS)
+def test_native_grad_scores_are_the_torch_ops_bit_for_bit(dtype, rounding, avx512):
+    """The gradient's native pass (P and dS of a key tile, cast) gives the bits of the PyTorch ops it replaces, with the
+    loops' exponential: fp32 S * scale, -inf where the band's bounds or the mask bytes hide a column, exp2((s - max)
+    log2e) / sum, dS = (dP - D) P, each cast; values of every scale, NaN and infinities, statistics of rows that saw
+    no key and a -inf max, on the AVX-512 and the AVX2 steps (a row 45 columns wide: partial vectors on both)."""
+    native = _native_library()
+    from cann_attn.backends.reference.softmax_exp import EXP2_FLOOR, LOG2E
+
+    if avx512 and not native.set_avx512(True):
+        pytest.skip("no AVX-512F on this CPU")
+    g = torch.Generator().manual_seed(3)
+    count, heads, group, rows, cols, j0 = 2, 4, 2, 5, 45, 7
+    entries = count * heads // group
+    s = torch.randn(entries, group * rows, cols, generator=g, dtype=torch.float64) * 8
+    dp = torch.randn(entries, group * rows, cols, generator=g, dtype=torch.float64)
+    dp *= 10.0 ** torch.randint(-6, 6, dp.shape, generator=g)
+    s[0, 0, 3], s[0, 1, 4], s[1, 2, 5], dp[1, 0, 6], dp[0, 3, 9] = math.nan, math.inf, -math.inf, math.nan, math.inf
+    n_rows = count * heads * rows
+    row_max = (s.float().amax(-1).reshape(-1) * 0.125).nan_to_num(posinf=1.0)
+    row_sum = torch.rand(n_rows, generator=g) * 30 + 1
+    row_max[1], row_sum[1] = -3.4028234663852886e38, 3.4028234663852886e38  # a row that saw no key
+    row_max[2] = -math.inf
+    d_sum = torch.randn(n_rows, generator=g)
+    d_sum[5] = float(dp[0, 5, 0])  # dP - D exactly 0 at one element
+    lo = torch.randint(0, 20, (rows,), generator=g) + j0
+    hi = lo + torch.randint(0, 40, (rows,), generator=g)
+    mask = torch.rand(count, 1, rows, cols, generator=g) < 0.3
+    kind = native.npu_cast_kind(dtype, rounding == prec.HALF_AWAY)
+    cast = prec.Cast(dtype, rounding)
+    scale = 0.08838834764831845
+    try:
+        for bounds, tile_mask in ((None, None), ((lo, hi, j0), None), (None, mask), ((lo, hi, j0), mask.byte() * 3)):
+            p, ds = torch.empty(s.shape), torch.empty(s.shape)
+            native.npu_grad_scores(s, dp, row_max, row_sum, d_sum, scale, heads, rows, p, ds, kind, kind, bounds,
+                                   tile_mask)
+            logits = s.to(torch.float32).view(count, heads, rows, cols) * scale
+            visible = torch.ones(count, heads, rows, cols, dtype=torch.bool)
+            if bounds is not None:
+                columns = torch.arange(j0, j0 + cols)
+                visible &= (columns >= lo.view(-1, 1)) & (columns < hi.view(-1, 1))
+            if tile_mask is not None:
+                visible &= tile_mask == 0
+            logits = torch.where(visible, logits, -math.inf)
+            stats = [t.view(count, heads, rows, 1) for t in (row_max, row_sum, d_sum)]
+            want_p = native.exp2_flushed((logits - stats[0]) * LOG2E, EXP2_FLOOR) / stats[1]
+            want_ds = (dp.to(torch.float32).view(want_p.shape) - stats[2]) * want_p
+            for ours, want in ((p, want_p), (ds, want_ds)):
+                _assert_same_bits(ours.view(want.shape), cast(want))
+    finally:
+        native.set_avx512(not native._switched_off(native.AVX512_SWITCH))
+
+
+def _grad_cases():
+    """(name, dtype, layout tensors and options) of FA grads whose tiles meet every mask form: several query and key
+    tiles, GQA, two sequences."""
+    g = torch.Generator().manual_seed(12)
+    b, sq, skv = 2, 300, 700
+    causal = torch.ones(sq, skv, dtype=torch.bool).triu(1)
+    random_mask = (torch.rand(b, 1, sq, skv, generator=g) < 0.2).to(torch.uint8)
+    yield "none", torch.bfloat16, {}
+    yield "causal tensor", torch.float16, {"atten_mask": causal}
+    yield "random uint8 mask", torch.bfloat16, {"atten_mask": random_mask}
+    yield "band (sparse_mode 4)", torch.float16, {"atten_mask": cann_attn.compressed_mask(4), "sparse_mode": 4,
+                                                  "pre_tokens": 200, "next_tokens": 50}
+    yield "band and mask tensor", torch.bfloat16, {"atten_mask": random_mask, "pre_tokens": 150, "next_tokens": 0}
+    yield "prefix (sparse_mode 6)", torch.bfloat16, {"atten_mask": cann_attn.compressed_mask(6), "sparse_mode": 6,
+                                                     "prefix": [450, 600]}
+
+
+@pytest.mark.parametrize("case", list(range(6)))
+def test_npu_grad_native_pass_is_the_torch_path_with_its_exponential(monkeypatch, case):
+    """The gradient's native pass changes no bit but the exponential's: with the PyTorch path's torch.exp swapped for
+    the loops' exponential, both paths give the same dq, dk and dv under every mask form (the band's bounds, mask
+    bytes, both, a prefix), GQA and several query and key tiles."""
+    native = _native_library()
+    from cann_attn.backends.reference import npu_attention
+    from cann_attn.backends.reference.softmax_exp import EXP2_FLOOR, LOG2E
+
+    name, dtype, options = list(_grad_cases())[case]
+    g = torch.Generator().manual_seed(case)
+    q = torch.randn(2, 4, 300, 64, generator=g).to(dtype)
+    k, v = (torch.randn(2, 2, 700, 64, generator=g).to(dtype) for _ in range(2))
+    dy = torch.randn(q.shape, generator=g).to(dtype)
+    calls = []
+    real = native.npu_grad_scores
+    monkeypatch.setattr(native, "npu_grad_scores", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+
+    def grads():
+        with cann_attn.precision("npu"):
+            fwd = cann_attn.flash_attention_score(q, k, v, 4, "BNSD", scale_value=0.125, **options)
+            return cann_attn.flash_attention_score_grad(
+                q, k, v, dy, 4, "BNSD", attention_in=fwd.attention_out, softmax_max=fwd.softmax_max,
+                softmax_sum=fwd.softmax_sum, scale_value=0.125, **options)[:3]
+
+    fused = grads()
+    assert calls, "the native pass did not run"
+    monkeypatch.setattr(npu_attention._GradScores, "applies", staticmethod(lambda run, k: False))
+    monkeypatch.setattr(npu_attention, "_exp_shifted",
+                        lambda s, row_max: native.exp2_flushed((s - row_max) * LOG2E, EXP2_FLOOR))
+    count = len(calls)
+    for ours, want in zip(fused, grads(), strict=True):
+        assert torch.equal(ours, want), name
+    assert len(calls) == count  # the PyTorch path
+
+
+def _assert_same_bits(ours: torch.Tensor, want: torch.Tensor) -> None:
+    """Bitwise equal, a NaN matching any NaN (the casts keep no payload)."""
+    nan = want.isnan()
+    assert torch.equal(ours.isnan(), nan)
+    different = (ours.view(torch.int32) != want.view(torch.int32)) & ~nan
+    assert not different.any(), (ours[different][:8], want[different][:8])
 
 
 def _native_library():

@@ -8,6 +8,7 @@ tile. The mode table lives in `sequence_mask` and nowhere else.
 
 from __future__ import annotations
 
+import bisect
 from dataclasses import dataclass
 from enum import Enum
 
@@ -122,6 +123,21 @@ class SequenceMask:
             bias = _BIAS_TILES.setdefault(key, bias)
         return bias
 
+    def row_bounds(self, i0: int, i1: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(lo, hi), int64 [i1 - i0]: row i sees the columns lo <= j < hi as far as the band and the prefix decide
+        (`masked_tile`'s rule without the explicit mask: lower <= j - i, and j - i <= upper or j < prefix, an interval);
+        None where neither restricts any row."""
+        if self.lower is None and self.upper is None:
+            return None
+        rows = torch.arange(i0, i1, dtype=torch.int64, device=device)
+        lo = (rows + self.lower).clamp_(min=0) if self.lower is not None else torch.zeros_like(rows)
+        hi = torch.full_like(rows, self.seq_kv)
+        if self.upper is not None:
+            hi = (rows + self.upper + 1).clamp_(max=self.seq_kv)
+            if self.prefix is not None:
+                hi.clamp_(min=min(self.prefix, self.seq_kv))
+        return lo, hi
+
     def visible_end(self, i0: int, i1: int, j0: int, j1: int) -> int:
         """One past the last column of the tile rows [i0, i1) x cols [j0, j1) that the explicit mask leaves visible
         in some row (j0 when it hides them all; j1 without an explicit mask): the columns after it add exact zeros
@@ -131,12 +147,49 @@ class SequenceMask:
         visible = (self.explicit[..., i0:i1, j0:j1] == 0).reshape(-1, j1 - j0).any(0)
         return j0 + int((visible * torch.arange(1, j1 - j0 + 1, device=visible.device)).max())
 
+    def visible_columns(self, i0: int, i1: int, j0: int, j1: int) -> VisibleColumns:
+        """The columns of [j0, j1) the explicit mask leaves visible to some row of [i0, i1), read once for every tile
+        of these rows and columns (`VisibleColumns`)."""
+        if self.explicit is None:
+            return VisibleColumns(None, j0, j1)
+        if j1 <= j0:
+            return VisibleColumns([], j0, j1)
+        visible = (self.explicit[..., i0:i1, j0:j1] == 0).reshape(-1, j1 - j0).any(0)
+        return VisibleColumns((visible.nonzero().flatten() + j0).tolist(), j0, j1)
+
     def explicit_tile_all_masked(self, i0: int, i1: int, j0: int, j1: int) -> bool:
         """True when the explicit mask hides the whole tile (lets kernels skip it)."""
         if self.explicit is None:
             return False
         return bool((self.explicit[..., i0:i1, j0:j1] != 0).all())
 
+
+
+@dataclass(frozen=True)
+class VisibleColumns:
+    """The key columns (ascending; None: no explicit mask, all) of [start, end) that an explicit mask leaves visible to
+    some row of a query tile (`SequenceMask.visible_columns`): `explicit_tile_all_masked` and `visible_end` of each
+    key tile of those rows within [start, end) without reading the mask again."""
+
+    columns: list[int] | None
+    start: int  # the columns read: [start, end)
+    end: int
+
+    def all_masked(self, j0: int, j1: int) -> bool:
+        """`SequenceMask.explicit_tile_all_masked` of the tile's columns [j0, j1)."""
+        assert self.start <= j0 and j1 <= self.end, (j0, j1, self.start, self.end)
+        if self.columns is None:
+            return False
+        k = bisect.bisect_left(self.columns, j0)
+        return k == len(self.columns) or self.columns[k] >= j1
+
+    def visible_end(self, j0: int, j1: int) -> int:
+        """`SequenceMask.visible_end` of the tile's columns [j0, j1)."""
+        assert self.start <= j0 and j1 <= self.end, (j0, j1, self.start, self.end)
+        if self.columns is None or j1 <= j0:
+            return j1
+        k = bisect.bisect_left(self.columns, j1)
+        return j0 if k == 0 or self.columns[k - 1] < j0 else self.columns[k - 1] + 1
 
 
 # The additive form of "masked" in a 0 / -inf mask tile.

@@ -42,7 +42,7 @@ FUSED_MIN_ITEMS = 8
 # every sum, stay the same (a GQA group's rows are stacked per tile: taller tiles would reorder dK / dV's sums).
 # Masked runs keep their tile height: taller causal tiles measured slower (256: 178 ms, 1024: 188 ms).
 FUSED_TILE_ROWS = 2048
-# Elements of the product dY * O that `_row_sums` forms at a time on the CPU (512 KB fp32, within L2): a tile-sized
+# Elements of the product dY * O that `row_sums` forms at a time on the CPU (512 KB fp32, within L2): a tile-sized
 # temporary (8 MB at B=1 N=8 S=2048 D=128) cost its page faults and a trip through memory, ~4 ms per backward.
 ROW_SUM_ELEMENTS = 1 << 17
 
@@ -104,7 +104,7 @@ def _backward_run(kernel: RunKernel, problem: AttentionProblem, run: Run, dy, at
         q_tile = kernel.query_tile(i0, i1)
         dy_t = dy_all[:, :, i0:i1].to(dtype)
         # rowsum(dY * O) with O the forward output (after dropout), per docs/semantics/dropout.md.
-        d_sum = _row_sums(dy_t, o_all[:, :, i0:i1], dtype)
+        d_sum = row_sums(dy_t, o_all[:, :, i0:i1], dtype)
         if run_d_sum is not None:
             run_d_sum[:, :, i0:i1] = d_sum
         dy_g = group_rows(dy_t, n2)
@@ -151,7 +151,7 @@ def _backward_run(kernel: RunKernel, problem: AttentionProblem, run: Run, dy, at
         dsink_acc += terms.sum(dim=(0, 2)).to(dsink_acc.dtype)
 
 
-def _row_sums(dy_t: torch.Tensor, o_t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+def row_sums(dy_t: torch.Tensor, o_t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """rowsum(dY * O) [c, N1, rows] of dy_t (`dtype`) and o_t [c, N1, rows, Dv]: the products and sums of
     `(dy_t * o_t.to(dtype)).sum(-1)`, on the CPU a block of rows at a time (ROW_SUM_ELEMENTS)."""
     c, n1, rows, dv = dy_t.shape

@@ -31,7 +31,7 @@ import torch
 
 from ...problem import sink as sinks
 from ...problem.attention import AttentionProblem, Run
-from ...problem.mask import TileState, add_mask_bias
+from ...problem.mask import TileState, VisibleColumns, add_mask_bias
 from ...problem.pse import ALIBI_TYPES
 from ...problem.stats import FLT_MAX, accumulation_dtype, value_column_scales
 from . import native
@@ -122,9 +122,11 @@ def group_rows(t: torch.Tensor, heads_kv: int) -> torch.Tensor:
     return t.reshape(c * heads_kv, (n1 // heads_kv) * r, d)
 
 
-def key_tiles(run: Run, i0: int, i1: int, block_k: int, max_width: int | None = None):
+def key_tiles(run: Run, i0: int, i1: int, block_k: int, max_width: int | None = None,
+              columns: VisibleColumns | None = None):
     """(j0, j1, state) of the key tiles rows [i0, i1) may see, in order: block_k-wide tiles, except that runs of
-    consecutive fully visible tiles merge into tiles up to `max_width` wide (fewer, larger GEMMs)."""
+    consecutive fully visible tiles merge into tiles up to `max_width` wide (fewer, larger GEMMs). `columns`: the
+    rows' `run.mask.visible_columns`, where the caller has read them."""
     max_width = max_width or block_k
     lo, hi = run.mask.key_range(i0, i1)
     merged: tuple[int, int] | None = None
@@ -139,7 +141,8 @@ def key_tiles(run: Run, i0: int, i1: int, block_k: int, max_width: int | None = 
             merged = None
         if state is TileState.FULL:
             merged = (j0, j1)
-        elif state is not TileState.EMPTY and not run.mask.explicit_tile_all_masked(i0, i1, j0, j1):
+        elif state is not TileState.EMPTY and not (run.mask.explicit_tile_all_masked(i0, i1, j0, j1) if columns is None
+                                                   else columns.all_masked(j0, j1)):
             yield j0, j1, state
     if merged is not None:
         yield merged[0], merged[1], TileState.FULL

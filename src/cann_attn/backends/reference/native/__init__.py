@@ -70,6 +70,7 @@ _SIGNATURES = {
     "npu_round_wide_fp16": [_P, _P, _I, _I, _I, _F, _I],
     "npu_fp16_softmax_step": [_P, _P, _I, _I, _I, _F, _I, _I, _P, _P, _P, _F, _F],
     "npu_fp16_accumulate": [_P, _P, _P, _I, _I, _I, _I, _I],
+    "npu_grad_scores": [_P, _P, _I, _I, _I, _I, _P, _P, _P, _F, _P, _P, _I, _P, _I, _I, _I, _P, _P, _I, _I, _F, _F],
     "cann_attn_set_sgemm": [_P],
     "cann_attn_has_sgemm": [],
     "cann_attn_set_sgemm_pack": [_P, _P, _P],
@@ -398,12 +399,15 @@ def fa_softmax_step(s: torch.Tensor, row_max: torch.Tensor, row_sum: torch.Tenso
                         log2e, floor2)
 
 
-def npu_round(x: torch.Tensor, half: bool, away: bool) -> torch.Tensor:
+def npu_round(x: torch.Tensor, half: bool, away: bool, out: torch.Tensor | None = None) -> torch.Tensor:
     """fp32 `x` rounded once to the float16 (`half`) or bfloat16 grid, ties away from zero or to even, as fp32 (the
-    "npu" precision mode's `Cast`; docs/semantics/precision.md)."""
+    "npu" precision mode's `Cast`; docs/semantics/precision.md), into `out` (contiguous, x's shape; x itself
+    allowed) or a new tensor."""
     lib = library()
     x = x.contiguous()
-    out = torch.empty_like(x)
+    if out is None:
+        out = torch.empty_like(x)
+    assert out.is_contiguous() and out.shape == x.shape and out.dtype == torch.float32
     lib.npu_round(x.data_ptr(), out.data_ptr(), x.numel(), int(half), int(away))
     return out
 
@@ -458,6 +462,46 @@ def npu_fp16_accumulate(acc: torch.Tensor, products: torch.Tensor, correction: t
     assert correction.numel() == rows
     lib.npu_fp16_accumulate(acc.data_ptr(), products.data_ptr(), correction.data_ptr(), rows, dim,
                             int(products_away), int(rescale_away), int(acc_away))
+def npu_cast_kind(dtype: torch.dtype, away: bool) -> int:
+    """`npu_grad_scores`' code of a cast: 0 keeps fp32, else 1 | fp16 << 1 | half away << 2 (bf16 without fp16)."""
+    if dtype == torch.float32:
+        return 0
+    return 1 | (2 if dtype == torch.float16 else 0) | (4 if away else 0)
+
+
+def npu_grad_scores(s: torch.Tensor, dp: torch.Tensor, row_max: torch.Tensor, row_sum: torch.Tensor,
+                    d_sum: torch.Tensor, scale: float, heads: int, tile_rows: int, p: torch.Tensor, ds: torch.Tensor,
+                    p_kind: int, ds_kind: int, bounds: tuple[torch.Tensor, torch.Tensor, int] | None = None,
+                    mask: torch.Tensor | None = None) -> None:
+    """The "npu" mode gradient's cast P and dS of one key tile in one pass (npu_grad.c): float64 sums s and dp
+    [E, G * tile_rows, cols] (contiguous; their rows ordered as [c, heads, tile_rows]), the statistics row_max,
+    row_sum and rowsum(dY * O) d_sum [c * heads * tile_rows] (fp32, contiguous), into p and ds (fp32, s's shape,
+    contiguous), cast as `npu_cast_kind` says. `bounds` (lo, hi, j0): tile row i sees the columns j with
+    lo[i] <= j0 + j < hi[i] (lo, hi int64 [tile_rows]); `mask` [1 or c, 1 or heads, tile_rows, cols] (bool or uint8,
+    unit column stride): nonzero hides a column."""
+    lib = library()
+    for t in (s, dp):
+        assert t.dtype == torch.float64 and t.is_contiguous() and t.shape == s.shape
+    _check_rows(row_max, row_sum, d_sum, p, ds)
+    cols = s.shape[-1]
+    n_rows = s.numel() // max(cols, 1)
+    assert row_max.numel() == row_sum.numel() == d_sum.numel() == n_rows and n_rows % (heads * tile_rows) == 0
+    assert p.shape == ds.shape == s.shape
+    lo = hi = None
+    j0 = 0
+    if bounds is not None:
+        lo, hi, j0 = bounds
+        assert lo.dtype == hi.dtype == torch.int64 and lo.is_contiguous() and hi.is_contiguous()
+        assert lo.numel() == hi.numel() == tile_rows
+    strides = (0, 0, 0)
+    if mask is not None:
+        assert mask.dim() == 4 and mask.shape[2:] == (tile_rows, cols) and mask.dtype in (torch.bool, torch.uint8)
+        assert mask.stride(-1) == 1 or cols <= 1
+        strides = tuple(0 if mask.shape[k] == 1 else mask.stride(k) for k in range(3))
+        mask = mask.view(torch.uint8)
+    lib.npu_grad_scores(s.data_ptr(), dp.data_ptr(), n_rows, cols, tile_rows, heads, row_max.data_ptr(),
+                        row_sum.data_ptr(), d_sum.data_ptr(), scale, _ptr(lo), _ptr(hi), j0, _ptr(mask), *strides,
+                        p.data_ptr(), ds.data_ptr(), p_kind, ds_kind, LOG2E, EXP2_FLOOR)
 
 
 def fa_exp_rows(s: torch.Tensor, shift: torch.Tensor, factor: torch.Tensor, log2e: float, floor2: float) -> None:

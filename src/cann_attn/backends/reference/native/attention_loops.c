@@ -22,6 +22,7 @@
  *   decode.c           decode rows (one query token per sequence) over contiguous, paged or NZ caches
  *   npu_rounding.c     the "npu" precision mode's casts to fp16 / bf16
  *   npu_tiles.c        the npu mode's fp16 per-tile passes: softmax step to float64 P, running output update
+ *   npu_grad.c         the "npu" mode gradient's P and dS of one key tile, cast, in one pass
  *
  * Semantics stay in Python: which entries are valid, masks, the statistics' conventions, the final normalisation.
  * These loops only compute sums in a fixed order: no result depends on the number of threads.
@@ -104,3 +105,4 @@ static int64_t take_count(int64_t *count) {
 #include "decode.c"
 #include "npu_rounding.c"
 #include "npu_tiles.c"
+#include "npu_grad.c"

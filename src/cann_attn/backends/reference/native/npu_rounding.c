@@ -70,18 +70,20 @@ __attribute__((target("avx2,fma,f16c"))) static void npu_round_fp16_rows(const f
 static int npu_has_f16c(void) { return __builtin_cpu_supports("f16c"); }
 
 /* npu_round_bf16 on eight lanes (AVX2, which the library requires): the same integer steps, a NaN kept. */
-__attribute__((target("avx2"))) static void npu_round_bf16_rows(const float *x, float *out, int64_t n, int away) {
-    const __m256i kept = _mm256_set1_epi32((int)0xFFFF0000u), one = _mm256_set1_epi32(1);
+static inline __m256 npu_round_bf16_x8(__m256 v, int away) {
+    const __m256i u = _mm256_castps_si256(v);
+    const __m256i half = away ? _mm256_set1_epi32(0x8000)
+                              : _mm256_add_epi32(_mm256_set1_epi32(0x7FFF),
+                                                 _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1)));
+    const __m256 r = _mm256_castsi256_ps(_mm256_and_si256(_mm256_add_epi32(u, half),
+                                                          _mm256_set1_epi32((int)0xFFFF0000u)));
+    return _mm256_blendv_ps(r, v, _mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+}
+
+static void npu_round_bf16_rows(const float *x, float *out, int64_t n, int away) {
 #pragma omp parallel for schedule(static) if (n > 65536)
-    for (int64_t i = 0; i < n / 8 * 8; i += 8) {
-        const __m256 v = _mm256_loadu_ps(x + i);
-        const __m256i u = _mm256_castps_si256(v);
-        const __m256i half = away ? _mm256_set1_epi32(0x8000)
-                                  : _mm256_add_epi32(_mm256_set1_epi32(0x7FFF),
-                                                     _mm256_and_si256(_mm256_srli_epi32(u, 16), one));
-        const __m256 r = _mm256_castsi256_ps(_mm256_and_si256(_mm256_add_epi32(u, half), kept));
-        _mm256_storeu_ps(out + i, _mm256_blendv_ps(r, v, _mm256_cmp_ps(v, v, _CMP_UNORD_Q)));
-    }
+    for (int64_t i = 0; i < n / 8 * 8; i += 8)
+        _mm256_storeu_ps(out + i, npu_round_bf16_x8(_mm256_loadu_ps(x + i), away));
     for (int64_t i = n / 8 * 8; i < n; ++i)
         out[i] = npu_round_bf16(x[i], away);
 }
