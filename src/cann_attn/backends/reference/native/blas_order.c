@@ -5,10 +5,11 @@
  * core with no copy of the row-major operands. Its floats are the BLAS's because it runs the same sums in the same
  * order: each element of a product over k is one chain of fused multiply-adds from +0 over a block of kc consecutive
  * k, the blocks added to the element one after the other (to 0 with beta 0, to C with beta 1), which is what MKL's
- * kernels do there (kc = k up to 192, then 192 or k / 2). Whether that holds, and which kc, is not assumed: the first
- * call of each shape (operation, m, n, k and leading dimensions) runs the BLAS and this loop with each candidate kc on
- * the same pseudo-random operands of that shape, twice, and the loop serves the shape only where one kc gave every
- * element of both bit for bit (the BLAS serves every other shape, other CPUs' kernels and other libraries included).
+ * kernels do there (kc = k up to 192, k / 2 up to 383, then 192). Whether that holds, and which kc, is not assumed:
+ * the first call of each shape (operation, m, n, k and leading dimensions) runs the BLAS and this loop with each
+ * candidate kc on four sets of operands of that shape (ordered_probe), and the loop serves the shape only where one kc
+ * gave every element of all four bit for bit (the BLAS serves every other shape: a single row or column of C, which
+ * MKL computes otherwise, sums of one term, whose -0 it keeps, other CPUs' kernels and other libraries).
  *
  * Part of the attention_loops.c translation unit (included there, after blas.c; not compiled alone).
  */
@@ -23,7 +24,7 @@
  * when it comes back). */
 #define ORDERED_SHAPES 1024
 
-/* A [m, k] row-major at a (row stride lda); for C = A B^T the B operand packed by ordered_pack_t. */
+/* Floats of the panels ordered_pack_t makes of B [n, k] (n rounded up to whole panels of 32 rows). */
 static int64_t ordered_panel_floats(int64_t n, int64_t k) { return (n + 31) / 32 * 32 * k; }
 
 /* B [n, k] (row stride ldb) as panels of 32 rows: packed[(p k + d) 32 + j] = B[32 p + j, d], zero past row n. */
