@@ -175,17 +175,21 @@ def _softmax_step(s: torch.Tensor, row_max: torch.Tensor, row_sum: torch.Tensor)
 def _forward_run(problem: AttentionProblem, pipeline: AttentionPipeline, block: int, run: Run, query, key, value,
                  out_view, max_view, sum_view, quant) -> None:
     c, n2, heads = run.count, problem.heads_kv, problem.heads_q
-    # The GEMM operands, widened once per run to what their GEMM sums in (`_cube`; int8 exactly, in float64).
+    # The GEMM operands widened to what their GEMM sums in (`_cube`; int8 exactly, in float64): K and V once per run,
+    # each query tile as it comes (a run-sized float64 copy of Q is fresh memory on every call).
     exact_scores = quant is not None or pipeline.scores.dtype != torch.float32
     exact_products = quant is not None or pipeline.products.dtype != torch.float32
-    q_all = problem.q_view(query, run).to(torch.float64 if exact_scores else torch.float32)
-    k = problem.kv_view(key, run).to(q_all.dtype).reshape(c * n2, run.seq_kv, -1)
-    v = problem.kv_view(value, run).to(torch.float64 if exact_products else torch.float32)
-    v = v.reshape(c * n2, run.seq_kv, -1)
+    q_all = problem.q_view(query, run)
+    q_dtype = torch.float64 if exact_scores else torch.float32
+    k = problem.kv_view(key, run).to(q_dtype).reshape(c * n2, run.seq_kv, -1)
+    v = problem.kv_view(value, run).reshape(c * n2, run.seq_kv, -1)
     if exact_products:
-        # stored column-major (the same tensor): MKL's dgemm takes P V ~10-15% faster so at 128 x 1024 x 128 tiles;
-        # the float64 sums of fp16 products are exact, so the layout cannot move their bits
-        v = v.transpose(1, 2).contiguous().transpose(1, 2)
+        # widened into column-major storage in one pass: MKL's dgemm takes P V ~10-15% faster so at 128 x 1024 x 128
+        # tiles; the float64 sums of fp16 products are exact, so the layout cannot move their bits
+        v = torch.empty((v.shape[0], v.shape[2], v.shape[1]), dtype=torch.float64, device=v.device).transpose(1, 2) \
+            .copy_(v)
+    else:
+        v = v.to(torch.float32)
     dv = v.shape[-1]
     fp32_running = pipeline.accumulator.dtype == torch.float32
     fused = _fused_fp16_step(pipeline, run, quant, q_all)
@@ -196,7 +200,7 @@ def _forward_run(problem: AttentionProblem, pipeline: AttentionPipeline, block: 
     for i0 in range(0, run.seq_q, tile_rows):
         i1 = min(i0 + tile_rows, run.seq_q)
         rows = i1 - i0
-        q_tile = group_rows(q_all[:, :, i0:i1], n2)
+        q_tile = group_rows(q_all[:, :, i0:i1], n2).to(q_dtype)
         row_max = torch.full((c, heads, rows), float("-inf"), device=query.device)
         row_sum = torch.zeros_like(row_max)
         acc = torch.zeros((c, heads, rows, dv), device=query.device)
