@@ -126,3 +126,23 @@ def test_dense_operators_are_bitwise_the_same_with_and_without_ordered_gemms():
             assert torch.equal(a, b), i
     if SERVES_HERE:
         assert served > 0
+
+
+def test_switch_keeps_the_blas(monkeypatch):
+    """CANN_ATTN_NATIVE_ORDERED_GEMM=0, read when the library loads, leaves every GEMM to the BLAS."""
+    monkeypatch.setenv(native.ORDERED_GEMM_SWITCH, "0")
+    monkeypatch.setattr(native, "_state", {})
+    try:
+        assert native.library() is not None
+        gen = torch.Generator().manual_seed(47)
+        a, b, c = _operands(native.GEMM_NN, 256, 128, 512, "normal", gen)
+        native.ordered_gemms()
+        native.loops_gemm(native.GEMM_NN, a, b, c)
+        assert native.ordered_gemms() == 0
+        monkeypatch.delenv(native.ORDERED_GEMM_SWITCH)
+        native.set_ordered_gemm(True)
+        native.loops_gemm(native.GEMM_NN, a, b, c)
+        if SERVES_HERE:
+            assert native.ordered_gemms() == 1
+    finally:
+        native.set_ordered_gemm(True)
