@@ -41,10 +41,13 @@ def test_decode_matches_the_oracle(dtype, n, nkv, decode_calls):
     assert decode_calls, "the decode loop did not run"
 
 
-def _decode_inputs(group: int, heads_kv: int = 2, dim: int = 40, dtype=torch.bfloat16, seed: int = 0):
+def _decode_inputs(group: int, heads_kv: int = 2, dim: int = 40, dtype=torch.bfloat16, seed: int = 0,
+                   bf16_query: bool = False):
+    """Query rows fp32 and scaled, or (`bf16_query`) bf16 and unscaled (the bf16 dot products' scores)."""
     gen = torch.Generator().manual_seed(seed)
     batch, seq = len(LENGTHS), max(LENGTHS)
-    q = torch.randn(batch * heads_kv, group, dim, generator=gen) * SCALE
+    q = torch.randn(batch * heads_kv, group, dim, generator=gen)
+    q = q.to(torch.bfloat16) if bf16_query else q * SCALE
     k = torch.randn(batch, heads_kv, seq, dim, generator=gen).to(dtype)
     v = torch.randn(batch, heads_kv, seq, dim, generator=gen).to(dtype)
     return q, k, v, torch.tensor(LENGTHS)
@@ -54,7 +57,8 @@ def _decode(q, k, v, lengths, block_table=None):
     pairs, group, _ = q.shape
     out = torch.zeros(pairs, group, v.shape[-1])
     row_max, row_sum = torch.zeros(pairs, group), torch.zeros(pairs, group)
-    native.decode_rows(q, k, v, lengths, out, row_max, row_sum, block_table)
+    bf16_query = q.dtype == torch.bfloat16
+    native.decode_rows(q, k, v, lengths, out, row_max, row_sum, block_table, scale=SCALE if bf16_query else 1.0)
     return out, row_max, row_sum
 
 
@@ -63,9 +67,10 @@ def _assert_same(first, second):
         assert torch.equal(a, b)
 
 
+@pytest.mark.parametrize("bf16_query", [False, True], ids=["fp32q", "bf16q"])
 @pytest.mark.parametrize("group", [3, 4, 8])
-def test_decode_does_not_depend_on_the_thread_count(group):
-    inputs = _decode_inputs(group)
+def test_decode_does_not_depend_on_the_thread_count(group, bf16_query):
+    inputs = _decode_inputs(group, bf16_query=bf16_query)
     previous = torch.get_num_threads()
     try:
         torch.set_num_threads(1)
@@ -86,18 +91,43 @@ def test_decode_avx512_steps_give_the_avx2_bits(group, dim, dtype):
     if dtype == torch.float16 and not native.has_f16c():
         pytest.skip("fp16 caches need F16C")
     inputs = _decode_inputs(group, dim=dim, dtype=dtype, seed=group)
+    _assert_bits_kept_without(inputs, AVX512)
+
+
+AVX512 = (native.set_avx512, native.AVX512_SWITCH)
+BF16_DOT = (native.set_bf16_dot, native.BF16_SWITCH)
+
+
+def _assert_bits_kept_without(inputs, *switches) -> None:
+    """The loop's outputs with the switches (setter, environment variable) off equal those with each restored to its
+    setting at load."""
     try:
-        assert native.set_avx512(False) is False
-        avx2 = _decode(*inputs)
+        for off, _ in switches:
+            assert off(False) is False
+        without = _decode(*inputs)
     finally:
-        native.set_avx512(True)
-    _assert_same(avx2, _decode(*inputs))
+        for on, variable in switches:
+            on(not native._switched_off(variable))
+    _assert_same(without, _decode(*inputs))
 
 
+@pytest.mark.parametrize("emulation", ["avx512", "avx2"])
+@pytest.mark.parametrize("group, dim", [(1, 128), (2, 40), (3, 40), (4, 128), (6, 33), (8, 128)])
+def test_decode_bf16_dot_products_give_the_emulation_bits(group, dim, emulation):
+    """bf16 query rows and keys: the scores from AVX512-BF16 dot products or their emulation (decode_dots.c: 16 lanes,
+    or 8 with the AVX2 steps), the same bits through the whole loop (head blocks of 4, 2 and 1; D not whole chunks
+    of 32)."""
+    if not native.set_bf16_dot(True):
+        pytest.skip("no AVX512-BF16 on this CPU")
+    inputs = _decode_inputs(group, dim=dim, seed=group, bf16_query=True)
+    _assert_bits_kept_without(inputs, BF16_DOT, *([AVX512] if emulation == "avx2" else []))
+
+
+@pytest.mark.parametrize("bf16_query", [False, True], ids=["fp32q", "bf16q"])
 @pytest.mark.parametrize("page", [16, 128])
-def test_decode_paged_caches_give_the_contiguous_bits(page):
+def test_decode_paged_caches_give_the_contiguous_bits(page, bf16_query):
     """Several chunks of a long sequence through a shuffled block table: the same rows, tiles and chunks."""
-    q, k, v, lengths = _decode_inputs(4, seed=page)
+    q, k, v, lengths = _decode_inputs(4, seed=page, bf16_query=bf16_query)
     batch, heads_kv, seq, dim = k.shape
     per_seq = -(-seq // page)
     order = torch.randperm(batch * per_seq, generator=torch.Generator().manual_seed(page))
@@ -134,15 +164,17 @@ def _paged_heads_adjacent(x: torch.Tensor, page: int) -> tuple[torch.Tensor, tor
 
 
 @pytest.mark.parametrize("group, heads_kv, dim", [(3, 2, 40), (4, 3, 128), (12, 2, 64), (8, 2, 40)])
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_decode_heads_adjacent_caches_give_the_bnsd_bits(group, heads_kv, dim, dtype):
+@pytest.mark.parametrize("dtype, bf16_query", [(torch.bfloat16, False), (torch.float16, False), (torch.bfloat16, True)],
+                         ids=["bf16", "fp16", "bf16-bf16q"])
+def test_decode_heads_adjacent_caches_give_the_bnsd_bits(group, heads_kv, dim, dtype, bf16_query):
     """BSH and paged BSH caches (a position's kv heads side by side: the loop takes each tile's kv heads at once)
     against BNSD ones (each kv head's tiles in turn): the same sums per head, so the same bits; on 1 and 2 threads,
     with sequences of several chunks, a partial last tile (1100 = 17 x 64 + 12: a block of 8 keys and 4 more) and a
     short one."""
     if dtype == torch.float16 and not native.has_f16c():
         pytest.skip("fp16 caches need F16C")
-    q, k, v, lengths = _decode_inputs(group, heads_kv=heads_kv, dim=dim, dtype=dtype, seed=group + dim)
+    q, k, v, lengths = _decode_inputs(group, heads_kv=heads_kv, dim=dim, dtype=dtype, seed=group + dim,
+                                      bf16_query=bf16_query)
     want = _decode(q, k, v, lengths)
     (k_paged, table), (v_paged, _) = (_paged_heads_adjacent(x, 128) for x in (k, v))
     previous = torch.get_num_threads()

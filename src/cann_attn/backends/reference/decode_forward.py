@@ -6,9 +6,9 @@ sequence costs more than the attention itself (a [B, N2, S, D] copy per call). H
 caches in place in their own dtype (fp32, fp16, bf16), widen a tile of key/value rows at a time for all the query
 heads of its GQA group and keep an online softmax per grouped query row, long sequences split into chunks across
 the threads (docs/guides/backends.md, "Decode": the order of the sums): memory stays O(rows x D) per thread
-whatever S is. Semantics stay with the problem: each
-sequence attends to its first Skv keys (the runs' lengths), sequences without keys keep the caller's zero output and
-invalid-row statistics.
+whatever S is. A bf16 query over bf16 keys is passed unscaled: its scores are bf16 dot products times the scale.
+Semantics stay with the problem: each sequence attends to its first Skv keys (the runs' lengths), sequences without
+keys keep the caller's zero output and invalid-row statistics.
 """
 
 from __future__ import annotations
@@ -56,17 +56,21 @@ def forward(problem: AttentionProblem, query, key, value, out, softmax_max=None,
     for run in problem.runs:
         if run.seq_q > 0:
             lengths[run.b0 : run.b0 + run.count] = run.seq_kv
-    # Converted first, then scaled (as the tiled forward): fp32 products of the input values.
-    q = torch.empty((batch, heads, problem.dim_qk), dtype=torch.float32)
-    q.copy_(query[:, :, 0])
-    q.mul_(problem.scale)
     pairs = batch * heads_kv
+    # bf16 query and keys: the scores are bf16 dot products times the scale, as the fused forward's bf16 scores
+    # (docs/guides/backends.md, "Decode"); else the query converted first, then scaled (as the tiled forward).
+    bf16_dots = query.dtype == key.dtype == torch.bfloat16 and kv_scales is None \
+        and (key_rope is None or key_rope.dtype == torch.bfloat16)
+    if bf16_dots:
+        rows, scale = query[:, :, 0].contiguous(), problem.scale
+    else:
+        rows, scale = _scaled_query(query, problem.scale), 1.0
     acc = torch.empty((pairs, group, problem.dim_v), dtype=torch.float32)
     row_max = torch.empty((pairs, group), dtype=torch.float32)
     row_sum = torch.empty((pairs, group), dtype=torch.float32)
     dequant = None if kv_scales is None else (*kv_scales, query.dtype)
-    native.decode_rows(q.view(pairs, group, -1), key, value, lengths, acc, row_max, row_sum, block_table, dequant,
-                       packed_int4, key_rope)
+    native.decode_rows(rows.view(pairs, group, -1), key, value, lengths, acc, row_max, row_sum, block_table, dequant,
+                       packed_int4, key_rope, scale)
     seen = (lengths > 0).nonzero().view(-1)
     if seen.numel() == 0:
         return
@@ -84,6 +88,8 @@ def forward(problem: AttentionProblem, query, key, value, out, softmax_max=None,
         scales = value_column_scales(_rows_read(value, block_table, lengths).abs().amax(dim=(0, 1)),
                                      int(lengths.max()))
         if scales is not None:
+            # fp32 copies: the scores from the fp32 query, scaled first, whatever the dtype.
+            q = _scaled_query(query, problem.scale) if bf16_dots else rows
             native.decode_rows(q.view(pairs, group, -1), key.float(), value.float() * scales, lengths, acc, row_max,
                                row_sum, block_table)
             denom = denom * scales
@@ -92,6 +98,13 @@ def forward(problem: AttentionProblem, query, key, value, out, softmax_max=None,
     if softmax_max is not None:
         softmax_max[seen, :, 0] = row_max.view(batch, heads)[seen].unsqueeze(-1).to(softmax_max.dtype)
         softmax_sum[seen, :, 0] = row_sum.view(batch, heads)[seen].unsqueeze(-1).to(softmax_sum.dtype)
+
+
+def _scaled_query(query: torch.Tensor, scale: float) -> torch.Tensor:
+    """[B, N, D] fp32: the query rows converted, then scaled (fp32 products of the input values)."""
+    q = torch.empty(query.shape[:2] + query.shape[3:], dtype=torch.float32)
+    q.copy_(query[:, :, 0])
+    return q.mul_(scale)
 
 
 def _rows_read(cache: torch.Tensor, block_table: torch.Tensor | None, lengths: torch.Tensor) -> torch.Tensor:

@@ -90,10 +90,13 @@ _SIGNATURES = {
     "cann_attn_has_avx512": [],
     "cann_attn_set_avx512": [ctypes.c_int],
     "fia_decode_rows": [_P, _I, _I, _I, _I, _I, _P, _P, _I, _I, _I, _I, _I, _I, _I, _P, _P, _P, _P, _P, _I, _I, _P,
-                        _P, _I, _I, _I, _I, _P, _I, _I, _I, _I, _I, _I, _I, _F, _F],
+                        _P, _I, _I, _I, _I, _P, _I, _I, _I, _I, _I, _I, _I, _F, _F, _P, _F],
+    "cann_attn_set_bf16_dot": [ctypes.c_int],
+    "cann_attn_decode_dots": [_P, _P, _I, _I, _I, _F, ctypes.c_int, _P],
 }
 _INT_RESULTS = ("cann_attn_cpu_supported", "cann_attn_has_sgemm", "cann_attn_has_sgemm_pack", "cann_attn_has_bf16_dot",
-                "cann_attn_has_f16c", "cann_attn_has_avx512", "cann_attn_set_avx512", "cann_attn_set_ordered_gemm")
+                "cann_attn_has_f16c", "cann_attn_has_avx512", "cann_attn_set_avx512", "cann_attn_set_ordered_gemm",
+                "cann_attn_set_bf16_dot", "cann_attn_decode_dots")
 _INT64_RESULTS = ("cann_attn_alibi_skipped_terms", "cann_attn_forward_packed_gemms", "cann_attn_ordered_gemms",
                   "npu_fp16_softmax_step")
 
@@ -205,6 +208,7 @@ def _load() -> ctypes.CDLL | None:
         lib.cann_attn_set_blas_threads(_torch_cpu_symbol(BLAS_THREADS_NAMES))
     lib.cann_attn_set_avx512(0 if _switched_off(AVX512_SWITCH) else 1)
     lib.cann_attn_set_ordered_gemm(0 if _switched_off(ORDERED_GEMM_SWITCH) else 1)
+    lib.cann_attn_set_bf16_dot(0 if _switched_off(BF16_SWITCH) else 1)
     return lib
 
 
@@ -602,6 +606,27 @@ def loops_gemm(op: int, a: torch.Tensor, b: torch.Tensor, c: torch.Tensor) -> No
                              c.stride(0))
 
 
+def set_bf16_dot(on: bool) -> bool:
+    """Whether the decode loop's scores of bf16 query rows and keys take AVX512-BF16 dot products (where the CPU has
+    them; CANN_ATTN_NATIVE_BF16=0 turns them off at load) or their emulation: the same bits either way
+    (docs/guides/backends.md, "Decode"). Returns the setting now in force."""
+    lib = library()
+    return lib is not None and bool(lib.cann_attn_set_bf16_dot(int(on)))
+
+
+def decode_dots(q: torch.Tensor, k: torch.Tensor, scale: float, emulate: bool) -> torch.Tensor:
+    """scale * q k^T [H, n] of bf16 rows q [H, D] and k [n, D] by the decode loop's bf16 score kernel (its order of
+    the sums), through AVX512-BF16 dot products or (`emulate`) their emulation: for tests."""
+    lib = library()
+    assert q.dtype == k.dtype == torch.bfloat16 and q.dim() == k.dim() == 2 and q.shape[1] == k.shape[1]
+    q, k = q.contiguous(), k.contiguous()
+    out = torch.empty(q.shape[0], k.shape[0], dtype=torch.float32)
+    if lib.cann_attn_decode_dots(q.data_ptr(), k.data_ptr(), q.shape[0], k.shape[0], q.shape[1], scale, int(emulate),
+                                 out.data_ptr()) != 0:
+        raise RuntimeError("no AVX512-BF16 on this CPU")
+    return out
+
+
 class _Bf16Struct(ctypes.Structure):
     _fields_ = [("q", _P), ("k", _P), ("dy", _P), ("v", _P), ("ske", _I), ("ldk", _I), ("sve", _I), ("ldv", _I),
                 ("d16", _I), ("scale", _F)]
@@ -901,10 +926,11 @@ def decode_usable(key: torch.Tensor, value: torch.Tensor, dequant_to: torch.dtyp
 def decode_rows(q: torch.Tensor, key: torch.Tensor, value: torch.Tensor, lengths: torch.Tensor, out: torch.Tensor,
                 row_max: torch.Tensor, row_sum: torch.Tensor, block_table: torch.Tensor | None = None,
                 kv_scales: tuple[torch.Tensor, torch.Tensor, torch.dtype] | None = None, packed_int4: bool = False,
-                key_rope: torch.Tensor | None = None) -> None:
-    """Unnormalised out [B*N2, G, Dv], row_max and row_sum [B*N2, G] of the scaled, grouped query rows q
-    [B*N2, G, D] (fp32, contiguous) over the first lengths[b] rows of key / value [B, N2, S, D] (read in place;
-    decode.c; the order of its sums is docs/guides/backends.md's "Decode", its exponentials softmax_exp's rule).
+                key_rope: torch.Tensor | None = None, scale: float = 1.0) -> None:
+    """Unnormalised out [B*N2, G, Dv], row_max and row_sum [B*N2, G] of the grouped query rows q [B*N2, G, D]
+    (contiguous: fp32, already scaled; or bf16, unscaled, beside bf16 keys and rope keys, each score then the bf16
+    dot product times `scale`) over the first lengths[b] rows of key / value [B, N2, S, D] (read in place; decode.c;
+    the order of its sums is docs/guides/backends.md's "Decode", its exponentials softmax_exp's rule).
     Pairs whose length is 0 are left untouched. With `block_table` (int32 [B, W]) key and value are paged caches
     seen as [block_num, N2, block_size, D]: row p of sequence b is block
     block_table[b, p // block_size], slot p % block_size (docs/semantics/paged-kv.md), read in place too. With
@@ -914,7 +940,14 @@ def decode_rows(q: torch.Tensor, key: torch.Tensor, value: torch.Tensor, lengths
     the key's layout whose rows follow each key's (q's D is the key's plus the rope's), in the key's float dtype, or
     a float dtype of its own beside an int8 key (read as it is, never scaled)."""
     lib = library()
-    _check_rows(q, out, row_max, row_sum)
+    q16 = q.dtype == torch.bfloat16
+    if q16:
+        assert q.is_contiguous() and key.dtype == torch.bfloat16 and kv_scales is None \
+            and (key_rope is None or key_rope.dtype == torch.bfloat16), "bf16 query rows need bf16 keys"
+        _check_rows(out, row_max, row_sum)
+    else:
+        assert scale == 1.0, "fp32 query rows come scaled"
+        _check_rows(q, out, row_max, row_sum)
     pairs, group, dim = q.shape
     lengths = lengths.to(torch.int64).contiguous()
     scales = None if kv_scales is None else [t.to(torch.float32).contiguous() for t in kv_scales[:2]]
@@ -929,13 +962,13 @@ def decode_rows(q: torch.Tensor, key: torch.Tensor, value: torch.Tensor, lengths
         rg = _cache_geometry(key_rope)
         width = key_rope.shape[2] * key_rope.shape[4] if key_rope.dim() == 5 else key_rope.shape[-1]
         rope = (key_rope.data_ptr(), DECODE_DTYPES[key_rope.dtype], width, *rg[:3], *rg[3:5])
-    lib.fia_decode_rows(q.data_ptr(), pairs, key.shape[1], group, dim, out.shape[-1], key.data_ptr(),
+    lib.fia_decode_rows(None if q16 else q.data_ptr(), pairs, key.shape[1], group, dim, out.shape[-1], key.data_ptr(),
                         value.data_ptr(), code, *kg[:3], *vg[:3], lengths.data_ptr(), out.data_ptr(),
                         row_max.data_ptr(), row_sum.data_ptr(), None if table is None else table.data_ptr(),
                         0 if table is None else table.stride(0), 0 if table is None else kg[5],
                         None if kv_scales is None else scales[0].data_ptr(),
                         None if kv_scales is None else scales[1].data_ptr(), *kg[3:5], *vg[3:5], *rope, LOG2E,
-                        EXP2_FLOOR)
+                        EXP2_FLOOR, q.data_ptr() if q16 else None, scale)
 
 
 def _cache_geometry(cache: torch.Tensor) -> tuple[int, int, int, int, int, int]:

@@ -1,14 +1,16 @@
 /* Decode rows (FusedInferAttentionScore / IncreFlashAttention / ATB with one query token per sequence, no mask and
- * no pse): each (batch, kv head) pair's G grouped query rows q [G, D] (fp32, already scaled) attend to that pair's
- * first len[b] key/value rows, read in place in their own dtype (fp32, fp16, bf16; int8 / int4 anti-quantised) from
- * contiguous, paged (a block table) or NZ caches, and widened to fp32 a tile of DECODE_BLOCK rows at a time: the
+ * no pse): each (batch, kv head) pair's G grouped query rows q [G, D] (fp32, already scaled; or q16, bf16 and
+ * unscaled, over bf16 keys) attend to that pair's first len[b] key/value rows, read in place in their own dtype (fp32,
+ * fp16, bf16; int8 / int4 anti-quantised) from contiguous, paged (a block table) or NZ caches, and widened to fp32 a
+ * tile of DECODE_BLOCK rows at a time (bf16 keys of q16: scored as they are): the
  * caches are read once, each K / V row once for all G query rows (they are the rows of the tile's products). out
  * [pairs, G, Dv] is left unnormalised with row_max / row_sum [pairs, G] (max in natural-log units); pairs with
  * len 0 are not touched.
  *
  * Order of the sums (docs/guides/backends.md, "Decode"), fixed whatever the thread count, the cache layout (paged or
  * not) and the vector width:
- *   - a score is row_dots's: 8-column partial sums (column d in lane d % 8, FMAs in increasing d), then hsum;
+ *   - a score of q16 is dot_scores's (decode_dots.c: VDPBF16PS's order, or its emulation, times the scale); any
+ *     other is row_dots's: 8-column partial sums (column d in lane d % 8, FMAs in increasing d), then hsum;
  *   - a sequence is cut into chunks of DECODE_SPLIT keys (the work items), a chunk into tiles of DECODE_BLOCK keys;
  *     per tile and query row: the running max m, p = 2^((s - shift) log2e) flushed at floor2 (row_exp),
  *     l = fma(l, c, sum p) with c = 2^((m_old - shift) log2e), and acc = fma(acc, c, sum_j p_j v_j) per column
@@ -50,6 +52,10 @@ struct decode_args {
     int64_t r_dtype, r_esize, dim_r, r_sb, r_sh, r_ss, r_c0, r_cs;
     float log2e, floor2;
     float *out, *row_max, *row_sum;
+    /* bf16 query rows [pairs, G, D], unscaled (NULL: q holds them in fp32, scaled): with bf16 keys (and rope keys), the
+     * scores are dot_scores's, times `scale` (decode_dots.c). */
+    const uint16_t *q16;
+    float scale;
 };
 
 int cann_attn_has_f16c(void) {
@@ -229,22 +235,6 @@ __attribute__((target("avx512f,f16c"))) static void pair_half_rows16(const uint1
             v[c] = x;
         }
     }
-}
-
-/* hsum of both halves of 8 pair sums at once: a (head, pair p) sum's halves are keys 2p and 2p + 1. Returns, for
- * sums a..h, the 16 reductions [a0 c0 e0 g0 a1 c1 e1 g1 b0 d0 f0 h0 b1 d1 f1 h1] (x0 / x1: x's low / high half). Each
- * is hsum's tree, the same additions with the same operands first: lanes i and i + 4 (low 128 bits first), then
- * 0 + 2 and 1 + 3, then those two; only 21 vector operations for 16 sums instead of 16 hsums. */
-__attribute__((target("avx512f"))) static inline __m512 hsum_pairs8(__m512 a, __m512 b, __m512 c, __m512 d, __m512 e,
-                                                                     __m512 f, __m512 g, __m512 h) {
-#define QUARTERS(x, y) _mm512_add_ps(_mm512_shuffle_f32x4(x, y, 0x88), _mm512_shuffle_f32x4(x, y, 0xDD))
-#define HALVES(x, y)                                                                                                 \
-    _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(_mm512_castps_pd(x), _mm512_castps_pd(y))),                   \
-                  _mm512_castpd_ps(_mm512_unpackhi_pd(_mm512_castps_pd(x), _mm512_castps_pd(y))))
-    const __m512 abcd = HALVES(QUARTERS(a, b), QUARTERS(c, d)), efgh = HALVES(QUARTERS(e, f), QUARTERS(g, h));
-#undef HALVES
-#undef QUARTERS
-    return _mm512_add_ps(_mm512_shuffle_ps(abcd, efgh, 0x88), _mm512_shuffle_ps(abcd, efgh, 0xDD));
 }
 
 /* Value rows of later tiles that half_combine64 fetches into L2 as it goes: its step for key j and a block of
@@ -549,7 +539,34 @@ struct decode_scratch {
     int64_t iota[DECODE_BLOCK];
     float **acc, **m, **l;
     const char **fetch_k, **fetch_v;
+    struct dot_scratch dots; /* with q16: the bf16 scores' */
 };
+
+/* A bf16 row of n elements copied into dst (NZ: chunks of c0, chunk_stride elements apart; c0 = 0: contiguous). */
+static void gather_half_row(const char *src, int64_t n, uint16_t *dst, int64_t c0, int64_t chunk_stride) {
+    if (c0 <= 0) {
+        memcpy(dst, src, sizeof(uint16_t) * n);
+        return;
+    }
+    for (int64_t c = 0; c < n; c += c0)
+        memcpy(dst + c, src + (c / c0) * chunk_stride * sizeof(uint16_t), sizeof(uint16_t) * c0);
+}
+
+/* The keys rows[0..nk) (rope rows rrows or NULL) for dot_scores: read in place where each key's row is contiguous
+ * and, before a rope row, whole chunks wide; else gathered into whole rows (NZ caches, other latent widths). */
+static struct dot_keys decode_dot_keys(const struct decode_args *a, const char **rows, const char **rrows, int64_t nk,
+                                       struct dot_scratch *ds) {
+    const int64_t dk = a->dim - a->dim_r, chunks = dot_chunks(a->dim), width = chunks * DOT_CHUNK;
+    if (a->k_c0 <= 0 && (!rrows || (dk % DOT_CHUNK == 0 && a->r_c0 <= 0)))
+        return (struct dot_keys){rows, rrows ? rrows : rows, rrows ? dk / DOT_CHUNK : chunks, chunks, dot_tail(a->dim)};
+    for (int64_t k = 0; k < nk; k++) {
+        uint16_t *dst = ds->gathered + k * width;
+        gather_half_row(rows[k], dk, dst, a->k_c0, a->k_cs);
+        if (rrows)
+            gather_half_row(rrows[k], a->dim_r, dst + dk, a->r_c0, a->r_cs);
+    }
+    return (struct dot_keys){ds->gathered_rows, ds->gathered_rows, chunks, chunks, dot_tail(a->dim)};
+}
 
 /* The online softmax step of a tile's scores s [G, DECODE_BLOCK] (w of each row live) into m, l [G] (`first`: the
  * range's first tile, which sets them): s becomes p, corr [G] the factors of the earlier sums. Inlined, as is
@@ -608,24 +625,40 @@ static void decode_tile(const struct decode_args *a, int64_t b, int64_t h, int64
     /* bf16 / fp16 keys in whole vectors: blocks of 8 keys scored straight from the rows (pair_dots16_block8), the
      * next tile's key and value rows fetched a block at a time between them (the value rows' fetches, issued in one
      * burst of the tile's rows, waited on memory: bf16 BSH 29.3 -> 23.5 ms, B 8, N 32/8, Skv 8192, D 128, one
-     * thread); the last w % 8 keys through key pairs below. */
-    const int64_t fused = sc->kpairs && (a->dtype == 1 || a->dtype == 2) && a->k_c0 <= 0 && !rp && a->dim % 8 == 0
+     * thread); the last w % 8 keys through key pairs below.
+     * With bf16 query rows (q16), every key of the tile by dot_scores, fetching the same way, 8 keys at a time (16
+     * for a single head: dot_step's block for it; fetches of 16 rows at a time measured slower). */
+    const int dots = a->q16 != NULL;
+    const int64_t step = dots && group == 1 ? DOT_STEP : 8;
+    const int64_t fused = dots ? w
+                          : sc->kpairs && (a->dtype == 1 || a->dtype == 2) && a->k_c0 <= 0 && !rp && a->dim % 8 == 0
                               ? w / 8 * 8 : 0;
-    for (int64_t j = 0; j < fused; j += 8) {
+    if (dots)
+        dot_query(a->q16 + (b * a->heads_kv + h) * group * a->dim, group, a->dim, &sc->dots);
+    const unsigned int csr = dots ? dot_flush_begin() : 0;
+    for (int64_t j = 0; j < fused; j += step) {
         if (j < wn) {
-            prefetch_rows(next_k + j, wn - j < 8 ? wn - j : 8, kbytes, a->esize, a->k_c0, a->k_cs);
+            prefetch_rows(next_k + j, wn - j < step ? wn - j : step, kbytes, a->esize, a->k_c0, a->k_cs);
             if (!half_v)
-                prefetch_rows(next_v + j, wn - j < 8 ? wn - j : 8, vbytes, a->esize, a->v_c0, a->v_cs);
+                prefetch_rows(next_v + j, wn - j < step ? wn - j : step, vbytes, a->esize, a->v_c0, a->v_cs);
         }
         if (j < w2) {
-            prefetch_rows(also_k + j, w2 - j < 8 ? w2 - j : 8, kbytes, a->esize, a->k_c0, a->k_cs);
+            prefetch_rows(also_k + j, w2 - j < step ? w2 - j : step, kbytes, a->esize, a->k_c0, a->k_cs);
             if (!half_v)
-                prefetch_rows(also_v + j, w2 - j < 8 ? w2 - j : 8, vbytes, a->esize, a->v_c0, a->v_cs);
+                prefetch_rows(also_v + j, w2 - j < step ? w2 - j : step, vbytes, a->esize, a->v_c0, a->v_cs);
+        }
+        if (dots) {
+            const int64_t nk = w - j < step ? w - j : step;
+            const struct dot_keys keys = decode_dot_keys(a, rows + j, rp ? rrows + j : NULL, nk, &sc->dots);
+            dot_scores(group, a->dim, &keys, nk, 0, a->scale, s + j, DECODE_BLOCK, &sc->dots);
+            continue;
         }
         for (int64_t h0 = 0; h0 < group; h0 += 4)
             pair_dots16_block8(qp + h0 * a->dim, group - h0 < 4 ? group - h0 : 4, a->dim, NULL, 0, rows + j, a->dtype,
                                s + h0 * DECODE_BLOCK + j, DECODE_BLOCK);
     }
+    if (dots)
+        dot_flush_end(csr);
     if (sc->kpairs) {
         for (int64_t j = fused; j < w; j += 2) {
             if (j < wn)
@@ -633,7 +666,7 @@ static void decode_tile(const struct decode_args *a, int64_t b, int64_t h, int64
             decode_key_pairs(a, rows + j, rp ? rrows + j : NULL, w - j < 2 ? w - j : 2, ks, sc->kbuf,
                              sc->kpairs + (j - fused) / 2 * pair_floats(a->dim));
         }
-    } else {
+    } else if (!dots) {
         for (int64_t j = 0; j < w; j++) {
             if (j < wn)
                 prefetch_rows(next_k + j, 1, kbytes, a->esize, a->k_c0, a->k_cs);
@@ -649,7 +682,7 @@ static void decode_tile(const struct decode_args *a, int64_t b, int64_t h, int64
     }
     if (sc->kpairs)
         pair_dots16(qp, group, a->dim, sc->kpairs, w - fused, s + fused, DECODE_BLOCK);
-    else
+    else if (!dots)
         row_dots(qp, group, a->dim, sc->kbuf, a->dim, sc->iota, w, s, DECODE_BLOCK, packed);
     tile_softmax(a, s, w, first, m, l, sc->corr);
     if (half_v) {
@@ -713,10 +746,10 @@ __attribute__((always_inline)) static inline void touch_tile_pages(const struct 
 static int heads_adjacent(const struct decode_args *a) { return !(a->k_ss < a->k_sh && a->v_ss < a->v_sh); }
 
 /* Whether a work item's tiles can take decode_heads_tile: bf16 / fp16 key and value rows read in place in whole
- * vectors (no NZ chunks, no rope keys), scored from the rows and from key pairs (pair_dots16_block8, pair_dots16)
- * and combined in registers (half_combine64): the functions decode_tile calls on such tiles. */
+ * vectors (no NZ chunks, no rope keys), scored from the rows and from key pairs (pair_dots16_block8, pair_dots16) or
+ * by dot_scores (q16), and combined in registers (half_combine64): the functions decode_tile calls on such tiles. */
 static int heads_tiles_fit(const struct decode_args *a, const struct decode_scratch *sc) {
-    return sc->kpairs && sc->acc && sc->m && sc->l && sc->fetch_k && sc->fetch_v && use_avx512bw && (a->dtype == 1 || a->dtype == 2) &&
+    return (sc->kpairs || a->q16) && sc->acc && sc->m && sc->l && sc->fetch_k && sc->fetch_v && use_avx512bw && (a->dtype == 1 || a->dtype == 2) &&
            a->k_c0 <= 0 && a->v_c0 <= 0 && !a->r && a->dim % 8 == 0;
 }
 
@@ -729,7 +762,8 @@ static void head_pieces(const char **out, const char *const *rows, int64_t n, in
             out[p * heads + h] = rows[p] + h * sh * esize;
 }
 
-/* Tile [j0, j0 + w) of every kv head of batch entry b (queries qb [N2, G, D]; results sc->acc, m, l [N2]) where a
+/* Tile [j0, j0 + w) of every kv head of batch entry b (queries qb [N2, G, D], or with q16 every head's packed by
+ * dot_query, query row h G + g for head h; results sc->acc, m, l [N2]) where a
  * position's kv heads are adjacent (BSH, paged BSH): decode_tile's arithmetic for each head (the same functions on
  * the same rows, so the same bits) in another order. The scores go block by block of 8 positions, every head's in
  * turn while the block's rows are in L1 (a head's 64 rows alone lie 2 KiB apart on 32 pages, which the tile's other
@@ -751,6 +785,7 @@ static void decode_heads_tile(const struct decode_args *a, int64_t b, int64_t j0
         head_pieces(sc->fetch_v, rows, wn, heads, a->v_sh, es);
     }
     tile_rows(rows, kp, j0, w, a->k_ss, es, table_row, a->page, a->k_sb);
+    const unsigned int csr = a->q16 ? dot_flush_begin() : 0;
     for (int64_t i = 0, c = 0; i < blocks; i++) {
         for (int64_t h = 0; h < heads; h++, c++) {
             /* The next tile's key pieces, spread evenly over the score calls in order. */
@@ -759,8 +794,13 @@ static void decode_heads_tile(const struct decode_args *a, int64_t b, int64_t j0
                 prefetch_rows(sc->fetch_k + f0, f1 - f0, dim, es, 0, 0);
             for (int64_t j = 0; j < 8; j++)
                 head_rows[j] = rows[8 * i + j] + h * a->k_sh * es;
-            const float *qp = qb + h * group * dim;
             float *s = sc->s + h * group * DECODE_BLOCK + 8 * i;
+            if (a->q16) {
+                const struct dot_keys keys = decode_dot_keys(a, head_rows, NULL, 8, &sc->dots);
+                dot_scores(group, dim, &keys, 8, h * group, a->scale, s, DECODE_BLOCK, &sc->dots);
+                continue;
+            }
+            const float *qp = qb + h * group * dim;
             for (int64_t h0 = 0; h0 < group; h0 += 4)
                 pair_dots16_block8(qp + h0 * dim, group - h0 < 4 ? group - h0 : 4, dim, NULL, 0, head_rows, a->dtype,
                                    s + h0 * DECODE_BLOCK, DECODE_BLOCK);
@@ -772,6 +812,12 @@ static void decode_heads_tile(const struct decode_args *a, int64_t b, int64_t j0
         for (int64_t h = 0; h < heads; h++) {
             for (int64_t j = fused; j < w; j++)
                 head_rows[j] = rows[j] + h * a->k_sh * es;
+            if (a->q16) {
+                const struct dot_keys keys = decode_dot_keys(a, head_rows + fused, NULL, w - fused, &sc->dots);
+                dot_scores(group, dim, &keys, w - fused, h * group, a->scale, sc->s + h * group * DECODE_BLOCK + fused,
+                           DECODE_BLOCK, &sc->dots);
+                continue;
+            }
             for (int64_t j = fused; j < w; j += 2)
                 decode_key_pairs(a, head_rows + j, NULL, w - j < 2 ? w - j : 2, NULL, sc->kbuf,
                                  sc->kpairs + (j - fused) / 2 * pair_floats(dim));
@@ -779,6 +825,8 @@ static void decode_heads_tile(const struct decode_args *a, int64_t b, int64_t j0
                         sc->s + h * group * DECODE_BLOCK + fused, DECODE_BLOCK);
         }
     }
+    if (a->q16)
+        dot_flush_end(csr);
     tile_rows(rows, vp, j0, w, a->v_ss, es, table_row, a->page, a->v_sb);
     for (int64_t h = 0; h < heads; h++) {
         float *s = sc->s + h * group * DECODE_BLOCK, *corr = sc->corr + h * group;
@@ -805,6 +853,8 @@ __attribute__((noinline)) static void decode_heads_item(const struct decode_args
         sc->m[h] = (it->chunks == 1 ? a->row_max : part_m) + at * group;
         sc->l[h] = (it->chunks == 1 ? a->row_sum : part_l) + at * group;
     }
+    if (a->q16)
+        dot_query(a->q16 + it->batch * heads * group * a->dim, heads * group, a->dim, &sc->dots);
     for (int64_t j0 = it->j0; j0 < it->j1; j0 += DECODE_BLOCK) {
         const int64_t w = it->j1 - j0 < DECODE_BLOCK ? it->j1 - j0 : DECODE_BLOCK;
         /* The tile to come: the range's next, or past its end the sequence's next chunk's first (the work item one
@@ -812,7 +862,8 @@ __attribute__((noinline)) static void decode_heads_item(const struct decode_args
         const int64_t jn = j0 + w, end = jn < it->j1 ? it->j1 : it->length;
         const int64_t wn = end - jn < DECODE_BLOCK ? end - jn : DECODE_BLOCK;
         touch_tile_pages(a, it, 0, j0 + DECODE_PAGE_AHEAD * DECODE_BLOCK);
-        decode_heads_tile(a, it->batch, j0, w, jn, wn, j0 == it->j0, q + it->batch * heads * group * a->dim, sc);
+        decode_heads_tile(a, it->batch, j0, w, jn, wn, j0 == it->j0, a->q16 ? NULL : q + it->batch * heads * group * a->dim,
+                          sc);
     }
 }
 
@@ -867,8 +918,9 @@ static void decode_item_run(const struct decode_args *a, const struct decode_ite
         /* Tile by tile, the kv heads of a position share its pages: the first head touches them for all. */
         if (heads_outer || h == 0)
             touch_tile_pages(a, it, h, j0 + DECODE_PAGE_AHEAD * DECODE_BLOCK);
-        decode_tile(a, it->batch, h, j0, w, hn, jn, wn, h2, h2 != h ? w : 0, j0 == it->j0, q + pair * group * a->dim,
-                    sc->packed ? sc->packed + h * packed_size : NULL, acc, m, l, sc);
+        decode_tile(a, it->batch, h, j0, w, hn, jn, wn, h2, h2 != h ? w : 0, j0 == it->j0,
+                    a->q16 ? NULL : q + pair * group * a->dim, sc->packed ? sc->packed + h * packed_size : NULL, acc,
+                    m, l, sc);
     }
 }
 
@@ -911,11 +963,11 @@ void fia_decode_rows(const float *q, int64_t pairs, int64_t heads_kv, int64_t gr
                      float *row_sum, const int32_t *table, int64_t table_stride, int64_t page,
                      const float *k_scale, const float *v_scale, int64_t k_c0, int64_t k_cs, int64_t v_c0,
                      int64_t v_cs, const void *r, int64_t r_dtype, int64_t dim_r, int64_t r_sb, int64_t r_sh, int64_t r_ss,
-                     int64_t r_c0, int64_t r_cs, float log2e, float floor2) {
+                     int64_t r_c0, int64_t r_cs, float log2e, float floor2, const uint16_t *q16, float scale) {
     const struct decode_args a = {k, v, dtype, dtype == 0 ? 4 : dtype <= 2 ? 2 : 1, heads_kv, group, dim, dim_v,
                                   k_sb, k_sh, k_ss, v_sb, v_sh, v_ss, table, table_stride, page, k_scale, v_scale,
                                   k_c0, k_cs, v_c0, v_cs, r, r_dtype, r_dtype == 0 ? 4 : 2, r ? dim_r : 0, r_sb, r_sh, r_ss, r_c0, r_cs, log2e,
-                                  floor2, out, row_max, row_sum};
+                                  floor2, out, row_max, row_sum, q16, scale};
     const int64_t per_slot = group * dim_v, batch = heads_kv > 0 ? pairs / heads_kv : 0;
     /* Batch entries go in waves whose split chunks' partial sums fit DECODE_PARTIAL_FLOATS (a wave holds one entry
      * at least): the waves change no result, only the scratch a call needs. */
@@ -953,13 +1005,15 @@ void fia_decode_rows(const float *q, int64_t pairs, int64_t heads_kv, int64_t gr
             sc.corr = malloc(sizeof(float) * scored_heads * group);
             for (int64_t j = 0; j < DECODE_BLOCK; j++)
                 sc.iota[j] = j;
-            /* Scores: with AVX-512, from key pairs where G is not a multiple of 8 (pair_dots16), else by row_dots16
-             * from the queries packed once per item; row_dots otherwise. */
-            sc.kpairs = use_avx512 && group % 8 != 0
+            if (q16) /* every kv head's query rows where decode_heads_tile may take the tiles */
+                dot_scratch_alloc(&sc.dots, scored_heads * group, dim);
+            /* Scores: of bf16 query rows, dot_scores; else with AVX-512, from key pairs where G is not a multiple of 8
+             * (pair_dots16), else by row_dots16 from the queries packed once per item; row_dots otherwise. */
+            sc.kpairs = use_avx512 && group % 8 != 0 && !q16
                             ? aligned_alloc(64, sizeof(float) * DECODE_BLOCK / 2 * pair_floats(dim)) : NULL;
-            sc.packed = use_avx512 && !sc.kpairs
+            sc.packed = use_avx512 && !sc.kpairs && !q16
                             ? aligned_alloc(64, sizeof(float) * heads_kv * packed_floats16(group, dim)) : NULL;
-            const int heads_tiles = heads_adjacent(&a) && sc.kpairs;
+            const int heads_tiles = heads_adjacent(&a) && (sc.kpairs || q16);
             sc.acc = heads_tiles ? malloc(sizeof(float *) * heads_kv) : NULL;
             sc.m = heads_tiles ? malloc(sizeof(float *) * heads_kv) : NULL;
             sc.l = heads_tiles ? malloc(sizeof(float *) * heads_kv) : NULL;
@@ -972,6 +1026,8 @@ void fia_decode_rows(const float *q, int64_t pairs, int64_t heads_kv, int64_t gr
             for (int64_t i = 0; i < n_items; i++)
                 if (work[i].chunks > 1 && work[i].chunk == 0)
                     decode_combine(&a, work + i, part_acc, part_m, part_l);
+            if (q16)
+                dot_scratch_free(&sc.dots);
             free(sc.fetch_v);
             free(sc.fetch_k);
             free(sc.l);

@@ -100,6 +100,23 @@ __attribute__((target("avx512f"))) static inline __m512 both_halves(__m256 x) {
     return _mm512_castpd_ps(_mm512_broadcast_f64x4(_mm256_castps_pd(x)));
 }
 
+/* hsum of both 8-lane halves of 8 vectors at once (decode's key pairs: a (head, pair p) sum's halves are keys 2p and
+ * 2p + 1; decode_dots.c: two 16-lane sums after their first level). Returns, for
+ * sums a..h, the 16 reductions [a0 c0 e0 g0 a1 c1 e1 g1 b0 d0 f0 h0 b1 d1 f1 h1] (x0 / x1: x's low / high half). Each
+ * is hsum's tree, the same additions with the same operands first: lanes i and i + 4 (low 128 bits first), then
+ * 0 + 2 and 1 + 3, then those two; only 21 vector operations for 16 sums instead of 16 hsums. */
+__attribute__((target("avx512f"))) static inline __m512 hsum_pairs8(__m512 a, __m512 b, __m512 c, __m512 d, __m512 e,
+                                                                     __m512 f, __m512 g, __m512 h) {
+#define QUARTERS(x, y) _mm512_add_ps(_mm512_shuffle_f32x4(x, y, 0x88), _mm512_shuffle_f32x4(x, y, 0xDD))
+#define HALVES(x, y)                                                                                                 \
+    _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(_mm512_castps_pd(x), _mm512_castps_pd(y))),                   \
+                  _mm512_castpd_ps(_mm512_unpackhi_pd(_mm512_castps_pd(x), _mm512_castps_pd(y))))
+    const __m512 abcd = HALVES(QUARTERS(a, b), QUARTERS(c, d)), efgh = HALVES(QUARTERS(e, f), QUARTERS(g, h));
+#undef HALVES
+#undef QUARTERS
+    return _mm512_add_ps(_mm512_shuffle_ps(abcd, efgh, 0x88), _mm512_shuffle_ps(abcd, efgh, 0xDD));
+}
+
 /* Largest of s[0..n) with NaN propagated (as torch.amax); -inf when n == 0. One running maximum per lane, in order:
  * where the largest value is a zero, its sign is that of the zero the order below keeps (row_max_fast defers to it). */
 static float row_max_ordered(const float *s, int64_t n) {
