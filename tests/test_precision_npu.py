@@ -696,6 +696,33 @@ def test_npu_grad_native_pass_is_the_torch_path_with_its_exponential(monkeypatch
     assert len(calls) == count  # the PyTorch path
 
 
+@pytest.mark.parametrize("native_on", [True, False])
+def test_npu_grad_paired_gemms_are_the_separate_ones(monkeypatch, native_on):
+    """The gradient's GEMMs taken in pairs (S with dP, dV with dK: one batched call each) give the bits of the
+    separate calls: GQA (two query heads per kv head), a causal mask tensor, several query and key tiles."""
+    from cann_attn.backends.reference import native, npu_attention
+
+    if not native_on:
+        monkeypatch.setenv(native.ENV_SWITCH, "0")
+    g = torch.Generator().manual_seed(21)
+    q = torch.randn(1, 4, 300, 64, generator=g).to(torch.bfloat16)
+    k, v = (torch.randn(1, 2, 600, 64, generator=g).to(torch.bfloat16) for _ in range(2))
+    dy = torch.randn(q.shape, generator=g).to(torch.bfloat16)
+    mask = torch.ones(300, 600, dtype=torch.bool).triu(301)
+
+    def grads():
+        with cann_attn.precision("npu"):
+            fwd = cann_attn.flash_attention_score(q, k, v, 4, "BNSD", scale_value=0.125, atten_mask=mask)
+            return cann_attn.flash_attention_score_grad(
+                q, k, v, dy, 4, "BNSD", attention_in=fwd.attention_out, softmax_max=fwd.softmax_max,
+                softmax_sum=fwd.softmax_sum, scale_value=0.125, atten_mask=mask)[:3]
+
+    paired = grads()
+    monkeypatch.setattr(npu_attention, "_paired", lambda problem: False)
+    for ours, want in zip(paired, grads(), strict=True):
+        assert torch.equal(ours, want)
+
+
 def _assert_same_bits(ours: torch.Tensor, want: torch.Tensor) -> None:
     """Bitwise equal, a NaN matching any NaN (the casts keep no payload)."""
     nan = want.isnan()

@@ -154,7 +154,11 @@ class SequenceMask:
             return VisibleColumns(None, j0, j1)
         if j1 <= j0:
             return VisibleColumns([], j0, j1)
-        visible = (self.explicit[..., i0:i1, j0:j1] == 0).reshape(-1, j1 - j0).any(0)
+        tile = self.explicit[..., i0:i1, j0:j1]
+        if tile.dtype in (torch.bool, torch.uint8):  # a column's least byte is 0 where some row sees it (one pass)
+            visible = tile.view(torch.uint8).reshape(-1, j1 - j0).amin(0) == 0
+        else:
+            visible = (tile == 0).reshape(-1, j1 - j0).any(0)
         return VisibleColumns((visible.nonzero().flatten() + j0).tolist(), j0, j1)
 
     def explicit_tile_all_masked(self, i0: int, i1: int, j0: int, j1: int) -> bool:

@@ -319,72 +319,134 @@ def backward(problem: AttentionProblem, pipeline: GradPipeline, query, key, valu
 
 
 def _grad_buffers(problem: AttentionProblem, run: Run) -> dict[str, tuple[int, torch.dtype]]:
-    """(elements, dtype) of each buffer `_backward_run` takes from its workspace."""
+    """(elements, dtype) of each buffer `_GradGemms` takes from its workspace."""
     f32, f64 = torch.float32, torch.float64
-    entries, width = run.count * problem.heads_kv, KEY_TILE
+    entries, width, rows = run.count * problem.heads_kv, KEY_TILE, problem.group * min(BLOCK_Q, run.seq_q)
     keys, values = entries * run.seq_kv * problem.dim_qk, entries * run.seq_kv * problem.dim_v
-    tile = entries * problem.group * min(BLOCK_Q, run.seq_q) * width
-    return {"k": (keys, f32), "k64": (keys, f64), "v64": (values, f64), "dk_acc": (keys, f32),
-            "dv_acc": (values, f32), "s": (tile, f64), "dp": (tile, f64), "p": (tile, f32), "ds": (tile, f32),
-            "dv": (entries * width * problem.dim_v, f32), "dk": (entries * width * problem.dim_qk, f32)}
+    tile = entries * rows * width
+    q_tile, dy_tile = entries * rows * problem.dim_qk, entries * rows * problem.dim_v
+    return {"k": (keys, f32), "kv64": (keys + values, f64), "acc": (keys + values, f32),
+            "qdy64": (q_tile + dy_tile, f64), "dyq": (q_tile + dy_tile, f32), "dq": (q_tile, f32),
+            "sdp": (2 * tile, f64), "pds": (2 * tile, f32),
+            "dvdk": (entries * width * (problem.dim_qk + problem.dim_v), f32),
+            "dk": (entries * width * problem.dim_qk, f32)}
 
 
 def _backward_run(problem: AttentionProblem, pipeline: GradPipeline, run: Run, query, key, value, dy, attention_in,
                   softmax_max, softmax_sum, dq_view, dk_view, dv_view, dpse_source, dsink_acc,
                   scratch: _Workspace) -> None:
     c, n2, heads = run.count, problem.heads_kv, problem.heads_q
-    f32, f64 = torch.float32, torch.float64
-    # The GEMM operands: S = Q K^T and dP = dY V^T are exact sums (float64, rounded once: dP - D cancels), K and V
-    # widened once per run; the others accumulate in fp32 (docs/semantics/precision.md, "Gradients"). Q and dY are
-    # widened per query tile.
+    f32 = torch.float32
     device = query.device
-    key_run, value_run = problem.kv_view(key, run), problem.kv_view(value, run)
-    k = scratch.take("k", key_run.shape, f32, device).copy_(key_run).view(c * n2, run.seq_kv, -1)
-    k64 = scratch.take("k64", k.shape, f64, device).copy_(k)
-    v64 = scratch.take("v64", value_run.shape, f64, device).copy_(value_run).view(c * n2, run.seq_kv, -1)
+    gemms = _GradGemms(problem, run, key, value, scratch)
     q_run, dy_run, o_run = problem.q_view(query, run), problem.q_view(dy, run), problem.q_view(attention_in, run)
     max_all = problem.stat_view(softmax_max, run)[..., 0].to(f32)
     sum_all = problem.stat_view(softmax_sum, run)[..., 0].to(f32)
-    dk_acc = scratch.take("dk_acc", k.shape, f32, device).zero_()
-    dv_acc = scratch.take("dv_acc", v64.shape, f32, device).zero_()
     pse_grad = pse_grad_target(run, dpse_source)
     d_sum_all = None if dsink_acc is None else torch.empty_like(max_all)
     scale = float(problem.scale)
-    dim = problem.dim_qk
-    fused = _GradScores.applies(run, k)
+    fused = _GradScores.applies(run, device)
     for i0 in range(0, run.seq_q, BLOCK_Q):
         i1 = min(i0 + BLOCK_Q, run.seq_q)
         rows = i1 - i0
-        q_tile = group_rows(q_run[:, :, i0:i1].to(f32), n2)
         dy_t = dy_run[:, :, i0:i1].to(f32)
-        dy_g = group_rows(dy_t, n2)
+        gemms.query_tile(group_rows(q_run[:, :, i0:i1].to(f32), n2), group_rows(dy_t, n2))
         d_sum = row_sums(dy_t, o_run[:, :, i0:i1], f32)  # rowsum(dY * O), D
         if d_sum_all is not None:
             d_sum_all[:, :, i0:i1] = d_sum
         stats = [t.contiguous() for t in (max_all[:, :, i0:i1], sum_all[:, :, i0:i1], d_sum)]
-        scores = (_GradScores if fused else _TorchGradScores)(problem, pipeline, run, q_tile, dy_g, stats, i0, i1,
-                                                              scratch)
-        dq_acc = torch.zeros((*q_tile.shape[:-1], dim), dtype=f32, device=q_tile.device)
+        scores = (_GradScores if fused else _TorchGradScores)(problem, pipeline, run, stats, i0, i1, scratch)
         lo, hi = run.mask.key_range(i0, i1)
         # the columns of the key tiles below (whole KEY_TILE steps from the one holding lo)
         columns = run.mask.visible_columns(i0, i1, lo - lo % KEY_TILE, min(run.seq_kv, -(-hi // KEY_TILE) * KEY_TILE))
         for tile_start, tile_end, state in key_tiles(run, i0, i1, KEY_TILE, columns=columns):
             j0, j1 = _visible_columns(run, i0, i1, max(tile_start, lo), min(tile_end, hi), state, columns)
-            p_cast, ds_g = scores.tile(k64, v64, j0, j1, state, pse_grad)
-            # dV and dK: each tile's product into a reused buffer, added to its rows (a slice's baddbmm_ goes per batch)
-            cols = j1 - j0
-            dv_acc[:, j0:j1].add_(torch.bmm(p_cast.transpose(1, 2), dy_g,
-                                            out=scratch.take("dv", (c * n2, cols, dv_acc.shape[-1]), f32, k.device)))
-            dq_acc.baddbmm_(ds_g, k[:, j0:j1, :dim])
-            dk_acc[:, j0:j1].add_(torch.bmm(ds_g.transpose(1, 2), q_tile[..., :dim],
-                                            out=scratch.take("dk", (c * n2, cols, dim), f32, k.device)))
-        dq_view[:, :, i0:i1] = _rounded_(pipeline.query_outputs, dq_acc.mul_(scale)).view(c, heads, rows, -1)
-    dk_view.copy_(_rounded_(pipeline.outputs, dk_acc.mul_(scale)).view(dk_view.shape))
-    dv_view.copy_(_rounded_(pipeline.outputs, dv_acc).view(dv_view.shape))
+            s, dp = gemms.scores(j0, j1)
+            gemms.gradients(*scores.tile(s, dp, gemms.pair_buffer(j1 - j0), j0, j1, state, pse_grad), j0, j1)
+        dq_view[:, :, i0:i1] = _rounded_(pipeline.query_outputs, gemms.dq.mul_(scale)).view(c, heads, rows, -1)
+    dk_view.copy_(_rounded_(pipeline.outputs, gemms.dk.mul_(scale)).view(dk_view.shape))
+    dv_view.copy_(_rounded_(pipeline.outputs, gemms.dv).view(dv_view.shape))
     if dsink_acc is not None:
         terms = sinks.sink_grad_terms_from_rowsum(d_sum_all, max_all, sum_all,
                                                   sinks.head_values(problem.sink, f32, query.device))
         dsink_acc += terms.sum(dim=(0, 2)).to(dsink_acc.dtype)
+
+
+def _paired(problem: AttentionProblem) -> bool:
+    """Whether `_GradGemms` takes its GEMMs in pairs: Q and V of one head dimension."""
+    return problem.dim_qk == problem.dim_v
+
+
+class _GradGemms:
+    """The gradient's GEMMs over one run, in `_Workspace` buffers: S = Q K^T and dP = dY V^T as exact sums (float64,
+    rounded once: dP - D cancels; K and V widened once per run, Q and dY per query tile), dV += P^T dY, dQ += dS K
+    and dK += dS^T Q in fp32 (docs/semantics/precision.md, "Gradients"); each tile's dV and dK products go into a
+    buffer added to their rows (a slice's baddbmm_ goes per batch). Where Q and V have one head dimension, the pairs
+    (K, V), (Q, dY), (S, dP), (P, dS) and (dV, dK) sit side by side, so that S and dP are one batched GEMM and dV and
+    dK another, with one add: each matrix of a batch is the GEMM it was alone (the same bits), with half the calls."""
+
+    def __init__(self, problem: AttentionProblem, run: Run, key, value, scratch: _Workspace) -> None:
+        self.scratch = scratch
+        self.entries, self.dim = run.count * problem.heads_kv, problem.dim_qk
+        self.paired = _paired(problem)
+        device = key.device
+        f32, f64 = torch.float32, torch.float64
+        key_run, value_run = problem.kv_view(key, run), problem.kv_view(value, run)
+        e, skv = self.entries, run.seq_kv
+        self.k = scratch.take("k", key_run.shape, f32, device).copy_(key_run).view(e, skv, -1)
+        kv64 = scratch.take("kv64", (e * skv * (problem.dim_qk + problem.dim_v),), f64, device)
+        self.k64 = kv64[: self.k.numel()].view(self.k.shape).copy_(self.k)
+        self.v64 = kv64[self.k.numel() :].view(e, skv, -1).copy_(value_run.reshape(e, skv, -1))
+        acc = scratch.take("acc", (e * skv * (problem.dim_qk + problem.dim_v),), f32, device).zero_()
+        self.dv = acc[: self.v64.numel()].view(self.v64.shape)  # dV first: P's product comes first in the pair
+        self.dk = acc[self.v64.numel() :].view(self.k.shape)
+        if self.paired:
+            self.kv64, self.acc = kv64.view(2 * e, skv, -1), acc.view(2 * e, skv, -1)
+
+    def query_tile(self, q_tile: torch.Tensor, dy_g: torch.Tensor) -> None:
+        """The next query tile's Q and dY (fp32, [c * N2, G * rows, D]); dq starts at 0."""
+        f32, f64, device = torch.float32, torch.float64, q_tile.device
+        shape, n_q, n_dy = q_tile.shape, q_tile.numel(), dy_g.numel()
+        qdy64 = self.scratch.take("qdy64", (n_q + n_dy,), f64, device)
+        self.q64 = qdy64[:n_q].view(shape).copy_(q_tile)
+        self.dy64 = qdy64[n_q:].view(dy_g.shape).copy_(dy_g)
+        dyq = self.scratch.take("dyq", (n_q + n_dy,), f32, device)  # dY first, as dV first
+        self.dy = dyq[:n_dy].view(dy_g.shape).copy_(dy_g)
+        self.q = dyq[n_dy:].view(shape).copy_(q_tile)
+        if self.paired:
+            self.qdy64, self.dyq = qdy64.view(2 * shape[0], *shape[1:]), dyq.view(2 * shape[0], *shape[1:])
+        self.dq = self.scratch.take("dq", (*shape[:-1], self.dim), f32, device).zero_()
+
+    def scores(self, j0: int, j1: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(S, dP) of the key tile [j0, j1): float64 [c * N2, G * rows, cols] each."""
+        e, rows, cols = self.entries, self.q64.shape[1], j1 - j0
+        out = self.scratch.take("sdp", (2 * e, rows, cols), torch.float64, self.k.device)
+        if self.paired:
+            torch.bmm(self.qdy64, self.kv64[:, j0:j1].transpose(1, 2), out=out)
+        else:
+            torch.bmm(self.q64, self.k64[:, j0:j1].transpose(1, 2), out=out[:e])
+            torch.bmm(self.dy64, self.v64[:, j0:j1].transpose(1, 2), out=out[e:])
+        return out[:e], out[e:]
+
+    def gradients(self, p: torch.Tensor, ds: torch.Tensor, j0: int, j1: int) -> None:
+        """dV += P^T dY, dQ += dS K, dK += dS^T Q for the key tile [j0, j1); p and ds (fp32 [c * N2, G * rows, cols])
+        side by side in `pair_buffer` where the pairs are taken."""
+        e, cols = self.entries, j1 - j0
+        self.dq.baddbmm_(ds, self.k[:, j0:j1, : self.dim])
+        if self.paired:
+            pair = self.pair_buffer(cols)
+            assert p.data_ptr() == pair[:e].data_ptr() and ds.data_ptr() == pair[e:].data_ptr()
+            out = self.scratch.take("dvdk", (2 * e, cols, self.dim), torch.float32, self.k.device)
+            self.acc[:, j0:j1].add_(torch.bmm(pair.transpose(1, 2), self.dyq, out=out))
+            return
+        dv_out = self.scratch.take("dvdk", (e, cols, self.dv.shape[-1]), torch.float32, self.k.device)
+        self.dv[:, j0:j1].add_(torch.bmm(p.transpose(1, 2), self.dy, out=dv_out))
+        dk_out = self.scratch.take("dk", (e, cols, self.dim), torch.float32, self.k.device)
+        self.dk[:, j0:j1].add_(torch.bmm(ds.transpose(1, 2), self.q[..., : self.dim], out=dk_out))
+
+    def pair_buffer(self, cols: int) -> torch.Tensor:
+        """[2 * c * N2, G * rows, cols] fp32: P's rows, then dS's, for the tile's scores to fill."""
+        return self.scratch.take("pds", (2 * self.entries, self.q64.shape[1], cols), torch.float32, self.k.device)
 
 
 def _rounded_(cast: Cast, x: torch.Tensor) -> torch.Tensor:
@@ -395,30 +457,26 @@ def _rounded_(cast: Cast, x: torch.Tensor) -> torch.Tensor:
 
 
 class _GradScores:
-    """A query tile's rounded P and dS per key tile [c * N2, G * rows, cols] (fp32, for the fp32 GEMMs): S and dP as
-    float64 GEMMs into reused buffers, then the native pass (`native.npu_grad_scores`) that forms P (its exponential
-    is the exact mode's, as the forward's `_softmax_step`), dS = P (dP - D) and both casts at once, reading the mask
-    as the band's bounds and the mask tensor's bytes. Runs without pse and dropout, on the CPU with the library."""
+    """A query tile's rounded P and dS per key tile [c * N2, G * rows, cols] (fp32, for the fp32 GEMMs) from the
+    float64 S and dP: one native pass (`native.npu_grad_scores`) forms P (its exponential is the exact mode's, as the
+    forward's `_softmax_step`), dS = P (dP - D) and both casts at once, reading the mask as the band's bounds and the
+    mask tensor's bytes. Runs without pse and dropout, on the CPU with the library."""
 
-    def __init__(self, problem: AttentionProblem, pipeline: GradPipeline, run: Run, q_tile, dy_g, stats, i0: int,
-                 i1: int, scratch: _Workspace) -> None:
-        self.problem, self.run, self.i0, self.i1, self.scratch = problem, run, i0, i1, scratch
-        self.q64, self.dy64 = q_tile.to(torch.float64), dy_g.to(torch.float64)
-        self.stats = stats
+    def __init__(self, problem: AttentionProblem, pipeline: GradPipeline, run: Run, stats, i0: int, i1: int,
+                 scratch: _Workspace) -> None:
+        self.problem, self.run, self.i0, self.i1, self.stats = problem, run, i0, i1, stats
         self.kinds = [native.npu_cast_kind(cast.dtype, cast.rounding == HALF_AWAY)
                       for cast in (pipeline.probabilities, pipeline.score_grad)]
-        self.bounds = run.mask.row_bounds(i0, i1, q_tile.device)
+        self.bounds = run.mask.row_bounds(i0, i1, stats[0].device)
 
     @staticmethod
-    def applies(run: Run, k: torch.Tensor) -> bool:
-        return run.pse is None and run.dropout is None and k.device.type == "cpu" and native.library() is not None
+    def applies(run: Run, device: torch.device) -> bool:
+        return run.pse is None and run.dropout is None and device.type == "cpu" and native.library() is not None
 
-    def tile(self, k64, v64, j0: int, j1: int, state: TileState, pse_grad) -> tuple[torch.Tensor, torch.Tensor]:
-        f32, f64, device = torch.float32, torch.float64, k64.device
-        shape = (*self.q64.shape[:2], j1 - j0)
-        s = torch.bmm(self.q64, k64[:, j0:j1].transpose(1, 2), out=self.scratch.take("s", shape, f64, device))
-        dp = torch.bmm(self.dy64, v64[:, j0:j1].transpose(1, 2), out=self.scratch.take("dp", shape, f64, device))
-        p, ds = self.scratch.take("p", shape, f32, device), self.scratch.take("ds", shape, f32, device)
+    def tile(self, s, dp, out: torch.Tensor, j0: int, j1: int, state: TileState,
+             pse_grad) -> tuple[torch.Tensor, torch.Tensor]:
+        """(P, dS) of the key tile [j0, j1) into `out` [2 * c * N2, G * rows, cols] (P's rows, then dS's)."""
+        p, ds = out[: s.shape[0]], out[s.shape[0] :]
         bounds = mask = None
         if state is TileState.PARTIAL:
             bounds = None if self.bounds is None else (*self.bounds, j0)
@@ -439,17 +497,16 @@ class _TorchGradScores:
     """`_GradScores` in PyTorch ops (no native library, a pse or dropout): the same roundings, torch.exp's
     exponential, the pse gradient from the unrounded dS."""
 
-    def __init__(self, problem: AttentionProblem, pipeline: GradPipeline, run: Run, q_tile, dy_g, stats, i0: int,
-                 i1: int, scratch: _Workspace) -> None:
+    def __init__(self, problem: AttentionProblem, pipeline: GradPipeline, run: Run, stats, i0: int, i1: int,
+                 scratch: _Workspace) -> None:
         self.problem, self.pipeline, self.run, self.i0, self.i1 = problem, pipeline, run, i0, i1
-        self.q64, self.dy64 = q_tile.to(torch.float64), dy_g.to(torch.float64)
         self.row_max, self.row_sum, self.d_sum = (t.unsqueeze(-1) for t in stats)
 
-    def tile(self, k64, v64, j0: int, j1: int, state: TileState, pse_grad) -> tuple[torch.Tensor, torch.Tensor]:
+    def tile(self, s, dp, out: torch.Tensor, j0: int, j1: int, state: TileState,
+             pse_grad) -> tuple[torch.Tensor, torch.Tensor]:
         f32, problem, run, i0, i1 = torch.float32, self.problem, self.run, self.i0, self.i1
-        cols = j1 - j0
-        entries = self.q64.shape[0]
-        s = _gemm(self.q64, k64[:, j0:j1].transpose(1, 2)).to(f32).view(run.count, problem.heads_q, i1 - i0, cols)
+        p_out, ds_out = out[: s.shape[0]], out[s.shape[0] :]
+        s = s.to(f32).view(run.count, problem.heads_q, i1 - i0, j1 - j0)
         s.mul_(float(problem.scale))
         if run.pse is not None:
             s.add_(run.pse.tile(i0, i1, j0, j1, s.device, f32))
@@ -457,16 +514,17 @@ class _TorchGradScores:
             add_mask_bias(s, run.mask.bias_tile(i0, i1, j0, j1, f32, s.device),
                           finite=bool(torch.isfinite(s.sum())), in_place=True)
         p = _exp_shifted(s, self.row_max).div_(self.row_sum)
-        dp = _gemm(self.dy64, v64[:, j0:j1].transpose(1, 2)).to(f32).view(p.shape)
+        dp = dp.to(f32).view(p.shape)
         p_drop = p
         if run.dropout is not None:
             keep = run.dropout.keep_tile(i0, i1, j0, j1, p.device).to(f32) / problem.keep_prob
             p_drop, dp = p * keep, dp * keep
-        p_cast = _rounded(self.pipeline.probabilities, p_drop).view(entries, -1, cols)
+        p_out.copy_(_rounded(self.pipeline.probabilities, p_drop).view(p_out.shape))
         ds = dp.sub_(self.d_sum).mul_(p)
         if pse_grad is not None:
             run.pse.accumulate_grad(pse_grad, i0, i1, j0, j1, ds)
-        return p_cast, _rounded(self.pipeline.score_grad, ds).view(entries, -1, cols)
+        ds_out.copy_(_rounded(self.pipeline.score_grad, ds).view(ds_out.shape))
+        return p_out, ds_out
 
 
 class _Scratch:
