@@ -1,11 +1,12 @@
-"""The fused dense loops' AVX-512 GEMMs (native/blas_order.c) give the BLAS's own floats: each shape is served only
-where a check on pseudo-random operands found the BLAS's order of sums, so every result must equal the BLAS's bit
-for bit, special values included, and the dense operators' outputs must not depend on whether they run
-(docs/guides/backends.md)."""
+"""The fused dense loops' AVX-512 GEMMs (native/blas_order.c) give the BLAS's own floats: each class of shapes is
+served only where a check on pseudo-random and special operands found the BLAS's order of sums, so every result must
+equal the BLAS's bit for bit, special values included, and the dense operators' outputs must not depend on whether
+they run (docs/guides/backends.md)."""
 
 from __future__ import annotations
 
 import itertools
+import random
 from pathlib import Path
 
 import pytest
@@ -81,6 +82,62 @@ def test_ordered_gemms_are_bitwise_the_blas(op):
         assert torch.equal(blas.view(torch.int32), ordered.view(torch.int32)), (m, n, k, kind)
     if SERVES_HERE:
         assert native.ordered_gemms() >= 5 * (len(SHAPES) - 1)
+
+
+# Shape classes the ordered loops check at most once each per process (blas_order.c, ordered_kc): three operations,
+# three regimes of k, narrow or wide rows, narrow or wide columns.
+ORDERED_CLASSES = 3 * 3 * 2 * 2
+
+
+def test_many_shapes_check_each_class_once():
+    """300 distinct GEMM shapes (4-80 rows, 12-80 columns, sums of 2-700 terms: what variable-length batches meet)
+    run at most one check per class of shapes, not one per shape, and every result is the BLAS's bit for bit."""
+    rng = random.Random(47)
+    shapes: set[tuple[int, int, int, int]] = set()
+    while len(shapes) < 300:
+        shapes.add((rng.choice((native.GEMM_NT, native.GEMM_NN, native.GEMM_TN)), rng.randint(4, 80),
+                    rng.randint(12, 80), rng.randint(2, 700)))
+    gen = torch.Generator().manual_seed(47)
+    native.ordered_probes()
+    native.ordered_gemms()
+    for op, m, n, k in sorted(shapes):
+        a, b, c = _operands(op, m, n, k, "normal", gen)
+        ordered = _gemm(op, a, b, c, True)
+        blas = _gemm(op, a, b, c, False)
+        assert torch.equal(blas.view(torch.int32), ordered.view(torch.int32)), (op, m, n, k)
+    assert native.ordered_probes() <= ORDERED_CLASSES
+    if SERVES_HERE:
+        assert native.ordered_gemms() == len(shapes)
+
+
+def test_variable_length_batch_checks_few_classes_and_keeps_the_blas_bits():
+    """FlashAttentionScore TND and its grad over 40 sequences of 20-300 tokens (each its own GEMM shapes) give the
+    same bits with the ordered loops as with the BLAS alone, and check at most one class of shapes each."""
+    gen = torch.Generator().manual_seed(53)
+    lengths = torch.randint(20, 300, (40,), generator=gen)
+    cum = torch.cumsum(lengths, 0).tolist()
+    heads, dim = 2, 64
+    q, k, v, dy = (torch.randn(cum[-1], heads, dim, generator=gen) for _ in range(4))
+
+    def bits() -> list[torch.Tensor]:
+        kw = {"scale_value": dim ** -0.5, "actual_seq_qlen": cum, "actual_seq_kvlen": cum}
+        fwd = cann_attn.flash_attention_score(q, k, v, heads, "TND", **kw)
+        grads = cann_attn.flash_attention_score_grad(q, k, v, dy, heads, "TND", attention_in=fwd.attention_out,
+                                                     softmax_max=fwd.softmax_max, softmax_sum=fwd.softmax_sum, **kw)
+        return [t.contiguous().view(torch.uint8) for t in (fwd.attention_out, *grads[:3])]
+
+    native.set_ordered_gemm(False)
+    blas = bits()
+    native.set_ordered_gemm(True)
+    native.ordered_probes()
+    native.ordered_gemms()
+    ordered = bits()
+    assert native.ordered_probes() <= ORDERED_CLASSES
+    served = native.ordered_gemms()
+    for x, y in zip(blas, ordered, strict=True):
+        assert torch.equal(x, y)
+    if SERVES_HERE:
+        assert served > len(lengths)
 
 
 def _dense_bits(case: dict) -> list[torch.Tensor]:

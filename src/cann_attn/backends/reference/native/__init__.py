@@ -84,6 +84,7 @@ _SIGNATURES = {
     "cann_attn_alibi_skipped_terms": [],
     "cann_attn_forward_packed_gemms": [],
     "cann_attn_ordered_gemms": [],
+    "cann_attn_ordered_probes": [],
     "cann_attn_set_ordered_gemm": [ctypes.c_int],
     "cann_attn_loops_gemm": [_I, _I, _I, _I, _P, _I, _P, _I, _P, _I],
     "cann_attn_has_f16c": [],
@@ -98,7 +99,7 @@ _INT_RESULTS = ("cann_attn_cpu_supported", "cann_attn_has_sgemm", "cann_attn_has
                 "cann_attn_has_f16c", "cann_attn_has_avx512", "cann_attn_set_avx512", "cann_attn_set_ordered_gemm",
                 "cann_attn_set_bf16_dot", "cann_attn_decode_dots")
 _INT64_RESULTS = ("cann_attn_alibi_skipped_terms", "cann_attn_forward_packed_gemms", "cann_attn_ordered_gemms",
-                  "npu_fp16_softmax_step")
+                  "cann_attn_ordered_probes", "npu_fp16_softmax_step")
 
 _lock = threading.Lock()
 _state: dict[str, object] = {}
@@ -588,6 +589,14 @@ def ordered_gemms() -> int:
     library)."""
     lib = library()
     return 0 if lib is None else int(lib.cann_attn_ordered_gemms())
+
+
+def ordered_probes() -> int:
+    """Shape classes whose check (the BLAS against the ordered AVX-512 loops on shapes of the class) ran since the last
+    call: at most one per class, however many shapes a workload meets (docs/performance.md; 0 without the
+    library)."""
+    lib = library()
+    return 0 if lib is None else int(lib.cann_attn_ordered_probes())
 
 
 # The operations of `loops_gemm` (blas_order.c, enum ordered_op).

@@ -5,11 +5,21 @@
  * core with no copy of the row-major operands. Its floats are the BLAS's because it runs the same sums in the same
  * order: each element of a product over k is one chain of fused multiply-adds from +0 over a block of kc consecutive
  * k, the blocks added to the element one after the other (to 0 with beta 0, to C with beta 1), which is what MKL's
- * kernels do there (kc = k up to 192, k / 2 up to 383, then 192). Whether that holds, and which kc, is not assumed:
- * the first call of each shape (operation, m, n, k and leading dimensions) runs the BLAS and this loop with each
- * candidate kc on four sets of operands of that shape (ordered_probe), and the loop serves the shape only where one kc
- * gave every element of all four bit for bit (the BLAS serves every other shape: a single row or column of C, which
- * MKL computes otherwise, sums of one term, whose -0 it keeps, other CPUs' kernels and other libraries).
+ * kernels do there (ordered_block: kc = k up to 192, k / 2 up to 383, then 192).
+ *
+ * What is assumed, and what is checked. MKL compared with this order on an AMD EPYC (one thread; every k from 2 to
+ * 1500 at one shape; every C of 1..64 rows and 1..64 columns at 8 to 11 values of k from 8 to 700; about a thousand
+ * random shapes up to 2048 x 2048, k up to 4000, with tight and padded leading dimensions) summed in it wherever C
+ * has at least ORDERED_MIN_ROWS rows and ORDERED_MIN_COLS columns and k >= 2, whatever m, n and the leading
+ * dimensions; narrower C (its gemv-like and small-matrix kernels) and k = 1 (whose -0 it keeps) sum otherwise. So
+ * the loops assume that the BLAS sums every shape of a class in one order, a class being the operation, k's regime
+ * of ordered_block (up to 192, 193..383, beyond), rows of C below 16 or not and columns below 32 or not; the order
+ * itself they check: the first GEMM of a class runs the BLAS and this loop on shapes of the class (its smallest C
+ * with tight leading dimensions and an odd larger one with padded ones, each at k values at and around the ends of
+ * the regime) on four sets of operands (two of many magnitudes, two of special values), and the loop serves the
+ * class only where every element of all of them matched bit for bit. The BLAS serves every other class, and every
+ * class where other CPUs' kernels or other libraries sum otherwise. At most 36 classes are checked in a process,
+ * however many shapes it meets (variable-length batches meet hundreds).
  *
  * Part of the attention_loops.c translation unit (included there, after blas.c; not compiled alone).
  */
@@ -17,12 +27,14 @@
 /* Rows of a register tile: ORDERED_NT_ROWS x 32 columns for C = A B^T, ORDERED_ACC_ROWS x 64 for C += A B. */
 #define ORDERED_NT_ROWS 8
 #define ORDERED_ACC_ROWS 6
-/* Shapes smaller than this many elements of C keep the BLAS (which takes other code paths for a row or column of
- * C, and the check would compare too few elements to tell orders apart). */
-#define ORDERED_MIN_ELEMENTS 256
-/* Checked shapes remembered (direct-mapped by a hash of the shape: a shape that takes another's slot is checked again
- * when it comes back). */
-#define ORDERED_SHAPES 1024
+/* C with fewer rows or columns, and sums of one term, keep the BLAS (MKL takes other kernels there). */
+#define ORDERED_MIN_ROWS 4
+#define ORDERED_MIN_COLS 12
+/* The class boundaries (ordered_kc): rows and columns of C from which a shape is in the second row or column class,
+ * and the block of MKL's order (ordered_block). */
+#define ORDERED_WIDE_ROWS 16
+#define ORDERED_WIDE_COLS 32
+#define ORDERED_KC 192
 
 /* Floats of the panels ordered_pack_t makes of B [n, k] (n rounded up to whole panels of 32 rows). */
 static int64_t ordered_panel_floats(int64_t n, int64_t k) { return (n + 31) / 32 * 32 * k; }
@@ -147,7 +159,6 @@ struct ordered_shape {
     int64_t op, m, n, k, lda, ldb, ldc, kc; /* kc 0: the BLAS */
 };
 
-static struct ordered_shape ordered_shapes[ORDERED_SHAPES]; /* all 0: an empty slot (no shape has k 0) */
 /* 0 switches the ordered loops off (tests compare them with the BLAS); cann_attn_set_ordered_gemm. */
 static int ordered_enabled = 1;
 
@@ -161,15 +172,15 @@ static int64_t ordered_gemms = 0;
 
 int64_t cann_attn_ordered_gemms(void) { return take_count(&ordered_gemms); }
 
-/* Operands for the shape check: values of many magnitudes (2^-12 .. 2^12, both signs, full mantissas), so that sums
+/* Operands for the class check: values of many magnitudes (2^-12 .. 2^12, both signs, full mantissas), so that sums
  * in another order round differently almost surely. */
 static void ordered_probe_fill(float *x, int64_t count, uint64_t seed) {
     uint64_t s = seed * 0x9E3779B97F4A7C15ull + 1;
     for (int64_t i = 0; i < count; ++i) {
         s = s * 6364136223846793005ull + 1442695040888963407ull;
-        const uint32_t bits = (uint32_t)(s >> 32);
-        const float mantissa = 1.0f + (float)(bits & 0x7fffff) / 8388608.0f;
-        x[i] = ldexpf((bits >> 31) ? -mantissa : mantissa, (int)((bits >> 23) % 25) - 12);
+        const uint32_t bits = (uint32_t)(s >> 32), exponent = 127 - 12 + (bits >> 23) % 25;
+        const uint32_t value = (bits & 0x807fffffu) | exponent << 23; /* +-1.mantissa x 2^(exponent - 127) */
+        memcpy(x + i, &value, sizeof value);
     }
 }
 
@@ -219,74 +230,111 @@ static void ordered_sizes(const struct ordered_shape *sh, int64_t *na, int64_t *
     *nc = (sh->m - 1) * sh->ldc + sh->n;
 }
 
-/* The kc with which the ordered loop gives the BLAS's floats for shape sh on four sets of operands (two of values of
- * many magnitudes, two of special values), or 0. */
-static int64_t ordered_probe(struct ordered_shape sh) {
+/* The block of the order the loop runs for a sum of k terms (MKL's: the whole sum, two halves, or blocks of 192). */
+static int64_t ordered_block(int64_t k) { return k <= ORDERED_KC ? k : k < 2 * ORDERED_KC ? k / 2 : ORDERED_KC; }
+
+/* The k regimes of ordered_block (a class's k): up to ORDERED_KC, below 2 ORDERED_KC, beyond. */
+static int ordered_regime(int64_t k) { return k <= ORDERED_KC ? 0 : k < 2 * ORDERED_KC ? 1 : 2; }
+
+/* The k a class's check runs, per regime: both ends of the regime, the terms around them, powers of two and odd
+ * lengths between (0 ends a list). */
+static const int64_t ordered_check_k[3][12] = {{2, 3, 8, 17, 63, 64, 127, 128, 129, 191, 192, 0},
+                                               {193, 194, 255, 256, 301, 382, 383, 0},
+                                               {384, 385, 575, 576, 577, 769, 0}};
+/* Rows and columns of the two shapes a class's check runs (its smallest C, then an odd larger one), per class. */
+static const int64_t ordered_check_rows[2][2] = {{ORDERED_MIN_ROWS, 13}, {ORDERED_WIDE_ROWS, 37}};
+static const int64_t ordered_check_cols[2][2] = {{ORDERED_MIN_COLS, 29}, {ORDERED_WIDE_COLS, 45}};
+
+/* Classes checked since the last read (tests check that a workload of many shapes checks few). */
+static int64_t ordered_probes = 0;
+
+int64_t cann_attn_ordered_probes(void) { return take_count(&ordered_probes); }
+
+/* Whether the ordered loop (block ordered_block(k)) gives the BLAS's floats for shape sh on operands a, b and c0
+ * (want, got: scratch for C). */
+static int ordered_matches(struct ordered_shape sh, const float *a, const float *b, const float *c0, float *want,
+                           float *got) {
     int64_t na, nb, nc;
     ordered_sizes(&sh, &na, &nb, &nc);
+    sh.kc = ordered_block(sh.k);
+    memcpy(want, c0, sizeof(float) * nc);
+    memcpy(got, c0, sizeof(float) * nc);
+    blas_call(&sh, a, b, want);
+    ordered_call(&sh, a, b, got);
+    int same = 1;
+    for (int64_t r = 0; r < sh.m && same; ++r)
+        same = memcmp(got + r * sh.ldc, want + r * sh.ldc, sizeof(float) * sh.n) == 0;
+    return same;
+}
+
+/* Check shape s (0: the class's smallest C with tight leading dimensions, 1: the larger one, padded) at k. */
+static struct ordered_shape ordered_check_shape(int64_t op, int row_class, int col_class, int s, int64_t k) {
+    const int64_t m = ordered_check_rows[row_class][s], n = ordered_check_cols[col_class][s], pad = 3 * s;
+    return (struct ordered_shape){op, m, n, k, (op == ORDERED_TN ? m : k) + pad, (op == ORDERED_NT ? k : n) + pad,
+                                  n + pad, 0};
+}
+
+/* Whether the ordered loop gives the BLAS's floats on every check shape of class (op, regime, row class, column
+ * class), each on four sets of operands (two of values of many magnitudes, two of special values; a set is made once
+ * for the largest shape, the others read its first elements). */
+static int ordered_check_class(int64_t op, int regime, int row_class, int col_class) {
+    const int64_t *ks = ordered_check_k[regime];
+    int64_t k_max = 0, na, nb, nc;
+    for (const int64_t *k = ks; *k; ++k)
+        k_max = *k > k_max ? *k : k_max;
+    const struct ordered_shape largest = ordered_check_shape(op, row_class, col_class, 1, k_max);
+    ordered_sizes(&largest, &na, &nb, &nc);
     float *a = malloc(sizeof(float) * na), *b = malloc(sizeof(float) * nb), *c0 = malloc(sizeof(float) * nc);
     float *want = malloc(sizeof(float) * nc), *got = malloc(sizeof(float) * nc);
-    const int64_t half = sh.k / 2, candidates[] = {sh.k, 192, half, sh.k - half, 256, 128, 384, 96, 64};
-    int ok[sizeof candidates / sizeof candidates[0]];
-    for (size_t i = 0; i < sizeof candidates / sizeof candidates[0]; ++i) {
-        ok[i] = candidates[i] >= 1 && candidates[i] <= sh.k;
-        for (size_t j = 0; j < i; ++j)
-            ok[i] &= candidates[j] != candidates[i];
-    }
-    for (uint64_t seed = 1; seed <= 4; ++seed) {
+    int same = 1;
+    for (uint64_t seed = 1; seed <= 4 && same; ++seed) {
         if (seed <= 2) {
             ordered_probe_fill(a, na, 3 * seed);
             ordered_probe_fill(b, nb, 3 * seed + 1);
             ordered_probe_fill(c0, nc, 3 * seed + 2);
         } else {
-            const int beta0 = sh.op == ORDERED_NT;
+            const int beta0 = op == ORDERED_NT;
             ordered_probe_special(a, na, 3 * seed, (int)seed - 3, 0, beta0);
             ordered_probe_special(b, nb, 3 * seed + 1, (int)seed - 3, 1, beta0);
             ordered_probe_special(c0, nc, 3 * seed + 2, (int)seed - 3, 2, beta0);
         }
-        memcpy(want, c0, sizeof(float) * nc);
-        blas_call(&sh, a, b, want);
-        for (size_t i = 0; i < sizeof candidates / sizeof candidates[0]; ++i) {
-            if (!ok[i])
-                continue;
-            sh.kc = candidates[i];
-            memcpy(got, c0, sizeof(float) * nc);
-            ordered_call(&sh, a, b, got);
-            for (int64_t r = 0; r < sh.m && ok[i]; ++r)
-                ok[i] = memcmp(got + r * sh.ldc, want + r * sh.ldc, sizeof(float) * sh.n) == 0;
-        }
+        for (int s = 0; s < 2 && same; ++s)
+            for (const int64_t *k = ks; *k && same; ++k)
+                same = ordered_matches(ordered_check_shape(op, row_class, col_class, s, *k), a, b, c0, want, got);
     }
-    int64_t kc = 0;
-    for (size_t i = 0; i < sizeof candidates / sizeof candidates[0] && !kc; ++i)
-        kc = ok[i] ? candidates[i] : 0;
     free(got);
     free(want);
     free(c0);
     free(b);
     free(a);
-    return kc;
+    return same;
 }
 
-/* The kc of shape sh where the ordered loop serves it, else 0 (checked once per shape, ordered_probe). */
+/* Per class (op, k regime, row class, column class): 0 not checked yet, 1 the ordered loop serves it, -1 the BLAS. */
+static int ordered_classes[3][3][2][2];
+
+/* The kc of shape sh where the ordered loop serves its class, else 0 (each class checked once, ordered_check_class). */
 static int64_t ordered_kc(struct ordered_shape sh) {
-    if (!use_avx512 || !ordered_enabled || sh.m * sh.n < ORDERED_MIN_ELEMENTS || sh.k < 1)
+    if (!use_avx512 || !ordered_enabled || sh.m < ORDERED_MIN_ROWS || sh.n < ORDERED_MIN_COLS || sh.k < 2)
         return 0;
-    const int64_t key[] = {sh.op, sh.m, sh.n, sh.k, sh.lda, sh.ldb, sh.ldc};
-    uint64_t h = 0xCBF29CE484222325ull;
-    for (size_t i = 0; i < sizeof key / sizeof key[0]; ++i)
-        h = (h ^ (uint64_t)key[i]) * 0x100000001B3ull;
-    struct ordered_shape *slot = &ordered_shapes[(h ^ (h >> 29)) % ORDERED_SHAPES];
-    int64_t kc;
-#pragma omp critical(ordered_shapes)
-    {
-        if (!(slot->op == sh.op && slot->m == sh.m && slot->n == sh.n && slot->k == sh.k && slot->lda == sh.lda &&
-              slot->ldb == sh.ldb && slot->ldc == sh.ldc)) {
-            sh.kc = ordered_probe(sh);
-            *slot = sh;
+    const int regime = ordered_regime(sh.k), rows = sh.m >= ORDERED_WIDE_ROWS, cols = sh.n >= ORDERED_WIDE_COLS;
+    int *slot = &ordered_classes[sh.op][regime][rows][cols], served;
+#pragma omp atomic read
+    served = *slot;
+    if (!served) {
+#pragma omp critical(ordered_classes)
+        {
+            if (!*slot) {
+                const int verdict = ordered_check_class(sh.op, regime, rows, cols) ? 1 : -1;
+#pragma omp atomic write
+                *slot = verdict;
+#pragma omp atomic
+                ordered_probes += 1;
+            }
+            served = *slot;
         }
-        kc = slot->kc;
     }
-    return kc;
+    return served > 0 ? ordered_block(sh.k) : 0;
 }
 
 static void count_ordered(void) {
