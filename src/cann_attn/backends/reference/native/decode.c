@@ -568,22 +568,21 @@ static struct dot_keys decode_dot_keys(const struct decode_args *a, const char *
     return (struct dot_keys){ds->gathered_rows, ds->gathered_rows, chunks, chunks, dot_tail(a->dim)};
 }
 
-/* The online softmax step of a tile's scores s [G, DECODE_BLOCK] (w of each row live) into m, l [G] (`first`: the
- * range's first tile, which sets them): s becomes p, corr [G] the factors of the earlier sums. Inlined, as is
- * touch_tile_pages: once each had a second caller they were not, and the BNSD loop measured ~3% slower. */
-__attribute__((always_inline)) static inline void tile_softmax(const struct decode_args *a, float *s, int64_t w,
-                                                               int first, float *m, float *l, float *corr) {
-    for (int64_t g = 0; g < a->group; g++) {
-        float *sg = s + g * DECODE_BLOCK;
-        const float m_old = first ? -INFINITY : m[g];
-        const float m_new = max_nan(m_old, row_max(sg, w));
-        const float shift = m_new == -INFINITY ? 0.0f : m_new;
-        const float total = row_exp_max(sg, w, shift, a->log2e, a->floor2);
-        corr[g] = first ? 0.0f : exp2f((m_old - shift) * a->log2e);
-        l[g] = first ? total : fmaf(l[g], corr[g], total);
-        m[g] = m_new;
+/* The online softmax step of a tile's scores S [G, DECODE_BLOCK] (W of each row live) into M, L [G] (FIRST: the
+ * range's first tile, which sets them): S becomes p, CORR [G] the factors of the earlier sums (`group`: G). A macro,
+ * so that decode_tile's code stays as it was written inline there: as a function (always_inline included) the BNSD
+ * work loop compiled differently and measured slower. */
+#define TILE_SOFTMAX(S, W, FIRST, M, L, CORR)                                                                        \
+    for (int64_t g = 0; g < group; g++) {                                                                            \
+        float *sg = (S) + g * DECODE_BLOCK;                                                                          \
+        const float m_old = (FIRST) ? -INFINITY : (M)[g];                                                            \
+        const float m_new = max_nan(m_old, row_max(sg, W));                                                          \
+        const float shift = m_new == -INFINITY ? 0.0f : m_new;                                                       \
+        const float total = row_exp_max(sg, W, shift, a->log2e, a->floor2);                                          \
+        (CORR)[g] = (FIRST) ? 0.0f : exp2f((m_old - shift) * a->log2e);                                              \
+        (L)[g] = (FIRST) ? total : fmaf((L)[g], (CORR)[g], total);                                                   \
+        (M)[g] = m_new;                                                                                              \
     }
-}
 
 /* Tile [j0, j0 + w) of kv head h of batch entry b (pair = b * heads_kv + h), its query rows qp [G, D]: the online
  * softmax step into acc [G, Dv], m [G], l [G] (`first`: the range's first tile, which sets them). The rows of the
@@ -684,7 +683,7 @@ static void decode_tile(const struct decode_args *a, int64_t b, int64_t h, int64
         pair_dots16(qp, group, a->dim, sc->kpairs, w - fused, s + fused, DECODE_BLOCK);
     else if (!dots)
         row_dots(qp, group, a->dim, sc->kbuf, a->dim, sc->iota, w, s, DECODE_BLOCK, packed);
-    tile_softmax(a, s, w, first, m, l, sc->corr);
+    TILE_SOFTMAX(s, w, first, m, l, sc->corr);
     if (half_v) {
         /* The next value rows fetched by the combine, a row's columns at its key's step, rather than between the
          * scores' blocks: the scores then fetch half the lines, and the fetches keep pace with the arithmetic
@@ -745,12 +744,14 @@ __attribute__((always_inline)) static inline void touch_tile_pages(const struct 
  * position's heads (BNSD). */
 static int heads_adjacent(const struct decode_args *a) { return !(a->k_ss < a->k_sh && a->v_ss < a->v_sh); }
 
-/* Whether a work item's tiles can take decode_heads_tile: bf16 / fp16 key and value rows read in place in whole
- * vectors (no NZ chunks, no rope keys), scored from the rows and from key pairs (pair_dots16_block8, pair_dots16) or
- * by dot_scores (q16), and combined in registers (half_combine64): the functions decode_tile calls on such tiles. */
-static int heads_tiles_fit(const struct decode_args *a, const struct decode_scratch *sc) {
-    return (sc->kpairs || a->q16) && sc->acc && sc->m && sc->l && sc->fetch_k && sc->fetch_v && use_avx512bw && (a->dtype == 1 || a->dtype == 2) &&
-           a->k_c0 <= 0 && a->v_c0 <= 0 && !a->r && a->dim % 8 == 0;
+/* Whether a call's work items go to decode_heads_items rather than decode_item_run: a position's kv heads adjacent
+ * (BSH, paged BSH), and bf16 / fp16 key and value rows read in place in whole vectors (no NZ chunks, no rope keys),
+ * scored from the rows and from key pairs (AVX-512, G not a multiple of 8: pair_dots16_block8, pair_dots16) or by
+ * dot_scores (q16), and combined in registers (AVX-512BW: half_combine64): the functions decode_tile calls on such
+ * tiles. */
+static int heads_items_fit(const struct decode_args *a) {
+    return heads_adjacent(a) && (a->q16 || (use_avx512 && a->group % 8 != 0)) && use_avx512bw &&
+           (a->dtype == 1 || a->dtype == 2) && a->k_c0 <= 0 && a->v_c0 <= 0 && !a->r && a->dim % 8 == 0;
 }
 
 /* The addresses of every kv head's slice of rows[0..n) (each row's kv head 0), position by position: out[p * heads +
@@ -830,7 +831,7 @@ static void decode_heads_tile(const struct decode_args *a, int64_t b, int64_t j0
     tile_rows(rows, vp, j0, w, a->v_ss, es, table_row, a->page, a->v_sb);
     for (int64_t h = 0; h < heads; h++) {
         float *s = sc->s + h * group * DECODE_BLOCK, *corr = sc->corr + h * group;
-        tile_softmax(a, s, w, first, sc->m[h], sc->l[h], corr);
+        TILE_SOFTMAX(s, w, first, sc->m[h], sc->l[h], corr);
         for (int64_t j = 0; j < w; j++)
             head_rows[j] = rows[j] + h * a->v_sh * es;
         /* The next tile's value pieces, as many per head and one per key step (half_combine64's fetch). */
@@ -879,14 +880,10 @@ static void decode_item_run(const struct decode_args *a, const struct decode_ite
      * tile then reads whole runs of memory rather than one head's slice of every row (2x slower than BNSD when it
      * did). Head by head where a head's rows are adjacent (BNSD): its next tile, which decode_tile fetches, comes
      * next (tile by tile it came N2 tiles later: bf16 BNSD 24.7 -> 23.3 ms, B 8, N 32/8, Skv 8192, D 128, one
-     * thread). The order of each head's sums is the same either way; tile by tile, where decode_heads_tile takes
-     * the tiles (heads_tiles_fit), each tile's kv heads go at once. */
+     * thread). The order of each head's sums is the same either way (and in decode_heads_item, which takes the
+     * items instead where heads_items_fit: each tile's kv heads at once). */
     const int64_t tiles = (it->j1 - it->j0 + DECODE_BLOCK - 1) / DECODE_BLOCK;
-    const int heads_outer = !heads_adjacent(a);
-    if (!heads_outer && heads_tiles_fit(a, sc)) {
-        decode_heads_item(a, it, q, part_acc, part_m, part_l, sc);
-        return;
-    }
+    const int heads_outer = a->k_ss < a->k_sh && a->v_ss < a->v_sh;
     for (int64_t x = 0; x < tiles * heads_kv; x++) {
         const int64_t h = heads_outer ? x / tiles : x % heads_kv;
         const int64_t j0 = it->j0 + (heads_outer ? x % tiles : x / heads_kv) * DECODE_BLOCK;
@@ -957,6 +954,50 @@ static void decode_combine(const struct decode_args *a, const struct decode_item
 /* Chunks of a sequence of n keys: DECODE_SPLIT keys each, the last one shorter. */
 static int64_t decode_chunks(int64_t n) { return n <= 0 ? 0 : (n + DECODE_SPLIT - 1) / DECODE_SPLIT; }
 
+/* fia_decode_rows's work loop and combine for the work items of a call that heads_items_fit, with
+ * decode_heads_item's scratch: a parallel region of its own, so that the other calls' loop (BNSD's) compiles as it
+ * did (dispatched from inside decode_item_run, bf16 BNSD decode measured up to ~3% slower, one long sequence ~2-4%:
+ * B 8 / 1, N 32/8, Skv 8192 / 65536, D 128, one thread, alternated in one process). */
+__attribute__((noinline)) static void decode_heads_items(const struct decode_args *a, const struct decode_item *work,
+                                                         int64_t n_items, const float *q, float *part_acc,
+                                                         float *part_m, float *part_l) {
+    const int64_t heads = a->heads_kv, group = a->group, dim = a->dim;
+#pragma omp parallel
+    {
+        struct decode_scratch sc = {0};
+        sc.kbuf = malloc(sizeof(float) * 2 * dim);
+        sc.s = malloc(sizeof(float) * heads * group * DECODE_BLOCK);
+        sc.corr = malloc(sizeof(float) * heads * group);
+        if (a->q16) /* every kv head's query rows */
+            dot_scratch_alloc(&sc.dots, heads * group, dim);
+        else
+            sc.kpairs = aligned_alloc(64, sizeof(float) * DECODE_BLOCK / 2 * pair_floats(dim));
+        sc.acc = malloc(sizeof(float *) * heads);
+        sc.m = malloc(sizeof(float *) * heads);
+        sc.l = malloc(sizeof(float *) * heads);
+        sc.fetch_k = malloc(sizeof(char *) * DECODE_BLOCK * heads);
+        sc.fetch_v = malloc(sizeof(char *) * DECODE_BLOCK * heads);
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t i = 0; i < n_items; i++)
+            decode_heads_item(a, work + i, q, part_acc, part_m, part_l, &sc);
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t i = 0; i < n_items; i++)
+            if (work[i].chunks > 1 && work[i].chunk == 0)
+                decode_combine(a, work + i, part_acc, part_m, part_l);
+        if (a->q16)
+            dot_scratch_free(&sc.dots);
+        free(sc.fetch_v);
+        free(sc.fetch_k);
+        free(sc.l);
+        free(sc.m);
+        free(sc.acc);
+        free(sc.kpairs);
+        free(sc.corr);
+        free(sc.s);
+        free(sc.kbuf);
+    }
+}
+
 void fia_decode_rows(const float *q, int64_t pairs, int64_t heads_kv, int64_t group, int64_t dim, int64_t dim_v,
                      const void *k, const void *v, int64_t dtype, int64_t k_sb, int64_t k_sh, int64_t k_ss,
                      int64_t v_sb, int64_t v_sh, int64_t v_ss, const int64_t *len, float *out, float *row_max,
@@ -993,32 +1034,26 @@ void fia_decode_rows(const float *q, int64_t pairs, int64_t heads_kv, int64_t gr
         float *part_acc = slots ? malloc(sizeof(float) * slots * per_slot) : NULL;
         float *part_m = slots ? malloc(sizeof(float) * slots * group) : NULL;
         float *part_l = slots ? malloc(sizeof(float) * slots * group) : NULL;
+        if (heads_items_fit(&a))
+            decode_heads_items(&a, work, n_items, q, part_acc, part_m, part_l);
+        else
 #pragma omp parallel
         {
             struct decode_scratch sc;
             sc.kbuf = malloc(sizeof(float) * DECODE_BLOCK * (dim > 2 ? dim : 2));
             sc.vbuf = malloc(sizeof(float) * DECODE_BLOCK * dim_v);
-            /* Every kv head's scores and corrections where decode_heads_tile may take the tiles (a position's
-             * heads adjacent), one head's otherwise. */
-            const int64_t scored_heads = heads_adjacent(&a) ? heads_kv : 1;
-            sc.s = malloc(sizeof(float) * scored_heads * group * DECODE_BLOCK);
-            sc.corr = malloc(sizeof(float) * scored_heads * group);
+            sc.s = malloc(sizeof(float) * group * DECODE_BLOCK);
+            sc.corr = malloc(sizeof(float) * group);
             for (int64_t j = 0; j < DECODE_BLOCK; j++)
                 sc.iota[j] = j;
-            if (q16) /* every kv head's query rows where decode_heads_tile may take the tiles */
-                dot_scratch_alloc(&sc.dots, scored_heads * group, dim);
+            if (q16)
+                dot_scratch_alloc(&sc.dots, group, dim);
             /* Scores: of bf16 query rows, dot_scores; else with AVX-512, from key pairs where G is not a multiple of 8
              * (pair_dots16), else by row_dots16 from the queries packed once per item; row_dots otherwise. */
             sc.kpairs = use_avx512 && group % 8 != 0 && !q16
                             ? aligned_alloc(64, sizeof(float) * DECODE_BLOCK / 2 * pair_floats(dim)) : NULL;
             sc.packed = use_avx512 && !sc.kpairs && !q16
                             ? aligned_alloc(64, sizeof(float) * heads_kv * packed_floats16(group, dim)) : NULL;
-            const int heads_tiles = heads_adjacent(&a) && (sc.kpairs || q16);
-            sc.acc = heads_tiles ? malloc(sizeof(float *) * heads_kv) : NULL;
-            sc.m = heads_tiles ? malloc(sizeof(float *) * heads_kv) : NULL;
-            sc.l = heads_tiles ? malloc(sizeof(float *) * heads_kv) : NULL;
-            sc.fetch_k = heads_tiles ? malloc(sizeof(char *) * DECODE_BLOCK * heads_kv) : NULL;
-            sc.fetch_v = heads_tiles ? malloc(sizeof(char *) * DECODE_BLOCK * heads_kv) : NULL;
 #pragma omp for schedule(dynamic, 1)
             for (int64_t i = 0; i < n_items; i++)
                 decode_item_run(&a, work + i, q, part_acc, part_m, part_l, &sc);
@@ -1028,11 +1063,6 @@ void fia_decode_rows(const float *q, int64_t pairs, int64_t heads_kv, int64_t gr
                     decode_combine(&a, work + i, part_acc, part_m, part_l);
             if (q16)
                 dot_scratch_free(&sc.dots);
-            free(sc.fetch_v);
-            free(sc.fetch_k);
-            free(sc.l);
-            free(sc.m);
-            free(sc.acc);
             free(sc.packed);
             free(sc.kpairs);
             free(sc.corr);
