@@ -148,6 +148,27 @@ def key_tiles(run: Run, i0: int, i1: int, block_k: int, max_width: int | None = 
         yield merged[0], merged[1], TileState.FULL
 
 
+def softmax_step(s: torch.Tensor, row_max: torch.Tensor, row_sum: torch.Tensor) -> torch.Tensor:
+    """Online softmax over one score tile s [..., rows, cols] in place (s becomes the exponentials), updating
+    row_max / row_sum [..., rows]; returns the correction e^(old max - new shift) for the accumulated output
+    (docs/semantics/softmax-stats.md). A row that has seen nothing visible yet keeps max -inf and is shifted by 0 (no
+    inf - inf). The native loop does it in one pass per row (fp32 on the CPU); the PyTorch ops are the same rule in
+    six passes over the tile. Shared by the "exact" kernels and the "npu" precision mode's forward."""
+    if native.usable(s, row_max, row_sum) and s.is_contiguous() and row_max.is_contiguous() \
+            and row_sum.is_contiguous():
+        correction = torch.empty_like(row_max)
+        native.fa_softmax_step(s, row_max, row_sum, correction, LOG2E, EXP2_FLOOR)
+        return correction
+    old_max = row_max.clone()
+    new_max = torch.maximum(old_max, s.amax(-1))
+    shift = torch.where(new_max == float("-inf"), 0.0, new_max)
+    exp_shifted_(s, shift.unsqueeze(-1))
+    correction = torch.exp(old_max - shift)
+    row_sum.mul_(correction).add_(s.sum(-1))
+    row_max.copy_(new_max)
+    return correction
+
+
 class RunKernel:
     """Per-run state shared by the forward and backward passes: converted K/V, buffers, score tiles."""
 
@@ -343,26 +364,6 @@ class RunKernel:
         """The tile's mask as a 0 / -inf additive tile (adding it is ~10x faster than masked_fill_ with a mask
         broadcast over heads), shared by tiles and calls with the same pattern (`SequenceMask.bias_tile`): read-only."""
         return self.run.mask.bias_tile(i0, i1, j0, j1, self.dtype, self.device)
-
-    def _softmax_step(self, s: torch.Tensor, row_max: torch.Tensor, row_sum: torch.Tensor) -> torch.Tensor:
-        """Online softmax over one score tile s [c, heads, rows, cols] in place (s becomes the exponentials),
-        updating the views row_max / row_sum [c, heads, rows]; returns the correction e^(old max - new shift) for the
-        accumulated output. A row that has seen nothing visible yet keeps max -inf and is shifted by 0 (no
-        inf - inf). The native loop does it in one pass per row (fp32 on the CPU); the PyTorch ops are the same
-        rule in six passes over the tile."""
-        if native.usable(s, row_max, row_sum) and s.is_contiguous() and row_max.is_contiguous() \
-                and row_sum.is_contiguous():
-            correction = torch.empty_like(row_max)
-            native.fa_softmax_step(s, row_max, row_sum, correction, LOG2E, EXP2_FLOOR)
-            return correction
-        old_max = row_max.clone()
-        new_max = torch.maximum(old_max, s.amax(-1))
-        shift = torch.where(new_max == float("-inf"), 0.0, new_max)
-        exp_shifted_(s, shift.unsqueeze(-1))
-        correction = torch.exp(old_max - shift)
-        row_sum.mul_(correction).add_(s.sum(-1))
-        row_max.copy_(new_max)
-        return correction
 
     def fused_tiles(self, i0: int, i1: int) -> tuple[list[tuple[int, int]], native.BiasTiles] | None:
         """Every key tile of query rows [i0, i1) with its mask tile, for one call of the fused loops, or None where
@@ -567,7 +568,7 @@ class RunKernel:
                 continue
             heads = self.heads(entries)
             s = self.scores(q_tile, i0, i1, j0, j1, state, entries)
-            correction = self._softmax_step(s, row_max[:, heads], row_sum[:, heads])
+            correction = softmax_step(s, row_max[:, heads], row_sum[:, heads])
             if run.dropout is not None:
                 s.mul_(run.dropout.keep_tile(i0, i1, j0, j1, s.device)[:, heads])
             n_entries = entries.stop - entries.start

@@ -46,7 +46,7 @@ from ...problem.precision import (
 from ...problem.stats import FLT_MAX
 from . import native
 from .flash_backward import pse_grad_target, row_sums, runs_to_fill
-from .flash_forward import group_rows, key_tiles, write_stat
+from .flash_forward import group_rows, key_tiles, softmax_step, write_stat
 from .softmax_exp import EXP2_FLOOR, LOG2E
 from .sparse_attention import INVALID_MAX
 from .sparse_attention import _sequence_selection as sequence_selection
@@ -155,23 +155,6 @@ def _logits(problem: AttentionProblem, pipeline: AttentionPipeline, run: Run, s:
     return s
 
 
-def _softmax_step(s: torch.Tensor, row_max: torch.Tensor, row_sum: torch.Tensor) -> torch.Tensor:
-    """One online-softmax step over logits s [c, N1, rows, cols] in place (s becomes exp(s - shift), fp32), the
-    running row_max / row_sum [c, N1, rows] updated in place; returns exp(old max - shift). The native pass where
-    available (its exponential is the exact mode's; it differs from torch.exp in the last fp32 bits)."""
-    if native.usable(s, row_max, row_sum):
-        correction = torch.empty_like(row_max)
-        native.fa_softmax_step(s, row_max, row_sum, correction, LOG2E, EXP2_FLOOR)
-        return correction
-    new_max = torch.maximum(row_max, s.amax(-1))
-    shift = torch.where(new_max == float("-inf"), 0.0, new_max)
-    s.sub_(shift.unsqueeze(-1)).exp_()
-    correction = torch.exp(row_max - shift)
-    row_sum.mul_(correction).add_(s.sum(-1))
-    row_max.copy_(new_max)
-    return correction
-
-
 def _forward_run(problem: AttentionProblem, pipeline: AttentionPipeline, block: int, run: Run, query, key, value,
                  out_view, max_view, sum_view, quant) -> None:
     c, n2, heads = run.count, problem.heads_kv, problem.heads_q
@@ -227,7 +210,7 @@ def _forward_run(problem: AttentionProblem, pipeline: AttentionPipeline, block: 
                 products = _products(pipeline, p, v, j0, j1, quant).view(acc.shape)
             else:
                 p = _logits(problem, pipeline, run, s, i0, i1, j0, j1, state, quant)
-                correction = _softmax_step(p, row_max, row_sum)
+                correction = softmax_step(p, row_max, row_sum)
                 if run.dropout is not None:
                     keep = run.dropout.keep_tile(i0, i1, j0, j1, p.device).to(torch.float32)
                     p = p * (keep / problem.keep_prob if pipeline.dropout_in_probabilities else keep)
@@ -459,7 +442,7 @@ def _rounded_(cast: Cast, x: torch.Tensor) -> torch.Tensor:
 class _GradScores:
     """A query tile's rounded P and dS per key tile [c * N2, G * rows, cols] (fp32, for the fp32 GEMMs) from the
     float64 S and dP: one native pass (`native.npu_grad_scores`) forms P (its exponential is the exact mode's, as the
-    forward's `_softmax_step`), dS = P (dP - D) and both casts at once, reading the mask as the band's bounds and the
+    forward's `softmax_step`), dS = P (dP - D) and both casts at once, reading the mask as the band's bounds and the
     mask tensor's bytes. Runs without pse and dropout, on the CPU with the library."""
 
     def __init__(self, problem: AttentionProblem, pipeline: GradPipeline, run: Run, stats, i0: int, i1: int,
