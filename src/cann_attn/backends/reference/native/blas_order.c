@@ -16,7 +16,7 @@
  * of ordered_block (up to 192, 193..383, beyond), rows of C below 16 or not and columns below 32 or not; the order
  * itself they check: the first GEMM of a class runs the BLAS and this loop on shapes of the class (its smallest C
  * with tight leading dimensions and an odd larger one with padded ones, each at k values at and around the ends of
- * the regime) on four sets of operands (two of many magnitudes, two of special values), and the loop serves the
+ * the regime, and a large one: ordered_check_rows) on four sets of operands (two of many magnitudes, two of special values), and the loop serves the
  * class only where every element of all of them matched bit for bit. The BLAS serves every other class, and every
  * class where other CPUs' kernels or other libraries sum otherwise. At most 36 classes are checked in a process,
  * however many shapes it meets (variable-length batches meet hundreds).
@@ -209,10 +209,12 @@ static void ordered_probe_special(float *x, int64_t count, uint64_t seed, int wh
 
 static void blas_call(const struct ordered_shape *sh, const float *a, const float *b, float *c);
 
-/* The ordered loop's result of shape sh (with its kc) on a, b, c. */
-static void ordered_call(const struct ordered_shape *sh, const float *a, const float *b, float *c) {
+/* The ordered loop's result of shape sh (with its kc) on a, b, c; 0 where it had no room for B's panels. */
+static int ordered_call(const struct ordered_shape *sh, const float *a, const float *b, float *c) {
     if (sh->op == ORDERED_NT) {
         float *packed = aligned_alloc(64, sizeof(float) * ordered_panel_floats(sh->n, sh->k));
+        if (!packed)
+            return 0;
         ordered_pack_t(sh->n, sh->k, b, sh->ldb, packed);
         ordered_nt(sh->m, sh->n, sh->k, a, sh->lda, packed, c, sh->ldc, sh->kc);
         free(packed);
@@ -221,6 +223,7 @@ static void ordered_call(const struct ordered_shape *sh, const float *a, const f
     } else {
         ordered_acc(sh->m, sh->n, sh->k, a, 1, sh->lda, b, sh->ldb, c, sh->ldc, sh->kc);
     }
+    return 1;
 }
 
 /* Sizes (floats) of the operands of shape sh: A, B, C. */
@@ -241,9 +244,15 @@ static int ordered_regime(int64_t k) { return k <= ORDERED_KC ? 0 : k < 2 * ORDE
 static const int64_t ordered_check_k[3][12] = {{2, 3, 8, 17, 63, 64, 127, 128, 129, 191, 192, 0},
                                                {193, 194, 255, 256, 301, 382, 383, 0},
                                                {384, 385, 575, 576, 577, 769, 0}};
-/* Rows and columns of the two shapes a class's check runs (its smallest C, then an odd larger one), per class. */
-static const int64_t ordered_check_rows[2][2] = {{ORDERED_MIN_ROWS, 13}, {ORDERED_WIDE_ROWS, 37}};
-static const int64_t ordered_check_cols[2][2] = {{ORDERED_MIN_COLS, 29}, {ORDERED_WIDE_COLS, 45}};
+/* Rows and columns of the three shapes a class's check runs, per class: its smallest C, an odd larger one, and a
+ * large one (the class's largest narrow size, or 128 x 256): a BLAS may take other kernels for small and large
+ * operands, and the small shapes alone would not show a large-operand kernel that sums otherwise. The large shape runs
+ * at one k per regime (ordered_large_k: 2-5 ms per class on one core), the others at every ordered_check_k. */
+static const int64_t ordered_check_rows[2][3] = {{ORDERED_MIN_ROWS, 13, ORDERED_WIDE_ROWS - 1},
+                                                 {ORDERED_WIDE_ROWS, 37, 128}};
+static const int64_t ordered_check_cols[2][3] = {{ORDERED_MIN_COLS, 29, ORDERED_WIDE_COLS - 1},
+                                                 {ORDERED_WIDE_COLS, 45, 256}};
+static const int64_t ordered_large_k[3][2] = {{192, 0}, {301, 0}, {577, 0}};
 
 /* Classes checked since the last read (tests check that a workload of many shapes checks few). */
 static int64_t ordered_probes = 0;
@@ -260,16 +269,16 @@ static int ordered_matches(struct ordered_shape sh, const float *a, const float 
     memcpy(want, c0, sizeof(float) * nc);
     memcpy(got, c0, sizeof(float) * nc);
     blas_call(&sh, a, b, want);
-    ordered_call(&sh, a, b, got);
-    int same = 1;
+    int same = ordered_call(&sh, a, b, got);
     for (int64_t r = 0; r < sh.m && same; ++r)
         same = memcmp(got + r * sh.ldc, want + r * sh.ldc, sizeof(float) * sh.n) == 0;
     return same;
 }
 
-/* Check shape s (0: the class's smallest C with tight leading dimensions, 1: the larger one, padded) at k. */
+/* Check shape s (0: the class's smallest C with tight leading dimensions, 1: the larger one, padded, 2: the large
+ * one, padded) at k. */
 static struct ordered_shape ordered_check_shape(int64_t op, int row_class, int col_class, int s, int64_t k) {
-    const int64_t m = ordered_check_rows[row_class][s], n = ordered_check_cols[col_class][s], pad = 3 * s;
+    const int64_t m = ordered_check_rows[row_class][s], n = ordered_check_cols[col_class][s], pad = s ? 3 : 0;
     return (struct ordered_shape){op, m, n, k, (op == ORDERED_TN ? m : k) + pad, (op == ORDERED_NT ? k : n) + pad,
                                   n + pad, 0};
 }
@@ -278,15 +287,19 @@ static struct ordered_shape ordered_check_shape(int64_t op, int row_class, int c
  * class), each on four sets of operands (two of values of many magnitudes, two of special values; a set is made once
  * for the largest shape, the others read its first elements). */
 static int ordered_check_class(int64_t op, int regime, int row_class, int col_class) {
-    const int64_t *ks = ordered_check_k[regime];
-    int64_t k_max = 0, na, nb, nc;
-    for (const int64_t *k = ks; *k; ++k)
-        k_max = *k > k_max ? *k : k_max;
-    const struct ordered_shape largest = ordered_check_shape(op, row_class, col_class, 1, k_max);
-    ordered_sizes(&largest, &na, &nb, &nc);
+    int64_t k_max = 0, na = 0, nb = 0, nc = 0;
+    for (int s = 0; s < 3; ++s)
+        for (const int64_t *k = s < 2 ? ordered_check_k[regime] : ordered_large_k[regime]; *k; ++k) {
+            int64_t sa, sb, sc;
+            const struct ordered_shape shape = ordered_check_shape(op, row_class, col_class, s, *k);
+            ordered_sizes(&shape, &sa, &sb, &sc);
+            na = sa > na ? sa : na;
+            nb = sb > nb ? sb : nb;
+            nc = sc > nc ? sc : nc;
+        }
     float *a = malloc(sizeof(float) * na), *b = malloc(sizeof(float) * nb), *c0 = malloc(sizeof(float) * nc);
     float *want = malloc(sizeof(float) * nc), *got = malloc(sizeof(float) * nc);
-    int same = 1;
+    int same = a && b && c0 && want && got; /* without room for the check, the BLAS keeps the class */
     for (uint64_t seed = 1; seed <= 4 && same; ++seed) {
         if (seed <= 2) {
             ordered_probe_fill(a, na, 3 * seed);
@@ -298,8 +311,8 @@ static int ordered_check_class(int64_t op, int regime, int row_class, int col_cl
             ordered_probe_special(b, nb, 3 * seed + 1, (int)seed - 3, 1, beta0);
             ordered_probe_special(c0, nc, 3 * seed + 2, (int)seed - 3, 2, beta0);
         }
-        for (int s = 0; s < 2 && same; ++s)
-            for (const int64_t *k = ks; *k && same; ++k)
+        for (int s = 0; s < 3 && same; ++s)
+            for (const int64_t *k = s < 2 ? ordered_check_k[regime] : ordered_large_k[regime]; *k && same; ++k)
                 same = ordered_matches(ordered_check_shape(op, row_class, col_class, s, *k), a, b, c0, want, got);
     }
     free(got);
@@ -358,12 +371,12 @@ static void gemm_nt(int m, int n, int kk, const float *a, int lda, const float *
                     int ldc) {
     const struct ordered_shape sh = {ORDERED_NT, m, n, kk, lda, ldb, ldc, 0};
     const int64_t kc = beta == 0.0f ? ordered_kc(sh) : 0;
-    if (!kc) {
+    float *packed = kc ? aligned_alloc(64, sizeof(float) * ordered_panel_floats(n, kk)) : NULL;
+    if (!packed) { /* not served, or no room for the panels */
         blas_nt(m, n, kk, a, lda, b, ldb, beta, c, ldc);
         return;
     }
     count_ordered();
-    float *packed = aligned_alloc(64, sizeof(float) * ordered_panel_floats(n, kk));
     ordered_pack_t(n, kk, b, ldb, packed);
     ordered_nt(m, n, kk, a, lda, packed, c, ldc, kc);
     free(packed);
