@@ -23,8 +23,10 @@ across them.
                                      [--baseline FILE] [--update-baseline] [--out DIR] [--config full|tiny]
 
 A case below its floor is measured once more and keeps the better ratio: a drop must show twice (noise lowers single
-measurements, a real slowdown both). `--update-baseline` measures `--rounds` times (default 3) and writes the medians
-instead of comparing (docs/performance.md says when).
+measurements, a real slowdown both). The floor is baseline x (1 - margin), the margin the baseline's (12%) except for
+the cases of CASE_MARGINS, whose yardstick is noisier (decode: 25%); an explicit `--margin` applies to every case.
+`--update-baseline` measures `--rounds` times (default 3) and writes the medians instead of comparing
+(docs/performance.md says when).
 `--config tiny` shrinks every shape (seconds in all; the tests use it). Writes DIR/bench_check_cpu.json.
 """
 
@@ -55,6 +57,10 @@ BASELINE = HERE / "baseline.json"
 # stayed within 9% below its median (docs/performance.md); growing every masked forward tile to 1024
 # query rows measured -24..-27% (band) and -13.6..-14.8% (PFA fp16).
 MARGIN = 0.12
+# Cases whose yardstick moves more than the others: decode's is a streaming read of memory, whose rate follows the
+# memory traffic of every other process on the machine (22.9-32.4 GB/s within one hour for the same build, while
+# the decode call itself moved by ~5%), so its ratio moves by up to ~25% with no change of code.
+CASE_MARGINS = {"decode.fia_paged_bf16": 0.25}
 REPEATS = 5
 
 # Shapes of `--config tiny`, set on the benchmark modules before their cases are built (they read module globals).
@@ -151,18 +157,20 @@ def measure_all(config: str, only: tuple[str, ...], repeats: int, clock: Callabl
     return measured
 
 
-def compare(baseline: dict[str, float], measured: dict[str, float], margin: float) -> list[dict[str, Any]]:
-    """One verdict per measured case: `fail` where the ratio is below baseline * (1 - margin), `new` where the
-    baseline has no entry for it."""
+def compare(baseline: dict[str, float], measured: dict[str, float], margin: float,
+            case_margins: dict[str, float] | None = None) -> list[dict[str, Any]]:
+    """One verdict per measured case: `fail` where the ratio is below baseline * (1 - its margin: `case_margins`'
+    entry for the case, else `margin`), `new` where the baseline has no entry for it."""
     rows = []
     for name, ratio in measured.items():
         base = baseline.get(name)
         if base is None:
             rows.append({"case": name, "ratio": ratio, "baseline": None, "change": None, "verdict": "new"})
             continue
-        floor = base * (1.0 - margin)
-        rows.append({"case": name, "ratio": ratio, "baseline": base, "floor": floor, "change": ratio / base - 1.0,
-                     "verdict": "fail" if ratio < floor else "ok"})
+        case_margin = (case_margins or {}).get(name, margin)
+        floor = base * (1.0 - case_margin)
+        rows.append({"case": name, "ratio": ratio, "baseline": base, "margin": case_margin, "floor": floor,
+                     "change": ratio / base - 1.0, "verdict": "fail" if ratio < floor else "ok"})
     return rows
 
 
@@ -175,11 +183,14 @@ def _commit() -> str | None:
 
 
 def print_rows(rows: list[dict[str, Any]], margin: float) -> None:
-    print(f"{'case':<26} {'ratio':>7} {'baseline':>9} {'change':>8}  verdict (fail below baseline x {1 - margin:.2f})")
+    print(f"{'case':<26} {'ratio':>7} {'baseline':>9} {'change':>8}  verdict (fail below baseline x {1 - margin:.2f}"
+          f" unless noted)")
     for r in rows:
         base = "-" if r["baseline"] is None else f"{r['baseline']:.3f}"
         change = "-" if r["change"] is None else f"{100 * r['change']:+.1f}%"
-        print(f"{r['case']:<26} {r['ratio']:>7.3f} {base:>9} {change:>8}  {r['verdict'].upper()}")
+        own = r.get("margin", margin)
+        note = "" if own == margin else f" (below x {1 - own:.2f})"
+        print(f"{r['case']:<26} {r['ratio']:>7.3f} {base:>9} {change:>8}  {r['verdict'].upper()}{note}")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -234,9 +245,11 @@ def main(argv: list[str] | None = None) -> int:
               "not comparable", file=sys.stderr)
         return 2
     margin = args.margin if args.margin is not None else base.get("margin", MARGIN)
+    # an explicit --margin applies to every case; otherwise the noisier cases keep their own
+    case_margins = {} if args.margin is not None else {**CASE_MARGINS, **base.get("case_margins", {})}
     measured = measure_all(args.config, tuple(args.only), args.repeats, clock)
     ratios = {name: m["ratio"] for name, m in measured.items()}
-    dropped = [r["case"] for r in compare(base["ratios"], ratios, margin) if r["verdict"] == "fail"]
+    dropped = [r["case"] for r in compare(base["ratios"], ratios, margin, case_margins) if r["verdict"] == "fail"]
     if dropped:
         # A drop must show twice: the failing cases are measured again and keep their better ratio (noise on a
         # shared machine lowers single measurements; a real slowdown lowers both).
@@ -244,7 +257,7 @@ def main(argv: list[str] | None = None) -> int:
         for name, again in measure_all(args.config, tuple(dropped), args.repeats, clock, exact=True).items():
             if again["ratio"] > ratios[name]:
                 measured[name], ratios[name] = again, again["ratio"]
-    rows = compare(base["ratios"], ratios, margin)
+    rows = compare(base["ratios"], ratios, margin, case_margins)
     print_rows(rows, margin)
     failed = [r["case"] for r in rows if r["verdict"] == "fail"]
     busy = common.busy_warning()
@@ -256,10 +269,10 @@ def main(argv: list[str] | None = None) -> int:
     if busy:
         print(f"note: {busy}")
     if failed:
-        print(f"bench-check FAILED ({elapsed:.0f} s): {', '.join(failed)} dropped more than {100 * margin:.0f}% "
+        print(f"bench-check FAILED ({elapsed:.0f} s): {', '.join(failed)} dropped more than their margin "
               f"below the baseline ({args.baseline.name}, commit {base.get('commit')})")
         return 1
-    print(f"bench-check passed ({elapsed:.0f} s): {len(rows)} ratios within {100 * margin:.0f}% of the baseline "
+    print(f"bench-check passed ({elapsed:.0f} s): {len(rows)} ratios within their margin of the baseline "
           f"(commit {base.get('commit')})")
     return 0
 

@@ -24,6 +24,14 @@ def test_compare_flags_only_drops_beyond_the_margin():
     assert verdicts == {"a": "ok", "b": "fail", "d": "new"}  # c not measured: not judged
 
 
+def test_a_case_margin_widens_only_its_own_case():
+    rows = perf_guard.compare({"a": 1.0, "noisy": 1.0}, {"a": 0.8, "noisy": 0.8}, margin=0.12,
+                              case_margins={"noisy": 0.25})
+    assert {r["case"]: (r["verdict"], r["margin"]) for r in rows} == {"a": ("fail", 0.12), "noisy": ("ok", 0.25)}
+    assert perf_guard.compare({"noisy": 1.0}, {"noisy": 0.7}, 0.12, {"noisy": 0.25})[0]["verdict"] == "fail"
+    assert all(name in perf_guard.__doc__ for name in perf_guard.CASE_MARGINS)  # names of real cases
+
+
 def test_planted_slowdown_is_caught(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys):
     baseline, out = tmp_path / "baseline.json", tmp_path / "out"
     cases = ["--only", "fa_forward.dense", "sfa.forward_bs1", "--config", "tiny", "--repeats", "3"]
