@@ -750,3 +750,67 @@ def _rounding_samples(dtype: torch.dtype) -> torch.Tensor:
                           1.5 * 2.0**-24, 2.0**-25, 3 * 2.0**-25, 2.0**-25 - 2.0**-49])
     x = torch.cat([*scaled, patterns, -patterns, ties, -ties, edges])
     return x[~torch.isnan(x)]
+
+
+def _npu_grads(seq_q: int, seq_kv: int, seed: int) -> list[torch.Tensor]:
+    """dQ, dK, dV of an "npu" mode FlashAttentionScoreGrad (fp16, GQA, a causal mask tensor)."""
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(1, 4, seq_q, 64, generator=g).half()
+    k, v = (torch.randn(1, 2, seq_kv, 64, generator=g).half() for _ in range(2))
+    dy = torch.randn(q.shape, generator=g).half()
+    mask = torch.ones(seq_q, seq_kv, dtype=torch.bool).triu(seq_kv - seq_q + 1)
+    with cann_attn.precision("npu"):
+        fwd = cann_attn.flash_attention_score(q, k, v, 4, "BNSD", scale_value=0.125, atten_mask=mask)
+        return list(cann_attn.flash_attention_score_grad(
+            q, k, v, dy, 4, "BNSD", attention_in=fwd.attention_out, softmax_max=fwd.softmax_max,
+            softmax_sum=fwd.softmax_sum, scale_value=0.125, atten_mask=mask)[:3])
+
+
+def _held_bytes(workspace) -> int:
+    """Bytes of the distinct storages the gradient's workspace keeps alive (its block and any view of it)."""
+    tensors = [t for t in (workspace._block, *workspace._views.values()) if t is not None]
+    storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}
+    return sum(storages.values())
+
+
+def test_npu_grad_workspace_keeps_no_stale_data_and_is_per_thread():
+    """The gradient's buffers kept from call to call (per thread, docs/semantics/precision.md): a call after a larger
+    one on the same thread gives the bits of that call on a fresh thread (whose workspace is its own), and a block
+    within the bound stays for the next call."""
+    from cann_attn.backends.reference import npu_attention
+
+    _npu_grads(300, 700, seed=1)
+    mine = npu_attention._workspace(torch.device("cpu"))
+    after_large = _npu_grads(130, 200, seed=2)
+    assert _held_bytes(mine) > 0
+    fresh: dict[str, object] = {}
+
+    def other_thread():
+        fresh["grads"] = _npu_grads(130, 200, seed=2)
+        fresh["workspace"] = npu_attention._workspace(torch.device("cpu"))
+
+    worker = threading.Thread(target=other_thread)
+    worker.start()
+    worker.join()
+    assert fresh["workspace"] is not mine
+    for ours, want in zip(after_large, fresh["grads"], strict=True):
+        assert torch.equal(ours.view(torch.int16), want.view(torch.int16))
+
+
+def test_npu_grad_workspace_above_the_bound_is_freed_even_when_the_call_fails(monkeypatch):
+    """A block larger than the bound is freed at the end of its call, views included, and so it is when the call
+    raises part way."""
+    from cann_attn.backends.reference import npu_attention
+
+    monkeypatch.setattr(npu_attention, "GRAD_WORKSPACE_BYTES", 1 << 20)
+    workspace = npu_attention._workspace(torch.device("cpu"))
+    _npu_grads(130, 200, seed=3)
+    assert _held_bytes(workspace) == 0
+
+    def fails(*args, **kwargs):
+        raise RuntimeError("part way")
+
+    monkeypatch.setattr(npu_attention, "_backward_run", fails)
+    with pytest.raises(RuntimeError, match="part way"):
+        _npu_grads(130, 200, seed=3)
+    assert _held_bytes(workspace) == 0

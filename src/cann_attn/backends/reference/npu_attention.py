@@ -294,11 +294,13 @@ def backward(problem: AttentionProblem, pipeline: GradPipeline, query, key, valu
     """The gradients of every run (as `flash_backward.backward`), P and dS rounded before their GEMMs and the
     gradients rounded once at the end, as `pipeline` says."""
     workspace = _workspace(query.device)
-    for run, dk_view, dv_view in runs_to_fill(problem, dk, dv):
-        workspace.reserve(_grad_buffers(problem, run))
-        _backward_run(problem, pipeline, run, query, key, value, dy, attention_in, softmax_max, softmax_sum,
-                      problem.q_view(dq, run), dk_view, dv_view, dpse_source, dsink_acc, workspace)
-    workspace.release_above(GRAD_WORKSPACE_BYTES)
+    try:
+        for run, dk_view, dv_view in runs_to_fill(problem, dk, dv):
+            workspace.reserve(_grad_buffers(problem, run))
+            _backward_run(problem, pipeline, run, query, key, value, dy, attention_in, softmax_max, softmax_sum,
+                          problem.q_view(dq, run), dk_view, dv_view, dpse_source, dsink_acc, workspace)
+    finally:  # a call that fails keeps no more than one that returns
+        workspace.release_above(GRAD_WORKSPACE_BYTES)
 
 
 def _grad_buffers(problem: AttentionProblem, run: Run) -> dict[str, tuple[int, torch.dtype]]:
@@ -561,8 +563,9 @@ class _Workspace:
         return view
 
     def release_above(self, size: int) -> None:
+        """Frees the block where it is larger than `size` bytes (its views too: each would keep it alive)."""
         if self._block is not None and self._block.numel() > size:
-            self._block = None
+            self._block, self._slots, self._views = None, {}, {}
 
 
 GRAD_WORKSPACE_BYTES = 1 << 28
