@@ -138,3 +138,28 @@ def test_the_flushes_are_observable(kind):
     q, k = _inputs(kind, gen, 4, 64, 128)
     unflushed = documented_dots(q, k, SCALE, flush=False)
     assert not torch.equal(unflushed.view(torch.int32), documented_dots(q, k, SCALE).view(torch.int32))
+
+
+@pytest.mark.parametrize("dim", [64, 40])
+def test_special_values_give_the_same_scores_on_every_path(dim, vector_width):
+    """Infinities, values whose products overflow, zeros of both signs, bf16 subnormals and NaN among the inputs: the
+    emulation gives the instruction's bits (where the CPU has it) and, without NaN, the documented model's; a NaN
+    score is NaN on every path (its sign and payload are not kept: the AVX2 emulation's tree may take another
+    NaN operand first)."""
+    gen = torch.Generator().manual_seed(dim)
+    specials = torch.tensor([math.inf, -math.inf, 3e38, -3e38, 0.0, -0.0, 1e-39, -1e-39, math.nan])  # NaN last
+    for trial in range(40):
+        q, k = _bf16((4, dim), gen), _bf16((20, dim), gen)
+        for x in (q, k):
+            pick = torch.rand(x.shape, generator=gen) < 0.03
+            x[pick] = specials[torch.randint(0, len(specials) - (trial % 2), x.shape, generator=gen)][pick].to(x.dtype)
+        got = native.decode_dots(q, k, SCALE, emulate=True)
+        if trial % 2:  # no NaN among the inputs: the model's bits
+            want = documented_dots(q, k, SCALE)
+        elif HAS_DOT:
+            want = native.decode_dots(q, k, SCALE, emulate=False)
+        else:
+            continue
+        nan = want.isnan()
+        assert torch.equal(got.isnan(), nan)
+        assert torch.equal(got[~nan].view(torch.int32), want[~nan].view(torch.int32))
