@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import torch
 
+from fia_cases import rand
+
 # Table entries no sequence reads: -1 (the usual padding), out-of-range ids and a stale valid id (filled in per
 # table). The operators must not read through any of them.
 UNUSED_TABLE_ENTRIES = (-1, 2**31 - 1, -(2**31), 10**6)
@@ -42,3 +44,14 @@ def paginate(named: dict[str, list[torch.Tensor]], block_size: int, gen: torch.G
             for name, seqs in named.items():
                 caches[name][phys, : hi - lo] = seqs[b][lo:hi]
     return caches, table
+
+
+def int8_mla_pages(lengths: list[int], latent_dim: int, rope_dim: int, block_size: int, gen: torch.Generator):
+    """An int8 MLA latent [B, S, 1, latent_dim] and its bf16 rope [B, S, 1, rope_dim] (random, S = max(lengths)), and
+    the first lengths[b] tokens of each paginated: (latent, rope, {"k": .., "r": ..} pools, block table)."""
+    s = max(lengths)
+    latent = rand((len(lengths), s, 1, latent_dim), torch.int8, gen)
+    rope = rand((len(lengths), s, 1, rope_dim), torch.bfloat16, gen)
+    nd, table = paginate({"k": [latent[b, :n] for b, n in enumerate(lengths)],
+                          "r": [rope[b, :n] for b, n in enumerate(lengths)]}, block_size, gen)
+    return latent, rope, nd, table

@@ -24,7 +24,7 @@ from patience import HANG_SECONDS
 
 TESTS = Path(__file__).resolve().parent
 UNDER_SANITIZERS = ["test_thread_safety.py", "test_native_kernels.py", "test_masked_logits.py", "test_nan_rows.py",
-                    "test_decode_native.py", "test_decode_dots.py"]
+                    "test_decode_native.py", "test_decode_dots.py", "test_int8_query_dots.py"]
 SANITIZE = "-fsanitize=address,undefined -fno-omit-frame-pointer -fno-sanitize-recover=undefined"
 RUNTIMES = ("libasan.so", "libubsan.so")
 

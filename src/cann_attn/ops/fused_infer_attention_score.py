@@ -251,24 +251,43 @@ def _attend_int8_decode(p: FiaProblem, q_in: torch.Tensor, out: torch.Tensor, ls
 
 def _attend_int8_latent(p: FiaProblem, q_in: torch.Tensor, out: torch.Tensor, lse: torch.Tensor | None,
                         common: dict) -> bool:
-    """The int8 MLA query's decode (one query token per sequence) over its paged int8 latent: the decode loop reads
-    the int8 pages in place through the table, x * scale in fp32 as it reads each row (the float32 pool's very
-    products, so the pool's bits) and the key rope rows unscaled, instead of converting every block the table names
-    first. False, computing nothing, where it does not apply (the caller converts the pool then)."""
-    if p.pages is None or p.prefix is not None or p.left_padding or any(sq != 1 for sq in p.act_q):
+    """The int8 MLA query's decode (one query token per sequence) over its int8 latent (paged, or contiguous as
+    pages of one token): the decode loop reads the int8 pages in place through the table and scores the int8 query
+    rows against them, exact integer dot products plus the rope's (problem/antiquant.py's Int8QueryRows), the values
+    x * scale in fp32 as it reads each row, instead of converting every block the table names first. False,
+    computing nothing, where it does not apply (the caller converts the pool then)."""
+    if p.prefix is not None or p.left_padding or any(sq != 1 for sq in p.act_q):
         return False
     latent = p.int8_latent
     key, value, key_rope = latent.loop_caches()
+    table = latent.block_table if p.pages is not None else _token_table(p, key.shape[0])
     lse_rows = lse
     if p.packed:
-        q4, out4 = _token_rows(q_in, p.q_layout), _token_rows(out, p.out_layout)
+        def rows(t: torch.Tensor) -> torch.Tensor:
+            return _token_rows(t, p.q_layout)
         lse_rows = None if lse is None else lse.unsqueeze(2)
+        out4 = _token_rows(out, p.out_layout)
     else:
-        q4, out4 = _bnsd(q_in, p.q_layout, p.num_heads), _bnsd(out, p.out_layout, p.num_heads)
-    return attend_paged(q4, key, value, out4, block_table=p.pages.pages.table.to(q_in.device),
+        def rows(t: torch.Tensor) -> torch.Tensor:
+            return _bnsd(t, p.q_layout, p.num_heads)
+        out4 = _bnsd(out, p.out_layout, p.num_heads)
+    return attend_paged(rows(q_in), key, value, out4, block_table=table.to(q_in.device),
                         atten_mask=p.atten_mask, mask_views=None if p.packed else p.mask_views, act_q=p.act_q,
                         act_kv=p.act_kv, pse_shift=None if p.packed else p.pse_shift, softmax_lse=lse_rows,
-                        kv_scales=latent.channel_scales(), key_rope=key_rope, **common)
+                        kv_scales=latent.channel_scales(), key_rope=key_rope,
+                        int8_query=latent.query_rows(p.scale, rows), **common)
+
+
+def _token_table(p: FiaProblem, tokens: int) -> torch.Tensor:
+    """A block table over contiguous caches seen as blocks of one token (int32 [B, max Skv]): sequence b's key p is
+    token start_b + p (packed sequences follow each other; others are S tokens apart). Past a sequence's length,
+    token 0 (never read)."""
+    starts = starts_of(p.act_kv) if p.packed else [b * (tokens // p.batch) for b in range(p.batch)]
+    width = max([1, *p.act_kv])
+    table = torch.zeros(p.batch, width, dtype=torch.int32)
+    for b, (start, n) in enumerate(zip(starts, p.act_kv, strict=True)):
+        table[b, :n] = torch.arange(start, start + n, dtype=torch.int32)
+    return table
 
 
 def _token_rows(t: torch.Tensor, layout: str) -> torch.Tensor:

@@ -285,7 +285,7 @@ def attend_paged(
     pre_tokens: int, next_tokens: int, pse_shift, plan: QuantPlan, backend: str, op: str,
     softmax_lse: torch.Tensor | None = None, kv_scales: tuple[torch.Tensor, torch.Tensor] | None = None,
     packed_int4: bool = False, inner_precise: int = 1, decode: bool | None = None,
-    key_rope: torch.Tensor | None = None,
+    key_rope: torch.Tensor | None = None, int8_query: antiquants.Int8QueryRows | None = None,
 ) -> bool:
     """`attend` over paged caches read in place (docs/semantics/paged-kv.md): key / value are [block_num, N2,
     block_size, D] views and `block_table` maps each sequence's logical blocks. The Triton dense kernel reads any
@@ -297,7 +297,8 @@ def attend_paged(
     rule); other backends return False. `block_table=None`: key / value are contiguous [B, N2, S, D] views;
     `packed_int4`: they are the bytes of int4 values packed two to a byte ([.., D/2]). `key_rope` (MLA): the rope
     keys' cache, of the key's layout (NZ included), whose rows follow each key's; the reference decode loop reads
-    it (other backends return False)."""
+    it (other backends return False). `int8_query` (with `kv_scales` and `key_rope`: an int8 MLA query over its int8
+    latent): the loop scores these int8 rows instead of `query`'s (problem/antiquant.py)."""
     if query.dtype == torch.int8 or plan.output_dtype == torch.int8 or precision.npu_mode():
         return False
     problem = _bnsd_problem(query, out, heads_kv, scale, atten_mask, mask_views, sparse_mode, act_q, act_kv,
@@ -319,6 +320,8 @@ def attend_paged(
     extra = {} if kv_scales is None else {"kv_scales": kv_scales, "packed_int4": packed_int4}
     if key_rope is not None:
         extra["key_rope"] = key_rope
+    if int8_query is not None:
+        extra["int8_query"] = int8_query
     kernel.forward(problem, query, key, value, out, row_max, row_sum, block_table=block_table, **extra)
     if softmax_lse is not None:
         _write_lse(softmax_lse, row_max, row_sum)

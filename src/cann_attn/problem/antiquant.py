@@ -25,7 +25,8 @@ from __future__ import annotations
 
 import sys
 import threading
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -327,10 +328,25 @@ def dequantise_mla_query(query, key, value, *, query_rope, key_rope, dequant_sca
     paged = _paged_latent(key, value, key_rope, k_scale, v_scale, block_table, same)
     if paged is not None:
         (k, v, r), latent = paged
+        latent = replace(latent, query=Int8Query(query, query_rope, q_scale))
         return Dequantised(q.reshape(query.shape), k, v, q_rope, r, query_rope.dtype, latent)
     k = dequant.dequantize_values(_nd_cache(key), k_scale, f32)
     v = k if same else dequant.dequantize_values(_nd_cache(value), v_scale, f32)
-    return Dequantised(q.reshape(query.shape), k, v, q_rope, _nd_cache(key_rope).to(f32), query_rope.dtype)
+    r = _nd_cache(key_rope).to(f32)
+    return Dequantised(q.reshape(query.shape), k, v, q_rope, r, query_rope.dtype,
+                       _token_latent(key, value, key_rope, k_scale, v_scale, Int8Query(query, query_rope, q_scale)))
+
+
+def _token_latent(key, value, key_rope, k_scale, v_scale, query: Int8Query) -> PagedLatent | None:
+    """A contiguous single-head ND latent as a PagedLatent of one token per block (key / value / rope rows [tokens,
+    1, D], no table: a decode loop reads them through a table of token rows) whose float32 caches are already
+    filled; None where the caches are not of that form."""
+    if key.dim() == NZ_RANK or key.shape[-1] != MLA_LATENT or value.shape != key.shape:
+        return None
+    rows = [t.reshape(-1, 1, t.shape[-1]) for t in (key, value, key_rope)]
+    if rows[2].shape[0] != rows[0].shape[0]:
+        return None
+    return PagedLatent(*rows, k_scale, v_scale, None, None, None, query)
 
 
 # A fresh multi-megabyte tensor comes from mmap and is faulted in page by page on every call (a 47 MB float32
@@ -402,6 +418,36 @@ def _block_runs(block_table: torch.Tensor, block_num: int, most: int) -> list[tu
 
 
 @dataclass(frozen=True)
+class Int8Query:
+    """An int8 MLA query as given: latent int8 [.., 512], rope (query_rope, float, unscaled) and scale
+    (dequant_scale_query, the query's shape without D: [B, S, N] for BSH)."""
+
+    latent: torch.Tensor
+    rope: torch.Tensor
+    scale: torch.Tensor
+
+
+@dataclass(frozen=True)
+class Int8QueryRows:
+    """An int8 MLA query's rows as a decode loop scores them: latent [B, N, 1, 512] int8, rope [B, N, 1, Dr] (float,
+    unscaled) and factor [B, N, 1, 1] float32 = (softmax_scale * dequant_scale_query) * dequant_scale_key, in that
+    order. A score is then ((float)(q8 . k8) + q_rope . k_rope) * factor: the int8 part an exact integer sum
+    (docs/operators/fused_infer_attention_score.md, "int8 MLA query")."""
+
+    latent: torch.Tensor
+    rope: torch.Tensor
+    factor: torch.Tensor
+
+    def loop_rows(self, pairs: int, group: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Contiguous (latent [pairs, G, 512] int8, rope [pairs, G, Dr] float32, factor [pairs, G] float32, bias
+        [pairs, G] int32: 128 * each latent row's sum, which the integer dot product's unsigned form takes off)."""
+        latent = self.latent.reshape(pairs, group, -1).contiguous()
+        rope = self.rope.reshape(pairs, group, -1).to(torch.float32).contiguous()
+        factor = self.factor.reshape(pairs, group).contiguous()
+        return latent, rope, factor, (latent.sum(-1, dtype=torch.int32) * 128).contiguous()
+
+
+@dataclass(frozen=True)
 class PagedLatent:
     """A paged int8 MLA call's caches as given (the int8 latent key / value, ND or NZ, with their per-tensor scales,
     and the unscaled rope cache) beside the float32 pool views `dequantise_mla_query` returned for them, which stay
@@ -413,13 +459,26 @@ class PagedLatent:
     key_rope: torch.Tensor
     key_scale: torch.Tensor  # [] float32
     value_scale: torch.Tensor
-    block_table: torch.Tensor
-    joined: torch.Tensor  # [blockNum, blockSize, D + Dr]: key ++ rope rows
+    block_table: torch.Tensor | None  # None: contiguous token rows (_token_latent), the float32 caches filled
+    joined: torch.Tensor | None  # [blockNum, blockSize, D + Dr]: key ++ rope rows
     value_pool: torch.Tensor | None  # [blockNum, blockSize, D]; None: the value is the key's columns of `joined`
+    query: Int8Query | None = None
+
+    def query_rows(self, softmax_scale: float, rows: Callable[[torch.Tensor], torch.Tensor]) -> Int8QueryRows | None:
+        """The int8 query's rows for a decode loop (None: no query kept), `rows` mapping a tensor of the query's
+        layout to its [B, N, 1, D] rows."""
+        q = self.query
+        if q is None:
+            return None
+        scale = q.scale if q.scale.dim() == q.latent.dim() else q.scale.unsqueeze(-1)  # BSH: [B, S, N] is N x 1
+        factor = rows(scale).mul(torch.tensor(softmax_scale, dtype=torch.float32)).mul(self.key_scale)
+        return Int8QueryRows(rows(q.latent), rows(q.rope), factor)
 
     def convert(self) -> None:
         """Fill the pool: only the blocks some table entry names, x * scale in fp32; the others are never read
         (docs/semantics/paged-kv.md: the entries a sequence reads must name existing blocks)."""
+        if self.block_table is None:
+            return
         k_rows, v_rows, r_rows = _latent_rows(self.key), _latent_rows(self.value), _latent_rows(self.key_rope)
         joined, width = self.joined, _row_width(k_rows)
         most = max(1, CONVERT_BYTES // (joined[0].numel() * joined.element_size()))

@@ -42,14 +42,16 @@ def usable(problem: AttentionProblem, query: torch.Tensor, key: torch.Tensor, va
 def forward(problem: AttentionProblem, query, key, value, out, softmax_max=None, softmax_sum=None,
             block_table: torch.Tensor | None = None,
             kv_scales: tuple[torch.Tensor, torch.Tensor] | None = None, packed_int4: bool = False,
-            key_rope: torch.Tensor | None = None) -> None:
+            key_rope: torch.Tensor | None = None, int8_query: antiquants.Int8QueryRows | None = None) -> None:
     """Fill `out` [B, N, 1, Dv] (and the [B, N, 1, 8] statistics when given) of sequences that have keys. With
     `block_table`, key and value are paged caches seen as [block_num, N2, block_size, D], read in place through the
     table (docs/semantics/paged-kv.md): the same loop over the same rows, so the same bits as contiguous caches.
     With `kv_scales` (per-channel key / value scales [N2, D], fp32) key and value are int8, anti-quantised to the
     query's dtype as the loop reads them (problem/antiquant.py); `packed_int4`: key / value are the int8 bytes of
     int4 values packed two to a byte. `key_rope` (MLA): the rope keys' cache, of the key's layout, whose rows follow
-    each key's (the query carries its rope columns after D)."""
+    each key's (the query carries its rope columns after D). `int8_query` (an int8 MLA query over an int8 latent
+    with `kv_scales` and `key_rope`): the scores come from its rows, exact integer dot products plus the rope's
+    (docs/guides/backends.md, "Decode"), not from `query`."""
     batch, heads, heads_kv = problem.batch, problem.heads_q, problem.heads_kv
     group = heads // heads_kv
     lengths = torch.zeros(batch, dtype=torch.int64)
@@ -70,12 +72,24 @@ def forward(problem: AttentionProblem, query, key, value, out, softmax_max=None,
     row_sum = torch.empty((pairs, group), dtype=torch.float32)
     dequant = None if kv_scales is None else (*kv_scales, query.dtype)
     native.decode_rows(rows.view(pairs, group, -1), key, value, lengths, acc, row_max, row_sum, block_table, dequant,
-                       packed_int4, key_rope, scale)
+                       packed_int4, key_rope, scale,
+                       None if int8_query is None else int8_query.loop_rows(pairs, group))
     seen = (lengths > 0).nonzero().view(-1)
     if seen.numel() == 0:
         return
     denom = row_sum.unsqueeze(-1)
-    if has_non_finite(acc):
+    if has_non_finite(acc) and int8_query is not None:
+        # The int8 query's scores again (the same integers), the value scales times the column powers of two.
+        values = dequantize_values(_channels_last(value), kv_scales[1].view(1, -1, 1, kv_scales[1].shape[-1]),
+                                   query.dtype)
+        scales = value_column_scales(_rows_read(values, block_table, lengths).abs().amax(dim=(0, 1)),
+                                     int(lengths.max()))
+        if scales is not None:
+            native.decode_rows(rows.view(pairs, group, -1), key, value, lengths, acc, row_max, row_sum, block_table,
+                               (kv_scales[0], kv_scales[1] * scales, query.dtype), packed_int4, key_rope, scale,
+                               int8_query.loop_rows(pairs, group))
+            denom = denom * scales
+    elif has_non_finite(acc):
         # P V overflowed on values near FLT_MAX: again with V scaled by exact powers of two per column (`stats`),
         # as fp32 copies of the caches (the loop reads key and value in one dtype).
         if packed_int4:

@@ -47,6 +47,7 @@ FLAGS = ("-O3", "-mavx2", "-mfma", "-fopenmp", "-fPIC", "-shared", "-fno-math-er
 ENV_SWITCH = "CANN_ATTN_NATIVE"
 BLAS_SWITCH = "CANN_ATTN_NATIVE_BLAS"
 BF16_SWITCH = "CANN_ATTN_NATIVE_BF16"
+VNNI_SWITCH = "CANN_ATTN_NATIVE_VNNI"
 AVX512_SWITCH = "CANN_ATTN_NATIVE_AVX512"
 ORDERED_GEMM_SWITCH = "CANN_ATTN_NATIVE_ORDERED_GEMM"
 
@@ -91,13 +92,15 @@ _SIGNATURES = {
     "cann_attn_has_avx512": [],
     "cann_attn_set_avx512": [ctypes.c_int],
     "fia_decode_rows": [_P, _I, _I, _I, _I, _I, _P, _P, _I, _I, _I, _I, _I, _I, _I, _P, _P, _P, _P, _P, _I, _I, _P,
-                        _P, _I, _I, _I, _I, _P, _I, _I, _I, _I, _I, _I, _I, _F, _F, _P, _F],
+                        _P, _I, _I, _I, _I, _P, _I, _I, _I, _I, _I, _I, _I, _F, _F, _P, _F, _P, _P, _P, _P],
     "cann_attn_set_bf16_dot": [ctypes.c_int],
     "cann_attn_decode_dots": [_P, _P, _I, _I, _I, _F, ctypes.c_int, _P],
+    "cann_attn_set_int8_dot": [ctypes.c_int],
+    "cann_attn_int8_dots": [_P, _P, _I, _I, _I, ctypes.c_int, _P],
 }
 _INT_RESULTS = ("cann_attn_cpu_supported", "cann_attn_has_sgemm", "cann_attn_has_sgemm_pack", "cann_attn_has_bf16_dot",
                 "cann_attn_has_f16c", "cann_attn_has_avx512", "cann_attn_set_avx512", "cann_attn_set_ordered_gemm",
-                "cann_attn_set_bf16_dot", "cann_attn_decode_dots")
+                "cann_attn_set_bf16_dot", "cann_attn_decode_dots", "cann_attn_set_int8_dot", "cann_attn_int8_dots")
 _INT64_RESULTS = ("cann_attn_alibi_skipped_terms", "cann_attn_forward_packed_gemms", "cann_attn_ordered_gemms",
                   "cann_attn_ordered_probes", "npu_fp16_softmax_step")
 
@@ -210,6 +213,7 @@ def _load() -> ctypes.CDLL | None:
     lib.cann_attn_set_avx512(0 if _switched_off(AVX512_SWITCH) else 1)
     lib.cann_attn_set_ordered_gemm(0 if _switched_off(ORDERED_GEMM_SWITCH) else 1)
     lib.cann_attn_set_bf16_dot(0 if _switched_off(BF16_SWITCH) else 1)
+    lib.cann_attn_set_int8_dot(0 if _switched_off(VNNI_SWITCH) else 1)
     return lib
 
 
@@ -636,6 +640,27 @@ def decode_dots(q: torch.Tensor, k: torch.Tensor, scale: float, emulate: bool) -
     return out
 
 
+def set_int8_dot(on: bool) -> bool:
+    """Whether the decode loop's scores of an int8 MLA query take AVX512-VNNI dot products (where the CPU has them;
+    CANN_ATTN_NATIVE_VNNI=0 turns them off at load) or an integer loop: the same bits either way
+    (docs/guides/backends.md, "Decode"). Returns the setting now in force."""
+    lib = library()
+    return lib is not None and bool(lib.cann_attn_set_int8_dot(int(on)))
+
+
+def int8_dots(q: torch.Tensor, k: torch.Tensor, emulate: bool) -> torch.Tensor:
+    """q k^T [H, n] in int32 of int8 rows q [H, D] and k [n, D] by the decode loop's int8 score kernel, through
+    AVX512-VNNI dot products or (`emulate`) the integer loop: for tests."""
+    lib = library()
+    assert q.dtype == k.dtype == torch.int8 and q.dim() == k.dim() == 2 and q.shape[1] == k.shape[1]
+    q, k = q.contiguous(), k.contiguous()
+    out = torch.empty(q.shape[0], k.shape[0], dtype=torch.int32)
+    if lib.cann_attn_int8_dots(q.data_ptr(), k.data_ptr(), q.shape[0], k.shape[0], q.shape[1], int(emulate),
+                               out.data_ptr()) != 0:
+        raise RuntimeError("no AVX512-VNNI on this CPU")
+    return out
+
+
 class _Bf16Struct(ctypes.Structure):
     _fields_ = [("q", _P), ("k", _P), ("dy", _P), ("v", _P), ("ske", _I), ("ldk", _I), ("sve", _I), ("ldv", _I),
                 ("d16", _I), ("scale", _F)]
@@ -935,7 +960,8 @@ def decode_usable(key: torch.Tensor, value: torch.Tensor, dequant_to: torch.dtyp
 def decode_rows(q: torch.Tensor, key: torch.Tensor, value: torch.Tensor, lengths: torch.Tensor, out: torch.Tensor,
                 row_max: torch.Tensor, row_sum: torch.Tensor, block_table: torch.Tensor | None = None,
                 kv_scales: tuple[torch.Tensor, torch.Tensor, torch.dtype] | None = None, packed_int4: bool = False,
-                key_rope: torch.Tensor | None = None, scale: float = 1.0) -> None:
+                key_rope: torch.Tensor | None = None, scale: float = 1.0,
+                int8_query: tuple[torch.Tensor, ...] | None = None) -> None:
     """Unnormalised out [B*N2, G, Dv], row_max and row_sum [B*N2, G] of the grouped query rows q [B*N2, G, D]
     (contiguous: fp32, already scaled; or bf16, unscaled, beside bf16 keys and rope keys, each score then the bf16
     dot product times `scale`) over the first lengths[b] rows of key / value [B, N2, S, D] (read in place; decode.c;
@@ -947,7 +973,10 @@ def decode_rows(q: torch.Tensor, key: torch.Tensor, value: torch.Tensor, lengths
     read: x * scale in fp32, rounded once to dtype (problem/antiquant.py); `packed_int4`: key / value are the bytes
     of int4 values packed two to a byte (value 2k in the low nibble), D/2 bytes a row. `key_rope` (MLA): a cache of
     the key's layout whose rows follow each key's (q's D is the key's plus the rope's), in the key's float dtype, or
-    a float dtype of its own beside an int8 key (read as it is, never scaled)."""
+    a float dtype of its own beside an int8 key (read as it is, never scaled). `int8_query` (an int8 MLA query over
+    an int8 key with `key_rope`: problem/antiquant.py's Int8QueryRows.loop_rows, contiguous [pairs, G, ..]): the
+    scores come from its rows instead of q's (decode.c's order), the key scale left out of them (it is in the rows'
+    factors)."""
     lib = library()
     q16 = q.dtype == torch.bfloat16
     if q16:
@@ -977,7 +1006,8 @@ def decode_rows(q: torch.Tensor, key: torch.Tensor, value: torch.Tensor, lengths
                         0 if table is None else table.stride(0), 0 if table is None else kg[5],
                         None if kv_scales is None else scales[0].data_ptr(),
                         None if kv_scales is None else scales[1].data_ptr(), *kg[3:5], *vg[3:5], *rope, LOG2E,
-                        EXP2_FLOOR, q.data_ptr() if q16 else None, scale)
+                        EXP2_FLOOR, q.data_ptr() if q16 else None, scale,
+                        *((None,) * 4 if int8_query is None else (t.data_ptr() for t in int8_query)))
 
 
 def _cache_geometry(cache: torch.Tensor) -> tuple[int, int, int, int, int, int]:

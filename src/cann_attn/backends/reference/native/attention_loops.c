@@ -20,6 +20,7 @@
  *   dense_forward.c    the fused dense forward (S = Q K^T, online softmax, O += P V per row block)
  *   dense_backward.c   the fused dense backward
  *   decode_dots.c      decode scores of bf16 query rows and keys: AVX512-BF16 dot products, or their emulation
+ *   int8_dots.c        int32 dot products of an int8 query and int8 keys: AVX512-VNNI, or an integer loop
  *   decode.c           decode rows (one query token per sequence) over contiguous, paged or NZ caches
  *   npu_rounding.c     the "npu" precision mode's casts to fp16 / bf16
  *   npu_tiles.c        the npu mode's fp16 per-tile passes: softmax step to float64 P, running output update
@@ -104,6 +105,7 @@ static int64_t take_count(int64_t *count) {
 #include "dense_forward.c"
 #include "dense_backward.c"
 #include "decode_dots.c"
+#include "int8_dots.c"
 #include "decode.c"
 #include "npu_rounding.c"
 #include "npu_tiles.c"

@@ -9,8 +9,11 @@
  *
  * Order of the sums (docs/guides/backends.md, "Decode"), fixed whatever the thread count, the cache layout (paged or
  * not) and the vector width:
- *   - a score of q16 is dot_scores's (decode_dots.c: VDPBF16PS's order, or its emulation, times the scale); any
- *     other is row_dots's: 8-column partial sums (column d in lane d % 8, FMAs in increasing d), then hsum;
+ *   - a score of q16 is dot_scores's (decode_dots.c: VDPBF16PS's order, or its emulation, times the scale); of q8
+ *     (an int8 MLA query) ((float)(q8 . k8) + r) * f: the int32 dot product of the latent columns (int8_dots.c,
+ *     exact), plus r, the rope columns' row_dots sum of the fp32 query rope and the widened key rope, times the
+ *     row's factor f; any other is row_dots's: 8-column partial sums (column d in lane d % 8, FMAs in increasing
+ *     d), then hsum;
  *   - a sequence is cut into chunks of DECODE_SPLIT keys (the work items), a chunk into tiles of DECODE_BLOCK keys;
  *     per tile and query row: the running max m, p = 2^((s - shift) log2e) flushed at floor2 (row_exp),
  *     l = fma(l, c, sum p) with c = 2^((m_old - shift) log2e), and acc = fma(acc, c, sum_j p_j v_j) per column
@@ -56,7 +59,15 @@ struct decode_args {
      * scores are dot_scores's, times `scale` (decode_dots.c). */
     const uint16_t *q16;
     float scale;
+    /* int8 MLA query rows (NULL: none): q8 [pairs, G, D - dim_r] int8, q8_rope [pairs, G, dim_r] fp32 (the query
+     * rope, unscaled), q8_factor [pairs, G] (softmax scale x query scale x key scale) and q8_bias [pairs, G] (128 x
+     * the sum of each q8 row, for int8_dots); the int8 key's scale is then not applied to the scores. */
+    const int8_t *q8;
+    const float *q8_rope, *q8_factor;
+    const int32_t *q8_bias;
 };
+
+_Static_assert(DECODE_BLOCK <= INT8_DOT_KEYS, "a decode tile's keys go to int8_dots in one call");
 
 int cann_attn_has_f16c(void) {
     __builtin_cpu_init();
@@ -540,6 +551,9 @@ struct decode_scratch {
     float **acc, **m, **l;
     const char **fetch_k, **fetch_v;
     struct dot_scratch dots; /* with q16: the bf16 scores' */
+    int32_t *idots;          /* with q8: a tile's integer dot products [G, DECODE_BLOCK] */
+    float *rope_s;           /* with q8: a tile's rope sums [G, DECODE_BLOCK] */
+    uint8_t *keys8;          /* with q8: a tile's key rows gathered for int8_dots [DECODE_BLOCK, D - dim_r] */
 };
 
 /* A bf16 row of n elements copied into dst (NZ: chunks of c0, chunk_stride elements apart; c0 = 0: contiguous). */
@@ -584,6 +598,32 @@ static struct dot_keys decode_dot_keys(const struct decode_args *a, const char *
         (M)[g] = m_new;                                                                                              \
     }
 
+/* The scores s [G, DECODE_BLOCK] of int8 query rows (a->q8, pair `pair`) against the tile's w keys (latent rows
+ * `rows`, rope rows `rrows` or NULL): ((float)(q8 . k8) + r) * f (decode.c's order of the sums); `packed`: the
+ * pair's rope query rows packed for row_dots (NULL: none). The next tile's wn key rows `next_k` are fetched
+ * meanwhile. */
+static void int8_query_scores(const struct decode_args *a, int64_t pair, const char **rows, const char **rrows,
+                              int64_t w, const char **next_k, int64_t wn, const float *packed,
+                              struct decode_scratch *sc, float *s) {
+    const int64_t group = a->group, dk = a->dim - a->dim_r, dr = a->dim_r;
+    for (int64_t j = 0; j < wn; j++)
+        prefetch_rows(next_k + j, 1, dk, 1, a->k_c0, a->k_cs);
+    int8_dots(a->q8 + pair * group * dk, group, dk, (const int8_t *const *)rows, w, a->k_c0, a->k_cs,
+              a->q8_bias + pair * group, sc->keys8, sc->idots, DECODE_BLOCK);
+    const float *f = a->q8_factor + pair * group;
+    if (rrows) {
+        for (int64_t j = 0; j < w; j++)
+            widen_chunks(rrows[j], a->r_dtype, dr, sc->kbuf + j * dr, NULL, a->r_c0, a->r_cs, a->r_esize);
+        row_dots(a->q8_rope + pair * group * dr, group, dr, sc->kbuf, dr, sc->iota, w, sc->rope_s, DECODE_BLOCK,
+                 packed);
+    }
+    for (int64_t g = 0; g < group; g++)
+        for (int64_t j = 0; j < w; j++) {
+            const float r = rrows ? sc->rope_s[g * DECODE_BLOCK + j] : 0.0f;
+            s[g * DECODE_BLOCK + j] = ((float)sc->idots[g * DECODE_BLOCK + j] + r) * f[g];
+        }
+}
+
 /* Tile [j0, j0 + w) of kv head h of batch entry b (pair = b * heads_kv + h), its query rows qp [G, D]: the online
  * softmax step into acc [G, Dv], m [G], l [G] (`first`: the range's first tile, which sets them). The rows of the
  * tile to come (wn of them from jn, kv head hn; and, w2 > 0, the w2 rows of kv head h2 at this tile's positions)
@@ -627,9 +667,10 @@ static void decode_tile(const struct decode_args *a, int64_t b, int64_t h, int64
      * thread); the last w % 8 keys through key pairs below.
      * With bf16 query rows (q16), every key of the tile by dot_scores, fetching the same way, 8 keys at a time (16
      * for a single head: dot_step's block for it; fetches of 16 rows at a time measured slower). */
-    const int dots = a->q16 != NULL;
+    const int dots = a->q16 != NULL, q8 = a->q8 != NULL;
     const int64_t step = dots && group == 1 ? DOT_STEP : 8;
     const int64_t fused = dots ? w
+                          : q8 ? 0
                           : sc->kpairs && (a->dtype == 1 || a->dtype == 2) && a->k_c0 <= 0 && !rp && a->dim % 8 == 0
                               ? w / 8 * 8 : 0;
     if (dots)
@@ -658,7 +699,9 @@ static void decode_tile(const struct decode_args *a, int64_t b, int64_t h, int64
     }
     if (dots)
         dot_flush_end(csr);
-    if (sc->kpairs) {
+    if (q8) {
+        int8_query_scores(a, b * a->heads_kv + h, rows, rp ? rrows : NULL, w, next_k, wn, packed, sc, s);
+    } else if (sc->kpairs) {
         for (int64_t j = fused; j < w; j += 2) {
             if (j < wn)
                 prefetch_rows(next_k + j, wn - j < 2 ? wn - j : 2, kbytes, a->esize, a->k_c0, a->k_cs);
@@ -681,7 +724,7 @@ static void decode_tile(const struct decode_args *a, int64_t b, int64_t h, int64
     }
     if (sc->kpairs)
         pair_dots16(qp, group, a->dim, sc->kpairs, w - fused, s + fused, DECODE_BLOCK);
-    else if (!dots)
+    else if (!dots && !q8)
         row_dots(qp, group, a->dim, sc->kbuf, a->dim, sc->iota, w, s, DECODE_BLOCK, packed);
     TILE_SOFTMAX(s, w, first, m, l, sc->corr);
     if (half_v) {
@@ -751,7 +794,7 @@ static int heads_adjacent(const struct decode_args *a) { return !(a->k_ss < a->k
  * tiles. */
 static int heads_items_fit(const struct decode_args *a) {
     return heads_adjacent(a) && (a->q16 || (use_avx512 && a->group % 8 != 0)) && use_avx512bw &&
-           (a->dtype == 1 || a->dtype == 2) && a->k_c0 <= 0 && a->v_c0 <= 0 && !a->r && a->dim % 8 == 0;
+           (a->dtype == 1 || a->dtype == 2) && a->k_c0 <= 0 && a->v_c0 <= 0 && !a->r && !a->q8 && a->dim % 8 == 0;
 }
 
 /* The addresses of every kv head's slice of rows[0..n) (each row's kv head 0), position by position: out[p * heads +
@@ -873,9 +916,13 @@ __attribute__((noinline)) static void decode_heads_item(const struct decode_args
 static void decode_item_run(const struct decode_args *a, const struct decode_item *it, const float *q,
                             float *part_acc, float *part_m, float *part_l, struct decode_scratch *sc) {
     const int64_t group = a->group, per_chunk = group * a->dim_v, heads_kv = a->heads_kv;
-    const int64_t packed_size = sc->packed ? packed_floats16(group, a->dim) : 0;
+    /* The query rows row_dots scores, packed once per item: with q8, its rope rows. */
+    const int64_t packed_dim = a->q8 ? a->dim_r : a->dim;
+    const float *packed_rows = a->q8 ? a->q8_rope : q;
+    const int64_t packed_size = sc->packed ? packed_floats16(group, packed_dim) : 0;
     for (int64_t h = 0; h < heads_kv && sc->packed; h++)
-        pack_heads16(q + (it->batch * heads_kv + h) * group * a->dim, group / 8, a->dim, sc->packed + h * packed_size);
+        pack_heads16(packed_rows + (it->batch * heads_kv + h) * group * packed_dim, group / 8, packed_dim,
+                     sc->packed + h * packed_size);
     /* Tile by tile, each for every kv head in turn, where a position's heads are adjacent (BSH, paged BSH): each
      * tile then reads whole runs of memory rather than one head's slice of every row (2x slower than BNSD when it
      * did). Head by head where a head's rows are adjacent (BNSD): its next tile, which decode_tile fetches, comes
@@ -916,8 +963,8 @@ static void decode_item_run(const struct decode_args *a, const struct decode_ite
         if (heads_outer || h == 0)
             touch_tile_pages(a, it, h, j0 + DECODE_PAGE_AHEAD * DECODE_BLOCK);
         decode_tile(a, it->batch, h, j0, w, hn, jn, wn, h2, h2 != h ? w : 0, j0 == it->j0,
-                    a->q16 ? NULL : q + pair * group * a->dim, sc->packed ? sc->packed + h * packed_size : NULL, acc,
-                    m, l, sc);
+                    a->q16 || a->q8 ? NULL : q + pair * group * a->dim,
+                    sc->packed ? sc->packed + h * packed_size : NULL, acc, m, l, sc);
     }
 }
 
@@ -1004,11 +1051,12 @@ void fia_decode_rows(const float *q, int64_t pairs, int64_t heads_kv, int64_t gr
                      float *row_sum, const int32_t *table, int64_t table_stride, int64_t page,
                      const float *k_scale, const float *v_scale, int64_t k_c0, int64_t k_cs, int64_t v_c0,
                      int64_t v_cs, const void *r, int64_t r_dtype, int64_t dim_r, int64_t r_sb, int64_t r_sh, int64_t r_ss,
-                     int64_t r_c0, int64_t r_cs, float log2e, float floor2, const uint16_t *q16, float scale) {
+                     int64_t r_c0, int64_t r_cs, float log2e, float floor2, const uint16_t *q16, float scale,
+                     const int8_t *q8, const float *q8_rope, const float *q8_factor, const int32_t *q8_bias) {
     const struct decode_args a = {k, v, dtype, dtype == 0 ? 4 : dtype <= 2 ? 2 : 1, heads_kv, group, dim, dim_v,
                                   k_sb, k_sh, k_ss, v_sb, v_sh, v_ss, table, table_stride, page, k_scale, v_scale,
                                   k_c0, k_cs, v_c0, v_cs, r, r_dtype, r_dtype == 0 ? 4 : 2, r ? dim_r : 0, r_sb, r_sh, r_ss, r_c0, r_cs, log2e,
-                                  floor2, out, row_max, row_sum, q16, scale};
+                                  floor2, out, row_max, row_sum, q16, scale, q8, q8_rope, q8_factor, q8_bias};
     const int64_t per_slot = group * dim_v, batch = heads_kv > 0 ? pairs / heads_kv : 0;
     /* Batch entries go in waves whose split chunks' partial sums fit DECODE_PARTIAL_FLOATS (a wave holds one entry
      * at least): the waves change no result, only the scratch a call needs. */
@@ -1050,10 +1098,15 @@ void fia_decode_rows(const float *q, int64_t pairs, int64_t heads_kv, int64_t gr
                 dot_scratch_alloc(&sc.dots, group, dim);
             /* Scores: of bf16 query rows, dot_scores; else with AVX-512, from key pairs where G is not a multiple of 8
              * (pair_dots16), else by row_dots16 from the queries packed once per item; row_dots otherwise. */
-            sc.kpairs = use_avx512 && group % 8 != 0 && !q16
+            sc.kpairs = use_avx512 && group % 8 != 0 && !q16 && !q8
                             ? aligned_alloc(64, sizeof(float) * DECODE_BLOCK / 2 * pair_floats(dim)) : NULL;
-            sc.packed = use_avx512 && !sc.kpairs && !q16
-                            ? aligned_alloc(64, sizeof(float) * heads_kv * packed_floats16(group, dim)) : NULL;
+            /* With q8: its rope rows packed (int8_query_scores). */
+            const int64_t packed_dim = q8 ? a.dim_r : dim;
+            sc.packed = use_avx512 && !sc.kpairs && !q16 && packed_dim > 0
+                            ? aligned_alloc(64, sizeof(float) * heads_kv * packed_floats16(group, packed_dim)) : NULL;
+            sc.idots = q8 ? malloc(sizeof(int32_t) * group * DECODE_BLOCK) : NULL;
+            sc.rope_s = q8 ? malloc(sizeof(float) * group * DECODE_BLOCK) : NULL;
+            sc.keys8 = q8 ? malloc((size_t)DECODE_BLOCK * (dim - a.dim_r)) : NULL;
 #pragma omp for schedule(dynamic, 1)
             for (int64_t i = 0; i < n_items; i++)
                 decode_item_run(&a, work + i, q, part_acc, part_m, part_l, &sc);
@@ -1063,6 +1116,9 @@ void fia_decode_rows(const float *q, int64_t pairs, int64_t heads_kv, int64_t gr
                     decode_combine(&a, work + i, part_acc, part_m, part_l);
             if (q16)
                 dot_scratch_free(&sc.dots);
+            free(sc.keys8);
+            free(sc.rope_s);
+            free(sc.idots);
             free(sc.packed);
             free(sc.kpairs);
             free(sc.corr);
