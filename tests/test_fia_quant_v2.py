@@ -62,6 +62,10 @@ def _int8_mla(layout: str, seed: int):
     scale_shape = (*query.shape[:-1], HEADS) if layout.startswith("BSH") else query.shape[:-1]
     scale_q = torch.rand(scale_shape, generator=g) * 0.01 + 0.001
     scale_kv = torch.tensor([0.02])
+    # MlaProlog hands the rope over divided by the scales it is multiplied with here, so that its product weighs in
+    # the scores like the int8 one: N(0, 4000^2) gives it ~1/4 of their spread and stays finite in fp16 (N(0, 1), it
+    # would be ~1e-4 of it and no test could see the rope).
+    query_rope = (query_rope.float() * 4000).to(torch.bfloat16)
     return latent, rope, nd, table, query, query_rope, scale_q, scale_kv
 
 
