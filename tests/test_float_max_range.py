@@ -162,7 +162,10 @@ def test_decode_rescaling_ignores_rows_it_does_not_read(paged: bool) -> None:
         for b, n in enumerate(lengths):
             key[b, :, n:] = float("nan")
             value[b, :, n:] = float("nan")
-    out = _call("native", "fused_infer_attention_score", q, key, value, **kw)[0]
+    if native.library() is not None:
+        out = _call("native", "fused_infer_attention_score", q, key, value, **kw)[0]
+    else:  # the PyTorch path gathers the pages and dispatches once per group of sequences: only the outputs count
+        out = cann_attn.fused_infer_attention_score(q, key, value, backend="reference", **kw)[0]
     for b, n in enumerate(lengths):
         assert_matches_golden(out[b : b + 1], golden(q[b : b + 1], k[b : b + 1, :, :n], v[b : b + 1, :, :n]),
                               v[b : b + 1, :, :n])

@@ -20,6 +20,8 @@ from cann_attn.backends.reference.softmax_exp import EXP2_FLOOR, LOG2E, exp2_flu
 from patience import HANG_SECONDS
 
 pytestmark = pytest.mark.skipif(native.library() is None, reason="native loops unavailable (no compiler or no AVX2)")
+# Decorators are evaluated at collection, also where the module is skipped: no library, no sgemm_pack.
+_HAS_SGEMM_PACK = native.library() is not None and bool(native.library().cann_attn_has_sgemm_pack())
 
 
 def _entries(gen: torch.Generator, rows: int, width: int, n_keys: int, invalid: float):
@@ -737,7 +739,7 @@ def test_fused_loops_with_per_entry_bias_continuation_and_feature_columns(scores
     torch.testing.assert_close(dv_.double(), torch.einsum("erj,erd->ejd", prob, dy.double()), rtol=1e-4, atol=1e-5)
 
 
-@pytest.mark.skipif(not native.library().cann_attn_has_sgemm_pack(), reason="the BLAS has no sgemm_pack")
+@pytest.mark.skipif(not _HAS_SGEMM_PACK, reason="the BLAS has no sgemm_pack")
 def test_fused_backward_from_packed_pieces_is_bitwise_sgemm():
     """The fused backward's S and dP from key / value pieces packed once for their row blocks (MKL's sgemm_pack and
     sgemm_compute: whole 128-row blocks of pieces at least 256 keys wide) are the floats of plain sgemm calls."""
@@ -763,7 +765,7 @@ def test_fused_backward_from_packed_pieces_is_bitwise_sgemm():
         assert torch.equal(a, b)
 
 
-@pytest.mark.skipif(not native.library().cann_attn_has_sgemm_pack(), reason="the BLAS has no sgemm_pack")
+@pytest.mark.skipif(not _HAS_SGEMM_PACK, reason="the BLAS has no sgemm_pack")
 @pytest.mark.parametrize("dtype, heads_kv, alibi", [(torch.float32, 2, False), (torch.float16, 1, False),
                                                     (torch.float32, 2, True)])
 def test_fused_forward_from_packed_pieces_is_bitwise_sgemm(dtype, heads_kv, alibi):
