@@ -21,6 +21,15 @@ int cann_attn_set_int8_dot(int on) {
     return use_int8_vnni;
 }
 
+/* The query rows of the block of 4 heads from h0 into r (past the last head, its first row again, whose sums are not
+ * stored); returns how many of the 4 are heads. */
+static inline int64_t head_block(const int8_t *q, int64_t heads, int64_t dk, int64_t h0, const int8_t *r[4]) {
+    const int64_t nh = heads - h0 < 4 ? heads - h0 : 4;
+    for (int64_t h = 0; h < 4; h++)
+        r[h] = q + (h0 + (h < nh ? h : 0)) * dk;
+    return nh;
+}
+
 /* Sums of the 16 vectors c[4 h + k] into lane 4 h + k of one vector (integer sums: any order is the same). */
 __attribute__((target("avx512f,avx512bw"))) static inline __m512i sum_lanes16(const __m512i *c) {
     __m512i pair[8], quad[4];
@@ -51,10 +60,8 @@ __attribute__((target("avx512f,avx512bw,avx512vnni"))) static void int8_dots_vnn
         for (int64_t j = 0; j < 4; j++)
             k[j] = keys[j0 + (j < nj ? j : 0)];
         for (int64_t h0 = 0; h0 < heads; h0 += 4) {
-            const int64_t nh = heads - h0 < 4 ? heads - h0 : 4;
             const int8_t *r[4];
-            for (int64_t h = 0; h < 4; h++)
-                r[h] = q + (h0 + (h < nh ? h : 0)) * dk;
+            const int64_t nh = head_block(q, heads, dk, h0, r);
             __m512i c[16];
             for (int i = 0; i < 16; i++)
                 c[i] = _mm512_setzero_si512();
@@ -93,10 +100,8 @@ __attribute__((target("avx2"))) static void int8_dots_loop(const int8_t *q, int6
         const int64_t nj = nk - j0 < 2 ? nk - j0 : 2;
         const int8_t *k0 = keys[j0], *k1 = keys[j0 + (nj > 1 ? 1 : 0)];
         for (int64_t h0 = 0; h0 < heads; h0 += 4) {
-            const int64_t nh = heads - h0 < 4 ? heads - h0 : 4;
             const int8_t *r[4];
-            for (int64_t h = 0; h < 4; h++)
-                r[h] = q + (h0 + (h < nh ? h : 0)) * dk;
+            const int64_t nh = head_block(q, heads, dk, h0, r);
             __m256i c[8];
             for (int i = 0; i < 8; i++)
                 c[i] = _mm256_setzero_si256();
