@@ -287,7 +287,7 @@ static struct ordered_shape ordered_check_shape(int64_t op, int row_class, int c
  * class), each on four sets of operands (two of values of many magnitudes, two of special values; a set is made once
  * for the largest shape, the others read its first elements). */
 static int ordered_check_class(int64_t op, int regime, int row_class, int col_class) {
-    int64_t k_max = 0, na = 0, nb = 0, nc = 0;
+    int64_t na = 0, nb = 0, nc = 0;
     for (int s = 0; s < 3; ++s)
         for (const int64_t *k = s < 2 ? ordered_check_k[regime] : ordered_large_k[regime]; *k; ++k) {
             int64_t sa, sb, sc;
@@ -355,6 +355,16 @@ static void count_ordered(void) {
     ordered_gemms += 1;
 }
 
+/* The ordered loop on shape sh (its kc found here) where it gives the BLAS's floats for the shape, counted; 0 where
+ * the shape is not served or there was no room for B's panels (the caller then takes the BLAS). */
+static int ordered_try(struct ordered_shape sh, const float *a, const float *b, float *c) {
+    sh.kc = ordered_kc(sh);
+    if (!sh.kc || !ordered_call(&sh, a, b, c))
+        return 0;
+    count_ordered();
+    return 1;
+}
+
 static void blas_call(const struct ordered_shape *sh, const float *a, const float *b, float *c) {
     const int m = (int)sh->m, n = (int)sh->n, k = (int)sh->k, lda = (int)sh->lda, ldb = (int)sh->ldb;
     if (sh->op == ORDERED_NT)
@@ -369,37 +379,18 @@ static void blas_call(const struct ordered_shape *sh, const float *a, const floa
  * else the BLAS. */
 static void gemm_nt(int m, int n, int kk, const float *a, int lda, const float *b, int ldb, float beta, float *c,
                     int ldc) {
-    const struct ordered_shape sh = {ORDERED_NT, m, n, kk, lda, ldb, ldc, 0};
-    const int64_t kc = beta == 0.0f ? ordered_kc(sh) : 0;
-    float *packed = kc ? aligned_alloc(64, sizeof(float) * ordered_panel_floats(n, kk)) : NULL;
-    if (!packed) { /* not served, or no room for the panels */
+    if (beta != 0.0f || !ordered_try((struct ordered_shape){ORDERED_NT, m, n, kk, lda, ldb, ldc, 0}, a, b, c))
         blas_nt(m, n, kk, a, lda, b, ldb, beta, c, ldc);
-        return;
-    }
-    count_ordered();
-    ordered_pack_t(n, kk, b, ldb, packed);
-    ordered_nt(m, n, kk, a, lda, packed, c, ldc, kc);
-    free(packed);
 }
 
 static void gemm_nn(int m, int n, int kk, const float *a, int lda, const float *b, int ldb, float beta, float *c,
                     int ldc) {
-    const struct ordered_shape sh = {ORDERED_NN, m, n, kk, lda, ldb, ldc, 0};
-    const int64_t kc = beta == 1.0f ? ordered_kc(sh) : 0;
-    if (kc) {
-        count_ordered();
-        ordered_acc(m, n, kk, a, lda, 1, b, ldb, c, ldc, kc);
-    } else
+    if (beta != 1.0f || !ordered_try((struct ordered_shape){ORDERED_NN, m, n, kk, lda, ldb, ldc, 0}, a, b, c))
         blas_nn(m, n, kk, a, lda, b, ldb, beta, c, ldc);
 }
 
 static void gemm_tn_acc(int m, int n, int kk, const float *a, int lda, const float *b, int ldb, float *c, int ldc) {
-    const struct ordered_shape sh = {ORDERED_TN, m, n, kk, lda, ldb, ldc, 0};
-    const int64_t kc = ordered_kc(sh);
-    if (kc) {
-        count_ordered();
-        ordered_acc(m, n, kk, a, 1, lda, b, ldb, c, ldc, kc);
-    } else
+    if (!ordered_try((struct ordered_shape){ORDERED_TN, m, n, kk, lda, ldb, ldc, 0}, a, b, c))
         blas_tn_acc(m, n, kk, a, lda, b, ldb, c, ldc);
 }
 

@@ -650,8 +650,7 @@ static void int8_query_scores(const struct decode_args *a, int64_t pair, const c
                               int64_t w, const char **next_k, int64_t wn, const float *packed,
                               struct decode_scratch *sc, float *s) {
     const int64_t group = a->group, dk = a->dim - a->dim_r, dr = a->dim_r;
-    for (int64_t j = 0; j < wn; j++)
-        prefetch_rows(next_k + j, 1, dk, 1, a->k_c0, a->k_cs);
+    prefetch_rows(next_k, wn, dk, 1, a->k_c0, a->k_cs);
     int8_dots(a->q8 + pair * group * dk, group, dk, (const int8_t *const *)rows, w, a->k_c0, a->k_cs,
               a->q8_bias + pair * group, sc->keys8, sc->idots, DECODE_BLOCK);
     const float *f = a->q8_factor + pair * group;
@@ -667,6 +666,11 @@ static void int8_query_scores(const struct decode_args *a, int64_t pair, const c
             s[g * DECODE_BLOCK + j] = ((float)sc->idots[g * DECODE_BLOCK + j] + r) * f[g];
         }
 }
+
+/* Whether rows of a cache of dtype `dtype` and NZ chunk width c0 are bf16 / fp16 read in place in whole vectors (no
+ * NZ chunks): the condition of decode_tile's fused key-pair scores (keys) and its in-register P V (values), which
+ * heads_items_fit takes too, as its items call the same functions. */
+static int halves_in_place(int64_t dtype, int64_t c0) { return (dtype == 1 || dtype == 2) && c0 <= 0; }
 
 /* Tile [j0, j0 + w) of kv head h of batch entry b (pair = b * heads_kv + h), its query rows qp [G, D]: the online
  * softmax step into acc [G, Dv], m [G], l [G] (`first`: the range's first tile, which sets them). The rows of the
@@ -687,7 +691,7 @@ static void decode_tile(const struct decode_args *a, int64_t b, int64_t h, int64
     const float *vs = a->v_scale ? a->v_scale + h * a->dim_v : NULL;
     const int64_t dk = a->dim - a->dim_r;
     const int64_t kbytes = a->dtype >= 6 ? dk / 2 : dk, vbytes = a->dtype >= 6 ? a->dim_v / 2 : a->dim_v;
-    const int half_v = use_avx512bw && (a->dtype == 1 || a->dtype == 2) && a->v_c0 <= 0;
+    const int half_v = use_avx512bw && halves_in_place(a->dtype, a->v_c0);
     const char *rows[DECODE_BLOCK], *next_k[DECODE_BLOCK], *next_v[DECODE_BLOCK], *rrows[DECODE_BLOCK];
     const char *also_k[DECODE_BLOCK], *also_v[DECODE_BLOCK];
     if (rp) {
@@ -715,7 +719,7 @@ static void decode_tile(const struct decode_args *a, int64_t b, int64_t h, int64
     const int64_t step = dots && group == 1 ? DOT_STEP : 8;
     const int64_t fused = dots ? w
                           : q8 ? 0
-                          : sc->kpairs && (a->dtype == 1 || a->dtype == 2) && a->k_c0 <= 0 && !rp && a->dim % 8 == 0
+                          : sc->kpairs && halves_in_place(a->dtype, a->k_c0) && !rp && a->dim % 8 == 0
                               ? w / 8 * 8 : 0;
     if (dots)
         dot_query(a->q16 + (b * a->heads_kv + h) * group * a->dim, group, a->dim, &sc->dots);
@@ -838,7 +842,8 @@ static int heads_adjacent(const struct decode_args *a) { return !(a->k_ss < a->k
  * tiles. */
 static int heads_items_fit(const struct decode_args *a) {
     return heads_adjacent(a) && (a->q16 || (use_avx512 && a->group % 8 != 0)) && use_avx512bw &&
-           (a->dtype == 1 || a->dtype == 2) && a->k_c0 <= 0 && a->v_c0 <= 0 && !a->r && !a->q8 && a->dim % 8 == 0;
+           halves_in_place(a->dtype, a->k_c0) && halves_in_place(a->dtype, a->v_c0) && !a->r && !a->q8 &&
+           a->dim % 8 == 0;
 }
 
 /* The addresses of every kv head's slice of rows[0..n) (each row's kv head 0), position by position: out[p * heads +
@@ -974,7 +979,7 @@ static void decode_item_run(const struct decode_args *a, const struct decode_ite
      * thread). The order of each head's sums is the same either way (and in decode_heads_item, which takes the
      * items instead where heads_items_fit: each tile's kv heads at once). */
     const int64_t tiles = (it->j1 - it->j0 + DECODE_BLOCK - 1) / DECODE_BLOCK;
-    const int heads_outer = a->k_ss < a->k_sh && a->v_ss < a->v_sh;
+    const int heads_outer = !heads_adjacent(a);
     for (int64_t x = 0; x < tiles * heads_kv; x++) {
         const int64_t h = heads_outer ? x / tiles : x % heads_kv;
         const int64_t j0 = it->j0 + (heads_outer ? x % tiles : x / heads_kv) * DECODE_BLOCK;
