@@ -45,6 +45,11 @@ class SequenceMask:
     explicit: torch.Tensor | None = None
 
     @property
+    def hides_keys(self) -> bool:
+        """Whether the mask (a tensor, a band or a prefix) can hide some keys at all."""
+        return self.explicit is not None or self.lower is not None or self.upper is not None or self.prefix is not None
+
+    @property
     def structure(self) -> tuple:
         """What decides tile skipping; sequences with equal structure can be batched together."""
         return (self.seq_q, self.seq_kv, self.lower, self.upper, self.prefix)

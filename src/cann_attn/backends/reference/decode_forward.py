@@ -30,10 +30,7 @@ def usable(problem: AttentionProblem, query: torch.Tensor, key: torch.Tensor, va
     if problem.tnd or problem.sink is not None or query.device.type != "cpu" or query.dtype not in native.DECODE_DTYPES:
         return False
     for run in problem.runs:
-        mask = run.mask
-        if run.seq_q > 1 or run.pse is not None or run.dropout is not None:
-            return False
-        if mask.explicit is not None or mask.lower is not None or mask.upper is not None or mask.prefix is not None:
+        if run.seq_q > 1 or run.pse is not None or run.dropout is not None or run.mask.hides_keys:
             return False
     return native.decode_usable(key, value, query.dtype if dequant else None, key_rope)
 
@@ -78,35 +75,36 @@ def forward(problem: AttentionProblem, query, key, value, out, softmax_max=None,
     if seen.numel() == 0:
         return
     denom = row_sum.unsqueeze(-1)
-    if has_non_finite(acc) and int8_query is not None:
-        # The int8 query's scores again (the same integers), the value scales times the column powers of two.
-        values = dequantize_values(_channels_last(value), kv_scales[1].view(1, -1, 1, kv_scales[1].shape[-1]),
-                                   query.dtype)
-        scales = value_column_scales(_rows_read(values, block_table, lengths).abs().amax(dim=(0, 1)),
-                                     int(lengths.max()))
-        if scales is not None:
-            native.decode_rows(rows.view(pairs, group, -1), key, value, lengths, acc, row_max, row_sum, block_table,
-                               (kv_scales[0], kv_scales[1] * scales, query.dtype), packed_int4, key_rope, scale,
-                               int8_query.loop_rows(pairs, group))
-            denom = denom * scales
-    elif has_non_finite(acc):
-        # P V overflowed on values near FLT_MAX: again with V scaled by exact powers of two per column (`stats`),
-        # as fp32 copies of the caches (the loop reads key and value in one dtype).
-        if packed_int4:
-            key, value = (antiquants.unpack_int4(x.view(torch.int32)) for x in (key, value))
-        if kv_scales is not None:  # the values the loop read (NZ caches as [block_num, N2, block_size, D])
-            key, value = (dequantize_values(_channels_last(x), s.view(1, s.shape[0], 1, -1), query.dtype)
-                          for x, s in zip((key, value), kv_scales, strict=True))
-        if key_rope is not None:  # the keys the loop read: latent ++ rope columns
-            key, value = torch.cat([_channels_last(key), _channels_last(key_rope)], dim=-1), _channels_last(value)
-        scales = value_column_scales(_rows_read(value, block_table, lengths).abs().amax(dim=(0, 1)),
-                                     int(lengths.max()))
-        if scales is not None:
-            # fp32 copies: the scores from the fp32 query, scaled first, whatever the dtype.
-            q = _scaled_query(query, problem.scale) if bf16_dots else rows
-            native.decode_rows(q.view(pairs, group, -1), key.float(), value.float() * scales, lengths, acc, row_max,
-                               row_sum, block_table)
-            denom = denom * scales
+    if has_non_finite(acc):
+        if int8_query is not None:
+            # The int8 query's scores again (the same integers), the value scales times the column powers of two.
+            values = dequantize_values(_channels_last(value), kv_scales[1].view(1, -1, 1, kv_scales[1].shape[-1]),
+                                       query.dtype)
+            scales = value_column_scales(_rows_read(values, block_table, lengths).abs().amax(dim=(0, 1)),
+                                         int(lengths.max()))
+            if scales is not None:
+                native.decode_rows(rows.view(pairs, group, -1), key, value, lengths, acc, row_max, row_sum, block_table,
+                                   (kv_scales[0], kv_scales[1] * scales, query.dtype), packed_int4, key_rope, scale,
+                                   int8_query.loop_rows(pairs, group))
+                denom = denom * scales
+        else:
+            # P V overflowed on values near FLT_MAX: again with V scaled by exact powers of two per column (`stats`),
+            # as fp32 copies of the caches (the loop reads key and value in one dtype).
+            if packed_int4:
+                key, value = (antiquants.unpack_int4(x.view(torch.int32)) for x in (key, value))
+            if kv_scales is not None:  # the values the loop read (NZ caches as [block_num, N2, block_size, D])
+                key, value = (dequantize_values(_channels_last(x), s.view(1, s.shape[0], 1, -1), query.dtype)
+                              for x, s in zip((key, value), kv_scales, strict=True))
+            if key_rope is not None:  # the keys the loop read: latent ++ rope columns
+                key, value = torch.cat([_channels_last(key), _channels_last(key_rope)], dim=-1), _channels_last(value)
+            scales = value_column_scales(_rows_read(value, block_table, lengths).abs().amax(dim=(0, 1)),
+                                         int(lengths.max()))
+            if scales is not None:
+                # fp32 copies: the scores from the fp32 query, scaled first, whatever the dtype.
+                q = _scaled_query(query, problem.scale) if bf16_dots else rows
+                native.decode_rows(q.view(pairs, group, -1), key.float(), value.float() * scales, lengths, acc, row_max,
+                                   row_sum, block_table)
+                denom = denom * scales
     normalised = (acc / denom).view(batch, heads, -1)
     out[seen, :, 0] = normalised[seen].to(out.dtype)
     if softmax_max is not None:

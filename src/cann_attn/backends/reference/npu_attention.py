@@ -94,17 +94,11 @@ def forward(problem: AttentionProblem, pipeline: AttentionPipeline, query, key, 
 
 def key_shape(problem: AttentionProblem, page_size: int = 0) -> KeyShape:
     """What the kernels' tiling reads of `problem` and of its cache's `page_size` (`problem.precision.key_block`)."""
-    masked = any(_masked(run) for run in problem.runs)
+    masked = any(run.mask.hides_keys for run in problem.runs)
     return KeyShape(seq_q=max((run.seq_q for run in problem.runs), default=0),
                     seq_kv=max((run.seq_kv for run in problem.runs), default=0), dim=problem.dim_qk,
                     has_mask=masked, layout=problem.layout, group=problem.heads_q // problem.heads_kv,
                     page_size=page_size)
-
-
-def _masked(run: Run) -> bool:
-    """Whether a mask (a tensor, a band or a prefix) hides some keys of `run`."""
-    mask = run.mask
-    return mask.explicit is not None or mask.lower is not None or mask.upper is not None or mask.prefix is not None
 
 
 def _scale(pipeline: AttentionPipeline, scale: float) -> torch.Tensor:
@@ -179,7 +173,7 @@ def _forward_run(problem: AttentionProblem, pipeline: AttentionPipeline, block: 
     fused_running = fused and _fused_fp16_running(pipeline)
     scratch = _Scratch()
     sink_heads = None if problem.sink is None else sinks.head_values(problem.sink, torch.float32, query.device)
-    tile_rows = FUSED_BLOCK_Q if fused and not _masked(run) else BLOCK_Q
+    tile_rows = FUSED_BLOCK_Q if fused and not run.mask.hides_keys else BLOCK_Q
     for i0 in range(0, run.seq_q, tile_rows):
         i1 = min(i0 + tile_rows, run.seq_q)
         rows = i1 - i0
